@@ -1,0 +1,190 @@
+"""Bookkeeping shared by the MT-DAO optimizers: validation, lazy state, bucketing, dispatch.
+
+The math lives in :mod:`mtdao.optim.functional`; a subclass names its kernels and whether it keeps a
+second moment. State keys per parameter are a contract with the sync engine: ``step``,
+``exp_avg_0`` .. ``exp_avg_{N-1}`` and (Adam, ADOPT) ``exp_avg_sq``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+# Parameters stored in these dtypes get float32 optimizer state and are updated through a float32
+# copy: a bf16 EMA with beta = 0.999 cannot represent (1 - beta) * g against u and would stall.
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def momentum_key(index: int) -> str:
+    """State key of the ``index``-th first momentum."""
+    return f"exp_avg_{index}"
+
+
+def check_decay(name: str, value: Any) -> float:
+    value = float(value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"Invalid {name}: {value} (a decay must lie in [0, 1))")
+    return value
+
+
+def check_non_negative(name: str, value: Any) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Invalid {name}: a tensor {name} must hold one value")
+        value = value.item()
+    value = float(value)
+    if not value >= 0.0 or math.isinf(value):
+        raise ValueError(f"Invalid {name}: {value} (must be a finite number >= 0)")
+    return value
+
+
+def check_momenta(betas: Any, omegas: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Validate the N momentum decays and their N mixing weights."""
+    if isinstance(betas, (int, float)) or isinstance(omegas, (int, float)):
+        raise ValueError(
+            f"Invalid betas/omegas: {betas!r}/{omegas!r} (pass sequences, e.g. betas=(0.999,))"
+        )
+    betas = tuple(check_decay(f"beta at index {i} of betas", b) for i, b in enumerate(betas))
+    omegas = tuple(float(w) for w in omegas)
+    if len(betas) == 0:
+        raise ValueError("Invalid betas: () (at least one momentum is needed, N >= 1)")
+    if len(omegas) != len(betas):
+        raise ValueError(
+            f"Invalid omegas: {omegas} has {len(omegas)} weights but betas {betas} has "
+            f"{len(betas)} momenta (one mixing weight per momentum)"
+        )
+    for i, omega in enumerate(omegas):
+        if not omega >= 0.0 or math.isinf(omega):
+            raise ValueError(f"Invalid omega at index {i}: {omega} (must be >= 0)")
+    if math.fsum(omegas) > 1.0 + 1e-9:
+        raise ValueError(
+            f"Invalid omegas: {omegas} sum to {math.fsum(omegas)} > 1 "
+            "(the raw gradient gets 1 - sum(omegas), which must not be negative)"
+        )
+    return betas, omegas
+
+
+class MultiTimescaleOptimizer(Optimizer):
+    """Base class: a subclass sets ``_has_second_moment`` and implements ``_update``."""
+
+    _has_second_moment = True
+
+    def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        try:
+            self._validate_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()  # a rejected group must not stay in the optimizer
+            raise
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Check (and normalize in place) one group's hyperparameters."""
+        group["lr"] = check_non_negative("learning rate (lr)", group["lr"])
+        group["weight_decay"] = check_non_negative("weight_decay", group["weight_decay"])
+        group["betas"], group["omegas"] = check_momenta(group["betas"], group["omegas"])
+        if "eps" in group:
+            group["eps"] = check_non_negative("eps", group["eps"])
+        if "beta2" in group:
+            group["beta2"] = check_decay("beta2", group["beta2"])
+        for p in group["params"]:
+            if p.is_complex():
+                raise ValueError(f"{type(self).__name__} does not support complex parameters")
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _init_state(self, p: Tensor, num_momenta: int) -> dict[str, Any]:
+        state = self.state[p]
+        if len(state) == 0:
+            state_dtype = torch.float32 if p.dtype in LOW_PRECISION_DTYPES else p.dtype
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for j in range(num_momenta):
+                state[momentum_key(j)] = torch.zeros_like(
+                    p, dtype=state_dtype, memory_format=torch.preserve_format
+                )
+            if self._has_second_moment:
+                state["exp_avg_sq"] = torch.zeros_like(
+                    p, dtype=state_dtype, memory_format=torch.preserve_format
+                )
+        elif momentum_key(num_momenta - 1) not in state or momentum_key(num_momenta) in state:
+            raise ValueError(
+                f"{type(self).__name__}: the number of betas of a param group changed from what "
+                f"its state holds (state keys {sorted(state)})"
+            )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts loaded floating state to the parameter dtype (it calls
+        # Optimizer._process_value_according_to_param_policy by name, so a subclass override is
+        # never seen); put back the saved tensors so float32 state of bf16/fp16 parameters stays
+        # float32, bit for bit. Only the device follows the parameter.
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if key != "step" and isinstance(value, Tensor):
+                    self.state[p][key] = value.to(device=p.device)
+
+    # -- step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        num_momenta = len(group["betas"])
+        # Bucket by (device, dtype, step) so foreach kernels see uniform tensors and one scalar
+        # bias correction; parameters normally share one step, so there is normally one bucket.
+        buckets: dict[tuple, list[Tensor]] = defaultdict(list)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            state = self._init_state(p, num_momenta)
+            state["step"] += 1
+            buckets[(p.device, p.dtype, int(state["step"].item()))].append(p)
+        foreach = group.get("foreach")
+        foreach = True if foreach is None else foreach
+        for (_, dtype, step), params in buckets.items():
+            states = [self.state[p] for p in params]
+            grads = [p.grad for p in params]
+            exp_avgs = [[s[momentum_key(j)] for s in states] for j in range(num_momenta)]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in states] if self._has_second_moment else []
+            if dtype in LOW_PRECISION_DTYPES:
+                params32 = [p.float() for p in params]
+                grads32 = [g.float() for g in grads]
+                self._update(params32, grads32, exp_avgs, exp_avg_sqs, step, group, foreach)
+                torch._foreach_copy_(params, params32)
+            else:
+                self._update(params, grads, exp_avgs, exp_avg_sqs, step, group, foreach)
+
+    def _update(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        exp_avgs: list[list[Tensor]],
+        exp_avg_sqs: list[Tensor],
+        step: int,
+        group: dict[str, Any],
+        foreach: bool,
+    ) -> None:
+        raise NotImplementedError

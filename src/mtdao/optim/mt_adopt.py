@@ -1,0 +1,71 @@
+"""MT-DAO-ADOPT: ADOPT (normalize by the previous second moment) with N first momenta."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from mtdao.optim.base import MultiTimescaleOptimizer
+from mtdao.optim.functional import mt_adopt_multi_tensor, mt_adopt_single_tensor
+
+
+class MTAdopt(MultiTimescaleOptimizer):
+    """Multi-timescale ADOPT (SPEC §2), the paper's main base optimizer.
+
+    The gradient is normalized by the second moment of the *previous* steps, clipped to
+    ``±step**0.25`` when ``clip``, then fed to N momenta; the normalized gradient gets
+    ``1 - sum(omegas)``. The first call only initializes the second moment (official ADOPT
+    convention). ``betas=(b1,), omegas=(1.0,)`` is plain ADOPT with clipping.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: Sequence[float] = (0.999,),
+        omegas: Sequence[float] = (0.9,),
+        beta2: float = 0.9999,
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        clip: bool = True,
+        foreach: bool | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            omegas=omegas,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            clip=bool(clip),
+            foreach=foreach,
+        )
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        exp_avgs: list[list[Tensor]],
+        exp_avg_sqs: list[Tensor],
+        step: int,
+        group: dict[str, Any],
+        foreach: bool,
+    ) -> None:
+        kernel = mt_adopt_multi_tensor if foreach else mt_adopt_single_tensor
+        kernel(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step=step,
+            lr=group["lr"],
+            betas=group["betas"],
+            omegas=group["omegas"],
+            beta2=group["beta2"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            clip=group["clip"],
+        )

@@ -1,0 +1,57 @@
+"""MT-DAO-SGDM: SGD with N momenta of different timescales (the variant the theory covers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from mtdao.optim.base import MultiTimescaleOptimizer
+from mtdao.optim.functional import mt_sgd_multi_tensor, mt_sgd_single_tensor
+
+
+class MTSGD(MultiTimescaleOptimizer):
+    """Multi-timescale SGD with momentum: ``x -= lr (w_0 g + sum_j w_j u_j)``.
+
+    Momenta are EMAs (``u = b u + (1 - b) g``), so the step size does not grow by 1 / (1 - b) as
+    with ``torch.optim.SGD(momentum=b)``. The default, one momentum 0.9 at weight 1, is that EMA form
+    of heavy-ball SGD.
+    """
+
+    _has_second_moment = False
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        betas: Sequence[float] = (0.9,),
+        omegas: Sequence[float] = (1.0,),
+        weight_decay: float = 0.0,
+        foreach: bool | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, omegas=omegas, weight_decay=weight_decay, foreach=foreach
+        )
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        exp_avgs: list[list[Tensor]],
+        exp_avg_sqs: list[Tensor],
+        step: int,
+        group: dict[str, Any],
+        foreach: bool,
+    ) -> None:
+        kernel = mt_sgd_multi_tensor if foreach else mt_sgd_single_tensor
+        kernel(
+            params,
+            grads,
+            exp_avgs,
+            lr=group["lr"],
+            betas=group["betas"],
+            omegas=group["omegas"],
+            weight_decay=group["weight_decay"],
+        )

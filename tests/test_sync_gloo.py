@@ -1,0 +1,253 @@
+"""Simulated workers == real worker processes over gloo: parameters, states, traffic, NaN guards.
+
+One spawn of four processes runs every method; the simulator runs the same training in this
+process and each rank is compared with its row of the stacked tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+from torch.testing import assert_close
+
+from mtdao import MTAdam
+from mtdao.sync import (
+    Communicator,
+    LocalUpdateSync,
+    NonFiniteError,
+    SimulatedWorkers,
+    unified,
+)
+from mtdao.sync.methods import (
+    METHODS,
+    OptimizerSettings,
+    build_optimizer,
+    build_policy,
+    resolve_settings,
+)
+from mtdao.sync.process_group import ProcessGroupWorkers
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
+)
+
+WORLD_SIZE = 4
+SYNC_PERIOD, STEPS = 3, 9
+D_IN, D_OUT, BATCH = 4, 3, 8
+NAMES = ["weight", "scale", "bias"]
+SMALL_BUCKET_BYTES = 64  # splits the float64 tensors of one round into several collectives
+JOIN_TIMEOUT_S = 120
+
+
+# -- the training both sides run ----------------------------------------------------------------
+
+
+def make_params(worker: int) -> list[Tensor]:
+    """Two dtypes and a 0-dim tensor; each worker starts elsewhere until the initial broadcast."""
+    gen = torch.Generator().manual_seed(100 + worker)
+    weight = torch.randn(D_OUT, D_IN, generator=gen, dtype=torch.float64)
+    scale = torch.rand((), generator=gen, dtype=torch.float64) + 0.5
+    bias = torch.randn(D_OUT, generator=gen, dtype=torch.float64).float()
+    return [weight, scale, bias]
+
+
+def batch(worker: int, step: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * worker + step)
+    inputs = torch.randn(BATCH, D_IN, generator=gen, dtype=torch.float64)
+    targets = torch.randn(BATCH, D_OUT, generator=gen, dtype=torch.float64)
+    return inputs, targets
+
+
+def loss_fn(params: list[Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
+    """Sum over workers of each worker's mean squared error (with or without a worker dim)."""
+    weight, scale, bias = params
+    linear = torch.einsum("...nd,...od->...no", inputs, weight)
+    prediction = scale[..., None, None] * linear + bias.double().unsqueeze(-2)
+    return 0.5 * (prediction - targets).square().mean(dim=(-2, -1)).sum()
+
+
+def setup(communicator: Communicator, stacked: bool) -> tuple[list[Tensor], list[int] | None]:
+    """This process's parameters: stacked over all workers, or the one worker ``rank``."""
+    if stacked:
+        workers = list(range(communicator.num_workers))
+        per_worker = [make_params(w) for w in workers]
+        tensors = [torch.stack(column) for column in zip(*per_worker)]
+        return [torch.nn.Parameter(t) for t in tensors], workers
+    return [torch.nn.Parameter(t) for t in make_params(communicator.rank)], None
+
+
+def data(communicator: Communicator, workers: list[int] | None, step: int):
+    if workers is None:
+        return batch(communicator.rank, step)
+    pairs = [batch(w, step) for w in workers]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def train(method: str, communicator: Communicator, stacked: bool) -> dict:
+    params, workers = setup(communicator, stacked)
+    settings = resolve_settings(method, OptimizerSettings(name="adam", lr=2e-2))
+    optimizer = build_optimizer([{"params": params, "names": NAMES}], settings)
+    sync = LocalUpdateSync(optimizer, build_policy(method, SYNC_PERIOD, optimizer), communicator)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_fn(params, *data(communicator, workers, step)).backward()
+        sync.step()
+    engine = sync.state_dict()
+    return {
+        "params": [p.detach().clone() for p in params],
+        "states": [
+            {k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params
+        ],
+        "traffic": engine["traffic"],
+        "outer": engine["outer"],
+        "anchors": engine["anchors"],
+    }
+
+
+def nan_run(communicator: Communicator, stacked: bool, bad_worker: int, action: str) -> dict:
+    """unified(2); ``bad_worker``'s bias gradient turns NaN at step 2."""
+    params, workers = setup(communicator, stacked)
+    optimizer = MTAdam([{"params": params, "names": NAMES}], lr=1e-2, betas=(0.9,), omegas=(1.0,))
+    sync = LocalUpdateSync(optimizer, unified(2), communicator, on_non_finite=action)
+    try:
+        for step in range(6):
+            optimizer.zero_grad()
+            loss_fn(params, *data(communicator, workers, step)).backward()
+            if step == 1:
+                bias_grad = params[2].grad
+                if workers is not None:
+                    bias_grad[bad_worker].fill_(float("nan"))
+                elif communicator.rank == bad_worker:
+                    bias_grad.fill_(float("nan"))
+            sync.step()
+    except NonFiniteError as error:
+        return {"error": str(error)}
+    return {"params": [p.detach().clone() for p in params], "skipped": sync.skipped_rounds}
+
+
+# -- the spawned workers ------------------------------------------------------------------------
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    out = Path(out_dir)
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=WORLD_SIZE,
+            timeout=timedelta(seconds=60),
+        )
+        results = {method: train(method, ProcessGroupWorkers(), False) for method in METHODS}
+        small = ProcessGroupWorkers(bucket_bytes=SMALL_BUCKET_BYTES)
+        results["mtdao-small-buckets"] = train("mtdao", small, False)
+        results["nan-raise"] = nan_run(ProcessGroupWorkers(), False, 2, "raise")
+        results["nan-skip"] = nan_run(ProcessGroupWorkers(), False, 1, "skip")
+        torch.save(results, out / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("gloo")
+    context = mp.get_context("spawn")
+    processes = [
+        context.Process(target=_worker, args=(rank, str(root / "store"), str(root)))
+        for rank in range(WORLD_SIZE)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(JOIN_TIMEOUT_S)
+    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for rank in hung:
+        processes[rank].kill()
+        processes[rank].join()
+    errors = "\n".join(p.read_text() for p in sorted(root.glob("rank*.err")))
+    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s (deadlock?)\n{errors}"
+    assert all(p.exitcode == 0 for p in processes), errors or "a worker process failed"
+    return [torch.load(root / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def simulated_results() -> dict:
+    results = {method: train(method, SimulatedWorkers(WORLD_SIZE), True) for method in METHODS}
+    results["nan-raise"] = nan_run(SimulatedWorkers(WORLD_SIZE), True, 2, "raise")
+    results["nan-skip"] = nan_run(SimulatedWorkers(WORLD_SIZE), True, 1, "skip")
+    return results
+
+
+def assert_rank_matches(real: Tensor, stacked: Tensor, rank: int) -> None:
+    tolerance = dict(rtol=1e-9, atol=1e-12) if real.dtype == torch.float64 else {}
+    assert_close(real, stacked[rank], **tolerance)
+
+
+# -- the comparisons ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gloo_matches_simulated(method, gloo_results, simulated_results):
+    simulated = simulated_results[method]
+    for rank, results in enumerate(gloo_results):
+        real = results[method]
+        for param, stacked in zip(real["params"], simulated["params"]):
+            assert_rank_matches(param, stacked, rank)
+        for states, stacked_states in zip(real["states"], simulated["states"]):
+            assert states.keys() == stacked_states.keys()
+            for key, value in states.items():
+                assert_rank_matches(value, stacked_states[key], rank)
+        assert real["traffic"] == simulated["traffic"]
+        if simulated["outer"] is not None:
+            pairs = zip(real["outer"]["momentum_buffers"], simulated["outer"]["momentum_buffers"])
+            for buffer, global_buffer in pairs:
+                assert_close(buffer, global_buffer, rtol=1e-9, atol=1e-12)
+        for anchor, global_anchor in zip(real["anchors"], simulated["anchors"]):
+            assert_close(anchor, global_anchor, rtol=1e-9, atol=1e-6)
+    if method not in ("ddp", "qh-ddp"):  # local methods end a round at step 9
+        assert simulated["traffic"]["rounds"] == STEPS // SYNC_PERIOD
+    # two dtypes: float64 and float32 travel in separate collectives
+    assert simulated["traffic"]["collectives"] == 2 * simulated["traffic"]["rounds"]
+
+
+def test_gloo_small_buckets_split_collectives_not_results(gloo_results, simulated_results):
+    simulated = simulated_results["mtdao"]
+    for rank, results in enumerate(gloo_results):
+        real = results["mtdao-small-buckets"]
+        for param, stacked in zip(real["params"], simulated["params"]):
+            assert_rank_matches(param, stacked, rank)
+        assert real["traffic"]["bytes_by_kind"] == simulated["traffic"]["bytes_by_kind"]
+        assert real["traffic"]["collectives"] > simulated["traffic"]["collectives"]
+
+
+def test_gloo_nan_raises_on_every_rank_naming_the_worker(gloo_results, simulated_results):
+    expected = simulated_results["nan-raise"]["error"]
+    assert "step 2 in worker 2: bias" in expected
+    for results in gloo_results:
+        assert results["nan-raise"]["error"] == expected
+
+
+def test_gloo_nan_skip_matches_simulated(gloo_results, simulated_results):
+    simulated = simulated_results["nan-skip"]
+    assert [(s["step"], s["workers"]) for s in simulated["skipped"]] == [(2, [1])]
+    for rank, results in enumerate(gloo_results):
+        real = results["nan-skip"]
+        assert real["skipped"] == simulated["skipped"]
+        for param, stacked in zip(real["params"], simulated["params"]):
+            assert torch.isfinite(param).all()
+            assert_rank_matches(param, stacked, rank)
+
+
+if __name__ == "__main__":  # pragma: no cover - run the spawned comparison by hand
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,145 @@
+"""The compared methods (SPEC §4): defaults, and identical data on M workers == one worker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+from torch.testing import assert_close
+
+from mtdao import MTSGD, MTAdam, MTAdopt
+from mtdao.sync import LocalUpdateSync, SimulatedWorkers, SingleWorker
+from mtdao.sync.methods import (
+    BASE_OPTIMIZERS,
+    METHODS,
+    OptimizerSettings,
+    build_optimizer,
+    build_policy,
+    resolve_settings,
+)
+
+D_IN, D_OUT, BATCH = 5, 2, 16
+SYNC_PERIOD, STEPS = 2, 13  # rounds at even steps; desloc's second moment syncs at step 12
+LR = {"adam": 2e-2, "adopt": 2e-2, "sgdm": 5e-2}
+
+
+def batch(step: int) -> tuple[Tensor, Tensor]:
+    """Logistic-regression data, the same on every worker."""
+    gen = torch.Generator().manual_seed(step)
+    inputs = torch.randn(BATCH, D_IN, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 2, (BATCH, D_OUT), generator=gen).to(torch.float64)
+    return inputs, labels
+
+
+def loss_fn(weight: Tensor, bias: Tensor, inputs: Tensor, labels: Tensor) -> Tensor:
+    """Sum over workers of each worker's mean logistic loss (with or without a worker dim)."""
+    logits = torch.einsum("nd,...od->...no", inputs, weight) + bias.unsqueeze(-2)
+    per_worker = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, labels.expand_as(logits), reduction="none"
+    )
+    return per_worker.mean(dim=(-2, -1)).sum()
+
+
+def run(method: str, base: str, num_workers: int | None) -> tuple[list[Tensor], dict]:
+    """Train ``method``; ``num_workers`` None is one unstacked worker (SingleWorker)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [
+        torch.randn(D_OUT, D_IN, generator=gen, dtype=torch.float64),
+        torch.randn(D_OUT, generator=gen, dtype=torch.float64),
+    ]
+    if num_workers is not None:
+        params = [p.expand(num_workers, *p.shape).clone() for p in params]
+    params = [torch.nn.Parameter(p) for p in params]
+    settings = resolve_settings(method, OptimizerSettings(name=base, lr=LR[base]))
+    optimizer = build_optimizer(params, settings)
+    policy = build_policy(method, SYNC_PERIOD, optimizer)
+    communicator = SingleWorker() if num_workers is None else SimulatedWorkers(num_workers)
+    sync = LocalUpdateSync(optimizer, policy, communicator)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_fn(*params, *batch(step)).backward()
+        sync.step()
+    return params, optimizer.state
+
+
+@pytest.mark.parametrize("base", BASE_OPTIMIZERS)
+@pytest.mark.parametrize("method", METHODS)
+def test_identical_data_on_every_worker_matches_one_worker(method, base):
+    workers = 3
+    single_params, single_state = run(method, base, None)
+    params, state = run(method, base, workers)
+    for param, single in zip(params, single_params):
+        assert torch.isfinite(single).all()
+        for w in range(workers):
+            assert_close(param[w], single.detach(), rtol=1e-10, atol=1e-12)
+            for key, value in single_state[single].items():
+                if key != "step":
+                    assert_close(state[param][key][w], value, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("base", BASE_OPTIMIZERS)
+def test_diloco_outer_step_is_not_the_identity(base):
+    """Guards the test above: at one worker diloco differs from local-adam only by its outer step."""
+    diloco, _ = run("diloco", base, None)
+    local, _ = run("local-adam", base, None)
+    assert not torch.allclose(diloco[0], local[0], rtol=1e-3, atol=1e-6)
+    diloco_m, _ = run("diloco", base, 2)
+    assert not torch.allclose(diloco_m[0][0], local[0], rtol=1e-3, atol=1e-6)
+
+
+def test_resolved_defaults():
+    ddp = resolve_settings("ddp", OptimizerSettings(name="adam"))
+    assert (ddp.betas, ddp.omegas, ddp.beta2, ddp.eps) == ((0.9,), (1.0,), 0.95, 1e-8)
+    mtdao = resolve_settings("mtdao", OptimizerSettings(name="adam"))
+    assert (mtdao.betas, mtdao.omegas) == ((0.99,), (0.9,))
+    adopt = resolve_settings("mtdao", OptimizerSettings(name="adopt"))
+    assert (adopt.betas, adopt.beta2, adopt.eps) == ((0.999,), 0.9999, 1e-6)
+    own = resolve_settings("qh-ddp", OptimizerSettings(name="sgdm", betas=(0.9, 0.99)))
+    assert own.omegas == pytest.approx((0.45, 0.45))
+    assert (own.beta2, own.eps) == (None, None)
+    two = resolve_settings("local-adam", OptimizerSettings(name="adam", betas=(0.9, 0.99)))
+    assert two.omegas == (0.5, 0.5)
+
+
+def test_build_optimizer_types():
+    param = torch.nn.Parameter(torch.zeros(3))
+    for name, kind in [("adam", MTAdam), ("adopt", MTAdopt), ("sgdm", MTSGD)]:
+        settings = resolve_settings("mtdao", OptimizerSettings(name=name))
+        assert type(build_optimizer([param], settings)) is kind
+
+
+def test_build_policy_per_method():
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = build_optimizer([param], resolve_settings("mtdao", OptimizerSettings()))
+    ddp = build_policy("ddp", 32, optimizer)
+    assert ddp.average_gradients and ddp.params.period is None and ddp.name == "ddp"
+    diloco = build_policy("diloco", 32, optimizer)
+    assert diloco.outer is not None and (diloco.outer.lr, diloco.outer.momentum) == (0.7, 0.9)
+    assert diloco.outer.nesterov and diloco.other_states.period is None
+    assert build_policy("mtdao", 32, optimizer).periods()["other states"] == 32
+    half_life = build_policy("mtdao", 32, optimizer, sync_policy="half-life")
+    # MT-DAO-Adam defaults: exp_avg_0 decays with 0.99 (tau 69), exp_avg_sq with 0.95 (tau 13.5).
+    assert half_life.state_rule("exp_avg_0").period == 64
+    assert half_life.state_rule("exp_avg_sq").period == 32
+    assert build_policy("desloc", 32, optimizer).state_rule("exp_avg_sq").period == 192
+    sgdm = build_optimizer([param], resolve_settings("desloc", OptimizerSettings(name="sgdm")))
+    sgdm_desloc = build_policy("desloc", 32, sgdm)  # no second moment to name
+    assert sgdm_desloc.periods() == {"params": 32, "other states": 96}
+
+
+@pytest.mark.parametrize(
+    "method, optimizer_name, sync_policy, match",
+    [
+        ("ddp", "adam", "unified", "does not apply"),
+        ("diloco", "adam", "unified", "does not apply"),
+        ("mtdao", "adam", "sometimes", "Unknown sync policy"),
+        ("fsdp", "adam", None, "Unknown method"),
+        ("mtdao", "lion", None, "Unknown optimizer"),
+    ],
+)
+def test_bad_method_settings_are_refused(method, optimizer_name, sync_policy, match):
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = MTAdam([param])
+    with pytest.raises(ValueError, match=match):
+        resolve_settings(method, OptimizerSettings(name=optimizer_name))
+        build_policy(method, 4, optimizer, sync_policy=sync_policy)
