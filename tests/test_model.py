@@ -125,7 +125,7 @@ def test_presets_build_and_small_ones_have_stated_sizes():
 
 
 def test_unknown_preset_lists_valid_names():
-    with pytest.raises(ValueError, match="tiny, small"):
+    with pytest.raises(ValueError, match="micro, tiny, small"):
         model_config("huge", 256, 128)
 
 

@@ -183,9 +183,7 @@ def test_traffic_counts_collectives_and_bytes_per_kind(simulated, bias_dtype):
     }
     assert traffic.bytes == 12 * model_bytes
     keys = sorted(optimizer.state[params[0]])
-    assert traffic.bytes / (12 * model_bytes) == pytest.approx(
-        communication_per_step(policy, keys)
-    )
+    assert traffic.bytes / (12 * model_bytes) == pytest.approx(communication_per_step(policy, keys))
 
 
 # -- 5. the outer step: sign and scale ----------------------------------------------------------
@@ -476,3 +474,14 @@ def test_alignment_of_pseudo_gradients(identical):
         else:
             assert all(-1.0 <= c < 0.999 for c in entry["cosine"])
             assert all(d > 0.0 for d in entry["drift"])
+
+
+def test_states_of_a_zero_dim_parameter_are_averaged_like_any_other():
+    """A real process group holds a scalar parameter as a 0-dim tensor; its states must travel."""
+    scale = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+    optimizer = MTAdam([scale], lr=1e-2, betas=(0.9,), omegas=(1.0,))
+    communicator = RecordingWorker()
+    sync = LocalUpdateSync(optimizer, unified(1), communicator)
+    scale.grad = torch.tensor(0.5, dtype=torch.float64)
+    sync.step()
+    assert communicator.calls == [[("params", ()), ("exp_avg_0", ()), ("exp_avg_sq", ())]]

@@ -35,9 +35,12 @@ from mtdao.sync.methods import (
 )
 from mtdao.sync.process_group import ProcessGroupWorkers
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
+    ),
+]
 
 WORLD_SIZE = 4
 SYNC_PERIOD, STEPS = 3, 9
@@ -162,7 +165,13 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("gloo")
-    context = mp.get_context("spawn")
+    # A fork server imports torch once for all four workers (spawn imports it four times), and
+    # torch._dynamo too, which torch.optim otherwise imports lazily in every worker (seconds).
+    if "forkserver" in mp.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(["torch._dynamo", __name__])
+    else:
+        context = mp.get_context("spawn")
     processes = [
         context.Process(target=_worker, args=(rank, str(root / "store"), str(root)))
         for rank in range(WORLD_SIZE)
@@ -189,9 +198,13 @@ def simulated_results() -> dict:
     return results
 
 
+def tolerance(tensor: Tensor) -> dict:
+    # float64 values inherit the float32 bias's rounding (gloo sums in another order than a mean)
+    return dict(rtol=1e-7, atol=1e-9) if tensor.dtype == torch.float64 else {}
+
+
 def assert_rank_matches(real: Tensor, stacked: Tensor, rank: int) -> None:
-    tolerance = dict(rtol=1e-9, atol=1e-12) if real.dtype == torch.float64 else {}
-    assert_close(real, stacked[rank], **tolerance)
+    assert_close(real, stacked[rank], **tolerance(real))
 
 
 # -- the comparisons ----------------------------------------------------------------------------
@@ -212,9 +225,9 @@ def test_gloo_matches_simulated(method, gloo_results, simulated_results):
         if simulated["outer"] is not None:
             pairs = zip(real["outer"]["momentum_buffers"], simulated["outer"]["momentum_buffers"])
             for buffer, global_buffer in pairs:
-                assert_close(buffer, global_buffer, rtol=1e-9, atol=1e-12)
+                assert_close(buffer, global_buffer, **tolerance(buffer))
         for anchor, global_anchor in zip(real["anchors"], simulated["anchors"]):
-            assert_close(anchor, global_anchor, rtol=1e-9, atol=1e-6)
+            assert_close(anchor, global_anchor)
     if method not in ("ddp", "qh-ddp"):  # local methods end a round at step 9
         assert simulated["traffic"]["rounds"] == STEPS // SYNC_PERIOD
     # two dtypes: float64 and float32 travel in separate collectives

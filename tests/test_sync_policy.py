@@ -62,7 +62,9 @@ def test_bad_outer_hyperparameters_are_refused(lr, momentum):
 def test_unknown_state_names_are_refused_with_the_valid_names():
     param = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
     optimizer = MTAdam([param], lr=1e-2, betas=(0.9,), omegas=(1.0,))
-    sync = LocalUpdateSync(optimizer, explicit(params=2, states={"exp_avg_7": 3}), SimulatedWorkers(2))
+    sync = LocalUpdateSync(
+        optimizer, explicit(params=2, states={"exp_avg_7": 3}), SimulatedWorkers(2)
+    )
     param.grad = torch.ones_like(param)
     with pytest.raises(ValueError, match="exp_avg_7") as error:
         sync.step()

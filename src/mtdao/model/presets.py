@@ -2,6 +2,7 @@
 with a byte vocabulary (256) and with a GPT-2-sized one (50,257), tied embeddings:
 
     preset  d_model layers heads   bytes     50k vocab
+    micro        64      2     2   ~0.11M    ~3.3M     CPU experiments: many runs per hour
     tiny        128      4     4   ~0.84M    ~7.2M     trains in minutes on a 2-core CPU
     small       320      8     5   ~10M      ~26M
     16m         256      4     4   ~3.2M     ~16M      the paper's smallest model
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 from mtdao.model.llama import ModelConfig
 
-MODEL_PRESETS = ("tiny", "small", "16m", "125m", "360m", "720m")
+MODEL_PRESETS = ("micro", "tiny", "small", "16m", "125m", "360m", "720m")
 
 _SHAPES = {
+    "micro": dict(d_model=64, n_layers=2, n_heads=2),
     "tiny": dict(d_model=128, n_layers=4, n_heads=4),
     "small": dict(d_model=320, n_layers=8, n_heads=5),
     "16m": dict(d_model=256, n_layers=4, n_heads=4),

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from mtdao.data import WorkerShard, encode_corpus, load_corpus, load_tokenizer, stacked_batches
 from mtdao.data.batches import validation_batches
 from mtdao.model import Llama, model_config, split_weight_decay
-from mtdao.sync.engine import LocalUpdateSync
+from mtdao.sync.engine import LocalUpdateSync, NonFiniteError
 from mtdao.sync.methods import OptimizerSettings, build_optimizer, build_policy, resolve_settings
 from mtdao.sync.policy import OuterOptimizerConfig, communication_per_step
 from mtdao.sync.process_group import ProcessGroupWorkers
@@ -241,9 +241,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 run.comm_events.append([run.step, traffic.bytes - sent_before])
             recent_tokens += config.tokens_per_step
             recent_time += elapsed
-            if run.step % config.log_every == 0 or run.step == run.total_steps:
-                # mean over all workers (a tiny uncounted gather on real workers)
-                loss = run.workers.communicator.gather_scalars(losses.float()).mean().item()
+            should_log = run.step % config.log_every == 0 or run.step == run.total_steps
+            if should_log or not run.process.distributed:
+                # every worker's loss (a tiny uncounted gather on real workers: log steps only)
+                worker_losses = run.workers.communicator.gather_scalars(losses.float())
+                check_finite_losses(run, worker_losses)
+            if should_log:
+                loss = worker_losses.mean().item()
                 record = {
                     "step": run.step,
                     "tokens": run.step * config.tokens_per_step,
@@ -278,11 +282,32 @@ def train(config: TrainConfig) -> dict[str, Any]:
     return results
 
 
+def check_finite_losses(run: Run, worker_losses: torch.Tensor) -> None:
+    """Stop on a diverged worker (on_non_finite 'raise'), or when none is left to skip."""
+    finite = torch.isfinite(worker_losses)
+    if bool(finite.all()):
+        return
+    diverged = torch.nonzero(~finite).flatten().tolist()
+    if run.config.on_non_finite == "raise":
+        raise NonFiniteError(
+            f"training loss is NaN/inf at step {run.step} on worker(s) {diverged}; lower --lr, "
+            "or pass --on-non-finite skip to leave diverged workers out at the next sync"
+        )
+    if len(diverged) == len(worker_losses):
+        raise NonFiniteError(
+            f"training loss is NaN/inf at step {run.step} on every worker; none is left to average"
+        )
+
+
 def run_evaluation(run: Run, log: MetricsLog) -> float:
     started = time.perf_counter()
     model = run.workers.global_model()
     with run.workers._autocast():
         val_loss = evaluate(model, run.val_batches, run.device)
+    if not math.isfinite(val_loss) and run.config.on_non_finite == "raise":
+        raise NonFiniteError(
+            f"validation loss of the averaged model is NaN/inf at step {run.step}; lower --lr"
+        )
     record = {
         "step": run.step,
         "tokens": run.step * run.config.tokens_per_step,

@@ -1,0 +1,1 @@
+"""Experiments that reproduce the paper's claims: each module runs one and writes a report."""

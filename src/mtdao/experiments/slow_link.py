@@ -1,0 +1,420 @@
+"""``mtdao slow-link``: DDP against MT-DAO with real gloo workers whose traffic crosses a slow link.
+
+Each of M workers is one ``python -m mtdao train`` process in its own host namespace of
+:func:`mtdao.experiments.netem.emulated_link`. They meet the way torchrun's static rendezvous does,
+through RANK / WORLD_SIZE / MASTER_ADDR (worker 0's link address) / MASTER_PORT, and
+``GLOO_SOCKET_IFNAME=link0`` keeps gloo on the shaped interface; a namespace has no other way out.
+
+What is measured, per link rate and method, from the real runs:
+
+- wall-clock: rank 0's ``wall_time_s`` (training steps including every wait on a collective;
+  start-up and evaluation excluded), read at each evaluation from ``results.json``;
+- time to DDP's final validation loss: wall-clock at the first evaluation at or below it, linearly
+  interpolated from the one before (None when never reached);
+- iso-token wall-clock: wall-clock when the run has seen as many tokens as DDP's whole run;
+- bytes: the harness's payload count per worker, and the bytes each worker's interface really sent;
+- the link's TCP throughput, measured before the runs.
+
+Evaluations and metric lines come every K steps (right after a parameter average), so the untimed
+collectives they contain never hide a worker's lag: the waits are charged to the timed sync.
+
+Without root or network namespaces the command prints one line ``skipped: <reason>`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mtdao.experiments.netem import HOST_IFACE, EmulatedLink, LinkUnavailable, emulated_link
+from mtdao.experiments.netem import measure_throughput_mbit as measure_link_mbit
+
+DEFAULT_RATES = (100.0, 1000.0)
+DEFAULT_METHODS = ("ddp", "mtdao")
+GRADIENT_AVERAGING = ("ddp", "qh-ddp")
+FIRST_PORT = 29500
+
+
+# -- launching the workers ----------------------------------------------------------------------
+
+
+def train_argv(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """``mtdao train`` flags of one run; local methods get ``--local-steps`` steps."""
+    steps = args.steps if method in GRADIENT_AVERAGING else (args.local_steps or args.steps)
+    argv = ["--method", method, "--workers", str(args.workers), "--steps", str(steps)]
+    argv += ["--model", args.model, "--sync-period", str(args.sync_period)]
+    argv += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    argv += ["--eval-every", str(eval_every(args)), "--log-every", str(args.sync_period)]
+    argv += ["--eval-tokens", str(args.eval_tokens), "--seed", str(args.seed)]
+    argv += ["--out", str(run_dir), "--no-progress"]
+    if args.lr is not None:
+        argv += ["--lr", str(args.lr)]
+    if method not in ("ddp", "local-adam", "diloco", "desloc"):  # the multi-timescale methods
+        if args.betas:
+            argv += ["--betas", *map(str, args.betas)]
+        if args.omegas:
+            argv += ["--omegas", *map(str, args.omegas)]
+    return argv
+
+
+def eval_every(args: argparse.Namespace) -> int:
+    """About 10 evaluations over DDP's steps, on a multiple of K."""
+    if args.eval_every:
+        return args.eval_every
+    return args.sync_period * max(1, round(args.steps / 10 / args.sync_period))
+
+
+def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """What torchrun's static rendezvous would set for one worker per node, plus one thread."""
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": str(rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "GLOO_SOCKET_IFNAME": HOST_IFACE,
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def launch_workers(
+    link: EmulatedLink,
+    train_args: list[str],
+    port: int,
+    log_prefix: Path,
+    timeout_s: float,
+) -> None:
+    """Run ``mtdao train`` as worker i in host i; raise (after killing the rest) if one fails."""
+    world_size = len(link.hosts)
+    processes = []
+    for rank in range(world_size):
+        log = open(f"{log_prefix}-rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        env = worker_env(rank, world_size, link.addresses[0], port)
+        argv = [sys.executable, "-m", "mtdao", "train", *train_args]
+        processes.append((link.run(rank, argv, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(process.poll() is None for process, _ in processes):
+            failed = [r for r, (p, _) in enumerate(processes) if p.poll() not in (None, 0)]
+            if failed:
+                rank = failed[0]
+                raise RuntimeError(
+                    f"worker {rank} exited with {processes[rank][0].returncode}; its log ends:\n"
+                    + _tail(Path(f"{log_prefix}-rank{rank}.log"))
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers still running after {timeout_s:.0f} s ({log_prefix})")
+            time.sleep(0.2)
+        failed = [r for r, (p, _) in enumerate(processes) if p.returncode != 0]
+        if failed:
+            raise RuntimeError(
+                f"worker {failed[0]} exited with {processes[failed[0]][0].returncode}; its log ends:\n"
+                + _tail(Path(f"{log_prefix}-rank{failed[0]}.log"))
+            )
+    finally:
+        for process, log in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            log.close()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def sent_bytes(link: EmulatedLink, host: int) -> int:
+    """Bytes host ``host`` has sent through its link interface so far."""
+    out = subprocess.run(
+        ["ip", "-j", "-s", "-n", link.hosts[host], "link", "show", "dev", HOST_IFACE],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+
+# -- one link rate ------------------------------------------------------------------------------
+
+
+def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: int) -> list[dict]:
+    """Every method over one freshly built link of ``rate_mbit``; one row per method."""
+    rows = []
+    with emulated_link(args.workers, rate_mbit, args.delay_ms, prefix="mtdaoslow") as link:
+        measured = measure_link_mbit(link, 0, 1) if args.workers > 1 else math.nan
+        print(f"link {rate_mbit:g} Mbit/s: measured {measured:.1f} Mbit/s (one TCP stream)")
+        for index, method in enumerate(args.methods):
+            name = f"{method}-{rate_mbit:g}mbit"
+            run_dir = out / "runs" / name
+            shutil.rmtree(run_dir, ignore_errors=True)  # a rerun replaces the previous one
+            (out / "logs").mkdir(parents=True, exist_ok=True)
+            sent_before = [sent_bytes(link, h) for h in range(args.workers)]
+            load_before = os.getloadavg()[0]
+            started = time.perf_counter()
+            launch_workers(
+                link,
+                train_argv(method, args, run_dir),
+                first_port + index,
+                out / "logs" / name,
+                args.timeout,
+            )
+            elapsed = time.perf_counter() - started
+            sent = [sent_bytes(link, h) - b for h, b in enumerate(sent_before)]
+            results = json.loads((run_dir / "results.json").read_text())
+            steps = max(results["steps"], 1)
+            comm = results["wall_time_s"] - results["compute_s_per_worker_step"] * steps
+            row = {
+                "rate_mbit": rate_mbit,
+                "measured_mbit": measured,
+                "method": method,
+                "run_dir": str(run_dir),
+                "steps": results["steps"],
+                "tokens": results["tokens"],
+                "final_val_loss": results["final_val_loss"],
+                "wall_time_s": results["wall_time_s"],
+                "process_time_s": elapsed,
+                "compute_s_per_step": results["compute_s_per_worker_step"],
+                "comm_s_per_step": comm / steps,
+                "bytes_per_worker": results["bytes_per_worker"],
+                "wire_bytes_per_worker": sum(sent) / len(sent),
+                "comm_reduction_vs_ddp": results["comm_reduction_vs_ddp"],
+                "parameters": results["parameters"],
+                "load_average": [load_before, os.getloadavg()[0]],
+                "evals": [
+                    {k: e[k] for k in ("step", "tokens", "val_loss", "wall_time_s")}
+                    for e in results["evals"]
+                ],
+                "progress": _progress(run_dir),
+            }
+            rows.append(row)
+            print(
+                f"  {method:>10}: val {row['final_val_loss']:.4f}, {row['wall_time_s']:.1f} s "
+                f"({row['compute_s_per_step']:.3f} s compute + {row['comm_s_per_step']:.3f} s "
+                f"comm per step), {row['wire_bytes_per_worker'] / 1e6:.1f} MB sent per worker"
+            )
+    return rows
+
+
+def _progress(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, wall_time_s) of every metric line, for wall-clock at a given token count."""
+    points = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "step" in record and "wall_time_s" in record:
+            points.append((record["step"], record["wall_time_s"]))
+    return sorted(set(points))
+
+
+# -- analysis -----------------------------------------------------------------------------------
+
+
+def time_to_loss(evals: list[dict], target: float) -> float | None:
+    """Wall-clock at which the validation loss first reaches ``target`` (interpolated)."""
+    previous = {"wall_time_s": 0.0, "val_loss": math.inf}
+    for record in evals:
+        if record["val_loss"] <= target:
+            if not math.isfinite(previous["val_loss"]):
+                return record["wall_time_s"]
+            fraction = (previous["val_loss"] - target) / (
+                previous["val_loss"] - record["val_loss"]
+            )
+            return previous["wall_time_s"] + fraction * (
+                record["wall_time_s"] - previous["wall_time_s"]
+            )
+        previous = record
+    return None
+
+
+def wall_at_step(progress: list[tuple[int, float]], step: int) -> float | None:
+    """Wall-clock after ``step`` steps, interpolated between metric lines; None past the end."""
+    previous = (0, 0.0)
+    for point in progress:
+        if point[0] >= step:
+            fraction = (step - previous[0]) / max(point[0] - previous[0], 1)
+            return previous[1] + fraction * (point[1] - previous[1])
+        previous = point
+    return None
+
+
+def compare_to_ddp(rows: list[dict]) -> list[dict]:
+    """Add DDP-relative figures to each row of the same rate."""
+    for row in rows:
+        ddp = next(
+            (r for r in rows if r["rate_mbit"] == row["rate_mbit"] and r["method"] == "ddp"), None
+        )
+        if ddp is None:
+            continue
+        target = ddp["final_val_loss"]
+        reached = time_to_loss(row["evals"], target)
+        ddp_time = time_to_loss(ddp["evals"], target)
+        iso_wall = wall_at_step(row["progress"], ddp["steps"])
+        iso_loss = next((e["val_loss"] for e in row["evals"] if e["step"] == ddp["steps"]), None)
+        row.update(
+            target_val_loss=target,
+            time_to_ddp_loss_s=reached,
+            speedup_to_ddp_loss=ddp_time / reached if reached else None,
+            iso_token_wall_s=iso_wall,
+            iso_token_val_loss=iso_loss,
+            iso_token_speedup=ddp["wall_time_s"] / iso_wall if iso_wall else None,
+        )
+    return rows
+
+
+# -- outputs ------------------------------------------------------------------------------------
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f}"
+
+
+def _speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x ({100 * (1 / value - 1):+.0f}% time)"
+
+
+def report_table(rows: list[dict]) -> str:
+    header = (
+        "| rate (Mbit/s) | measured (Mbit/s) | method | steps | final val loss | wall time (s) "
+        "| time to DDP's final loss (s) | speedup to DDP's loss | wall at DDP's tokens (s) "
+        "| val loss at DDP's tokens | iso-token speedup | payload MB/worker | wire MB/worker "
+        "| compute / comm s per step |"
+    )
+    lines = [header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
+    for r in rows:
+        iso_loss = r.get("iso_token_val_loss")
+        lines.append(
+            f"| {r['rate_mbit']:g} | {r['measured_mbit']:.1f} | {r['method']} | {r['steps']} "
+            f"| {r['final_val_loss']:.4f} | {r['wall_time_s']:.1f} "
+            f"| {_seconds(r.get('time_to_ddp_loss_s'))} | {_speedup(r.get('speedup_to_ddp_loss'))} "
+            f"| {_seconds(r.get('iso_token_wall_s'))} "
+            f"| {'-' if iso_loss is None else f'{iso_loss:.4f}'} "
+            f"| {_speedup(r.get('iso_token_speedup'))} "
+            f"| {r['bytes_per_worker'] / 1e6:.1f} | {r['wire_bytes_per_worker'] / 1e6:.1f} "
+            f"| {r['compute_s_per_step']:.3f} / {r['comm_s_per_step']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(out: Path, rows: list[dict], command: str) -> Path:
+    first = rows[0]
+    text = f"""# Slow link: DDP vs local updates, measured on an emulated link
+
+Command: `{command}`
+
+{first["parameters"]:,} parameters, {len(rows) and _workers(rows)} gloo workers, one per network namespace;
+every byte between them crosses a token-bucket link of the given rate (up and down per worker).
+
+{report_table(rows)}
+
+- wall time: rank 0's training-step seconds (waits on collectives included; start-up and
+  evaluation excluded). Speedup = DDP's time / this method's time; "+x% time" < 0 means faster.
+- time to DDP's final loss: first evaluation at or below it, interpolated from the one before.
+- payload: bytes the harness averages per worker (model-size buffers); wire: bytes each worker's
+  interface sent (ring all-reduce moves ~2(M-1)/M of the payload, plus TCP/IP headers,
+  rendezvous, evaluation averages and loss gathers).
+- compute / comm: per-step seconds outside / inside the averaging calls of rank 0.
+"""
+    path = out / "report.md"
+    path.write_text(text)
+    return path
+
+
+def _workers(rows: list[dict]) -> int:
+    return json.loads((Path(rows[0]["run_dir"]) / "config.json").read_text())["workers"]
+
+
+def plot_time_to_loss(out: Path, rows: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["rate_mbit"] for r in rows})
+    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.0), dpi=120, squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for index, row in enumerate(r for r in rows if r["rate_mbit"] == rate):
+            points = [(e["wall_time_s"], e["val_loss"]) for e in row["evals"]]
+            ax.plot(*zip(*points), "o-", color=f"C{index}", lw=2, ms=3, label=row["method"])
+            if row["method"] == "ddp":
+                ax.axhline(row["final_val_loss"], color="0.5", ls="--", lw=1)
+        ax.set_title(f"{rate:g} Mbit/s link")
+        ax.set_xlabel("wall-clock training seconds (measured)")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = out / "time_to_loss.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "slow-link",
+        help="DDP vs MT-DAO with real gloo workers across an emulated slow link (root)",
+        description=__doc__.split("\n\n")[0].strip("`").replace("``", ""),
+        epilog="Exit code 0 with 'skipped: <reason>' where the link cannot be built (not root).",
+    )
+    add = parser.add_argument
+    add("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="link Mbit/s")
+    add("--methods", nargs="+", default=list(DEFAULT_METHODS), help="methods (ddp first)")
+    add("--workers", type=int, default=4, help="worker processes M (default: %(default)s)")
+    add("--steps", type=int, default=320, help="steps per worker (default: %(default)s)")
+    add(
+        "--local-steps",
+        type=int,
+        help="steps of the local-update methods (default: --steps); more lets them reach DDP's loss",
+    )
+    add("--model", default="tiny", help="model preset (default: %(default)s)")
+    add("--lr", type=float, help="peak learning rate of every method (default: the harness's)")
+    add("--sync-period", type=int, default=32, help="K (default: %(default)s)")
+    add("--batch-size", type=int, default=4, help="sequences per worker per step")
+    add("--seq-len", type=int, default=64, help="tokens per sequence")
+    add("--betas", type=float, nargs="+", help="momentum decays of the multi-timescale methods")
+    add("--omegas", type=float, nargs="+", help="their mixing weights")
+    add("--eval-every", type=int, help="steps between evaluations (default: ~10 per run, on K)")
+    add("--eval-tokens", type=int, default=8192, help="held-out tokens per evaluation")
+    add("--seed", type=int, default=0, help="seed")
+    add("--delay-ms", type=float, default=0.0, help="one-way link delay (needs sch_netem)")
+    add("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    add("--out", default="runs/slow-link", help="output directory (default: %(default)s)")
+    parser.set_defaults(func=run_slow_link)
+
+
+def run_slow_link(args: argparse.Namespace) -> int:
+    if "ddp" not in args.methods:
+        raise ValueError("--methods must include ddp (the reference)")
+    args.methods = ["ddp"] + [m for m in args.methods if m != "ddp"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "mtdao slow-link " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["slow-link"] else ""
+    rows: list[dict] = []
+    try:
+        for index, rate in enumerate(args.rates):
+            rows += run_rate(rate, args, out, FIRST_PORT + 10 * index)
+    except LinkUnavailable as error:
+        print(f"skipped: {error}")
+        return 0
+    compare_to_ddp(rows)
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    report = write_report(out, rows, command or "mtdao slow-link")
+    plot = plot_time_to_loss(out, rows)
+    print(report_table(rows))
+    print(f"report: {report}  plot: {plot}  rows: {out / 'results.json'}")
+    return 0

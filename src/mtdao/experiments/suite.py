@@ -1,0 +1,331 @@
+"""Run a list of named training configs, each in its own directory, and collect their results.
+
+A suite is data: ``[(name, TrainConfig), ...]``. Each run lives in ``<out>/runs/<name>``; a run
+whose ``results.json`` exists is not trained again, so an interrupted suite resumes where it
+stopped. A run directory without results is resumed from its checkpoint when it holds one for the
+same config, otherwise wiped and restarted.
+
+``jobs == 1`` trains in this process, one run after another. ``jobs > 1`` launches that many
+``python -m mtdao train ...`` subprocesses at a time, each with ``max(1, cores // jobs)`` threads;
+:func:`config_to_args` is the one place a TrainConfig becomes command-line flags.
+
+The shared flags of the experiment commands (model size, budget, seeds, LR pins) live here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtdao.model.presets import MODEL_PRESETS
+from mtdao.sync.methods import BASE_OPTIMIZERS
+from mtdao.train.config import DEFAULT_LR, TrainConfig
+
+RUNS_DIR = "runs"
+RESULTS_FILE = "results.json"
+LOG_FILE = "train.log"
+
+# TrainConfig fields that do not change what a run computes: a finished run with other values
+# of these is still the same run.
+BOOKKEEPING_FIELDS = frozenset({"out", "resume", "progress", "log_every", "checkpoint_every"})
+
+# Boolean fields and the flag that sets them away from their default.
+BOOLEAN_FLAGS = {
+    "bf16": ("--no-bf16", False),
+    "track_alignment": ("--no-alignment", False),
+    "progress": ("--no-progress", False),
+    "resume": ("--resume", True),
+}
+
+
+# -- a config as command-line flags ---------------------------------------------------------------
+
+
+def config_to_args(config: TrainConfig) -> list[str]:
+    """``mtdao train`` flags that reproduce ``config`` exactly (the inverse of the train parser)."""
+    args: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            if f.name not in BOOLEAN_FLAGS:
+                raise ValueError(f"config_to_args: no flag known for boolean field {f.name!r}")
+            switch, when = BOOLEAN_FLAGS[f.name]
+            if value == when:
+                args.append(switch)
+        elif isinstance(value, (tuple, list)):
+            args += [flag, *(repr(float(v)) for v in value)]
+        else:
+            args += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return args
+
+
+# -- one run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SuiteResult:
+    """Results of the runs that finished (by name) and the error of each run that did not."""
+
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+def run_dir_of(out: Path, name: str) -> Path:
+    return Path(out) / RUNS_DIR / name
+
+
+def load_results(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / RESULTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a torn write: train again
+
+
+def _computed_settings(config: TrainConfig) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k not in BOOKKEEPING_FIELDS}
+
+
+def stale_settings(results: dict[str, Any], config: TrainConfig) -> list[str]:
+    """How a finished run's config differs from ``config`` ('field: old -> new'); [] if it matches."""
+    saved = {k: v for k, v in results.get("config", {}).items() if k not in BOOKKEEPING_FIELDS}
+    wanted = _computed_settings(config)
+    return [
+        f"{k}: {saved.get(k)!r} -> {wanted.get(k)!r}"
+        for k in sorted(set(saved) | set(wanted))
+        if saved.get(k) != wanted.get(k)
+    ]
+
+
+def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
+    """The config to launch: resume a matching checkpoint, otherwise start from an empty dir."""
+    meta_path = run_dir / "checkpoint" / "meta.json"
+    config = dataclasses.replace(config, out=str(run_dir), resume=False, progress=False)
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+            same = not stale_settings({"config": meta["config"]}, config)
+            if same and int(meta["step"]) <= config.total_steps():
+                return dataclasses.replace(config, resume=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: start over
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    return config
+
+
+def _describe(results: dict[str, Any]) -> str:
+    loss, ppl = results.get("final_val_loss"), results.get("val_ppl")
+    sent = results.get("bytes_per_worker", 0) / 2**20
+    text = f"val {loss:.4f} (ppl {ppl:.2f})" if loss is not None else "no evaluation"
+    return f"{text}  sent {sent:.2f} MiB/worker  {results.get('wall_time_s', 0):.0f}s"
+
+
+# -- the suite ------------------------------------------------------------------------------------
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def run_suite(
+    runs: Sequence[tuple[str, TrainConfig]],
+    out: Path,
+    *,
+    jobs: int = 1,
+    cores: int | None = None,
+    log: Callable[[str], None] = print,
+) -> SuiteResult:
+    """Train every run not finished yet; return all results, finished earlier or now.
+
+    Raises ValueError before training anything if a finished run in ``out`` has other settings
+    than asked for now (its results would silently stand in for a different experiment).
+    """
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    names = [name for name, _ in runs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"run names must be unique, repeated: {duplicates}")
+    suite = SuiteResult()
+    pending: list[tuple[str, TrainConfig]] = []
+    for name, config in runs:
+        config.validate()
+        results = load_results(run_dir_of(out, name))
+        if results is None:
+            pending.append((name, config))
+            continue
+        stale = stale_settings(results, config)
+        if stale:
+            raise ValueError(
+                f"{run_dir_of(out, name)} holds a finished run with other settings "
+                f"({'; '.join(stale)}); choose another --out or delete that directory"
+            )
+        suite.results[name] = results
+    total, counter = len(runs), iter(range(len(suite.results) + 1, len(runs) + 1))
+    if suite.results:
+        log(f"{len(suite.results)}/{total} runs already finished in {out}; {len(pending)} to go")
+
+    def finished(name: str, results: dict[str, Any] | None, error: str | None) -> None:
+        if results is not None:
+            suite.results[name] = results
+            log(f"[{next(counter)}/{total}] {name:<34} {_describe(results)}")
+        else:
+            suite.failures[name] = error or "unknown error"
+            log(f"[{next(counter)}/{total}] {name:<34} FAILED: {suite.failures[name]}")
+
+    if jobs == 1:
+        for name, config in pending:
+            _train_in_process(name, config, out, finished)
+    else:
+        threads = max(1, (cores or available_cores()) // jobs)
+        _train_in_subprocesses(pending, out, jobs, threads, finished)
+    return suite
+
+
+def _train_in_process(name: str, config: TrainConfig, out: Path, finished) -> None:
+    from mtdao.train.trainer import train
+
+    run_dir = run_dir_of(out, name)
+    try:
+        results = train(_prepare(run_dir, config))
+    except Exception as error:  # a diverged or broken run must not stop the others
+        (run_dir / LOG_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / LOG_FILE).write_text(traceback.format_exc())
+        finished(name, None, f"{type(error).__name__}: {error}")
+        return
+    finished(name, results, None)
+
+
+def _train_in_subprocesses(pending, out: Path, jobs: int, threads: int, finished) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    queue = list(pending)
+    running: dict[str, tuple[subprocess.Popen, Any]] = {}
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                name, config = queue.pop(0)
+                run_dir = run_dir_of(out, name)
+                launch = _prepare(run_dir, config)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                handle = open(run_dir / LOG_FILE, "a")
+                command = [sys.executable, "-m", "mtdao", "train", *config_to_args(launch)]
+                handle.write("$ " + " ".join(command) + "\n")
+                handle.flush()
+                process = subprocess.Popen(
+                    command, stdout=handle, stderr=subprocess.STDOUT, env=env
+                )
+                running[name] = (process, handle)
+            time.sleep(0.2)
+            for name in [n for n, (p, _) in running.items() if p.poll() is not None]:
+                process, handle = running.pop(name)
+                handle.close()
+                results = load_results(run_dir_of(out, name))
+                error = None if results else _last_error(run_dir_of(out, name), process.returncode)
+                finished(name, results, error)
+    finally:
+        for process, handle in running.values():  # interrupted: stop the runs we started
+            process.terminate()
+            process.wait()
+            handle.close()
+
+
+def _last_error(run_dir: Path, returncode: int) -> str:
+    lines = [line for line in (run_dir / LOG_FILE).read_text().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return f"exit code {returncode}: {last[-300:]} (log: {run_dir / LOG_FILE})"
+
+
+# -- flags shared by the experiment commands ----------------------------------------------------
+
+
+def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: list[int]) -> None:
+    """Model, data and budget flags common to ``mtdao compare`` and ``mtdao ablation``."""
+    add = parser.add_argument
+    add("--model", default="micro", choices=MODEL_PRESETS, help="model preset (default: micro)")
+    add("--optimizer", default="adam", choices=BASE_OPTIMIZERS, help="base optimizer (adam)")
+    add("--workers", type=int, default=4, help="workers M (default: 4)")
+    add("--steps", type=int, default=1500, help="optimizer steps per worker (default: 1500)")
+    add("--batch-size", type=int, default=16, help="sequences per worker per step (default: 16)")
+    add("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
+    add("--eval-every", type=int, help="steps between evaluations (default: steps / 30)")
+    add("--eval-tokens", type=int, default=32768, help="held-out tokens per eval (default: 32768)")
+    add("--data", help="text file/dir or hf:NAME[:CONFIG] (default: built-in sources)")
+    add("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:NAME (default: byte)")
+    add(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=seeds,
+        help=f"seeds (default: {' '.join(map(str, seeds))})",
+    )
+    add(
+        "--lr",
+        nargs="+",
+        default=[],
+        metavar="[METHOD=]VALUE",
+        help="pin learning rates: METHOD=VALUE per method, or a bare VALUE for every method "
+        f"(default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_LR.items())})",
+    )
+    add("--jobs", type=int, default=1, help="runs trained at once in subprocesses (default: 1)")
+    add("--out", default=out, help=f"output directory (default: {out})")
+
+
+def base_config(args: argparse.Namespace, seed: int) -> TrainConfig:
+    """The TrainConfig every run of an experiment shares before its method's own settings."""
+    return TrainConfig(
+        optimizer=args.optimizer,
+        workers=args.workers,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        model=args.model,
+        data=args.data,
+        tokenizer=args.tokenizer,
+        eval_every=args.eval_every or max(1, args.steps // 30),
+        eval_tokens=args.eval_tokens,
+        seed=seed,
+        progress=False,
+    )
+
+
+def parse_lr_pins(values: Sequence[str], methods: Sequence[str]) -> dict[str, float]:
+    """``["mtdao=8e-3", "4e-3"]`` -> per-method LRs; a bare value applies to every method."""
+    pins: dict[str, float] = {}
+    # bare values first, so that METHOD=VALUE wins whatever the order on the command line
+    for value in sorted(values, key=lambda v: "=" in v):
+        method, _, number = value.rpartition("=")
+        try:
+            lr = float(number)
+        except ValueError:
+            raise ValueError(f"--lr: {value!r} is not METHOD=VALUE or VALUE") from None
+        if not lr > 0:
+            raise ValueError(f"--lr: {value!r}: the learning rate must be > 0")
+        if method and method not in methods:
+            raise ValueError(f"--lr: unknown method {method!r}; this run has {', '.join(methods)}")
+        for name in [method] if method else methods:
+            pins[name] = lr
+    return pins
+
+
+def format_lr(lr: float) -> str:
+    return f"{lr:.3g}"

@@ -1,0 +1,263 @@
+"""Report math of ``mtdao compare`` / ``mtdao ablation`` on hand-built results (no training),
+the suite's bookkeeping, and one tiny end-to-end comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mtdao.experiments import ablation, plots, report, suite, wallclock
+from mtdao.train.config import TrainConfig
+
+PARAM_BYTES = 1000  # bytes of one model-sized buffer per worker
+STEPS, EVAL_EVERY, K, WORKERS = 100, 10, 10, 4
+
+
+def fake_run(method, seed, final, *, start=5.0, compute=0.01, cosine=0.9, lr=8e-3):
+    """A results dict shaped like trainer.summarize: a loss curve ending at ``final``."""
+    evals = [
+        {
+            "step": step,
+            "tokens": step * 256,
+            "val_loss": final + (start - final) * (1 - step / STEPS) ** 2,
+            "wall_time_s": step * compute,
+        }
+        for step in range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)
+    ]
+    if method == "ddp":
+        events = [[step, PARAM_BYTES] for step in range(1, STEPS + 1)]
+        alignment = []
+    else:  # parameters and two states every K
+        events = [[step, 3 * PARAM_BYTES] for step in range(K, STEPS + 1, K)]
+        alignment = [
+            {"step": s, "cosine": [cosine] * WORKERS, "drift": [0.1 * s / STEPS] * WORKERS}
+            for s in range(K, STEPS + 1, K)
+        ]
+    return {
+        "method": method,
+        "workers": WORKERS,
+        "steps": STEPS,
+        "tokens": STEPS * 256,
+        "final_val_loss": final,
+        "val_ppl": math.exp(final),
+        "bytes_per_worker": sum(b for _, b in events),
+        "ddp_bytes_per_worker": PARAM_BYTES * STEPS,
+        "comm_events": events,
+        "alignment": alignment,
+        "evals": evals,
+        "compute_s_per_worker_step": compute,
+        "sync_policy": "ddp" if method == "ddp" else f"unified(K={K})",
+        "settings": {"lr": lr, "betas": [0.9], "omegas": [1.0], "beta2": 0.95},
+        "config": {"seed": seed},
+        "parameters": 250,
+    }
+
+
+def fake_compare(finals: dict[str, list[float]], **kwargs):
+    runs = {m: [fake_run(m, s, f) for s, f in enumerate(values)] for m, values in finals.items()}
+    settings = {
+        "methods": list(finals),
+        "model": "micro",
+        "steps": STEPS,
+        "workers": WORKERS,
+        "sync_period": K,
+        "seeds": [0, 1, 2],
+        "eval_every": EVAL_EVERY,
+        "tokens": STEPS * 256,
+        "seq_len": 64,
+        "parameters": 250,
+    }
+    return report.summarize_compare(runs, settings=settings, **kwargs)
+
+
+# -- statistics and targets -----------------------------------------------------------------------
+
+
+def test_stats_mean_and_sample_std():
+    s = report.stats([1.0, 2.0, 3.0])
+    assert (s["mean"], s["std"], s["n"]) == (2.0, 1.0, 3)
+    assert report.stats([0.7])["std"] == 0.0
+    assert report.stats([]) is None
+
+
+def test_steps_to_target_is_first_eval_at_or_below():
+    evals = [{"step": 10, "val_loss": 2.0}, {"step": 20, "val_loss": 1.0}, {"step": 30, "val_loss": 0.9}]
+    assert report.steps_to_target(evals, 1.0) == 20  # "at" counts
+    assert report.steps_to_target(evals, 1.5) == 20
+    assert report.steps_to_target(evals, 5.0) == 10
+    assert report.steps_to_target(evals, 0.5) is None
+
+
+def test_significance_rule():
+    a = {"mean": 0.70, "std": 0.01}
+    assert report.compare_losses(a, {"mean": 0.75, "std": 0.01}) == "better"
+    assert report.compare_losses(a, {"mean": 0.65, "std": 0.01}) == "worse"
+    assert report.compare_losses(a, {"mean": 0.715, "std": 0.01}) == "tie"  # 0.015 <= 0.02
+
+
+def test_summary_traffic_wallclock_and_targets():
+    summary = fake_compare({"ddp": [0.70, 0.71, 0.72], "local-adam": [0.80, 0.81, 0.82]})
+    ddp, local = summary["methods"]["ddp"], summary["methods"]["local-adam"]
+    assert summary["target_val_loss"] == pytest.approx(0.71)
+    assert ddp["final_val_loss"]["mean"] == pytest.approx(0.71)
+    assert ddp["final_val_loss"]["std"] == pytest.approx(0.01)
+    assert ddp["traffic_vs_ddp"] == pytest.approx(1.0)
+    assert local["traffic_vs_ddp"] == pytest.approx(100 / 30)  # 100 gradients vs 10 x 3 buffers
+    # DDP: the seed ending at 0.70 and the one at 0.71 reach 0.71 on the last eval, 0.72 never
+    assert ddp["steps_to_target"]["per_seed"] == [100, 100, None]
+    assert ddp["steps_to_target"]["reached"] == 2
+    assert local["steps_to_target"]["reached"] == 0
+    assert summary["compute_s_per_step"] == pytest.approx(0.01)
+    link = wallclock.LINK_PRESETS["1gbit"]
+    expected = wallclock.run_seconds(0.01, [(s, 3 * PARAM_BYTES) for s in range(K, 101, K)], 4, link, steps=100)
+    assert local["wallclock"]["1gbit"]["run_s"]["mean"] == pytest.approx(expected)
+    ddp_to_target = wallclock.time_to_step(0.01, [(s, PARAM_BYTES) for s in range(1, 101)], 4, link, step=100)
+    assert ddp["wallclock"]["1gbit"]["to_target_s"]["mean"] == pytest.approx(ddp_to_target)
+    assert local["alignment"]["cosine_mean"] == pytest.approx(0.9)
+
+
+def test_shared_compute_time_is_the_median():
+    runs = [{"compute_s_per_worker_step": v} for v in (0.01, 0.05, 0.02)]
+    assert report.shared_compute_seconds(runs) == 0.02
+
+
+# -- verdict wording ------------------------------------------------------------------------------
+
+BASELINES = {"local-adam": [0.80, 0.81, 0.82], "diloco": [0.85, 0.86, 0.87]}
+
+
+def test_verdict_clear_win():
+    summary = fake_compare({"ddp": [0.75, 0.76, 0.77], **BASELINES, "mtdao": [0.70, 0.71, 0.72]})
+    text = report.verdict(summary)
+    assert "MT-DAO is better by 0.0500" in text
+    assert "holds here." in text
+    assert "Ranking by mean final loss: MT-DAO 0.7100 < DDP" in text
+
+
+def test_verdict_clear_loss():
+    summary = fake_compare({"ddp": [0.70, 0.71, 0.72], **BASELINES, "mtdao": [0.90, 0.91, 0.92]})
+    text = report.verdict(summary)
+    assert "DDP is better by 0.2000" in text
+    assert "does not hold here" in text
+    assert "never reached DDP's final loss" in text
+
+
+def test_verdict_tie_with_ddp_counts_as_matching():
+    summary = fake_compare({"ddp": [0.70, 0.71, 0.72], **BASELINES, "mtdao": [0.705, 0.715, 0.725]})
+    text = report.verdict(summary)
+    assert "tie within seed noise" in text
+    assert "holds here." in text
+
+
+def test_verdict_partial_and_unchecked():
+    summary = fake_compare({"ddp": [0.70, 0.71, 0.72], "local-adam": [0.70, 0.71, 0.72], "mtdao": [0.70, 0.71, 0.72]})
+    text = report.verdict(summary)
+    assert "DiLoCo was not run" in text
+    assert "holds only in part: MT-DAO matches or beats DDP, but it does not beat Local Adam" in text
+
+
+def test_report_and_plots_are_written(tmp_path):
+    sweep = {
+        "seed": 0,
+        "lrs": [4e-3, 8e-3],
+        "losses": {"ddp": {"0.004": 0.8, "0.008": 0.75}, "mtdao": {"0.004": 0.72, "0.008": None}},
+        "best": {"ddp": 8e-3, "mtdao": 4e-3},
+    }
+    summary = fake_compare({"ddp": [0.75, 0.76, 0.77], **BASELINES, "mtdao": [0.70, 0.71, 0.72]}, sweep=sweep)
+    text = report.render_compare_report(summary)
+    assert "## Verdict" in text and "## Learning-rate sweep" in text
+    assert "| MT-DAO | 0.008 | 0.7100 ± 0.0100 |" in text
+    assert "3.3x less" in text and "**0.7500**" in text and "failed" in text
+    for path in plots.write_compare_plots(tmp_path, summary):
+        assert path.stat().st_size > 10_000
+    json.dumps(summary)  # the aggregate is JSON-serializable
+
+
+def test_ablation_summary_slopes_and_plot(tmp_path):
+    variants = ablation.build_variants([0.99, 0.995], 0.9, ["unified"])
+    ddp = [fake_run("ddp", 0, 0.70)]
+    slopes = {"Local Adam": 0.05, variants[1].name: 0.04, variants[2].name: 0.01}
+    per_variant = {
+        name: {k: [fake_run("local-adam", 0, 0.70 + slope * math.log2(k))] for k in (8, 32, 128)}
+        for name, slope in slopes.items()
+    }
+    settings = {"model": "micro", "workers": 4, "steps": STEPS, "batch_size": 2, "seq_len": 16,
+                "tokens": 1, "periods": [8, 32, 128], "seeds": [0], "lrs": {"ddp": 8e-3}, "omega": 0.9,
+                "optimizer": "adam"}
+    summary = ablation.summarize_ablation(ddp, per_variant, variants, settings)
+    for name, slope in slopes.items():
+        assert summary["variants"][name]["slope_per_doubling"] == pytest.approx(slope)
+    text = ablation.render_ablation_report(summary)
+    assert "beta 0.995 degrades more slowly than beta 0.99" in text
+    assert "(+0.1500)" in text  # Local Adam at K = 8: 0.05 * 3
+    curves = {n: {"periods": [8, 32, 128], "degradation": [s * 3, s * 5, s * 7]} for n, s in slopes.items()}
+    assert plots.plot_degradation_vs_k(curves, tmp_path / "d.png", "t").stat().st_size > 10_000
+
+
+# -- suite bookkeeping ----------------------------------------------------------------------------
+
+
+def test_config_to_args_round_trips_through_the_train_parser():
+    from mtdao.cli import build_parser
+    from mtdao.train.command import config_from_args
+
+    config = TrainConfig(method="mtdao", betas=(0.95, 0.99), omegas=(0.3, 0.4), lr=1.6e-2, steps=7,
+                         sync_policy="half-life", progress=False, bf16=False, model="micro",
+                         track_alignment=False, omega_warmup=0.25, data="x.txt")
+    args = build_parser().parse_args(["train", *suite.config_to_args(config)])
+    assert config_from_args(args) == config
+
+
+def test_parse_lr_pins():
+    methods = ["ddp", "mtdao"]
+    assert suite.parse_lr_pins(["mtdao=1e-2", "4e-3"], methods) == {"ddp": 4e-3, "mtdao": 1e-2}
+    with pytest.raises(ValueError, match="unknown method"):
+        suite.parse_lr_pins(["adam=1e-2"], methods)
+    with pytest.raises(ValueError, match="METHOD=VALUE"):
+        suite.parse_lr_pins(["mtdao=fast"], methods)
+
+
+def test_suite_reuses_finished_runs_and_refuses_stale_ones(tmp_path):
+    config = TrainConfig(model="micro", steps=3, progress=False)
+    run_dir = suite.run_dir_of(tmp_path, "a")
+    run_dir.mkdir(parents=True)
+    (run_dir / "results.json").write_text(json.dumps({"final_val_loss": 1.0, "config": config.to_dict()}))
+    lines = []
+    result = suite.run_suite([("a", config)], tmp_path, log=lines.append)
+    assert result.results["a"]["final_val_loss"] == 1.0 and "1/1 runs already finished" in lines[0]
+    with pytest.raises(ValueError, match="steps: 3 -> 4"):
+        suite.run_suite([("a", TrainConfig(model="micro", steps=4))], tmp_path)
+
+
+def test_half_finished_run_dir_is_resumed_or_wiped(tmp_path):
+    config = TrainConfig(model="micro", steps=3, progress=False)
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "meta.json").write_text(json.dumps({"step": 2, "config": config.to_dict()}))
+    assert suite._prepare(run_dir, config).resume
+    assert run_dir.exists()
+    other = TrainConfig(model="micro", steps=3, lr=1e-3)
+    launched = suite._prepare(run_dir, other)
+    assert not launched.resume and not run_dir.exists() and launched.out == str(run_dir)
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+
+def test_compare_end_to_end(tmp_path):
+    from mtdao.cli import main
+
+    out = tmp_path / "cmp"
+    argv = ["compare", "--methods", "ddp", "mtdao", "--seeds", "0", "--steps", "6", "--model", "micro",
+            "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "512", "--eval-every", "3",
+            "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["methods"]) == {"ddp", "mtdao"}
+    assert results["methods"]["ddp"]["traffic_vs_ddp"] == pytest.approx(1.0)
+    text = (out / "report.md").read_text()
+    assert "## Verdict" in text and "| DDP | 0.008 |" in text
+    for name in ("loss_vs_tokens.png", "loss_vs_time.png", "alignment.png", "traffic.png"):
+        assert (out / name).stat().st_size > 0

@@ -1,0 +1,124 @@
+"""Learning-rate schedules and the omega warm-up, as pure functions and as applied by the trainer."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from mtdao.train.config import TrainConfig
+from mtdao.train.schedule import lr_multiplier, ramp
+from mtdao.train.trainer import build_run, set_hyperparameters, train_step
+
+TOTAL, WARMUP, MIN_RATIO = 100, 10, 0.1
+
+
+def multipliers(schedule: str, warmup: int = WARMUP, decay_fraction: float = 0.2) -> list[float]:
+    return [
+        lr_multiplier(step, TOTAL, schedule, warmup, MIN_RATIO, decay_fraction)
+        for step in range(TOTAL)
+    ]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_linear_warmup_reaches_the_peak_at_its_last_step(schedule):
+    values = multipliers(schedule)
+    assert values[:WARMUP] == pytest.approx([(step + 1) / WARMUP for step in range(WARMUP)])
+    assert values[WARMUP - 1] == 1.0
+    assert max(values) == 1.0
+
+
+def test_cosine_decays_from_the_peak_to_the_floor():
+    values = multipliers("cosine")
+    assert values[WARMUP] == 1.0
+    decay = values[WARMUP:]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+    # halfway through the decay: halfway between peak and floor
+    assert lr_multiplier(55, TOTAL, "cosine", WARMUP, MIN_RATIO) == pytest.approx(0.55)
+    assert lr_multiplier(TOTAL, TOTAL, "cosine", WARMUP, MIN_RATIO) == pytest.approx(MIN_RATIO)
+    assert MIN_RATIO < values[-1] < MIN_RATIO + 1e-3
+    assert lr_multiplier(10 * TOTAL, TOTAL, "cosine", WARMUP, MIN_RATIO) == pytest.approx(MIN_RATIO)
+
+
+def test_wsd_is_flat_then_decays_linearly_to_the_floor():
+    values = multipliers("wsd", decay_fraction=0.2)
+    decay_start = TOTAL - 20
+    assert values[WARMUP:decay_start] == [1.0] * (decay_start - WARMUP)
+    decay = values[decay_start:]
+    steps = [a - b for a, b in zip([1.0, *decay], decay)]
+    assert steps == pytest.approx([(1 - MIN_RATIO) / 20] * 20)
+    assert values[-1] == pytest.approx(MIN_RATIO)
+
+
+def test_constant_and_no_warmup():
+    assert multipliers("constant", warmup=0) == [1.0] * TOTAL
+    assert multipliers("cosine", warmup=0)[0] == 1.0
+    assert multipliers("wsd", warmup=0)[0] == 1.0
+
+
+def test_unknown_schedule():
+    with pytest.raises(ValueError, match="unknown schedule 'step'"):
+        lr_multiplier(0, TOTAL, "step", 0, MIN_RATIO)
+
+
+def test_ramp():
+    assert [ramp(step, 4) for step in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert ramp(0, 0) == 1.0
+
+
+# -- applied by the trainer -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def corpus_dir(tmp_path):
+    import textwrap
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.py").write_text(inspect.getsource(textwrap))
+    (root / "b.py").write_text(inspect.getsource(inspect)[:30_000])
+    return root
+
+
+def test_trainer_applies_lr_schedule_and_omega_warmup(corpus_dir, tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = TrainConfig(
+            model="tiny",
+            workers=2,
+            sync_period=2,
+            batch_size=2,
+            seq_len=32,
+            steps=8,
+            warmup=0.25,
+            omega_warmup=0.5,
+            betas=(0.9, 0.99),
+            omegas=(0.3, 0.6),
+            lr=1e-3,
+            eval_tokens=64,
+            data=str(corpus_dir),
+            out=str(tmp_path / "run"),
+            device="cpu",
+            progress=False,
+        )
+        run = build_run(config)
+        for group in run.optimizer.param_groups:
+            assert group["target_omegas"] == (0.3, 0.6) and group["initial_lr"] == 1e-3
+
+        for step in range(8):
+            expected_lr = 1e-3 * lr_multiplier(step, 8, "cosine", 2, 0.1)
+            scale = ramp(step, 4)  # omega warm-up over half of the 8 steps
+            if step < 3:  # a real step for the first few, the hyperparameters alone after
+                train_step(run, step)
+            else:
+                set_hyperparameters(run, step)
+            for group in run.optimizer.param_groups:
+                assert group["lr"] == pytest.approx(expected_lr)
+                assert group["omegas"] == pytest.approx((0.3 * scale, 0.6 * scale))
+        assert run.optimizer.param_groups[0]["omegas"] == pytest.approx((0.3, 0.6))
+        assert all(math.isfinite(p.sum().item()) for _, p in run.workers.named_parameters())
+    finally:
+        torch.set_num_threads(threads)

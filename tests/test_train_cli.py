@@ -1,0 +1,240 @@
+"""``mtdao train`` end to end: what a run writes, its communication accounting, and how every bad
+input is reported (one line on stderr, exit code 2, no traceback).
+
+Runs use the tiny model on 2 workers, batch 2, 32 tokens, a handful of steps, on a ~200 KB text
+directory written by the test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtdao.cli import main
+from mtdao.sync.methods import METHODS
+from mtdao.train.metrics import read_metrics
+
+CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
+RESULT_KEYS = (
+    "method",
+    "workers",
+    "steps",
+    "tokens",
+    "final_val_loss",
+    "val_ppl",
+    "bytes_per_worker",
+    "comm_reduction_vs_ddp",
+    "wall_time_s",
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model is fastest single-threaded (and the test machine is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for name in CORPUS_MODULES:
+        module = __import__(name, fromlist=["_"])
+        (root / f"{name}.py").write_text(inspect.getsource(module))
+    return root
+
+
+def tiny_args(out: Path, data: Path | str, *extra: str) -> list[str]:
+    return [
+        "train",
+        *("--model", "tiny", "--workers", "2", "--sync-period", "4"),
+        *("--batch-size", "2", "--seq-len", "32", "--steps", "4", "--eval-tokens", "256"),
+        *("--data", str(data), "--out", str(out), "--device", "cpu", "--no-progress"),
+        *extra,
+    ]
+
+
+def run_ok(capsys, args: list[str]) -> dict:
+    """Run the CLI in this process; returns results.json of the run."""
+    assert main(args) == 0, capsys.readouterr().err
+    out = Path(args[args.index("--out") + 1])
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    results = json.loads((out / "results.json").read_text())
+    assert summary["final_val_loss"] == results["final_val_loss"]
+    return results
+
+
+def assert_one_line_error(capsys, args: list[str], match: str) -> None:
+    try:
+        code = main(args)
+    except SystemExit as exit_:  # argparse errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("mtdao") and match in err, err
+
+
+# -- what a run writes ----------------------------------------------------------------------------
+
+
+def test_run_outputs_and_determinism(tmp_path, corpus_dir, capsys):
+    """results.json, config.json, metrics.jsonl and loss.png; the same run twice is identical."""
+    first = run_ok(capsys, tiny_args(tmp_path / "first", corpus_dir, "--eval-every", "2"))
+    second = run_ok(capsys, tiny_args(tmp_path / "second", corpus_dir, "--eval-every", "2"))
+
+    assert set(RESULT_KEYS) <= set(first)
+    assert (first["method"], first["workers"], first["steps"]) == ("mtdao", 2, 4)
+    assert first["tokens"] == 4 * 2 * 2 * 32
+    assert math.isfinite(first["final_val_loss"]) and first["final_val_loss"] > 0
+    assert first["val_ppl"] == pytest.approx(math.exp(first["final_val_loss"]))
+    assert first["bytes_per_worker"] > 0 and first["wall_time_s"] > 0
+
+    run_dir = tmp_path / "first"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (
+        config["method"] == "mtdao" and config["steps"] == 4 and config["data"] == str(corpus_dir)
+    )
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if "train_loss" in r] == [4]  # --log-every 10
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    assert (run_dir / "loss.png").stat().st_size > 0
+
+    assert second["final_val_loss"] == first["final_val_loss"]
+    assert [e["val_loss"] for e in second["evals"]] == [e["val_loss"] for e in first["evals"]]
+    assert second["bytes_per_worker"] == first["bytes_per_worker"]
+
+
+@pytest.mark.parametrize(
+    "method, steps, reduction",
+    [
+        ("ddp", 2, 1.0),
+        ("mtdao", 4, 4 / 3),  # params, one momentum and the second moment every K
+        ("diloco", 4, 4.0),  # params only
+        ("desloc", 24, 1 / (1 / 4 + 1 / 12 + 1 / 24)),  # params K, momentum 3K, second 6K
+    ],
+)
+def test_communication_reduction_vs_ddp(tmp_path, corpus_dir, capsys, method, steps, reduction):
+    args = tiny_args(tmp_path, corpus_dir, "--method", method, "--eval-every", "100")
+    args[args.index("--steps") + 1] = str(steps)
+    results = run_ok(capsys, args)
+    assert results["comm_reduction_vs_ddp"] == pytest.approx(reduction)
+    assert results["modelled_comm_fraction_of_ddp"] == pytest.approx(1 / reduction)
+    assert results["bytes_per_worker"] * reduction == pytest.approx(results["ddp_bytes_per_worker"])
+
+
+def test_hugging_face_saved_dataset(tmp_path, corpus_dir, capsys, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    datasets = pytest.importorskip("datasets")
+    texts = [path.read_text() for path in sorted(corpus_dir.iterdir())]
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"id": list(range(len(texts))), "text": texts}).save_to_disk(saved)
+
+    args = tiny_args(tmp_path / "run", f"hf:{saved}", "--workers", "1")
+    args[args.index("--steps") + 1] = "2"
+    results = run_ok(capsys, args)
+    assert results["steps"] == 2 and math.isfinite(results["final_val_loss"])
+
+
+# -- divergence -----------------------------------------------------------------------------------
+
+
+def test_divergence_between_syncs_stops_the_run(tmp_path, corpus_dir, capsys):
+    """No sync within the run (K=32), so only the loop can notice the NaN; nothing is written."""
+    out = tmp_path / "run"
+    args = tiny_args(out, corpus_dir, "--lr", "1e6", "--sync-period", "32", "--eval-every", "100")
+    assert_one_line_error(capsys, args, "training loss is NaN/inf at step")
+    assert not (out / "results.json").exists()
+
+
+def test_divergence_at_a_sync(tmp_path, corpus_dir, capsys):
+    args = tiny_args(tmp_path, corpus_dir, "--lr", "1e6", "--method", "ddp")
+    assert_one_line_error(capsys, args, "NaN/inf")
+
+
+def test_divergence_of_every_worker_cannot_be_skipped(tmp_path, corpus_dir, capsys):
+    args = tiny_args(tmp_path, corpus_dir, "--lr", "1e6", "--on-non-finite", "skip")
+    assert_one_line_error(capsys, args, "on every worker")
+    assert not (tmp_path / "results.json").exists()
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (("--sync-period", "0"), "--sync-period must be a positive integer"),
+        (("--workers", "0"), "--workers must be a positive integer"),
+        (("--betas", "1.5"), "--betas: 1.5"),
+        (("--method", "foo"), "invalid choice: 'foo'"),
+        (("--omegas", "0.6", "0.6"), "sum to 1.2 > 1"),
+        (("--betas", "0.9", "--omegas", "0.3", "0.3"), "2 weights for 1 --betas"),
+        (("--omegas", "0.3", "0.3"), "has 2 weights but betas"),  # against the default betas
+        (("--lr", "-1"), "--lr must be a finite number >= 0"),
+        (("--tokens", "1000"), "--tokens: not allowed with argument --steps"),
+        (("--method", "ddp", "--sync-policy", "unified"), "a sync policy does not apply"),
+        (("--eval-tokens", "16"), "less than one window"),
+        (("--resume",), "no checkpoint to resume from"),
+    ],
+)
+def test_bad_flag_is_one_line(tmp_path, corpus_dir, capsys, extra, match):
+    assert_one_line_error(capsys, tiny_args(tmp_path / "run", corpus_dir, *extra), match)
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_bad_data_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 8)
+    cases = [
+        (tmp_path / "missing", "corpus path does not exist"),
+        (tmp_path / "empty", "no non-empty UTF-8 text files"),
+        (tmp_path / "binary.bin", "not UTF-8 text"),
+    ]
+    for data, match in cases:
+        assert_one_line_error(capsys, tiny_args(tmp_path / "run", data), match)
+
+
+def test_errors_from_a_fresh_process(tmp_path):
+    """Through ``python -m mtdao``: exit code 2, one line on stderr, no traceback."""
+    cases = [
+        (["--sync-period", "0"], "--sync-period must be a positive integer"),
+        (["--data", str(tmp_path / "missing")], "corpus path does not exist"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mtdao", "train", "--out", str(tmp_path / "run"), *flags],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for flags, _ in cases
+    ]
+    for process, (flags, match) in zip(processes, cases):
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 2, (flags, err)
+        assert out == "" and len(err.strip().splitlines()) == 1, (flags, err)
+        assert "Traceback" not in err and match in err, (flags, err)
+
+
+def test_help_names_every_method(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for method in METHODS:
+        assert method in text
+    assert "--on-non-finite" in text and "--resume" in text

@@ -1,0 +1,249 @@
+"""Checkpoint and resume: a resumed run is the same run, and bad resumes fail with one clear line.
+
+Every run here is the tiny model on 2 workers, batch 2, 32 tokens, a dozen steps, on a ~200 KB
+text directory written by the test (no download, fast to load).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtdao.train import checkpoint as ckpt
+from mtdao.train import trainer
+from mtdao.train.config import TrainConfig
+from mtdao.train.metrics import read_metrics
+
+CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model is fastest single-threaded (and the test machine is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for name in CORPUS_MODULES:
+        module = __import__(name, fromlist=["_"])
+        (root / f"{name}.py").write_text(inspect.getsource(module))
+    return root
+
+
+def tiny_config(out: Path, data: Path, **overrides) -> TrainConfig:
+    values = dict(
+        model="tiny",
+        workers=2,
+        sync_period=4,
+        batch_size=2,
+        seq_len=32,
+        steps=12,
+        eval_every=4,
+        eval_tokens=256,
+        log_every=1,
+        data=str(data),
+        out=str(out),
+        device="cpu",
+        progress=False,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def train_until_interrupted(monkeypatch, config: TrainConfig, stop_after: int) -> None:
+    """Run ``config`` as if the process died right after step ``stop_after``."""
+    real_step = trainer.train_step
+
+    def dying_step(run, step):
+        if step == stop_after:
+            raise Interrupted
+        return real_step(run, step)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "train_step", dying_step)
+        with pytest.raises(Interrupted):
+            trainer.train(config)
+
+
+def load_final_state(run_dir: Path) -> dict:
+    return torch.load(ckpt.checkpoint_path(run_dir) / "rank0.pt", weights_only=True)
+
+
+def assert_same_tree(a, b, where: str = "state") -> None:
+    """Exact equality of nested checkpoint contents (tensors with torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def assert_runs_equal(reference_dir: Path, resumed_dir: Path, reference: dict, resumed: dict):
+    ref_state, res_state = load_final_state(reference_dir), load_final_state(resumed_dir)
+    for key in ("step", "params", "optimizer", "sync", "shards", "torch_rng", "comm_events"):
+        assert_same_tree(ref_state[key], res_state[key], key)
+    for key in ("steps", "tokens", "final_val_loss", "bytes_per_worker", "comm_reduction_vs_ddp"):
+        assert resumed[key] == reference[key], key
+    assert resumed["comm_events"] == reference["comm_events"]
+
+    def train_losses(run_dir):
+        return [(r["step"], r["train_loss"]) for r in read_metrics(run_dir) if "train_loss" in r]
+
+    assert train_losses(resumed_dir) == train_losses(reference_dir)
+
+
+# -- a resumed run is the same run ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["mtdao", "diloco"])
+def test_interrupted_run_resumes_exactly(tmp_path, corpus_dir, monkeypatch, method):
+    """Crash after step 6 (inside a K=4 round), resume: bit-identical to the uninterrupted run.
+
+    diloco also carries the outer Nesterov momentum and the anchor across the checkpoint.
+    """
+    reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, method=method))
+
+    out = tmp_path / "resumed"
+    config = tiny_config(out, corpus_dir, method=method, checkpoint_every=3)
+    train_until_interrupted(monkeypatch, config, stop_after=6)
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 6
+    resumed = trainer.train(tiny_config(out, corpus_dir, method=method, resume=True))
+
+    assert_runs_equal(tmp_path / "reference", out, reference, resumed)
+    if method == "diloco":
+        assert load_final_state(out)["sync"]["outer"] is not None
+
+
+def test_extending_a_finished_run_matches_one_long_run(tmp_path, corpus_dir):
+    """--steps 6, then --resume --steps 12: equal to 12 steps straight when the LR does not depend
+    on the length of the run (a cosine schedule does; extending a run changes its schedule)."""
+    flat = dict(schedule="constant", warmup=0.0)
+    reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, **flat))
+
+    out = tmp_path / "extended"
+    trainer.train(tiny_config(out, corpus_dir, steps=6, **flat))
+    resumed = trainer.train(tiny_config(out, corpus_dir, steps=12, resume=True, **flat))
+
+    assert_runs_equal(tmp_path / "reference", out, reference, resumed)
+
+
+# -- resumes that must be refused -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus_dir) -> Path:
+    """A finished 2-step run with its final checkpoint (not to be modified: copy it first)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    trainer.train(tiny_config(out, corpus_dir, steps=2))
+    return out
+
+
+def copy_run(finished_run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [({"lr": 1e-3}, "lr"), ({"method": "diloco"}, "method"), ({"workers": 4}, "workers")],
+)
+def test_resume_refuses_a_changed_config(finished_run, corpus_dir, change, field):
+    config = tiny_config(finished_run, corpus_dir, steps=4, resume=True, **change)
+    with pytest.raises(ckpt.CheckpointError, match=rf"config differs.*\b{field}:"):
+        trainer.train(config)
+
+
+def test_resume_without_a_checkpoint(tmp_path, corpus_dir):
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint to resume from"):
+        trainer.train(tiny_config(tmp_path / "empty", corpus_dir, resume=True))
+
+
+def test_resume_from_a_truncated_checkpoint(finished_run, corpus_dir, tmp_path):
+    out = copy_run(finished_run, tmp_path)
+    weights = out / "checkpoint" / "rank0.pt"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ckpt.CheckpointError, match="corrupted or incomplete"):
+        trainer.train(tiny_config(out, corpus_dir, steps=4, resume=True))
+
+
+def test_resume_past_the_requested_steps(finished_run, corpus_dir):
+    with pytest.raises(ckpt.CheckpointError, match="past --steps 1"):
+        trainer.train(tiny_config(finished_run, corpus_dir, steps=1, resume=True))
+
+
+def test_new_run_refuses_a_directory_holding_a_run(finished_run, corpus_dir):
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+        trainer.train(tiny_config(finished_run, corpus_dir, steps=2))
+
+
+def test_checkpoint_directory_after_a_run(finished_run):
+    """Only the final checkpoint is left: no staging or previous directory, no temporary files."""
+    assert sorted(p.name for p in finished_run.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint"
+    ]
+    assert sorted(p.name for p in (finished_run / "checkpoint").iterdir()) == [
+        "meta.json",
+        "rank0.pt",
+    ]
+    meta = json.loads((finished_run / "checkpoint" / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["world_size"] == 1 and meta["config"]["steps"] == 2
+
+
+# -- checkpoint files themselves ------------------------------------------------------------------
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    ckpt.save_checkpoint(tmp_path, 0, 1, {"step": 1, "x": torch.ones(3)}, {"step": 1})
+
+    def failing_save(obj, handle):
+        handle.write(b"half a file")
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", failing_save)
+        with pytest.raises(OSError, match="disk full"):
+            ckpt.save_checkpoint(tmp_path, 0, 1, {"step": 2, "x": torch.zeros(3)}, {"step": 2})
+
+    assert ckpt.load_meta(tmp_path)["step"] == 1
+    state = ckpt.load_checkpoint(tmp_path, 0, 1)
+    assert state["step"] == 1 and torch.equal(state["x"], torch.ones(3))
+    # the next successful save replaces it and clears the staging directory
+    ckpt.save_checkpoint(tmp_path, 0, 1, {"step": 3, "x": torch.zeros(3)}, {"step": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    assert ckpt.load_checkpoint(tmp_path, 0, 1)["step"] == 3
+
+
+def test_checkpoint_of_another_world_size_is_refused(tmp_path):
+    ckpt.save_checkpoint(tmp_path, 0, 1, {"step": 1}, {"step": 1})
+    with pytest.raises(ckpt.CheckpointError, match="written by 1 process"):
+        ckpt.load_checkpoint(tmp_path, 0, 4)
+
+
+def test_checkpoint_loading_refuses_arbitrary_objects(tmp_path):
+    """weights_only loading: a pickled object that is not plain data is reported as corrupted."""
+    ckpt.save_checkpoint(tmp_path, 0, 1, {"step": 1, "payload": Interrupted()}, {"step": 1})
+    with pytest.raises(ckpt.CheckpointError, match="corrupted or incomplete"):
+        ckpt.load_checkpoint(tmp_path, 0, 1)
