@@ -75,8 +75,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="steps per optimizer per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's)")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 
 import pytest
 
@@ -83,7 +84,11 @@ def test_stats_mean_and_sample_std():
 
 
 def test_steps_to_target_is_first_eval_at_or_below():
-    evals = [{"step": 10, "val_loss": 2.0}, {"step": 20, "val_loss": 1.0}, {"step": 30, "val_loss": 0.9}]
+    evals = [
+        {"step": 10, "val_loss": 2.0},
+        {"step": 20, "val_loss": 1.0},
+        {"step": 30, "val_loss": 0.9},
+    ]
     assert report.steps_to_target(evals, 1.0) == 20  # "at" counts
     assert report.steps_to_target(evals, 1.5) == 20
     assert report.steps_to_target(evals, 5.0) == 10
@@ -111,9 +116,13 @@ def test_summary_traffic_wallclock_and_targets():
     assert local["steps_to_target"]["reached"] == 0
     assert summary["compute_s_per_step"] == pytest.approx(0.01)
     link = wallclock.LINK_PRESETS["1gbit"]
-    expected = wallclock.run_seconds(0.01, [(s, 3 * PARAM_BYTES) for s in range(K, 101, K)], 4, link, steps=100)
+    expected = wallclock.run_seconds(
+        0.01, [(s, 3 * PARAM_BYTES) for s in range(K, 101, K)], 4, link, steps=100
+    )
     assert local["wallclock"]["1gbit"]["run_s"]["mean"] == pytest.approx(expected)
-    ddp_to_target = wallclock.time_to_step(0.01, [(s, PARAM_BYTES) for s in range(1, 101)], 4, link, step=100)
+    ddp_to_target = wallclock.time_to_step(
+        0.01, [(s, PARAM_BYTES) for s in range(1, 101)], 4, link, step=100
+    )
     assert ddp["wallclock"]["1gbit"]["to_target_s"]["mean"] == pytest.approx(ddp_to_target)
     assert local["alignment"]["cosine_mean"] == pytest.approx(0.9)
 
@@ -152,10 +161,14 @@ def test_verdict_tie_with_ddp_counts_as_matching():
 
 
 def test_verdict_partial_and_unchecked():
-    summary = fake_compare({"ddp": [0.70, 0.71, 0.72], "local-adam": [0.70, 0.71, 0.72], "mtdao": [0.70, 0.71, 0.72]})
+    summary = fake_compare(
+        {"ddp": [0.70, 0.71, 0.72], "local-adam": [0.70, 0.71, 0.72], "mtdao": [0.70, 0.71, 0.72]}
+    )
     text = report.verdict(summary)
     assert "DiLoCo was not run" in text
-    assert "holds only in part: MT-DAO matches or beats DDP, but it does not beat Local Adam" in text
+    assert (
+        "holds only in part: MT-DAO matches or beats DDP, but it does not beat Local Adam" in text
+    )
 
 
 def test_report_and_plots_are_written(tmp_path):
@@ -165,7 +178,9 @@ def test_report_and_plots_are_written(tmp_path):
         "losses": {"ddp": {"0.004": 0.8, "0.008": 0.75}, "mtdao": {"0.004": 0.72, "0.008": None}},
         "best": {"ddp": 8e-3, "mtdao": 4e-3},
     }
-    summary = fake_compare({"ddp": [0.75, 0.76, 0.77], **BASELINES, "mtdao": [0.70, 0.71, 0.72]}, sweep=sweep)
+    summary = fake_compare(
+        {"ddp": [0.75, 0.76, 0.77], **BASELINES, "mtdao": [0.70, 0.71, 0.72]}, sweep=sweep
+    )
     text = report.render_compare_report(summary)
     assert "## Verdict" in text and "## Learning-rate sweep" in text
     assert "| MT-DAO | 0.008 | 0.7100 ± 0.0100 |" in text
@@ -183,16 +198,29 @@ def test_ablation_summary_slopes_and_plot(tmp_path):
         name: {k: [fake_run("local-adam", 0, 0.70 + slope * math.log2(k))] for k in (8, 32, 128)}
         for name, slope in slopes.items()
     }
-    settings = {"model": "micro", "workers": 4, "steps": STEPS, "batch_size": 2, "seq_len": 16,
-                "tokens": 1, "periods": [8, 32, 128], "seeds": [0], "lrs": {"ddp": 8e-3}, "omega": 0.9,
-                "optimizer": "adam"}
+    settings = {
+        "model": "micro",
+        "workers": 4,
+        "steps": STEPS,
+        "batch_size": 2,
+        "seq_len": 16,
+        "tokens": 1,
+        "periods": [8, 32, 128],
+        "seeds": [0],
+        "lrs": {"ddp": 8e-3},
+        "omega": 0.9,
+        "optimizer": "adam",
+    }
     summary = ablation.summarize_ablation(ddp, per_variant, variants, settings)
     for name, slope in slopes.items():
         assert summary["variants"][name]["slope_per_doubling"] == pytest.approx(slope)
     text = ablation.render_ablation_report(summary)
     assert "beta 0.995 degrades more slowly than beta 0.99" in text
     assert "(+0.1500)" in text  # Local Adam at K = 8: 0.05 * 3
-    curves = {n: {"periods": [8, 32, 128], "degradation": [s * 3, s * 5, s * 7]} for n, s in slopes.items()}
+    curves = {
+        n: {"periods": [8, 32, 128], "degradation": [s * 3, s * 5, s * 7]}
+        for n, s in slopes.items()
+    }
     assert plots.plot_degradation_vs_k(curves, tmp_path / "d.png", "t").stat().st_size > 10_000
 
 
@@ -203,9 +231,20 @@ def test_config_to_args_round_trips_through_the_train_parser():
     from mtdao.cli import build_parser
     from mtdao.train.command import config_from_args
 
-    config = TrainConfig(method="mtdao", betas=(0.95, 0.99), omegas=(0.3, 0.4), lr=1.6e-2, steps=7,
-                         sync_policy="half-life", progress=False, bf16=False, model="micro",
-                         track_alignment=False, omega_warmup=0.25, data="x.txt")
+    config = TrainConfig(
+        method="mtdao",
+        betas=(0.95, 0.99),
+        omegas=(0.3, 0.4),
+        lr=1.6e-2,
+        steps=7,
+        sync_policy="half-life",
+        progress=False,
+        bf16=False,
+        model="micro",
+        track_alignment=False,
+        omega_warmup=0.25,
+        data="x.txt",
+    )
     args = build_parser().parse_args(["train", *suite.config_to_args(config)])
     assert config_from_args(args) == config
 
@@ -223,7 +262,9 @@ def test_suite_reuses_finished_runs_and_refuses_stale_ones(tmp_path):
     config = TrainConfig(model="micro", steps=3, progress=False)
     run_dir = suite.run_dir_of(tmp_path, "a")
     run_dir.mkdir(parents=True)
-    (run_dir / "results.json").write_text(json.dumps({"final_val_loss": 1.0, "config": config.to_dict()}))
+    (run_dir / "results.json").write_text(
+        json.dumps({"final_val_loss": 1.0, "config": config.to_dict()})
+    )
     lines = []
     result = suite.run_suite([("a", config)], tmp_path, log=lines.append)
     assert result.results["a"]["final_val_loss"] == 1.0 and "1/1 runs already finished" in lines[0]
@@ -235,7 +276,9 @@ def test_half_finished_run_dir_is_resumed_or_wiped(tmp_path):
     config = TrainConfig(model="micro", steps=3, progress=False)
     run_dir = tmp_path / "r"
     (run_dir / "checkpoint").mkdir(parents=True)
-    (run_dir / "checkpoint" / "meta.json").write_text(json.dumps({"step": 2, "config": config.to_dict()}))
+    (run_dir / "checkpoint" / "meta.json").write_text(
+        json.dumps({"step": 2, "config": config.to_dict()})
+    )
     assert suite._prepare(run_dir, config).resume
     assert run_dir.exists()
     other = TrainConfig(model="micro", steps=3, lr=1e-3)
@@ -246,17 +289,20 @@ def test_half_finished_run_dir_is_resumed_or_wiped(tmp_path):
 # -- end to end -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compare_end_to_end(tmp_path):
     from mtdao.cli import main
 
     out = tmp_path / "cmp"
-    argv = ["compare", "--methods", "ddp", "mtdao", "--seeds", "0", "--steps", "6", "--model", "micro",
-            "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "512", "--eval-every", "3",
-            "--out", str(out)]
+    argv = shlex.split(
+        "compare --methods ddp mtdao --seeds 0 --steps 6 --model micro --batch-size 2 "
+        "--seq-len 16 --eval-tokens 512 --eval-every 3 --sync-period 2 --threads 1"
+    ) + ["--out", str(out)]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"ddp", "mtdao"}
     assert results["methods"]["ddp"]["traffic_vs_ddp"] == pytest.approx(1.0)
+    assert results["methods"]["mtdao"]["alignment"]["syncs_per_run"] == 3
     text = (out / "report.md").read_text()
     assert "## Verdict" in text and "| DDP | 0.008 |" in text
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "alignment.png", "traffic.png"):

@@ -89,9 +89,11 @@ def sweep_learning_rates(args, methods, out: Path) -> tuple[dict[str, Any], dict
     from mtdao.experiments.report import lr_key
 
     seed, lrs = args.seeds[0], sorted(set(args.lr_sweep))
-    runs = [(run_name(m, lr, seed), method_config(args, m, seed, lr)) for m in methods for lr in lrs]
+    runs = [
+        (run_name(m, lr, seed), method_config(args, m, seed, lr)) for m in methods for lr in lrs
+    ]
     print(f"LR sweep: {len(methods)} methods x {len(lrs)} LRs on seed {seed}")
-    suite = run_suite(runs, out, jobs=args.jobs)
+    suite = run_suite(runs, out, jobs=args.jobs, threads=args.threads)
     losses: dict[str, dict[str, float | None]] = {}
     best: dict[str, float | None] = {}
     for method in methods:
@@ -135,17 +137,26 @@ def run_compare(args: argparse.Namespace) -> int:
                 print(f"{method}: no LR of the sweep finished; it is left out of the comparison")
     elif swept:
         chosen.update({m: DEFAULT_LR[args.optimizer] for m in swept})
-    methods = [m for m in methods if m in chosen]
+    requested, methods = methods, [m for m in methods if m in chosen]
 
-    runs = [(run_name(m, chosen[m], s), method_config(args, m, s, chosen[m])) for m in methods for s in seeds]
+    runs = [
+        (run_name(m, chosen[m], s), method_config(args, m, s, chosen[m]))
+        for m in methods
+        for s in seeds
+    ]
     print(f"comparison: {len(methods)} methods x {len(seeds)} seeds in {out}")
-    suite = run_suite(runs, out, jobs=args.jobs)
+    suite = run_suite(runs, out, jobs=args.jobs, threads=args.threads)
     all_results.update(suite.results)
     failures.update(suite.failures)
     runs_by_method = {
-        m: [suite.results[name] for s in seeds if (name := run_name(m, chosen[m], s)) in suite.results]
+        m: [
+            suite.results[name]
+            for s in seeds
+            if (name := run_name(m, chosen[m], s)) in suite.results
+        ]
         for m in methods
     }
+    runs_by_method.update({m: [] for m in requested if m not in chosen})  # reported as missing
     if not any(runs_by_method.values()):
         raise ValueError(f"no run finished; see the train.log files under {out / 'runs'}")
     summary = summarize_compare(
@@ -200,6 +211,8 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
         "omegas": args.omegas,
         "omega_warmup": args.omega_warmup,
         "sync_policy": args.sync_policy,
+        "jobs": args.jobs,
+        "threads": args.threads,
         "command": command_line(args),
     }
 
@@ -207,7 +220,23 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
 def command_line(args: argparse.Namespace) -> str:
     """``mtdao compare`` with every resolved flag, to rerun exactly this comparison."""
     parts = ["mtdao", "compare", "--methods", *args.methods, "--seeds", *map(str, args.seeds)]
-    for name in ("model", "optimizer", "workers", "steps", "batch_size", "seq_len", "sync_period", "eval_every", "eval_tokens", "data", "tokenizer", "sync_policy", "out"):
+    for name in (
+        "model",
+        "optimizer",
+        "workers",
+        "steps",
+        "batch_size",
+        "seq_len",
+        "sync_period",
+        "eval_every",
+        "eval_tokens",
+        "data",
+        "tokenizer",
+        "sync_policy",
+        "jobs",
+        "threads",
+        "out",
+    ):
         value = getattr(args, name)
         if value is not None:
             parts += [f"--{name.replace('_', '-')}", str(value)]

@@ -100,14 +100,25 @@ def plot_loss_vs_tokens(summary: Mapping[str, Any], path: Path) -> Path:
             means.append(mean)
             n = values.shape[0]
             for ax in (full, zoom):
-                ax.plot(tokens, mean, color=color(method), lw=2, label=f"{_name(summary, method)} ({n} seed{'s' * (n > 1)})")
+                ax.plot(
+                    tokens,
+                    mean,
+                    color=color(method),
+                    lw=2,
+                    label=f"{_name(summary, method)} ({n} seed{'s' * (n > 1)})",
+                )
                 if n > 1:
-                    ax.fill_between(tokens, values.min(0), values.max(0), color=color(method), alpha=0.15, lw=0)
+                    ax.fill_between(
+                        tokens, values.min(0), values.max(0), color=color(method), alpha=0.15, lw=0
+                    )
         for ax in (full, zoom):
             _target_line(ax, summary)
             ax.set_xlabel("training tokens (all workers)")
             ax.set_ylabel("validation loss (nats/token)")
         full.set_yscale("log")
+        _plain_log_ticks(full.yaxis)
+        for ax in (full, zoom):
+            ax.xaxis.set_major_formatter(_eng())
         full.set_title("Validation loss vs tokens")
         zoom.set_title("Second half, zoomed (dashed: DDP's final loss)")
         if means:
@@ -119,6 +130,25 @@ def plot_loss_vs_tokens(summary: Mapping[str, Any], path: Path) -> Path:
         fig.savefig(path)
         plt.close(fig)
     return Path(path)
+
+
+def _eng(unit: str = ""):
+    from matplotlib.ticker import EngFormatter
+
+    return EngFormatter(unit=unit, sep="" if not unit else " ")
+
+
+def _plain_log_ticks(axis) -> None:
+    """Log axis labelled 0.7, 1, 2, 3, 5 instead of 7x10^-1, 10^0, ..."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    def text(value, _):
+        mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9) if value > 0 else 0
+        return f"{value:g}" if round(mantissa, 6) in (1, 2, 3, 5) else ""
+
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(text))
+    axis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
 
 
 def _subtitle(summary: Mapping[str, Any]) -> str:
@@ -138,12 +168,23 @@ def _time_unit(seconds: float) -> tuple[str, float]:
     return "h", 3600.0
 
 
+def _focus_xlim(ax, curves) -> None:
+    """Start the x axis where the first curve enters the (zoomed) y range, or at 0 if early."""
+    top = ax.get_ylim()[1]
+    entries = [x[np.argmax(y <= top)] for x, y in curves if (y <= top).any()]
+    right = max(x[-1] for x, _ in curves) if curves else 1.0
+    left = min(entries) if entries else 0.0
+    ax.set_xlim(0.0 if left < 0.3 * right else 0.95 * left, right * 1.03)
+
+
 def plot_loss_vs_time(summary: Mapping[str, Any], path: Path) -> Path:
     plt = _pyplot()
     compute_s = summary["compute_s_per_step"]
     links = [name for name in TIME_LINKS if name in LINK_PRESETS]
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.6), dpi=130, squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(links), figsize=(6 * len(links), 4.6), dpi=130, squeeze=False
+        )
         for ax, name in zip(axes[0], links):
             link = LINK_PRESETS[name]
             curves, ends = [], []
@@ -152,7 +193,13 @@ def plot_loss_vs_time(summary: Mapping[str, Any], path: Path) -> Path:
                 steps, _, values = eval_matrix(runs)
                 times = np.array(
                     [
-                        step_end_times(compute_s, [tuple(e) for e in r["comm_events"]], r["workers"], link, steps=r["steps"])
+                        step_end_times(
+                            compute_s,
+                            [tuple(e) for e in r["comm_events"]],
+                            r["workers"],
+                            link,
+                            steps=r["steps"],
+                        )
                         for r in runs
                     ]
                 ).mean(axis=0)[steps - 1]
@@ -161,17 +208,30 @@ def plot_loss_vs_time(summary: Mapping[str, Any], path: Path) -> Path:
             unit, scale = _time_unit(max(ends) if ends else 1.0)
             for method, times, values in curves:
                 mean = values.mean(axis=0)
-                ax.plot(times / scale, mean, color=color(method), lw=2, label=_name(summary, method))
+                ax.plot(
+                    times / scale, mean, color=color(method), lw=2, label=_name(summary, method)
+                )
                 ax.plot(times[-1] / scale, mean[-1], "o", color=color(method), ms=5)
                 if values.shape[0] > 1:
-                    ax.fill_between(times / scale, values.min(0), values.max(0), color=color(method), alpha=0.15, lw=0)
+                    ax.fill_between(
+                        times / scale,
+                        values.min(0),
+                        values.max(0),
+                        color=color(method),
+                        alpha=0.15,
+                        lw=0,
+                    )
             _target_line(ax, summary)
-            _focus_ylim(ax, [c[2].mean(axis=0) for c in curves], summary.get("target_val_loss"), 0.2)
-            ax.set_title(f"{name}: {link.bandwidth_gbit:g} Gbit/s, {link.latency_s * 1e3:g} ms latency")
+            _focus_ylim(
+                ax, [c[2].mean(axis=0) for c in curves], summary.get("target_val_loss"), 0.2
+            )
+            ax.set_title(
+                f"{name}: {link.bandwidth_gbit:g} Gbit/s, {link.latency_s * 1e3:g} ms latency"
+            )
             ax.set_xlabel(f"modelled wall-clock time ({unit})")
             ax.set_ylabel("validation loss (nats/token)")
-            ax.set_xlim(left=0)
-        axes[0][0].legend(loc="upper right")
+            _focus_xlim(ax, [(c[1] / scale, c[2].mean(axis=0)) for c in curves])
+        axes[0][0].legend(loc="lower left")
         fig.suptitle(
             f"Same tokens, modelled time: compute {compute_s * 1e3:.1f} ms/step for every method "
             "+ ring all-reduces of the logged traffic (dot: end of run)",
@@ -190,7 +250,10 @@ def _alignment_matrix(runs: Sequence[Mapping[str, Any]], key: str):
     common = set.intersection(*({a["step"] for a in r.get("alignment") or []} for r in runs))
     steps = sorted(common)
     values = np.array(
-        [[np.mean(next(a[key] for a in r["alignment"] if a["step"] == s)) for s in steps] for r in runs],
+        [
+            [np.mean(next(a[key] for a in r["alignment"] if a["step"] == s)) for s in steps]
+            for r in runs
+        ],
         dtype=float,
     )
     return np.array(steps), values
@@ -207,12 +270,28 @@ def plot_alignment(summary: Mapping[str, Any], path: Path) -> Path:
                 steps, values = _alignment_matrix(runs, key)
                 if not len(steps):
                     continue
-                ax.plot(steps, values.mean(0), "-", marker="o", ms=3, color=color(method), lw=2, label=_name(summary, method))
+                ax.plot(
+                    steps,
+                    values.mean(0),
+                    "-",
+                    marker="o",
+                    ms=3,
+                    color=color(method),
+                    lw=2,
+                    label=_name(summary, method),
+                )
                 if values.shape[0] > 1:
-                    ax.fill_between(steps, values.min(0), values.max(0), color=color(method), alpha=0.15, lw=0)
-        for level, text in ((0.95, "paper: MT-DAO > 0.95"), (0.7, "paper: Local ADOPT ~0.7")):
-            cos_ax.axhline(level, color="0.5", lw=0.8, ls=":")
-            cos_ax.annotate(text, (0.01, level), xycoords=("axes fraction", "data"), fontsize=8, color="0.4", va="bottom")
+                    ax.fill_between(
+                        steps, values.min(0), values.max(0), color=color(method), alpha=0.15, lw=0
+                    )
+        for level in (0.95, 0.7):
+            cos_ax.axhline(
+                level,
+                color="0.5",
+                lw=0.9,
+                ls=":",
+                label="paper: MT-DAO > 0.95, Local ADOPT ~0.7" if level == 0.95 else None,
+            )
         cos_ax.set_title("Worker / global pseudo-gradient cosine")
         cos_ax.set_xlabel("step (parameter syncs)")
         cos_ax.set_ylabel("cosine, mean over workers")
@@ -221,9 +300,11 @@ def plot_alignment(summary: Mapping[str, Any], path: Path) -> Path:
         drift_ax.set_xlabel("step (parameter syncs)")
         drift_ax.set_ylabel("L2 distance, mean over workers")
         if methods:
-            cos_ax.legend(loc="lower right")
+            cos_ax.legend(loc="best")
         else:
-            cos_ax.text(0.5, 0.5, "no parameter syncs logged", ha="center", transform=cos_ax.transAxes)
+            cos_ax.text(
+                0.5, 0.5, "no parameter syncs logged", ha="center", transform=cos_ax.transAxes
+            )
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
@@ -236,20 +317,41 @@ def plot_traffic(summary: Mapping[str, Any], path: Path) -> Path:
     plt = _pyplot()
     methods = _order(summary)[::-1]  # first method on top
     summaries = summary["methods"]
-    with plt.rc_context({**STYLE, "axes.grid": False}):
+    with plt.rc_context({**STYLE, "axes.grid": False, "axes.axisbelow": True}):
         fig, ax = plt.subplots(figsize=(8, 0.6 * len(methods) + 1.6), dpi=130)
         sent = [max(summaries[m]["bytes_per_worker"], 1.0) for m in methods]
-        ax.barh([_name(summary, m) for m in methods], sent, color=[color(m) for m in methods], height=0.6)
+        floor = min(sent) / 10
+        ax.barh(
+            [_name(summary, m) for m in methods],
+            [v - floor for v in sent],
+            left=floor,
+            color=[color(m) for m in methods],
+            height=0.6,
+        )
         ax.set_xscale("log")
-        ax.grid(axis="x", alpha=0.3, which="both")
+        ax.xaxis.set_major_formatter(_eng("B"))
+        ax.grid(axis="x", alpha=0.3, which="major")
         for y, method in enumerate(methods):
             info = summaries[method]
             ratio = info["traffic_vs_ddp"]
             text = format_bytes(info["bytes_per_worker"])
             if method != "ddp":
-                text += "  (nothing sent)" if math.isinf(ratio) else f"  ({ratio:.1f}x less than DDP)" if ratio >= 1 else f"  ({1 / ratio:.1f}x more than DDP)"
-            ax.annotate(text, (sent[y], y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=9)
-        ax.set_xlim(right=max(sent) * 30)
+                text += (
+                    "  (nothing sent)"
+                    if math.isinf(ratio)
+                    else f"  ({ratio:.1f}x less than DDP)"
+                    if ratio >= 1
+                    else f"  ({1 / ratio:.1f}x more than DDP)"
+                )
+            ax.annotate(
+                text,
+                (sent[y], y),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=9,
+            )
+        ax.set_xlim(floor, max(sent) * 12)
         ax.set_xlabel("bytes sent per worker over the run (log scale)")
         ax.set_title("Communication per worker")
         fig.tight_layout()
@@ -277,16 +379,26 @@ def plot_degradation_vs_k(
     """One line per variant: ``curves[variant] = {"periods", "degradation", "std", "color", "linestyle"}``."""
     plt = _pyplot()
     with plt.rc_context(STYLE):
-        fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=130)
+        fig, ax = plt.subplots(figsize=(10, 4.8), dpi=130)
         periods_seen: set[int] = set()
         for variant, curve in curves.items():
             periods = np.array(curve["periods"], dtype=float)
             values = np.array(curve["degradation"], dtype=float)
             periods_seen.update(curve["periods"])
-            ax.plot(periods, values, marker="o", lw=2, color=curve.get("color"), ls=curve.get("linestyle", "-"), label=variant)
+            ax.plot(
+                periods,
+                values,
+                marker="o",
+                lw=2,
+                color=curve.get("color"),
+                ls=curve.get("linestyle", "-"),
+                label=variant,
+            )
             std = np.array(curve.get("std") or [0.0] * len(values), dtype=float)
             if std.any():
-                ax.fill_between(periods, values - std, values + std, color=curve.get("color"), alpha=0.12, lw=0)
+                ax.fill_between(
+                    periods, values - std, values + std, color=curve.get("color"), alpha=0.12, lw=0
+                )
         ax.axhline(0.0, color=color("ddp"), lw=1, ls="--")
         ax.annotate("DDP", (0.01, 0.0), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
         ax.set_xscale("log", base=2)
@@ -296,7 +408,7 @@ def plot_degradation_vs_k(
         ax.set_xlabel("sync period K (log2 scale)")
         ax.set_ylabel("final val loss minus DDP's")
         ax.set_title(title)
-        ax.legend(loc="upper left")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
         if subtitle:
             fig.suptitle(subtitle, fontsize=9, color="0.35", y=0.01, va="bottom")
             fig.tight_layout(rect=(0, 0.04, 1, 1))

@@ -111,9 +111,7 @@ def summarize_method(
         totals, to_target = [], []
         for run, step in zip(runs, reached):
             events = [tuple(e) for e in run["comm_events"]]
-            totals.append(
-                run_seconds(compute_s, events, run["workers"], link, steps=run["steps"])
-            )
+            totals.append(run_seconds(compute_s, events, run["workers"], link, steps=run["steps"]))
             if step is not None:
                 to_target.append(time_to_step(compute_s, events, run["workers"], link, step=step))
         wallclock[name] = {"run_s": stats(totals), "to_target_s": stats(to_target)}
@@ -146,9 +144,7 @@ def alignment_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
         return None
 
     def mean_of(key: str, late: bool) -> float:
-        values = [
-            v for steps, a in records if not late or a["step"] > 0.75 * steps for v in a[key]
-        ]
+        values = [v for steps, a in records if not late or a["step"] > 0.75 * steps for v in a[key]]
         return statistics.fmean(values) if values else math.nan
 
     return {
@@ -187,7 +183,9 @@ def summarize_compare(
             name: {"bandwidth_gbit": link.bandwidth_gbit, "latency_s": link.latency_s}
             for name, link in links.items()
         },
-        "methods": {m: summarize_method(runs, target, compute_s, links) for m, runs in present.items()},
+        "methods": {
+            m: summarize_method(runs, target, compute_s, links) for m, runs in present.items()
+        },
         "missing_methods": [m for m, r in runs_by_method.items() if not r],
         "sweep": dict(sweep) if sweep else None,
         "failures": dict(failures or {}),
@@ -242,7 +240,9 @@ def verdict(summary: Mapping[str, Any]) -> str:
             continue
         outcome, sentence = _versus(summary, "mtdao", other)
         findings.append(sentence)
-        checks.append((claim, outcome in ("better", "tie") if other == "ddp" else outcome == "better"))
+        checks.append(
+            (claim, outcome in ("better", "tie") if other == "ddp" else outcome == "better")
+        )
     held = [claim for claim, holds in checks if holds]
     failed = [_negate(claim) for claim, holds in checks if not holds]
     if checks and not failed:
@@ -347,6 +347,8 @@ def _relative(value: float, reference: float) -> str:
 def format_seconds(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "—"
+    if seconds < 1:
+        return f"{seconds * 1e3:.0f} ms"
     if seconds < 120:
         return f"{seconds:.1f} s"
     if seconds < 7200:
@@ -355,7 +357,7 @@ def format_seconds(seconds: float | None) -> str:
 
 
 def format_bytes(num_bytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if num_bytes >= size:
             return f"{num_bytes / size:.1f} {unit}"
     return f"{num_bytes:.0f} B"
@@ -415,7 +417,11 @@ def render_compare_report(summary: Mapping[str, Any]) -> str:
         lines.append(
             f"- {label(method)}: lr {st['lr']:.3g}, betas {st['betas']}, omegas {st['omegas']}, "
             f"beta2 {st['beta2']}, sync `{policy}`"
-            + (f", omega warm-up {s['omega_warmup']:g}" if s.get("omega_warmup") and method in ("mtdao", "qh-ddp") else "")
+            + (
+                f", omega warm-up {s['omega_warmup']:g}"
+                if s.get("omega_warmup") and method in ("mtdao", "qh-ddp")
+                else ""
+            )
         )
     if s.get("command"):
         lines += ["", f"Command: `{s['command']}`"]
@@ -550,10 +556,16 @@ def render_sweep(sweep: Mapping[str, Any]) -> list[str]:
         cells = []
         for lr in lrs:
             loss = losses.get(lr_key(lr))
-            text = "failed" if loss is None else ("diverged" if not math.isfinite(loss) else f"{loss:.4f}")
+            text = (
+                "failed"
+                if loss is None
+                else ("diverged" if not math.isfinite(loss) else f"{loss:.4f}")
+            )
             cells.append(f"**{text}**" if best is not None and lr == best else text)
         edge = best is not None and len(lrs) > 1 and best in (min(lrs), max(lrs))
-        rows.append([label(method), *cells, f"{best:.3g}" + (" (edge)" if edge else "") if best else "—"])
+        rows.append(
+            [label(method), *cells, f"{best:.3g}" + (" (edge)" if edge else "") if best else "—"]
+        )
     lines += _table(["method", *(f"lr {lr:.3g}" for lr in lrs), "chosen"], rows)
     lines.append("")
     return lines

@@ -230,7 +230,7 @@ def outcome(method: str, stats: dict[str, Any]) -> str:
     elif stats["diverged"] == n:
         verdict = f"diverged on all {n} seeds"
     elif stats["converged"] == 0 and stats["diverged"] == 0:
-        verdict = f"neither diverged nor converged on any of {n} seeds (it stalls)"
+        verdict = f"did not converge on any of {n} seeds, nor diverge (it ends far from (1, 1))"
     else:
         verdict = f"converged on {stats['converged']}, diverged on {stats['diverged']} of {n} seeds"
     return f"**{method}** {verdict}: {where}."

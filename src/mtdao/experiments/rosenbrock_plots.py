@@ -13,7 +13,7 @@ from mtdao.experiments.rosenbrock import METHODS, OPTIMUM
 STYLE = {  # method -> (colour, label)
     "local-adam": ("tab:red", "Local Adam"),
     "mtdao": ("tab:blue", "MT-DAO"),
-    "ddp": ("0.35", "DDP (Adam, β=0.9, reference)"),
+    "ddp": ("0.2", "DDP (Adam, β=0.9, reference)"),
 }
 
 
@@ -57,7 +57,7 @@ def plot_trajectories(results: list[dict[str, Any]], path: Path, settings: str) 
     f = (1 - x1) ** 2 + 100 * (x2 - x1**2) ** 2
 
     fig, ax = plt.subplots(figsize=(7.0, 5.6), dpi=120)
-    filled = ax.contourf(x1, x2, np.log10(f + 1e-3), levels=30, cmap="Greys_r", alpha=0.75)
+    filled = ax.contourf(x1, x2, np.log10(f + 1e-3), levels=30, cmap="Greys_r", alpha=0.45)
     ax.contour(x1, x2, np.log10(f + 1e-3), levels=15, colors="white", linewidths=0.4, alpha=0.6)
     fig.colorbar(filled, ax=ax, label="log10 f(x1, x2)")
     for method, runs in _by_method(results).items():
@@ -65,8 +65,17 @@ def plot_trajectories(results: list[dict[str, Any]], path: Path, settings: str) 
         for i, run in enumerate(runs):
             path_xy = np.array([p[1:] for p in run["trajectory"]], dtype=float)
             label = f"{_label(run)}, {_seeds_note(runs)}" if i == 0 else None
-            dashes = (4, 2) if method == "ddp" else ()
-            ax.plot(*path_xy.T, color=colour, lw=1.4, alpha=0.85, label=label, dashes=dashes)
+            # the reference is drawn thin, dashed and underneath: it follows MT-DAO's path closely
+            reference = method == "ddp"
+            ax.plot(
+                *path_xy.T,
+                color=colour,
+                lw=1.0 if reference else 1.8,
+                alpha=0.9,
+                label=label,
+                dashes=(4, 2) if reference else (),
+                zorder=2 if reference else 3,
+            )
             ax.plot(*path_xy[-1], "o", color=colour, ms=4)
     start = results[0]["start"]
     ax.plot(*start, "s", color="tab:green", ms=9, mec="k", label=f"start {tuple(start)}", zorder=5)
@@ -76,7 +85,7 @@ def plot_trajectories(results: list[dict[str, Any]], path: Path, settings: str) 
     ax.set_xlabel("x1")
     ax.set_ylabel("x2")
     ax.set_title(f"Global (worker-averaged) point on noisy Rosenbrock\n{settings}", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -35,10 +35,11 @@ from pathlib import Path
 
 from mtdao.experiments.netem import HOST_IFACE, EmulatedLink, LinkUnavailable, emulated_link
 from mtdao.experiments.netem import measure_throughput_mbit as measure_link_mbit
+from mtdao.model.presets import MODEL_PRESETS
+from mtdao.sync.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
 
 DEFAULT_RATES = (100.0, 1000.0)
 DEFAULT_METHODS = ("ddp", "mtdao")
-GRADIENT_AVERAGING = ("ddp", "qh-ddp")
 FIRST_PORT = 29500
 
 
@@ -47,16 +48,19 @@ FIRST_PORT = 29500
 
 def train_argv(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     """``mtdao train`` flags of one run; local methods get ``--local-steps`` steps."""
-    steps = args.steps if method in GRADIENT_AVERAGING else (args.local_steps or args.steps)
+    steps = args.steps if method in GRADIENT_AVERAGING_METHODS else local_steps(args)
     argv = ["--method", method, "--workers", str(args.workers), "--steps", str(steps)]
     argv += ["--model", args.model, "--sync-period", str(args.sync_period)]
     argv += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
-    argv += ["--eval-every", str(eval_every(args)), "--log-every", str(args.sync_period)]
+    every = args.eval_every or eval_every(args.steps, args.sync_period)
+    argv += ["--eval-every", str(every), "--log-every", str(args.sync_period)]
     argv += ["--eval-tokens", str(args.eval_tokens), "--seed", str(args.seed)]
     argv += ["--out", str(run_dir), "--no-progress"]
+    if args.data is not None:
+        argv += ["--data", args.data]
     if args.lr is not None:
         argv += ["--lr", str(args.lr)]
-    if method not in ("ddp", "local-adam", "diloco", "desloc"):  # the multi-timescale methods
+    if method in MULTI_TIMESCALE_METHODS:
         if args.betas:
             argv += ["--betas", *map(str, args.betas)]
         if args.omegas:
@@ -64,11 +68,13 @@ def train_argv(method: str, args: argparse.Namespace, run_dir: Path) -> list[str
     return argv
 
 
-def eval_every(args: argparse.Namespace) -> int:
-    """About 10 evaluations over DDP's steps, on a multiple of K."""
-    if args.eval_every:
-        return args.eval_every
-    return args.sync_period * max(1, round(args.steps / 10 / args.sync_period))
+def local_steps(args: argparse.Namespace) -> int:
+    return args.local_steps if args.local_steps is not None else 2 * args.steps
+
+
+def eval_every(steps: int, sync_period: int) -> int:
+    """About 10 evaluations over ``steps``, on a multiple of K (right after an average)."""
+    return sync_period * max(1, round(steps / 10 / sync_period))
 
 
 def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -228,9 +234,7 @@ def time_to_loss(evals: list[dict], target: float) -> float | None:
         if record["val_loss"] <= target:
             if not math.isfinite(previous["val_loss"]):
                 return record["wall_time_s"]
-            fraction = (previous["val_loss"] - target) / (
-                previous["val_loss"] - record["val_loss"]
-            )
+            fraction = (previous["val_loss"] - target) / (previous["val_loss"] - record["val_loss"])
             return previous["wall_time_s"] + fraction * (
                 record["wall_time_s"] - previous["wall_time_s"]
             )
@@ -307,32 +311,37 @@ def report_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out: Path, rows: list[dict], command: str) -> Path:
-    first = rows[0]
+def write_report(out: Path, rows: list[dict], command: str, workers: int) -> Path:
+    import torch
+
+    runs = "\n".join(
+        f"- {r['method']} at {r['rate_mbit']:g} Mbit/s: {r['process_time_s']:.0f} s from launch to "
+        f"exit, load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}"
+        for r in rows
+    )
     text = f"""# Slow link: DDP vs local updates, measured on an emulated link
 
 Command: `{command}`
 
-{first["parameters"]:,} parameters, {len(rows) and _workers(rows)} gloo workers, one per network namespace;
-every byte between them crosses a token-bucket link of the given rate (up and down per worker).
+{rows[0]["parameters"]:,} parameters, {workers} gloo worker processes (one thread each), one per
+network namespace; every byte between them crosses a token-bucket link of the given rate (upload and
+download per worker). torch {torch.__version__}, {os.cpu_count()} CPU cores.
 
 {report_table(rows)}
 
 - wall time: rank 0's training-step seconds (waits on collectives included; start-up and
-  evaluation excluded). Speedup = DDP's time / this method's time; "+x% time" < 0 means faster.
+  evaluation excluded). Speedup = DDP's time / this method's time ("-x% time": faster).
 - time to DDP's final loss: first evaluation at or below it, interpolated from the one before.
 - payload: bytes the harness averages per worker (model-size buffers); wire: bytes each worker's
   interface sent (ring all-reduce moves ~2(M-1)/M of the payload, plus TCP/IP headers,
   rendezvous, evaluation averages and loss gathers).
-- compute / comm: per-step seconds outside / inside the averaging calls of rank 0.
+- compute / comm: rank 0's seconds per step outside / inside the averaging calls.
+
+{runs}
 """
     path = out / "report.md"
     path.write_text(text)
     return path
-
-
-def _workers(rows: list[dict]) -> int:
-    return json.loads((Path(rows[0]["run_dir"]) / "config.json").read_text())["workers"]
 
 
 def plot_time_to_loss(out: Path, rows: list[dict]) -> Path:
@@ -368,26 +377,51 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "slow-link",
         help="DDP vs MT-DAO with real gloo workers across an emulated slow link (root)",
-        description=__doc__.split("\n\n")[0].strip("`").replace("``", ""),
+        description="DDP against local-update methods, M real gloo worker processes whose traffic "
+        "crosses an emulated link (network namespaces, token-bucket shaping): measured "
+        "wall-clock to DDP's final validation loss, per link rate. Needs root.",
         epilog="Exit code 0 with 'skipped: <reason>' where the link cannot be built (not root).",
     )
     add = parser.add_argument
     add("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="link Mbit/s")
-    add("--methods", nargs="+", default=list(DEFAULT_METHODS), help="methods (ddp first)")
+    add(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=list(DEFAULT_METHODS),
+        help="methods to compare with ddp (default: %(default)s)",
+    )
     add("--workers", type=int, default=4, help="worker processes M (default: %(default)s)")
     add("--steps", type=int, default=320, help="steps per worker (default: %(default)s)")
     add(
         "--local-steps",
         type=int,
-        help="steps of the local-update methods (default: --steps); more lets them reach DDP's loss",
+        help="steps of the local-update methods (default: 2 x --steps, so that a method that is "
+        "worse per token can still reach DDP's final loss; its iso-token time is read mid-run)",
     )
-    add("--model", default="tiny", help="model preset (default: %(default)s)")
+    add(
+        "--model", default="tiny", choices=MODEL_PRESETS, help="model preset (default: %(default)s)"
+    )
     add("--lr", type=float, help="peak learning rate of every method (default: the harness's)")
     add("--sync-period", type=int, default=32, help="K (default: %(default)s)")
     add("--batch-size", type=int, default=4, help="sequences per worker per step")
     add("--seq-len", type=int, default=64, help="tokens per sequence")
-    add("--betas", type=float, nargs="+", help="momentum decays of the multi-timescale methods")
-    add("--omegas", type=float, nargs="+", help="their mixing weights")
+    add(
+        "--betas",
+        type=float,
+        nargs="+",
+        default=[0.95],
+        help="momentum decays of the multi-timescale methods (default: %(default)s, the best "
+        "found at this scale, SPEC section 6; the harness's 0.99 suits long horizons)",
+    )
+    add(
+        "--omegas",
+        type=float,
+        nargs="+",
+        default=[0.7],
+        help="their weights (default: %(default)s)",
+    )
+    add("--data", help="training text (default: the harness's built-in sources)")
     add("--eval-every", type=int, help="steps between evaluations (default: ~10 per run, on K)")
     add("--eval-tokens", type=int, default=8192, help="held-out tokens per evaluation")
     add("--seed", type=int, default=0, help="seed")
@@ -398,9 +432,8 @@ def add_parser(subparsers) -> None:
 
 
 def run_slow_link(args: argparse.Namespace) -> int:
-    if "ddp" not in args.methods:
-        raise ValueError("--methods must include ddp (the reference)")
-    args.methods = ["ddp"] + [m for m in args.methods if m != "ddp"]
+    # DDP first: its final loss is every other method's target (without it, no comparison)
+    args.methods = sorted(dict.fromkeys(args.methods), key=lambda m: m != "ddp")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "mtdao slow-link " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["slow-link"] else ""
@@ -413,7 +446,7 @@ def run_slow_link(args: argparse.Namespace) -> int:
         return 0
     compare_to_ddp(rows)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    report = write_report(out, rows, command or "mtdao slow-link")
+    report = write_report(out, rows, command or "mtdao slow-link", args.workers)
     plot = plot_time_to_loss(out, rows)
     print(report_table(rows))
     print(f"report: {report}  plot: {plot}  rows: {out / 'results.json'}")

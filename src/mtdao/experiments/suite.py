@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -132,9 +133,9 @@ def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
 
 def _describe(results: dict[str, Any]) -> str:
     loss, ppl = results.get("final_val_loss"), results.get("val_ppl")
-    sent = results.get("bytes_per_worker", 0) / 2**20
+    sent = results.get("bytes_per_worker", 0) / 1e6
     text = f"val {loss:.4f} (ppl {ppl:.2f})" if loss is not None else "no evaluation"
-    return f"{text}  sent {sent:.2f} MiB/worker  {results.get('wall_time_s', 0):.0f}s"
+    return f"{text}  sent {sent:.2f} MB/worker  {results.get('wall_time_s', 0):.0f}s"
 
 
 # -- the suite ------------------------------------------------------------------------------------
@@ -153,15 +154,20 @@ def run_suite(
     *,
     jobs: int = 1,
     cores: int | None = None,
+    threads: int | None = None,
     log: Callable[[str], None] = print,
 ) -> SuiteResult:
     """Train every run not finished yet; return all results, finished earlier or now.
+
+    Each run gets ``threads`` torch threads (default ``max(1, cores // jobs)``).
 
     Raises ValueError before training anything if a finished run in ``out`` has other settings
     than asked for now (its results would silently stand in for a different experiment).
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     names = [name for name, _ in runs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -193,11 +199,18 @@ def run_suite(
             suite.failures[name] = error or "unknown error"
             log(f"[{next(counter)}/{total}] {name:<34} FAILED: {suite.failures[name]}")
 
+    threads = threads or max(1, (cores or available_cores()) // jobs)
     if jobs == 1:
-        for name, config in pending:
-            _train_in_process(name, config, out, finished)
+        import torch
+
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for name, config in pending:
+                _train_in_process(name, config, out, finished)
+        finally:
+            torch.set_num_threads(previous)
     else:
-        threads = max(1, (cores or available_cores()) // jobs)
         _train_in_subprocesses(pending, out, jobs, threads, finished)
     return suite
 
@@ -219,7 +232,7 @@ def _train_in_process(name: str, config: TrainConfig, out: Path, finished) -> No
 def _train_in_subprocesses(pending, out: Path, jobs: int, threads: int, finished) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     queue = list(pending)
-    running: dict[str, tuple[subprocess.Popen, Any]] = {}
+    running: dict[str, subprocess.Popen] = {}
     try:
         while queue or running:
             while queue and len(running) < jobs:
@@ -227,26 +240,23 @@ def _train_in_subprocesses(pending, out: Path, jobs: int, threads: int, finished
                 run_dir = run_dir_of(out, name)
                 launch = _prepare(run_dir, config)
                 run_dir.mkdir(parents=True, exist_ok=True)
-                handle = open(run_dir / LOG_FILE, "a")
                 command = [sys.executable, "-m", "mtdao", "train", *config_to_args(launch)]
-                handle.write("$ " + " ".join(command) + "\n")
-                handle.flush()
-                process = subprocess.Popen(
-                    command, stdout=handle, stderr=subprocess.STDOUT, env=env
-                )
-                running[name] = (process, handle)
+                with open(run_dir / LOG_FILE, "a") as log_file:  # the child keeps its own copy
+                    log_file.write("$ " + shlex.join(command) + "\n")
+                    log_file.flush()
+                    running[name] = subprocess.Popen(
+                        command, stdout=log_file, stderr=subprocess.STDOUT, env=env
+                    )
             time.sleep(0.2)
-            for name in [n for n, (p, _) in running.items() if p.poll() is not None]:
-                process, handle = running.pop(name)
-                handle.close()
+            for name in [n for n, p in running.items() if p.poll() is not None]:
+                returncode = running.pop(name).returncode
                 results = load_results(run_dir_of(out, name))
-                error = None if results else _last_error(run_dir_of(out, name), process.returncode)
+                error = None if results else _last_error(run_dir_of(out, name), returncode)
                 finished(name, results, error)
     finally:
-        for process, handle in running.values():  # interrupted: stop the runs we started
+        for process in running.values():  # interrupted: stop the runs we started
             process.terminate()
             process.wait()
-            handle.close()
 
 
 def _last_error(run_dir: Path, returncode: int) -> str:
@@ -287,6 +297,12 @@ def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: li
         f"(default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_LR.items())})",
     )
     add("--jobs", type=int, default=1, help="runs trained at once in subprocesses (default: 1)")
+    add(
+        "--threads",
+        type=int,
+        help="torch threads per run (default: cores // jobs; 1 is often fastest for tiny "
+        "models on a busy machine)",
+    )
     add("--out", default=out, help=f"output directory (default: {out})")
 
 

@@ -128,14 +128,16 @@ class MultiTimescaleOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         # torch casts loaded floating state to the parameter dtype (it calls
         # Optimizer._process_value_according_to_param_policy by name, so a subclass override is
-        # never seen); put back the saved tensors so float32 state of bf16/fp16 parameters stays
-        # float32, bit for bit. Only the device follows the parameter.
+        # never seen). State of bf16/fp16 parameters is float32 (see _init_state): rebuild it from
+        # the saved tensors, so that it round-trips bit for bit.
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
+            if p.dtype not in LOW_PRECISION_DTYPES:
+                continue
             for key, value in state_dict["state"].get(saved_id, {}).items():
-                if key != "step" and isinstance(value, Tensor):
-                    self.state[p][key] = value.to(device=p.device)
+                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
 
     # -- step ---------------------------------------------------------------------------------
 

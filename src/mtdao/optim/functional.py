@@ -167,10 +167,10 @@ def mt_adopt_multi_tensor(
     if step == 1:
         torch._foreach_copy_(exp_avg_sqs, torch._foreach_mul(grads, grads))
         return
-    normed = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_clamp_min_(normed, eps)
-    torch._foreach_reciprocal_(normed)
-    torch._foreach_mul_(normed, grads)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_clamp_min_(denom, eps)  # max(sqrt(v), eps)
+    normed = torch._foreach_div(grads, denom)  # n = g / max(sqrt(v), eps)
+    del denom
     if clip:
         clip_value = step**0.25
         torch._foreach_clamp_min_(normed, -clip_value)

@@ -181,6 +181,11 @@ class LocalUpdateSync:
                 "use on_non_finite='skip' (CLI: --on-non-finite skip) to leave such workers out"
             )
         excluded = sorted(offenders)
+        if len(excluded) == comm.num_workers:
+            raise NonFiniteError(
+                f"Non-finite value (NaN/inf) at step {step} on every worker ({described}); "
+                "no worker is left to average"
+            )
         logger.warning(
             "step %d: leaving worker(s) %s out of this round (%s)", step, excluded, described
         )

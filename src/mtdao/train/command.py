@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mtdao.model.presets import MODEL_PRESETS
@@ -130,7 +131,8 @@ def run_train(args: argparse.Namespace) -> int:
     from mtdao.train.trainer import train
 
     results = train(config)
-    if results.get("is_main", True):
+    # one summary per job: under torchrun only rank 0 prints it
+    if results.get("is_main", int(os.environ.get("RANK", "0")) == 0):
         out = config.out or f"runs/{config.run_name()}"
         summary = {
             k: results[k]

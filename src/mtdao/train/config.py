@@ -138,13 +138,13 @@ class TrainConfig:
 
     def _validate_momenta(self) -> None:
         for index, beta in enumerate(self.betas or ()):
-            if not 0.0 <= beta < 1.0:
+            if not 0.0 <= beta < 1.0:  # also refuses NaN
                 raise ValueError(f"--betas: {beta} (index {index}) is outside [0, 1)")
         if self.betas is not None and len(self.betas) == 0:
             raise ValueError("--betas: give at least one momentum decay")
         for omega in self.omegas or ():
-            if not omega >= 0.0:
-                raise ValueError(f"--omegas: {omega} is negative")
+            if not (omega >= 0.0 and math.isfinite(omega)):
+                raise ValueError(f"--omegas: {omega} is not a finite number >= 0")
         if self.omegas is not None and sum(self.omegas) > 1.0 + 1e-9:
             raise ValueError(f"--omegas: {list(self.omegas)} sum to {sum(self.omegas):g} > 1")
         if (

@@ -271,6 +271,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 save(run)
     finally:
         progress.close()
+        log.close()
     save(run)
     results = summarize(run)
     if run.is_main:
@@ -278,7 +279,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
         from mtdao.train.plots import plot_run
 
         plot_run(run.run_dir)
-    log.close()
     return results
 
 
@@ -356,7 +356,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "bytes_by_kind": traffic.bytes_by_kind,
         "collectives": traffic.collectives,
         "ddp_bytes_per_worker": ddp_bytes,
-        "comm_reduction_vs_ddp": ddp_bytes / traffic.bytes if traffic.bytes else math.inf,
+        # None when nothing was sent (one worker): JSON has no infinity
+        "comm_reduction_vs_ddp": ddp_bytes / traffic.bytes if traffic.bytes else None,
         "modelled_comm_fraction_of_ddp": communication_per_step(run.sync.policy, state_keys),
         "wall_time_s": run.wall_time_s,
         "compute_s_per_worker_step": run.compute_time_s

@@ -1,0 +1,110 @@
+"""``mtdao slow-link`` plumbing: real workers in network namespaces train, agree, and clean up.
+
+The full experiment takes minutes; this checks the launch path with 2 workers on a fast link for a
+few steps. Needs root and namespaces; skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtdao.cli import main
+from mtdao.experiments import slow_link
+from mtdao.experiments.netem import LinkUnavailable, emulated_link
+from mtdao.train import trainer
+from mtdao.train.config import TrainConfig
+
+CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
+STEPS, SYNC_PERIOD = 4, 2
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for name in CORPUS_MODULES:
+        module = __import__(name, fromlist=["_"])
+        (root / f"{name}.py").write_text(inspect.getsource(module))
+    return root
+
+
+def require_link() -> None:
+    try:
+        with emulated_link(1, 10.0, prefix="mtdaoslowtest"):
+            pass
+    except LinkUnavailable as error:
+        pytest.skip(str(error))
+
+
+def namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split(" ", 1)[0] for line in out.splitlines()]
+
+
+def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
+    corpus_dir, tmp_path, capsys
+):
+    require_link()
+    out = tmp_path / "slow"
+    argv = ["slow-link", "--workers", "2", "--rates", "1000", "--methods", "mtdao"]
+    argv += ["--steps", str(STEPS), "--sync-period", str(SYNC_PERIOD), "--model", "tiny"]
+    argv += ["--batch-size", "2", "--seq-len", "32", "--eval-tokens", "512"]
+    argv += ["--data", str(corpus_dir), "--timeout", "90", "--out", str(out)]
+    assert main(argv) == 0
+    assert "skipped" not in capsys.readouterr().out
+    assert not [ns for ns in namespaces() if ns.startswith("mtdaoslow-")]
+
+    (row,) = json.loads((out / "results.json").read_text())
+    assert (out / "report.md").is_file() and (out / "time_to_loss.png").is_file()
+    assert row["steps"] == STEPS and row["measured_mbit"] > 100
+    # the workers' traffic crossed the link: at least the two parameter/state averages
+    assert row["wire_bytes_per_worker"] >= row["bytes_per_worker"] / 2 > 0
+
+    # the two processes agree: after the final average both hold the same parameters
+    run_dir = Path(row["run_dir"])
+    ranks = [torch.load(run_dir / "checkpoint" / f"rank{r}.pt") for r in range(2)]
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][name], value, rtol=0, atol=0)
+
+    # ... and are the simulated 2-worker run
+    config = TrainConfig(
+        method="mtdao",
+        workers=2,
+        steps=STEPS,
+        sync_period=SYNC_PERIOD,
+        batch_size=2,
+        seq_len=32,
+        eval_tokens=512,
+        eval_every=slow_link.eval_every(STEPS, SYNC_PERIOD),
+        data=str(corpus_dir),
+        out=str(tmp_path / "simulated"),
+        device="cpu",
+        progress=False,
+    )
+    simulated = trainer.train(config)
+    assert row["final_val_loss"] == pytest.approx(simulated["final_val_loss"], abs=1e-5)
+    assert row["bytes_per_worker"] == simulated["bytes_per_worker"]
+
+
+def test_skips_in_one_line_without_root(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert main(["slow-link", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().startswith("skipped: ")
+
+
+def test_time_to_loss_interpolates_between_evaluations():
+    evals = [
+        {"wall_time_s": 10.0, "val_loss": 3.0},
+        {"wall_time_s": 20.0, "val_loss": 2.0},
+        {"wall_time_s": 30.0, "val_loss": 1.5},
+    ]
+    assert slow_link.time_to_loss(evals, 2.5) == pytest.approx(15.0)
+    assert slow_link.time_to_loss(evals, 3.5) == pytest.approx(10.0)
+    assert slow_link.time_to_loss(evals, 1.0) is None
+    assert slow_link.wall_at_step([(10, 5.0), (20, 9.0)], 15) == pytest.approx(7.0)
+    assert slow_link.wall_at_step([(10, 5.0)], 11) is None
