@@ -72,9 +72,12 @@ def check_momenta(betas: Any, omegas: Any) -> tuple[tuple[float, ...], tuple[flo
 
 
 class MultiTimescaleOptimizer(Optimizer):
-    """Base class: a subclass sets ``_has_second_moment`` and implements ``_update``."""
+    """Base class: a subclass names its two kernels and the group entries they take."""
 
     _has_second_moment = True
+    single_tensor_kernel: Callable[..., None]
+    multi_tensor_kernel: Callable[..., None]
+    hyperparameter_names: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -156,11 +159,11 @@ class MultiTimescaleOptimizer(Optimizer):
         # Bucket by (device, dtype, step) so foreach kernels see uniform tensors and one scalar
         # bias correction; parameters normally share one step, so there is normally one bucket.
         buckets: dict[tuple, list[Tensor]] = defaultdict(list)
+        if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             state = self._init_state(p, num_momenta)
             state["step"] += 1
             buckets[(p.device, p.dtype, int(state["step"].item()))].append(p)
@@ -189,4 +192,9 @@ class MultiTimescaleOptimizer(Optimizer):
         group: dict[str, Any],
         foreach: bool,
     ) -> None:
-        raise NotImplementedError
+        kernel = self.multi_tensor_kernel if foreach else self.single_tensor_kernel
+        hyperparameters = {name: group[name] for name in self.hyperparameter_names}
+        if self._has_second_moment:
+            kernel(params, grads, exp_avgs, exp_avg_sqs, step=step, **hyperparameters)
+        else:
+            kernel(params, grads, exp_avgs, **hyperparameters)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-from torch import Tensor
 
 from mtdao.optim.base import MultiTimescaleOptimizer
 from mtdao.optim.functional import mt_adam_multi_tensor, mt_adam_single_tensor
@@ -19,6 +16,10 @@ class MTAdam(MultiTimescaleOptimizer):
     ``torch.optim.AdamW(betas=(b1, beta2))``; with ``omegas=(nu,)`` it is QHAdam with nu2 = 1.
     The default, one slow momentum (0.999) mixed at 0.9, has exactly Adam's memory.
     """
+
+    single_tensor_kernel = staticmethod(mt_adam_single_tensor)
+    multi_tensor_kernel = staticmethod(mt_adam_multi_tensor)
+    hyperparameter_names = ("lr", "betas", "omegas", "beta2", "eps", "weight_decay")
 
     def __init__(
         self,
@@ -41,28 +42,3 @@ class MTAdam(MultiTimescaleOptimizer):
             foreach=foreach,
         )
         super().__init__(params, defaults)
-
-    def _update(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        exp_avgs: list[list[Tensor]],
-        exp_avg_sqs: list[Tensor],
-        step: int,
-        group: dict[str, Any],
-        foreach: bool,
-    ) -> None:
-        kernel = mt_adam_multi_tensor if foreach else mt_adam_single_tensor
-        kernel(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            step=step,
-            lr=group["lr"],
-            betas=group["betas"],
-            omegas=group["omegas"],
-            beta2=group["beta2"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-        )

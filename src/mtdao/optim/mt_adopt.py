@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-from torch import Tensor
 
 from mtdao.optim.base import MultiTimescaleOptimizer
 from mtdao.optim.functional import mt_adopt_multi_tensor, mt_adopt_single_tensor
@@ -19,6 +16,10 @@ class MTAdopt(MultiTimescaleOptimizer):
     ``1 - sum(omegas)``. The first call only initializes the second moment (official ADOPT
     convention). ``betas=(b1,), omegas=(1.0,)`` is plain ADOPT with clipping.
     """
+
+    single_tensor_kernel = staticmethod(mt_adopt_single_tensor)
+    multi_tensor_kernel = staticmethod(mt_adopt_multi_tensor)
+    hyperparameter_names = ("lr", "betas", "omegas", "beta2", "eps", "weight_decay", "clip")
 
     def __init__(
         self,
@@ -43,29 +44,3 @@ class MTAdopt(MultiTimescaleOptimizer):
             foreach=foreach,
         )
         super().__init__(params, defaults)
-
-    def _update(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        exp_avgs: list[list[Tensor]],
-        exp_avg_sqs: list[Tensor],
-        step: int,
-        group: dict[str, Any],
-        foreach: bool,
-    ) -> None:
-        kernel = mt_adopt_multi_tensor if foreach else mt_adopt_single_tensor
-        kernel(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            step=step,
-            lr=group["lr"],
-            betas=group["betas"],
-            omegas=group["omegas"],
-            beta2=group["beta2"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            clip=group["clip"],
-        )

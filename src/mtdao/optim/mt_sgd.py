@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-from torch import Tensor
 
 from mtdao.optim.base import MultiTimescaleOptimizer
 from mtdao.optim.functional import mt_sgd_multi_tensor, mt_sgd_single_tensor
@@ -18,6 +15,10 @@ class MTSGD(MultiTimescaleOptimizer):
     with ``torch.optim.SGD(momentum=b)``. The default, one momentum 0.9 at weight 1, is that EMA form
     of heavy-ball SGD.
     """
+
+    single_tensor_kernel = staticmethod(mt_sgd_single_tensor)
+    multi_tensor_kernel = staticmethod(mt_sgd_multi_tensor)
+    hyperparameter_names = ("lr", "betas", "omegas", "weight_decay")
 
     _has_second_moment = False
 
@@ -34,24 +35,3 @@ class MTSGD(MultiTimescaleOptimizer):
             lr=lr, betas=betas, omegas=omegas, weight_decay=weight_decay, foreach=foreach
         )
         super().__init__(params, defaults)
-
-    def _update(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        exp_avgs: list[list[Tensor]],
-        exp_avg_sqs: list[Tensor],
-        step: int,
-        group: dict[str, Any],
-        foreach: bool,
-    ) -> None:
-        kernel = mt_sgd_multi_tensor if foreach else mt_sgd_single_tensor
-        kernel(
-            params,
-            grads,
-            exp_avgs,
-            lr=group["lr"],
-            betas=group["betas"],
-            omegas=group["omegas"],
-            weight_decay=group["weight_decay"],
-        )

@@ -46,8 +46,8 @@ class OptimizerSettings:
 
 # Fast momentum of the baselines and the slow one of MT-DAO, per base optimizer.
 BASELINE_BETAS = {"adam": (0.9,), "adopt": (0.9,), "sgdm": (0.9,)}
-MTDAO_BETAS = {"adam": (0.99,), "adopt": (0.999,), "sgdm": (0.99,)}
-MTDAO_OMEGAS = {"adam": (0.9,), "adopt": (0.9,), "sgdm": (0.9,)}
+MTDAO_BETAS = {"adam": (0.95,), "adopt": (0.999,), "sgdm": (0.99,)}
+MTDAO_OMEGAS = {"adam": (0.7,), "adopt": (0.9,), "sgdm": (0.9,)}
 DEFAULT_BETA2 = {"adam": 0.95, "adopt": 0.9999}
 DEFAULT_EPS = {"adam": 1e-8, "adopt": 1e-6}
 
