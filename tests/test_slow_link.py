@@ -52,7 +52,8 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
     require_link()
     out = tmp_path / "slow"
     argv = ["slow-link", "--workers", "2", "--rates", "1000", "--methods", "mtdao"]
-    argv += ["--steps", str(STEPS), "--sync-period", str(SYNC_PERIOD), "--model", "tiny"]
+    argv += ["--steps", str(STEPS), "--local-steps", str(STEPS), "--sync-period", str(SYNC_PERIOD)]
+    argv += ["--model", "tiny", "--betas", "0.95", "--omegas", "0.7"]
     argv += ["--batch-size", "2", "--seq-len", "32", "--eval-tokens", "512"]
     argv += ["--data", str(corpus_dir), "--timeout", "90", "--out", str(out)]
     assert main(argv) == 0
@@ -74,6 +75,8 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
     # ... and are the simulated 2-worker run
     config = TrainConfig(
         method="mtdao",
+        betas=(0.95,),
+        omegas=(0.7,),
         workers=2,
         steps=STEPS,
         sync_period=SYNC_PERIOD,

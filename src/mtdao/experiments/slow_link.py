@@ -73,8 +73,11 @@ def local_steps(args: argparse.Namespace) -> int:
 
 
 def eval_every(steps: int, sync_period: int) -> int:
-    """About 10 evaluations over ``steps``, on a multiple of K (right after an average)."""
-    return sync_period * max(1, round(steps / 10 / sync_period))
+    """About 10 evaluations over ``steps``, on a multiple of K (right after an average) that
+    divides ``steps`` where one does, so that every run is evaluated at DDP's token count."""
+    multiples = range(sync_period, steps + 1, sync_period)
+    dividing = [every for every in multiples if steps % every == 0] or list(multiples)
+    return min(dividing or [sync_period], key=lambda every: abs(every - steps / 10))
 
 
 def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -110,23 +113,19 @@ def launch_workers(
         processes.append((link.run(rank, argv, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + timeout_s
     try:
-        while any(process.poll() is None for process, _ in processes):
-            failed = [r for r, (p, _) in enumerate(processes) if p.poll() not in (None, 0)]
+        while True:
+            codes = [process.poll() for process, _ in processes]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                rank = failed[0]
                 raise RuntimeError(
-                    f"worker {rank} exited with {processes[rank][0].returncode}; its log ends:\n"
-                    + _tail(Path(f"{log_prefix}-rank{rank}.log"))
+                    f"worker {failed[0]} exited with {codes[failed[0]]}; its log ends:\n"
+                    + _tail(Path(f"{log_prefix}-rank{failed[0]}.log"))
                 )
+            if all(code == 0 for code in codes):
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers still running after {timeout_s:.0f} s ({log_prefix})")
             time.sleep(0.2)
-        failed = [r for r, (p, _) in enumerate(processes) if p.returncode != 0]
-        if failed:
-            raise RuntimeError(
-                f"worker {failed[0]} exited with {processes[failed[0]][0].returncode}; its log ends:\n"
-                + _tail(Path(f"{log_prefix}-rank{failed[0]}.log"))
-            )
     finally:
         for process, log in processes:
             if process.poll() is None:
@@ -179,32 +178,13 @@ def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: 
             )
             elapsed = time.perf_counter() - started
             sent = [sent_bytes(link, h) - b for h, b in enumerate(sent_before)]
-            results = json.loads((run_dir / "results.json").read_text())
-            steps = max(results["steps"], 1)
-            comm = results["wall_time_s"] - results["compute_s_per_worker_step"] * steps
-            row = {
-                "rate_mbit": rate_mbit,
-                "measured_mbit": measured,
-                "method": method,
-                "run_dir": str(run_dir),
-                "steps": results["steps"],
-                "tokens": results["tokens"],
-                "final_val_loss": results["final_val_loss"],
-                "wall_time_s": results["wall_time_s"],
-                "process_time_s": elapsed,
-                "compute_s_per_step": results["compute_s_per_worker_step"],
-                "comm_s_per_step": comm / steps,
-                "bytes_per_worker": results["bytes_per_worker"],
-                "wire_bytes_per_worker": sum(sent) / len(sent),
-                "comm_reduction_vs_ddp": results["comm_reduction_vs_ddp"],
-                "parameters": results["parameters"],
-                "load_average": [load_before, os.getloadavg()[0]],
-                "evals": [
-                    {k: e[k] for k in ("step", "tokens", "val_loss", "wall_time_s")}
-                    for e in results["evals"]
-                ],
-                "progress": _progress(run_dir),
-            }
+            row = {"rate_mbit": rate_mbit, "measured_mbit": measured, "method": method}
+            row.update(summarize_run(run_dir))
+            row.update(
+                process_time_s=elapsed,
+                wire_bytes_per_worker=sum(sent) / len(sent),
+                load_average=[load_before, os.getloadavg()[0]],
+            )
             rows.append(row)
             print(
                 f"  {method:>10}: val {row['final_val_loss']:.4f}, {row['wall_time_s']:.1f} s "
@@ -212,6 +192,30 @@ def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: 
                 f"comm per step), {row['wire_bytes_per_worker'] / 1e6:.1f} MB sent per worker"
             )
     return rows
+
+
+def summarize_run(run_dir: Path) -> dict:
+    """What the report needs from one run's ``results.json`` and ``metrics.jsonl``."""
+    results = json.loads((run_dir / "results.json").read_text())
+    steps = max(results["steps"], 1)
+    compute = results["compute_s_per_worker_step"]
+    return {
+        "run_dir": str(run_dir),
+        "steps": results["steps"],
+        "tokens": results["tokens"],
+        "final_val_loss": results["final_val_loss"],
+        "wall_time_s": results["wall_time_s"],
+        "compute_s_per_step": compute,
+        "comm_s_per_step": results["wall_time_s"] / steps - compute,
+        "bytes_per_worker": results["bytes_per_worker"],
+        "comm_reduction_vs_ddp": results["comm_reduction_vs_ddp"],
+        "parameters": results["parameters"],
+        "evals": [
+            {k: e[k] for k in ("step", "tokens", "val_loss", "wall_time_s")}
+            for e in results["evals"]
+        ],
+        "progress": _progress(run_dir),
+    }
 
 
 def _progress(run_dir: Path) -> list[tuple[int, float]]:
@@ -357,7 +361,9 @@ def plot_time_to_loss(out: Path, rows: list[dict]) -> Path:
             points = [(e["wall_time_s"], e["val_loss"]) for e in row["evals"]]
             ax.plot(*zip(*points), "o-", color=f"C{index}", lw=2, ms=3, label=row["method"])
             if row["method"] == "ddp":
-                ax.axhline(row["final_val_loss"], color="0.5", ls="--", lw=1)
+                ax.axhline(
+                    row["final_val_loss"], color="0.5", ls="--", lw=1, label="DDP's final loss"
+                )
         ax.set_title(f"{rate:g} Mbit/s link")
         ax.set_xlabel("wall-clock training seconds (measured)")
         ax.set_ylabel("validation loss (nats/token)")
@@ -407,20 +413,9 @@ def add_parser(subparsers) -> None:
     add("--batch-size", type=int, default=4, help="sequences per worker per step")
     add("--seq-len", type=int, default=64, help="tokens per sequence")
     add(
-        "--betas",
-        type=float,
-        nargs="+",
-        default=[0.95],
-        help="momentum decays of the multi-timescale methods (default: %(default)s, the best "
-        "found at this scale, SPEC section 6; the harness's 0.99 suits long horizons)",
+        "--betas", type=float, nargs="+", help="mtdao / qh-ddp momentum decays (default: harness's)"
     )
-    add(
-        "--omegas",
-        type=float,
-        nargs="+",
-        default=[0.7],
-        help="their weights (default: %(default)s)",
-    )
+    add("--omegas", type=float, nargs="+", help="their mixing weights (default: the harness's)")
     add("--data", help="training text (default: the harness's built-in sources)")
     add("--eval-every", type=int, help="steps between evaluations (default: ~10 per run, on K)")
     add("--eval-tokens", type=int, default=8192, help="held-out tokens per evaluation")

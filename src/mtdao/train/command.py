@@ -128,11 +128,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    from mtdao.train.distributed import leave_process_group
     from mtdao.train.trainer import train
 
-    results = train(config)
+    try:
+        results = train(config)
+    finally:
+        leave_process_group()
     # one summary per job: under torchrun only rank 0 prints it
-    if results.get("is_main", int(os.environ.get("RANK", "0")) == 0):
+    if int(os.environ.get("RANK", "0")) == 0:
         out = config.out or f"runs/{config.run_name()}"
         summary = {
             k: results[k]

@@ -44,8 +44,9 @@ def barrier(info: ProcessInfo) -> None:
         dist.barrier()
 
 
-def shutdown(info: ProcessInfo) -> None:
-    if info.distributed and dist.is_initialized():
+def leave_process_group() -> None:
+    """Destroy the process group if this process joined one (clean exit under torchrun)."""
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -225,45 +225,18 @@ def train(config: TrainConfig) -> dict[str, Any]:
         unit="step",
         dynamic_ncols=True,
     )
-    traffic = run.sync.communicator.traffic
-    recent_tokens, recent_time = 0, 0.0
+    throughput = Throughput()
     try:
         while run.step < run.total_steps:
-            sent_before, started = traffic.bytes, time.perf_counter()
-            losses, sync_seconds = train_step(run, run.step)
-            if run.device.type == "cuda":
-                torch.cuda.synchronize(run.device)
-            elapsed = time.perf_counter() - started
-            run.step += 1
-            run.wall_time_s += elapsed
-            run.compute_time_s += elapsed - sync_seconds
-            if traffic.bytes > sent_before:
-                run.comm_events.append([run.step, traffic.bytes - sent_before])
-            recent_tokens += config.tokens_per_step
-            recent_time += elapsed
+            losses, elapsed = advance(run)
+            throughput.add(config.tokens_per_step, elapsed)
             should_log = run.step % config.log_every == 0 or run.step == run.total_steps
             if should_log or not run.process.distributed:
                 # every worker's loss (a tiny uncounted gather on real workers: log steps only)
                 worker_losses = run.workers.communicator.gather_scalars(losses.float())
                 check_finite_losses(run, worker_losses)
             if should_log:
-                loss = worker_losses.mean().item()
-                record = {
-                    "step": run.step,
-                    "tokens": run.step * config.tokens_per_step,
-                    "train_loss": loss,
-                    "lr": run.optimizer.param_groups[0]["lr"],
-                    "bytes_per_worker": traffic.bytes,
-                    "tokens_per_s": recent_tokens / max(recent_time, 1e-9),
-                    "wall_time_s": run.wall_time_s,
-                }
-                log.write(record)
-                progress.set_postfix(
-                    loss=f"{loss:.3f}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                    sent=f"{traffic.bytes / 2**20:.1f}MB",
-                )
-                recent_tokens, recent_time = 0, 0.0
+                log_training(run, log, progress, worker_losses.mean().item(), throughput.take())
             progress.update(1)
             if run.step % eval_every == 0 or run.step == run.total_steps:
                 run_evaluation(run, log)
@@ -280,6 +253,56 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
         plot_run(run.run_dir)
     return results
+
+
+def advance(run: Run) -> tuple[torch.Tensor, float]:
+    """One training step with its accounting: wall time, compute time, bytes sent that step."""
+    traffic = run.sync.communicator.traffic
+    sent_before, started = traffic.bytes, time.perf_counter()
+    losses, sync_seconds = train_step(run, run.step)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    elapsed = time.perf_counter() - started
+    run.step += 1
+    run.wall_time_s += elapsed
+    run.compute_time_s += elapsed - sync_seconds
+    if traffic.bytes > sent_before:
+        run.comm_events.append([run.step, traffic.bytes - sent_before])
+    return losses, elapsed
+
+
+class Throughput:
+    """Tokens per second since the last log line."""
+
+    def __init__(self) -> None:
+        self.tokens, self.seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def take(self) -> float:
+        rate = self.tokens / max(self.seconds, 1e-9)
+        self.tokens, self.seconds = 0, 0.0
+        return rate
+
+
+def log_training(run: Run, log: MetricsLog, progress: tqdm, loss: float, tokens_per_s: float):
+    sent = run.sync.communicator.traffic.bytes
+    log.write(
+        {
+            "step": run.step,
+            "tokens": run.step * run.config.tokens_per_step,
+            "train_loss": loss,
+            "lr": run.optimizer.param_groups[0]["lr"],
+            "bytes_per_worker": sent,
+            "tokens_per_s": tokens_per_s,
+            "wall_time_s": run.wall_time_s,
+        }
+    )
+    progress.set_postfix(
+        loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}", sent=f"{sent / 2**20:.1f}MB"
+    )
 
 
 def check_finite_losses(run: Run, worker_losses: torch.Tensor) -> None:
