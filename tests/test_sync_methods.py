@@ -91,7 +91,7 @@ def test_resolved_defaults():
     ddp = resolve_settings("ddp", OptimizerSettings(name="adam"))
     assert (ddp.betas, ddp.omegas, ddp.beta2, ddp.eps) == ((0.9,), (1.0,), 0.95, 1e-8)
     mtdao = resolve_settings("mtdao", OptimizerSettings(name="adam"))
-    assert (mtdao.betas, mtdao.omegas) == ((0.99,), (0.9,))
+    assert (mtdao.betas, mtdao.omegas) == ((0.95,), (0.7,))
     adopt = resolve_settings("mtdao", OptimizerSettings(name="adopt"))
     assert (adopt.betas, adopt.beta2, adopt.eps) == ((0.999,), 0.9999, 1e-6)
     own = resolve_settings("qh-ddp", OptimizerSettings(name="sgdm", betas=(0.9, 0.99)))
@@ -110,7 +110,8 @@ def test_build_optimizer_types():
 
 def test_build_policy_per_method():
     param = torch.nn.Parameter(torch.zeros(3))
-    optimizer = build_optimizer([param], resolve_settings("mtdao", OptimizerSettings()))
+    slow = OptimizerSettings(betas=(0.99,), omegas=(0.9,))
+    optimizer = build_optimizer([param], resolve_settings("mtdao", slow))
     ddp = build_policy("ddp", 32, optimizer)
     assert ddp.average_gradients and ddp.params.period is None and ddp.name == "ddp"
     diloco = build_policy("diloco", 32, optimizer)
@@ -118,7 +119,7 @@ def test_build_policy_per_method():
     assert diloco.outer.nesterov and diloco.other_states.period is None
     assert build_policy("mtdao", 32, optimizer).periods()["other states"] == 32
     half_life = build_policy("mtdao", 32, optimizer, sync_policy="half-life")
-    # MT-DAO-Adam defaults: exp_avg_0 decays with 0.99 (tau 69), exp_avg_sq with 0.95 (tau 13.5).
+    # exp_avg_0 decays with 0.99 (tau 69), exp_avg_sq with the default 0.95 (tau 13.5).
     assert half_life.state_rule("exp_avg_0").period == 64
     assert half_life.state_rule("exp_avg_sq").period == 32
     assert build_policy("desloc", 32, optimizer).state_rule("exp_avg_sq").period == 192
