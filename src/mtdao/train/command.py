@@ -18,7 +18,7 @@ method defaults (override any of them with flags):
   local-adam  base optimizer, parameters and all states averaged every K
   diloco      base optimizer local; every K a Nesterov outer step (lr 0.7, momentum 0.9)
   desloc      base optimizer; params every K, momenta every 3K, second moment every 6K
-  mtdao       MT-DAO optimizer (adam: beta 0.99, omega 0.9; adopt: 0.999, 0.9), unified periods
+  mtdao       MT-DAO optimizer (adam: beta 0.95, omega 0.7; adopt: 0.999, 0.9), unified periods
 
 examples:
   mtdao train                                   # MT-DAO, 4 simulated workers, built-in data
