@@ -63,7 +63,7 @@ class TrainConfig:
     """Total training tokens over all workers; converted to steps."""
     batch_size: int = 16
     """Sequences per worker per step."""
-    seq_len: int = 128
+    seq_len: int = 64
     """Tokens per sequence."""
     model: str = "tiny"
     """Model preset: tiny | small | 16m | 125m | 360m | 720m."""
