@@ -32,7 +32,7 @@ from mtdao.train.config import DEFAULT_LR, TrainConfig
 EPILOG = """
 examples:
   mtdao compare --steps 40 --eval-tokens 4096 --seeds 0          # a quick smoke run
-  mtdao compare --lr-sweep 4e-3 8e-3 1.6e-2 --jobs 2            # the full comparison
+  mtdao compare --lr-sweep 8e-3 1.6e-2 --jobs 2 --threads 1     # the reported comparison
   mtdao compare --methods ddp local-adam mtdao --lr mtdao=8e-3 --betas 0.95 --omegas 0.7
 """
 

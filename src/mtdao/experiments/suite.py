@@ -274,7 +274,7 @@ def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: li
     add("--model", default="micro", choices=MODEL_PRESETS, help="model preset (default: micro)")
     add("--optimizer", default="adam", choices=BASE_OPTIMIZERS, help="base optimizer (adam)")
     add("--workers", type=int, default=4, help="workers M (default: 4)")
-    add("--steps", type=int, default=1500, help="optimizer steps per worker (default: 1500)")
+    add("--steps", type=int, default=1000, help="optimizer steps per worker (default: 1000)")
     add("--batch-size", type=int, default=16, help="sequences per worker per step (default: 16)")
     add("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
     add("--eval-every", type=int, help="steps between evaluations (default: steps / 30)")
