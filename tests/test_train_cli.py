@@ -7,7 +7,6 @@ directory written by the test.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -16,13 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from mtdao.cli import main
 from mtdao.sync.methods import METHODS
 from mtdao.train.metrics import read_metrics
 
-CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
+pytestmark = pytest.mark.usefixtures("one_thread")
 RESULT_KEYS = (
     "method",
     "workers",
@@ -34,24 +32,6 @@ RESULT_KEYS = (
     "comm_reduction_vs_ddp",
     "wall_time_s",
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model is fastest single-threaded (and the test machine is shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS_MODULES:
-        module = __import__(name, fromlist=["_"])
-        (root / f"{name}.py").write_text(inspect.getsource(module))
-    return root
 
 
 def tiny_args(out: Path, data: Path | str, *extra: str) -> list[str]:

@@ -6,7 +6,6 @@ text directory written by the test (no download, fast to load).
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 from pathlib import Path
@@ -19,25 +18,7 @@ from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
 from mtdao.train.metrics import read_metrics
 
-CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model is fastest single-threaded (and the test machine is shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS_MODULES:
-        module = __import__(name, fromlist=["_"])
-        (root / f"{name}.py").write_text(inspect.getsource(module))
-    return root
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(out: Path, data: Path, **overrides) -> TrainConfig:

@@ -1,0 +1,29 @@
+"""Fixtures shared by the training-harness tests."""
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+# Small, real, human-written text: a few standard-library modules' source.
+CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model is fastest single-threaded (and the test machine is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    """A directory of text files the harness can train on in a fraction of a second."""
+    root = tmp_path_factory.mktemp("corpus")
+    for name in CORPUS_MODULES:
+        module = __import__(name, fromlist=["_"])
+        (root / f"{name}.py").write_text(inspect.getsource(module))
+    return root
