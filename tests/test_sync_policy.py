@@ -145,3 +145,14 @@ def test_periods_summary_names_every_rule():
     }
     assert policy.state_rule("exp_avg_1").period == 6
     assert math.isclose(communication_per_step(policy, MTDAO_ADAM_KEYS), 1 / 2 + 1 / 3)
+
+
+def test_with_state_period_holds_every_state_at_its_own_period():
+    from mtdao.sync.policy import with_state_period
+
+    policy = with_state_period(half_life_policy(128, {"exp_avg_0": 0.999, "exp_avg_sq": 0.95}), 16)
+    assert policy.params.period == 128
+    assert policy.state_rule("exp_avg_0").period == 16
+    assert policy.state_rule("exp_avg_sq").period == 16
+    with pytest.raises(ValueError, match="sync period"):
+        with_state_period(unified(32), 0)

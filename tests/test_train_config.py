@@ -140,3 +140,12 @@ def test_cli_flags_map_onto_every_field():
         schedule="wsd",
         data_split="by-file",
     )
+
+
+def test_state_sync_period_only_for_methods_that_average_states():
+    assert TrainConfig(method="local-adam", state_sync_period=16).validate().state_sync_period == 16
+    for method in ("ddp", "qh-ddp", "diloco"):
+        with pytest.raises(ValueError, match="--state-sync-period"):
+            TrainConfig(method=method, state_sync_period=16).validate()
+    with pytest.raises(ValueError, match="--state-sync-period"):
+        TrainConfig(state_sync_period=0).validate()

@@ -8,7 +8,7 @@ network or knows a model.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch.optim import Optimizer
@@ -169,6 +169,17 @@ def explicit(
         other_states=SyncRule(other_states),
         outer=outer,
         name="explicit",
+    )
+
+
+def with_state_period(policy: SyncPolicy, period: int) -> SyncPolicy:
+    """``policy`` with every optimizer state averaged every ``period`` steps instead.
+
+    The paper's sync-period ablation holds K_u = K_v = 16 while the parameter period K grows.
+    """
+    rule = SyncRule(check_period(period))
+    return replace(
+        policy, states={}, other_states=rule, name=f"{policy.name}, states every {period}"
     )
 
 

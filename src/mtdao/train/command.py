@@ -42,6 +42,11 @@ def add_parser(subparsers) -> None:
     add("--workers", type=int, default=defaults.workers, help="workers M (default: %(default)s)")
     add("--sync-period", type=int, default=defaults.sync_period, help="K (default: %(default)s)")
     add("--sync-policy", choices=SYNC_POLICIES, help="period rule for the states of local methods")
+    add(
+        "--state-sync-period",
+        type=int,
+        help="average every optimizer state every N steps, whatever the period rule",
+    )
     add("--betas", type=float, nargs="+", help="first-momentum decays, e.g. --betas 0.9 0.99")
     add("--omegas", type=float, nargs="+", help="their mixing weights (raw gradient: 1 - sum)")
     add("--beta2", type=float, help="second-moment decay (adam 0.95, adopt 0.9999)")

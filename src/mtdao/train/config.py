@@ -39,6 +39,8 @@ class TrainConfig:
     """K: local steps between parameter averages."""
     sync_policy: str | None = None
     """unified | half-life | desloc period rule for the states of local methods (None: method's)."""
+    state_sync_period: int | None = None
+    """Average every optimizer state every N steps, whatever the period rule (local methods)."""
     betas: tuple[float, ...] | None = None
     """First-momentum decays (None: 0.9 for baselines, the slow MT-DAO defaults for mtdao)."""
     omegas: tuple[float, ...] | None = None
@@ -120,7 +122,11 @@ class TrainConfig:
             _choice("sync_policy", self.sync_policy, SYNC_POLICIES)
         for name in ("workers", "sync_period", "batch_size", "seq_len", "eval_tokens", "log_every"):
             _positive_int(name, getattr(self, name))
-        for name in ("steps", "tokens", "eval_every", "checkpoint_every"):
+        if self.state_sync_period is not None and self.method in ("ddp", "qh-ddp", "diloco"):
+            raise ValueError(
+                f"--state-sync-period: {self.method} does not average optimizer states"
+            )
+        for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if self.steps is not None and self.tokens is not None:

@@ -13,7 +13,7 @@ from mtdao.data.batches import validation_batches
 from mtdao.model import Llama, model_config, split_weight_decay
 from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.methods import OptimizerSettings, build_optimizer, build_policy, resolve_settings
-from mtdao.sync.policy import OuterOptimizerConfig
+from mtdao.sync.policy import OuterOptimizerConfig, with_state_period
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import DEFAULT_LR, TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
@@ -114,6 +114,8 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
         config.sync_policy,
         outer=outer if config.method == "diloco" else None,
     )
+    if config.state_sync_period is not None:
+        policy = with_state_period(policy, config.state_sync_period)
     sync = LocalUpdateSync(
         optimizer,
         policy,
