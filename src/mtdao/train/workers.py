@@ -117,12 +117,6 @@ class SimulatedWorkerSet(WorkerSet):
         model.load_state_dict(averaged, strict=False)
         return model
 
-    @torch.no_grad()
-    def worker_model(self, worker: int) -> nn.Module:
-        model = copy.deepcopy(self.template)
-        model.load_state_dict({n: p[worker] for n, p in self.params.items()}, strict=False)
-        return model
-
 
 class ProcessWorkerSet(WorkerSet):
     """This process is one worker; ``communicator`` reaches the others (or none at world size 1)."""
