@@ -6,7 +6,6 @@ import inspect
 import math
 
 import pytest
-import torch
 
 from mtdao.train.config import TrainConfig
 from mtdao.train.schedule import lr_multiplier, ramp
@@ -82,43 +81,38 @@ def corpus_dir(tmp_path):
     return root
 
 
-def test_trainer_applies_lr_schedule_and_omega_warmup(corpus_dir, tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        config = TrainConfig(
-            model="tiny",
-            workers=2,
-            sync_period=2,
-            batch_size=2,
-            seq_len=32,
-            steps=8,
-            warmup=0.25,
-            omega_warmup=0.5,
-            betas=(0.9, 0.99),
-            omegas=(0.3, 0.6),
-            lr=1e-3,
-            eval_tokens=64,
-            data=str(corpus_dir),
-            out=str(tmp_path / "run"),
-            device="cpu",
-            progress=False,
-        )
-        run = build_run(config)
-        for group in run.optimizer.param_groups:
-            assert group["target_omegas"] == (0.3, 0.6) and group["initial_lr"] == 1e-3
+def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tmp_path):
+    config = TrainConfig(
+        model="tiny",
+        workers=2,
+        sync_period=2,
+        batch_size=2,
+        seq_len=32,
+        steps=8,
+        warmup=0.25,
+        omega_warmup=0.5,
+        betas=(0.9, 0.99),
+        omegas=(0.3, 0.6),
+        lr=1e-3,
+        eval_tokens=64,
+        data=str(corpus_dir),
+        out=str(tmp_path / "run"),
+        device="cpu",
+        progress=False,
+    )
+    run = build_run(config)
+    for group in run.optimizer.param_groups:
+        assert group["target_omegas"] == (0.3, 0.6) and group["initial_lr"] == 1e-3
 
-        for step in range(8):
-            expected_lr = 1e-3 * lr_multiplier(step, 8, "cosine", 2, 0.1)
-            scale = ramp(step, 4)  # omega warm-up over half of the 8 steps
-            if step < 3:  # a real step for the first few, the hyperparameters alone after
-                train_step(run, step)
-            else:
-                set_hyperparameters(run, step)
-            for group in run.optimizer.param_groups:
-                assert group["lr"] == pytest.approx(expected_lr)
-                assert group["omegas"] == pytest.approx((0.3 * scale, 0.6 * scale))
-        assert run.optimizer.param_groups[0]["omegas"] == pytest.approx((0.3, 0.6))
-        assert all(math.isfinite(p.sum().item()) for _, p in run.workers.named_parameters())
-    finally:
-        torch.set_num_threads(threads)
+    for step in range(8):
+        expected_lr = 1e-3 * lr_multiplier(step, 8, "cosine", 2, 0.1)
+        scale = ramp(step, 4)  # omega warm-up over half of the 8 steps
+        if step < 3:  # a real step for the first few, the hyperparameters alone after
+            train_step(run, step)
+        else:
+            set_hyperparameters(run, step)
+        for group in run.optimizer.param_groups:
+            assert group["lr"] == pytest.approx(expected_lr)
+            assert group["omegas"] == pytest.approx((0.3 * scale, 0.6 * scale))
+    assert run.optimizer.param_groups[0]["omegas"] == pytest.approx((0.3, 0.6))
+    assert all(math.isfinite(p.sum().item()) for _, p in run.workers.named_parameters())

@@ -31,10 +31,13 @@ class Traffic:
     rounds: int = 0
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
 
-    def record(self, kind: str, num_bytes: int, collectives: int) -> None:
+    def record_round(self, sizes: Sequence[tuple[str, int]], collectives: int) -> None:
+        """One round of averaging: (kind, bytes) per tensor, sent in ``collectives`` calls."""
+        for kind, num_bytes in sizes:
+            self.bytes += num_bytes
+            self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + num_bytes
         self.collectives += collectives
-        self.bytes += num_bytes
-        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + num_bytes
+        self.rounds += 1
 
     def state_dict(self) -> dict:
         return {
@@ -102,10 +105,8 @@ class Communicator:
         """Make every worker start from worker 0's values (set-up traffic, uncounted)."""
 
     def _record(self, tensors: Sequence[Tensor], kinds: Sequence[str], collectives: int) -> None:
-        for tensor, kind in zip(tensors, kinds):
-            self.traffic.record(kind, self.bytes_per_worker(tensor), 0)
-        self.traffic.collectives += collectives
-        self.traffic.rounds += 1
+        sizes = [(kind, self.bytes_per_worker(tensor)) for tensor, kind in zip(tensors, kinds)]
+        self.traffic.record_round(sizes, collectives)
 
     def bytes_per_worker(self, tensor: Tensor) -> int:
         return tensor.numel() * tensor.element_size()
