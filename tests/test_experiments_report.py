@@ -227,28 +227,6 @@ def test_ablation_summary_slopes_and_plot(tmp_path):
 # -- suite bookkeeping ----------------------------------------------------------------------------
 
 
-def test_config_to_args_round_trips_through_the_train_parser():
-    from mtdao.cli import build_parser
-    from mtdao.train.command import config_from_args
-
-    config = TrainConfig(
-        method="mtdao",
-        betas=(0.95, 0.99),
-        omegas=(0.3, 0.4),
-        lr=1.6e-2,
-        steps=7,
-        sync_policy="half-life",
-        progress=False,
-        bf16=False,
-        model="micro",
-        track_alignment=False,
-        omega_warmup=0.25,
-        data="x.txt",
-    )
-    args = build_parser().parse_args(["train", *suite.config_to_args(config)])
-    assert config_from_args(args) == config
-
-
 def test_parse_lr_pins():
     methods = ["ddp", "mtdao"]
     assert suite.parse_lr_pins(["mtdao=1e-2", "4e-3"], methods) == {"ddp": 4e-3, "mtdao": 1e-2}

@@ -6,7 +6,6 @@ few steps. Needs root and namespaces; skips with the reason otherwise.
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 from pathlib import Path
@@ -20,17 +19,7 @@ from mtdao.experiments.netem import LinkUnavailable, emulated_link
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
 
-CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
 STEPS, SYNC_PERIOD = 4, 2
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS_MODULES:
-        module = __import__(name, fromlist=["_"])
-        (root / f"{name}.py").write_text(inspect.getsource(module))
-    return root
 
 
 def require_link() -> None:

@@ -33,8 +33,8 @@ from mtdao.experiments.suite import (
     parse_lr_pins,
     run_suite,
 )
-from mtdao.sync.methods import SYNC_POLICIES
 from mtdao.train.config import DEFAULT_LR, TrainConfig
+from mtdao.train.methods import SYNC_POLICIES
 
 EPILOG = """
 examples:
@@ -128,7 +128,7 @@ def variant_config(
         omegas=variant.omegas,
         sync_policy=variant.sync_policy,
         state_sync_period=state_period,
-    ).validate()
+    )
 
 
 def run_ablation(args: argparse.Namespace) -> int:

@@ -26,8 +26,9 @@ from mtdao.experiments.suite import (
     parse_lr_pins,
     run_suite,
 )
-from mtdao.sync.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
-from mtdao.train.config import DEFAULT_LR, TrainConfig
+from mtdao.flags import argv_from_namespace
+from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
+from mtdao.train.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
 
 EPILOG = """
 examples:
@@ -60,7 +61,7 @@ def add_parser(subparsers) -> None:
     add("--omegas", type=float, nargs="+", help="mtdao/qh-ddp mixing weights")
     add("--omega-warmup", type=float, default=0.0, help="mtdao/qh-ddp omega warm-up fraction")
     add("--sync-policy", choices=SYNC_POLICIES, help="mtdao's period rule (default: unified)")
-    parser.set_defaults(func=run_compare)
+    parser.set_defaults(func=run_compare, parser=parser)
 
 
 def method_config(args: argparse.Namespace, method: str, seed: int, lr: float) -> TrainConfig:
@@ -77,7 +78,7 @@ def method_config(args: argparse.Namespace, method: str, seed: int, lr: float) -
         )
     if method == "mtdao":
         config = dataclasses.replace(config, sync_policy=args.sync_policy)
-    return config.validate()
+    return config
 
 
 def run_name(method: str, lr: float, seed: int) -> str:
@@ -123,7 +124,7 @@ def run_compare(args: argparse.Namespace) -> int:
     pins = parse_lr_pins(args.lr, methods)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    method_config(args, methods[0], seeds[0], 1e-3)  # bad flags fail before anything trains
+    resolve(method_config(args, methods[0], seeds[0], 1e-3))  # bad flags fail before training
 
     sweep, all_results, failures = None, {}, {}
     chosen = {m: pins[m] for m in methods if m in pins}
@@ -219,30 +220,4 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
 
 def command_line(args: argparse.Namespace) -> str:
     """``mtdao compare`` with every resolved flag, to rerun exactly this comparison."""
-    parts = ["mtdao", "compare", "--methods", *args.methods, "--seeds", *map(str, args.seeds)]
-    for name in (
-        "model",
-        "optimizer",
-        "workers",
-        "steps",
-        "batch_size",
-        "seq_len",
-        "sync_period",
-        "eval_every",
-        "eval_tokens",
-        "data",
-        "tokenizer",
-        "sync_policy",
-        "jobs",
-        "threads",
-        "out",
-    ):
-        value = getattr(args, name)
-        if value is not None:
-            parts += [f"--{name.replace('_', '-')}", str(value)]
-    if args.omega_warmup:
-        parts += ["--omega-warmup", str(args.omega_warmup)]
-    for name in ("lr_sweep", "betas", "omegas", "lr"):
-        if getattr(args, name):
-            parts += [f"--{name.replace('_', '-')}", *map(str, getattr(args, name))]
-    return shlex.join(parts)
+    return shlex.join(["mtdao", "compare", *argv_from_namespace(args.parser, args)])

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from mtdao.optim import MTAdam
 from mtdao.sync import LocalUpdateSync, NonFiniteError, SimulatedWorkers
-from mtdao.sync.methods import build_policy
+from mtdao.train.methods import build_policy
 
 METHODS = ("local-adam", "mtdao", "ddp")
 OPTIMUM = (1.0, 1.0)

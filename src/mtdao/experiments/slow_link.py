@@ -7,7 +7,7 @@ through RANK / WORLD_SIZE / MASTER_ADDR (worker 0's link address) / MASTER_PORT,
 
 What is measured, per link rate and method, from the real runs:
 
-- wall-clock: rank 0's ``wall_time_s`` (training steps including every wait on a collective;
+- wall-clock: rank 0's ``train_time_s`` (training steps including every wait on a collective;
   start-up and evaluation excluded), read at each evaluation from ``results.json``;
 - time to DDP's final validation loss: wall-clock at the first evaluation at or below it, linearly
   interpolated from the one before (None when never reached);
@@ -36,7 +36,9 @@ from pathlib import Path
 from mtdao.experiments.netem import HOST_IFACE, EmulatedLink, LinkUnavailable, emulated_link
 from mtdao.experiments.netem import measure_throughput_mbit as measure_link_mbit
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.sync.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
+from mtdao.train.command import config_to_argv
+from mtdao.train.config import TrainConfig
+from mtdao.train.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
 
 DEFAULT_RATES = (100.0, 1000.0)
 DEFAULT_METHODS = ("ddp", "mtdao")
@@ -48,24 +50,27 @@ FIRST_PORT = 29500
 
 def train_argv(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     """``mtdao train`` flags of one run; local methods get ``--local-steps`` steps."""
-    steps = args.steps if method in GRADIENT_AVERAGING_METHODS else local_steps(args)
-    argv = ["--method", method, "--workers", str(args.workers), "--steps", str(steps)]
-    argv += ["--model", args.model, "--sync-period", str(args.sync_period)]
-    argv += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
-    every = args.eval_every or eval_every(args.steps, args.sync_period)
-    argv += ["--eval-every", str(every), "--log-every", str(args.sync_period)]
-    argv += ["--eval-tokens", str(args.eval_tokens), "--seed", str(args.seed)]
-    argv += ["--out", str(run_dir), "--no-progress"]
-    if args.data is not None:
-        argv += ["--data", args.data]
-    if args.lr is not None:
-        argv += ["--lr", str(args.lr)]
-    if method in MULTI_TIMESCALE_METHODS:
-        if args.betas:
-            argv += ["--betas", *map(str, args.betas)]
-        if args.omegas:
-            argv += ["--omegas", *map(str, args.omegas)]
-    return argv
+    multi_timescale = method in MULTI_TIMESCALE_METHODS
+    config = TrainConfig(
+        method=method,
+        workers=args.workers,
+        steps=args.steps if method in GRADIENT_AVERAGING_METHODS else local_steps(args),
+        model=args.model,
+        sync_period=args.sync_period,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        eval_every=args.eval_every or eval_every(args.steps, args.sync_period),
+        log_every=args.sync_period,
+        eval_tokens=args.eval_tokens,
+        seed=args.seed,
+        out=str(run_dir),
+        progress=False,
+        data=args.data,
+        lr=args.lr,
+        betas=tuple(args.betas) if multi_timescale and args.betas else None,
+        omegas=tuple(args.omegas) if multi_timescale and args.omegas else None,
+    )
+    return config_to_argv(config)
 
 
 def local_steps(args: argparse.Namespace) -> int:
@@ -204,14 +209,14 @@ def summarize_run(run_dir: Path) -> dict:
         "steps": results["steps"],
         "tokens": results["tokens"],
         "final_val_loss": results["final_val_loss"],
-        "wall_time_s": results["wall_time_s"],
+        "wall_time_s": results["train_time_s"],  # below: the steps' time, evaluation excluded
         "compute_s_per_step": compute,
-        "comm_s_per_step": results["wall_time_s"] / steps - compute,
+        "comm_s_per_step": results["train_time_s"] / steps - compute,
         "bytes_per_worker": results["bytes_per_worker"],
         "comm_reduction_vs_ddp": results["comm_reduction_vs_ddp"],
         "parameters": results["parameters"],
         "evals": [
-            {k: e[k] for k in ("step", "tokens", "val_loss", "wall_time_s")}
+            {"wall_time_s": e["train_time_s"], **{k: e[k] for k in ("step", "tokens", "val_loss")}}
             for e in results["evals"]
         ],
         "progress": _progress(run_dir),
@@ -219,12 +224,12 @@ def summarize_run(run_dir: Path) -> dict:
 
 
 def _progress(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, wall_time_s) of every metric line, for wall-clock at a given token count."""
+    """(step, train_time_s) of every metric line, for wall-clock at a given token count."""
     points = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "step" in record and "wall_time_s" in record:
-            points.append((record["step"], record["wall_time_s"]))
+        if "step" in record and "train_time_s" in record:
+            points.append((record["step"], record["train_time_s"]))
     return sorted(set(points))
 
 

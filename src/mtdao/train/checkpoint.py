@@ -98,3 +98,8 @@ def load_checkpoint(run_dir: Path, rank: int, world_size: int) -> dict[str, Any]
             f"checkpoint file {path} is corrupted or incomplete ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else 'no detail'})"
         ) from None
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a checkpoint (complete or not)."""
+    return checkpoint_path(run_dir).exists()
