@@ -18,8 +18,8 @@ import pytest
 
 import mtdao
 from mtdao.cli import main
-from mtdao.train.metrics import read_metrics
 from mtdao.train.methods import METHODS
+from mtdao.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RESULT_KEYS = (
@@ -180,7 +180,9 @@ def test_divergence_at_a_sync(tmp_path, corpus_dir, capsys):
     """DDP averages gradients before each step: the engine's guard stops the run (the loop's
     guard on the training loss would only see it after the step)."""
     args = tiny_args(tmp_path, corpus_dir, "--lr", "1e6", "--method", "ddp")
-    assert_one_line_error(capsys, args, "Non-finite value (NaN/inf) at step 2 in worker 0: gradient")
+    assert_one_line_error(
+        capsys, args, "Non-finite value (NaN/inf) at step 2 in worker 0: gradient"
+    )
 
 
 def test_divergence_of_every_worker_cannot_be_skipped(tmp_path, corpus_dir, capsys):

@@ -11,8 +11,8 @@ import math
 import pytest
 
 from mtdao.cli import build_parser
-from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.flags import add_dataclass_arguments
+from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import RESUMABLE_FIELDS, TrainConfig, describe_default, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS, METHODS
 

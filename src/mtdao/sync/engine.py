@@ -189,7 +189,8 @@ class LocalUpdateSync:
             averages = self._average(due)
             if num_params:
                 self._finish_parameter_sync(averages[:num_params], due.step)
-            self.communicator.assign(due.tensors[num_params:], averages[num_params:])
+            if len(due.tensors) > num_params:
+                self.communicator.assign(due.tensors[num_params:], averages[num_params:])
         self.seconds_syncing += time.perf_counter() - started
 
     # -- one round ----------------------------------------------------------------------------

@@ -100,33 +100,10 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
     torch.manual_seed(config.seed)
     shards, val_batches, vocab_size, data_summary = load_data(config, process)
     model = Llama(model_config(config.model, vocab_size, config.seq_len)).to(device)
-    communicator: Communicator
-    if process.distributed:
-        communicator = ProcessGroupWorkers()
-        workers: WorkerSet = ProcessWorkerSet(model, communicator.layout)
-    else:
-        communicator = SimulatedWorkers(config.workers)
-        workers = SimulatedWorkerSet(model, communicator.layout)
-    if device.type == "cuda" and config.bf16:
-        workers.autocast_dtype = torch.bfloat16
-    groups = split_weight_decay(workers.named_parameters(), config.weight_decay)
-    optimizer = build_optimizer(groups, config)
-    sync = LocalUpdateSync(
-        optimizer,
-        build_policy(
-            config.method,
-            config.sync_period,
-            optimizer,
-            config.sync_policy,
-            _outer_step(config),
-            config.state_sync_period,
-        ),
-        communicator,
-        on_non_finite=config.on_non_finite,
-        track_alignment=config.track_alignment,
+    communicator, workers = build_workers(model, config, process, device)
+    optimizer = build_optimizer(
+        split_weight_decay(workers.named_parameters(), config.weight_decay), config
     )
-    if config.grad_clip > 0:  # between gradient averaging and the step, on each worker
-        sync.register_gradient_hook(lambda: workers.clip_grad_norm_(config.grad_clip))
     return Run(
         config=config,
         run_dir=Path(config.out),
@@ -136,7 +113,7 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
         shards=shards,
         val_batches=val_batches,
         optimizer=optimizer,
-        sync=sync,
+        sync=build_sync(config, optimizer, communicator, workers),
         lr_schedule=LRSchedule(
             config.lr,
             config.steps,
@@ -148,6 +125,46 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
         omega_warmup=OmegaWarmup(config.omegas, round(config.omega_warmup * config.steps)),
         data_summary=data_summary,
     )
+
+
+def build_workers(
+    model: torch.nn.Module, config: TrainConfig, process: ProcessInfo, device: torch.device
+) -> tuple[Communicator, WorkerSet]:
+    """The communicator and the workers: one per process under torchrun, else simulated."""
+    communicator: Communicator
+    if process.distributed:
+        communicator = ProcessGroupWorkers()
+        workers: WorkerSet = ProcessWorkerSet(model, communicator.layout)
+    else:
+        communicator = SimulatedWorkers(config.workers)
+        workers = SimulatedWorkerSet(model, communicator.layout)
+    if device.type == "cuda" and config.bf16:
+        workers.autocast_dtype = torch.bfloat16
+    return communicator, workers
+
+
+def build_sync(
+    config: TrainConfig, optimizer, communicator: Communicator, workers: WorkerSet
+) -> LocalUpdateSync:
+    """The engine carrying out the method's policy, with per-worker gradient clipping."""
+    policy = build_policy(
+        config.method,
+        config.sync_period,
+        optimizer,
+        config.sync_policy,
+        _outer_step(config),
+        config.state_sync_period,
+    )
+    sync = LocalUpdateSync(
+        optimizer,
+        policy,
+        communicator,
+        on_non_finite=config.on_non_finite,
+        track_alignment=config.track_alignment,
+    )
+    if config.grad_clip > 0:  # between gradient averaging and the step, on each worker
+        sync.register_gradient_hook(lambda: workers.clip_grad_norm_(config.grad_clip))
+    return sync
 
 
 def _outer_step(config: TrainConfig) -> OuterOptimizerConfig | None:
