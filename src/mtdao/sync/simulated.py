@@ -134,6 +134,7 @@ def stack_workers(module: nn.Module, num_workers: int) -> StackedWorkers:
 
     Train them with an optimizer over ``workers.parameters()`` and a
     ``LocalUpdateSync(optimizer, policy, SimulatedWorkers(num_workers))``; feed each worker its own
-    batch along a leading dimension of size ``num_workers``.
+    batch along a leading dimension of size ``num_workers``. The module's forward runs under
+    ``torch.func.vmap``, so it must not branch on tensor values or call ``.item()``.
     """
     return StackedWorkers(module, num_workers)

@@ -11,7 +11,7 @@ from mtdao.train.setup import Run
 
 
 def summarize(run: Run) -> dict[str, Any]:
-    config, traffic, layout = run.config, run.sync.traffic, run.sync.layout
+    config, traffic, layout = run.config, run.sync.traffic, run.workers.layout
     final = run.evals[-1] if run.evals else {}
     state_keys = sorted({k for s in run.optimizer.state.values() for k in s})
     steady_steps = run.step - run.step % full_cycle(run.sync.policy, state_keys)
