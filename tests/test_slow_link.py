@@ -18,6 +18,7 @@ from mtdao.cli import main
 from mtdao.experiments import slow_link
 from mtdao.experiments.netem import LinkUnavailable, emulated_link
 from mtdao.train import trainer
+from mtdao.train.checkpoint import checkpoint_path
 from mtdao.train.config import TrainConfig
 
 CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
@@ -68,7 +69,8 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
 
     # the two processes agree: after the final average both hold the same parameters
     run_dir = Path(row["run_dir"])
-    ranks = [torch.load(run_dir / "checkpoint" / f"rank{r}.pt") for r in range(2)]
+    final = checkpoint_path(run_dir)
+    ranks = [torch.load(final / f"rank{r}.pt") for r in range(2)]
     for name, value in ranks[0]["params"].items():
         torch.testing.assert_close(ranks[1]["params"][name], value, rtol=0, atol=0)
 

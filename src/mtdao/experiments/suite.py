@@ -116,11 +116,13 @@ def stale_settings(results: dict[str, Any], config: TrainConfig) -> list[str]:
 
 def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
     """The config to launch: resume a matching checkpoint, otherwise start from an empty dir."""
-    meta_path = run_dir / "checkpoint" / "meta.json"
+    from mtdao.train.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
     config = dataclasses.replace(config, out=str(run_dir), resume=False, progress=False)
-    if meta_path.is_file():
+    if latest is not None:
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = latest.meta
             same = not stale_settings({"config": meta["config"]}, config)
             if same and int(meta["step"]) <= config.total_steps():
                 return dataclasses.replace(config, resume=True)
