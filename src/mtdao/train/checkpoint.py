@@ -161,7 +161,9 @@ def verify_files(info: CheckpointInfo, names: list[str] | None = None) -> str | 
         try:
             size = path.stat().st_size
             if "bytes" in expected and size != expected["bytes"]:
-                return f"{path} is corrupted or incomplete ({size} bytes, {expected['bytes']} saved)"
+                return (
+                    f"{path} is corrupted or incomplete ({size} bytes, {expected['bytes']} saved)"
+                )
             algorithm = next((key for key in expected if key != "bytes"), None)
             if algorithm and file_checksum(path, algorithm) != expected[algorithm]:
                 return f"{path} is corrupted or incomplete (its {algorithm} checksum differs)"
