@@ -63,18 +63,26 @@ def file_checksum(path: Path, algorithm: str = CHECKSUM) -> str:
     return hasher.hexdigest()
 
 
-class _HashingWriter:
-    """A write-only file wrapper that checksums the bytes on their way to disk (no second read)."""
+class _Writer:
+    """A write-only file wrapper that checksums the bytes on their way to disk (no second read)
+    and remembers a failed write: torch.save hides it behind its own error when it ends."""
 
-    def __init__(self, handle: BinaryIO, algorithm: str) -> None:
+    def __init__(self, handle: BinaryIO, algorithm: str | None) -> None:
         self.handle = handle
-        self.hasher = new_hasher(algorithm)
+        self.hasher = new_hasher(algorithm) if algorithm else None
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
-        self.hasher.update(data)
+        try:
+            written = self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+        if self.hasher is not None:
+            self.hasher.update(data)
         self.size += len(data)
-        return self.handle.write(data)
+        return written
 
     def flush(self) -> None:
         self.handle.flush()
@@ -94,9 +102,10 @@ def write_atomic(
     """
     path = Path(path)
     partial = temporary_path(path)
+    target = None
     try:
         with open(partial, "wb") as handle:
-            target = _HashingWriter(handle, algorithm) if algorithm else handle
+            target = _Writer(handle, algorithm)
             write(target)
             handle.flush()
             if sync:
@@ -107,10 +116,10 @@ def write_atomic(
         raise WriteError(path, error) from None
     except Exception:
         _remove_quietly(partial)
+        if target is not None and target.error is not None:
+            raise WriteError(path, target.error) from None
         raise
-    if algorithm:
-        return target.size, target.hasher.hexdigest()
-    return path.stat().st_size, None
+    return target.size, target.hasher.hexdigest() if target.hasher else None
 
 
 def write_text_atomic(path: Path, text: str, sync: bool = True) -> None:
