@@ -83,4 +83,8 @@ def test_two_processes_agree_on_fallback_and_on_refusal(tmp_path):
     assert "rank1.pt is corrupted" in outputs[1][1]  # the damaged rank's warning names its file
     assert "w holds NaN/inf" in reports[1]["refused"]
     assert "another process's state" in reports[0]["refused"]
-    assert reports[0]["steps"] == [20, 10]  # nothing written at step 30
+    assert reports[0]["steps"] == [10]  # nothing written at step 30; the damaged 20 set aside
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step-00000010",
+        "step-00000020.damaged",
+    ]

@@ -200,13 +200,14 @@ def test_every_checkpoint_damaged_is_one_line_naming_each(tmp_path):
     assert not ckpt.has_checkpoint(tmp_path)
 
 
-def test_next_save_sets_the_damaged_checkpoint_aside(tmp_path):
-    """Resumed from step 10 past a damaged 20: the next saves are newer than the damaged one,
-    which is kept for inspection but never loaded or counted among the kept ones again."""
+def test_damaged_checkpoint_is_set_aside_and_overtaken(tmp_path):
+    """Resumed from step 10 past a damaged 20: the damaged one is kept for inspection but never
+    loaded or counted among the kept ones again, and the next saves are newer than it."""
     save_steps(tmp_path, [10, 20])
     damage_newest(tmp_path, "flip")
     store = CheckpointStore(tmp_path, keep=2)
     assert store.load().step == 10
+    assert entries(tmp_path) == ["step-00000010", "step-00000020.damaged"]
     store.save(15, state_at(15), {})
     assert entries(tmp_path) == ["step-00000010", "step-00000015", "step-00000020.damaged"]
     store.save(20, state_at(20), {})

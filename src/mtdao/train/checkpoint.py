@@ -20,8 +20,8 @@ the checkpoints committed before are intact, and a ``step-N`` directory is compl
 
 Loading: checkpoints newest first (by save sequence, so a run resumed from an older checkpoint
 overtakes a damaged newer one); the first whose files match their checksums and load on every
-process is used. A damaged one is skipped with a warning naming the file, and set aside as
-``step-N.damaged`` by the next save (kept for inspection, never loaded or counted again).
+process is used. A damaged one is skipped with a warning naming the file and renamed
+``step-N.damaged`` (kept for inspection, never loaded or counted among the kept ones again).
 """
 
 from __future__ import annotations
@@ -208,7 +208,6 @@ class CheckpointStore:
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self._check_every_rank = collective is None and world_size > 1
         self.collective = collective or SingleProcess()
-        self._damaged: list[Path] = []  # skipped by load(); set aside by the next save
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -281,10 +280,6 @@ class CheckpointStore:
         if not self.root.is_dir():
             self.root.mkdir(parents=True, exist_ok=True)
             fsync_directory(self.run_dir)
-        for path in self._damaged:
-            if path.is_dir():
-                os.rename(path, _free_name(path.with_name(f"{path.name}.damaged")))
-        self._damaged = []
         for leftover in self.root.iterdir():
             if leftover.name.endswith(_LEFTOVER_SUFFIXES):
                 _remove_tree(leftover)
@@ -348,7 +343,8 @@ class CheckpointStore:
         skipped = [f"{path}: {why}" for path, why in unreadable]
         for line in skipped:
             logger.warning("skipping damaged checkpoint %s", line)
-        self._damaged = [path for path, _ in unreadable]
+        for path, _ in unreadable:
+            self._set_aside(path)
         if not found and not skipped:
             return None
         if found and found[0].world_size != self.world_size:
@@ -363,9 +359,19 @@ class CheckpointStore:
             problem = problem or "a file of another process failed its check"
             logger.warning("skipping damaged checkpoint %s: %s", info.path, problem)
             skipped.append(f"{info.path}: {problem}")
-            if info.path.parent == self.root:
-                self._damaged.append(info.path)
+            self._set_aside(info.path)
         raise CheckpointError(f"no usable checkpoint in {self.run_dir}: " + "; ".join(skipped))
+
+    def _set_aside(self, path: Path) -> None:
+        """Process 0 renames a damaged checkpoint to ``step-N.damaged``: kept for inspection,
+        never loaded, counted among the kept ones or overtaken in sequence again. Every process
+        is done with it (the agreement on it has returned, or each decided alone)."""
+        if self.rank != 0 or path.parent != self.root:
+            return
+        try:
+            os.rename(path, _free_name(path.with_name(f"{path.name}.damaged")))
+        except OSError as error:
+            logger.warning("could not set damaged checkpoint %s aside: %s", path, error)
 
     def _try_load(self, info: CheckpointInfo) -> tuple[Any, str | None]:
         if info.world_size != self.world_size:
