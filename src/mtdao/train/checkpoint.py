@@ -29,15 +29,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mtdao.train.checkpoint_index import (
+    CHECKPOINTS_DIR,
+    FORMAT,
+    CheckpointInfo,
+    latest_checkpoint,
+    list_checkpoints,
+    scan_checkpoints,
+    verify_files,
+)
 from mtdao.train.checkpoint_state import (
     BarrierOnly,
     Collective,
@@ -47,7 +55,6 @@ from mtdao.train.checkpoint_state import (
 )
 from mtdao.train.durable import (
     CHECKSUM,
-    file_checksum,
     fsync_directory,
     write_atomic,
     write_json_atomic,
@@ -55,11 +62,7 @@ from mtdao.train.durable import (
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_DIR = CHECKPOINTS_DIR  # the name older callers use
-LEGACY_DIRS = ("checkpoint", "checkpoint.previous")  # one checkpoint, as written before 0.2
-FORMAT = 2
-_COMPLETE = re.compile(r"step-(\d+)(?:\.(\d+))?")
 _LEFTOVER_SUFFIXES = (".partial", ".trash", ".tmp")
 
 
@@ -76,27 +79,6 @@ class CheckpointWriteError(CheckpointError):
     and the checkpoints saved before are intact."""
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A complete checkpoint on disk (its files are not verified by listing)."""
-
-    path: Path
-    step: int
-    sequence: int
-    meta: dict[str, Any] = field(repr=False)
-
-    @property
-    def world_size(self) -> int | None:
-        return self.meta.get("world_size")
-
-    @property
-    def files(self) -> dict[str, dict[str, Any]]:
-        """{file name: {"bytes": size, "<algorithm>": checksum}}; legacy ones list no checksum."""
-        if "files" in self.meta:
-            return self.meta["files"]
-        return {f"rank{r}.pt": {} for r in range(self.world_size or 1)}
-
-
 @dataclass
 class LoadedCheckpoint:
     path: Path
@@ -108,79 +90,6 @@ class LoadedCheckpoint:
     @property
     def step(self) -> int:
         return int(self.meta["step"])
-
-
-# -- finding checkpoints ---------------------------------------------------------------------------
-
-
-def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
-    """The complete checkpoints in ``run_dir``, newest first (nothing is verified)."""
-    return _scan(Path(run_dir))[0]
-
-
-def _scan(run_dir: Path) -> tuple[list[CheckpointInfo], list[tuple[Path, str]]]:
-    """(complete checkpoints newest first, [(directory, why its metadata is unreadable)])."""
-    found, unreadable = [], []
-    root = run_dir / CHECKPOINTS_DIR
-    candidates = sorted(root.iterdir()) if root.is_dir() else []
-    for path in candidates:
-        if _COMPLETE.fullmatch(path.name) and path.is_dir():
-            meta, problem = _read_meta(path / "meta.json", FORMAT)
-            if problem:
-                unreadable.append((path, problem))
-            else:
-                found.append(CheckpointInfo(path, int(meta["step"]), int(meta["sequence"]), meta))
-    for order, name in enumerate(LEGACY_DIRS):
-        meta, problem = _read_meta(run_dir / name / "meta.json")
-        if not problem:
-            found.append(CheckpointInfo(run_dir / name, int(meta["step"]), -order, meta))
-    found.sort(key=lambda info: info.sequence, reverse=True)
-    return found, unreadable
-
-
-def _read_meta(path: Path, format: int = 1) -> tuple[dict[str, Any], str | None]:
-    try:
-        meta = json.loads(path.read_text())
-        int(meta["step"])
-        if format >= 2:
-            int(meta["sequence"]), int(meta["world_size"]), dict(meta["files"])
-        return meta, None
-    except FileNotFoundError:
-        return {}, f"{path.name} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return {}, f"{path} is unreadable ({type(error).__name__})"
-
-
-def verify_files(info: CheckpointInfo, names: list[str] | None = None) -> str | None:
-    """Why the named files (default: all) of ``info`` fail their size or checksum; None if fine."""
-    for name in names if names is not None else list(info.files):
-        expected = info.files.get(name)
-        if expected is None:
-            return f"{info.path / 'meta.json'} lists no {name}"
-        path = info.path / name
-        try:
-            size = path.stat().st_size
-            if "bytes" in expected and size != expected["bytes"]:
-                return (
-                    f"{path} is corrupted or incomplete ({size} bytes, {expected['bytes']} saved)"
-                )
-            algorithm = next((key for key in expected if key != "bytes"), None)
-            if algorithm and file_checksum(path, algorithm) != expected[algorithm]:
-                return f"{path} is corrupted or incomplete (its {algorithm} checksum differs)"
-        except OSError as error:
-            return f"{path} cannot be read ({error.strerror or type(error).__name__})"
-    return None
-
-
-def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
-    """The newest complete checkpoint, without verifying its files (cheap)."""
-    found = list_checkpoints(run_dir)
-    return found[0] if found else None
-
-
-def has_checkpoint(run_dir: Path) -> bool:
-    """True when ``run_dir`` holds a complete checkpoint whose files all match their checksums."""
-    return any(verify_files(info) is None for info in list_checkpoints(run_dir))
 
 
 # -- the store -------------------------------------------------------------------------------------
@@ -339,7 +248,7 @@ class CheckpointStore:
         Raises CheckpointError when it was written by another number of processes, or when
         checkpoints exist but none is usable.
         """
-        found, unreadable = _scan(self.run_dir)
+        found, unreadable = scan_checkpoints(self.run_dir)
         skipped = [f"{path}: {why}" for path, why in unreadable]
         for line in skipped:
             logger.warning("skipping damaged checkpoint %s", line)
@@ -449,3 +358,28 @@ def load_checkpoint(run_dir: Path, rank: int, world_size: int) -> dict[str, Any]
     if loaded is None:
         raise CheckpointError(f"no checkpoint to resume from: {run_dir} holds no complete one")
     return loaded.state
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds a complete checkpoint whose files all match their checksums."""
+    return any(verify_files(info) is None for info in list_checkpoints(run_dir))
+
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "CHECKPOINT_DIR",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "CheckpointWriteError",
+    "LoadedCheckpoint",
+    "UnsavableStateError",
+    "checkpoint_path",
+    "has_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_meta",
+    "save_checkpoint",
+    "verify_files",
+]
