@@ -12,7 +12,7 @@ import torch
 
 from mtdao.train import checkpoint as ckpt
 from mtdao.train.checkpoint import CheckpointStore
-from mtdao.train.checkpoint_state import ProcessGroupCollective
+from mtdao.train.checkpoint_state import BarrierOnly, ProcessGroupCollective
 
 
 def state_at(step: int, rank: int = 0) -> dict:
@@ -154,9 +154,9 @@ def test_commit_requires_every_rank_file(tmp_path):
     """Even without agreement (only a barrier), rank 0 never commits a checkpoint that lacks a
     rank's file: the other ranks' checksums are the proof their files are complete."""
     results = ThreadGroup(1).run(
-        lambda rank, collective: CheckpointStore(tmp_path, rank=0, world_size=2).save(
-            5, state_at(5), {}
-        )
+        lambda rank, collective: CheckpointStore(
+            tmp_path, rank=0, world_size=2, collective=BarrierOnly(lambda: None)
+        ).save(5, state_at(5), {})
     )
     assert isinstance(results[0], ckpt.CheckpointWriteError)
     assert "process 1 wrote no file" in str(results[0])
@@ -175,3 +175,8 @@ def test_process_group_collective_on_a_one_process_group(tmp_path):
         assert CheckpointStore(tmp_path, collective=collective).load().step == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_saving_from_several_processes_needs_a_collective(tmp_path):
+    with pytest.raises(ValueError, match="needs a collective"):
+        CheckpointStore(tmp_path, rank=1, world_size=2).save(1, state_at(1), {})

@@ -99,7 +99,8 @@ class CheckpointStore:
     """Save and load the checkpoints of one run directory, from every process of the run.
 
     collective: how processes agree (every process calls ``save``/``load`` together). None: a
-    single process, or, with several, each process checks every rank's checksums itself.
+    single process; with several, ``load`` then has each process check every rank's checksums
+    itself, and ``save`` is refused (it cannot fail on all processes at once without one).
     """
 
     def __init__(
@@ -128,6 +129,8 @@ class CheckpointStore:
         Raises UnsavableStateError (nothing written) or CheckpointWriteError (nothing left behind)
         on every process when any process fails.
         """
+        if self._check_every_rank:
+            raise ValueError("saving from several processes needs a collective to agree through")
         problem = first_unsavable(state, finite=check_finite)
         if not self.collective.all_true(problem is None):
             raise UnsavableStateError(self._refusal(step, problem))
@@ -185,7 +188,7 @@ class CheckpointStore:
         )
 
     def _prepare(self, staging: Path) -> None:
-        """Process 0: a fresh staging directory, damaged checkpoints set aside, leftovers gone."""
+        """Process 0: a fresh staging directory; leftovers of crashed saves removed."""
         if not self.root.is_dir():
             self.root.mkdir(parents=True, exist_ok=True)
             fsync_directory(self.run_dir)
