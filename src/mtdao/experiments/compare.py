@@ -7,7 +7,9 @@ MT-DAO's own knobs (``--betas``, ``--omegas``, ``--omega-warmup``) apply to mtda
 ``--sync-policy`` to mtdao only (qh-ddp averages gradients every step).
 
 Output in ``--out``: runs/<method>-lr<LR>-seed<S>/ (one training run each; finished runs are
-reused, so an interrupted comparison resumes), results.json, report.md and four plots.
+reused, so an interrupted comparison resumes), results.json, report.md and four plots. Running is
+here; the numbers are computed in :mod:`.compare_summary`, report.md drawn in
+:mod:`.compare_report`, the figures in :mod:`.compare_plots`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from mtdao.experiments.formatting import format_lr
 from mtdao.experiments.suite import (
     add_budget_arguments,
     base_config,
-    format_lr,
     parse_lr_pins,
     run_suite,
 )
@@ -86,7 +88,7 @@ def run_name(method: str, lr: float, seed: int) -> str:
 
 def sweep_learning_rates(args, methods, out: Path) -> tuple[dict[str, Any], dict, dict]:
     """Seed ``seeds[0]`` of each method at every sweep LR; returns (sweep table, results, failures)."""
-    from mtdao.experiments.report import lr_key
+    from mtdao.experiments.compare_summary import lr_key
 
     seed, lrs = args.seeds[0], sorted(set(args.lr_sweep))
     runs = [
@@ -113,8 +115,9 @@ def _finite(value) -> bool:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from mtdao.experiments.plots import write_compare_plots
-    from mtdao.experiments.report import summarize_compare, write_compare_report
+    from mtdao.experiments.compare_plots import write_compare_plots
+    from mtdao.experiments.compare_report import write_compare_report
+    from mtdao.experiments.compare_summary import summarize_compare
     from mtdao.train.metrics import write_json
 
     methods = list(dict.fromkeys(args.methods))

@@ -341,7 +341,3 @@ def parse_lr_pins(values: Sequence[str], methods: Sequence[str]) -> dict[str, fl
         for name in [method] if method else methods:
             pins[name] = lr
     return pins
-
-
-def format_lr(lr: float) -> str:
-    return f"{lr:.3g}"
