@@ -106,7 +106,7 @@ def _mark_rounds(axes, curves: RunCurves) -> None:
 def _draw(loss_ax, sent_ax, curves: RunCurves, reference: bool) -> None:
     if reference:
         style = {"color": "0.45", "ls": "--", "lw": 1.5}
-        name = f"{curves.name} (reference)"
+        name = f"{curves.name}, reference"
         if curves.val:
             loss_ax.plot(*zip(*curves.val), label=f"{name}: validation", **style)
     else:
@@ -116,7 +116,8 @@ def _draw(loss_ax, sent_ax, curves: RunCurves, reference: bool) -> None:
         if curves.val:
             loss_ax.plot(*zip(*curves.val), "o-", label="validation (global model)", **style)
     if curves.sent:
-        sent_ax.plot(*zip(*curves.sent), drawstyle="steps-post", label=name, **style)
+        every = " (averages every step)" if curves.every_step else ""
+        sent_ax.plot(*zip(*curves.sent), drawstyle="steps-post", label=name + every, **style)
         _label_total(sent_ax, curves.sent[-1], style["color"])
 
 
@@ -124,7 +125,9 @@ def _label_total(ax, last: tuple[float, float], color: str) -> None:
     from matplotlib.ticker import EngFormatter
 
     text = EngFormatter(unit="B", places=1)(last[1])
-    ax.annotate(text, last, xytext=(4, 0), textcoords="offset points", va="center", color=color)
+    ax.annotate(
+        text, last, xytext=(0, 4), textcoords="offset points", ha="right", va="bottom", color=color
+    )
 
 
 def figure(curves: RunCurves, reference: RunCurves | None = None):
