@@ -22,12 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtdao.experiments.suite import (
-    add_budget_arguments,
-    base_config,
-    parse_lr_pins,
-    run_suite,
-)
+from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
 from mtdao.sync.methods import SYNC_POLICIES
 from mtdao.train.config import DEFAULT_LR, TrainConfig
 

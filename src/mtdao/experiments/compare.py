@@ -22,12 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.formatting import format_lr
-from mtdao.experiments.suite import (
-    add_budget_arguments,
-    base_config,
-    parse_lr_pins,
-    run_suite,
-)
+from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
 from mtdao.sync.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
 from mtdao.train.config import DEFAULT_LR, TrainConfig
 
