@@ -318,5 +318,29 @@ def test_compare_end_to_end(tmp_path):
     assert results["methods"]["mtdao"]["alignment"]["syncs_per_run"] == 3
     text = (out / "report.md").read_text()
     assert "## Verdict" in text and "| DDP | 0.008 |" in text
+    assert compare_report.render_compare_report(results) == text  # re-renders from results.json
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "alignment.png", "traffic.png"):
         assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_ablation_end_to_end(tmp_path):
+    from mtdao.cli import main
+
+    out = tmp_path / "abl"
+    argv = shlex.split(
+        "ablation --periods 2 4 --slow-betas 0.99 --policies unified --seeds 0 --steps 4 "
+        "--model micro --batch-size 2 --seq-len 16 --eval-tokens 512 --eval-every 2 --threads 1"
+    ) + ["--out", str(out)]
+    assert main(argv) == 0
+    summary = ablation_summary.load_summary(out / "results.json")
+    assert set(summary["variants"]) == {"Local Adam", "MT-DAO beta 0.99, unified"}
+    ddp = summary["ddp"]["final_val_loss"]["mean"]
+    for variant in summary["variants"].values():
+        assert set(variant["periods"]) == {2, 4}
+        for cell in variant["periods"].values():
+            assert cell["degradation"] == pytest.approx(cell["final_val_loss"]["mean"] - ddp)
+    # the report on disk is the one its results.json renders
+    text = (out / "report.md").read_text()
+    assert ablation_report.render_ablation_report(summary) == text
+    assert (out / "degradation_vs_k.png").stat().st_size > 0
