@@ -109,25 +109,6 @@ def _finite(value) -> bool:
     return value is not None and math.isfinite(value)
 
 
-def choose_learning_rates(args, methods, pins, out: Path) -> tuple[dict, Any, dict, dict]:
-    """Each method's LR: pinned, else the sweep's best on the first seed (a method none of whose
-    sweep runs finished is left out), else the default. Returns (chosen LRs, the sweep table or
-    None, the sweep's results and failures)."""
-    sweep, all_results, failures = None, {}, {}
-    chosen = {m: pins[m] for m in methods if m in pins}
-    swept = [m for m in methods if m not in pins]
-    if args.lr_sweep and swept:
-        sweep, all_results, failures = sweep_learning_rates(args, swept, out)
-        for method in swept:
-            if sweep["best"][method] is not None:
-                chosen[method] = sweep["best"][method]
-            else:
-                print(f"{method}: no LR of the sweep finished; it is left out of the comparison")
-    elif swept:
-        chosen.update({m: DEFAULT_LR[args.optimizer] for m in swept})
-    return chosen, sweep, all_results, failures
-
-
 def run_compare(args: argparse.Namespace) -> int:
     from mtdao.experiments.compare_plots import write_compare_plots
     from mtdao.experiments.compare_report import write_compare_report
@@ -179,6 +160,25 @@ def run_compare(args: argparse.Namespace) -> int:
     if failures:
         print(f"{len(failures)} run(s) failed: {', '.join(failures)}")
     return 1 if failures else 0
+
+
+def choose_learning_rates(args, methods, pins, out: Path) -> tuple[dict, Any, dict, dict]:
+    """Each method's LR: pinned, else the sweep's best on the first seed (a method none of whose
+    sweep runs finished is left out), else the default. Returns (chosen LRs, the sweep table or
+    None, the sweep's results and failures)."""
+    sweep, all_results, failures = None, {}, {}
+    chosen = {m: pins[m] for m in methods if m in pins}
+    swept = [m for m in methods if m not in pins]
+    if args.lr_sweep and swept:
+        sweep, all_results, failures = sweep_learning_rates(args, swept, out)
+        for method in swept:
+            if sweep["best"][method] is not None:
+                chosen[method] = sweep["best"][method]
+            else:
+                print(f"{method}: no LR of the sweep finished; it is left out of the comparison")
+    elif swept:
+        chosen.update({m: DEFAULT_LR[args.optimizer] for m in swept})
+    return chosen, sweep, all_results, failures
 
 
 def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[str, Any]:
