@@ -301,17 +301,20 @@ def test_half_finished_run_dir_is_resumed_or_wiped(tmp_path):
 
 # -- end to end -----------------------------------------------------------------------------------
 
+TINY = "--seeds 0 --model micro --batch-size 2 --seq-len 16 --eval-tokens 512 --threads 1"
+
+
+def run_experiment(command: str, out) -> None:
+    """``mtdao <command>`` on a tiny budget into ``out``; it must exit 0."""
+    from mtdao.cli import main
+
+    assert main([*shlex.split(f"{command} {TINY}"), "--out", str(out)]) == 0
+
 
 @pytest.mark.slow
 def test_compare_end_to_end(tmp_path):
-    from mtdao.cli import main
-
     out = tmp_path / "cmp"
-    argv = shlex.split(
-        "compare --methods ddp mtdao --seeds 0 --steps 6 --model micro --batch-size 2 "
-        "--seq-len 16 --eval-tokens 512 --eval-every 3 --sync-period 2 --threads 1"
-    ) + ["--out", str(out)]
-    assert main(argv) == 0
+    run_experiment("compare --methods ddp mtdao --steps 6 --eval-every 3 --sync-period 2", out)
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"ddp", "mtdao"}
     assert results["methods"]["ddp"]["traffic_vs_ddp"] == pytest.approx(1.0)
@@ -325,14 +328,10 @@ def test_compare_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_ablation_end_to_end(tmp_path):
-    from mtdao.cli import main
-
     out = tmp_path / "abl"
-    argv = shlex.split(
-        "ablation --periods 2 4 --slow-betas 0.99 --policies unified --seeds 0 --steps 4 "
-        "--model micro --batch-size 2 --seq-len 16 --eval-tokens 512 --eval-every 2 --threads 1"
-    ) + ["--out", str(out)]
-    assert main(argv) == 0
+    run_experiment(
+        "ablation --periods 2 4 --slow-betas 0.99 --policies unified --steps 4 --eval-every 2", out
+    )
     summary = ablation_summary.load_summary(out / "results.json")
     assert set(summary["variants"]) == {"Local Adam", "MT-DAO beta 0.99, unified"}
     ddp = summary["ddp"]["final_val_loss"]["mean"]
