@@ -203,18 +203,22 @@ def run_suite(
 
     threads = threads or max(1, (cores or available_cores()) // jobs)
     if jobs == 1:
-        import torch
-
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            for name, config in pending:
-                _train_in_process(name, config, out, finished)
-        finally:
-            torch.set_num_threads(previous)
+        _train_one_after_another(pending, out, threads, finished)
     else:
         _train_in_subprocesses(pending, out, jobs, threads, finished)
     return suite
+
+
+def _train_one_after_another(pending, out: Path, threads: int, finished) -> None:
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, config in pending:
+            _train_in_process(name, config, out, finished)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _train_in_process(name: str, config: TrainConfig, out: Path, finished) -> None:
@@ -343,7 +347,3 @@ def parse_lr_pins(values: Sequence[str], methods: Sequence[str]) -> dict[str, fl
         for name in [method] if method else methods:
             pins[name] = lr
     return pins
-
-
-def format_lr(lr: float) -> str:
-    return f"{lr:.3g}"
