@@ -144,6 +144,12 @@ def test_non_finite_check_can_be_turned_off(tmp_path):
     state["params"]["layers.0.attn.qkv.weight"][0, 0] = float("nan")
     CheckpointStore(tmp_path).save(1, state, {}, check_finite=False)
     assert saved_steps(tmp_path) == [1]
+    assert ckpt.latest_checkpoint(tmp_path).meta["finite"] is False
+    state["params"]["layers.0.attn.qkv.weight"][0, 0] = 1.0
+    CheckpointStore(tmp_path).save(2, state, {}, check_finite=False)
+    state["params"]["layers.0.attn.qkv.weight"][0, 0] = float("inf")
+    with pytest.raises(ckpt.UnsavableStateError, match="last finite checkpoint is .*\\(step 2\\)"):
+        CheckpointStore(tmp_path).save(3, state, {})
 
 
 # -- damaged files: detected, skipped with a warning, fallback ------------------------------------

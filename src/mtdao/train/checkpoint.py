@@ -134,6 +134,8 @@ class CheckpointStore:
         problem = first_unsavable(state, finite=check_finite)
         if not self.collective.all_true(problem is None):
             raise UnsavableStateError(self._refusal(step, problem))
+        # recorded, so that a refusal can name the last finite checkpoint
+        finite = check_finite or self.collective.all_true(first_unsavable(state) is None)
         staging = self.root / f"step-{step:08d}.partial"
         error = self._attempt(step, self._prepare, staging) if self.rank == 0 else None
         self._agree_or_raise(error, f"process 0 could not create {staging}", step)
@@ -149,7 +151,7 @@ class CheckpointStore:
         final = None
         if self.rank == 0:
             try:
-                final = self._commit(staging, step, dict(meta or {}), digest)
+                final = self._commit(staging, step, {**(meta or {}), "finite": finite}, digest)
             except (OSError, CheckpointError) as failure:
                 _remove_tree(staging)
                 error = self._write_error(step, failure)
@@ -218,7 +220,6 @@ class CheckpointStore:
             step=step,
             sequence=max((info.sequence for info in found), default=0) + 1,
             world_size=self.world_size,
-            finite=True,
             saved_at=time.time(),
             files=files,
         )
