@@ -7,7 +7,9 @@ MT-DAO's own knobs (``--betas``, ``--omegas``, ``--omega-warmup``) apply to mtda
 ``--sync-policy`` to mtdao only (qh-ddp averages gradients every step).
 
 Output in ``--out``: runs/<method>-lr<LR>-seed<S>/ (one training run each; finished runs are
-reused, so an interrupted comparison resumes), results.json, report.md and four plots.
+reused, so an interrupted comparison resumes), results.json, report.md and four plots. Running is
+here; the numbers are computed in :mod:`.compare_summary`, report.md drawn in
+:mod:`.compare_report`, the figures in :mod:`.compare_plots`.
 """
 
 from __future__ import annotations
@@ -19,13 +21,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from mtdao.experiments.suite import (
-    add_budget_arguments,
-    base_config,
-    format_lr,
-    parse_lr_pins,
-    run_suite,
-)
+from mtdao.experiments.formatting import format_lr
+from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
 from mtdao.flags import argv_from_namespace
 from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
 from mtdao.train.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
@@ -87,7 +84,7 @@ def run_name(method: str, lr: float, seed: int) -> str:
 
 def sweep_learning_rates(args, methods, out: Path) -> tuple[dict[str, Any], dict, dict]:
     """Seed ``seeds[0]`` of each method at every sweep LR; returns (sweep table, results, failures)."""
-    from mtdao.experiments.report import lr_key
+    from mtdao.experiments.compare_summary import lr_key
 
     seed, lrs = args.seeds[0], sorted(set(args.lr_sweep))
     runs = [
@@ -114,8 +111,9 @@ def _finite(value) -> bool:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from mtdao.experiments.plots import write_compare_plots
-    from mtdao.experiments.report import summarize_compare, write_compare_report
+    from mtdao.experiments.compare_plots import write_compare_plots
+    from mtdao.experiments.compare_report import write_compare_report
+    from mtdao.experiments.compare_summary import summarize_compare
     from mtdao.train.metrics import write_json
 
     methods = list(dict.fromkeys(args.methods))
@@ -126,18 +124,7 @@ def run_compare(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     resolve(method_config(args, methods[0], seeds[0], 1e-3))  # bad flags fail before training
 
-    sweep, all_results, failures = None, {}, {}
-    chosen = {m: pins[m] for m in methods if m in pins}
-    swept = [m for m in methods if m not in pins]
-    if args.lr_sweep and swept:
-        sweep, all_results, failures = sweep_learning_rates(args, swept, out)
-        for method in swept:
-            if sweep["best"][method] is not None:
-                chosen[method] = sweep["best"][method]
-            else:
-                print(f"{method}: no LR of the sweep finished; it is left out of the comparison")
-    elif swept:
-        chosen.update({m: DEFAULT_LR[args.optimizer] for m in swept})
+    chosen, sweep, all_results, failures = choose_learning_rates(args, methods, pins, out)
     requested, methods = methods, [m for m in methods if m in chosen]
 
     runs = [
@@ -174,6 +161,25 @@ def run_compare(args: argparse.Namespace) -> int:
     if failures:
         print(f"{len(failures)} run(s) failed: {', '.join(failures)}")
     return 1 if failures else 0
+
+
+def choose_learning_rates(args, methods, pins, out: Path) -> tuple[dict, Any, dict, dict]:
+    """Each method's LR: pinned, else the sweep's best on the first seed (a method none of whose
+    sweep runs finished is left out), else the default. Returns (chosen LRs, the sweep table or
+    None, the sweep's results and failures)."""
+    sweep, all_results, failures = None, {}, {}
+    chosen = {m: pins[m] for m in methods if m in pins}
+    swept = [m for m in methods if m not in pins]
+    if args.lr_sweep and swept:
+        sweep, all_results, failures = sweep_learning_rates(args, swept, out)
+        for method in swept:
+            if sweep["best"][method] is not None:
+                chosen[method] = sweep["best"][method]
+            else:
+                print(f"{method}: no LR of the sweep finished; it is left out of the comparison")
+    elif swept:
+        chosen.update({m: DEFAULT_LR[args.optimizer] for m in swept})
+    return chosen, sweep, all_results, failures
 
 
 def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[str, Any]:

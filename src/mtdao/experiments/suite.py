@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.train.checkpoint import CheckpointError, has_checkpoint, load_meta
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
@@ -93,14 +92,17 @@ def stale_settings(results: dict[str, Any], config: TrainConfig) -> list[str]:
 
 def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
     """The config to launch: resume a matching checkpoint, otherwise start from an empty dir."""
+    from mtdao.train.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
     config = dataclasses.replace(config, out=str(run_dir), resume=False, progress=False)
-    if has_checkpoint(run_dir):
+    if latest is not None:
         try:
-            meta = load_meta(run_dir)
+            meta = latest.meta
             same = not stale_settings({"config": meta["config"]}, config)
             if same and int(meta["step"]) <= config.total_steps():
                 return dataclasses.replace(config, resume=True)
-        except (CheckpointError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: start over
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -177,18 +179,22 @@ def run_suite(
 
     threads = threads or max(1, (cores or available_cores()) // jobs)
     if jobs == 1:
-        import torch
-
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            for name, config in pending:
-                _train_in_process(name, config, out, finished)
-        finally:
-            torch.set_num_threads(previous)
+        _train_one_after_another(pending, out, threads, finished)
     else:
         _train_in_subprocesses(pending, out, jobs, threads, finished)
     return suite
+
+
+def _train_one_after_another(pending, out: Path, threads: int, finished) -> None:
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, config in pending:
+            _train_in_process(name, config, out, finished)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _train_in_process(name: str, config: TrainConfig, out: Path, finished) -> None:
@@ -317,7 +323,3 @@ def parse_lr_pins(values: Sequence[str], methods: Sequence[str]) -> dict[str, fl
         for name in [method] if method else methods:
             pins[name] = lr
     return pins
-
-
-def format_lr(lr: float) -> str:
-    return f"{lr:.3g}"
