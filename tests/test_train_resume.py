@@ -162,7 +162,7 @@ def test_resume_says_where_it_resumed_and_reads_an_older_config(
 ):
     """A meta.json config with unset (null) fields, as older versions wrote it, is resolved."""
     out = copy_run(finished_run, tmp_path)
-    meta_path = out / "checkpoint" / "meta.json"
+    meta_path = ckpt.checkpoint_path(out) / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta["config"] = tiny_config(out, corpus_dir, steps=2).to_dict()
     assert meta["config"]["lr"] is None

@@ -31,11 +31,11 @@ from mtdao.sync.layout import WorkerLayout
 
 
 def format_bytes(num_bytes: float) -> str:
-    """1536 -> '1.5 KB', 2.5e9 -> '2.50 GB' (decimal units, as links are rated)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(num_bytes) >= size:
-            return f"{num_bytes / size:.{2 if unit == 'GB' else 1}f} {unit}"
-    return f"{int(num_bytes)} B"
+    """1536 -> '1.5 kB', 2.5e9 -> '2.5 GB' (decimal units, as links are rated)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 @dataclass
