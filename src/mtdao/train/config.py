@@ -21,7 +21,13 @@ from pathlib import Path
 
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.optim.base import check_momenta
-from mtdao.train.methods import BASE_OPTIMIZERS, METHOD_TABLE, METHODS, SYNC_POLICIES
+from mtdao.train.methods import (
+    BASE_OPTIMIZERS,
+    METHOD_TABLE,
+    METHODS,
+    STATE_AVERAGING_METHODS,
+    SYNC_POLICIES,
+)
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -215,7 +221,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
     except ValueError as error:
         raise ValueError(f"--betas/--omegas: {error}") from None
     steps = config.total_steps()
-    resolved = dataclasses.replace(
+    return dataclasses.replace(
         config,
         lr=config.lr if config.lr is not None else table.lr,
         betas=betas,
@@ -229,21 +235,20 @@ def resolve(config: TrainConfig) -> TrainConfig:
         data=config.data or "builtin",
         out=config.out or str(Path("runs") / config.run_name()),
     )
-    return resolved
 
 
 def describe_default(name: str) -> str | None:
     """How an unset (None) field is resolved, for ``--help``; None for fields with a value."""
-    per_optimizer = _per_optimizer
+    rules = [f"{spec.period_rule} for {m}" for m, spec in METHOD_TABLE.items() if spec.period_rule]
     descriptions = {
-        "sync_policy": "the method's: unified for local-adam and mtdao, desloc for desloc",
+        "sync_policy": "the method's: " + ", ".join(rules),
         "state_sync_period": "the period rule's",
-        "betas": f"{per_optimizer('betas')}; mtdao and qh-ddp: {per_optimizer('mtdao_betas')}",
-        "omegas": f"1 for the baselines; mtdao and qh-ddp: {per_optimizer('mtdao_omegas')}, "
+        "betas": f"{_per_optimizer('betas')}; mtdao and qh-ddp: {_per_optimizer('mtdao_betas')}",
+        "omegas": f"1 for the baselines; mtdao and qh-ddp: {_per_optimizer('mtdao_omegas')}, "
         "or 0.9 shared equally among the user's own --betas",
-        "beta2": per_optimizer("beta2"),
-        "eps": per_optimizer("eps"),
-        "lr": per_optimizer("lr"),
+        "beta2": _per_optimizer("beta2"),
+        "eps": _per_optimizer("eps"),
+        "lr": _per_optimizer("lr"),
         "steps": str(DEFAULT_STEPS),
         "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
         "checkpoint_every": "only at the end",
@@ -284,9 +289,9 @@ def _validate(config: TrainConfig) -> None:
             _positive_int(name, getattr(config, name))
     if config.steps is not None and config.tokens is not None:
         raise ValueError("give --steps or --tokens, not both")
-    if config.state_sync_period is not None and config.method not in _state_averaging():
+    if config.state_sync_period is not None and config.method not in STATE_AVERAGING_METHODS:
         raise ValueError(f"--state-sync-period: {config.method} does not average optimizer states")
-    if config.sync_policy is not None and config.method not in _state_averaging():
+    if config.sync_policy is not None and config.method not in STATE_AVERAGING_METHODS:
         raise ValueError(
             f"--sync-policy: {config.method} does not average optimizer states; "
             "a sync policy does not apply"
@@ -311,10 +316,6 @@ def _validate(config: TrainConfig) -> None:
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
-
-
-def _state_averaging() -> tuple[str, ...]:
-    return tuple(m for m, spec in METHOD_TABLE.items() if spec.period_rule is not None)
 
 
 def _flag(name: str) -> str:
