@@ -80,7 +80,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     run.clock.started = started
     if config.resume:
         resume(run)
-    elif run.is_main and ckpt.has_checkpoint(run.run_dir):
+    elif run.is_main and (run.run_dir / ckpt.CHECKPOINT_DIR).exists():
         raise ValueError(
             f"{run.run_dir} already holds a run; pass --resume to continue it or choose another --out"
         )
