@@ -19,7 +19,8 @@ or keep a plain loop and let optimizer step hooks call it::
 
 Step t counts optimizer steps from 1 and is the same on every worker. Each averaging is one
 *round*: the tensors due are collected, averaged in one communicator call, checked for NaN/inf,
-then applied; every round leaves a :class:`SyncEvent` in ``events``.
+committed (the communicator may still discard it, raising ``RoundNotCommitted``), then applied;
+every committed round leaves a :class:`SyncEvent` in ``events``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ class SyncRound:
     tensors: list[Tensor]
     kinds: list[str]
     names: list[str]
+
+
+@dataclass
+class CheckedRound:
+    """A round's averages once checked for NaN/inf, and what the engine records if it commits."""
+
+    averages: list[Tensor]
+    event: SyncEvent
+    skipped: dict[str, Any] | None = None
+    alignment: dict[str, Any] | None = None
 
 
 class LocalUpdateSync:
@@ -166,12 +177,16 @@ class LocalUpdateSync:
         """DDP: replace every worker's gradients by their average; then run the gradient hooks."""
         started = time.perf_counter()
         owners = [p for p in self.params if p.grad is not None]
-        if self.policy.average_gradients and owners:
-            names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
-            grads = [p.grad for p in owners]
-            due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
-            self.communicator.assign(grads, self._average(due))
-        self.seconds_syncing += time.perf_counter() - started
+        try:
+            if self.policy.average_gradients and owners:
+                names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
+                grads = [p.grad for p in owners]
+                due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
+                checked = self._average(due)
+                self._commit(checked)
+                self.communicator.assign(grads, checked.averages)
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
         for hook in list(self._gradient_hooks.values()):
             hook()
 
@@ -185,13 +200,26 @@ class LocalUpdateSync:
             self.policy.check_state_keys(self._state_keys())
             self._state_keys_checked = True
         due, num_params = self._due_after_step(self.step_count)
+        try:
+            if due.tensors:
+                self._run_round(due, num_params)
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
+
+    def round_due(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) has a round: gradients averaged before it, or
+        parameters or states after it. For a communicator that prepares each round (a quorum)
+        before the step's forward pass; before the optimizer keeps any state, a state rule due
+        at ``step`` counts."""
+        if self.policy.average_gradients:
+            return True
+        due, _ = self._due_after_step(step)
         if due.tensors:
-            averages = self._average(due)
-            if num_params:
-                self._finish_parameter_sync(averages[:num_params], due.step)
-            if len(due.tensors) > num_params:
-                self.communicator.assign(due.tensors[num_params:], averages[num_params:])
-        self.seconds_syncing += time.perf_counter() - started
+            return True
+        if self._state_keys():
+            return False
+        rules = [self.policy.other_states, *self.policy.states.values()]
+        return any(rule.is_due(step) for rule in rules)
 
     # -- one round ----------------------------------------------------------------------------
 
@@ -212,14 +240,28 @@ class LocalUpdateSync:
                     due.names.append(f"{key} of {self.param_names[id(p)]}")
         return due, len(params)
 
-    def _average(self, due: SyncRound) -> list[Tensor]:
+    def _run_round(self, due: SyncRound, num_params: int) -> None:
+        """Average, check, commit, apply: nothing is written before the communicator commits."""
+        checked = self._average(due)
+        averaged_params = checked.averages[:num_params]
+        if num_params and self.track_alignment and self.anchors:
+            # the per-worker gathers are part of the round: a peer lost in them discards it
+            checked.alignment = self._alignment(averaged_params, due.step)
+        self._commit(checked)
+        if num_params:
+            self._finish_parameter_sync(averaged_params)
+        if len(due.tensors) > num_params:
+            self.communicator.assign(due.tensors[num_params:], checked.averages[num_params:])
+
+    def _average(self, due: SyncRound) -> CheckedRound:
         """One communicator call for the round, checked; a worker holding NaN/inf is either
         reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``)."""
         result = self.communicator.average(due.tensors, due.kinds)
         averages = result.wait()
         sent, collectives = result.bytes, result.collectives
+        skipped = None
         if not _all_finite(averages):
-            excluded = self._workers_to_leave_out(due)
+            excluded, skipped = self._workers_to_leave_out(due)
             retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
             averages = retry.wait()
             sent, collectives = sent + retry.bytes, collectives + retry.collectives
@@ -228,10 +270,18 @@ class LocalUpdateSync:
                     f"Non-finite average at step {due.step} even without workers {excluded}"
                 )
         kinds = list(dict.fromkeys(due.kinds))
-        self.events.append(SyncEvent(due.step, kinds, sent, collectives))
-        return averages
+        return CheckedRound(averages, SyncEvent(due.step, kinds, sent, collectives), skipped)
 
-    def _workers_to_leave_out(self, due: SyncRound) -> list[int]:
+    def _commit(self, checked: CheckedRound) -> None:
+        """The communicator's last word on a checked round; only a committed round is recorded."""
+        self.communicator.commit()
+        self.events.append(checked.event)
+        if checked.skipped is not None:
+            self.skipped_rounds.append(checked.skipped)
+        if checked.alignment is not None:
+            self.alignment.append(checked.alignment)
+
+    def _workers_to_leave_out(self, due: SyncRound) -> tuple[list[int], dict[str, Any]]:
         offenders = self.layout.first_non_finite(due.tensors)
         if not offenders:
             raise NonFiniteError(
@@ -254,12 +304,9 @@ class LocalUpdateSync:
         logger.warning(
             "step %d: leaving worker(s) %s out of this round (%s)", due.step, excluded, described
         )
-        self.skipped_rounds.append({"step": due.step, "workers": excluded, "tensors": described})
-        return excluded
+        return excluded, {"step": due.step, "workers": excluded, "tensors": described}
 
-    def _finish_parameter_sync(self, averages: list[Tensor], step: int) -> None:
-        if self.track_alignment and self.anchors:
-            self.alignment.append(self._alignment(averages, step))
+    def _finish_parameter_sync(self, averages: list[Tensor]) -> None:
         if self.outer is not None:
             self.outer.apply(self.anchors, averages)
             new_params = self.anchors

@@ -39,6 +39,7 @@ EVALUATIONS_PER_RUN = 10
 # Fields that may differ between a run and its resumption; everything else must match.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "tokens", "out", "resume", "eval_every", "checkpoint_every", "log_every", "progress"}
+    | {"lighthouse", "connect_timeout", "quorum_timeout", "collective_timeout"}
 )
 
 
@@ -157,6 +158,19 @@ class TrainConfig:
     """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
     progress: bool = field(default=True, metadata={"flag": "--no-progress"})
     """Show a progress bar."""
+    fault_tolerant: bool = False
+    """Run one replica of a fault-tolerant run (torchft): replicas may die, rejoin and heal."""
+    replica_id: int | None = None
+    """This replica's number, 0 .. --workers - 1: its data shard (with --fault-tolerant)."""
+    lighthouse: str | None = None
+    """The lighthouse's host:port (with --fault-tolerant; start one with mtdao lighthouse)."""
+    connect_timeout: float = 30.0
+    """Seconds to reach the lighthouse or a peer before giving up (with --fault-tolerant)."""
+    quorum_timeout: float = 600.0
+    """Seconds to wait for a quorum; keep it above the time between syncs (--fault-tolerant)."""
+    collective_timeout: float = 300.0
+    """Seconds an average or a state transfer may wait on a peer before the peer counts as
+    failed; raise it for large models on slow links."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -233,8 +247,14 @@ def resolve(config: TrainConfig) -> TrainConfig:
         tokens=None,
         eval_every=config.eval_every or max(1, steps // EVALUATIONS_PER_RUN),
         data=config.data or "builtin",
-        out=config.out or str(Path("runs") / config.run_name()),
+        out=config.out or default_out(config),
     )
+
+
+def default_out(config: TrainConfig) -> str:
+    """runs/<run name>, and a directory per replica in a fault-tolerant run."""
+    out = Path("runs") / config.run_name()
+    return str(out / f"replica-{config.replica_id}" if config.fault_tolerant else out)
 
 
 def describe_default(name: str) -> str | None:
@@ -253,7 +273,9 @@ def describe_default(name: str) -> str | None:
         "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
         "checkpoint_every": "only at the end",
         "data": "builtin: the Python standard library's source, no download",
-        "out": "runs/<method>-<optimizer>-M<workers>[-K<K>]-seed<seed>",
+        "out": "runs/<method>-<optimizer>-M<workers>[-K<K>]-seed<seed>[/replica-<id>]",
+        "replica_id": "required with --fault-tolerant",
+        "lighthouse": "required with --fault-tolerant",
     }
     return descriptions.get(name)
 
@@ -316,6 +338,30 @@ def _validate(config: TrainConfig) -> None:
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
+    _validate_fault_tolerance(config)
+
+
+def _validate_fault_tolerance(config: TrainConfig) -> None:
+    for name in ("connect_timeout", "quorum_timeout", "collective_timeout"):
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"--{_flag(name)} must be a number of seconds > 0, got {value!r}")
+    if not config.fault_tolerant:
+        for name in ("replica_id", "lighthouse"):
+            if getattr(config, name) is not None:
+                raise ValueError(f"--{_flag(name)} needs --fault-tolerant")
+        return
+    if config.replica_id is None or config.lighthouse is None:
+        raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
+    if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
+        raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
+    if not 0 <= config.replica_id < config.workers:
+        raise ValueError(
+            f"--replica-id {config.replica_id} is outside 0 .. {config.workers - 1} "
+            f"(--workers {config.workers} replicas, one data shard each)"
+        )
+    if not config.lighthouse.strip():
+        raise ValueError("--lighthouse is empty; give the lighthouse's host:port")
 
 
 def _flag(name: str) -> str:

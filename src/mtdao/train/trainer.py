@@ -24,6 +24,7 @@ from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
 from mtdao.train.setup import Run, build_run
 from mtdao.train.snapshot import resume, save
+from mtdao.train.workers import SimulatedWorkerSet
 
 __all__ = ["Run", "build_run", "train", "train_step", "set_hyperparameters"]
 
@@ -38,10 +39,10 @@ def set_hyperparameters(run: Run, step: int) -> None:
 
 
 def next_batch(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
-    if run.process.distributed:
-        inputs, targets = run.shards[0].next_batch()
-    else:
+    if isinstance(run.workers, SimulatedWorkerSet):
         inputs, targets = stacked_batches(run.shards)
+    else:  # one worker in this process
+        inputs, targets = run.shards[0].next_batch()
     return inputs.to(run.device, non_blocking=True), targets.to(run.device, non_blocking=True)
 
 
@@ -72,11 +73,19 @@ def timed_step(run: Run) -> tuple[torch.Tensor, float]:
 # -- the loop -----------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
-    """Train as configured (resolved first); returns (and writes) the results of the run."""
+def train(config: TrainConfig, *, build=build_run, run_loop=None) -> dict[str, Any]:
+    """Train as configured (resolved first); returns (and writes) the results of the run.
+
+    A replica of a fault-tolerant run is built and driven by :mod:`mtdao.train.fault_tolerant`,
+    through ``build`` (config -> Run) and ``run_loop`` (run, log -> None).
+    """
     started = time.perf_counter()
     config = resolve(config)
-    run = build_run(config)
+    if config.fault_tolerant and run_loop is None:
+        from mtdao.train.fault_tolerant import train_replica  # the only path to torchft
+
+        return train_replica(config)
+    run = build(config)
     run.clock.started = started
     if config.resume:
         resume(run)
@@ -94,7 +103,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if config.resume:
         log.truncate_after(run.step)
     try:
-        loop(run, log)
+        (run_loop or loop)(run, log)
     finally:
         log.close()
     save(run)
