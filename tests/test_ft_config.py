@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+import mtdao.sync
 from mtdao.cli import build_parser, main
 from mtdao.train import fault_tolerant
 from mtdao.train.command import config_from_args, config_to_argv
@@ -88,7 +89,9 @@ def test_a_joining_replica_must_share_the_quorums_config():
 
 def test_without_torchft_the_error_says_how_to_install_it(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft now fails
-    monkeypatch.delitem(sys.modules, "mtdao.sync.torchft", raising=False)
+    for name in [name for name in sys.modules if name.startswith("mtdao.sync.torchft")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr(mtdao.sync, "torchft", raising=False)
     config = resolve(TrainConfig(**FT, steps=2, out=str(tmp_path)))
     with pytest.raises(ValueError, match=r"--fault-tolerant needs torchft: pip install .*\[ft\]"):
         fault_tolerant.train_replica(config)

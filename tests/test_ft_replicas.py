@@ -125,6 +125,7 @@ def run_scenario(drill: Drill, scenario: Scenario) -> None:
     for name in ("r0", "r1b", "r2b"):
         assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
     drill.wait_exit("no-lighthouse", PHASE_TIMEOUT_S)
+    seen["lighthouse_exit"] = drill.stop("lighthouse")
 
 
 def last_round(drill: Drill, name: str) -> list[int] | None:
@@ -212,3 +213,10 @@ def test_the_run_ends_identical_everywhere_and_close_to_an_uninterrupted_one(
     assert abs(losses["r0"] - reference["final_val_loss"]) < LOSS_BOUND
     summary = results(drill, "r0")["fault_tolerance"]
     assert summary["replicas_at_end"] == [0, 1, 2] and summary["discarded_rounds"]
+
+
+def test_the_lighthouse_says_where_it_serves_and_stops_cleanly(drill):
+    drill, seen = drill
+    first = drill.log("lighthouse").splitlines()[0]
+    assert first.startswith("lighthouse: serving at http://") and f":{drill.port} " in first
+    assert seen["lighthouse_exit"] == 0

@@ -202,6 +202,11 @@ class Drill:
         self.processes[name].send_signal(signal.SIGKILL)
         self.processes[name].wait(timeout=30)
 
+    def stop(self, name: str, timeout: float = 30.0) -> int:
+        """SIGTERM, as an operator stopping a process would; returns its exit code."""
+        self.processes[name].send_signal(signal.SIGTERM)
+        return self.wait_exit(name, timeout)
+
     def status(self, name: str) -> tuple[str, int]:
         try:
             state, step = (self.root / f"{name}.status").read_text().split()

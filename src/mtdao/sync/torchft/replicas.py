@@ -1,72 +1,30 @@
-"""Replica groups that die, rejoin and heal: averaging through torchft.
-
-Each replica group (one process for now) holds a full copy of the model and optimizer and is one
-worker of the sync engine. A torchft lighthouse keeps track of the live replicas; each replica has
-a torchft ``Manager``. A round runs in three parts:
-
-1. :meth:`ReplicaGroups.before_step`, before the forward pass of every step: when this replica
-   has not joined yet, or a round is due at the coming step (the engine's ``round_due``), a quorum
-   of the live replicas, a new process group when the membership changed, and, for a replica
-   that is new or missed a commit, a heal: it receives a live peer's state (everything registered
-   with :meth:`track_state`) and continues as that peer's copy from before the step, so its own
-   step is a real one. A quorum with no round behind it (the first one, when nothing is due at
-   step 1) is closed by an empty round, once every healing replica holds its state;
-2. :meth:`ReplicaGroups.average`: the due tensors, one SUM all-reduce per dtype bucket through the
-   manager, each bucket carrying the number of replicas that contributed to it;
-3. :meth:`ReplicaGroups.commit`: torchft's ``should_commit``; the round stands only when no
-   collective of it failed.
-
-A round a peer's death breaks raises :class:`~mtdao.sync.communicator.RoundNotCommitted` and the
-engine applies none of it: every replica keeps its local state and the next quorum goes on without
-the dead one. Between rounds nothing is coordinated. A replica healed at this round's quorum has
-not run the round's local steps, so it adds nothing to a parameter or state average (it receives
-it); its gradient, computed on the healed state, does count in a gradient round (DDP).
-
-This module is the only one that imports torchft (an optional dependency: ``pip install
-mtdao[ft]``). Healed state travels over torchft's HTTP transport as a pickle: peers must trust
-each other.
-"""
+"""The communicator of a fault-tolerant replica, and its layout (see the package docstring for
+the round protocol)."""
 
 from __future__ import annotations
 
-import logging
-import os
-import re
 import socket
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torchft import Manager
 
-# torchft's native side logs every quorum at INFO; keep the terminal for progress lines
-os.environ.setdefault("RUST_LOG", "warn")
-
-from torchft import Manager, ProcessGroupGloo  # noqa: E402
-from torchft.checkpointing import HTTPTransport  # noqa: E402
-
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, dtype_buckets, size_chunks  # noqa: E402
-from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted  # noqa: E402
-from mtdao.sync.engine import LocalUpdateSync  # noqa: E402
-from mtdao.sync.layout import WorkerLayout  # noqa: E402
-
-# torchft reports what went wrong to its manager, which hands it to us; its own log lines
-# (tracebacks of every failed collective) would bury the one line that matters.
-logging.getLogger("torchft").addHandler(logging.NullHandler())
-logging.getLogger("torchft").propagate = False
-
-
-class ReplicaRefused(ValueError):
-    """This replica may not join the quorum: its replica id is taken, or its config differs."""
-
-
-class QuorumError(ConnectionError):
-    """The lighthouse cannot be reached, or no quorum formed within the timeout."""
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, dtype_buckets, size_chunks
+from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
+from mtdao.sync.engine import LocalUpdateSync
+from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.torchft.plumbing import (
+    HealTransport,
+    MembershipGloo,
+    QuorumError,
+    first_line,
+)
 
 
 @dataclass(frozen=True)
@@ -113,80 +71,6 @@ class RoundStart:
     heal: Heal | None = None
 
 
-@dataclass
-class _Quorum:
-    replicas: list[int] = field(default_factory=list)
-    rank: int = 0
-    quorum_id: int = -1
-
-
-class _MembershipGloo(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group, remembering who each configuration holds, and noting
-    a quorum in which this replica's id is taken twice (a new replica then refuses to join)."""
-
-    def __init__(self, replica_id: int, timeout: timedelta) -> None:
-        super().__init__(timeout=timeout)
-        self.replica_id = replica_id
-        self.quorum = _Quorum()
-        self.refuse_duplicates = True
-        self.refusal: ReplicaRefused | None = None
-
-    def configure(
-        self,
-        store_addr,
-        replica_id,
-        rank,
-        world_size,
-        quorum_id=None,
-        group_rank=None,
-        group_world_size=None,
-        global_ranks=None,
-    ):
-        # join the group even when refusing: the others then see this replica leave at once,
-        # instead of waiting for it until their collective timeout
-        super().configure(
-            store_addr,
-            replica_id,
-            rank,
-            world_size,
-            quorum_id,
-            group_rank,
-            group_world_size,
-            global_ranks,
-        )
-        replicas = list(global_ranks or [])
-        self.quorum = _Quorum(replicas, rank, quorum_id if quorum_id is not None else -1)
-        if self.refuse_duplicates and replicas.count(self.replica_id) > 1:
-            self.refusal = ReplicaRefused(
-                f"replica id {self.replica_id} is already taken in the quorum (replicas "
-                f"{', '.join(map(str, sorted(replicas)))}); give each replica its own --replica-id"
-            )
-
-
-class _HealTransport(HTTPTransport):
-    """torchft's HTTP state transfer, counting bytes and dropping a sent state once the round it
-    healed is over (it is a full copy: see :func:`engine_state`)."""
-
-    def __init__(self, timeout: timedelta) -> None:
-        super().__init__(timeout=timeout, num_chunks=0)
-        self.received_bytes = 0
-        handler = self._server.RequestHandlerClass  # one access-log line per transfer otherwise
-        self._server.RequestHandlerClass = type("QuietHandler", (handler,), {"log_message": _quiet})
-
-    def disallow_checkpoint(self) -> None:
-        super().disallow_checkpoint()
-        self._state_dict = self._chunks = None  # the healed peers have it by now
-
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
-        with (
-            warnings.catch_warnings()
-        ):  # torch reads the stream into a read-only buffer, then copies
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            state = super().recv_checkpoint(src_rank, metadata, step, timeout)
-        self.received_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
-        return state
-
-
 class ReplicaLayout(WorkerLayout):
     """This replica among the replicas of the current quorum; its gathers go through the manager
     and belong to the round in progress (a failure discards the round)."""
@@ -221,7 +105,7 @@ class ReplicaGroups(Communicator):
         super().__init__(ReplicaLayout(self))
         self.settings = settings
         self.replica_id = settings.replica_id
-        self.process_group = _MembershipGloo(
+        self.process_group = MembershipGloo(
             settings.replica_id, timedelta(seconds=settings.collective_timeout)
         )
         self.manager: Manager | None = None
@@ -240,7 +124,7 @@ class ReplicaGroups(Communicator):
         collective = timedelta(seconds=settings.collective_timeout)
         host = socket.gethostname()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.transport = _HealTransport(collective)
+        self.transport = HealTransport(collective)
         try:
             self.manager = Manager(
                 pg=self.process_group,
@@ -263,7 +147,7 @@ class ReplicaGroups(Communicator):
             )
         except RuntimeError as error:
             self.transport.shutdown(wait=False)
-            reason = _first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
+            reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
             raise QuorumError(
                 f"cannot reach the lighthouse at {settings.lighthouse_url} within "
                 f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
@@ -323,7 +207,7 @@ class ReplicaGroups(Communicator):
         except Exception as error:  # the lighthouse is gone, or no quorum in time
             raise QuorumError(
                 f"no quorum (lighthouse {self.settings.lighthouse_url}, --quorum-timeout "
-                f"{self.settings.quorum_timeout:g} s): {_first_line(error)}"
+                f"{self.settings.quorum_timeout:g} s): {first_line(error)}"
             ) from None
         if self.process_group.refusal is not None:
             raise self.process_group.refusal
@@ -418,7 +302,7 @@ class ReplicaGroups(Communicator):
         error = self.manager.errored()
         if error is None:
             return "too few replicas"
-        return _first_line(error.original_exception)
+        return first_line(error.original_exception)
 
     def _require_round(self) -> None:
         if not self._round_open:
@@ -436,89 +320,3 @@ class ReplicaGroups(Communicator):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
         self.process_group.abort(errored=False)  # peers in a round with us fail now, not later
-
-
-def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[dict], None]]:
-    """What a healing replica needs from a live peer to carry on as its copy: the parameters,
-    every optimizer state and the engine's state (step, anchors, outer momentum, rounds).
-
-    The state is copied to CPU when a peer asks for it: the sender goes on training while the
-    receiver fetches it.
-    """
-
-    def state_dict() -> dict:
-        return _cpu_copy(
-            {
-                "params": [p.detach() for p in sync.params],
-                "optimizer": sync.optimizer.state_dict(),
-                "sync": sync.state_dict(),
-            }
-        )
-
-    @torch.no_grad()
-    def load_state_dict(state: dict) -> None:
-        shapes = [tuple(p.shape) for p in sync.params]
-        received = [tuple(p.shape) for p in state["params"]]
-        if shapes != received:
-            raise ReplicaRefused(
-                f"the peer's model has parameter shapes {received}, this replica's {shapes}"
-            )
-        for param, value in zip(sync.params, state["params"]):
-            param.copy_(value)
-        sync.optimizer.load_state_dict(state["optimizer"])
-        sync.load_state_dict(state["sync"])
-
-    return state_dict, load_state_dict
-
-
-def _cpu_copy(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _cpu_copy(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(item) for item in value)
-    return value
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-
-
-def _quiet(*args: Any) -> None:
-    pass
-
-
-def _first_line(error: BaseException) -> str:
-    """The first sentence of an error, without gloo's ``[path/file.cc:123] `` source location."""
-    text = str(error).strip() or type(error).__name__
-    return re.sub(r"^\[[^\]]*:\d+\]\s*", "", text.splitlines()[0]).split(". ")[0]
-
-
-def start_lighthouse(
-    bind: str,
-    min_replicas: int,
-    join_timeout: float,
-    heartbeat_timeout: float,
-    quorum_tick: float = 0.1,
-):
-    """torchft's lighthouse, serving in background threads; ``.address()`` and ``.shutdown()``."""
-    from torchft._torchft import LighthouseServer
-
-    try:
-        return LighthouseServer(
-            bind=bind,
-            min_replicas=min_replicas,
-            join_timeout_ms=round(join_timeout * 1000),
-            quorum_tick_ms=max(1, round(quorum_tick * 1000)),
-            heartbeat_timeout_ms=round(heartbeat_timeout * 1000),
-        )
-    except RuntimeError as error:
-        raise QuorumError(f"cannot serve the lighthouse on {bind}: {_first_line(error)}") from None
