@@ -27,6 +27,7 @@ examples:
   mtdao train                                   # MT-DAO, 4 simulated workers, built-in data
   mtdao train --method ddp --steps 600 --out runs/ddp
   torchrun --nproc-per-node 4 -m mtdao train --workers 4 --method mtdao
+  mtdao train --fault-tolerant --workers 3 --replica-id 0 --lighthouse HOST:29510  # mtdao lighthouse
 """
 
 

@@ -128,6 +128,10 @@ class Drill:
 
     ``train_flags`` are the ``mtdao train`` flags every replica shares; :meth:`start` adds the
     replica's own. Use it as a context manager: every process is killed on the way out.
+
+    The lighthouse's join timeout is long on purpose: a replica that waited longer than it to
+    join makes the next quorum form with whoever asked first, and a member arriving a moment
+    later would miss that sync (a dead replica is not waited for: it stops heartbeating).
     """
 
     def __init__(
@@ -135,7 +139,7 @@ class Drill:
         root: Path,
         train_flags: Sequence[str],
         heartbeat_timeout: float = 1.0,
-        join_timeout: float = 2.0,
+        join_timeout: float = 30.0,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)

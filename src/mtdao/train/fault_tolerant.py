@@ -9,8 +9,8 @@ averaged state is the same on all replicas after a sync, so the healed replica c
 group's global states, not only its parameters. Its data position stays its own.
 
 Progress lines (stderr) say when replicas join or leave, when this replica healed and when a round
-was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON line each, plus one
-line per committed round.
+was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON line each (events
+``connect``, ``quorum``, ``discarded``, ``committed``, each with its time and step).
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class ReplicaDriver:
         self.replicas.track_state("engine", *self.torchft.engine_state(run.sync))
         self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id)
         before_connect(run)
+        self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
         return run
 

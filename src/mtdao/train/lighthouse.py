@@ -38,7 +38,10 @@ def add_parser(subparsers) -> None:
         "--join-timeout",
         type=float,
         default=60.0,
-        help="seconds a new quorum waits for live replicas that have not asked to join it",
+        help="seconds a new quorum waits for live replicas that have not asked to join it yet; "
+        "keep it above the time between two syncs, or a replica that waited longer than this to "
+        "join makes the next quorum form with whoever asks first (a member a moment late then "
+        "misses that sync and is healed at the next)",
     )
     parser.add_argument(
         "--quorum-tick", type=float, default=0.1, help="seconds between checks for a quorum"

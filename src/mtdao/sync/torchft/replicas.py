@@ -92,7 +92,7 @@ class ReplicaLayout(WorkerLayout):
         return self.communicator.sum_in_round(slots)
 
     def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return self.communicator.mean_in_round(tensors, contributes=True)
+        return self.communicator.mean_in_round(tensors, contributes=True)[0]
 
 
 class ReplicaGroups(Communicator):
@@ -243,7 +243,7 @@ class ReplicaGroups(Communicator):
         contributes = self.quorum_rank not in excluded and not (
             self._fresh and any(kind != "grads" for kind in kinds)
         )
-        values, collectives = self.mean_in_round(tensors, contributes, count=True)
+        values, collectives = self.mean_in_round(tensors, contributes)
         num_bytes, collectives = self._account(tensors, kinds, collectives)
         return Averages(values, num_bytes, collectives)
 
@@ -256,10 +256,10 @@ class ReplicaGroups(Communicator):
         self._fresh = False
 
     def mean_in_round(
-        self, tensors: Sequence[Tensor], contributes: bool, count: bool = False
-    ) -> list[Tensor] | tuple[list[Tensor], int]:
-        """Means over the replicas that contribute, one SUM all-reduce per bucket; each bucket
-        carries its contributor count in one extra element."""
+        self, tensors: Sequence[Tensor], contributes: bool
+    ) -> tuple[list[Tensor], int]:
+        """(means over the replicas that contribute, collectives): one SUM all-reduce per bucket,
+        each carrying its contributor count in one extra element."""
         averages: list[Tensor | None] = [None] * len(tensors)
         collectives = 0
         for indices in dtype_buckets(tensors).values():
@@ -280,7 +280,7 @@ class ReplicaGroups(Communicator):
                     numel = tensors[i].numel()
                     averages[i] = flat[offset : offset + numel].view_as(tensors[i])
                     offset += numel
-        return (averages, collectives) if count else averages  # type: ignore[return-value]
+        return averages, collectives  # type: ignore[return-value]
 
     def sum_in_round(self, flat: Tensor) -> Tensor:
         """``flat`` summed over the quorum, through the manager; a failure discards the round."""
