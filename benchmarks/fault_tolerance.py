@@ -2,9 +2,9 @@
 
 Three replicas of one run, each a process, and a lighthouse, driven by mtdao.train.fault_drill:
 
-* detect: a replica killed (SIGKILL) between syncs: seconds until the others form a quorum
-  without it; and one killed inside an all-reduce: seconds until the others discard the round,
-  and until their next committed round. Per lighthouse heartbeat timeout.
+* detect: a replica killed (SIGKILL) between syncs, as the others are about to sync: seconds
+  until they have a quorum without it; and one killed inside an all-reduce: seconds until the
+  others discard the round, and until their next committed round. Per heartbeat timeout.
 * rejoin: the killed replica restarted at once: seconds from the new process to the end of its
   start-up (Python, torch, data, model), to its first quorum (it waits for the group's next sync),
   the heal (bytes and seconds) and its first committed round.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import time
@@ -59,6 +60,9 @@ def detect_and_rejoin(root: Path, heartbeat: float, model: str, cycles: int) -> 
         wait_at(drill, ["r0", "r1", "r2-0"], gate)
         for cycle in range(cycles):
             victim, successor = f"r2-{cycle}", f"r2-{cycle + 1}"
+            gate += period - 1  # just before the next sync: released, they ask for a quorum
+            drill.gate(gate)
+            wait_at(drill, ["r0", "r1", victim], gate)
             drill.kill(victim)
             drill.start(successor, 2)  # a supervisor restarting it at once
             killed = drill.killed_at[victim]
@@ -197,6 +201,7 @@ def report(records: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that every drill cleans up
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("detect", "loss", "all"), default="all")
     parser.add_argument("--out", type=Path, default=Path("/tmp/ft-bench"))

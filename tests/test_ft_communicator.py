@@ -26,7 +26,7 @@ from mtdao.sync.communicator import RoundNotCommitted
 
 torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 D_IN, D_OUT = 4, 3
 THREAD_TIMEOUT_S = 60.0

@@ -101,6 +101,7 @@ def test_without_torchft_the_error_says_how_to_install_it(monkeypatch, tmp_path,
     )
 
 
+@pytest.mark.slow
 def test_plain_runs_do_not_import_torchft(corpus_dir, tmp_path):
     script = textwrap.dedent(
         f"""
