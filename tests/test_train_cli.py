@@ -62,9 +62,9 @@ def assert_one_line_error(capsys, args: list[str], match: str) -> None:
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2, err
-    # one error line; a run that got as far as loading its data said so first, and a setting
-    # that is allowed but suspicious is warned about
-    said = ("data: ", "warning: ")
+    # one error line; a run that got as far as loading its data said so first, what it decided
+    # about its directory, and a setting that is allowed but suspicious is warned about
+    said = ("data: ", "warning: ", "resumed from ", "--resume: ", "--extend: ", "--overwrite: ")
     lines = [line for line in err.strip().splitlines() if not line.startswith(said)]
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("mtdao") and match in lines[0], err
