@@ -49,12 +49,38 @@ def init_process_group(
         if device.type == "cuda":  # NCCL's barrier and object collectives use the current device
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
     return ProcessInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def restart_store(timeout: datetime.timedelta):
+    """The store to join through under torchrun, with keys of this attempt only; None when
+    torchrun does not share its own store with the workers.
+
+    torchrun lends its rendezvous store to the workers, and a worker group restarted by
+    ``--max-restarts`` finds there the keys its previous attempt wrote: the new processes read
+    the addresses of dead peers (gloo then fails to connect, NCCL reads an old unique id). Keys
+    prefixed with the restart count keep the attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    shared = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"mtdao/attempt-{attempt}", shared)
 
 
 def barrier(info: ProcessInfo) -> None:
