@@ -320,7 +320,11 @@ class LocalUpdateSync:
                 "no worker is left to average"
             )
         logger.warning(
-            "step %d: leaving worker(s) %s out of this round (%s)", due.step, excluded, described
+            "step %d: leaving worker(s) %s out (%s); they take the others' average of every "
+            "tensor they hold",
+            due.step,
+            excluded,
+            described,
         )
         self.skipped_rounds.append({"step": due.step, "workers": excluded, "tensors": described})
         return excluded

@@ -155,10 +155,11 @@ class TrainConfig:
     and every restart under torchrun --max-restarts)."""
     extend: bool = field(default=False, metadata={"flag": "--extend"})
     """With --resume: allow a --steps other than the run's and re-plan the schedules for it. Exact
-    (the same as a run given the new --steps from the start) when the old and new schedules agree
-    on every step taken, e.g. wsd resumed from its stable phase; cosine (or wsd past its decay
-    start) is re-stretched and the learning rate jumps at the resume step (both values are
-    printed). Without --extend a changed --steps is refused with that explanation."""
+    (the same run as one given the new --steps from the start) when both plans agree on every step
+    already taken: wsd resumed before its decay starts, or constant, with warmups of the same
+    number of steps (--warmup is a fraction of --steps). Otherwise it says so: cosine, or wsd past
+    its decay start, is re-stretched and the learning rate jumps at the resume step (both values
+    are printed). Without --extend a changed --steps is refused with that explanation."""
     overwrite: bool = field(default=False, metadata={"flag": "--overwrite"})
     """Replace the run in --out: delete the files a run writes there (config, metrics, results,
     checkpoints, plots), nothing else. Without it a fresh run refuses a directory holding one."""
@@ -170,7 +171,9 @@ class TrainConfig:
     bf16: bool = field(default=True, metadata={"flag": "--no-bf16"})
     """bf16 autocast on GPU (CPU always runs float32)."""
     on_non_finite: str = _choice("raise", NON_FINITE_ACTIONS)
-    """NaN/inf in a worker at a sync: stop (raise), or leave that worker out (skip)."""
+    """NaN/inf in a worker at a sync: stop (raise), or leave that worker out and heal it with the
+    others' average of everything it holds (skip; evaluation and checkpoints meanwhile leave it
+    out or heal it first)."""
     track_alignment: bool = field(default=True, metadata={"flag": "--no-alignment"})
     """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
     progress: bool = field(default=True, metadata={"flag": "--no-progress"})
