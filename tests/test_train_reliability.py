@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_train_cli import assert_one_line_error, tiny_args
-from test_train_resume import assert_runs_equal, tiny_config
+from test_train_resume import assert_runs_equal, tiny_config, train_until_interrupted
 
 from mtdao.cli import main
 from mtdao.train import trainer
@@ -237,3 +237,22 @@ def test_skip_mode_evaluates_the_finite_workers_and_heals_before_a_checkpoint(
     meta = json.loads((out / "checkpoints" / "step-00000006" / "meta.json").read_text())
     assert meta["finite"] is True
     assert all(r["train_loss"] == r["train_loss"] for r in read_metrics(out) if "train_loss" in r)
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_and_ends_the_same(
+    tmp_path, corpus_dir, caplog, monkeypatch
+):
+    """Checkpoints at steps 4 and 8, a crash after step 10, one byte of step 8's file flipped: the
+    resume names the file, sets it aside, continues from step 4 and ends as if nothing happened."""
+    reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, checkpoint_every=4))
+    out = tmp_path / "run"
+    train_until_interrupted(monkeypatch, tiny_config(out, corpus_dir, checkpoint_every=4), 10)
+    damaged = out / "checkpoints" / "step-00000008" / "rank0.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+
+    resumed = trainer.train(tiny_config(out, corpus_dir, checkpoint_every=4, resume=True))
+    assert f"{damaged} is corrupted or incomplete (its xxh3_128 checksum differs)" in caplog.text
+    assert (out / "checkpoints" / "step-00000008.damaged").is_dir()
+    assert_runs_equal(tmp_path / "reference", out, reference, resumed)
