@@ -135,13 +135,19 @@ def test_a_killed_worker_restarts_from_its_checkpoint_to_the_identical_end(tmp_p
     checkpoint. torchrun restarts both workers once; they resume and end bit-identical."""
     run = ("--steps", "24", "--eval-every", "4", "--checkpoint-every", "4", "--resume")
     run += ("--collective-timeout", "60")
+    started = time.monotonic()
     jobs = {name: torchrun(tmp_path / name, corpus_dir, *run) for name in ("straight", "killed")}
     try:
         killed = jobs["killed"]
         wait_for(lambda: complete_checkpoint(tmp_path / "killed"), JOB_TIMEOUT_S, "a checkpoint")
         victim = children(killed.pid)[0]
         os.kill(victim, signal.SIGKILL)
-        outputs = {name: job.communicate(timeout=JOB_TIMEOUT_S)[0] for name, job in jobs.items()}
+        killed_at = time.monotonic() - started
+        outputs = {}
+        for name, job in jobs.items():
+            outputs[name] = job.communicate(timeout=JOB_TIMEOUT_S)[0]
+            print(f"{name}: ended {time.monotonic() - started:.1f} s after the launch")
+        print(f"worker 0 of the killed job was killed {killed_at:.1f} s after the launch")
     finally:
         for job in jobs.values():
             kill_group(job)
@@ -209,6 +215,9 @@ def test_a_frozen_worker_ends_the_others_within_the_collective_timeout(tmp_path,
         frozen_at = time.monotonic()
         err = workers[0].communicate(timeout=timeout_s + 60)[1]
         waited = time.monotonic() - frozen_at
+        print(
+            f"worker 0 ended {waited:.1f} s after worker 1 froze (--collective-timeout {timeout_s})"
+        )
     finally:
         for worker in workers:
             if worker.poll() is None:
