@@ -253,13 +253,11 @@ class LocalUpdateSync:
         optimizer state (whether the policy averages it or keeps it local)."""
         held = SyncRound(step, [], [], [])
         for p in self.params:
-            held.tensors.append(p)
-            held.kinds.append("params")
-            held.names.append(self.param_names[id(p)])
-            for key, value in self._worker_states(p):
+            name = self.param_names[id(p)]
+            for key, value in [("params", p), *self._worker_states(p)]:
                 held.tensors.append(value)
                 held.kinds.append(key)
-                held.names.append(f"{key} of {self.param_names[id(p)]}")
+                held.names.append(name if key == "params" else f"{key} of {name}")
         return held
 
     @torch.no_grad()
@@ -268,9 +266,10 @@ class LocalUpdateSync:
         the others' average of everything it holds. Returns the workers healed. Between rounds a
         worker left out stays non-finite; this makes the state finite, e.g. before a checkpoint."""
         held = self._held(self.step_count)
-        if not self.layout.first_non_finite(held.tensors):
+        offenders = self.layout.first_non_finite(held.tensors)
+        if not offenders:
             return []
-        excluded = self._workers_to_leave_out(held)
+        excluded = self._workers_to_leave_out(held, offenders)
         self._heal(excluded, self.step_count, skip=set())
         return excluded
 
@@ -286,8 +285,7 @@ class LocalUpdateSync:
         averages = result.wait()
         if not _all_finite(averages):
             raise NonFiniteError(
-                f"Cannot heal workers {workers} at step {step}: the others' "
-                "average is not finite either"
+                f"Cannot heal workers {workers} at step {step}: non-finite average"
             )
         layout = self.layout
         local = torch.arange(layout.rank, layout.rank + layout.local_workers)
@@ -299,8 +297,8 @@ class LocalUpdateSync:
         self.events.append(SyncEvent(step, ["heal"], result.bytes, result.collectives))
         self.skipped_rounds[-1]["healed_tensors"] = len(tensors)
 
-    def _workers_to_leave_out(self, due: SyncRound) -> list[int]:
-        offenders = self.layout.first_non_finite(due.tensors)
+    def _workers_to_leave_out(self, due: SyncRound, offenders: dict | None = None) -> list[int]:
+        offenders = self.layout.first_non_finite(due.tensors) if offenders is None else offenders
         if not offenders:
             raise NonFiniteError(
                 f"Averaging at step {due.step} overflowed although every worker's values are "

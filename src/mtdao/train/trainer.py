@@ -24,7 +24,12 @@ from mtdao.data import stacked_batches
 from mtdao.sync.engine import NonFiniteError
 from mtdao.train.checkpoint import CheckpointStore
 from mtdao.train.config import TrainConfig, config_warnings, resolve
-from mtdao.train.distributed import collective_errors, init_process_group, pick_device
+from mtdao.train.distributed import (
+    ProcessInfo,
+    collective_errors,
+    init_process_group,
+    pick_device,
+)
 from mtdao.train.evaluate import run_evaluation
 from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
@@ -86,11 +91,12 @@ def train(config: TrainConfig) -> dict[str, Any]:
     started = time.perf_counter()
     config = resolve(config)
     device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
-    process = init_process_group(device, config.collective_timeout)
-    if process.rank == 0:
-        for warning in config_warnings(config):
-            say(f"warning: {warning}")
-    with collective_errors(process, config.collective_timeout):
+    launched = ProcessInfo(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    with collective_errors(launched, config.collective_timeout):
+        process = init_process_group(device, config.collective_timeout)
+        if process.rank == 0:
+            for warning in config_warnings(config):
+                say(f"warning: {warning}")
         store = checkpoint_store(config, process, device)
         lock = lock_run_dir(config, process, store.collective)  # held by process 0 till the end
         try:
@@ -119,26 +125,27 @@ class Outputs:
 
 def train_run(run: Run, store: CheckpointStore, start: Start) -> dict[str, Any]:
     """Restore the run if it resumes, train it to the end, and write its results."""
-    resumed = start.checkpoint is not None
-    if start.checkpoint is not None:
-        restore(run, start.checkpoint)
+    loaded = start.checkpoint
+    if loaded is not None:
+        restore(run, loaded)
     if start.extension is not None:
         run.extensions.append(start.extension)
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run.run_dir / "config.json", run.config.to_dict())
         say(run.data_summary)
-        if start.checkpoint is not None:
-            say(f"resumed from step {run.step} of {run.total_steps} ({start.checkpoint.path})")
-    outputs = Outputs(store, MetricsLog(run.run_dir, enabled=run.is_main, append=resumed))
-    if start.checkpoint is not None:
-        outputs.log.truncate_after(run.step)
+        if loaded is not None:
+            say(f"resumed from step {run.step} of {run.total_steps} ({loaded.path})")
+    log = MetricsLog(run.run_dir, enabled=run.is_main, append=loaded is not None)
+    outputs = Outputs(store, log)
+    if loaded is not None:
+        log.truncate_after(run.step)
         outputs.last_saved = run.step
-        outputs.resumed = (run.step, start.checkpoint.path)
+        outputs.resumed = (run.step, loaded.path)
     try:
         loop(run, outputs)
     finally:
-        outputs.log.close()
+        log.close()
     if outputs.last_saved != run.step:  # unless the loop (or the resume) just saved this step
         save(run, store)
     results = summarize(run)
