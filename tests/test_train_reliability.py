@@ -256,3 +256,22 @@ def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_and_ends_the_same(
     assert f"{damaged} is corrupted or incomplete (its xxh3_128 checksum differs)" in caplog.text
     assert (out / "checkpoints" / "step-00000008.damaged").is_dir()
     assert_runs_equal(tmp_path / "reference", out, reference, resumed)
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, corpus_dir, caplog, monkeypatch):
+    """A crash in the middle of an append leaves half a line: the resume drops it, names the file
+    and the line, and the metrics end as those of the uninterrupted run."""
+    reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, checkpoint_every=4))
+    out = tmp_path / "run"
+    train_until_interrupted(monkeypatch, tiny_config(out, corpus_dir, checkpoint_every=4), 6)
+    metrics = out / "metrics.jsonl"
+    lines = len(metrics.read_text().splitlines())
+    with open(metrics, "a") as handle:
+        handle.write('{"step": 7, "train_lo')
+
+    resumed = trainer.train(tiny_config(out, corpus_dir, checkpoint_every=4, resume=True))
+    assert (
+        f"{metrics}: dropped line {lines + 1}, a record torn by an interrupted run" in caplog.text
+    )
+    assert read_metrics(out) and all(isinstance(r, dict) for r in read_metrics(out))
+    assert_runs_equal(tmp_path / "reference", out, reference, resumed)
