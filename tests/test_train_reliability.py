@@ -50,11 +50,19 @@ def nan_in_second_moment(run) -> None:
 # -- checkpoints: the newest N, never a diverged one ------------------------------------------------
 
 
-def test_keeps_the_newest_checkpoints_and_saves_the_last_step_once(tmp_path, corpus_dir):
-    out = tmp_path / "run"
-    trainer.train(tiny_config(out, corpus_dir, checkpoint_every=2, keep_checkpoints=3))
+CHECKPOINTS = dict(checkpoint_every=2, keep_checkpoints=3)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus_dir) -> tuple[Path, dict]:
+    """12 steps, checkpoints every 2, the newest 3 kept: the run the interrupted ones must equal."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    return out, trainer.train(tiny_config(out, corpus_dir, **CHECKPOINTS))
+
+
+def test_keeps_the_newest_checkpoints_and_saves_the_last_step_once(reference):
     # step 12 is saved by the loop; the final save does not write it a second time
-    assert checkpoint_names(out) == ["step-00000008", "step-00000010", "step-00000012"]
+    assert checkpoint_names(reference[0]) == ["step-00000008", "step-00000010", "step-00000012"]
 
 
 def test_a_diverged_state_never_replaces_the_last_good_checkpoint(
@@ -143,26 +151,25 @@ def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, corpus_dir
 
 
 def test_resume_with_no_checkpoint_yet_starts_fresh_and_says_so(
-    tmp_path, corpus_dir, capsys, monkeypatch
+    reference, tmp_path, corpus_dir, capsys, monkeypatch
 ):
-    """The first attempt dies at step 3, before its first checkpoint (step 5): the same command
-    line starts fresh, says so, and gives the uninterrupted run."""
-    reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, checkpoint_every=5))
+    """The first attempt dies during step 2, before its first checkpoint: the same command line
+    starts fresh, says so, and gives the uninterrupted run."""
     out = tmp_path / "run"
-    config = tiny_config(out, corpus_dir, checkpoint_every=5, resume=True)
+    config = tiny_config(out, corpus_dir, resume=True, **CHECKPOINTS)
 
     def dying_step(run):
-        raise KeyboardInterrupt  # killed during step 4
+        raise KeyboardInterrupt  # killed during step 2
 
     with monkeypatch.context() as patch:
-        poison_after(patch, 3, dying_step)
+        poison_after(patch, 2, dying_step)
         with pytest.raises(KeyboardInterrupt):
             trainer.train(config)
     assert not (out / "checkpoints").exists() and (out / "metrics.jsonl").stat().st_size > 0
     capsys.readouterr()
     resumed = trainer.train(config)
     assert f"--resume: no checkpoint in {out} yet; starting fresh" in capsys.readouterr().err
-    assert_runs_equal(tmp_path / "reference", out, reference, resumed)
+    assert_runs_equal(reference[0], out, reference[1], resumed)
 
 
 def test_resume_with_no_checkpoint_refuses_another_runs_directory(tmp_path, corpus_dir, capsys):
@@ -240,38 +247,38 @@ def test_skip_mode_evaluates_the_finite_workers_and_heals_before_a_checkpoint(
 
 
 def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_and_ends_the_same(
-    tmp_path, corpus_dir, caplog, monkeypatch
+    reference, tmp_path, corpus_dir, caplog, capsys, monkeypatch
 ):
-    """Checkpoints at steps 4 and 8, a crash after step 10, one byte of step 8's file flipped: the
-    resume names the file, sets it aside, continues from step 4 and ends as if nothing happened."""
-    reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, checkpoint_every=4))
+    """A crash after step 9, one byte of step 8's file flipped: the resume names the file, sets
+    it aside, continues from step 6 and ends as if nothing happened."""
     out = tmp_path / "run"
-    train_until_interrupted(monkeypatch, tiny_config(out, corpus_dir, checkpoint_every=4), 10)
+    train_until_interrupted(monkeypatch, tiny_config(out, corpus_dir, **CHECKPOINTS), 9)
     damaged = out / "checkpoints" / "step-00000008" / "rank0.pt"
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0x01
     damaged.write_bytes(bytes(data))
 
-    resumed = trainer.train(tiny_config(out, corpus_dir, checkpoint_every=4, resume=True))
+    resumed = trainer.train(tiny_config(out, corpus_dir, resume=True, **CHECKPOINTS))
     assert f"{damaged} is corrupted or incomplete (its xxh3_128 checksum differs)" in caplog.text
     assert (out / "checkpoints" / "step-00000008.damaged").is_dir()
-    assert_runs_equal(tmp_path / "reference", out, reference, resumed)
+    assert "resumed from step 6 of 12" in capsys.readouterr().err
+    assert_runs_equal(reference[0], out, reference[1], resumed)
 
 
-def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, corpus_dir, caplog, monkeypatch):
+def test_a_torn_last_metrics_line_is_dropped_on_resume(
+    reference, tmp_path, corpus_dir, caplog, monkeypatch
+):
     """A crash in the middle of an append leaves half a line: the resume drops it, names the file
     and the line, and the metrics end as those of the uninterrupted run."""
-    reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, checkpoint_every=4))
     out = tmp_path / "run"
-    train_until_interrupted(monkeypatch, tiny_config(out, corpus_dir, checkpoint_every=4), 6)
+    train_until_interrupted(monkeypatch, tiny_config(out, corpus_dir, **CHECKPOINTS), 6)
     metrics = out / "metrics.jsonl"
     lines = len(metrics.read_text().splitlines())
     with open(metrics, "a") as handle:
         handle.write('{"step": 7, "train_lo')
 
-    resumed = trainer.train(tiny_config(out, corpus_dir, checkpoint_every=4, resume=True))
+    resumed = trainer.train(tiny_config(out, corpus_dir, resume=True, **CHECKPOINTS))
     assert (
         f"{metrics}: dropped line {lines + 1}, a record torn by an interrupted run" in caplog.text
     )
-    assert read_metrics(out) and all(isinstance(r, dict) for r in read_metrics(out))
-    assert_runs_equal(tmp_path / "reference", out, reference, resumed)
+    assert_runs_equal(reference[0], out, reference[1], resumed)
