@@ -40,7 +40,7 @@ def test_each_replica_gets_its_own_run_directory():
         (dict(replica_id=-1), "--replica-id -1 is outside 0 .. 2"),
         (dict(lighthouse=" "), "--lighthouse is empty"),
         (dict(quorum_timeout=0.0), "--quorum-timeout must be a number of seconds > 0"),
-        (dict(collective_timeout=float("inf")), "--collective-timeout must be a number"),
+        (dict(collective_timeout=float("inf")), "--collective-timeout must be a finite number > 0"),
         (dict(fault_tolerant=False), "--replica-id needs --fault-tolerant"),
     ],
 )

@@ -53,6 +53,8 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from mtdao.data.errors import DataError
     from mtdao.sync.engine import NonFiniteError
     from mtdao.train.checkpoint import CheckpointError
+    from mtdao.train.distributed import CollectiveError
+    from mtdao.train.durable import WriteError
 
     # ConnectionError: a lighthouse or peer that cannot be reached (fault-tolerant runs)
     return (
@@ -61,6 +63,8 @@ def expected_errors() -> tuple[type[BaseException], ...]:
         CheckpointError,
         NonFiniteError,
         FileNotFoundError,
+        WriteError,
+        CollectiveError,
         ConnectionError,
     )
 

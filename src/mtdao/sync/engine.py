@@ -29,8 +29,8 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy
+from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound, alignment, all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -52,42 +53,14 @@ class NonFiniteError(FloatingPointError):
     """A worker's tensor held NaN or inf when it was due to be averaged."""
 
 
-@dataclass
-class SyncEvent:
-    """One averaging round as it happened: at which step, which kinds, what it sent per worker."""
-
-    step: int
-    kinds: list[str]
-    bytes: int
-    collectives: int
-
-
-@dataclass
-class SyncRound:
-    """The tensors due at one step, averaged together in one communicator call."""
-
-    step: int
-    tensors: list[Tensor]
-    kinds: list[str]
-    names: list[str]
-
-
-@dataclass
-class CheckedRound:
-    """A round's averages once checked for NaN/inf, and what the engine records if it commits."""
-
-    averages: list[Tensor]
-    event: SyncEvent
-    skipped: dict[str, Any] | None = None
-    alignment: dict[str, Any] | None = None
-
-
 class LocalUpdateSync:
     """Carries out a :class:`SyncPolicy` for one optimizer over one communicator.
 
     ``on_non_finite``: ``"raise"`` stops with an error naming worker, tensor and step before
-    anything is averaged; ``"skip"`` leaves the offending workers out of that round (they receive
-    the others' average) and records the event in ``skipped_rounds``.
+    anything is averaged; ``"skip"`` leaves the offending workers out of that round and heals
+    them: they receive the others' average of every tensor they hold (parameters and every
+    state, due or not, counted as "heal" traffic), so they rejoin at once. Each such event is
+    recorded in ``skipped_rounds``.
     ``track_alignment`` records, at each parameter sync, each worker's cosine similarity between
     its pseudo-gradient and the global one, and its parameter drift from the average.
     """
@@ -223,66 +196,139 @@ class LocalUpdateSync:
 
     # -- one round ----------------------------------------------------------------------------
 
-    def _due_after_step(self, step: int) -> tuple[SyncRound, int]:
-        """The round of ``step`` and how many parameters lead it (all of them, or none)."""
-        params = list(self.params) if self.policy.params.is_due(step) else []
-        names = [self.param_names[id(p)] for p in params]
-        due = SyncRound(step, list(params), ["params"] * len(params), names)
-        for p in self.params:
-            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
-                    continue
-                # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
-                param_shaped = value.dim() > 0 or p.dim() == 0
-                if param_shaped and self.policy.state_rule(key).is_due(step):
-                    due.tensors.append(value)
-                    due.kinds.append(key)
-                    due.names.append(f"{key} of {self.param_names[id(p)]}")
-        return due, len(params)
-
     def _run_round(self, due: SyncRound, num_params: int) -> None:
         """Average, check, commit, apply: nothing is written before the communicator commits."""
-        checked = self._average(due)
+        checked = self._average(due, heal=True)
         averaged_params = checked.averages[:num_params]
         if num_params and self.track_alignment and self.anchors:
             # the per-worker gathers are part of the round: a peer lost in them discards it
-            checked.alignment = self._alignment(averaged_params, due.step)
+            checked.alignment = alignment(
+                self.layout, self.params, self.anchors, averaged_params, due.step
+            )
         self._commit(checked)
         if num_params:
             self._finish_parameter_sync(averaged_params)
         if len(due.tensors) > num_params:
             self.communicator.assign(due.tensors[num_params:], checked.averages[num_params:])
 
-    def _average(self, due: SyncRound) -> CheckedRound:
+    def _due_after_step(self, step: int) -> tuple[SyncRound, int]:
+        """The round of ``step`` and how many parameters lead it (all of them, or none)."""
+        params = list(self.params) if self.policy.params.is_due(step) else []
+        names = [self.param_names[id(p)] for p in params]
+        due = SyncRound(step, list(params), ["params"] * len(params), names)
+        for p in self.params:
+            for key, value in self._worker_states(p):
+                if self.policy.state_rule(key).is_due(step):
+                    due.tensors.append(value)
+                    due.kinds.append(key)
+                    due.names.append(f"{key} of {self.param_names[id(p)]}")
+        return due, len(params)
+
+    def _worker_states(self, p: Tensor) -> list[tuple[str, Tensor]]:
+        """(key, tensor) of the states of ``p`` that each worker holds a copy of, in key order."""
+        found = []
+        for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+            if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
+                continue
+            # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
+            if value.dim() > 0 or p.dim() == 0:
+                found.append((key, value))
+        return found
+
+    def _average(self, due: SyncRound, heal: bool = False) -> CheckedRound:
         """One communicator call for the round, checked; a worker holding NaN/inf is either
-        reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``)."""
+        reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``).
+
+        heal (rounds after the optimizer step): a worker holding NaN/inf in any tensor, due or
+        not, is left out, then healed with the others' average of everything else it holds.
+        """
         result = self.communicator.average(due.tensors, due.kinds)
         averages = result.wait()
         sent, collectives = result.bytes, result.collectives
+        excluded: list[int] = []
         skipped = None
-        if not _all_finite(averages):
-            excluded, skipped = self._workers_to_leave_out(due)
+        if not all_finite(averages):
+            skipping = heal and self.on_non_finite == "skip"
+            excluded, skipped = self._workers_to_leave_out(
+                self._held(due.step) if skipping else due
+            )
             retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
             averages = retry.wait()
             sent, collectives = sent + retry.bytes, collectives + retry.collectives
-            if not _all_finite(averages):
+            if not all_finite(averages):
                 raise NonFiniteError(
                     f"Non-finite average at step {due.step} even without workers {excluded}"
                 )
         kinds = list(dict.fromkeys(due.kinds))
-        return CheckedRound(averages, SyncEvent(due.step, kinds, sent, collectives), skipped)
+        checked = CheckedRound(averages, [SyncEvent(due.step, kinds, sent, collectives)], skipped)
+        if heal and excluded:
+            self._heal(checked, excluded, due.step, skip={id(t) for t in due.tensors})
+        return checked
 
     def _commit(self, checked: CheckedRound) -> None:
-        """The communicator's last word on a checked round; only a committed round is recorded."""
+        """The communicator's last word on a checked round; only a committed round is recorded
+        and written."""
         self.communicator.commit()
-        self.events.append(checked.event)
+        self._record(checked)
+
+    def _record(self, checked: CheckedRound) -> None:
+        self.events += checked.events
         if checked.skipped is not None:
             self.skipped_rounds.append(checked.skipped)
         if checked.alignment is not None:
             self.alignment.append(checked.alignment)
+        if checked.heal is not None:  # the workers left out take the others' values
+            self.layout.assign_to_workers(*checked.heal)
 
-    def _workers_to_leave_out(self, due: SyncRound) -> tuple[list[int], dict[str, Any]]:
-        offenders = self.layout.first_non_finite(due.tensors)
+    def _held(self, step: int) -> SyncRound:
+        """Everything a worker holds its own copy of: its parameters and every parameter-shaped
+        optimizer state (whether the policy averages it or keeps it local)."""
+        held = SyncRound(step, [], [], [])
+        for p in self.params:
+            name = self.param_names[id(p)]
+            for key, value in [("params", p), *self._worker_states(p)]:
+                held.tensors.append(value)
+                held.kinds.append(key)
+                held.names.append(name if key == "params" else f"{key} of {name}")
+        return held
+
+    @torch.no_grad()
+    def heal_non_finite_workers(self) -> list[int]:
+        """Heal now every worker holding NaN/inf anywhere (``on_non_finite='skip'``): it takes
+        the others' average of everything it holds. Returns the workers healed. Between rounds a
+        worker left out stays non-finite; this makes the state finite, e.g. before a checkpoint."""
+        held = self._held(self.step_count)
+        offenders = self.layout.first_non_finite(held.tensors)
+        if not offenders:
+            return []
+        excluded, skipped = self._workers_to_leave_out(held, offenders)
+        checked = CheckedRound([], [], skipped)
+        self._heal(checked, excluded, self.step_count, skip=set())
+        self._record(checked)
+        return excluded
+
+    def _heal(self, checked: CheckedRound, workers: list[int], step: int, skip: set[int]) -> None:
+        """Average, over the others, every tensor ``workers`` hold but those in ``skip`` (ids of
+        the tensors the round already averaged): every worker takes part in the collective; only
+        ``workers`` are overwritten, when ``checked`` is recorded."""
+        held = self._held(step)
+        tensors = [t for t in held.tensors if id(t) not in skip]
+        if not tensors:
+            return
+        result = self.communicator.average(tensors, ["heal"] * len(tensors), excluded=workers)
+        averages = result.wait()
+        if not all_finite(averages):
+            raise NonFiniteError(
+                f"Cannot heal workers {workers} at step {step}: non-finite average"
+            )
+        checked.heal = (tensors, averages, workers)
+        checked.events.append(SyncEvent(step, ["heal"], result.bytes, result.collectives))
+        checked.skipped["healed_tensors"] = len(tensors)
+
+    def _workers_to_leave_out(
+        self, due: SyncRound, offenders: dict | None = None
+    ) -> tuple[list[int], dict[str, Any]]:
+        offenders = self.layout.first_non_finite(due.tensors) if offenders is None else offenders
         if not offenders:
             raise NonFiniteError(
                 f"Averaging at step {due.step} overflowed although every worker's values are "
@@ -302,7 +348,11 @@ class LocalUpdateSync:
                 "no worker is left to average"
             )
         logger.warning(
-            "step %d: leaving worker(s) %s out of this round (%s)", due.step, excluded, described
+            "step %d: leaving worker(s) %s out (%s); they take the others' average of every "
+            "tensor they hold",
+            due.step,
+            excluded,
+            described,
         )
         return excluded, {"step": due.step, "workers": excluded, "tensors": described}
 
@@ -315,23 +365,6 @@ class LocalUpdateSync:
                 anchor.copy_(average)
             new_params = averages
         self.communicator.assign(self.params, new_params)
-
-    def _alignment(self, averages: list[Tensor], step: int) -> dict[str, Any]:
-        layout = self.layout
-        dot = norm_local = norm_global = drift = 0.0
-        for param, anchor, average in zip(self.params, self.anchors, averages):
-            local_update = (anchor - param).float()  # each worker's pseudo-gradient
-            global_update = (anchor - average).float()
-            dot = dot + layout.per_worker_sum(local_update * global_update)
-            norm_local = norm_local + layout.per_worker_sum(local_update.square())
-            norm_global = norm_global + global_update.square().sum()
-            drift = drift + layout.per_worker_sum((param - average).float().square())
-        cosine = dot / (norm_local.sqrt() * norm_global.sqrt()).clamp_min(1e-30)
-        return {
-            "step": step,
-            "cosine": layout.gather(cosine).tolist(),
-            "drift": layout.gather(drift.sqrt()).tolist(),
-        }
 
     def _state_keys(self) -> set[str]:
         return {key for p in self.params for key in self.optimizer.state.get(p, {})}
@@ -361,10 +394,6 @@ class LocalUpdateSync:
         self.events = [SyncEvent(**event) for event in state["events"]]
         self.skipped_rounds = list(state["skipped_rounds"])
         self.alignment = list(state["alignment"])
-
-
-def _all_finite(tensors: Sequence[Tensor]) -> bool:
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def _param_names(optimizer: Optimizer) -> dict[int, str]:

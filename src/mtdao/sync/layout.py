@@ -54,8 +54,8 @@ class WorkerLayout:
         """One value per local worker [local_workers] -> one per worker [num_workers]."""
         return values.reshape(1)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Averages over all workers, for evaluation and logging (uncounted)."""
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        """Averages over all workers but ``excluded``, for evaluation and logging (uncounted)."""
         return list(tensors)
 
     def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
@@ -64,6 +64,18 @@ class WorkerLayout:
         device = tensors[0].device if tensors else torch.device("cpu")
         per_worker = self.gather(torch.tensor(float(first), device=device))
         return {w: int(i) for w, i in enumerate(per_worker.tolist()) if i >= 0}
+
+    @torch.no_grad()
+    def assign_to_workers(
+        self, tensors: Sequence[Tensor], values: Sequence[Tensor], workers: Sequence[int]
+    ) -> None:
+        """Overwrite only ``workers``' copies of ``tensors`` with the global ``values``."""
+        local = torch.arange(self.rank, self.rank + self.local_workers)
+        chosen = torch.isin(local, torch.tensor(list(workers)))
+        if bool(chosen.any()):
+            for tensor, value in zip(tensors, values):
+                mask = self.per_worker_view(chosen.to(tensor.device), tensor)
+                tensor.copy_(torch.where(mask, value.to(tensor.dtype), tensor))
 
     @torch.no_grad()
     def clip_grad_norm_(self, grads: Sequence[Tensor], max_norm: float) -> Tensor:
@@ -112,8 +124,12 @@ class StackedLayout(WorkerLayout):
     def gather(self, values: Tensor) -> Tensor:
         return values.reshape(self.num_workers)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return [tensor.mean(dim=0) for tensor in tensors]
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        if not excluded:
+            return [tensor.mean(dim=0) for tensor in tensors]
+        kept = [w for w in range(self.num_workers) if w not in set(excluded)]
+        index = torch.tensor(kept, device=tensors[0].device if tensors else None)
+        return [tensor.index_select(0, index).mean(dim=0) for tensor in tensors]
 
     def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
         found: dict[int, int] = {}
@@ -148,5 +164,5 @@ class ProcessGroupLayout(WorkerLayout):
         dist.all_gather(gathered, value, group=self.group)
         return torch.cat(gathered)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return all_reduce_mean(tensors, self.group, self.bucket_bytes)[0]
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        return all_reduce_mean(tensors, self.group, self.bucket_bytes, excluded)[0]

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from mtdao.sync.communicator import RoundNotCommitted
@@ -29,7 +30,7 @@ from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, launched_by_torchrun
 from mtdao.train.evaluate import run_evaluation
-from mtdao.train.metrics import MetricsLog, write_json
+from mtdao.train.metrics import write_json
 from mtdao.train.setup import Run, build_run
 from mtdao.train.snapshot import save
 
@@ -92,7 +93,7 @@ class ReplicaDriver:
         self.discarded: list[dict[str, Any]] = []
         self.quorums = 0
 
-    def build(self, config: TrainConfig) -> Run:
+    def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
         settings = self.torchft.ReplicaSettings(
             replica_id=config.replica_id,
             lighthouse=config.lighthouse,
@@ -101,9 +102,7 @@ class ReplicaDriver:
             collective_timeout=config.collective_timeout,
         )
         self.replicas = self.torchft.ReplicaGroups(settings)
-        run = build_run(
-            config, ProcessInfo(), communicator=self.replicas, worker_index=config.replica_id
-        )
+        run = build_run(config, process, communicator=self.replicas, worker_index=config.replica_id)
         # the config first: a replica that differs is refused before its state is overwritten
         self.replicas.track_state("config", self._config_state, self._check_config)
         self.replicas.track_state("engine", *self.torchft.engine_state(run.sync))
@@ -146,7 +145,7 @@ class ReplicaDriver:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def loop(self, run: Run, log: MetricsLog) -> None:
+    def loop(self, run: Run, outputs: trainer.Outputs) -> None:
         progress = tqdm(
             total=run.total_steps,
             initial=run.step,
@@ -159,11 +158,11 @@ class ReplicaDriver:
         try:
             while run.step < run.total_steps:
                 before_step(run)
-                self._step(run, log, progress, throughput)
+                self._step(run, outputs, progress, throughput)
         finally:
             progress.close()
 
-    def _step(self, run: Run, log: MetricsLog, progress: tqdm, throughput) -> None:
+    def _step(self, run: Run, outputs: trainer.Outputs, progress: tqdm, throughput) -> None:
         config = run.config
         rounds = len(run.sync.events)
         try:
@@ -179,12 +178,27 @@ class ReplicaDriver:
         loss = losses.item()
         self._check_loss(run, loss)
         if run.step % config.log_every == 0 or run.step == run.total_steps:
-            trainer.log_training(run, log, progress, loss, throughput.take())
+            trainer.log_training(run, outputs.log, progress, loss, throughput.take())
         progress.update(run.step - progress.n)
         if run.step % config.eval_every == 0 or run.step == run.total_steps:
-            run_evaluation(run, log)
+            run_evaluation(run, outputs.log)
         if config.checkpoint_every and run.step % config.checkpoint_every == 0:
-            save(run)
+            self._checkpoint(run, outputs)
+
+    def _checkpoint(self, run: Run, outputs: trainer.Outputs) -> None:
+        """This replica's own checkpoint; one holding NaN/inf (left out of a round with
+        --on-non-finite skip) waits for the next sync to heal it: nothing coordinates between
+        syncs, so no peer can heal it now."""
+        held = [p for p in run.sync.params]
+        held += [v for p in run.sync.params for v in run.optimizer.state.get(p, {}).values()]
+        if not all(bool(torch.isfinite(t).all()) for t in held if torch.is_tensor(t)):
+            say(
+                self.config.replica_id,
+                f"step {run.step}: checkpoint skipped (NaN/inf until the next sync)",
+            )
+            return
+        save(run, outputs.store)
+        outputs.last_saved = run.step
 
     def _prepare(self, run: Run) -> None:
         """A quorum when joining or when the coming step has a round (counted as sync time)."""

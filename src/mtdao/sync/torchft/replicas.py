@@ -87,9 +87,13 @@ class ReplicaLayout(WorkerLayout):
         return self.communicator.quorum_rank
 
     def gather(self, values: Tensor) -> Tensor:
-        slots = torch.zeros(self.num_workers, dtype=torch.float64, device=values.device)
+        """Inside a round, every replica's value; between rounds (no coordination) this
+        replica's own, and NaN for the others."""
+        in_round = self.communicator.in_round
+        slots = torch.full((self.num_workers,), 0.0 if in_round else float("nan"))
+        slots = slots.to(dtype=torch.float64, device=values.device)
         slots[self.rank] = values.reshape(()).to(torch.float64)
-        return self.communicator.sum_in_round(slots)
+        return self.communicator.sum_in_round(slots) if in_round else slots
 
     def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return self.communicator.mean_in_round(tensors, contributes=True)[0]
@@ -165,6 +169,11 @@ class ReplicaGroups(Communicator):
     @property
     def quorum_rank(self) -> int:
         return self.process_group.quorum.rank
+
+    @property
+    def in_round(self) -> bool:
+        """Whether a round is open (between its quorum and its commit)."""
+        return self._round_open
 
     def track_state(
         self, key: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]
