@@ -210,7 +210,9 @@ def test_the_run_ends_identical_everywhere_and_close_to_an_uninterrupted_one(
     reference = trainer.train(
         TrainConfig(data=str(corpus_dir), out=str(tmp_path), progress=False, **FLAGS)
     )
-    assert abs(losses["r0"] - reference["final_val_loss"]) < LOSS_BOUND
+    gap = losses["r0"] - reference["final_val_loss"]
+    print(f"final val loss {losses['r0']:.4f}, uninterrupted {reference['final_val_loss']:.4f}")
+    assert abs(gap) < LOSS_BOUND
     summary = results(drill, "r0")["fault_tolerance"]
     assert summary["replicas_at_end"] == [0, 1, 2] and summary["discarded_rounds"]
 
