@@ -53,10 +53,12 @@ def detect_and_rejoin(root: Path, heartbeat: float, model: str, cycles: int) -> 
     records = []
     with Drill(root, flags(model, 100_000, period), heartbeat_timeout=heartbeat) as drill:
         drill.start_lighthouse(min_replicas=2)
-        gate = 2 * period
-        drill.gate(gate)
+        drill.gate(0)  # all three ready before the first quorum: it then holds all three
         for name, replica in (("r0", 0), ("r1", 1), ("r2-0", 2)):
             drill.start(name, replica)
+        wait_at(drill, ["r0", "r1", "r2-0"], 0)
+        gate = 2 * period
+        drill.gate(gate)
         wait_at(drill, ["r0", "r1", "r2-0"], gate)
         for cycle in range(cycles):
             victim, successor = f"r2-{cycle}", f"r2-{cycle + 1}"
