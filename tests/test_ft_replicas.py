@@ -142,6 +142,9 @@ def test_a_replica_that_joins_late_heals_and_matches_the_others(drill):
     drill, _ = drill
     joined = drill.events("r2", "quorum")[0]
     assert joined["step"] > 0 and joined["heal"]["bytes"] > 0
+    step, source = joined["step"], joined["heal"]["source"]
+    assert f"[replica 2] healed from replica {source}: continuing at step {step}" in drill.log("r2")
+    assert f"[replica 0] step {step}: replica 2 joined; averaging over 0, 1, 2" in drill.log("r0")
     first = min(drill.rounds("r2"))
     assert drill.rounds("r0")[first] == drill.rounds("r1")[first] == drill.rounds("r2")[first]
 
@@ -152,6 +155,7 @@ def test_a_replica_killed_between_syncs_is_dropped_and_the_others_go_on(drill):
     detected = seen["left"][0]["time"] - drill.killed_at["r1"]
     assert 0 < detected < 10 * HEARTBEAT_S  # about the heartbeat timeout; measured in BENCHMARKS
     left_at = seen["left"][0]["step"]
+    assert f"[replica 0] step {left_at}: replica 1 left; averaging over 0, 2" in drill.log("r0")
     after = [step for step in drill.rounds("r2") if step > left_at]
     assert after and drill.rounds("r0")[after[0]] == drill.rounds("r2")[after[0]]
     # it died between rounds: no round was lost, the next one simply went on without it
