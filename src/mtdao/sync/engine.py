@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
+from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy
@@ -218,12 +219,12 @@ class LocalUpdateSync:
         result = self.communicator.average(due.tensors, due.kinds)
         averages = result.wait()
         sent, collectives = result.bytes, result.collectives
-        if not _all_finite(averages):
+        if not self.layout.all_finite(averages):
             excluded = self._workers_to_leave_out(due)
             retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
             averages = retry.wait()
             sent, collectives = sent + retry.bytes, collectives + retry.collectives
-            if not _all_finite(averages):
+            if not self.layout.all_finite(averages):
                 raise NonFiniteError(
                     f"Non-finite average at step {due.step} even without workers {excluded}"
                 )
@@ -273,11 +274,12 @@ class LocalUpdateSync:
         layout = self.layout
         dot = norm_local = norm_global = drift = 0.0
         for param, anchor, average in zip(self.params, self.anchors, averages):
+            param = local_shard(param)  # anchors and averages of a sharded tensor are shards
             local_update = (anchor - param).float()  # each worker's pseudo-gradient
             global_update = (anchor - average).float()
             dot = dot + layout.per_worker_sum(local_update * global_update)
             norm_local = norm_local + layout.per_worker_sum(local_update.square())
-            norm_global = norm_global + global_update.square().sum()
+            norm_global = norm_global + layout.global_sum(global_update.square())
             drift = drift + layout.per_worker_sum((param - average).float().square())
         cosine = dot / (norm_local.sqrt() * norm_global.sqrt()).clamp_min(1e-30)
         return {
@@ -314,10 +316,6 @@ class LocalUpdateSync:
         self.events = [SyncEvent(**event) for event in state["events"]]
         self.skipped_rounds = list(state["skipped_rounds"])
         self.alignment = list(state["alignment"])
-
-
-def _all_finite(tensors: Sequence[Tensor]) -> bool:
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def _param_names(optimizer: Optimizer) -> dict[int, str]:

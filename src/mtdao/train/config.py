@@ -38,7 +38,17 @@ EVALUATIONS_PER_RUN = 10
 
 # Fields that may differ between a run and its resumption; everything else must match.
 RESUMABLE_FIELDS = frozenset(
-    {"steps", "tokens", "out", "resume", "eval_every", "checkpoint_every", "log_every", "progress"}
+    {
+        "steps",
+        "tokens",
+        "out",
+        "resume",
+        "eval_every",
+        "checkpoint_every",
+        "log_every",
+        "progress",
+        "shards",  # a sharded checkpoint loads into any number of shards per worker
+    }
 )
 
 
@@ -83,6 +93,8 @@ class TrainConfig:
     """Base optimizer."""
     workers: int = 4
     """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
+    shards: int = 1
+    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S)."""
     sync_period: int = 32
     """K: local steps between parameter averages (local methods)."""
     sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
@@ -170,9 +182,11 @@ class TrainConfig:
         return DEFAULT_STEPS
 
     def run_name(self) -> str:
-        """<method>-<optimizer>-M<workers>[-K<K>]-seed<seed> (no K for gradient averaging)."""
+        """<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed> (no K for gradient
+        averaging, no S unsharded)."""
         period = "" if METHOD_TABLE[self.method].averages_gradients else f"-K{self.sync_period}"
-        return f"{self.method}-{self.optimizer}-M{self.workers}{period}-seed{self.seed}"
+        shards = f"-S{self.shards}" if self.shards > 1 else ""
+        return f"{self.method}-{self.optimizer}-M{self.workers}{shards}{period}-seed{self.seed}"
 
     def to_dict(self) -> dict:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -253,7 +267,7 @@ def describe_default(name: str) -> str | None:
         "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
         "checkpoint_every": "only at the end",
         "data": "builtin: the Python standard library's source, no download",
-        "out": "runs/<method>-<optimizer>-M<workers>[-K<K>]-seed<seed>",
+        "out": "runs/<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed>",
     }
     return descriptions.get(name)
 
@@ -282,8 +296,21 @@ def _validate(config: TrainConfig) -> None:
             raise ValueError(
                 f"--{_flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
             )
-    for name in ("workers", "sync_period", "batch_size", "seq_len", "eval_tokens", "log_every"):
+    for name in (
+        "workers",
+        "shards",
+        "sync_period",
+        "batch_size",
+        "seq_len",
+        "eval_tokens",
+        "log_every",
+    ):
         _positive_int(name, getattr(config, name))
+    if config.batch_size % config.shards != 0:
+        raise ValueError(
+            f"--batch-size {config.batch_size} does not split over --shards {config.shards} "
+            "(each process of a worker takes batch-size / shards of its sequences)"
+        )
     for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
         if getattr(config, name) is not None:
             _positive_int(name, getattr(config, name))

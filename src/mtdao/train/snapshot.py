@@ -11,6 +11,10 @@ from mtdao.train.setup import Run
 
 
 def save(run: Run) -> None:
+    if run.config.shards > 1:  # DCP files, see sharded_snapshot.py
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.save(run)
     state = {
         "step": run.step,
         "params": {name: p.detach() for name, p in run.workers.named_parameters()},
@@ -45,6 +49,10 @@ def saved_config(meta: dict) -> TrainConfig:
 
 @torch.no_grad()
 def resume(run: Run) -> None:
+    if run.config.shards > 1:
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.resume(run)
     meta = ckpt.load_meta(run.run_dir)
     differences = saved_config(meta).differences(run.config)
     if differences:
