@@ -170,7 +170,16 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def process_results(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("sharded")
+    return run_processes(tmp_path_factory.mktemp("sharded"))
+
+
+@pytest.fixture(scope="module")
+def simulated_results(one_thread) -> dict:
+    return run_simulated()
+
+
+def run_processes(root: Path) -> list[dict]:
+    """Every process's results (benchmarks/sharded_exactness.py reports from them too)."""
     if "forkserver" in mp.get_all_start_methods():
         context = mp.get_context("forkserver")
         # the fork server is shared with test_sharded_train.py: whichever starts it preloads
@@ -200,8 +209,7 @@ def process_results(tmp_path_factory) -> list[dict]:
     return [torch.load(root / f"rank{rank}.pt") for rank in range(WORKERS * SHARDS)]
 
 
-@pytest.fixture(scope="module")
-def simulated_results(one_thread) -> dict:
+def run_simulated() -> dict:
     def build(model):
         communicator = SimulatedWorkers(WORKERS)
         return communicator, SimulatedWorkerSet(model, communicator.layout)

@@ -27,6 +27,7 @@ from torch.testing import assert_close
 from mtdao.train import checkpoint as ckpt
 from mtdao.train import trainer
 from mtdao.train.checkpoint_dcp import ShardedCheckpointStore
+from mtdao.train.checkpoint_state import SingleProcess
 from mtdao.train.config import TrainConfig
 
 pytestmark = [
@@ -278,3 +279,23 @@ def test_another_number_of_workers_is_refused(runs, simulated):
     unsharded = Path(simulated["mtdao"]["config"]["out"])
     with pytest.raises(ckpt.CheckpointError, match="written by unsharded workers"):
         ShardedCheckpointStore(unsharded, rank=0, workers=2, shards=2, template=dict).load()
+
+
+def test_a_damaged_shard_file_is_found_and_the_checkpoint_before_it_used(runs, tmp_path):
+    run_dir = tmp_path / "damaged"
+    shutil.copytree(runs["mtdao"], run_dir)
+    newest = ckpt.latest_checkpoint(run_dir)
+    damaged = newest.path / "model" / "__3_0.distcp"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(data)
+    # each process checks a share of the files: the one whose share holds the damaged file
+    rank = sorted(newest.files).index("model/__3_0.distcp") % 4
+    store = ShardedCheckpointStore(
+        run_dir, rank=rank, workers=2, shards=2, template=dict, collective=SingleProcess()
+    )
+    state, problem = store._try_load(newest)
+    assert state is None and f"{damaged} is corrupted or incomplete" in problem
+    loaded = store.load()  # DCP reads nothing into the empty template; the worker file is read
+    assert loaded.step == 6 and loaded.skipped[0].startswith(str(newest.path))
+    assert loaded.state["worker"]["step"] == 6

@@ -291,8 +291,8 @@ class CheckpointStore:
         backend = info.meta.get("backend", "torch")
         if backend != self.backend:
             return (
-                f"checkpoint {info.path} was written by {BACKEND_RUNS[backend]}, this run has "
-                f"{BACKEND_RUNS[self.backend]}"
+                f"checkpoint {info.path} was written by {BACKEND_RUNS.get(backend, backend)}, this "
+                f"run has {BACKEND_RUNS[self.backend]}"
             )
         if info.world_size != self.world_size:
             return (
