@@ -268,9 +268,7 @@ def test_the_readme_recipe_runs_in_four_processes(runs):
 
 def test_another_number_of_workers_is_refused(runs, simulated):
     def store(workers: int) -> ShardedCheckpointStore:
-        return ShardedCheckpointStore(
-            runs["mtdao"], rank=0, workers=workers, shards=2, template=dict
-        )
+        return ShardedCheckpointStore(runs["mtdao"], rank=0, workers=workers, shards=2)
 
     with pytest.raises(ckpt.CheckpointError, match="holds 2 workers, this run has 1"):
         store(1).load()
@@ -278,7 +276,7 @@ def test_another_number_of_workers_is_refused(runs, simulated):
         ckpt.CheckpointStore(runs["mtdao"], world_size=4).load()
     unsharded = Path(simulated["mtdao"]["config"]["out"])
     with pytest.raises(ckpt.CheckpointError, match="written by unsharded workers"):
-        ShardedCheckpointStore(unsharded, rank=0, workers=2, shards=2, template=dict).load()
+        ShardedCheckpointStore(unsharded, rank=0, workers=2, shards=2).load()
 
 
 def test_a_damaged_shard_file_is_found_and_the_checkpoint_before_it_used(runs, tmp_path):
@@ -292,10 +290,10 @@ def test_a_damaged_shard_file_is_found_and_the_checkpoint_before_it_used(runs, t
     # each process checks a share of the files: the one whose share holds the damaged file
     rank = sorted(newest.files).index("model/__3_0.distcp") % 4
     store = ShardedCheckpointStore(
-        run_dir, rank=rank, workers=2, shards=2, template=dict, collective=SingleProcess()
+        run_dir, rank=rank, workers=2, shards=2, collective=SingleProcess()
     )
     state, problem = store._try_load(newest)
     assert state is None and f"{damaged} is corrupted or incomplete" in problem
-    loaded = store.load()  # DCP reads nothing into the empty template; the worker file is read
+    loaded = store.load()  # the DCP files are read later, into the built run
     assert loaded.step == 6 and loaded.skipped[0].startswith(str(newest.path))
     assert loaded.state["worker"]["step"] == 6

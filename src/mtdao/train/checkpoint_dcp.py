@@ -22,7 +22,6 @@ each worker's data position and local progress are its own, and cannot be split 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +41,10 @@ def worker_file(worker: int) -> str:
 class ShardedCheckpointStore(CheckpointStore):
     """The store of a run of ``workers`` x ``shards`` processes (rank r: worker r // shards).
 
-    ``save(step, state)`` takes ``{"sharded": <DCP state dict>, "worker": <plain state>}``;
-    ``load()`` returns the same, the sharded part loaded into ``template()`` (a DCP state dict of
-    this run: tensors of the right global shapes, sharded as this run shards them).
+    ``save(step, state)`` takes ``{"sharded": <DCP state dict>, "worker": <plain state>}``.
+    ``load()`` picks the newest checkpoint whose files all verify (each process checks a share of
+    them) and returns ``{"worker": <this process's worker's state>}``; the sharded tensors are
+    read afterwards, into the run once it is built, by :func:`load_sharded`.
     """
 
     backend = "dcp"
@@ -56,14 +56,13 @@ class ShardedCheckpointStore(CheckpointStore):
         rank: int,
         workers: int,
         shards: int,
-        template: Callable[[], dict[str, Any]],
         keep: int = 2,
         collective=None,
     ) -> None:
         super().__init__(
             run_dir, rank=rank, world_size=workers * shards, keep=keep, collective=collective
         )
-        self.workers, self.shards, self.template = workers, shards, template
+        self.workers, self.shards = workers, shards
         self.worker, self.shard = divmod(rank, shards)
         self._sharded: dict[str, Any] | None = None
 
@@ -140,23 +139,30 @@ class ShardedCheckpointStore(CheckpointStore):
         return super()._incompatibility(info)
 
     def _try_load(self, info: CheckpointInfo) -> tuple[Any, str | None]:
-        """Verify the files (each process a share of them), agree, then read: DCP into the
-        template (collectively), and this process's worker file."""
+        """Verify the files (each process a share of them: together, all of them), agree, then
+        read this process's worker file."""
         problem = self._incompatibility(info)
         if problem is None:
             names = sorted(info.files)[self.rank :: self.world_size]
             problem = verify_files(info, names)
         if not self.collective.all_true(problem is None):
             return None, problem or "a file another process checked failed its check"
-        import torch.distributed.checkpoint as dcp
-
-        sharded = self.template()
         try:
-            dcp.load(sharded, storage_reader=dcp.FileSystemReader(info.path / MODEL_DIR))
-            worker = read_state_file(info.path / worker_file(self.worker))
-        except Exception as error:  # noqa: BLE001 - DCP raises many types; all mean unusable
-            return None, f"{info.path} could not be read: {_first_line(error)}"
-        return {"sharded": sharded, "worker": worker}, None
+            return {"worker": read_state_file(info.path / worker_file(self.worker))}, None
+        except (OSError, ValueError) as error:
+            return None, f"{info.path / worker_file(self.worker)} cannot be read: {error}"
+
+
+def load_sharded(checkpoint: Path, state_dict: dict[str, Any]) -> None:
+    """Read the DCP files of ``checkpoint`` (a directory :meth:`ShardedCheckpointStore.load`
+    chose) into ``state_dict`` in place, on every process together; each process reads the
+    slices its tensors cover, whatever the number of shards that wrote them."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(checkpoint / MODEL_DIR))
+    except Exception as error:  # DCP gathers every process's failure into one exception
+        raise CheckpointError(f"{checkpoint} could not be read: {_first_line(error)}") from None
 
 
 def _local_shards(state: Any) -> Any:

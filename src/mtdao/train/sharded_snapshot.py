@@ -1,20 +1,25 @@
 """Saving and restoring a run of sharded workers (``--shards`` > 1) through DCP checkpoints.
 
 What is sharded (parameters, optimizer states, the engine's anchors and outer momentum) goes to
-DCP, keyed by parameter name; what belongs to a worker (its data position, the RNG, the engine's
-step and record of rounds, clocks, evaluations) goes to one file per worker. See
-:mod:`mtdao.train.checkpoint_dcp` for the layout and what may change between save and load.
+DCP, under each worker's key and the parameter names; what belongs to a worker (its data position,
+the RNG, the engine's step and record of rounds, clocks, evaluations) goes to one file per worker.
+See :mod:`mtdao.train.checkpoint_dcp` for the layout and what may change between save and load.
+The store only reads files, so it can choose the checkpoint before the run is built; the sharded
+tensors are read into the built run by :func:`restore`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mtdao.train import checkpoint as ckpt
-from mtdao.train.checkpoint_dcp import ShardedCheckpointStore
+from mtdao.train.checkpoint_dcp import ShardedCheckpointStore, load_sharded
 from mtdao.train.checkpoint_state import ProcessGroupCollective
+from mtdao.train.config import TrainConfig
+from mtdao.train.distributed import ProcessInfo
 from mtdao.train.setup import Run
 from mtdao.train.sharding import worker_of
 
@@ -22,13 +27,16 @@ from mtdao.train.sharding import worker_of
 ENGINE_SHARDED_KEYS = ("anchors", "outer")
 
 
-def store(run: Run) -> ShardedCheckpointStore:
+def checkpoint_store(
+    config: TrainConfig, process: ProcessInfo, keep: int = 2
+) -> ShardedCheckpointStore:
+    """The store of a sharded run's checkpoints, on every process."""
     return ShardedCheckpointStore(
-        run.run_dir,
-        rank=run.process.rank,
-        workers=run.config.workers,
-        shards=run.config.shards,
-        template=lambda: sharded_state(run),
+        Path(config.out),
+        rank=process.rank,
+        workers=config.workers,
+        shards=config.shards,
+        keep=keep,
         collective=ProcessGroupCollective(),
     )
 
@@ -86,19 +94,19 @@ def worker_state(run: Run) -> dict[str, Any]:
     }
 
 
-def save(run: Run) -> None:
+def save(run: Run, store: ShardedCheckpointStore | None = None) -> Path | None:
+    """Checkpoint the run (every process together); returns the directory on process 0."""
+    store = store or checkpoint_store(run.config, run.process)
     state = {"sharded": sharded_state(run), "worker": worker_state(run)}
-    meta = {"step": run.step, "config": run.config.to_dict()}
-    store(run).save(run.step, state, meta)
+    return store.save(run.step, state, {"step": run.step, "config": run.config.to_dict()})
 
 
 @torch.no_grad()
 def resume(run: Run) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
+    """Continue the run from its newest good checkpoint (the config must match)."""
     from mtdao.train.snapshot import saved_config
 
-    loaded = store(run).load()
+    loaded = checkpoint_store(run.config, run.process).load()
     if loaded is None:
         raise ckpt.CheckpointError(
             f"no checkpoint to resume from: {run.run_dir} holds no complete one"
@@ -108,18 +116,29 @@ def resume(run: Run) -> None:
         raise ckpt.CheckpointError(
             f"--resume: the config differs from the run in {run.run_dir}: " + "; ".join(differences)
         )
-    worker = loaded.state["worker"]
-    sharded = loaded.state["sharded"][f"worker{worker_of(run.process, run.config.shards)}"]
-    if worker["step"] > run.total_steps:
+    if loaded.step > run.total_steps:
         raise ckpt.CheckpointError(
-            f"--resume: the checkpoint is at step {worker['step']}, past --steps {run.total_steps}"
+            f"--resume: the checkpoint is at step {loaded.step}, past --steps {run.total_steps}"
         )
+    restore(run, loaded)
+
+
+@torch.no_grad()
+def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
+    """Put the built run in the state of ``loaded``, its sharded tensors resharded to this run's
+    shards (every process together)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    everything = sharded_state(run)
+    load_sharded(loaded.path, everything)
+    sharded = everything[f"worker{worker_of(run.process, run.config.shards)}"]
     set_state_dict(
         run.workers.model,
         run.optimizer,
         model_state_dict=sharded["model"],
         optim_state_dict=sharded["optimizer"],
     )
+    worker = loaded.state["worker"]
     names = [run.sync.param_names[id(p)] for p in run.sync.params]
     engine = dict(worker["sync"])
     engine["anchors"] = [sharded["engine"]["anchors"][n].to_local() for n in names]
