@@ -28,16 +28,17 @@ ENGINE_SHARDED_KEYS = ("anchors", "outer")
 
 
 def checkpoint_store(
-    config: TrainConfig, process: ProcessInfo, keep: int = 2
+    config: TrainConfig, process: ProcessInfo, device: torch.device, keep: int = 2
 ) -> ShardedCheckpointStore:
-    """The store of a sharded run's checkpoints, on every process."""
+    """The store of a sharded run's checkpoints, on every process (they agree over the default
+    process group; on NCCL through ``device``)."""
     return ShardedCheckpointStore(
         Path(config.out),
         rank=process.rank,
         workers=config.workers,
         shards=config.shards,
         keep=keep,
-        collective=ProcessGroupCollective(),
+        collective=ProcessGroupCollective(device=device if device.type == "cuda" else None),
     )
 
 
@@ -96,7 +97,7 @@ def worker_state(run: Run) -> dict[str, Any]:
 
 def save(run: Run, store: ShardedCheckpointStore | None = None) -> Path | None:
     """Checkpoint the run (every process together); returns the directory on process 0."""
-    store = store or checkpoint_store(run.config, run.process)
+    store = store or checkpoint_store(run.config, run.process, run.device)
     state = {"sharded": sharded_state(run), "worker": worker_state(run)}
     return store.save(run.step, state, {"step": run.step, "config": run.config.to_dict()})
 
@@ -106,7 +107,7 @@ def resume(run: Run) -> None:
     """Continue the run from its newest good checkpoint (the config must match)."""
     from mtdao.train.snapshot import saved_config
 
-    loaded = checkpoint_store(run.config, run.process).load()
+    loaded = checkpoint_store(run.config, run.process, run.device).load()
     if loaded is None:
         raise ckpt.CheckpointError(
             f"no checkpoint to resume from: {run.run_dir} holds no complete one"
