@@ -81,8 +81,8 @@ def _process(rank: int, world: int, ports: list, jobs: list, out: str) -> None:
             elif job == "die":
                 save = trainer.save
 
-                def save_then_die(run, save=save, dies=rank == 1):
-                    save(run)
+                def save_then_die(*args, save=save, dies=rank == 1):
+                    save(*args)
                     if dies:
                         os.kill(os.getpid(), signal.SIGKILL)
 

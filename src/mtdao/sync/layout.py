@@ -63,8 +63,8 @@ class WorkerLayout:
         """One value per local worker [local_workers] -> one per worker [num_workers]."""
         return values.reshape(1)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Averages over all workers, for evaluation and logging (uncounted)."""
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        """Averages over all workers but ``excluded``, for evaluation and logging (uncounted)."""
         return list(tensors)
 
     def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
@@ -130,8 +130,12 @@ class StackedLayout(WorkerLayout):
     def gather(self, values: Tensor) -> Tensor:
         return values.reshape(self.num_workers)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return [tensor.mean(dim=0) for tensor in tensors]
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        if not excluded:
+            return [tensor.mean(dim=0) for tensor in tensors]
+        kept = [w for w in range(self.num_workers) if w not in set(excluded)]
+        index = torch.tensor(kept, device=tensors[0].device if tensors else None)
+        return [tensor.index_select(0, index).mean(dim=0) for tensor in tensors]
 
     def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
         found: dict[int, int] = {}
@@ -174,5 +178,5 @@ class ProcessGroupLayout(WorkerLayout):
         dist.all_gather(gathered, value, group=self.group)
         return torch.cat(gathered)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return all_reduce_mean(tensors, self.group, self.bucket_bytes)[0]
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        return all_reduce_mean(tensors, self.group, self.bucket_bytes, excluded)[0]

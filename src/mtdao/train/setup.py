@@ -18,7 +18,7 @@ from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
 from mtdao.train.methods import METHOD_TABLE, build_optimizer, build_policy
-from mtdao.train.schedule import LRSchedule, OmegaWarmup
+from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_schedule_of, omega_warmup_of
 from mtdao.train.sharding import build_sharded_workers, check_topology, worker_of
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet, WorkerSet
 
@@ -72,6 +72,8 @@ class Run:
     data_summary: str = ""
     clock: RunClock = field(default_factory=RunClock)
     evals: list = field(default_factory=list)
+    extensions: list = field(default_factory=list)
+    """Every re-planning of the run's length (``--resume --extend``), as recorded."""
 
     @property
     def step(self) -> int:
@@ -111,15 +113,8 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
         val_batches=val_batches,
         optimizer=optimizer,
         sync=build_sync(config, optimizer, communicator, workers),
-        lr_schedule=LRSchedule(
-            config.lr,
-            config.steps,
-            config.schedule,
-            round(config.warmup * config.steps),
-            config.min_lr_ratio,
-            config.decay_fraction,
-        ),
-        omega_warmup=OmegaWarmup(config.omegas, round(config.omega_warmup * config.steps)),
+        lr_schedule=lr_schedule_of(config),
+        omega_warmup=omega_warmup_of(config),
         data_summary=data_summary,
     )
 

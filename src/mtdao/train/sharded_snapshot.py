@@ -4,8 +4,8 @@ What is sharded (parameters, optimizer states, the engine's anchors and outer mo
 DCP, under each worker's key and the parameter names; what belongs to a worker (its data position,
 the RNG, the engine's step and record of rounds, clocks, evaluations) goes to one file per worker.
 See :mod:`mtdao.train.checkpoint_dcp` for the layout and what may change between save and load.
-The store only reads files, so it can choose the checkpoint before the run is built; the sharded
-tensors are read into the built run by :func:`restore`.
+The store only reads files, so it chooses the checkpoint before the run is built (as the
+unsharded one does); the sharded tensors are read into the built run by :func:`restore`.
 """
 
 from __future__ import annotations
@@ -92,36 +92,14 @@ def worker_state(run: Run) -> dict[str, Any]:
         "torch_rng": torch.get_rng_state(),
         "clock": run.clock.state_dict(),
         "evals": run.evals,
+        "extensions": run.extensions,
     }
 
 
-def save(run: Run, store: ShardedCheckpointStore | None = None) -> Path | None:
+def save(run: Run, store: ShardedCheckpointStore) -> Path | None:
     """Checkpoint the run (every process together); returns the directory on process 0."""
-    store = store or checkpoint_store(run.config, run.process, run.device)
     state = {"sharded": sharded_state(run), "worker": worker_state(run)}
-    return store.save(run.step, state, {"step": run.step, "config": run.config.to_dict()})
-
-
-@torch.no_grad()
-def resume(run: Run) -> None:
-    """Continue the run from its newest good checkpoint (the config must match)."""
-    from mtdao.train.snapshot import saved_config
-
-    loaded = checkpoint_store(run.config, run.process, run.device).load()
-    if loaded is None:
-        raise ckpt.CheckpointError(
-            f"no checkpoint to resume from: {run.run_dir} holds no complete one"
-        )
-    differences = saved_config(loaded.meta).differences(run.config)
-    if differences:
-        raise ckpt.CheckpointError(
-            f"--resume: the config differs from the run in {run.run_dir}: " + "; ".join(differences)
-        )
-    if loaded.step > run.total_steps:
-        raise ckpt.CheckpointError(
-            f"--resume: the checkpoint is at step {loaded.step}, past --steps {run.total_steps}"
-        )
-    restore(run, loaded)
+    return store.save(run.step, state, {"config": run.config.to_dict()})
 
 
 @torch.no_grad()
@@ -153,3 +131,4 @@ def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
     torch.set_rng_state(worker["torch_rng"])
     run.clock.load_state_dict(worker["clock"])
     run.evals = list(worker["evals"])
+    run.extensions = list(worker.get("extensions", []))

@@ -15,6 +15,7 @@ over shards), the same averages. ``--shards 1`` is the unsharded harness, unchan
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -144,11 +145,11 @@ class ShardedWorkerSet(WorkerSet):
         return language_model_loss(logits, targets[mine]).reshape(1)
 
     @torch.no_grad()
-    def global_model(self) -> nn.Module:
+    def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
         if self.layout.num_workers == 1:
             return self.model
         params = [p for _, p in self.named_parameters()]
-        return AveragedShards(self.model, params, self.layout.global_mean(params))
+        return AveragedShards(self.model, params, self.layout.global_mean(params, excluded))
 
 
 class AveragedShards(nn.Module):
