@@ -108,6 +108,8 @@ def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
     shards (every process together)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    from mtdao.train.snapshot import restore_progress
+
     everything = sharded_state(run)
     load_sharded(loaded.path, everything)
     sharded = everything[f"worker{worker_of(run.process, run.config.shards)}"]
@@ -126,9 +128,4 @@ def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
         momentum = sharded["engine"]["outer_momentum"]
         engine["outer"] = {"momentum_buffers": [momentum[n].to_local() for n in names]}
     run.sync.load_state_dict(engine)
-    for shard, saved in zip(run.shards, worker["shards"], strict=True):
-        shard.load_state_dict(saved)
-    torch.set_rng_state(worker["torch_rng"])
-    run.clock.load_state_dict(worker["clock"])
-    run.evals = list(worker["evals"])
-    run.extensions = list(worker.get("extensions", []))
+    restore_progress(run, worker)

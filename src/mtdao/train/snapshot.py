@@ -101,6 +101,11 @@ def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
         p.copy_(state["params"][name])
     run.optimizer.load_state_dict(state["optimizer"])
     run.sync.load_state_dict(state["sync"])
+    restore_progress(run, state)
+
+
+def restore_progress(run: Run, state: dict) -> None:
+    """The data positions, RNG, clock, evaluations and extensions a checkpoint holds."""
     for shard, saved in zip(run.shards, state["shards"], strict=True):
         shard.load_state_dict(saved)
     torch.set_rng_state(state["torch_rng"])
