@@ -42,6 +42,7 @@ def test_each_replica_gets_its_own_run_directory():
         (dict(quorum_timeout=0.0), "--quorum-timeout must be a number of seconds > 0"),
         (dict(collective_timeout=float("inf")), "--collective-timeout must be a finite number > 0"),
         (dict(fault_tolerant=False), "--replica-id needs --fault-tolerant"),
+        (dict(shards=2), "--shards 2: a fault-tolerant replica is one process for now"),
     ],
 )
 def test_bad_settings_are_refused_by_name(changes, message):

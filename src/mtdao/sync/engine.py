@@ -42,7 +42,7 @@ from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy
-from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound, alignment, all_finite
+from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound, alignment
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class LocalUpdateSync:
         sent, collectives = result.bytes, result.collectives
         excluded: list[int] = []
         skipped = None
-        if not all_finite(averages):
+        if not self.layout.all_finite(averages):
             skipping = heal and self.on_non_finite == "skip"
             excluded, skipped = self._workers_to_leave_out(
                 self._held(due.step) if skipping else due
@@ -255,7 +255,7 @@ class LocalUpdateSync:
             retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
             averages = retry.wait()
             sent, collectives = sent + retry.bytes, collectives + retry.collectives
-            if not all_finite(averages):
+            if not self.layout.all_finite(averages):
                 raise NonFiniteError(
                     f"Non-finite average at step {due.step} even without workers {excluded}"
                 )
@@ -317,7 +317,7 @@ class LocalUpdateSync:
             return
         result = self.communicator.average(tensors, ["heal"] * len(tensors), excluded=workers)
         averages = result.wait()
-        if not all_finite(averages):
+        if not self.layout.all_finite(averages):
             raise NonFiniteError(
                 f"Cannot heal workers {workers} at step {step}: non-finite average"
             )

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import WorkerLayout
 
 
@@ -57,11 +57,12 @@ def alignment(
     the global one (anchor - average), and its parameter drift from the average."""
     dot = norm_local = norm_global = drift = 0.0
     for param, anchor, average in zip(params, anchors, averages):
+        param = local_shard(param)  # anchors and averages of a sharded tensor are shards
         local_update = (anchor - param).float()  # each worker's pseudo-gradient
         global_update = (anchor - average).float()
         dot = dot + layout.per_worker_sum(local_update * global_update)
         norm_local = norm_local + layout.per_worker_sum(local_update.square())
-        norm_global = norm_global + global_update.square().sum()
+        norm_global = norm_global + layout.global_sum(global_update.square())
         drift = drift + layout.per_worker_sum((param - average).float().square())
     cosine = dot / (norm_local.sqrt() * norm_global.sqrt()).clamp_min(1e-30)
     return {
@@ -69,7 +70,3 @@ def alignment(
         "cosine": layout.gather(cosine).tolist(),
         "drift": layout.gather(drift.sqrt()).tolist(),
     }
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())

@@ -40,6 +40,7 @@ EVALUATIONS_PER_RUN = 10
 RESUMABLE_FIELDS = frozenset(
     {"steps", "tokens", "out", "resume", "eval_every", "checkpoint_every", "log_every", "progress"}
     | {"keep_checkpoints", "extend", "overwrite", "collective_timeout"}
+    | {"shards"}  # a sharded checkpoint loads into any number of shards per worker
     | {"lighthouse", "connect_timeout", "quorum_timeout"}
 )
 
@@ -85,6 +86,8 @@ class TrainConfig:
     """Base optimizer."""
     workers: int = 4
     """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
+    shards: int = 1
+    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S)."""
     sync_period: int = 32
     """K: local steps between parameter averages (local methods)."""
     sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
@@ -204,9 +207,11 @@ class TrainConfig:
         return DEFAULT_STEPS
 
     def run_name(self) -> str:
-        """<method>-<optimizer>-M<workers>[-K<K>]-seed<seed> (no K for gradient averaging)."""
+        """<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed> (no K for gradient
+        averaging, no S unsharded)."""
         period = "" if METHOD_TABLE[self.method].averages_gradients else f"-K{self.sync_period}"
-        return f"{self.method}-{self.optimizer}-M{self.workers}{period}-seed{self.seed}"
+        shards = f"-S{self.shards}" if self.shards > 1 else ""
+        return f"{self.method}-{self.optimizer}-M{self.workers}{shards}{period}-seed{self.seed}"
 
     def to_dict(self) -> dict:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -310,7 +315,7 @@ def describe_default(name: str) -> str | None:
         "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
         "checkpoint_every": "only at the end",
         "data": "builtin: the Python standard library's source, no download",
-        "out": "runs/<method>-<optimizer>-M<workers>[-K<K>]-seed<seed>[/replica-<id>]",
+        "out": "runs/<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed>[/replica-<id>]",
         "replica_id": "required with --fault-tolerant",
         "lighthouse": "required with --fault-tolerant",
     }
@@ -341,9 +346,14 @@ def _validate(config: TrainConfig) -> None:
             raise ValueError(
                 f"--{_flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
             )
-    names = ("workers", "sync_period", "batch_size", "seq_len", "eval_tokens", "log_every")
-    for name in names + ("keep_checkpoints",):
+    names = ("workers", "shards", "sync_period", "batch_size", "seq_len", "eval_tokens")
+    for name in names + ("log_every", "keep_checkpoints"):
         _positive_int(name, getattr(config, name))
+    if config.batch_size % config.shards != 0:
+        raise ValueError(
+            f"--batch-size {config.batch_size} does not split over --shards {config.shards} "
+            "(each process of a worker takes batch-size / shards of its sequences)"
+        )
     for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
         if getattr(config, name) is not None:
             _positive_int(name, getattr(config, name))
@@ -399,6 +409,11 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
         return
     if config.replica_id is None or config.lighthouse is None:
         raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
+    if config.shards > 1:
+        raise ValueError(
+            f"--shards {config.shards}: a fault-tolerant replica is one process for now; "
+            "sharded replicas are not supported yet"
+        )
     if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
         raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
     if not 0 <= config.replica_id < config.workers:

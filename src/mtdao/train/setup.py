@@ -19,6 +19,7 @@ from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
 from mtdao.train.methods import METHOD_TABLE, build_optimizer, build_policy
 from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_schedule_of, omega_warmup_of
+from mtdao.train.sharding import build_sharded_workers, check_topology, worker_of
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet, WorkerSet
 
 
@@ -104,11 +105,7 @@ def build_run(
         raise ValueError("build_run needs a resolved config (mtdao.train.config.resolve)")
     device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
     process = process or init_process_group(device)
-    if process.distributed and process.world_size != config.workers:
-        raise ValueError(
-            f"--workers {config.workers} but torchrun started {process.world_size} processes; "
-            "they must match (one worker per process)"
-        )
+    check_topology(config, process)
     torch.manual_seed(config.seed)
     shards, val_batches, vocab_size, data_summary = load_data(config, process, worker_index)
     model = Llama(model_config(config.model, vocab_size, config.seq_len)).to(device)
@@ -139,10 +136,13 @@ def build_workers(
     device: torch.device,
     communicator: Communicator | None = None,
 ) -> tuple[Communicator, WorkerSet]:
-    """The communicator and the workers: one per process under torchrun, else simulated; or
-    one worker in this process, averaging through a given communicator."""
+    """The communicator and the workers: one per process (or per --shards processes) under
+    torchrun, else simulated; or one worker in this process, averaging through a given
+    communicator."""
     if communicator is not None:  # no coordination outside its rounds: the losses are this worker's
         workers: WorkerSet = ProcessWorkerSet(model, WorkerLayout())
+    elif config.shards > 1:
+        communicator, workers = build_sharded_workers(model, config, device)
     elif process.distributed:
         communicator = ProcessGroupWorkers()
         workers = ProcessWorkerSet(model, communicator.layout)
@@ -189,7 +189,9 @@ def load_data(config: TrainConfig, process: ProcessInfo, worker_index: int | Non
     corpus = load_corpus(config.data)
     tokenizer = load_tokenizer(config.tokenizer, corpus, default_cache_dir())
     tokens = encode_corpus(corpus, tokenizer, default_cache_dir())
-    my_workers = [process.rank] if process.distributed else range(config.workers)
+    my_workers = (
+        [worker_of(process, config.shards)] if process.distributed else range(config.workers)
+    )
     if worker_index is not None:
         my_workers = [worker_index]
     shards = [

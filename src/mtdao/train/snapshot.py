@@ -23,6 +23,10 @@ from mtdao.train.setup import Run
 def checkpoint_store(config: TrainConfig, process: ProcessInfo, device: torch.device):
     """The store of a run's checkpoints, on every process (they agree through the process
     group: a failure on one process fails the save or load on all of them together)."""
+    if config.shards > 1:  # DCP files, see sharded_snapshot.py
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.checkpoint_store(config, process, device, config.keep_checkpoints)
     collective = None
     if process.distributed:
         collective = ProcessGroupCollective(device=device if device.type == "cuda" else None)
@@ -59,6 +63,10 @@ def save(run: Run, store: ckpt.CheckpointStore) -> Path | None:
     """
     if run.config.on_non_finite == "skip":
         run.sync.heal_non_finite_workers()
+    if run.config.shards > 1:
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.save(run, store)
     return store.save(run.step, run_state(run), {"config": run.config.to_dict()})
 
 
@@ -76,6 +84,10 @@ def saved_config(meta: dict) -> TrainConfig:
 @torch.no_grad()
 def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
     """Put the run back in the state of ``loaded`` (its config was checked when it was chosen)."""
+    if run.config.shards > 1:
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.restore(run, loaded)
     state = loaded.state
     if "clock" not in state or "events" not in state["sync"]:
         raise ckpt.CheckpointError(
@@ -89,6 +101,11 @@ def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
         p.copy_(state["params"][name])
     run.optimizer.load_state_dict(state["optimizer"])
     run.sync.load_state_dict(state["sync"])
+    restore_progress(run, state)
+
+
+def restore_progress(run: Run, state: dict) -> None:
+    """The data positions, RNG, clock, evaluations and extensions a checkpoint holds."""
     for shard, saved in zip(run.shards, state["shards"], strict=True):
         shard.load_state_dict(saved)
     torch.set_rng_state(state["torch_rng"])

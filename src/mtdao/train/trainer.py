@@ -34,6 +34,7 @@ from mtdao.train.evaluate import run_evaluation
 from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
 from mtdao.train.setup import Run, build_run
+from mtdao.train.sharding import check_topology
 from mtdao.train.snapshot import checkpoint_store, restore, save
 from mtdao.train.startup import Start, choose_start, lock_run_dir
 from mtdao.train.workers import SimulatedWorkerSet
@@ -103,6 +104,7 @@ def train(config: TrainConfig, *, build=build_run, run_loop=None) -> dict[str, A
     launched = ProcessInfo(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     with collective_errors(launched, config.collective_timeout):
         process = init_process_group(device, config.collective_timeout)
+        check_topology(config, process)  # --workers x --shards processes, before any file
         if process.rank == 0:
             for warning in config_warnings(config):
                 say(f"warning: {warning}")
