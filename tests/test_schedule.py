@@ -1,4 +1,5 @@
-"""Learning-rate schedules and the omega warm-up, as pure functions and as applied by the trainer."""
+"""Learning-rate schedules and the omega and beta warm-ups, as pure functions and as applied by
+the trainer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import math
 import pytest
 
 from mtdao.train.config import TrainConfig, resolve
-from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_multiplier, ramp, steps_change
+from mtdao.train.schedule import (
+    BetaWarmup,
+    LRSchedule,
+    OmegaWarmup,
+    lr_multiplier,
+    ramp,
+    steps_change,
+    warmed_beta,
+)
 from mtdao.train.trainer import build_run, set_hyperparameters, train_step
 
 TOTAL, WARMUP, MIN_RATIO = 100, 10, 0.1
@@ -80,6 +89,31 @@ def test_schedule_objects_and_their_state():
     restored = OmegaWarmup(())
     restored.load_state_dict(json.loads(json.dumps(warmup.state_dict())))
     assert restored == warmup
+    betas = BetaWarmup((0.9, 0.99), ramp_steps=4)
+    assert betas(1) == (0.9, warmed_beta(0.99, 0.5)) and betas(3) == (0.9, 0.99)
+    restored_betas = BetaWarmup(())
+    restored_betas.load_state_dict(json.loads(json.dumps(betas.state_dict())))
+    assert restored_betas == betas
+
+
+def half_life(beta: float) -> float:
+    return math.log(0.5) / math.log(beta)
+
+
+@pytest.mark.parametrize("target", [0.95, 0.99, 0.999])
+def test_warmed_beta_grows_the_half_life_linearly(target):
+    for progress in (0.0, 0.1, 0.25, 0.5, 0.9):
+        expected = (1 - progress) * half_life(0.9) + progress * half_life(target)
+        assert half_life(warmed_beta(target, progress)) == pytest.approx(expected, rel=1e-12)
+    assert warmed_beta(target, 0.0) == pytest.approx(0.9, abs=1e-15)
+    assert warmed_beta(target, 1.0) == target  # exactly the target once the warm-up is over
+    values = [warmed_beta(target, step / 10) for step in range(11)]
+    assert all(a < b for a, b in zip(values, values[1:]))
+
+
+@pytest.mark.parametrize("target", [0.0, 0.5, 0.9])
+def test_warmed_beta_leaves_fast_momenta_alone(target):
+    assert [warmed_beta(target, p) for p in (0.0, 0.5, 1.0)] == [target] * 3
 
 
 # -- applied by the trainer -----------------------------------------------------------------------
@@ -121,6 +155,42 @@ def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tm
             assert group["lr"] == pytest.approx(expected_lr)
             assert group["omegas"] == pytest.approx((0.3 * scale, 0.6 * scale))
     assert run.optimizer.param_groups[0]["omegas"] == pytest.approx((0.3, 0.6))
+    assert all(math.isfinite(p.sum().item()) for _, p in run.workers.named_parameters())
+
+
+def test_trainer_applies_beta_warmup(one_thread, corpus_dir, tmp_path):
+    config = TrainConfig(
+        model="tiny",
+        workers=2,
+        sync_period=2,
+        batch_size=2,
+        seq_len=32,
+        steps=8,
+        beta_warmup=0.5,
+        betas=(0.9, 0.99),
+        omegas=(0.3, 0.6),
+        lr=1e-3,
+        eval_tokens=64,
+        data=str(corpus_dir),
+        out=str(tmp_path / "run"),
+        device="cpu",
+        progress=False,
+    )
+    run = build_run(resolve(config))
+    assert run.beta_warmup.target_betas == (0.9, 0.99)
+    for group in run.optimizer.param_groups:
+        assert "target_betas" not in group  # nothing stashed
+    for step in range(8):
+        progress = ramp(step, 4)  # beta warm-up over half of the 8 steps
+        if step < 3:
+            train_step(run)
+        else:
+            set_hyperparameters(run, step)
+        for group in run.optimizer.param_groups:
+            assert group["betas"] == (0.9, warmed_beta(0.99, progress))
+            assert group["omegas"] == (0.3, 0.6)  # untouched without an omega warm-up
+    assert run.optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+    assert 0.9 < warmed_beta(0.99, ramp(0, 4)) < warmed_beta(0.99, ramp(2, 4)) < 0.99
     assert all(math.isfinite(p.sum().item()) for _, p in run.workers.named_parameters())
 
 
@@ -171,3 +241,16 @@ def test_a_longer_warmup_is_not_exact_even_without_a_jump():
     assert not change.exact and change.first_difference == 1
     assert change.lr_new == change.lr_planned
     assert change.consequence().startswith("the learning rate continues at 0.008, but")
+
+
+def test_a_beta_warmup_of_another_length_is_not_exact():
+    """wsd without a LR warmup, 1000 -> 2000 steps at step 700: the LR plans agree, but a 10% beta
+    warm-up took 100 steps in the old plan and takes 200 in the new one."""
+    flat = dict(schedule="wsd", warmup=0.0, betas=(0.99,), omegas=(0.9,))
+    same_lr = steps_change(planned(1000, **flat), planned(2000, **flat), 700)
+    assert same_lr.exact
+    change = steps_change(
+        planned(1000, beta_warmup=0.1, **flat), planned(2000, beta_warmup=0.1, **flat), 700
+    )
+    assert not change.exact and change.first_difference == 1
+    assert change.lr_new == change.lr_planned == 8e-3

@@ -104,6 +104,8 @@ def test_given_values_survive_resolution():
         ("warmup", 1.5, "--warmup must lie in [0, 1]"),
         ("decay_fraction", -0.1, "--decay-fraction must lie in [0, 1]"),
         ("omega_warmup", math.nan, "--omega-warmup must lie in [0, 1]"),
+        ("beta_warmup", 1.5, "--beta-warmup must lie in [0, 1]"),
+        ("outer_step", "sgd", "--outer-step: unknown value 'sgd'"),
     ],
 )
 def test_resolve_names_the_bad_flag(field, value, match):
@@ -122,6 +124,11 @@ def test_resolve_cross_field_rules():
     with pytest.raises(ValueError, match="--sync-policy: ddp does not average optimizer states"):
         resolve(TrainConfig(method="ddp", sync_policy="unified"))
     resolve(TrainConfig(betas=(0.9, 0.99), omegas=(0.3, 0.6)))
+    for method in ("ddp", "qh-ddp"):
+        with pytest.raises(ValueError, match=f"--outer-step: {method} averages gradients"):
+            resolve(TrainConfig(method=method, outer_step="nesterov"))
+    for method in ("local-adam", "desloc", "mtdao", "diloco"):
+        resolve(TrainConfig(method=method, outer_step="nesterov"))
     with pytest.raises(ValueError, match="give --resume .* or --overwrite, not both"):
         resolve(TrainConfig(resume=True, overwrite=True))
     with pytest.raises(ValueError, match="--extend re-plans a resumed run: it needs --resume"):

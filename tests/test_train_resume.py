@@ -117,6 +117,21 @@ def test_interrupted_run_resumes_exactly(tmp_path, corpus_dir, monkeypatch, meth
         assert load_final_state(out)["sync"]["outer"] is not None
 
 
+def test_resume_inside_the_beta_warmup_with_an_outer_step(tmp_path, corpus_dir, monkeypatch):
+    """The warm-up is a function of the step and the outer momentum is checkpointed: exact."""
+    variant = dict(betas=(0.9, 0.99), omegas=(0.4, 0.5), beta_warmup=0.75, outer_step="nesterov")
+    reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, **variant))
+
+    out = tmp_path / "resumed"
+    train_until_interrupted(
+        monkeypatch, tiny_config(out, corpus_dir, checkpoint_every=3, **variant), 6
+    )
+    resumed = trainer.train(tiny_config(out, corpus_dir, resume=True, **variant))
+
+    assert_runs_equal(tmp_path / "reference", out, reference, resumed)
+    assert load_final_state(out)["sync"]["outer"] is not None
+
+
 def test_extending_a_finished_run_matches_one_long_run(tmp_path, corpus_dir):
     """--steps 6, then --resume --steps 12 --extend: equal to 12 steps straight when the LR does
     not depend on the length of the run (a cosine schedule does: see test_train_extend.py)."""

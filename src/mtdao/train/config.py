@@ -33,6 +33,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 NON_FINITE_ACTIONS = ("raise", "skip")
 DATA_SPLITS = ("iid", "by-file")
+OUTER_STEPS = ("average", "nesterov")
 DEFAULT_STEPS = 1200
 EVALUATIONS_PER_RUN = 10
 
@@ -108,10 +109,16 @@ class TrainConfig:
     """Decoupled weight decay on matrices (not on norms or embeddings)."""
     omega_warmup: float = 0.0
     """Fraction of the run over which the omegas ramp linearly from 0 to their value."""
+    beta_warmup: float = 0.0
+    """Fraction of the run over which each momentum decay above 0.9 rises from 0.9 to its value,
+    its half-life growing linearly (AdEMAMix's schedule for its slow momentum)."""
+    outer_step: str = _choice("average", OUTER_STEPS)
+    """local-adam, desloc, mtdao: at each parameter sync take the plain worker average, or
+    DiLoCo's Nesterov outer step on it (--outer-lr, --outer-momentum); diloco always takes it."""
     outer_lr: float = 0.7
-    """DiLoCo outer learning rate."""
+    """Outer learning rate (diloco, or --outer-step nesterov)."""
     outer_momentum: float = 0.9
-    """DiLoCo outer Nesterov momentum."""
+    """Outer Nesterov momentum (diloco, or --outer-step nesterov)."""
     steps: int | None = field(default=None, metadata={"exclusive": "budget"})
     """Optimizer steps per worker."""
     tokens: int | None = field(default=None, metadata={"exclusive": "budget"})
@@ -390,7 +397,9 @@ def _validate(config: TrainConfig) -> None:
         raise ValueError("give --resume (continue the run in --out) or --overwrite, not both")
     if config.extend and not config.resume:
         raise ValueError("--extend re-plans a resumed run: it needs --resume")
-    for name in ("warmup", "decay_fraction", "omega_warmup"):
+    if config.outer_step == "nesterov" and METHOD_TABLE[config.method].averages_gradients:
+        raise ValueError(f"--outer-step: {config.method} averages gradients, not parameters")
+    for name in ("warmup", "decay_fraction", "omega_warmup", "beta_warmup"):
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")

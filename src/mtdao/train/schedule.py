@@ -1,9 +1,10 @@
-"""Hyperparameter schedules: the learning rate and the omega warm-up, as objects the harness
-applies to the optimizer before each step.
+"""Hyperparameter schedules: the learning rate and the warm-ups of the omegas and of the slow
+momentum decays, as objects the harness applies to the optimizer before each step.
 
-The multipliers are pure functions of the step (:func:`lr_multiplier`, :func:`ramp`); the objects
-hold what they scale (the peak LR, the target omegas) so that nothing is stashed in the
-optimizer's param groups, and carry their definition in ``state_dict``.
+The multipliers are pure functions of the step (:func:`lr_multiplier`, :func:`ramp`,
+:func:`warmed_beta`); the objects hold what they scale (the peak LR, the target omegas and betas)
+so that nothing is stashed in the optimizer's param groups, and carry their definition in
+``state_dict``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ def ramp(step: int, ramp_steps: int) -> float:
     if ramp_steps <= 0:
         return 1.0
     return min(1.0, (step + 1) / ramp_steps)
+
+
+# A warmed-up momentum decay starts from Adam's usual fast value.
+BETA_WARMUP_START = 0.9
+
+
+def warmed_beta(target: float, progress: float, start: float = BETA_WARMUP_START) -> float:
+    """Momentum decay at ``progress`` (0 .. 1) of a warm-up from ``start`` to ``target``.
+
+    As in AdEMAMix, the half-life ln(0.5) / ln(beta) grows linearly from start's to target's, so
+    1 / ln(beta) is interpolated linearly. A target no slower than ``start`` is left unchanged,
+    and the target itself is returned once the warm-up is over.
+    """
+    if progress >= 1.0 or target <= start:
+        return target
+    inverse_log = (1.0 - progress) / math.log(start) + progress / math.log(target)
+    return math.exp(1.0 / inverse_log)
 
 
 class _Definition:
@@ -113,6 +131,26 @@ class OmegaWarmup(_Definition):
             group["omegas"] = omegas
 
 
+@dataclass
+class BetaWarmup(_Definition):
+    """Each momentum decay above 0.9 rises from 0.9 to its target over ``ramp_steps``
+    (:func:`warmed_beta`); the optimizer uses the current decay in its averages and its bias
+    correction."""
+
+    target_betas: tuple[float, ...]
+    ramp_steps: int = 0
+
+    def __call__(self, step: int) -> tuple[float, ...]:
+        """The betas of 0-based ``step``."""
+        progress = ramp(step, self.ramp_steps)
+        return tuple(warmed_beta(beta, progress) for beta in self.target_betas)
+
+    def apply(self, optimizer: Optimizer, step: int) -> None:
+        betas = self(step)
+        for group in optimizer.param_groups:
+            group["betas"] = betas
+
+
 def lr_schedule_of(config: TrainConfig) -> LRSchedule:
     """The learning-rate schedule of a resolved config (its warmup is a fraction of the steps)."""
     steps = config.total_steps()
@@ -128,6 +166,10 @@ def lr_schedule_of(config: TrainConfig) -> LRSchedule:
 
 def omega_warmup_of(config: TrainConfig) -> OmegaWarmup:
     return OmegaWarmup(config.omegas, round(config.omega_warmup * config.total_steps()))
+
+
+def beta_warmup_of(config: TrainConfig) -> BetaWarmup:
+    return BetaWarmup(config.betas, round(config.beta_warmup * config.total_steps()))
 
 
 # -- re-planning a run for other --steps (``--resume --extend``) --------------------------------
@@ -153,8 +195,8 @@ class StepsChange:
     lr_new: float
     """The learning rate of the next step under the new plan."""
     first_difference: int | None
-    """The first step (counted from 1) taken under a learning rate or omegas the new plan would
-    not have used; None when there is none."""
+    """The first step (counted from 1) taken under a learning rate, omegas or betas the new plan
+    would not have used; None when there is none."""
 
     @property
     def exact(self) -> bool:
@@ -183,13 +225,12 @@ class StepsChange:
 def steps_change(old: TrainConfig, new: TrainConfig, step: int) -> StepsChange:
     """Compare the schedules of two resolved configs that differ in their length, at ``step``."""
     old_lr, new_lr = lr_schedule_of(old), lr_schedule_of(new)
-    old_omegas, new_omegas = omega_warmup_of(old), omega_warmup_of(new)
+    plans = [
+        (lr_schedule_of(config), omega_warmup_of(config), beta_warmup_of(config))
+        for config in (old, new)
+    ]
     first_difference = next(
-        (
-            taken + 1
-            for taken in range(step)
-            if old_lr(taken) != new_lr(taken) or old_omegas(taken) != new_omegas(taken)
-        ),
+        (taken + 1 for taken in range(step) if any(o(taken) != n(taken) for o, n in zip(*plans))),
         None,
     )
     return StepsChange(

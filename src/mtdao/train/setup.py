@@ -18,7 +18,14 @@ from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
 from mtdao.train.methods import METHOD_TABLE, build_optimizer, build_policy
-from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_schedule_of, omega_warmup_of
+from mtdao.train.schedule import (
+    BetaWarmup,
+    LRSchedule,
+    OmegaWarmup,
+    beta_warmup_of,
+    lr_schedule_of,
+    omega_warmup_of,
+)
 from mtdao.train.sharding import build_sharded_workers, check_topology, worker_of
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet, WorkerSet
 
@@ -69,6 +76,7 @@ class Run:
     sync: LocalUpdateSync
     lr_schedule: LRSchedule
     omega_warmup: OmegaWarmup
+    beta_warmup: BetaWarmup
     data_summary: str = ""
     clock: RunClock = field(default_factory=RunClock)
     evals: list = field(default_factory=list)
@@ -125,6 +133,7 @@ def build_run(
         sync=build_sync(config, optimizer, communicator, workers),
         lr_schedule=lr_schedule_of(config),
         omega_warmup=omega_warmup_of(config),
+        beta_warmup=beta_warmup_of(config),
         data_summary=data_summary,
     )
 
@@ -179,7 +188,8 @@ def build_sync(
 
 
 def _outer_step(config: TrainConfig) -> OuterOptimizerConfig | None:
-    if not METHOD_TABLE[config.method].outer_step:
+    """DiLoCo's outer step, or one a local method adds with --outer-step nesterov."""
+    if not (METHOD_TABLE[config.method].outer_step or config.outer_step == "nesterov"):
         return None
     return OuterOptimizerConfig(lr=config.outer_lr, momentum=config.outer_momentum)
 

@@ -48,9 +48,10 @@ logger = logging.getLogger(__name__)
 
 
 def set_hyperparameters(run: Run, step: int) -> None:
-    """The learning rate and omegas of 0-based ``step``, applied to every param group."""
+    """The learning rate, omegas and betas of 0-based ``step``, applied to every param group."""
     run.lr_schedule.apply(run.optimizer, step)
     run.omega_warmup.apply(run.optimizer, step)
+    run.beta_warmup.apply(run.optimizer, step)
 
 
 def next_batch(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
