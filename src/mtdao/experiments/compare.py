@@ -4,7 +4,8 @@ Fairness: each method gets its own learning rate. ``--lr-sweep A B C`` trains th
 every method at each LR, picks each method's best final validation loss, and runs the other seeds
 at that LR (the sweep table is in the report); ``--lr METHOD=VALUE`` pins one method instead.
 MT-DAO's own knobs (``--betas``, ``--omegas``, ``--omega-warmup``) apply to mtdao and qh-ddp only,
-``--sync-policy`` to mtdao only (qh-ddp averages gradients every step).
+``--sync-policy`` to mtdao only (qh-ddp averages gradients every step). ``--preset NAME`` sets a
+whole comparison (:mod:`.presets`; paper-16m: the paper's smallest setting), flags beside it win.
 
 Output in ``--out``: runs/<method>-lr<LR>-seed<S>/ (one training run each; finished runs are
 reused, so an interrupted comparison resumes), results.json, report.md and four plots. Running is
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.formatting import format_lr
+from mtdao.experiments.presets import add_preset_argument, apply_preset
 from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
 from mtdao.flags import argv_from_namespace
 from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
@@ -32,6 +34,7 @@ examples:
   mtdao compare --steps 40 --eval-tokens 4096 --seeds 0          # a quick smoke run
   mtdao compare --lr-sweep 8e-3 1.6e-2 --jobs 2 --threads 1     # the reported comparison
   mtdao compare --methods ddp local-adam mtdao --lr mtdao=8e-3 --betas 0.95 --omegas 0.7
+  mtdao compare --preset paper-16m --out runs/paper-16m          # the paper's 16M setting (GPU)
 """
 
 
@@ -58,6 +61,7 @@ def add_parser(subparsers) -> None:
     add("--omegas", type=float, nargs="+", help="mtdao/qh-ddp mixing weights")
     add("--omega-warmup", type=float, default=0.0, help="mtdao/qh-ddp omega warm-up fraction")
     add("--sync-policy", choices=SYNC_POLICIES, help="mtdao's period rule (default: unified)")
+    add_preset_argument(parser)
     parser.set_defaults(func=run_compare, parser=parser)
 
 
@@ -116,6 +120,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from mtdao.experiments.compare_summary import summarize_compare
     from mtdao.train.metrics import write_json
 
+    apply_preset(args)
     methods = list(dict.fromkeys(args.methods))
     seeds = list(dict.fromkeys(args.seeds))
     args.seeds = seeds
@@ -197,6 +202,7 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
         selection += "; pinned: " + ", ".join(f"{m} {format_lr(v)}" for m, v in pins.items())
     return {
         "methods": methods,
+        "preset": args.preset,
         "model": args.model,
         "parameters": example.get("parameters"),
         "data": args.data,

@@ -202,6 +202,8 @@ def _settings_section(summary: Mapping[str, Any]) -> list[str]:
         f"- seeds {join_numbers(s.get('seeds', []))}; learning rates: {s.get('lr_selection')}",
     ]
     lines += [_method_line(summary, m) for m in _method_order(summary)]
+    if s.get("preset"):
+        lines.append(f"- preset `{s['preset']}`, with the flags of the command below")
     if s.get("command"):
         lines += ["", f"Command: `{s['command']}`"]
     return lines

@@ -31,7 +31,7 @@ from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.command import config_to_argv
-from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
+from mtdao.train.config import DEFAULT_LR, SCHEDULES, TrainConfig, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
 
 RUNS_DIR = "runs"
@@ -263,6 +263,7 @@ def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: li
     add("--eval-tokens", type=int, default=32768, help="held-out tokens per eval (default: 32768)")
     add("--data", help="text file/dir or hf:NAME[:CONFIG] (default: built-in sources)")
     add("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:NAME (default: byte)")
+    add("--schedule", default="cosine", choices=SCHEDULES, help="LR schedule (default: cosine)")
     add(
         "--seeds",
         type=int,
@@ -299,6 +300,7 @@ def base_config(args: argparse.Namespace, seed: int) -> TrainConfig:
         model=args.model,
         data=args.data,
         tokenizer=args.tokenizer,
+        schedule=args.schedule,
         eval_every=args.eval_every or max(1, args.steps // 30),
         eval_tokens=args.eval_tokens,
         seed=seed,
