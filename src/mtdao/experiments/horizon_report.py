@@ -1,0 +1,261 @@
+"""Report of the horizon and variants study (``benchmarks/horizon_study.py``): where MT-DAO wins.
+
+Renders report.md and horizon.png from the study's results.json alone (the collected LR sweeps,
+final losses and evaluation curves), so the committed report re-renders from its data. Every
+experiment is one configuration at one horizon; its LR is the best of a seed-0 sweep, the other
+seeds run at that LR. An experiment is *final* when its sweep is bracketed (a worse LR on both
+sides of the best), refined (both sqrt(2) neighbours of the best run) and every planned seed has
+finished; otherwise its figures are provisional.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mtdao.experiments.formatting import format_lr
+
+BASELINES = {"p1": ("local-adam", "ddp"), "p2": ("local-adopt", "ddp")}
+HORIZON_METHODS = ("ddp", "local-adam", "mtdao-default", "mtdao-paper")
+
+
+def stats(experiment: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Mean, sample std and count of the final losses at the best LR (None when none)."""
+    values = experiment.get("values") or []
+    if not values:
+        return None
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "std": std, "n": len(values)}
+
+
+def state(experiment: Mapping[str, Any]) -> str:
+    """final, or what is still missing."""
+    missing = []
+    if not experiment.get("sweep"):
+        return "not started"
+    if not experiment.get("bracketed"):
+        missing.append("sweep not bracketed yet")
+    elif not experiment.get("refined"):
+        missing.append("sweep not refined yet")
+    done, planned = len(experiment.get("values") or []), len(experiment["planned_seeds"])
+    if done < planned:
+        missing.append(f"{done}/{planned} seeds")
+    return "final" if not missing else "provisional: " + ", ".join(missing)
+
+
+def gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any] | None:
+    """a - b with the significance rule: it counts only beyond the sum of the two sample stds."""
+    sa, sb = stats(a), stats(b)
+    if sa is None or sb is None:
+        return None
+    diff, noise = sa["mean"] - sb["mean"], sa["std"] + sb["std"]
+    if sa["n"] < 2 or sb["n"] < 2:
+        verdict = "no noise estimate"
+    else:
+        verdict = "tie" if abs(diff) <= noise else ("better" if diff < 0 else "worse")
+    return {"diff": diff, "relative": diff / sb["mean"], "noise": noise, "verdict": verdict}
+
+
+def crossing(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    """The evaluation step where a's mean curve first drops below b's, and whether it stays."""
+    curve_a, curve_b = dict(map(tuple, a.get("curve", []))), dict(map(tuple, b.get("curve", [])))
+    steps = sorted(set(curve_a) & set(curve_b))
+    if not steps:
+        return "-"
+    below = [curve_a[s] < curve_b[s] for s in steps]
+    if not any(below):
+        return "never"
+    first = steps[below.index(True)]
+    stays = next((steps[i] for i in range(len(steps)) if all(below[i:])), None)
+    return f"step {first}" + (f", below from {stays} on" if stays else ", not at the end")
+
+
+def _loss(value: float | None) -> str:
+    return "diverged" if value is None else f"{value:.4f}"
+
+
+def _pm(experiment: Mapping[str, Any]) -> str:
+    s = stats(experiment)
+    if s is None:
+        return "-"
+    seeds = f"({s['n']}/{len(experiment['planned_seeds'])})"
+    return f"{s['mean']:.4f} {seeds}" if s["n"] < 2 else f"{s['mean']:.4f} ± {s['std']:.4f} {seeds}"
+
+
+def _gap_text(g: dict[str, Any] | None) -> str:
+    if g is None:
+        return "-"
+    return f"{g['diff']:+.4f} ({100 * g['relative']:+.1f}%, noise {g['noise']:.4f}): {g['verdict']}"
+
+
+def _by_id(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["id"]: e for e in summary["experiments"]}
+
+
+def _baselines(experiment: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(local baseline id, DDP id) that an experiment is compared with, None for a baseline."""
+    block, label, steps = experiment["id"].split("/")
+    if label in ("ddp", "local-adam", "local-adopt") or block in ("p5", "p6"):
+        if block == "p5" and label == "b64-mtdao-default":
+            return f"p5/b64-local-adam/{steps}", f"p5/b64-ddp/{steps}"
+        if block == "p6" and label == "vim-mtdao-default":
+            return f"p6/vim-local-adam/{steps}", f"p6/vim-ddp/{steps}"
+        return None
+    if block in BASELINES:
+        local, ddp = BASELINES[block]
+        return f"{block}/{local}/{steps}", f"{block}/{ddp}/{steps}"
+    if block == "p4":
+        return f"p4/k128-local-adam/{steps}", f"p1/ddp/{steps}"
+    return f"p1/local-adam/{steps}", f"p1/ddp/{steps}"  # p3: variants at K = 32
+
+
+# -- report.md ---------------------------------------------------------------------------------
+
+
+def render_horizon_report(summary: Mapping[str, Any]) -> str:
+    by_id = _by_id(summary)
+    lines = [
+        "# Where MT-DAO wins: horizons and variants",
+        "",
+        f"Status at {summary['collected']}: {summary['finished_runs']} runs finished, "
+        f"{len(summary['running'])} running ({', '.join(summary['running']) or 'none'}). "
+        "Figures marked provisional will change as the remaining runs finish.",
+        "",
+        "## Protocol",
+        "",
+        *[f"- {line}" for line in summary["protocol"]],
+        "",
+        "## Final loss against horizon",
+        "",
+        "![final loss and gaps against horizon](horizon.png)",
+        "",
+        *_horizon_table(summary, by_id),
+        "",
+        "## Gaps",
+        "",
+        "Negative: lower loss than the baseline. Crossing: the first evaluation where MT-DAO's mean "
+        "curve is below Local Adam's, and from which step on it stays below.",
+        "",
+        *_gap_table(summary, by_id),
+        "",
+        "## Every experiment",
+        "",
+        *_experiment_table(summary, by_id),
+        "",
+        "## LR sweeps (seed 0)",
+        "",
+        *_sweep_lines(summary),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _horizon_table(summary, by_id) -> list[str]:
+    horizons = sorted({e["steps"] for e in summary["experiments"] if e["id"].startswith("p1/")})
+    lines = ["| method | " + " | ".join(f"{h} steps" for h in horizons) + " |"]
+    lines.append("|---" * (len(horizons) + 1) + "|")
+    for label in HORIZON_METHODS:
+        cells = []
+        for horizon in horizons:
+            e = by_id.get(f"p1/{label}/{horizon}")
+            if e is None or stats(e) is None:
+                cells.append("not run yet" if e is None or not e.get("sweep") else "diverged")
+                continue
+            final = "" if state(e) == "final" else " *"
+            cells.append(f"{_pm(e)} @ {format_lr(e['best_lr'])}{final}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "mean ± sample std (seeds done / planned) @ best LR; * provisional."]
+    return lines
+
+
+def _gap_table(summary, by_id) -> list[str]:
+    lines = [
+        "| experiment | vs Local | vs DDP | crossing of Local | state |",
+        "|---|---|---|---|---|",
+    ]
+    for e in summary["experiments"]:
+        pair = _baselines(e)
+        if pair is None or stats(e) is None:
+            continue
+        local, ddp = (by_id.get(i, {"values": []}) for i in pair)
+        lines.append(
+            f"| {e['id']} | {_gap_text(gap(e, local))} | {_gap_text(gap(e, ddp))} | "
+            f"{crossing(e, local)} | {state(e)} |"
+        )
+    return lines
+
+
+def _experiment_table(summary, by_id) -> list[str]:
+    lines = [
+        "| experiment | flags | final loss | best LR | cosine | state |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in summary["experiments"]:
+        best = format_lr(e["best_lr"]) if e.get("best_lr") else "-"
+        cosine = f"{e['cosine']:.3f}" if e.get("cosine") is not None else "-"
+        flags = " ".join(e["flags"])
+        lines.append(f"| {e['id']} | `{flags}` | {_pm(e)} | {best} | {cosine} | {state(e)} |")
+    return lines
+
+
+def _sweep_lines(summary) -> list[str]:
+    lines = []
+    for e in summary["experiments"]:
+        if e.get("sweep"):
+            points = ", ".join(f"{format_lr(p['lr'])}: {_loss(p['loss'])}" for p in e["sweep"])
+            lines.append(f"- {e['id']}: {points}")
+    return lines or ["- none finished yet"]
+
+
+# -- horizon.png ----------------------------------------------------------------------------------
+
+
+def plot_horizon(summary: Mapping[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_id = _by_id(summary)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label in HORIZON_METHODS:
+        points = [
+            (e["steps"], stats(e), state(e) == "final")
+            for e in summary["experiments"]
+            if e["id"] == f"p1/{label}/{e['steps']}" and stats(e)
+        ]
+        if points:
+            xs, ss, _ = zip(*sorted(points, key=lambda p: p[0]))
+            left.errorbar(
+                xs, [s["mean"] for s in ss], [s["std"] for s in ss], marker="o", label=label
+            )
+    for label in ("mtdao-default", "mtdao-paper"):
+        for base, style in (("local-adam", "-"), ("ddp", "--")):
+            points = []
+            for e in summary["experiments"]:
+                if e["id"] == f"p1/{label}/{e['steps']}":
+                    g = gap(e, by_id.get(f"p1/{base}/{e['steps']}", {"values": []}))
+                    if g:
+                        points.append((e["steps"], g["diff"]))
+            if points:
+                xs, ys = zip(*sorted(points))
+                right.plot(xs, ys, style, marker="o", label=f"{label} - {base}")
+    right.axhline(0.0, color="grey", lw=0.8)
+    for axis, title in (
+        (left, "final val loss (mean ± std)"),
+        (right, "gap (negative: MT-DAO lower)"),
+    ):
+        axis.set_xscale("log")
+        axis.set_xlabel("steps (WSD schedule, each its own LR)")
+        axis.set_title(title)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def nan_free(value: float) -> float | None:
+    """JSON has no inf: a diverged run is stored as None."""
+    return value if math.isfinite(value) else None

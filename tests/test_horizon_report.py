@@ -1,0 +1,75 @@
+"""Report math of the horizon study on hand-built experiments (no training): the state of an
+experiment, the significance rule on gaps, the crossing step, and the rendered tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtdao.experiments import horizon_report as hr
+
+
+def experiment(eid, values, sweep=((4e-3, 1.5), (5.657e-3, 1.4), (8e-3, 1.45)), curve=(), **extra):
+    steps = int(eid.split("/")[-1])
+    return {
+        "id": eid,
+        "steps": steps,
+        "flags": ["--method", eid.split("/")[1]],
+        "planned_seeds": [0, 1, 2],
+        "sweep": [{"lr": lr, "loss": loss} for lr, loss in sweep],
+        "best_lr": 5.657e-3,
+        "bracketed": True,
+        "refined": True,
+        "values": list(values),
+        "curve": [list(point) for point in curve],
+        "cosine": None,
+        **extra,
+    }
+
+
+def test_state_names_what_is_missing():
+    assert hr.state(experiment("p1/ddp/1000", [1.0, 1.1, 1.2])) == "final"
+    assert hr.state(experiment("p1/ddp/1000", [1.0])) == "provisional: 1/3 seeds"
+    unbracketed = experiment("p1/ddp/1000", [1.0], bracketed=False)
+    assert hr.state(unbracketed) == "provisional: sweep not bracketed yet, 1/3 seeds"
+    assert hr.state({"id": "p1/ddp/1000", "sweep": [], "planned_seeds": [0]}) == "not started"
+
+
+def test_gap_counts_only_beyond_the_summed_stds():
+    base = experiment("p1/local-adam/1000", [1.00, 1.01, 1.02])  # std 0.01
+    assert hr.gap(experiment("p1/mtdao/1000", [0.95, 0.96, 0.97]), base)["verdict"] == "better"
+    assert hr.gap(experiment("p1/mtdao/1000", [1.10, 1.11, 1.12]), base)["verdict"] == "worse"
+    tie = hr.gap(experiment("p1/mtdao/1000", [0.995, 1.005, 1.015]), base)
+    assert tie["verdict"] == "tie" and tie["diff"] == pytest.approx(-0.005)
+    single = hr.gap(experiment("p1/mtdao/1000", [0.5]), base)
+    assert single["verdict"] == "no noise estimate"
+    assert hr.gap(experiment("p1/mtdao/1000", []), base) is None
+
+
+def test_crossing_first_and_lasting():
+    base = experiment("p1/local-adam/1000", [1.0], curve=[(40, 3.0), (80, 2.0), (120, 1.5)])
+    stays = experiment("p1/mtdao/1000", [1.0], curve=[(40, 3.1), (80, 1.9), (120, 1.4)])
+    assert hr.crossing(stays, base) == "step 80, below from 80 on"
+    back = experiment("p1/mtdao/1000", [1.0], curve=[(40, 2.9), (80, 2.1), (120, 1.6)])
+    assert hr.crossing(back, base) == "step 40, not at the end"
+    never = experiment("p1/mtdao/1000", [1.0], curve=[(40, 3.1), (80, 2.1), (120, 1.6)])
+    assert hr.crossing(never, base) == "never"
+
+
+def test_report_tables():
+    summary = {
+        "collected": "now",
+        "finished_runs": 7,
+        "running": ["p1_ddp_3000_lr0.008_s0"],
+        "protocol": ["one line"],
+        "experiments": [
+            experiment("p1/ddp/1000", [1.00, 1.01, 1.02]),
+            experiment("p1/local-adam/1000", [1.20, 1.21, 1.22]),
+            experiment("p1/mtdao-default/1000", [1.10, 1.11, 1.12]),
+            experiment("p1/ddp/3000", [0.9], sweep=((8e-3, None), (4e-3, 0.9))),
+        ],
+    }
+    text = hr.render_horizon_report(summary)
+    assert "| ddp | 1.0100 ± 0.0100 (3/3) @ 0.00566 | 0.9000 (1/3) @ 0.00566 * |" in text
+    assert "| p1/mtdao-default/1000 | -0.1000 (-8.3%, noise 0.0200): better |" in text
+    assert "+0.1000 (+9.9%, noise 0.0200): worse" in text
+    assert "- p1/ddp/3000: 0.008: diverged, 0.004: 0.9000" in text
