@@ -20,6 +20,7 @@ from mtdao.experiments.formatting import format_lr
 
 BASELINES = {"p1": ("local-adam", "ddp"), "p2": ("local-adopt", "ddp")}
 HORIZON_METHODS = ("ddp", "local-adam", "mtdao-default", "mtdao-paper")
+HORIZONS = (1000, 3000, 10000)
 
 
 def stats(experiment: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -213,47 +214,67 @@ def _sweep_lines(summary) -> list[str]:
 
 
 def plot_horizon(summary: Mapping[str, Any], path: Path) -> None:
+    """Final loss per method against horizon (left) and MT-DAO's gaps (right); hollow markers are
+    provisional figures."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_id = _by_id(summary)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label in HORIZON_METHODS:
-        points = [
+    for index, label in enumerate(HORIZON_METHODS):
+        points = sorted(
             (e["steps"], stats(e), state(e) == "final")
-            for e in summary["experiments"]
-            if e["id"] == f"p1/{label}/{e['steps']}" and stats(e)
-        ]
+            for e in _horizon_experiments(summary, label)
+            if stats(e)
+        )
+        color = f"C{index}"
         if points:
-            xs, ss, _ = zip(*sorted(points, key=lambda p: p[0]))
-            left.errorbar(
-                xs, [s["mean"] for s in ss], [s["std"] for s in ss], marker="o", label=label
+            left.plot(
+                [p[0] for p in points], [p[1]["mean"] for p in points], color=color, label=label
             )
-    for label in ("mtdao-default", "mtdao-paper"):
-        for base, style in (("local-adam", "-"), ("ddp", "--")):
-            points = []
-            for e in summary["experiments"]:
-                if e["id"] == f"p1/{label}/{e['steps']}":
-                    g = gap(e, by_id.get(f"p1/{base}/{e['steps']}", {"values": []}))
-                    if g:
-                        points.append((e["steps"], g["diff"]))
-            if points:
-                xs, ys = zip(*sorted(points))
-                right.plot(xs, ys, style, marker="o", label=f"{label} - {base}")
-    right.axhline(0.0, color="grey", lw=0.8)
-    for axis, title in (
-        (left, "final val loss (mean ± std)"),
-        (right, "gap (negative: MT-DAO lower)"),
+        for steps, s, final in points:
+            face = color if final else "white"
+            left.errorbar(steps, s["mean"], s["std"], color=color, marker="o", mfc=face, capsize=3)
+    by_id = _by_id(summary)
+    for index, (label, base) in enumerate(
+        (m, b) for m in ("mtdao-default", "mtdao-paper") for b in ("local-adam", "ddp")
     ):
+        points = []
+        for e in _horizon_experiments(summary, label):
+            g = gap(e, by_id.get(f"p1/{base}/{e['steps']}", {"values": []}))
+            if g:
+                final = state(e) == "final" and state(by_id[f"p1/{base}/{e['steps']}"]) == "final"
+                points.append((e["steps"], g["diff"], final))
+        if points:
+            points.sort()
+            style = "-" if base == "local-adam" else "--"
+            color = f"C{index + 4}"
+            right.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                style,
+                color=color,
+                label=f"{label} - {base}",
+            )
+            for steps, diff, final in points:
+                right.plot(steps, diff, "o", color=color, mfc=color if final else "white")
+    right.axhline(0.0, color="grey", lw=0.8)
+    titles = ("final val loss (mean ± std; hollow: provisional)", "gap (negative: MT-DAO lower)")
+    for axis, title in zip((left, right), titles):
         axis.set_xscale("log")
-        axis.set_xlabel("steps (WSD schedule, each its own LR)")
-        axis.set_title(title)
+        axis.set_xticks(HORIZONS, [f"{h:,}" for h in HORIZONS])
+        axis.set_xlim(HORIZONS[0] / 1.4, HORIZONS[-1] * 1.4)
+        axis.set_xlabel("steps (WSD schedule, each method at its own best LR)")
+        axis.set_title(title, fontsize=10)
         axis.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _horizon_experiments(summary: Mapping[str, Any], label: str) -> list[dict[str, Any]]:
+    return [e for e in summary["experiments"] if e["id"] == f"p1/{label}/{e['steps']}"]
 
 
 def nan_free(value: float) -> float | None:
