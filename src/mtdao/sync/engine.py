@@ -19,7 +19,14 @@ or keep a plain loop and let optimizer step hooks call it::
 
 Step t counts optimizer steps from 1 and is the same on every worker. Each averaging is one
 *round*: the tensors due are collected, averaged in one communicator call, checked for NaN/inf,
-then applied; every round leaves a :class:`SyncEvent` in ``events``.
+then applied; every round leaves a :class:`SyncEvent` in ``events``. Three options change how a
+round travels, each in its own module the engine composes:
+
+* ``fragments=P`` (:mod:`.fragments`): the layers fall into P fragments due at staggered steps;
+* ``delay=D`` (:mod:`.overlap`): a round starts at t and is applied at t + D, merged with the
+  local progress made meanwhile, its collectives running while the workers compute;
+* ``codecs`` (:mod:`.compression`, :mod:`.quantize`): a dtype on the link per kind, parameters
+  sent as pseudo-gradients.
 """
 
 from __future__ import annotations
@@ -37,10 +44,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from mtdao.sync.alignment import alignment
 from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
+from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
-from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy
+from mtdao.sync.overlap import DelayedRounds, PendingRound, SyncRound
+from mtdao.sync.policy import SyncPolicy
+from mtdao.sync.rounds import RoundPlan
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +72,6 @@ class SyncEvent:
     collectives: int
 
 
-@dataclass
-class SyncRound:
-    """The tensors due at one step, averaged together in one communicator call."""
-
-    step: int
-    tensors: list[Tensor]
-    kinds: list[str]
-    names: list[str]
-
-
 class LocalUpdateSync:
     """Carries out a :class:`SyncPolicy` for one optimizer over one communicator.
 
@@ -79,6 +80,9 @@ class LocalUpdateSync:
     the others' average) and records the event in ``skipped_rounds``.
     ``track_alignment`` records, at each parameter sync, each worker's cosine similarity between
     its pseudo-gradient and the global one, and its parameter drift from the average.
+    ``fragments``, ``delay`` and ``codecs`` (a :class:`~mtdao.sync.compression.SyncCodecs`) split,
+    overlap and quantize the rounds (see the module docstring); ``state_decays`` gives each state
+    key's EMA decay for the delayed merge (default: :func:`~mtdao.sync.policy.state_decays`).
     """
 
     def __init__(
@@ -90,6 +94,10 @@ class LocalUpdateSync:
         on_non_finite: str = "raise",
         track_alignment: bool = False,
         broadcast_initial: bool = True,
+        fragments: int = 1,
+        delay: int = 0,
+        codecs: SyncCodecs | None = None,
+        state_decays: dict[str, float] | None = None,
     ) -> None:
         if on_non_finite not in NON_FINITE_ACTIONS:
             raise ValueError(
@@ -112,10 +120,22 @@ class LocalUpdateSync:
         self._gradient_hooks: OrderedDict[int, Callable[[], Any]] = OrderedDict()
         self._state_keys_checked = False
         self.traffic.ddp_bytes_per_step = sum(self.layout.worker_bytes(p) for p in self.params)
+        names = [self.param_names[id(p)] for p in self.params]
+        self.plan = RoundPlan(
+            policy,
+            optimizer,
+            self.communicator,
+            names,
+            fragments=fragments,
+            delay=delay,
+            codecs=codecs,
+            decays=state_decays,
+        )
+        self.pending = DelayedRounds()
         with torch.no_grad():
             if broadcast_initial:
                 self.communicator.broadcast_from_first(self.params)
-            needs_anchor = policy.outer is not None or track_alignment
+            needs_anchor = policy.outer is not None or track_alignment or self.plan.pseudo_gradients
             # The anchor is the global model after the last parameter sync (DiLoCo's x_start).
             self.anchors = (
                 [self.layout.global_copy(p) for p in self.params]
@@ -170,69 +190,72 @@ class LocalUpdateSync:
             names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
             grads = [p.grad for p in owners]
             due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
-            self.communicator.assign(grads, self._average(due))
+            self.communicator.assign(grads, self._checked_averages(self.plan.send(due, [])))
         self.seconds_syncing += time.perf_counter() - started
         for hook in list(self._gradient_hooks.values()):
             hook()
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
-        """Count the step and average the parameters and states that are due."""
+        """Count the step; apply the delayed rounds that land now; start the rounds due now."""
         started = time.perf_counter()
         self.step_count += 1
         self.traffic.steps = self.step_count
         if not self._state_keys_checked:
             self.policy.check_state_keys(self._state_keys())
             self._state_keys_checked = True
-        due, num_params = self._due_after_step(self.step_count)
+        for pending in self.pending.pop_due(self.step_count):
+            self._finish(pending)
+        self.pending.advance(self.step_count)
+        due = self.plan.collect(self.step_count)
         if due.tensors:
-            averages = self._average(due)
-            if num_params:
-                self._finish_parameter_sync(averages[:num_params], due.step)
-            if len(due.tensors) > num_params:
-                self.communicator.assign(due.tensors[num_params:], averages[num_params:])
+            pending = self.plan.send(due, self.anchors)
+            if self.plan.delay:
+                self.pending.add(pending)
+            else:
+                self._finish(pending)
         self.seconds_syncing += time.perf_counter() - started
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Apply every delayed round now (e.g. before using the model once training ends)."""
+        for pending in self.pending.pop_due(None):
+            self._finish(pending)
 
     # -- one round ----------------------------------------------------------------------------
 
-    def _due_after_step(self, step: int) -> tuple[SyncRound, int]:
-        """The round of ``step`` and how many parameters lead it (all of them, or none)."""
-        params = list(self.params) if self.policy.params.is_due(step) else []
-        names = [self.param_names[id(p)] for p in params]
-        due = SyncRound(step, list(params), ["params"] * len(params), names)
-        for p in self.params:
-            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
-                    continue
-                # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
-                param_shaped = value.dim() > 0 or p.dim() == 0
-                if param_shaped and self.policy.state_rule(key).is_due(step):
-                    due.tensors.append(value)
-                    due.kinds.append(key)
-                    due.names.append(f"{key} of {self.param_names[id(p)]}")
-        return due, len(params)
+    def _finish(self, pending: PendingRound) -> None:
+        """Check the round's averages, then apply them: assign, or merge a delayed round."""
+        due, averages = pending.due, self._checked_averages(pending)
+        num_params = len(due.param_indices)
+        if num_params:
+            means = self.plan.global_params(pending, averages[:num_params], self.anchors)
+            self._finish_parameter_sync(means, pending)
+        if len(due.tensors) > num_params:
+            self.plan.apply(pending, num_params, averages[num_params:])
 
-    def _average(self, due: SyncRound) -> list[Tensor]:
-        """One communicator call for the round, checked; a worker holding NaN/inf is either
-        reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``)."""
-        result = self.communicator.average(due.tensors, due.kinds)
+    def _checked_averages(self, pending: PendingRound) -> list[Tensor]:
+        """The round's averages, checked; a worker holding NaN/inf is either reported (nothing
+        averaged) or left out of a second call (``on_non_finite='skip'``)."""
+        due, result = pending.due, pending.result
         averages = result.wait()
         sent, collectives = result.bytes, result.collectives
         if not _all_finite(averages):
-            excluded = self._workers_to_leave_out(due)
-            retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
+            excluded = self._workers_to_leave_out(due, pending.sent)
+            retry = self.plan.average(due, pending.sent, excluded)
             averages = retry.wait()
             sent, collectives = sent + retry.bytes, collectives + retry.collectives
             if not _all_finite(averages):
                 raise NonFiniteError(
                     f"Non-finite average at step {due.step} even without workers {excluded}"
                 )
+            pending.excluded = excluded
         kinds = list(dict.fromkeys(due.kinds))
         self.events.append(SyncEvent(due.step, kinds, sent, collectives))
         return averages
 
-    def _workers_to_leave_out(self, due: SyncRound) -> list[int]:
-        offenders = self.layout.first_non_finite(due.tensors)
+    def _workers_to_leave_out(self, due: SyncRound, sent: list[Tensor]) -> list[int]:
+        offenders = self.layout.first_non_finite(sent)
         if not offenders:
             raise NonFiniteError(
                 f"Averaging at step {due.step} overflowed although every worker's values are "
@@ -257,34 +280,21 @@ class LocalUpdateSync:
         self.skipped_rounds.append({"step": due.step, "workers": excluded, "tensors": described})
         return excluded
 
-    def _finish_parameter_sync(self, averages: list[Tensor], step: int) -> None:
-        if self.track_alignment and self.anchors:
-            self.alignment.append(self._alignment(averages, step))
+    def _finish_parameter_sync(self, averages: list[Tensor], pending: PendingRound) -> None:
+        indices = pending.due.param_indices
+        params = [self.params[i] for i in indices]
+        local = pending.snapshots[: len(indices)] if pending.snapshots else params  # as sent
+        anchors = [self.anchors[i] for i in indices] if self.anchors else []
+        if self.track_alignment and anchors:
+            self.alignment.append(alignment(self.layout, local, anchors, averages, pending.step))
         if self.outer is not None:
-            self.outer.apply(self.anchors, averages)
-            new_params = self.anchors
+            self.outer.apply(anchors, averages, indices)
+            new_params = anchors
         else:
-            for anchor, average in zip(self.anchors, averages):
+            for anchor, average in zip(anchors, averages):
                 anchor.copy_(average)
             new_params = averages
-        self.communicator.assign(self.params, new_params)
-
-    def _alignment(self, averages: list[Tensor], step: int) -> dict[str, Any]:
-        layout = self.layout
-        dot = norm_local = norm_global = drift = 0.0
-        for param, anchor, average in zip(self.params, self.anchors, averages):
-            local_update = (anchor - param).float()  # each worker's pseudo-gradient
-            global_update = (anchor - average).float()
-            dot = dot + layout.per_worker_sum(local_update * global_update)
-            norm_local = norm_local + layout.per_worker_sum(local_update.square())
-            norm_global = norm_global + global_update.square().sum()
-            drift = drift + layout.per_worker_sum((param - average).float().square())
-        cosine = dot / (norm_local.sqrt() * norm_global.sqrt()).clamp_min(1e-30)
-        return {
-            "step": step,
-            "cosine": layout.gather(cosine).tolist(),
-            "drift": layout.gather(drift.sqrt()).tolist(),
-        }
+        self.plan.apply(pending, 0, new_params)
 
     def _state_keys(self) -> set[str]:
         return {key for p in self.params for key in self.optimizer.state.get(p, {})}
@@ -302,6 +312,10 @@ class LocalUpdateSync:
             "events": [asdict(event) for event in self.events],
             "skipped_rounds": list(self.skipped_rounds),
             "alignment": list(self.alignment),
+            "pending": [pending.state_dict() for pending in self.pending.rounds],
+            "pseudo_gradients": self.plan.pseudo_gradients.state_dict()
+            if self.plan.pseudo_gradients
+            else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -314,6 +328,11 @@ class LocalUpdateSync:
         self.events = [SyncEvent(**event) for event in state["events"]]
         self.skipped_rounds = list(state["skipped_rounds"])
         self.alignment = list(state["alignment"])
+        self.pending = DelayedRounds()
+        for saved in state.get("pending", []):
+            self.pending.add(self.plan.restore(saved))
+        if self.plan.pseudo_gradients is not None and state.get("pseudo_gradients"):
+            self.plan.pseudo_gradients.load_state_dict(state["pseudo_gradients"])
 
 
 def _all_finite(tensors: Sequence[Tensor]) -> bool:

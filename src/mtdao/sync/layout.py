@@ -54,6 +54,11 @@ class WorkerLayout:
         """One value per local worker [local_workers] -> one per worker [num_workers]."""
         return values.reshape(1)
 
+    def worker_mask(self, workers: Sequence[int]) -> Tensor:
+        """[local_workers] booleans: which local workers are among ``workers``."""
+        first = self.rank
+        return torch.tensor([first + w in set(workers) for w in range(self.local_workers)])
+
     def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Averages over all workers, for evaluation and logging (uncounted)."""
         return list(tensors)

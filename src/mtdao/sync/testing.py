@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from mtdao.sync.collectives import dtype_buckets
-from mtdao.sync.communicator import Averages, Communicator
+from mtdao.sync.communicator import Averages, Communicator, codec_groups
+from mtdao.sync.exchange import BlockLayout
 from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.quantize import Codec
 
 
 @dataclass
@@ -35,6 +37,8 @@ class Call:
     kinds: list[str] = field(default_factory=list)
     """The kinds of the tensors averaged (``average`` only)."""
     excluded: list[int] = field(default_factory=list)
+    codecs: list[str] = field(default_factory=list)
+    """Each averaged tensor's codec name, ``fp32`` when sent as it is (``average`` only)."""
 
 
 class PeerFailure(RuntimeError):
@@ -56,12 +60,16 @@ class RecordingCommunicator(Communicator):
         self.calls: list[Call] = []
 
     def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
+        self,
+        tensors: Sequence[Tensor],
+        kinds: Sequence[str],
+        excluded: Sequence[int] = (),
+        codecs: Sequence[Codec | None] | None = None,
     ) -> Averages:
-        self.calls.append(Call("average", _shapes(tensors), list(kinds), list(excluded)))
+        self.calls.append(_average_call(tensors, kinds, excluded, codecs))
         if self.inner is not None:
-            return self.inner.average(tensors, kinds, excluded)
-        return self._averages([t.clone() for t in tensors], tensors, kinds)
+            return self.inner.average(tensors, kinds, excluded, codecs)
+        return self._averages([t.clone() for t in tensors], tensors, kinds, codecs)
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         self.calls.append(Call("assign", _shapes(tensors)))
@@ -76,8 +84,20 @@ class RecordingCommunicator(Communicator):
         """The kinds of the tensors of every ``average`` call, in order."""
         return [call.kinds for call in self.calls if call.method == "average"]
 
-    def _averages(self, values: list[Tensor], tensors: Sequence[Tensor], kinds: Sequence[str]):
-        num_bytes, collectives = self._account(tensors, kinds, len(dtype_buckets(tensors)))
+    def _averages(
+        self, values: list[Tensor], tensors: Sequence[Tensor], kinds: Sequence[str], codecs
+    ):
+        sizes, collectives = [], 0
+        for codec, indices in codec_groups(len(tensors), codecs):
+            group = [tensors[i] for i in indices]
+            if codec is None:
+                sizes += [(kinds[i], self.layout.worker_bytes(tensors[i])) for i in indices]
+                collectives += len(dtype_buckets(group))
+            else:
+                layout = BlockLayout(tuple(t.numel() for t in group), codec.block, 1)
+                sizes += layout.kind_bytes([kinds[i] for i in indices], codec)
+                collectives += 2
+        num_bytes, collectives = self._account_sizes(sizes, collectives)
         return Averages(values, num_bytes, collectives)
 
 
@@ -106,17 +126,26 @@ class ScriptedCommunicator(RecordingCommunicator):
         self.error = error
 
     def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
+        self,
+        tensors: Sequence[Tensor],
+        kinds: Sequence[str],
+        excluded: Sequence[int] = (),
+        codecs: Sequence[Codec | None] | None = None,
     ) -> Averages:
-        self.calls.append(Call("average", _shapes(tensors), list(kinds), list(excluded)))
+        self.calls.append(_average_call(tensors, kinds, excluded, codecs))
         number = len(self.average_kinds())
         if number == self.fail_at:
             raise self.error or PeerFailure(f"scripted failure of average call {number}")
         if number <= len(self.script):
             entry = self.script[number - 1]
             values = entry(tensors) if callable(entry) else entry
-            return self._averages([v.clone() for v in values], tensors, kinds)
-        return self._averages([t.clone() for t in tensors], tensors, kinds)
+            return self._averages([v.clone() for v in values], tensors, kinds, codecs)
+        return self._averages([t.clone() for t in tensors], tensors, kinds, codecs)
+
+
+def _average_call(tensors, kinds, excluded, codecs) -> Call:
+    names = ["fp32" if codec is None else codec.name for codec in codecs or [None] * len(tensors)]
+    return Call("average", _shapes(tensors), list(kinds), list(excluded), names)
 
 
 def _shapes(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:

@@ -13,6 +13,7 @@ from mtdao.data import WorkerShard, encode_corpus, load_corpus, load_tokenizer
 from mtdao.data.batches import validation_batches
 from mtdao.model import Llama, model_config, split_weight_decay
 from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers
+from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.policy import OuterOptimizerConfig
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig
@@ -161,6 +162,9 @@ def build_sync(
         communicator,
         on_non_finite=config.on_non_finite,
         track_alignment=config.track_alignment,
+        fragments=config.sync_fragments,
+        delay=config.sync_delay,
+        codecs=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback),
     )
     if config.grad_clip > 0:  # between gradient averaging and the step, on each worker
         sync.register_gradient_hook(lambda: workers.clip_grad_norm_(config.grad_clip))
