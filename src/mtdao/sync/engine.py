@@ -190,7 +190,7 @@ class LocalUpdateSync:
             names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
             grads = [p.grad for p in owners]
             due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
-            self.communicator.assign(grads, self._checked_averages(self.plan.send(due, [])))
+            self.communicator.assign(grads, self._checked_averages(self._send(due)))
         self.seconds_syncing += time.perf_counter() - started
         for hook in list(self._gradient_hooks.values()):
             hook()
@@ -209,7 +209,7 @@ class LocalUpdateSync:
         self.pending.advance(self.step_count)
         due = self.plan.collect(self.step_count)
         if due.tensors:
-            pending = self.plan.send(due, self.anchors)
+            pending = self._send(due)
             if self.plan.delay:
                 self.pending.add(pending)
             else:
@@ -224,6 +224,14 @@ class LocalUpdateSync:
 
     # -- one round ----------------------------------------------------------------------------
 
+    def _send(self, due: SyncRound) -> PendingRound:
+        """Start the round and record it: what it sent, when."""
+        pending = self.plan.send(due, self.anchors)
+        result, kinds = pending.result, list(dict.fromkeys(due.kinds))
+        pending.event = SyncEvent(due.step, kinds, result.bytes, result.collectives)
+        self.events.append(pending.event)
+        return pending
+
     def _finish(self, pending: PendingRound) -> None:
         """Check the round's averages, then apply them: assign, or merge a delayed round."""
         due, averages = pending.due, self._checked_averages(pending)
@@ -237,21 +245,19 @@ class LocalUpdateSync:
     def _checked_averages(self, pending: PendingRound) -> list[Tensor]:
         """The round's averages, checked; a worker holding NaN/inf is either reported (nothing
         averaged) or left out of a second call (``on_non_finite='skip'``)."""
-        due, result = pending.due, pending.result
-        averages = result.wait()
-        sent, collectives = result.bytes, result.collectives
+        due = pending.due
+        averages = pending.result.wait()
         if not _all_finite(averages):
             excluded = self._workers_to_leave_out(due, pending.sent)
             retry = self.plan.average(due, pending.sent, excluded)
             averages = retry.wait()
-            sent, collectives = sent + retry.bytes, collectives + retry.collectives
+            pending.event.bytes += retry.bytes
+            pending.event.collectives += retry.collectives
             if not _all_finite(averages):
                 raise NonFiniteError(
                     f"Non-finite average at step {due.step} even without workers {excluded}"
                 )
             pending.excluded = excluded
-        kinds = list(dict.fromkeys(due.kinds))
-        self.events.append(SyncEvent(due.step, kinds, sent, collectives))
         return averages
 
     def _workers_to_leave_out(self, due: SyncRound, sent: list[Tensor]) -> list[int]:
@@ -330,7 +336,9 @@ class LocalUpdateSync:
         self.alignment = list(state["alignment"])
         self.pending = DelayedRounds()
         for saved in state.get("pending", []):
-            self.pending.add(self.plan.restore(saved))
+            pending = self.plan.restore(saved)
+            pending.event = next(e for e in reversed(self.events) if e.step == pending.step)
+            self.pending.add(pending)
         if self.plan.pseudo_gradients is not None and state.get("pseudo_gradients"):
             self.plan.pseudo_gradients.load_state_dict(state["pseudo_gradients"])
 

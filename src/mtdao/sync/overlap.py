@@ -119,6 +119,8 @@ class PendingRound:
     """When the exchange's second stage is launched (quantized rounds have two)."""
     excluded: list[int] = field(default_factory=list)
     """Workers left out of the average (NaN/inf): they take the average without a merge."""
+    event: Any = None
+    """The engine's record of the round (made when it is sent)."""
 
     @property
     def step(self) -> int:
