@@ -216,6 +216,12 @@ class LocalUpdateSync:
                 self._finish(pending)
         self.seconds_syncing += time.perf_counter() - started
 
+    def complete_transfers(self) -> None:
+        """Wait until the collectives of every delayed round have completed; the rounds are
+        still applied at their own steps (nothing changes but when the waiting happens)."""
+        for pending in self.pending.rounds:
+            pending.result.wait()
+
     @torch.no_grad()
     def flush(self) -> None:
         """Apply every delayed round now (e.g. before using the model once training ends)."""
