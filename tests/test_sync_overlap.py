@@ -62,10 +62,27 @@ def test_delay_zero_is_the_blocking_round():
         assert torch.equal(value, again[1].state[again[0]][key])
 
 
+def synced_on_time(optimizer_fn, steps: int, sync_at: int):
+    """The same workers without an engine: everything averaged at once after step ``sync_at``."""
+    gen = torch.Generator().manual_seed(99)
+    param = torch.nn.Parameter(torch.randn(M, *SHAPE, generator=gen, dtype=torch.float64))
+    optimizer = optimizer_fn([param])
+    for step in range(1, steps + 1):
+        param.grad = gradient(step)
+        optimizer.step()
+        if step == sync_at:
+            with torch.no_grad():
+                for tensor in [param, *optimizer.state[param].values()]:
+                    if tensor.dim() > 0:
+                        tensor.copy_(tensor.mean(dim=0).expand_as(tensor))
+    return param, optimizer
+
+
 def test_delayed_states_equal_states_synced_on_time():
-    """lr = 0: gradients do not depend on the sync, so an EMA state merged at t + D
-    (correction weighted by beta^D) is the state averaged at t and updated since."""
-    on_time, delayed = run(mt_adam, 7, delay=0), run(mt_adam, 7, delay=3)
+    """lr = 0: gradients do not depend on the sync, so an EMA state merged at t (correction
+    weighted by beta^D) is the state averaged when its snapshot was taken, at t - D, and updated
+    since. K = 4, D = 3: the round of step 4 is sent at step 1."""
+    on_time, delayed = synced_on_time(mt_adam, 7, sync_at=1), run(mt_adam, 7, delay=3)
     for key in ("exp_avg_0", "exp_avg_sq"):
         expected = on_time[1].state[on_time[0]][key]
         assert_close(delayed[1].state[delayed[0]][key], expected, **EXACT)
@@ -77,24 +94,28 @@ def test_delayed_states_equal_states_synced_on_time():
 
 def test_delayed_parameters_equal_parameters_synced_on_time():
     """SGD on gradients that ignore the parameters: the global value plus each worker's local
-    change since the snapshot is where an on-time average would have led."""
-    on_time = run(lambda p: torch.optim.SGD(p, lr=0.1), 7, delay=0)[0]
+    change since the snapshot is where an average at the snapshot would have led."""
+    on_time = synced_on_time(lambda p: torch.optim.SGD(p, lr=0.1), 7, sync_at=1)[0]
     delayed, _, sync = run(lambda p: torch.optim.SGD(p, lr=0.1), 7, delay=3)
     assert_close(delayed, on_time, **EXACT)
-    assert [e.step for e in sync.events] == [4]
+    assert [e.step for e in sync.events] == [1, 5]  # sent 3 steps before steps 4 and 8
 
 
-def test_a_delayed_round_is_sent_at_t_and_applied_at_t_plus_d():
+def test_a_delayed_round_is_sent_d_steps_before_its_step_and_applied_at_it():
     param = torch.nn.Parameter(torch.arange(8.0).view(M, 2))
     communicator = RecordingCommunicator(SimulatedWorkers(M))
     sync = LocalUpdateSync(
-        torch.optim.SGD([param], lr=1.0), unified(2), communicator, broadcast_initial=False
+        torch.optim.SGD([param], lr=1.0),
+        unified(3),
+        communicator,
+        delay=1,
+        broadcast_initial=False,
     )
-    sync.plan.delay = check_delay(1, sync.policy)
     before = param.detach().clone()
     param.grad = torch.zeros_like(param)
     sync.step()
-    sync.step()  # step 2: the round starts, nothing is written
+    assert not communicator.average_kinds()
+    sync.step()  # step 2: the round of step 3 is sent, nothing is written
     assert torch.equal(param, before) and len(communicator.average_kinds()) == 1
     assert [e.step for e in sync.events] == [2] and sync.traffic.bytes == 8
     param.grad = torch.ones_like(param)  # local progress during the delay: -1 everywhere
@@ -131,7 +152,7 @@ def test_a_worker_left_out_of_a_delayed_round_takes_the_average():
     param = torch.nn.Parameter(torch.arange(8.0).view(M, 2))
     sync = LocalUpdateSync(
         torch.optim.SGD([param], lr=1.0),
-        unified(2),
+        unified(3),
         SimulatedWorkers(M),
         delay=1,
         on_non_finite="skip",
@@ -139,7 +160,7 @@ def test_a_worker_left_out_of_a_delayed_round_takes_the_average():
     )
     param.grad = torch.zeros_like(param)
     sync.step()
-    param.grad[2] = float("nan")  # worker 2 diverges on the step whose round starts
+    param.grad[2] = float("nan")  # worker 2 diverges on the step whose round is sent
     sync.step()
     param.grad = torch.ones_like(param)
     sync.step()
@@ -163,27 +184,27 @@ def test_a_checkpoint_with_a_round_in_flight_resumes_exactly():
             sync.step()
 
     param, optimizer, sync = fresh()
-    steps(param, sync, 1, 5)  # the round of step 4 is in flight until step 7
+    steps(param, sync, 1, 6)  # the round of step 8 is in flight since step 5
     assert len(sync.pending) == 1
     saved = copy.deepcopy((param.detach(), optimizer.state_dict(), sync.state_dict()))
-    steps(param, sync, 6, 12)
+    steps(param, sync, 7, 12)
     resumed, resumed_optimizer, resumed_sync = fresh()
     with torch.no_grad():
         resumed.copy_(saved[0])
     resumed_optimizer.load_state_dict(saved[1])
     resumed_sync.load_state_dict(saved[2])
-    steps(resumed, resumed_sync, 6, 12)
+    steps(resumed, resumed_sync, 7, 12)
     assert torch.equal(resumed, param)
     assert resumed_sync.state_dict()["events"] == sync.state_dict()["events"]
 
 
 def test_flush_applies_what_is_in_flight():
-    param, _, sync = run(lambda p: torch.optim.SGD(p, lr=0.1), 5, delay=3)
+    param, _, sync = run(lambda p: torch.optim.SGD(p, lr=0.1), 6, delay=3)
     assert len(sync.pending) == 1 and not torch.equal(param[0], param[1])
-    sync.flush()
+    sync.flush()  # the round sent at step 5 lands now, on top of step 6's progress
     assert len(sync.pending) == 0
-    progress = -0.1 * gradient(5)  # step 5's own update is all that differs after the merge
-    assert_close(param - progress, (param - progress)[:1].expand_as(param), **EXACT)
+    progress = -0.1 * gradient(6)
+    assert_close(param - progress, (param - progress).mean(dim=0).expand_as(param), **EXACT)
 
 
 def test_a_delay_must_land_before_the_next_round():

@@ -23,8 +23,9 @@ then applied; every round leaves a :class:`SyncEvent` in ``events``. Three optio
 round travels, each in its own module the engine composes:
 
 * ``fragments=P`` (:mod:`.fragments`): the layers fall into P fragments due at staggered steps;
-* ``delay=D`` (:mod:`.overlap`): a round starts at t and is applied at t + D, merged with the
-  local progress made meanwhile, its collectives running while the workers compute;
+* ``delay=D`` (:mod:`.overlap`): a round is sent D steps before it is applied (at the policy's
+  step), merged with the local progress made meanwhile, its collectives running while the
+  workers compute;
 * ``codecs`` (:mod:`.compression`, :mod:`.quantize`): a dtype on the link per kind, parameters
   sent as pseudo-gradients.
 """

@@ -1,9 +1,11 @@
-"""Delayed rounds: a round started at step t is applied at t + D, keeping the local progress made
-in between.
+"""Delayed rounds: a round sent at step t - D is applied at t, keeping the local progress made in
+between.
 
-At the start of a delayed round the engine copies the tensors due (the *snapshot*) and sends the
-copy; workers keep training. At t + D the average of the snapshots arrives, and each worker's
-tensor s (which has moved on from its snapshot s0) becomes
+A delayed round lands at the policy's step t, where a blocking round would have been applied, so
+the steps at which workers take the global values (and at which a run is evaluated) stay the same;
+it is sent D steps earlier. At t - D the engine copies the tensors due (the *snapshot*) and sends
+the copy; workers keep training while it travels. At t the average of the snapshots is there, and
+each worker's tensor s (which has moved on from its snapshot s0) becomes
 
     s <- s + c (mean(s0) - s0)
 
@@ -14,8 +16,8 @@ weighted by how much of the snapshot the tensor still carries:
 * a state that is an exponential moving average with decay beta (Adam's and MT-DAO's momenta,
   the second moment, SGD's momentum buffer): c = beta^D. After D steps such a state holds
   beta^D of its snapshot plus what the new gradients added, so replacing that share of the
-  snapshot by the average is exactly the state it would hold had the average been applied at
-  step t (for the same gradients);
+  snapshot by the average is exactly the state it would hold had the average been applied when
+  the snapshot was taken (for the same gradients);
 * the second moment is kept >= c mean(v0) >= 0: in exact arithmetic the merge is
   (v - c v0) + c mean(v0), a sum of squares plus a positive average, and the bound absorbs
   rounding, so the merged value never loses its sign.

@@ -3,7 +3,8 @@
 :class:`RoundPlan` holds the three options of :class:`~mtdao.sync.engine.LocalUpdateSync` that
 change a round without changing the policy, and does the parts of a round that depend on them:
 
-* :meth:`RoundPlan.collect`: the tensors due at a step (the fragments due, :mod:`.fragments`);
+* :meth:`RoundPlan.collect`: the tensors whose round is sent at a step (the fragments due,
+  :mod:`.fragments`; D steps before the policy's step when rounds are delayed);
 * :meth:`RoundPlan.send`: a copy when the round is delayed, parameters as pseudo-gradients when
   they are quantized (:mod:`.compression`), one communicator call with a codec per tensor;
 * :meth:`RoundPlan.apply`: assign the averages, or merge them into a delayed round's tensors
@@ -83,11 +84,13 @@ class RoundPlan:
         self.decays = dict(decays or {})
 
     def collect(self, step: int) -> SyncRound:
-        """The round of ``step``: the parameters due (of the fragments due), then their states
-        in key order per parameter."""
+        """The round sent at ``step``: what is due D steps later (a delayed round lands where a
+        blocking one would), the parameters of the fragments due, then their states in key order
+        per parameter."""
         due = SyncRound(step, [], [], [])
+        lands = step + self.delay
         for index, p in enumerate(self.params):
-            if self.fragments.is_due(self.policy.params, index, step):
+            if self.fragments.is_due(self.policy.params, index, lands):
                 due.tensors.append(p)
                 due.kinds.append("params")
                 due.names.append(self.names[index])
@@ -98,7 +101,8 @@ class RoundPlan:
                     continue
                 # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
                 param_shaped = value.dim() > 0 or p.dim() == 0
-                if param_shaped and self.fragments.is_due(self.policy.state_rule(key), index, step):
+                rule = self.policy.state_rule(key)
+                if param_shaped and self.fragments.is_due(rule, index, lands):
                     due.tensors.append(value)
                     due.kinds.append(key)
                     due.names.append(f"{key} of {self.names[index]}")
