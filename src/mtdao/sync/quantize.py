@@ -38,7 +38,7 @@ FP8_MAX = 448.0  # largest float8_e4m3fn
 FP8_TINY = 2.0**-9  # its smallest subnormal
 INT8_MAX = 127
 LOG_LEVELS = 254  # int8 codes 1..255 for positive values; 0 is exact zero
-NON_FINITE_BLOCK = -1  # bit-pattern bounds of a block that held NaN/inf or a negative value
+INF_BITS = float(0x7F800000)  # the bit pattern of +inf, as a float
 
 
 @dataclass(frozen=True)
@@ -134,16 +134,15 @@ def _floats(scale_bytes: Tensor) -> Tensor:
 
 def _absmax_scale(blocks: Tensor, top: float) -> Tensor:
     """Per block ``absmax / top`` ``[..., 1]``; 1 for an all-zero block (any scale decodes 0),
-    NaN/inf for a block holding NaN/inf (so the whole block decodes to NaN)."""
+    NaN/inf for a block holding NaN/inf (``amax`` propagates NaN), so the block decodes to
+    NaN/inf whatever its codes."""
     absmax = blocks.abs().amax(dim=-1, keepdim=True)
-    absmax = torch.where(torch.isnan(blocks).any(dim=-1, keepdim=True), torch.nan, absmax)
     return torch.where(absmax == 0, torch.ones_like(absmax), absmax / top)
 
 
 def _encode_int8(blocks: Tensor) -> Tensor:
     scale = _absmax_scale(blocks, INT8_MAX)
-    codes = torch.round(blocks / scale).clamp_(-INT8_MAX, INT8_MAX)
-    codes = torch.nan_to_num(codes, nan=0.0).to(torch.int8)
+    codes = (blocks / scale).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return torch.cat([_bytes(codes), _bytes(scale)], dim=-1)
 
 
@@ -151,33 +150,39 @@ def _encode_fp8(blocks: Tensor, sqrt: bool) -> Tensor:
     if sqrt:  # a negative second moment is corrupt: NaN, like a non-finite value
         blocks = blocks.sqrt()
     scale = _absmax_scale(blocks, FP8_MAX)
-    scaled = (blocks / scale).clamp(-FP8_MAX, FP8_MAX)
+    scaled = (blocks / scale).clamp_(-FP8_MAX, FP8_MAX)
     if sqrt:  # never round a positive value to zero
         scaled = torch.where(blocks > 0, scaled.clamp_min(FP8_TINY), scaled)
-    codes = torch.nan_to_num(scaled, nan=0.0).to(torch.float8_e4m3fn)
+    codes = scaled.to(torch.float8_e4m3fn)
     return torch.cat([_bytes(codes), _bytes(scale)], dim=-1)
 
 
 def _encode_log_int8(blocks: Tensor) -> Tensor:
-    bits = blocks.view(torch.int32).long()  # monotone in the value for values >= 0
+    """Codes 1..255 spread between the block's smallest and largest positive bit pattern, taken
+    as float32 (it rounds the pattern to 24 significant bits: 2^-16 relative, far below a code's
+    step); 0 for zero. The bounds travel as two float32 patterns, NaN for a corrupt block."""
+    bits = blocks.view(torch.int32).float()  # monotone in the value for values >= 0
     positive = blocks > 0
-    lo = torch.where(positive, bits, torch.iinfo(torch.int32).max).amin(dim=-1, keepdim=True)
-    hi = torch.where(positive, bits, 0).amax(dim=-1, keepdim=True)
+    lo = torch.where(positive, bits, torch.inf).amin(dim=-1, keepdim=True)
+    hi = torch.where(positive, bits, 0.0).amax(dim=-1, keepdim=True)
+    corrupt = ~(blocks >= 0).all(dim=-1, keepdim=True) | (hi >= INF_BITS)  # NaN, < 0, inf
     lo = torch.minimum(lo, hi)  # a block without positive values: lo = hi = 0
-    span = hi - lo
-    levels = ((bits - lo) * LOG_LEVELS + span // 2) // span.clamp_min(1)
-    codes = torch.where(positive, 1 + levels.clamp(0, LOG_LEVELS), 0).to(torch.uint8)
-    corrupt = (~torch.isfinite(blocks) | (blocks < 0)).any(dim=-1, keepdim=True)
-    lo = torch.where(corrupt, NON_FINITE_BLOCK, lo)
-    hi = torch.where(corrupt, NON_FINITE_BLOCK, hi)
-    bounds = torch.cat([lo, hi], dim=-1).to(torch.int32)
+    step = _log_step(lo, hi)
+    levels = ((bits - lo) / step).round_().clamp_(0, LOG_LEVELS)
+    codes = torch.where(positive, levels + 1, 0.0).to(torch.uint8)
+    bounds = torch.where(corrupt, torch.nan, torch.cat([lo, hi], dim=-1))
     return torch.cat([codes, _bytes(bounds)], dim=-1)
 
 
+def _log_step(lo: Tensor, hi: Tensor) -> Tensor:
+    step = (hi - lo) / LOG_LEVELS
+    return torch.where(step > 0, step, torch.ones_like(step))
+
+
 def _decode_log_int8(codes: Tensor, bound_bytes: Tensor) -> Tensor:
-    bounds = bound_bytes.contiguous().view(torch.int32).long()
+    bounds = _floats(bound_bytes)
     lo, hi = bounds[..., :1], bounds[..., 1:]
-    levels = codes.long()
-    bits = lo + ((levels - 1) * (hi - lo) + LOG_LEVELS // 2) // LOG_LEVELS
-    values = torch.where(levels > 0, bits, 0).to(torch.int32).view(torch.float32)
-    return torch.where(lo == NON_FINITE_BLOCK, torch.nan, values)
+    bits = (codes.float() - 1).mul_(_log_step(lo, hi)).add_(lo).round_()
+    values = torch.minimum(bits, hi).to(torch.int32).view(torch.float32)
+    values = torch.where(codes > 0, values, 0.0)
+    return torch.where(torch.isnan(lo), torch.nan, values)
