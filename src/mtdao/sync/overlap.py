@@ -85,13 +85,14 @@ def merge(
     """
     correction = average - snapshot
     if factor != 1.0:
-        correction = correction * factor
-    merged = tensor + correction
-    if positive:
-        merged = torch.maximum(merged, average * factor)
-    if healed is not None:
-        merged = torch.where(healed, average.to(merged.dtype), merged)
-    tensor.copy_(merged)
+        correction.mul_(factor)
+    if healed is None:
+        tensor.add_(correction)
+    else:
+        merged = torch.where(healed, average.to(tensor.dtype), tensor + correction)
+        tensor.copy_(merged)
+    if positive:  # (a healed worker's average is above its floor already: factor <= 1)
+        torch.maximum(tensor, average * factor, out=tensor)
 
 
 @dataclass
