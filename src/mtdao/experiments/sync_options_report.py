@@ -15,6 +15,7 @@ from mtdao.experiments.formatting import (
     signed,
     table,
 )
+from mtdao.sync.communicator import format_bytes
 
 SETTING_TITLES = {
     "k32": "states on the period rule (every K)",
@@ -35,7 +36,7 @@ def _cells(option: str, row: Mapping[str, Any], summary: Mapping[str, Any]) -> l
         if is_reference
         else f"{signed(row['difference'])}: {VERDICTS[row['versus_reference']]}",
         format_traffic(row["reduction_vs_ddp"]),
-        f"{row['peak_step_bytes'] / 1e6:.2f} ({peak:.2f}x)",
+        f"{format_bytes(row['peak_step_bytes'])} ({peak:.2f}x)",
     ]
 
 
@@ -58,7 +59,7 @@ def render_report(summary: Mapping[str, Any]) -> str:
         "final val loss",
         "vs float32 blocking",
         "traffic vs DDP",
-        "peak MB per step (vs float32)",
+        "peak per step (vs float32)",
     )
     for setting in summary["settings"]:
         rows = summary["table"][setting]
@@ -69,7 +70,7 @@ def render_report(summary: Mapping[str, Any]) -> str:
         "",
         "- traffic vs DDP: DDP's bytes over the run's (the harness's account: encoded payloads, "
         "scales and padding included), over the whole run.",
-        "- peak MB per step: the most one worker sends at any one step; fragments spread a round "
+        "- peak per step: the most one worker sends at any one step; fragments spread a round "
         "over the period.",
     ]
     lines += failures_section(summary.get("failures"))
