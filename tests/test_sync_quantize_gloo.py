@@ -8,14 +8,9 @@ order than a mean over stacked workers, as for blocking rounds).
 
 from __future__ import annotations
 
-import traceback
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 from torch.testing import assert_close
 
@@ -23,6 +18,7 @@ from mtdao import MTAdam
 from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers, unified
 from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.sync.testing import run_on_gloo
 
 pytestmark = [
     pytest.mark.slow,
@@ -96,57 +92,19 @@ def train(communicator: Communicator, stacked: bool, options: dict) -> dict:
     }
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    out = Path(out_dir)
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=timedelta(seconds=60),
-        )
-        communicator = ProcessGroupWorkers()
-        results = {
-            name: averages(communicator, False, codecs) for name, codecs in CODEC_SETS.items()
-        }
-        results["int8-excluded"] = averages(communicator, False, CODEC_SETS["int8"], [1])
-        for name, options in TRAININGS.items():
-            results[f"train-{name}"] = train(ProcessGroupWorkers(), False, options)
-        torch.save(results, out / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+def rank_work() -> dict:
+    communicator = ProcessGroupWorkers()
+    results = {name: averages(communicator, False, codecs) for name, codecs in CODEC_SETS.items()}
+    results["int8-excluded"] = averages(communicator, False, CODEC_SETS["int8"], [1])
+    for name, options in TRAININGS.items():
+        results[f"train-{name}"] = train(ProcessGroupWorkers(), False, options)
+    return results
 
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("gloo-quantized")
-    if "forkserver" in mp.get_all_start_methods():
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload(["torch._dynamo", __name__])
-    else:
-        context = mp.get_context("spawn")
-    processes = [
-        context.Process(target=_worker, args=(rank, str(root / "store"), str(root)))
-        for rank in range(WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        for process in processes:
-            process.join(JOIN_TIMEOUT_S)
-    finally:
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-        for rank in hung:
-            processes[rank].kill()
-            processes[rank].join()
-    errors = "\n".join(p.read_text() for p in sorted(root.glob("rank*.err")))
-    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s\n{errors}"
-    assert all(p.exitcode == 0 for p in processes), errors or "a worker process failed"
-    return [torch.load(root / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return run_on_gloo(rank_work, WORLD_SIZE, root, preload=[__name__], timeout_s=JOIN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", [*CODEC_SETS, "int8-excluded"])

@@ -366,7 +366,7 @@ def run_slow_link(args: argparse.Namespace) -> int:
     args.runs = run_specs(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "mtdao slow-link " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["slow-link"] else ""
+    command = shlex.join(["mtdao", *sys.argv[1:]]) if sys.argv[1:2] == ["slow-link"] else ""
     rows: list[dict] = []
     try:
         for index, rate in enumerate(args.rates):

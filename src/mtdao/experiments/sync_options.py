@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -145,7 +146,7 @@ def run_sync_options(args: argparse.Namespace) -> int:
         suite = finished_runs(runs, out)
     else:
         suite = run_suite(runs, out, jobs=args.jobs, threads=args.threads)
-    command = "mtdao " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["sync-options"] else ""
+    command = shlex.join(["mtdao", *sys.argv[1:]]) if sys.argv[1:2] == ["sync-options"] else ""
     summary = summarize(
         suite.results,
         options={name: option_flags(name) for name in args.options},

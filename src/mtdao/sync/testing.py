@@ -11,13 +11,24 @@ test can pin which tensors travel at which step, and what that costs, without a 
 
     scripted = ScriptedCommunicator([[x0 - d]])       # the first average returns x0 - d
     failing = ScriptedCommunicator(fail_at=3)         # the third average raises (a peer died)
+
+:func:`run_on_gloo` runs a function in real processes joined in a gloo group, for comparing a
+real run with a simulated one.
 """
 
 from __future__ import annotations
 
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import Tensor
 
 from mtdao.sync.collectives import dtype_buckets
@@ -150,3 +161,69 @@ def _average_call(tensors, kinds, excluded, codecs) -> Call:
 
 def _shapes(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in tensors]
+
+
+# -- real processes ---------------------------------------------------------------------------------
+
+
+def run_on_gloo(
+    work: Callable[[], Any],
+    world_size: int,
+    root: str | Path,
+    *,
+    preload: Sequence[str] = (),
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """``work()`` in ``world_size`` fresh processes joined in a gloo group (one torch thread
+    each); returns what each rank's call returned, in rank order.
+
+    ``work`` must be a module-level function (it is pickled by name). A fork server imports
+    torch, ``torch._dynamo`` (which torch.optim otherwise imports lazily in every process) and
+    the modules in ``preload`` once for all ranks. A rank that fails or hangs past ``timeout_s``
+    raises RuntimeError with the ranks' tracebacks, and no process is left behind.
+    """
+    root = Path(root)
+    if "forkserver" in mp.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(["torch._dynamo", *preload])
+    else:
+        context = mp.get_context("spawn")
+    processes = [
+        context.Process(target=_gloo_rank, args=(rank, world_size, str(root), work))
+        for rank in range(world_size)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    errors = "\n".join(p.read_text() for p in sorted(root.glob("rank*.err")))
+    if hung:
+        raise RuntimeError(f"ranks {hung} still running after {timeout_s:.0f} s\n{errors}")
+    if any(process.exitcode != 0 for process in processes):
+        raise RuntimeError(errors or "a worker process failed")
+    return [torch.load(root / f"rank{rank}.pt") for rank in range(world_size)]
+
+
+def _gloo_rank(rank: int, world_size: int, root: str, work: Callable[[], Any]) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{root}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        torch.save(work(), Path(root) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(root) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
