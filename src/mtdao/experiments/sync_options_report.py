@@ -21,7 +21,12 @@ SETTING_TITLES = {
     "k32": "states on the period rule (every K)",
     "state16": "states every 16 steps (--state-sync-period 16)",
 }
-VERDICTS = {"better": "lower (significant)", "worse": "higher (significant)", "tie": "tie"}
+VERDICTS = {
+    "better": "lower (significant)",
+    "worse": "higher (significant)",
+    "tie": "tie",
+    None: "one seed, no verdict",
+}
 
 
 def _cells(option: str, row: Mapping[str, Any], summary: Mapping[str, Any]) -> list[str]:

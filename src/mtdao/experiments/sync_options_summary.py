@@ -36,7 +36,9 @@ def option_row(
     }
     if reference is not None and loss is not None and reference["val_loss"] is not None:
         row["difference"] = loss["mean"] - reference["val_loss"]["mean"]
-        row["versus_reference"] = compare_losses(loss, reference["val_loss"])
+        # one seed has no spread: the rule cannot tell a difference from seed noise
+        enough = loss["n"] > 1 and reference["val_loss"]["n"] > 1
+        row["versus_reference"] = compare_losses(loss, reference["val_loss"]) if enough else None
     return row
 
 
