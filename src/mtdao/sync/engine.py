@@ -351,6 +351,15 @@ class LocalUpdateSync:
 
 
 def _all_finite(tensors: Sequence[Tensor]) -> bool:
+    """NaN and inf survive a sum, so finite sums prove the tensors finite: one reduction per
+    tensor; only a non-finite sum (or finite values overflowing) pays for the exact check."""
+    if not tensors:
+        return True
+    sums = torch.stack(
+        [t.sum(dtype=torch.float64 if t.is_floating_point() else None) for t in tensors]
+    )
+    if bool(torch.isfinite(sums).all()):
+        return True
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from mtdao.sync.quantize import Codec
@@ -61,13 +60,15 @@ class BlockLayout:
 
 
 def pack(rows: Sequence[Tensor], layout: BlockLayout) -> Tensor:
-    """Tensors given as rows ``[R, numel]`` (R workers, or one) -> float32 ``[R, blocks, block]``."""
-    padded = [
-        F.pad(row.float(), (0, blocks * layout.block - row.shape[1]))
-        for row, blocks in zip(rows, layout.tensor_blocks)
-    ]
-    flat = torch.cat(padded, dim=1)
-    flat = F.pad(flat, (0, layout.total_blocks * layout.block - flat.shape[1]))
+    """Tensors given as rows ``[R, numel]`` (R workers, or one) -> float32 ``[R, blocks, block]``,
+    zero-padded (one copy of each tensor)."""
+    flat = rows[0].new_zeros(
+        rows[0].shape[0], layout.total_blocks * layout.block, dtype=torch.float32
+    )
+    offset = 0
+    for row, blocks in zip(rows, layout.tensor_blocks):
+        flat[:, offset : offset + row.shape[1]] = row
+        offset += blocks * layout.block
     return flat.view(flat.shape[0], layout.total_blocks, layout.block)
 
 
