@@ -17,6 +17,7 @@ from torch.testing import assert_close
 from mtdao import MTAdam
 from mtdao.cli import main
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, gradient_averaging, unified
+from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.overlap import check_delay, merge
 from mtdao.sync.policy import with_state_period
 from mtdao.sync.testing import RecordingCommunicator
@@ -217,6 +218,21 @@ def test_a_delay_must_land_before_the_next_round():
         check_delay(1, gradient_averaging())
     with pytest.raises(ValueError, match="Invalid sync delay"):
         check_delay(-1, unified(4))
+
+
+class PlainRoundsOnly(RecordingCommunicator):
+    plain_rounds_only = True  # as the fault-tolerant communicator: rounds it can discard
+
+
+@pytest.mark.parametrize(
+    "options", [dict(delay=1), dict(fragments=2), dict(codecs=SyncCodecs.parse(("int8",)))]
+)
+def test_a_communicator_of_plain_rounds_refuses_the_options(options):
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.SGD([{"params": params, "names": ["a.weight", "b.weight"]}], lr=0.1)
+    with pytest.raises(ValueError, match="PlainRoundsOnly syncs in plain blocking float32"):
+        LocalUpdateSync(optimizer, unified(4), PlainRoundsOnly(), **options)
+    LocalUpdateSync(optimizer, unified(4), PlainRoundsOnly())  # plain rounds are fine
 
 
 @pytest.mark.parametrize(

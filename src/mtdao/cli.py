@@ -13,6 +13,7 @@ import sys
 # Modules that each define add_parser(subparsers); listed in the order `mtdao --help` shows them.
 COMMAND_MODULES = (
     "mtdao.train.command",
+    "mtdao.train.lighthouse",
     "mtdao.experiments.commands",
 )
 
@@ -52,8 +53,20 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from mtdao.data.errors import DataError
     from mtdao.sync.engine import NonFiniteError
     from mtdao.train.checkpoint import CheckpointError
+    from mtdao.train.distributed import CollectiveError
+    from mtdao.train.durable import WriteError
 
-    return (ValueError, DataError, CheckpointError, NonFiniteError, FileNotFoundError)
+    # ConnectionError: a lighthouse or peer that cannot be reached (fault-tolerant runs)
+    return (
+        ValueError,
+        DataError,
+        CheckpointError,
+        NonFiniteError,
+        FileNotFoundError,
+        WriteError,
+        CollectiveError,
+        ConnectionError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

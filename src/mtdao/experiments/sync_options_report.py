@@ -78,7 +78,8 @@ def render_report(summary: Mapping[str, Any]) -> str:
         "- peak per step: the most one worker sends at any one step; fragments spread a round "
         "over the period.",
     ]
-    lines += failures_section(summary.get("failures"))
+    if summary.get("failures"):
+        lines += ["", *failures_section(summary["failures"])]
     return "\n".join(lines) + "\n"
 
 

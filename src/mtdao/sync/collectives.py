@@ -3,7 +3,9 @@
 Tensors are flattened into one buffer per (device, dtype), split at ``bucket_bytes``, and summed
 with ``all_reduce``; gloo has no AVG reduction, so the sum is divided by the number of contributing
 workers. A worker left out of the average contributes zeros. The all-reduces are launched without
-blocking (:class:`InFlightMean`), so a caller may compute while they run and wait later.
+blocking (:class:`InFlightMean`), so a caller may compute while they run and wait later. A sharded
+tensor (a ``DTensor``, as FSDP2 makes parameters) travels as its local shard: the group averages
+shard with shard.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from mtdao.sync.dtensors import local_shard
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -56,6 +60,7 @@ class InFlightMean:
         self.contributors = dist.get_world_size(group) - len(set(excluded))
         if self.contributors < 1:
             raise RuntimeError("Every worker was excluded from the average")
+        tensors = [local_shard(tensor) for tensor in tensors]
         self.shapes = [t.shape for t in tensors]
         self.launched: list[tuple[list[int], Tensor, dist.Work]] = []
         for indices in dtype_buckets(tensors).values():

@@ -19,8 +19,9 @@ or keep a plain loop and let optimizer step hooks call it::
 
 Step t counts optimizer steps from 1 and is the same on every worker. Each averaging is one
 *round*: the tensors due are collected, averaged in one communicator call, checked for NaN/inf,
-then applied; every round leaves a :class:`SyncEvent` in ``events``. Three options change how a
-round travels, each in its own module the engine composes:
+committed (the communicator may still discard it, raising ``RoundNotCommitted``), then applied;
+every committed round leaves a :class:`SyncEvent` in ``events``. Three options change how a round
+travels, each in its own module the engine composes:
 
 * ``fragments=P`` (:mod:`.fragments`): the layers fall into P fragments due at staggered steps;
 * ``delay=D`` (:mod:`.overlap`): a round is sent D steps before it is applied (at the policy's
@@ -28,16 +29,18 @@ round travels, each in its own module the engine composes:
   workers compute;
 * ``codecs`` (:mod:`.compression`, :mod:`.quantize`): a dtype on the link per kind, parameters
   sent as pseudo-gradients.
+
+A delayed round cannot be discarded after it was sent (its record is made when it is sent): the
+fault-tolerant communicator is used with blocking rounds only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -45,40 +48,28 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from mtdao.sync.alignment import alignment
 from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
 from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError, NonFiniteWorkers
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
-from mtdao.sync.overlap import DelayedRounds, PendingRound, SyncRound
+from mtdao.sync.overlap import DelayedRounds, PendingRound
 from mtdao.sync.policy import SyncPolicy
-from mtdao.sync.rounds import RoundPlan
+from mtdao.sync.round_plan import RoundPlan
+from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound, alignment
 
-logger = logging.getLogger(__name__)
-
-NON_FINITE_ACTIONS = ("raise", "skip")
-
-
-class NonFiniteError(FloatingPointError):
-    """A worker's tensor held NaN or inf when it was due to be averaged."""
+__all__ = ["LocalUpdateSync", "NonFiniteError", "NON_FINITE_ACTIONS", "SyncEvent"]
 
 
-@dataclass
-class SyncEvent:
-    """One averaging round as it happened: at which step, which kinds, what it sent per worker."""
-
-    step: int
-    kinds: list[str]
-    bytes: int
-    collectives: int
-
-
-class LocalUpdateSync:
+class LocalUpdateSync(NonFiniteWorkers):
     """Carries out a :class:`SyncPolicy` for one optimizer over one communicator.
 
     ``on_non_finite``: ``"raise"`` stops with an error naming worker, tensor and step before
-    anything is averaged; ``"skip"`` leaves the offending workers out of that round (they receive
-    the others' average) and records the event in ``skipped_rounds``.
+    anything is averaged; ``"skip"`` leaves the offending workers out of that round and heals
+    them: they receive the others' average of every tensor they hold (parameters and every
+    state, due or not, counted as "heal" traffic), so they rejoin at once (a delayed round's
+    offenders take the round's average, without a merge). Each such event is recorded in
+    ``skipped_rounds``.
     ``track_alignment`` records, at each parameter sync, each worker's cosine similarity between
     its pseudo-gradient and the global one, and its parameter drift from the average.
     ``fragments``, ``delay`` and ``codecs`` (a :class:`~mtdao.sync.compression.SyncCodecs`) split,
@@ -187,12 +178,16 @@ class LocalUpdateSync:
         """DDP: replace every worker's gradients by their average; then run the gradient hooks."""
         started = time.perf_counter()
         owners = [p for p in self.params if p.grad is not None]
-        if self.policy.average_gradients and owners:
-            names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
-            grads = [p.grad for p in owners]
-            due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
-            self.communicator.assign(grads, self._checked_averages(self._send(due)))
-        self.seconds_syncing += time.perf_counter() - started
+        try:
+            if self.policy.average_gradients and owners:
+                names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
+                grads = [p.grad for p in owners]
+                due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
+                checked = self._check(self._send(due))
+                self._commit(checked)
+                self.communicator.assign(grads, checked.averages)
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
         for hook in list(self._gradient_hooks.values()):
             hook()
 
@@ -205,17 +200,31 @@ class LocalUpdateSync:
         if not self._state_keys_checked:
             self.policy.check_state_keys(self._state_keys())
             self._state_keys_checked = True
-        for pending in self.pending.pop_due(self.step_count):
-            self._finish(pending)
-        self.pending.advance(self.step_count)
-        due = self.plan.collect(self.step_count)
-        if due.tensors:
-            pending = self._send(due)
-            if self.plan.delay:
-                self.pending.add(pending)
-            else:
+        try:
+            for pending in self.pending.pop_due(self.step_count):
                 self._finish(pending)
-        self.seconds_syncing += time.perf_counter() - started
+            self.pending.advance(self.step_count)
+            due = self.plan.collect(self.step_count)
+            if due.tensors:
+                pending = self._send(due)
+                if self.plan.delay:
+                    self.pending.add(pending)
+                else:
+                    self._finish(pending)
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
+
+    def round_due(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) has a round: gradients averaged before it, or
+        parameters or states sent after it. For a communicator that prepares each round (a
+        quorum) before the step's forward pass; before the optimizer keeps any state, a state
+        rule due at ``step`` counts."""
+        if self.policy.average_gradients or self.plan.collect(step).tensors:
+            return True
+        if self._state_keys():
+            return False
+        rules = [self.policy.other_states, *self.policy.states.values()]
+        return any(rule.is_due(step + self.plan.delay) for rule in rules)
 
     def complete_transfers(self) -> None:
         """Wait until the collectives of every delayed round have completed; the rounds are
@@ -232,74 +241,80 @@ class LocalUpdateSync:
     # -- one round ----------------------------------------------------------------------------
 
     def _send(self, due: SyncRound) -> PendingRound:
-        """Start the round and record it: what it sent, when."""
+        """Start the round. A delayed round is recorded now (what it sent, when); a blocking one
+        when it commits."""
         pending = self.plan.send(due, self.anchors)
         result, kinds = pending.result, list(dict.fromkeys(due.kinds))
         pending.event = SyncEvent(due.step, kinds, result.bytes, result.collectives)
-        self.events.append(pending.event)
+        if self.plan.delay:
+            self.events.append(pending.event)
         return pending
 
     def _finish(self, pending: PendingRound) -> None:
-        """Check the round's averages, then apply them: assign, or merge a delayed round."""
-        due, averages = pending.due, self._checked_averages(pending)
+        """Check, commit, apply (assign, or merge a delayed round): nothing is written before
+        the communicator commits."""
+        checked = self._check(pending, heal=True)
+        due = pending.due
         num_params = len(due.param_indices)
+        means = self.plan.global_params(pending, checked.averages[:num_params], self.anchors)
+        if num_params and self.track_alignment and self.anchors:
+            # the per-worker gathers are part of the round: a peer lost in them discards it
+            indices = due.param_indices
+            local = pending.snapshots[:num_params] if pending.snapshots else due.tensors
+            anchors = [self.anchors[i] for i in indices]
+            checked.alignment = alignment(self.layout, local, anchors, means, pending.step)
+        self._commit(checked)
         if num_params:
-            means = self.plan.global_params(pending, averages[:num_params], self.anchors)
             self._finish_parameter_sync(means, pending)
         if len(due.tensors) > num_params:
-            self.plan.apply(pending, num_params, averages[num_params:])
+            self.plan.apply(pending, num_params, checked.averages[num_params:])
 
-    def _checked_averages(self, pending: PendingRound) -> list[Tensor]:
+    def _check(self, pending: PendingRound, heal: bool = False) -> CheckedRound:
         """The round's averages, checked; a worker holding NaN/inf is either reported (nothing
-        averaged) or left out of a second call (``on_non_finite='skip'``)."""
-        due = pending.due
-        averages = pending.result.wait()
-        if not _all_finite(averages):
-            excluded = self._workers_to_leave_out(due, pending.sent)
-            retry = self.plan.average(due, pending.sent, excluded)
-            averages = retry.wait()
-            pending.event.bytes += retry.bytes
-            pending.event.collectives += retry.collectives
-            if not _all_finite(averages):
-                raise NonFiniteError(
-                    f"Non-finite average at step {due.step} even without workers {excluded}"
-                )
-            pending.excluded = excluded
-        return averages
+        averaged) or left out of a second call (``on_non_finite='skip'``).
 
-    def _workers_to_leave_out(self, due: SyncRound, sent: list[Tensor]) -> list[int]:
-        offenders = self.layout.first_non_finite(sent)
-        if not offenders:
+        heal (blocking rounds after the optimizer step): a worker holding NaN/inf in any tensor,
+        due or not, is left out, then healed with the others' average of everything else."""
+        due, event = pending.due, pending.event
+        averages = pending.result.wait()
+        checked = CheckedRound(averages, [] if self.plan.delay else [event])
+        if self.layout.all_finite(averages):
+            return checked
+        healing = heal and self.on_non_finite == "skip" and not self.plan.delay
+        sent = SyncRound(due.step, pending.sent, due.kinds, due.names)
+        searched = self._held(due.step) if healing else sent
+        excluded, checked.skipped = self._workers_to_leave_out(searched)
+        retry = self.plan.average(due, pending.sent, excluded)
+        checked.averages = retry.wait()
+        event.bytes += retry.bytes
+        event.collectives += retry.collectives
+        if not self.layout.all_finite(checked.averages):
             raise NonFiniteError(
-                f"Averaging at step {due.step} overflowed although every worker's values are "
-                "finite (values too large for their dtype)"
+                f"Non-finite average at step {due.step} even without workers {excluded}"
             )
-        described = "; ".join(f"worker {w}: {due.names[i]}" for w, i in sorted(offenders.items()))
-        if self.on_non_finite == "raise":
-            raise NonFiniteError(
-                f"Non-finite value (NaN/inf) at step {due.step} in {described}. Nothing was "
-                "averaged; use on_non_finite='skip' (CLI: --on-non-finite skip) to leave such "
-                "workers out"
-            )
-        excluded = sorted(offenders)
-        if len(excluded) == self.layout.num_workers:
-            raise NonFiniteError(
-                f"Non-finite value (NaN/inf) at step {due.step} on every worker ({described}); "
-                "no worker is left to average"
-            )
-        logger.warning(
-            "step %d: leaving worker(s) %s out of this round (%s)", due.step, excluded, described
-        )
-        self.skipped_rounds.append({"step": due.step, "workers": excluded, "tensors": described})
-        return excluded
+        pending.excluded = excluded
+        if healing:
+            self._heal(checked, excluded, due.step, skip={id(t) for t in due.tensors})
+        return checked
+
+    def _commit(self, checked: CheckedRound) -> None:
+        """The communicator's last word on a checked round; only a committed round is recorded
+        and written."""
+        self.communicator.commit()
+        self._record(checked)
+
+    def _record(self, checked: CheckedRound) -> None:
+        self.events += checked.events
+        if checked.skipped is not None:
+            self.skipped_rounds.append(checked.skipped)
+        if checked.alignment is not None:
+            self.alignment.append(checked.alignment)
+        if checked.heal is not None:  # the workers left out take the others' values
+            self.layout.assign_to_workers(*checked.heal)
 
     def _finish_parameter_sync(self, averages: list[Tensor], pending: PendingRound) -> None:
         indices = pending.due.param_indices
-        params = [self.params[i] for i in indices]
-        local = pending.snapshots[: len(indices)] if pending.snapshots else params  # as sent
         anchors = [self.anchors[i] for i in indices] if self.anchors else []
-        if self.track_alignment and anchors:
-            self.alignment.append(alignment(self.layout, local, anchors, averages, pending.step))
         if self.outer is not None:
             self.outer.apply(anchors, averages, indices)
             new_params = anchors
@@ -348,19 +363,6 @@ class LocalUpdateSync:
             self.pending.add(pending)
         if self.plan.pseudo_gradients is not None and state.get("pseudo_gradients"):
             self.plan.pseudo_gradients.load_state_dict(state["pseudo_gradients"])
-
-
-def _all_finite(tensors: Sequence[Tensor]) -> bool:
-    """NaN and inf survive a sum, so finite sums prove the tensors finite: one reduction per
-    tensor; only a non-finite sum (or finite values overflowing) pays for the exact check."""
-    if not tensors:
-        return True
-    sums = torch.stack(
-        [t.sum(dtype=torch.float64 if t.is_floating_point() else None) for t in tensors]
-    )
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def _param_names(optimizer: Optimizer) -> dict[int, str]:

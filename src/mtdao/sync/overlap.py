@@ -38,6 +38,7 @@ from torch import Tensor
 
 from mtdao.sync.communicator import Averages
 from mtdao.sync.policy import SyncPolicy
+from mtdao.sync.rounds import SyncRound
 
 POSITIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
 """States that are averages of squares, kept non-negative by the merge."""
@@ -93,18 +94,6 @@ def merge(
         tensor.copy_(merged)
     if positive:  # (a healed worker's average is above its floor already: factor <= 1)
         torch.maximum(tensor, average * factor, out=tensor)
-
-
-@dataclass
-class SyncRound:
-    """The tensors due at one step, averaged together in one communicator call: the parameters
-    (``param_indices`` into the engine's list) first, then the states."""
-
-    step: int
-    tensors: list[Tensor]
-    kinds: list[str]
-    names: list[str]
-    param_indices: list[int] = field(default_factory=list)
 
 
 @dataclass
