@@ -1,4 +1,4 @@
-"""The MT-DAO update rules as pure functions over lists of tensors (SPEC §2).
+"""The MT-DAO update rules as pure functions over lists of tensors.
 
 Each rule has a for-loop form (``*_single_tensor``) and a multi-tensor form (``*_multi_tensor``,
 ``torch._foreach_*`` kernels) with one shared signature; the optimizer classes only route tensors
