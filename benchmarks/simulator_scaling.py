@@ -23,8 +23,8 @@ import torch
 
 import mtdao
 from mtdao.model import Llama, model_config
-from mtdao.sync import LocalUpdateSync, unified
-from mtdao.train.workers import SimulatedWorkerSet
+from mtdao.sync import LocalUpdateSync, SimulatedWorkers, stack_workers, unified
+from mtdao.train.workers import language_model_loss
 
 PATH_OPTIONS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -32,11 +32,10 @@ PATH_OPTIONS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": Tru
 def build(model_name: str, workers: int, seq_len: int, sync_period: int, path: str):
     torch.manual_seed(0)
     model = Llama(model_config(model_name, vocab_size=256, max_seq_len=seq_len))
-    worker_set = SimulatedWorkerSet(model, workers)
-    params = [p for _, p in worker_set.named_parameters()]
-    optimizer = mtdao.MTAdam(params, lr=1e-3, **PATH_OPTIONS[path])
-    sync = LocalUpdateSync(optimizer, unified(sync_period), worker_set.communicator)
-    return worker_set, optimizer, sync
+    stacked = stack_workers(model, workers)
+    optimizer = mtdao.MTAdam(stacked.parameters(), lr=1e-3, **PATH_OPTIONS[path])
+    sync = LocalUpdateSync(optimizer, unified(sync_period), SimulatedWorkers(workers))
+    return stacked, optimizer, sync
 
 
 def chosen_path(optimizer) -> str:
@@ -47,13 +46,13 @@ def chosen_path(optimizer) -> str:
 
 
 def time_steps(setup, batch_size: int, seq_len: int, steps: int) -> float:
-    worker_set, optimizer, sync = setup
-    m = worker_set.num_workers
+    stacked, optimizer, sync = setup
+    m = stacked.num_workers
     inputs = torch.randint(0, 256, (m, batch_size, seq_len))
     targets = torch.randint(0, 256, (m, batch_size, seq_len))
     started = time.perf_counter()
     for _ in range(steps):
-        worker_set.losses(inputs, targets).sum().backward()
+        stacked.losses(language_model_loss, inputs, targets).sum().backward()
         sync.step()
         optimizer.zero_grad(set_to_none=True)
     return (time.perf_counter() - started) / steps

@@ -9,7 +9,17 @@ import shlex
 
 import pytest
 
-from mtdao.experiments import ablation, plots, report, suite, wallclock
+from mtdao.experiments import (
+    ablation,
+    ablation_report,
+    ablation_summary,
+    compare_plots,
+    compare_report,
+    compare_summary,
+    formatting,
+    suite,
+    wallclock,
+)
 from mtdao.train.config import TrainConfig
 
 PARAM_BYTES = 1000  # bytes of one model-sized buffer per worker
@@ -70,17 +80,17 @@ def fake_compare(finals: dict[str, list[float]], **kwargs):
         "seq_len": 64,
         "parameters": 250,
     }
-    return report.summarize_compare(runs, settings=settings, **kwargs)
+    return compare_summary.summarize_compare(runs, settings=settings, **kwargs)
 
 
 # -- statistics and targets -----------------------------------------------------------------------
 
 
 def test_stats_mean_and_sample_std():
-    s = report.stats([1.0, 2.0, 3.0])
+    s = formatting.stats([1.0, 2.0, 3.0])
     assert (s["mean"], s["std"], s["n"]) == (2.0, 1.0, 3)
-    assert report.stats([0.7])["std"] == 0.0
-    assert report.stats([]) is None
+    assert formatting.stats([0.7])["std"] == 0.0
+    assert formatting.stats([]) is None
 
 
 def test_steps_to_target_is_first_eval_at_or_below():
@@ -89,17 +99,17 @@ def test_steps_to_target_is_first_eval_at_or_below():
         {"step": 20, "val_loss": 1.0},
         {"step": 30, "val_loss": 0.9},
     ]
-    assert report.steps_to_target(evals, 1.0) == 20  # "at" counts
-    assert report.steps_to_target(evals, 1.5) == 20
-    assert report.steps_to_target(evals, 5.0) == 10
-    assert report.steps_to_target(evals, 0.5) is None
+    assert compare_summary.steps_to_target(evals, 1.0) == 20  # "at" counts
+    assert compare_summary.steps_to_target(evals, 1.5) == 20
+    assert compare_summary.steps_to_target(evals, 5.0) == 10
+    assert compare_summary.steps_to_target(evals, 0.5) is None
 
 
 def test_significance_rule():
     a = {"mean": 0.70, "std": 0.01}
-    assert report.compare_losses(a, {"mean": 0.75, "std": 0.01}) == "better"
-    assert report.compare_losses(a, {"mean": 0.65, "std": 0.01}) == "worse"
-    assert report.compare_losses(a, {"mean": 0.715, "std": 0.01}) == "tie"  # 0.015 <= 0.02
+    assert formatting.compare_losses(a, {"mean": 0.75, "std": 0.01}) == "better"
+    assert formatting.compare_losses(a, {"mean": 0.65, "std": 0.01}) == "worse"
+    assert formatting.compare_losses(a, {"mean": 0.715, "std": 0.01}) == "tie"  # 0.015 <= 0.02
 
 
 def test_summary_traffic_wallclock_and_targets():
@@ -129,7 +139,7 @@ def test_summary_traffic_wallclock_and_targets():
 
 def test_shared_compute_time_is_the_median():
     runs = [{"compute_s_per_worker_step": v} for v in (0.01, 0.05, 0.02)]
-    assert report.shared_compute_seconds(runs) == 0.02
+    assert compare_summary.shared_compute_seconds(runs) == 0.02
 
 
 # -- verdict wording ------------------------------------------------------------------------------
@@ -139,7 +149,7 @@ BASELINES = {"local-adam": [0.80, 0.81, 0.82], "diloco": [0.85, 0.86, 0.87]}
 
 def test_verdict_clear_win():
     summary = fake_compare({"ddp": [0.75, 0.76, 0.77], **BASELINES, "mtdao": [0.70, 0.71, 0.72]})
-    text = report.verdict(summary)
+    text = compare_report.verdict(summary)
     assert "MT-DAO is better by 0.0500" in text
     assert "holds here." in text
     assert "Ranking by mean final loss: MT-DAO 0.7100 < DDP" in text
@@ -147,7 +157,7 @@ def test_verdict_clear_win():
 
 def test_verdict_clear_loss():
     summary = fake_compare({"ddp": [0.70, 0.71, 0.72], **BASELINES, "mtdao": [0.90, 0.91, 0.92]})
-    text = report.verdict(summary)
+    text = compare_report.verdict(summary)
     assert "DDP is better by 0.2000" in text
     assert "does not hold here" in text
     assert "never reached DDP's final loss" in text
@@ -155,7 +165,7 @@ def test_verdict_clear_loss():
 
 def test_verdict_tie_with_ddp_counts_as_matching():
     summary = fake_compare({"ddp": [0.70, 0.71, 0.72], **BASELINES, "mtdao": [0.705, 0.715, 0.725]})
-    text = report.verdict(summary)
+    text = compare_report.verdict(summary)
     assert "tie within seed noise" in text
     assert "holds here." in text
 
@@ -164,7 +174,7 @@ def test_verdict_partial_and_unchecked():
     summary = fake_compare(
         {"ddp": [0.70, 0.71, 0.72], "local-adam": [0.70, 0.71, 0.72], "mtdao": [0.70, 0.71, 0.72]}
     )
-    text = report.verdict(summary)
+    text = compare_report.verdict(summary)
     assert "DiLoCo was not run" in text
     assert (
         "holds only in part: MT-DAO matches or beats DDP, but it does not beat Local Adam" in text
@@ -181,13 +191,15 @@ def test_report_and_plots_are_written(tmp_path):
     summary = fake_compare(
         {"ddp": [0.75, 0.76, 0.77], **BASELINES, "mtdao": [0.70, 0.71, 0.72]}, sweep=sweep
     )
-    text = report.render_compare_report(summary)
+    text = compare_report.render_compare_report(summary)
     assert "## Verdict" in text and "## Learning-rate sweep" in text
     assert "| MT-DAO | 0.008 | 0.7100 ± 0.0100 |" in text
     assert "3.3x less" in text and "**0.7500**" in text and "failed" in text
-    for path in plots.write_compare_plots(tmp_path, summary):
+    for path in compare_plots.write_compare_plots(tmp_path, summary):
         assert path.stat().st_size > 10_000
-    json.dumps(summary)  # the aggregate is JSON-serializable
+    # results.json holds the summary: the report renders the same from it
+    saved = json.loads(json.dumps(summary))
+    assert compare_report.render_compare_report(saved) == text
 
 
 def test_ablation_summary_slopes_and_plot(tmp_path):
@@ -211,42 +223,21 @@ def test_ablation_summary_slopes_and_plot(tmp_path):
         "omega": 0.9,
         "optimizer": "adam",
     }
-    summary = ablation.summarize_ablation(ddp, per_variant, variants, settings)
+    summary = ablation_summary.summarize_ablation(ddp, per_variant, variants, settings)
     for name, slope in slopes.items():
         assert summary["variants"][name]["slope_per_doubling"] == pytest.approx(slope)
-    text = ablation.render_ablation_report(summary)
+    text = ablation_report.render_ablation_report(summary)
     assert "beta 0.995 degrades more slowly than beta 0.99" in text
     assert "(+0.1500)" in text  # Local Adam at K = 8: 0.05 * 3
     curves = {
         n: {"periods": [8, 32, 128], "degradation": [s * 3, s * 5, s * 7]}
         for n, s in slopes.items()
     }
-    assert plots.plot_degradation_vs_k(curves, tmp_path / "d.png", "t").stat().st_size > 10_000
+    plot = ablation_report.plot_degradation_vs_k(curves, tmp_path / "d.png", "t")
+    assert plot.stat().st_size > 10_000
 
 
 # -- suite bookkeeping ----------------------------------------------------------------------------
-
-
-def test_config_to_args_round_trips_through_the_train_parser():
-    from mtdao.cli import build_parser
-    from mtdao.train.command import config_from_args
-
-    config = TrainConfig(
-        method="mtdao",
-        betas=(0.95, 0.99),
-        omegas=(0.3, 0.4),
-        lr=1.6e-2,
-        steps=7,
-        sync_policy="half-life",
-        progress=False,
-        bf16=False,
-        model="micro",
-        track_alignment=False,
-        omega_warmup=0.25,
-        data="x.txt",
-    )
-    args = build_parser().parse_args(["train", *suite.config_to_args(config)])
-    assert config_from_args(args) == config
 
 
 def test_parse_lr_pins():
@@ -288,22 +279,45 @@ def test_half_finished_run_dir_is_resumed_or_wiped(tmp_path):
 
 # -- end to end -----------------------------------------------------------------------------------
 
+TINY = "--seeds 0 --model micro --batch-size 2 --seq-len 16 --eval-tokens 512 --threads 1"
+
+
+def run_experiment(command: str, out) -> None:
+    """``mtdao <command>`` on a tiny budget into ``out``; it must exit 0."""
+    from mtdao.cli import main
+
+    assert main([*shlex.split(f"{command} {TINY}"), "--out", str(out)]) == 0
+
 
 @pytest.mark.slow
 def test_compare_end_to_end(tmp_path):
-    from mtdao.cli import main
-
     out = tmp_path / "cmp"
-    argv = shlex.split(
-        "compare --methods ddp mtdao --seeds 0 --steps 6 --model micro --batch-size 2 "
-        "--seq-len 16 --eval-tokens 512 --eval-every 3 --sync-period 2 --threads 1"
-    ) + ["--out", str(out)]
-    assert main(argv) == 0
+    run_experiment("compare --methods ddp mtdao --steps 6 --eval-every 3 --sync-period 2", out)
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"ddp", "mtdao"}
     assert results["methods"]["ddp"]["traffic_vs_ddp"] == pytest.approx(1.0)
     assert results["methods"]["mtdao"]["alignment"]["syncs_per_run"] == 3
     text = (out / "report.md").read_text()
     assert "## Verdict" in text and "| DDP | 0.008 |" in text
+    assert compare_report.render_compare_report(results) == text  # re-renders from results.json
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "alignment.png", "traffic.png"):
         assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_ablation_end_to_end(tmp_path):
+    out = tmp_path / "abl"
+    run_experiment(
+        "ablation --periods 2 4 --slow-betas 0.99 --policies unified --steps 4 --eval-every 2", out
+    )
+    summary = ablation_summary.load_summary(out / "results.json")
+    assert set(summary["variants"]) == {"Local Adam", "MT-DAO beta 0.99, unified"}
+    ddp = summary["ddp"]["final_val_loss"]["mean"]
+    for variant in summary["variants"].values():
+        assert set(variant["periods"]) == {2, 4}
+        for cell in variant["periods"].values():
+            assert cell["degradation"] == pytest.approx(cell["final_val_loss"]["mean"] - ddp)
+    # the report on disk is the one its results.json renders
+    text = (out / "report.md").read_text()
+    assert ablation_report.render_ablation_report(summary) == text
+    assert (out / "degradation_vs_k.png").stat().st_size > 0

@@ -126,16 +126,6 @@ def logistic_problem():
     return features, labels
 
 
-@pytest.fixture
-def one_thread():
-    """The problem is tiny: a second intra-op thread only adds synchronization, and on a busy
-    machine (parallel test workers) it turns milliseconds into seconds."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.parametrize(
     "make_optimizer",
     [

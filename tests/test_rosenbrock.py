@@ -68,9 +68,23 @@ def test_runs_are_deterministic_and_seeded():
     assert first["loss_curve"] != other["loss_curve"]
 
 
-def test_ddp_reference_is_adam_beta_09_on_averaged_gradients():
-    result = run(RosenbrockConfig(method="ddp", **SMALL))
-    assert result["beta"] == 0.9 and result["omega"] == 1.0 and result["sync_period"] == 1
+def test_ddp_reference_is_adam_beta_09_on_the_worker_averaged_noisy_gradient():
+    config = RosenbrockConfig(method="ddp", **SMALL)
+    result = run(config)
+    # independently: one point, torch's Adam (beta1 0.9), fed the mean over the workers of the true
+    # gradient plus each worker's noise, drawn from the seed in the toy's order
+    x = torch.tensor(config.start, dtype=torch.float64, requires_grad=True)
+    adam = torch.optim.Adam([x], lr=config.lr, betas=(0.9, config.beta2), foreach=False)
+    noise = torch.Generator().manual_seed(config.seed)
+    path = [[0, *config.start]]
+    for step in range(1, config.steps + 1):
+        gaussian = torch.randn((config.workers, 2), generator=noise, dtype=torch.float64)
+        x.grad = (rosenbrock_grad(x.detach()) + config.noise * gaussian).mean(dim=0)
+        adam.step()
+        path.append([step, *x.detach().tolist()])
+    assert config.steps <= 400  # so that the toy records every step
+    assert_close(torch.tensor(result["trajectory"]), torch.tensor(path), rtol=1e-10, atol=1e-12)
+    assert result["sync_period"] == 1 and result["beta"] == 0.9
 
 
 def test_json_fields(tmp_path):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
+import json
 import math
 
 import pytest
 
-from mtdao.train.config import TrainConfig
-from mtdao.train.schedule import lr_multiplier, ramp
+from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_multiplier, ramp
 from mtdao.train.trainer import build_run, set_hyperparameters, train_step
 
 TOTAL, WARMUP, MIN_RATIO = 100, 10, 0.1
@@ -67,18 +67,22 @@ def test_ramp():
     assert ramp(0, 0) == 1.0
 
 
+def test_schedule_objects_and_their_state():
+    schedule = LRSchedule(2e-3, TOTAL, "wsd", WARMUP, MIN_RATIO, decay_fraction=0.2)
+    assert [schedule(step) for step in range(TOTAL)] == [
+        2e-3 * m for m in multipliers("wsd", decay_fraction=0.2)
+    ]
+    copy = LRSchedule(1.0, 1)
+    copy.load_state_dict(schedule.state_dict())
+    assert copy == schedule and copy(55) == schedule(55)
+    warmup = OmegaWarmup((0.3, 0.6), ramp_steps=4)
+    assert warmup(1) == pytest.approx((0.15, 0.3)) and warmup(3) == (0.3, 0.6)
+    restored = OmegaWarmup(())
+    restored.load_state_dict(json.loads(json.dumps(warmup.state_dict())))
+    assert restored == warmup
+
+
 # -- applied by the trainer -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def corpus_dir(tmp_path):
-    import textwrap
-
-    root = tmp_path / "corpus"
-    root.mkdir()
-    (root / "a.py").write_text(inspect.getsource(textwrap))
-    (root / "b.py").write_text(inspect.getsource(inspect)[:30_000])
-    return root
 
 
 def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tmp_path):
@@ -100,15 +104,17 @@ def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tm
         device="cpu",
         progress=False,
     )
-    run = build_run(config)
+    run = build_run(resolve(config))
+    assert run.lr_schedule.peak_lr == 1e-3 and run.omega_warmup.target_omegas == (0.3, 0.6)
     for group in run.optimizer.param_groups:
-        assert group["target_omegas"] == (0.3, 0.6) and group["initial_lr"] == 1e-3
+        assert "initial_lr" not in group and "target_omegas" not in group  # nothing stashed
 
     for step in range(8):
         expected_lr = 1e-3 * lr_multiplier(step, 8, "cosine", 2, 0.1)
         scale = ramp(step, 4)  # omega warm-up over half of the 8 steps
         if step < 3:  # a real step for the first few, the hyperparameters alone after
-            train_step(run, step)
+            train_step(run)
+            assert run.step == step + 1
         else:
             set_hyperparameters(run, step)
         for group in run.optimizer.param_groups:

@@ -6,7 +6,6 @@ few steps. Needs root and namespaces; skips with the reason otherwise.
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 from pathlib import Path
@@ -18,19 +17,10 @@ from mtdao.cli import main
 from mtdao.experiments import slow_link
 from mtdao.experiments.netem import LinkUnavailable, emulated_link
 from mtdao.train import trainer
+from mtdao.train.checkpoint import checkpoint_path
 from mtdao.train.config import TrainConfig
 
-CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
 STEPS, SYNC_PERIOD = 4, 2
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS_MODULES:
-        module = __import__(name, fromlist=["_"])
-        (root / f"{name}.py").write_text(inspect.getsource(module))
-    return root
 
 
 def require_link() -> None:
@@ -46,6 +36,7 @@ def namespaces() -> list[str]:
     return [line.split(" ", 1)[0] for line in out.splitlines()]
 
 
+@pytest.mark.slow
 def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
     corpus_dir, tmp_path, capsys
 ):
@@ -68,7 +59,8 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
 
     # the two processes agree: after the final average both hold the same parameters
     run_dir = Path(row["run_dir"])
-    ranks = [torch.load(run_dir / "checkpoint" / f"rank{r}.pt") for r in range(2)]
+    final = checkpoint_path(run_dir)
+    ranks = [torch.load(final / f"rank{r}.pt") for r in range(2)]
     for name, value in ranks[0]["params"].items():
         torch.testing.assert_close(ranks[1]["params"][name], value, rtol=0, atol=0)
 
@@ -98,16 +90,3 @@ def test_skips_in_one_line_without_root(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     assert main(["slow-link", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip().startswith("skipped: ")
-
-
-def test_time_to_loss_interpolates_between_evaluations():
-    evals = [
-        {"wall_time_s": 10.0, "val_loss": 3.0},
-        {"wall_time_s": 20.0, "val_loss": 2.0},
-        {"wall_time_s": 30.0, "val_loss": 1.5},
-    ]
-    assert slow_link.time_to_loss(evals, 2.5) == pytest.approx(15.0)
-    assert slow_link.time_to_loss(evals, 3.5) == pytest.approx(10.0)
-    assert slow_link.time_to_loss(evals, 1.0) is None
-    assert slow_link.wall_at_step([(10, 5.0), (20, 9.0)], 15) == pytest.approx(7.0)
-    assert slow_link.wall_at_step([(10, 5.0)], 11) is None

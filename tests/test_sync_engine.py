@@ -1,5 +1,5 @@
-"""The sync engine on simulated and recording communicators: exact equivalences, call counts,
-the outer step's sign and scale, non-finite guards, checkpoints and alignment."""
+"""The sync engine on simulated, recording and scripted communicators: exact equivalences, call
+counts, the outer step's sign and scale, non-finite guards, events, checkpoints and alignment."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from torch.testing import assert_close
 
 from mtdao import MTAdam
 from mtdao.sync import (
-    Communicator,
     LocalUpdateSync,
     NonFiniteError,
     OuterOptimizerConfig,
@@ -26,9 +25,10 @@ from mtdao.sync import (
     state_decays,
     unified,
 )
-from mtdao.sync.communicator import dtype_buckets
-from mtdao.sync.methods import OptimizerSettings, build_optimizer, build_policy, resolve_settings
 from mtdao.sync.policy import communication_per_step
+from mtdao.sync.testing import PeerFailure, RecordingCommunicator, ScriptedCommunicator
+from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.methods import build_optimizer, build_policy
 
 D_IN, D_OUT, BATCH = 4, 3, 8
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -103,25 +103,6 @@ def test_sgd_with_params_averaged_every_step_is_sgd_on_the_mean_gradient():
 # -- 4. which states travel when, and what it costs --------------------------------------------
 
 
-class RecordingWorker(Communicator):
-    """World size 1 that counts traffic like a real communicator and records every mean() call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[list[tuple[str, tuple[int, ...]]]] = []
-
-    def mean(self, tensors, kinds, excluded=()):
-        self.calls.append([(kind, tuple(t.shape)) for kind, t in zip(kinds, tensors)])
-        self._record(tensors, kinds, collectives=len(dtype_buckets(tensors)))
-        return [t.clone() for t in tensors]
-
-    def first_non_finite(self, tensors):
-        return {}
-
-    def gather_scalars(self, values):
-        return values.reshape(1)
-
-
 EXPLICIT_PERIODS = dict(params=2, states={"exp_avg_0": 3, "exp_avg_sq": 6})
 # Steps 1..12 at which each kind is due (K_x = 2, K_u = 3, K_v = 6).
 DUE = {
@@ -144,20 +125,25 @@ def expected_call(kinds: list[str]) -> list[tuple[str, tuple[int, ...]]]:
     return call
 
 
+def averaged(calls) -> list[list[tuple[str, tuple[int, ...]]]]:
+    return [list(zip(c.kinds, c.shapes)) for c in calls if c.method == "average"]
+
+
 def test_recording_communicator_pins_which_states_are_due_at_each_step():
     params = init_params()
     optimizer = MTAdam(params, lr=1e-2, betas=(0.9,), omegas=(1.0,))
-    communicator = RecordingWorker()
+    communicator = RecordingCommunicator()
     sync = LocalUpdateSync(optimizer, explicit(**EXPLICIT_PERIODS), communicator)
     for step in range(1, 13):
         before = len(communicator.calls)
         backward(params, [0], step, optimizer)
         sync.step()
-        new_calls = communicator.calls[before:]
+        new_calls = averaged(communicator.calls[before:])
         if step in DUE:
             assert new_calls == [expected_call(DUE[step])], f"step {step}"
         else:
             assert new_calls == [], f"step {step}"
+    assert [(e.step, e.kinds) for e in sync.events] == [(step, DUE[step]) for step in DUE]
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float64, torch.float32])
@@ -166,7 +152,7 @@ def test_traffic_counts_collectives_and_bytes_per_kind(simulated, bias_dtype):
     workers = 3 if simulated else None
     params = init_params(workers, bias_dtype=bias_dtype)
     optimizer = MTAdam(params, lr=1e-2, betas=(0.9,), omegas=(1.0,))
-    communicator = SimulatedWorkers(workers) if simulated else RecordingWorker()
+    communicator = SimulatedWorkers(workers) if simulated else RecordingCommunicator()
     policy = explicit(**EXPLICIT_PERIODS)
     sync = LocalUpdateSync(optimizer, policy, communicator)
     for step in range(12):
@@ -184,35 +170,23 @@ def test_traffic_counts_collectives_and_bytes_per_kind(simulated, bias_dtype):
     assert traffic.bytes == 12 * model_bytes
     keys = sorted(optimizer.state[params[0]])
     assert traffic.bytes / (12 * model_bytes) == pytest.approx(communication_per_step(policy, keys))
+    # the engine's record of each round adds up to the traffic account
+    assert sum(e.bytes for e in sync.events) == traffic.bytes
+    assert sum(e.collectives for e in sync.events) == traffic.collectives
+    assert [e.bytes for e in sync.events if e.step == 12] == [3 * model_bytes]
 
 
 # -- 5. the outer step: sign and scale ----------------------------------------------------------
 
 
-class ScriptedAverage(Communicator):
-    """World size 1 whose 'average' is whatever the test scripts (a mocked collective)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.next_average: list[Tensor] = []
-
-    def mean(self, tensors, kinds, excluded=()):
-        self._record(tensors, kinds, collectives=1)
-        return [a.clone() for a in self.next_average]
-
-    def first_non_finite(self, tensors):
-        return {}
-
-
 def test_outer_step_sign_and_scale_with_a_mocked_collective():
     x0 = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
     param = torch.nn.Parameter(x0.clone())
-    communicator = ScriptedAverage()
+    d = torch.tensor([0.5, 0.25, -1.0], dtype=torch.float64)
+    communicator = ScriptedCommunicator([[x0 - d]])  # the workers moved by -d on average
     policy = SyncPolicy(params=SyncRule(1), outer=OuterOptimizerConfig())
     sync = LocalUpdateSync(torch.optim.SGD([param], lr=0.0), policy, communicator)
     param.grad = torch.zeros_like(param)
-    d = torch.tensor([0.5, 0.25, -1.0], dtype=torch.float64)
-    communicator.next_average = [x0 - d]  # the workers moved by -d on average
     sync.step()
     x1 = x0 - 0.7 * 1.9 * d  # buffer = d, Nesterov step = d + 0.9 d
     assert_close(param.detach(), x1, **EXACT)
@@ -399,8 +373,8 @@ def test_nan_gradient_under_gradient_averaging_is_caught():
 
 
 def checkpoint_run(method: str, params: list[Tensor], broadcast_initial: bool = True):
-    settings = resolve_settings(method, OptimizerSettings(name="adam", lr=2e-2))
-    optimizer = build_optimizer(named_groups(params), settings)
+    config = resolve(TrainConfig(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
+    optimizer = build_optimizer(named_groups(params), config)
     policy = build_policy(method, 4, optimizer)
     sync = LocalUpdateSync(
         optimizer, policy, SimulatedWorkers(3), broadcast_initial=broadcast_initial
@@ -444,6 +418,8 @@ def test_state_dict_round_trip_mid_round_continues_identically(method):
         for key, value in original_optimizer.state[original].items():
             assert torch.equal(optimizer.state[param][key], value), key
     assert sync.state_dict()["traffic"] == original_sync.state_dict()["traffic"]
+    assert sync.state_dict()["events"] == original_sync.state_dict()["events"]
+    assert [e["step"] for e in sync.state_dict()["events"]] == [4, 8]
     if sync.outer is not None:
         for buffer, other in zip(sync.outer.momentum_buffers, original_sync.outer.momentum_buffers):
             assert torch.equal(buffer, other)
@@ -480,8 +456,74 @@ def test_states_of_a_zero_dim_parameter_are_averaged_like_any_other():
     """A real process group holds a scalar parameter as a 0-dim tensor; its states must travel."""
     scale = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
     optimizer = MTAdam([scale], lr=1e-2, betas=(0.9,), omegas=(1.0,))
-    communicator = RecordingWorker()
+    communicator = RecordingCommunicator()
     sync = LocalUpdateSync(optimizer, unified(1), communicator)
     scale.grad = torch.tensor(0.5, dtype=torch.float64)
     sync.step()
-    assert communicator.calls == [[("params", ()), ("exp_avg_0", ()), ("exp_avg_sq", ())]]
+    assert averaged(communicator.calls) == [[("params", ()), ("exp_avg_0", ()), ("exp_avg_sq", ())]]
+
+
+# -- 11. the step sequence: gradient hooks, failed rounds ---------------------------------------
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_gradient_hook_sees_averaged_gradients_and_the_step_sees_its_changes(attached):
+    workers, lr = 3, 0.5
+    params = init_params(workers)
+    optimizer = torch.optim.SGD(params, lr=lr)
+    sync = LocalUpdateSync(optimizer, gradient_averaging(), SimulatedWorkers(workers))
+    seen = []
+
+    def halve_gradients():
+        seen.append([p.grad.clone() for p in params])
+        for p in params:
+            p.grad.mul_(0.5)
+
+    handle = sync.register_gradient_hook(halve_gradients)
+    backward(params, range(workers), 0, optimizer)
+    local = [p.grad.clone() for p in params]
+    before = [p.detach().clone() for p in params]
+    if attached:
+        with sync.attached():
+            optimizer.step()
+    else:
+        sync.step()
+    for grad, local_grad in zip(seen[0], local):
+        assert_close(grad, local_grad.mean(0).expand_as(grad), **EXACT)  # averaged first
+    for param, start, grad in zip(params, before, seen[0]):
+        assert_close(param.detach(), start - lr * 0.5 * grad, **EXACT)  # then halved, then stepped
+    handle.remove()
+    backward(params, range(workers), 1, optimizer)
+    sync.step()
+    assert len(seen) == 1 and sync.step_count == 2
+
+
+def test_a_round_that_fails_overwrites_nothing():
+    params = init_params()
+    optimizer = MTAdam(params, lr=1e-2, betas=(0.9,), omegas=(1.0,))
+    communicator = ScriptedCommunicator(fail_at=2)
+    sync = LocalUpdateSync(optimizer, unified(1), communicator)
+    backward(params, [0], 0, optimizer)
+    sync.step()
+    backward(params, [0], 1, optimizer)
+    optimizer.step()
+    local = [p.detach().clone() for p in params]
+    with pytest.raises(PeerFailure):
+        sync.after_optimizer_step()
+    assert [c.method for c in communicator.calls[-2:]] == ["assign", "average"]
+    assert all(torch.equal(p, value) for p, value in zip(params, local))
+    assert [e.step for e in sync.events] == [1]
+
+
+def test_traffic_reads_in_units_and_against_ddp():
+    params = init_params(2)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    sync = LocalUpdateSync(optimizer, unified(4), SimulatedWorkers(2))
+    for step in range(8):
+        backward(params, range(2), step, optimizer)
+        sync.step()
+    model_bytes = (D_OUT * D_IN + D_OUT) * 8
+    assert sync.traffic.ddp_bytes == 8 * model_bytes and sync.traffic.bytes == 2 * model_bytes
+    text = str(sync.traffic)
+    assert text.startswith("240 B sent per worker in 2 rounds (2 collectives) over 8 steps")
+    assert text.endswith("DDP would send 960 B: 4.0x more")

@@ -26,14 +26,9 @@ from mtdao.sync import (
     SimulatedWorkers,
     unified,
 )
-from mtdao.sync.methods import (
-    METHODS,
-    OptimizerSettings,
-    build_optimizer,
-    build_policy,
-    resolve_settings,
-)
 from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.methods import METHODS, build_optimizer, build_policy
 
 pytestmark = [
     pytest.mark.slow,
@@ -96,8 +91,8 @@ def data(communicator: Communicator, workers: list[int] | None, step: int):
 
 def train(method: str, communicator: Communicator, stacked: bool) -> dict:
     params, workers = setup(communicator, stacked)
-    settings = resolve_settings(method, OptimizerSettings(name="adam", lr=2e-2))
-    optimizer = build_optimizer([{"params": params, "names": NAMES}], settings)
+    config = resolve(TrainConfig(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
+    optimizer = build_optimizer([{"params": params, "names": NAMES}], config)
     sync = LocalUpdateSync(optimizer, build_policy(method, SYNC_PERIOD, optimizer), communicator)
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -110,6 +105,7 @@ def train(method: str, communicator: Communicator, stacked: bool) -> dict:
             {k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params
         ],
         "traffic": engine["traffic"],
+        "events": engine["events"],
         "outer": engine["outer"],
         "anchors": engine["anchors"],
     }
@@ -222,6 +218,7 @@ def test_gloo_matches_simulated(method, gloo_results, simulated_results):
             for key, value in states.items():
                 assert_rank_matches(value, stacked_states[key], rank)
         assert real["traffic"] == simulated["traffic"]
+        assert real["events"] == simulated["events"]
         if simulated["outer"] is not None:
             pairs = zip(real["outer"]["momentum_buffers"], simulated["outer"]["momentum_buffers"])
             for buffer, global_buffer in pairs:

@@ -1,4 +1,4 @@
-"""Sync policies (SPEC §3): validation, the period rules, and communication per step."""
+"""Sync policies: validation, the period rules, and communication per step (docs/design.md)."""
 
 from __future__ import annotations
 

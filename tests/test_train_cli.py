@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+import mtdao
 from mtdao.cli import main
-from mtdao.sync.methods import METHODS
+from mtdao.train.methods import METHODS
 from mtdao.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,8 +62,10 @@ def assert_one_line_error(capsys, args: list[str], match: str) -> None:
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("mtdao") and match in err, err
+    # one error line; a run that got as far as loading its data said so first
+    lines = [line for line in err.strip().splitlines() if not line.startswith("data: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("mtdao") and match in lines[0], err
 
 
 # -- what a run writes ----------------------------------------------------------------------------
@@ -113,6 +116,42 @@ def test_communication_reduction_vs_ddp(tmp_path, corpus_dir, capsys, method, st
     assert results["bytes_per_worker"] * reduction == pytest.approx(results["ddp_bytes_per_worker"])
 
 
+def test_what_the_terminal_shows(tmp_path, corpus_dir, capsys, monkeypatch):
+    """The data loaded, where the results are, traffic against DDP with its steady state, and
+    real wall time (evaluation included); a DDP run directory has no K in its name."""
+    monkeypatch.chdir(tmp_path)
+    args = tiny_args(tmp_path, corpus_dir, "--steps", "6", "--eval-every", "3")
+    args.remove("--out")
+    args.remove(str(tmp_path))
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"data: local:{corpus_dir.resolve()}: ")
+    assert "documents" in captured.err and "tokens (byte tokenizer, vocabulary 256)" in captured.err
+    summary, where, traffic = captured.out.splitlines()
+    run_dir = "runs/mtdao-adam-M2-K4-seed0"
+    assert where.startswith(f"results: {run_dir}/results.json")
+    # K = 4, 6 steps: one round of params + 2 states (3 models) against DDP's 6 gradients;
+    # over whole cycles (4 steps) that is 4 / 3
+    assert json.loads(summary)["comm_reduction_vs_ddp"] == pytest.approx(2.0)
+    assert json.loads(summary)["comm_reduction_steady_state"] == pytest.approx(4 / 3)
+    assert "2.0x less than DDP (1.3x in steady state" in traffic and "last 2 steps" in traffic
+    results = json.loads((tmp_path / run_dir / "results.json").read_text())
+    assert results["wall_time_s"] > results["train_time_s"] + results["eval_time_s"] > 0
+    assert results["config"]["lr"] == 8e-3 and results["config"]["betas"] == [0.95]
+
+    ddp = tiny_args(tmp_path, corpus_dir, "--method", "ddp", "--steps", "1")
+    ddp[ddp.index("--out") : ddp.index("--out") + 2] = []
+    assert main(ddp) == 0
+    assert (tmp_path / "runs" / "ddp-adam-M2-seed0" / "results.json").is_file()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mtdao {mtdao.__version__}"
+
+
 def test_hugging_face_saved_dataset(tmp_path, corpus_dir, capsys, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     datasets = pytest.importorskip("datasets")
@@ -138,8 +177,12 @@ def test_divergence_between_syncs_stops_the_run(tmp_path, corpus_dir, capsys):
 
 
 def test_divergence_at_a_sync(tmp_path, corpus_dir, capsys):
+    """DDP averages gradients before each step: the engine's guard stops the run (the loop's
+    guard on the training loss would only see it after the step)."""
     args = tiny_args(tmp_path, corpus_dir, "--lr", "1e6", "--method", "ddp")
-    assert_one_line_error(capsys, args, "NaN/inf")
+    assert_one_line_error(
+        capsys, args, "Non-finite value (NaN/inf) at step 2 in worker 0: gradient"
+    )
 
 
 def test_divergence_of_every_worker_cannot_be_skipped(tmp_path, corpus_dir, capsys):
@@ -156,10 +199,10 @@ def test_divergence_of_every_worker_cannot_be_skipped(tmp_path, corpus_dir, caps
     [
         (("--sync-period", "0"), "--sync-period must be a positive integer"),
         (("--workers", "0"), "--workers must be a positive integer"),
-        (("--betas", "1.5"), "--betas: 1.5"),
+        (("--betas", "1.5"), "Invalid beta at index 0 of betas: 1.5"),
         (("--method", "foo"), "invalid choice: 'foo'"),
-        (("--omegas", "0.6", "0.6"), "sum to 1.2 > 1"),
-        (("--betas", "0.9", "--omegas", "0.3", "0.3"), "2 weights for 1 --betas"),
+        (("--omegas", "1.2"), "sum to 1.2 > 1"),
+        (("--betas", "0.9", "--omegas", "0.3", "0.3"), "has 2 weights but betas (0.9,)"),
         (("--omegas", "0.3", "0.3"), "has 2 weights but betas"),  # against the default betas
         (("--lr", "-1"), "--lr must be a finite number >= 0"),
         (("--tokens", "1000"), "--tokens: not allowed with argument --steps"),

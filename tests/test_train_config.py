@@ -1,8 +1,9 @@
-"""TrainConfig: validation names the bad flag, the step budget, the JSON round trip, the fields a
-resume may change, and the one-to-one mapping of ``mtdao train`` flags onto fields."""
+"""TrainConfig: resolution fills every default once and names a bad flag, the step budget, the JSON
+round trip, the fields a resume may change, and the flags generated from the fields and back."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -10,14 +11,47 @@ import math
 import pytest
 
 from mtdao.cli import build_parser
-from mtdao.train.command import config_from_args
-from mtdao.train.config import RESUMABLE_FIELDS, TrainConfig
+from mtdao.flags import add_dataclass_arguments
+from mtdao.train.command import config_from_args, config_to_argv
+from mtdao.train.config import RESUMABLE_FIELDS, TrainConfig, describe_default, resolve
+from mtdao.train.methods import BASE_OPTIMIZERS, METHODS
 
 
-def test_defaults_are_valid():
-    config = TrainConfig().validate()
-    assert config.total_steps() == 1200
+def test_defaults_resolve():
+    config = resolve(TrainConfig())
+    assert config.total_steps() == config.steps == 1200
     assert config.run_name() == "mtdao-adam-M4-K32-seed0"
+    assert config.out == "runs/mtdao-adam-M4-K32-seed0"
+    assert TrainConfig(method="ddp").run_name() == "ddp-adam-M4-seed0"  # no K: nothing periodic
+
+
+@pytest.mark.parametrize("optimizer", BASE_OPTIMIZERS)
+@pytest.mark.parametrize("method", METHODS)
+def test_resolved_configs_are_complete_and_resolve_to_themselves(method, optimizer):
+    config = resolve(TrainConfig(method=method, optimizer=optimizer, tokens=100_000))
+    assert resolve(config) == config
+    not_applicable = {"state_sync_period", "checkpoint_every", "tokens"}
+    if optimizer == "sgdm":
+        not_applicable |= {"beta2", "eps"}  # SGDM keeps no second moment
+    if method in ("ddp", "qh-ddp", "diloco"):
+        not_applicable.add("sync_policy")  # these never average optimizer states
+    unset = {name for name, value in config.to_dict().items() if value is None}
+    assert unset == not_applicable
+    assert config.steps == math.ceil(100_000 / config.tokens_per_step)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lr = 1.0  # type: ignore[misc]
+
+
+def test_given_values_survive_resolution():
+    given = TrainConfig(lr=1e-3, betas=(0.9, 0.99), omegas=(0.3, 0.6), beta2=0.9, eps=1e-6)
+    config = resolve(given)
+    assert (config.lr, config.betas, config.omegas, config.beta2, config.eps) == (
+        1e-3,
+        (0.9, 0.99),
+        (0.3, 0.6),
+        0.9,
+        1e-6,
+    )
 
 
 @pytest.mark.parametrize(
@@ -44,11 +78,11 @@ def test_defaults_are_valid():
         ("lr", math.inf, "--lr must be a finite number >= 0"),
         ("weight_decay", -0.1, "--weight-decay must be a finite number >= 0"),
         ("grad_clip", math.nan, "--grad-clip must be a finite number >= 0"),
-        ("betas", (1.5,), "--betas: 1.5 (index 0) is outside [0, 1)"),
-        ("betas", (0.9, 1.0), "--betas: 1.0 (index 1)"),
-        ("betas", (), "--betas: give at least one"),
-        ("omegas", (-0.1,), "--omegas: -0.1"),
-        ("omegas", (0.6, 0.6), "sum to 1.2 > 1"),
+        ("betas", (1.5,), "--betas/--omegas: Invalid beta at index 0 of betas: 1.5"),
+        ("betas", (0.9, 1.0), "Invalid beta at index 1 of betas: 1.0"),
+        ("betas", (), "--betas/--omegas: Invalid betas: () (at least one momentum"),
+        ("omegas", (-0.1,), "--betas/--omegas: Invalid omega at index 0: -0.1"),
+        ("omegas", (1.2,), "sum to 1.2 > 1"),
         ("beta2", 1.0, "--beta2: 1.0 is outside [0, 1)"),
         ("eps", -1e-8, "--eps must be a finite number >= 0"),
         ("outer_lr", 0.0, "--outer-lr must be > 0"),
@@ -58,18 +92,22 @@ def test_defaults_are_valid():
         ("omega_warmup", math.nan, "--omega-warmup must lie in [0, 1]"),
     ],
 )
-def test_validate_names_the_bad_flag(field, value, match):
+def test_resolve_names_the_bad_flag(field, value, match):
     with pytest.raises(ValueError) as error:
-        TrainConfig(**{field: value}).validate()
+        resolve(TrainConfig(**{field: value}))
     assert match in str(error.value)
 
 
-def test_validate_cross_field_rules():
+def test_resolve_cross_field_rules():
     with pytest.raises(ValueError, match="give --steps or --tokens, not both"):
-        TrainConfig(steps=10, tokens=1000).validate()
-    with pytest.raises(ValueError, match=r"--omegas: 2 weights for 1 --betas"):
-        TrainConfig(betas=(0.9,), omegas=(0.3, 0.3)).validate()
-    TrainConfig(betas=(0.9, 0.99), omegas=(0.3, 0.6)).validate()
+        resolve(TrainConfig(steps=10, tokens=1000))
+    with pytest.raises(ValueError, match=r"has 2 weights but betas \(0.9,\) has 1 momenta"):
+        resolve(TrainConfig(betas=(0.9,), omegas=(0.3, 0.3)))
+    with pytest.raises(ValueError, match="--beta2: sgdm has no beta2"):
+        resolve(TrainConfig(optimizer="sgdm", beta2=0.9))
+    with pytest.raises(ValueError, match="--sync-policy: ddp does not average optimizer states"):
+        resolve(TrainConfig(method="ddp", sync_policy="unified"))
+    resolve(TrainConfig(betas=(0.9, 0.99), omegas=(0.3, 0.6)))
 
 
 def test_step_budget_from_tokens():
@@ -84,6 +122,8 @@ def test_json_round_trip():
     config = TrainConfig(betas=(0.9, 0.99), omegas=(0.3, 0.6), lr=1e-3, data="hf:x", tokens=99)
     restored = TrainConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert restored == config
+    resolved = resolve(config)
+    assert TrainConfig.from_dict(json.loads(json.dumps(resolved.to_dict()))) == resolved
     assert isinstance(restored.betas, tuple) and isinstance(restored.omegas, tuple)
     with pytest.raises(ValueError, match=r"unknown config field\(s\) \['colour'\]"):
         TrainConfig.from_dict({**config.to_dict(), "colour": "blue"})
@@ -143,9 +183,63 @@ def test_cli_flags_map_onto_every_field():
 
 
 def test_state_sync_period_only_for_methods_that_average_states():
-    assert TrainConfig(method="local-adam", state_sync_period=16).validate().state_sync_period == 16
+    assert resolve(TrainConfig(method="local-adam", state_sync_period=16)).state_sync_period == 16
     for method in ("ddp", "qh-ddp", "diloco"):
         with pytest.raises(ValueError, match="--state-sync-period"):
-            TrainConfig(method=method, state_sync_period=16).validate()
+            resolve(TrainConfig(method=method, state_sync_period=16))
     with pytest.raises(ValueError, match="--state-sync-period"):
-        TrainConfig(state_sync_period=0).validate()
+        resolve(TrainConfig(state_sync_period=0))
+
+
+def test_a_config_saved_with_unset_fields_resolves_to_todays_values():
+    """config.json as older versions wrote it (nulls for method defaults) is read, not refused."""
+    old = {**TrainConfig(method="desloc", steps=100).to_dict()}
+    assert old["lr"] is None and old["betas"] is None
+    assert resolve(TrainConfig.from_dict(old)) == resolve(TrainConfig(method="desloc", steps=100))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainConfig(),
+        TrainConfig(
+            method="mtdao",
+            betas=(0.95, 0.99),
+            omegas=(0.3, 0.4),
+            lr=1.6e-2,
+            steps=7,
+            sync_policy="half-life",
+            progress=False,
+            bf16=False,
+            model="micro",
+            track_alignment=False,
+            omega_warmup=0.25,
+            data="x.txt",
+            resume=True,
+        ),
+        resolve(TrainConfig(method="ddp", optimizer="sgdm", tokens=5000, eval_tokens=4096)),
+    ],
+)
+def test_config_to_argv_is_the_inverse_of_the_train_parser(config):
+    args = build_parser().parse_args(["train", *config_to_argv(config)])
+    assert config_from_args(args) == config
+
+
+def test_help_shows_every_default():
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, TrainConfig, describe_default)
+    helps = {action.dest: action.help for action in parser._actions if action.dest != "help"}
+    assert set(helps) == {f.name for f in dataclasses.fields(TrainConfig)}
+    without = [name for name, text in helps.items() if "(default: " not in text]
+    assert without == ["tokens"]  # the alternative to --steps, whose default is shown
+    for name, default in [
+        ("batch_size", "16"),
+        ("seq_len", "64"),
+        ("model", "tiny"),
+        ("eval_tokens", "65536"),
+        ("lr", "adam 0.008, adopt 0.004, sgdm 0.3"),
+        ("steps", "1200"),
+        ("progress", "on"),
+    ]:
+        assert helps[name].endswith(f"(default: {default})"), name
+    assert helps["seq_len"].startswith("Tokens per sequence.")  # the field's docstring

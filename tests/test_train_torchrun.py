@@ -6,7 +6,6 @@ loss and the bytes sent per worker must agree to float tolerance.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -20,24 +19,16 @@ import torch.distributed as dist
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
 
-CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
 METHODS = ("mtdao", "diloco")
 FLAGS = dict(
     workers=2, steps=8, sync_period=4, model="tiny", batch_size=2, seq_len=32, eval_every=4
 )
 FLAGS.update(eval_tokens=512, log_every=4, device="cpu", progress=False)
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable")
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    """A ~200 KB text directory: loads in milliseconds, unlike the built-in sources."""
-    root = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS_MODULES:
-        module = __import__(name, fromlist=["_"])
-        (root / f"{name}.py").write_text(inspect.getsource(module))
-    return root
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable"),
+]
 
 
 def train_flags(method: str, data: Path, out: Path) -> list[str]:

@@ -25,10 +25,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mtdao import __version__
+
     parser = OneLineErrorParser(
         prog="mtdao",
         description="Multi-timescale distributed adaptive optimizers with local updates.",
     )
+    parser.add_argument("--version", action="version", version=f"mtdao {__version__}")
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=OneLineErrorParser
     )

@@ -8,7 +8,9 @@ puts in that worker's slice.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +19,11 @@ import torch
 
 from mtdao.data.errors import DataError
 from mtdao.data.sources import Corpus
-from mtdao.data.tokenizers import ByteTokenizer, Tokenizer
+from mtdao.data.tokenizers import ByteTokenizer, Tokenizer, tokenizer_fingerprint
 
 SPLITS = ("iid", "by-file")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,34 +41,54 @@ def encode_corpus(
 
     With ``cache_dir``, the result of a learned tokenizer is stored there and reused (BPE takes
     seconds per 10 MB on a small CPU); bytes are always encoded directly (about 1 s for the
-    builtin corpus).
+    builtin corpus). The cache is keyed on the text itself and the tokenizer's settings, so an
+    edited corpus or tokenizer is never served old tokens.
     """
     if cache_dir is None or isinstance(tokenizer, ByteTokenizer):
         return _encode(corpus, tokenizer)
-    docs_summary = [(len(d), sum(map(len, d))) for d in (corpus.train_docs, corpus.val_docs)]
     fingerprint = (
-        f"{corpus.name}|{docs_summary}|{tokenizer.name}|{tokenizer.vocab_size}|{tokenizer.eot_id}"
+        f"tokens-v2|{corpus.fingerprint}|{tokenizer_fingerprint(tokenizer)}|{tokenizer.eot_id}"
     )
     path = Path(cache_dir) / f"tokens-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}.npz"
     if path.is_file():
+        cached = _read_cached_tokens(path)
+        if cached is not None:
+            return cached
+    tokens = _encode(corpus, tokenizer)
+    _write_cached_tokens(path, tokens, np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
+    return tokens
+
+
+def _read_cached_tokens(path: Path) -> TokenizedCorpus | None:
+    """The cached encoding, or None (with a warning) when the file is damaged."""
+    try:
         with np.load(path) as cached:
             train = cached["train"].astype(np.int32)
             return TokenizedCorpus(
                 train=np.split(train, np.cumsum(cached["train_lengths"])[:-1]),
                 val=cached["val"].astype(np.int32),
             )
-    tokens = _encode(corpus, tokenizer)
-    storage = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32  # halves the file
-    path.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        logger.warning("token cache %s is unreadable (%s); encoding again", path, error)
+        return None
+
+
+def _write_cached_tokens(path: Path, tokens: TokenizedCorpus, storage) -> None:
+    """Store atomically (ranks encoding at once cannot tear the file); a cache that cannot be
+    written (full disk, read-only directory) is skipped with a warning, never left half-written."""
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
-    np.savez(
-        partial,
-        train=np.concatenate(tokens.train).astype(storage),
-        train_lengths=np.array([len(doc) for doc in tokens.train], dtype=np.int64),
-        val=tokens.val.astype(storage),
-    )
-    os.replace(partial, path)  # atomic: ranks encoding at once cannot tear the file
-    return tokens
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(
+            partial,
+            train=np.concatenate(tokens.train).astype(storage),  # uint16 halves the file
+            train_lengths=np.array([len(doc) for doc in tokens.train], dtype=np.int64),
+            val=tokens.val.astype(storage),
+        )
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        logger.warning("token cache %s not written: %s", path, error)
 
 
 def _encode(corpus: Corpus, tokenizer: Tokenizer) -> TokenizedCorpus:

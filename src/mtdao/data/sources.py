@@ -7,11 +7,14 @@ and every rerun sees the same split without communicating.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+
+import xxhash
 
 from mtdao.data.errors import DataError
 
@@ -19,9 +22,32 @@ from mtdao.data.errors import DataError
 @dataclass
 class Corpus:
     name: str
-    """Identifies the content (source and version); keys tokenizer and encoding caches."""
+    """Names the source (for people); caches are keyed on the content itself (``fingerprint``)."""
     train_docs: list[str]
     val_docs: list[str]
+
+    @functools.cached_property
+    def train_fingerprint(self) -> str:
+        """A hash of the training documents (what a tokenizer is trained on)."""
+        return content_hash(self.train_docs)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of every document and of the train/validation split: any edit, even one that
+        keeps every length, changes it. About 6 ms for the 31M-character builtin corpus."""
+        return content_hash([self.train_fingerprint, content_hash(self.val_docs)])
+
+
+def content_hash(docs: list[str]) -> str:
+    """XXH3-128 of the documents, each prefixed by its byte length (so no two lists collide by
+    moving text across a document boundary)."""
+    hasher = xxhash.xxh3_128()
+    hasher.update(len(docs).to_bytes(8, "little"))
+    for doc in docs:
+        data = doc.encode("utf-8", "surrogatepass")
+        hasher.update(len(data).to_bytes(8, "little"))
+        hasher.update(data)
+    return hasher.hexdigest()
 
 
 def load_corpus(
@@ -209,4 +235,4 @@ def _read_hf_texts(dataset, max_chars: int, source: str) -> list[str]:
     return texts
 
 
-__all__ = ["Corpus", "load_corpus"]
+__all__ = ["Corpus", "content_hash", "load_corpus"]

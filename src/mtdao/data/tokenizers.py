@@ -6,17 +6,24 @@ document (None if the tokenizer has none).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import xxhash
 
 from mtdao.data.errors import DataError
 from mtdao.data.sources import Corpus
 
 END_OF_TEXT = "<|endoftext|>"
+BPE_RECIPE = 1
+"""Version of ``BPETokenizer.train``'s settings; bump it when they change (keys the cache)."""
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -37,6 +44,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 256
     eot_id = 0
+    fingerprint = "byte"
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -53,6 +61,12 @@ class _WrappedTokenizer:
         self.backend = backend
         self.vocab_size = backend.get_vocab_size()
         self.eot_id = _find_end_of_text(backend.get_vocab())
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of everything that decides the ids: vocabulary, merges, normalization,
+        pre-tokenization and special tokens (the tokenizer's full JSON form)."""
+        return xxhash.xxh3_128(self.backend.to_str().encode("utf-8")).hexdigest()
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.backend.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -98,8 +112,14 @@ class BPETokenizer(_WrappedTokenizer):
         """Write atomically, so ranks training the same tokenizer at once cannot tear the file."""
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
-        self.backend.save(str(partial))
-        os.replace(partial, path)
+        try:
+            self.backend.save(str(partial))
+            os.replace(partial, path)
+        except Exception as error:  # the Rust side reports a full disk as its own exception
+            partial.unlink(missing_ok=True)
+            if isinstance(error, OSError):
+                raise
+            raise OSError(f"cannot write {path}: {error}") from None
 
 
 class HFTokenizer(_WrappedTokenizer):
@@ -158,18 +178,39 @@ def load_tokenizer(spec: str, corpus: Corpus, cache_dir: Path) -> Tokenizer:
     raise DataError(f"unknown tokenizer spec {spec!r}; use 'byte', 'bpe:VOCAB' or 'hf:NAME'")
 
 
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """What keys a cache of this tokenizer's output: its settings' hash where it has one."""
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    return fingerprint or f"{tokenizer.name}|{tokenizer.vocab_size}|{tokenizer.eot_id}"
+
+
 def _cached_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> BPETokenizer:
-    # The corpus name identifies the source; the counts catch a local directory edited since.
-    num_chars = sum(len(doc) for doc in corpus.train_docs)
-    fingerprint = f"{corpus.name}|{vocab_size}|{len(corpus.train_docs)}|{num_chars}"
-    key = hashlib.sha256(fingerprint.encode("utf-8")).hexdigest()[:16]
+    # Keyed on the training text itself (an edit that keeps every length still retrains), the
+    # training settings, and the library version that trains it.
+    import tokenizers
+
+    settings = f"bpe-recipe-{BPE_RECIPE}|tokenizers-{tokenizers.__version__}|{vocab_size}"
+    key = hashlib.sha256(f"{settings}|{corpus.train_fingerprint}".encode()).hexdigest()[:16]
     name = f"bpe:{vocab_size}-{key}"
     path = cache_dir / f"bpe-{vocab_size}-{key}.json"
     if path.is_file():
-        return BPETokenizer.from_file(path, name)
+        try:
+            return BPETokenizer.from_file(path, name)
+        except Exception as error:  # the Rust side raises its own exception type
+            logger.warning("tokenizer cache %s is unreadable (%s); training again", path, error)
     tokenizer = BPETokenizer.train(corpus.train_docs, vocab_size, name)
-    tokenizer.save(path)
+    try:
+        tokenizer.save(path)
+    except OSError as error:
+        logger.warning("tokenizer cache %s not written: %s", path, error)
     return tokenizer
 
 
-__all__ = ["BPETokenizer", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = [
+    "BPETokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "load_tokenizer",
+    "tokenizer_fingerprint",
+]

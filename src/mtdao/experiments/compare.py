@@ -7,7 +7,9 @@ MT-DAO's own knobs (``--betas``, ``--omegas``, ``--omega-warmup``) apply to mtda
 ``--sync-policy`` to mtdao only (qh-ddp averages gradients every step).
 
 Output in ``--out``: runs/<method>-lr<LR>-seed<S>/ (one training run each; finished runs are
-reused, so an interrupted comparison resumes), results.json, report.md and four plots.
+reused, so an interrupted comparison resumes), results.json, report.md and four plots. Running is
+here; the numbers are computed in :mod:`.compare_summary`, report.md drawn in
+:mod:`.compare_report`, the figures in :mod:`.compare_plots`.
 """
 
 from __future__ import annotations
@@ -19,15 +21,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from mtdao.experiments.suite import (
-    add_budget_arguments,
-    base_config,
-    format_lr,
-    parse_lr_pins,
-    run_suite,
-)
-from mtdao.sync.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
-from mtdao.train.config import DEFAULT_LR, TrainConfig
+from mtdao.experiments.formatting import format_lr
+from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
+from mtdao.flags import argv_from_namespace
+from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
+from mtdao.train.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
 
 EPILOG = """
 examples:
@@ -60,7 +58,7 @@ def add_parser(subparsers) -> None:
     add("--omegas", type=float, nargs="+", help="mtdao/qh-ddp mixing weights")
     add("--omega-warmup", type=float, default=0.0, help="mtdao/qh-ddp omega warm-up fraction")
     add("--sync-policy", choices=SYNC_POLICIES, help="mtdao's period rule (default: unified)")
-    parser.set_defaults(func=run_compare)
+    parser.set_defaults(func=run_compare, parser=parser)
 
 
 def method_config(args: argparse.Namespace, method: str, seed: int, lr: float) -> TrainConfig:
@@ -77,7 +75,7 @@ def method_config(args: argparse.Namespace, method: str, seed: int, lr: float) -
         )
     if method == "mtdao":
         config = dataclasses.replace(config, sync_policy=args.sync_policy)
-    return config.validate()
+    return config
 
 
 def run_name(method: str, lr: float, seed: int) -> str:
@@ -86,7 +84,7 @@ def run_name(method: str, lr: float, seed: int) -> str:
 
 def sweep_learning_rates(args, methods, out: Path) -> tuple[dict[str, Any], dict, dict]:
     """Seed ``seeds[0]`` of each method at every sweep LR; returns (sweep table, results, failures)."""
-    from mtdao.experiments.report import lr_key
+    from mtdao.experiments.compare_summary import lr_key
 
     seed, lrs = args.seeds[0], sorted(set(args.lr_sweep))
     runs = [
@@ -113,8 +111,9 @@ def _finite(value) -> bool:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from mtdao.experiments.plots import write_compare_plots
-    from mtdao.experiments.report import summarize_compare, write_compare_report
+    from mtdao.experiments.compare_plots import write_compare_plots
+    from mtdao.experiments.compare_report import write_compare_report
+    from mtdao.experiments.compare_summary import summarize_compare
     from mtdao.train.metrics import write_json
 
     methods = list(dict.fromkeys(args.methods))
@@ -123,20 +122,9 @@ def run_compare(args: argparse.Namespace) -> int:
     pins = parse_lr_pins(args.lr, methods)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    method_config(args, methods[0], seeds[0], 1e-3)  # bad flags fail before anything trains
+    resolve(method_config(args, methods[0], seeds[0], 1e-3))  # bad flags fail before training
 
-    sweep, all_results, failures = None, {}, {}
-    chosen = {m: pins[m] for m in methods if m in pins}
-    swept = [m for m in methods if m not in pins]
-    if args.lr_sweep and swept:
-        sweep, all_results, failures = sweep_learning_rates(args, swept, out)
-        for method in swept:
-            if sweep["best"][method] is not None:
-                chosen[method] = sweep["best"][method]
-            else:
-                print(f"{method}: no LR of the sweep finished; it is left out of the comparison")
-    elif swept:
-        chosen.update({m: DEFAULT_LR[args.optimizer] for m in swept})
+    chosen, sweep, all_results, failures = choose_learning_rates(args, methods, pins, out)
     requested, methods = methods, [m for m in methods if m in chosen]
 
     runs = [
@@ -173,6 +161,25 @@ def run_compare(args: argparse.Namespace) -> int:
     if failures:
         print(f"{len(failures)} run(s) failed: {', '.join(failures)}")
     return 1 if failures else 0
+
+
+def choose_learning_rates(args, methods, pins, out: Path) -> tuple[dict, Any, dict, dict]:
+    """Each method's LR: pinned, else the sweep's best on the first seed (a method none of whose
+    sweep runs finished is left out), else the default. Returns (chosen LRs, the sweep table or
+    None, the sweep's results and failures)."""
+    sweep, all_results, failures = None, {}, {}
+    chosen = {m: pins[m] for m in methods if m in pins}
+    swept = [m for m in methods if m not in pins]
+    if args.lr_sweep and swept:
+        sweep, all_results, failures = sweep_learning_rates(args, swept, out)
+        for method in swept:
+            if sweep["best"][method] is not None:
+                chosen[method] = sweep["best"][method]
+            else:
+                print(f"{method}: no LR of the sweep finished; it is left out of the comparison")
+    elif swept:
+        chosen.update({m: DEFAULT_LR[args.optimizer] for m in swept})
+    return chosen, sweep, all_results, failures
 
 
 def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[str, Any]:
@@ -219,30 +226,4 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
 
 def command_line(args: argparse.Namespace) -> str:
     """``mtdao compare`` with every resolved flag, to rerun exactly this comparison."""
-    parts = ["mtdao", "compare", "--methods", *args.methods, "--seeds", *map(str, args.seeds)]
-    for name in (
-        "model",
-        "optimizer",
-        "workers",
-        "steps",
-        "batch_size",
-        "seq_len",
-        "sync_period",
-        "eval_every",
-        "eval_tokens",
-        "data",
-        "tokenizer",
-        "sync_policy",
-        "jobs",
-        "threads",
-        "out",
-    ):
-        value = getattr(args, name)
-        if value is not None:
-            parts += [f"--{name.replace('_', '-')}", str(value)]
-    if args.omega_warmup:
-        parts += ["--omega-warmup", str(args.omega_warmup)]
-    for name in ("lr_sweep", "betas", "omegas", "lr"):
-        if getattr(args, name):
-            parts += [f"--{name.replace('_', '-')}", *map(str, getattr(args, name))]
-    return shlex.join(parts)
+    return shlex.join(["mtdao", "compare", *argv_from_namespace(args.parser, args)])

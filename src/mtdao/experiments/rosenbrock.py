@@ -1,4 +1,4 @@
-"""``mtdao toy rosenbrock``: Local Adam vs MT-DAO on a noisy Rosenbrock function (SPEC §5 toy).
+"""``mtdao toy rosenbrock``: Local Adam vs MT-DAO on a noisy Rosenbrock function (the paper's toy).
 
 f(x1, x2) = (1 - x1)^2 + 100 (x2 - x1^2)^2, minimum 0 at (1, 1). M workers each hold a copy of the
 point x = (x1, x2) and see the true gradient plus IID Gaussian noise of std ``noise`` per coordinate
@@ -12,7 +12,9 @@ project's own optimizer and sync engine:
 * ``ddp``: reference, Adam with beta1 = 0.9 on gradients averaged over the workers every step.
 
 What is evaluated is the global point, the mean of the workers' points (equal to every worker's
-right after a parameter sync). Defaults and the measured outcome: docs/rosenbrock.md.
+right after a parameter sync). The defaults are the paper's setting; the measured outcome is in
+reports/rosenbrock/report.md. The report's numbers: :mod:`.rosenbrock_summary`; report.md and the
+plots: :mod:`.rosenbrock_report`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,18 +31,18 @@ from torch import Tensor
 
 from mtdao.optim import MTAdam
 from mtdao.sync import LocalUpdateSync, NonFiniteError, SimulatedWorkers
-from mtdao.sync.methods import build_policy
+from mtdao.train.methods import build_policy
 
 METHODS = ("local-adam", "mtdao", "ddp")
 OPTIMUM = (1.0, 1.0)
-DDP_BETA = 0.9  # the reference's first momentum: plain synchronous Adam, as in SPEC §4
+DDP_BETA = 0.9  # the reference's first momentum: plain synchronous Adam
 CONVERGED_DISTANCE = 0.25  # a run "converged" if the global point ends this close to (1, 1)
 CURVE_POINTS = 400  # loss curve and trajectory are kept at about this many steps
 
 
 @dataclass(frozen=True)
 class RosenbrockConfig:
-    """One run of the toy. The defaults are the documented setting (docs/rosenbrock.md)."""
+    """One run of the toy. The defaults are the paper's setting (reports/rosenbrock/report.md)."""
 
     method: str = "mtdao"
     """local-adam, mtdao or ddp."""
@@ -115,6 +116,31 @@ def optimizer_settings(config: RosenbrockConfig) -> tuple[float, float]:
     return config.beta, config.omega
 
 
+def _trace(config: RosenbrockConfig, sync: LocalUpdateSync, x: torch.nn.Parameter):
+    """Step every worker ``config.steps`` times on its noisy gradient; returns the loss curve and
+    path of the global point (about CURVE_POINTS entries each) and the step it diverged at."""
+    noise = torch.Generator().manual_seed(config.seed)
+    record_every = max(1, config.steps // CURVE_POINTS)
+    loss_curve = [[0, rosenbrock(torch.tensor(config.start, dtype=torch.float64)).item()]]
+    trajectory = [[0, *config.start]]
+    for step in range(1, config.steps + 1):
+        with torch.no_grad():
+            gaussian = torch.randn(x.shape, generator=noise, dtype=x.dtype)
+            x.grad = rosenbrock_grad(x) + config.noise * gaussian
+        try:
+            sync.step()
+        except NonFiniteError:
+            return loss_curve, trajectory, step
+        point = x.detach().mean(dim=0)  # the global point
+        loss = rosenbrock(point).item()
+        if not math.isfinite(loss):
+            return loss_curve, trajectory, step
+        if step % record_every == 0 or step == config.steps:
+            loss_curve.append([step, loss])
+            trajectory.append([step, *point.tolist()])
+    return loss_curve, trajectory, None
+
+
 def run(config: RosenbrockConfig) -> dict[str, Any]:
     """Optimize f with ``config``; the result holds the global point's loss curve and path."""
     config.validate()
@@ -124,29 +150,8 @@ def run(config: RosenbrockConfig) -> dict[str, Any]:
     optimizer = MTAdam([x], lr=config.lr, betas=(beta,), omegas=(omega,), beta2=config.beta2)
     policy = build_policy(config.method, config.sync_period, optimizer)
     sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(config.workers))
-    noise = torch.Generator().manual_seed(config.seed)
-    record_every = max(1, config.steps // CURVE_POINTS)
-    start_loss = rosenbrock(point).item()
-    loss_curve = [[0, start_loss]]
-    trajectory = [[0, *config.start]]
-    diverged_at = None
-    for step in range(1, config.steps + 1):
-        with torch.no_grad():
-            gaussian = torch.randn(x.shape, generator=noise, dtype=x.dtype)
-            x.grad = rosenbrock_grad(x) + config.noise * gaussian
-        try:
-            sync.step()
-        except NonFiniteError:
-            diverged_at = step
-            break
-        point = x.detach().mean(dim=0)  # the global point
-        loss = rosenbrock(point).item()
-        if not math.isfinite(loss):
-            diverged_at = step
-            break
-        if step % record_every == 0 or step == config.steps:
-            loss_curve.append([step, loss])
-            trajectory.append([step, *point.tolist()])
+    loss_curve, trajectory, diverged_at = _trace(config, sync, x)
+    start_loss = loss_curve[0][1]
     final_loss = loss_curve[-1][1] if diverged_at is None else math.inf
     final_distance = math.dist(trajectory[-1][1:], OPTIMUM) if diverged_at is None else math.inf
     diverged = diverged_at is not None or final_loss > start_loss
@@ -189,112 +194,29 @@ def summary_line(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k not in ("loss_curve", "trajectory")}
 
 
-# -- report over seeds ------------------------------------------------------------------------
-
-
-def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per method: final loss and distance (mean, std over seeds), diverged and converged counts."""
-    summary = {}
-    for method in METHODS:
-        runs = [r for r in results if r["method"] == method]
-        if not runs:
-            continue
-        losses = [r["final_loss"] for r in runs]
-        distances = [r["final_distance"] for r in runs]
-        summary[method] = {
-            "beta": runs[0]["beta"],
-            "omega": runs[0]["omega"],
-            "seeds": [r["seed"] for r in runs],
-            "final_loss": losses,
-            "final_loss_mean": statistics.fmean(losses),
-            "final_loss_std": statistics.pstdev(losses) if all(map(math.isfinite, losses)) else 0,
-            "final_distance_mean": statistics.fmean(distances),
-            "final_distance_std": (
-                statistics.pstdev(distances) if all(map(math.isfinite, distances)) else 0
-            ),
-            "diverged": sum(r["diverged"] for r in runs),
-            "converged": sum(r["converged"] for r in runs),
-        }
-    return summary
-
-
-def outcome(method: str, stats: dict[str, Any]) -> str:
-    """One honest sentence about ``method`` over its seeds."""
-    n = len(stats["seeds"])
-    where = (
-        f"final f = {stats['final_loss_mean']:.3g} ± {stats['final_loss_std']:.2g}, "
-        f"distance to (1, 1) = {stats['final_distance_mean']:.3g}"
-    )
-    if stats["converged"] == n:
-        verdict = f"converged on all {n} seeds"
-    elif stats["diverged"] == n:
-        verdict = f"diverged on all {n} seeds"
-    elif stats["converged"] == 0 and stats["diverged"] == 0:
-        verdict = f"did not converge on any of {n} seeds, nor diverge (it ends far from (1, 1))"
-    else:
-        verdict = f"converged on {stats['converged']}, diverged on {stats['diverged']} of {n} seeds"
-    return f"**{method}** {verdict}: {where}."
-
-
-def report_markdown(config: RosenbrockConfig, summary: dict[str, dict[str, Any]]) -> str:
-    seeds = " ".join(str(s) for s in next(iter(summary.values()))["seeds"])
-    lines = [
-        "# Rosenbrock toy: Local Adam vs MT-DAO",
-        "",
-        f"M = {config.workers} workers, gradient noise sigma = {config.noise}, "
-        f"slow momentum beta = {config.beta}, MT-DAO omega = {config.omega}, "
-        f"beta2 = {config.beta2}, lr = {config.lr}, K = {config.sync_period}, "
-        f"{config.steps} steps from {tuple(config.start)}, seeds {seeds}. "
-        f"Evaluated: the global (worker-averaged) point. Diverged: non-finite or final f above "
-        f"f(start); converged: final point within {CONVERGED_DISTANCE} of (1, 1).",
-        "",
-        "| method | beta | omega | final f (mean ± std) | final distance | per-seed final f "
-        "| diverged | converged |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for method, s in summary.items():
-        n = len(s["seeds"])
-        per_seed = ", ".join(f"{loss:.3g}" for loss in s["final_loss"])
-        lines.append(
-            f"| {method} | {s['beta']} | {s['omega']} | {s['final_loss_mean']:.3g} ± "
-            f"{s['final_loss_std']:.2g} | {s['final_distance_mean']:.3g} ± "
-            f"{s['final_distance_std']:.2g} | {per_seed} | {s['diverged']}/{n} | "
-            f"{s['converged']}/{n} |"
-        )
-    lines += ["", " ".join(outcome(m, s) for m, s in summary.items()), ""]
-    lines += ["![trajectories](trajectories.png)", "", "![loss curves](loss_curves.png)", ""]
-    return "\n".join(lines)
+# -- every method over seeds ------------------------------------------------------------------
 
 
 def write_report(config: RosenbrockConfig, seeds: list[int], out_dir: Path) -> dict[str, Any]:
     """Run every method over ``seeds``; write report.md, results.json and the two plots."""
-    from mtdao.experiments.rosenbrock_plots import plot_loss_curves, plot_trajectories
+    from mtdao.experiments.rosenbrock_report import write_rosenbrock_report
+    from mtdao.experiments.rosenbrock_summary import summarize
 
     results = [
         run(replace(config, method=method, seed=seed)) for method in METHODS for seed in seeds
     ]
-    summary = summarize(results)
     out_dir.mkdir(parents=True, exist_ok=True)
     shared = {k: v for k, v in asdict(config).items() if k not in ("method", "seed")}
-    payload = {"config": shared, "seeds": seeds, "summary": summary, "runs": results}
+    payload = {"config": shared, "seeds": seeds, "summary": summarize(results), "runs": results}
     (out_dir / "results.json").write_text(to_json(payload))
-    (out_dir / "report.md").write_text(report_markdown(config, summary))
-    plot_trajectories(results, out_dir / "trajectories.png", title_settings(config))
-    plot_loss_curves(results, out_dir / "loss_curves.png", title_settings(config))
+    write_rosenbrock_report(out_dir, payload)
     return payload
-
-
-def title_settings(config: RosenbrockConfig) -> str:
-    return (
-        f"M={config.workers} workers, noise σ={config.noise:g}, K={config.sync_period}, "
-        f"lr={config.lr:g}, β2={config.beta2:g}, {config.steps} steps"
-    )
 
 
 # -- command line -----------------------------------------------------------------------------
 
 EPILOG = """
-defaults reproduce the SPEC §5 toy: Local Adam stalls far from (1, 1), MT-DAO converges.
+defaults reproduce the paper's toy: Local Adam stalls far from (1, 1), MT-DAO converges.
 
 examples:
   mtdao toy rosenbrock --method local-adam --workers 256 --noise 2 --beta 0.9999
@@ -372,6 +294,8 @@ def run_command(args: argparse.Namespace) -> int:
             )
         seeds = args.seeds if args.seeds is not None else [0, 1, 2, 3, 4]
         payload = write_report(config, seeds, args.report)
+        from mtdao.experiments.rosenbrock_report import outcome
+
         for method, stats in payload["summary"].items():
             print(outcome(method, stats).replace("**", ""))
         print(f"report: {args.report / 'report.md'}  results: {args.report / 'results.json'}")
@@ -385,11 +309,10 @@ def run_command(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(to_json(result))
     if args.out is not None:
-        from mtdao.experiments.rosenbrock_plots import plot_loss_curves, plot_trajectories
+        from mtdao.experiments.rosenbrock_report import write_plots
 
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "result.json").write_text(to_json(result))
-        plot_trajectories([result], args.out / "trajectories.png", title_settings(config))
-        plot_loss_curves([result], args.out / "loss_curves.png", title_settings(config))
+        write_plots([result], args.out, asdict(config))
     print(to_json(summary_line(result)), end="")
     return 0

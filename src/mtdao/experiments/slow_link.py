@@ -7,7 +7,7 @@ through RANK / WORLD_SIZE / MASTER_ADDR (worker 0's link address) / MASTER_PORT,
 
 What is measured, per link rate and method, from the real runs:
 
-- wall-clock: rank 0's ``wall_time_s`` (training steps including every wait on a collective;
+- wall-clock: rank 0's ``train_time_s`` (training steps including every wait on a collective;
   start-up and evaluation excluded), read at each evaluation from ``results.json``;
 - time to DDP's final validation loss: wall-clock at the first evaluation at or below it, linearly
   interpolated from the one before (None when never reached);
@@ -19,6 +19,8 @@ Evaluations and metric lines come every K steps (right after a parameter average
 collectives they contain never hide a worker's lag: the waits are charged to the timed sync.
 
 Without root or network namespaces the command prints one line ``skipped: <reason>`` and exits 0.
+Running is here; the DDP-relative figures are computed in :mod:`.slow_link_summary`, the report
+and plot drawn in :mod:`.slow_link_report`.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from mtdao.experiments.netem import HOST_IFACE, EmulatedLink, LinkUnavailable, emulated_link
 from mtdao.experiments.netem import measure_throughput_mbit as measure_link_mbit
+from mtdao.experiments.slow_link_report import plot_time_to_loss, render_report, report_table
+from mtdao.experiments.slow_link_summary import compare_to_ddp
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.sync.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
+from mtdao.train.command import config_to_argv
+from mtdao.train.config import TrainConfig
+from mtdao.train.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
 
 DEFAULT_RATES = (100.0, 1000.0)
 DEFAULT_METHODS = ("ddp", "mtdao")
@@ -48,24 +55,27 @@ FIRST_PORT = 29500
 
 def train_argv(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     """``mtdao train`` flags of one run; local methods get ``--local-steps`` steps."""
-    steps = args.steps if method in GRADIENT_AVERAGING_METHODS else local_steps(args)
-    argv = ["--method", method, "--workers", str(args.workers), "--steps", str(steps)]
-    argv += ["--model", args.model, "--sync-period", str(args.sync_period)]
-    argv += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
-    every = args.eval_every or eval_every(args.steps, args.sync_period)
-    argv += ["--eval-every", str(every), "--log-every", str(args.sync_period)]
-    argv += ["--eval-tokens", str(args.eval_tokens), "--seed", str(args.seed)]
-    argv += ["--out", str(run_dir), "--no-progress"]
-    if args.data is not None:
-        argv += ["--data", args.data]
-    if args.lr is not None:
-        argv += ["--lr", str(args.lr)]
-    if method in MULTI_TIMESCALE_METHODS:
-        if args.betas:
-            argv += ["--betas", *map(str, args.betas)]
-        if args.omegas:
-            argv += ["--omegas", *map(str, args.omegas)]
-    return argv
+    multi_timescale = method in MULTI_TIMESCALE_METHODS
+    config = TrainConfig(
+        method=method,
+        workers=args.workers,
+        steps=args.steps if method in GRADIENT_AVERAGING_METHODS else local_steps(args),
+        model=args.model,
+        sync_period=args.sync_period,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        eval_every=args.eval_every or eval_every(args.steps, args.sync_period),
+        log_every=args.sync_period,
+        eval_tokens=args.eval_tokens,
+        seed=args.seed,
+        out=str(run_dir),
+        progress=False,
+        data=args.data,
+        lr=args.lr,
+        betas=tuple(args.betas) if multi_timescale and args.betas else None,
+        omegas=tuple(args.omegas) if multi_timescale and args.omegas else None,
+    )
+    return config_to_argv(config)
 
 
 def local_steps(args: argparse.Namespace) -> int:
@@ -155,6 +165,29 @@ def sent_bytes(link: EmulatedLink, host: int) -> int:
 # -- one link rate ------------------------------------------------------------------------------
 
 
+def run_method(
+    link: EmulatedLink, method: str, args: argparse.Namespace, out: Path, port: int
+) -> dict[str, Any]:
+    """One method's workers across ``link``: the run's outputs plus what the link and the machine
+    measured meanwhile (interface bytes, launch-to-exit seconds, load average)."""
+    name = f"{method}-{link.rate_mbit:g}mbit"
+    run_dir = out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun replaces the previous one
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    sent_before = [sent_bytes(link, h) for h in range(args.workers)]
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    launch_workers(link, train_argv(method, args, run_dir), port, out / "logs" / name, args.timeout)
+    elapsed = time.perf_counter() - started
+    sent = [sent_bytes(link, h) - b for h, b in enumerate(sent_before)]
+    return {
+        **collect_run(run_dir),
+        "process_time_s": elapsed,
+        "wire_bytes_per_worker": sum(sent) / len(sent),
+        "load_average": [load_before, os.getloadavg()[0]],
+    }
+
+
 def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: int) -> list[dict]:
     """Every method over one freshly built link of ``rate_mbit``; one row per method."""
     rows = []
@@ -162,29 +195,8 @@ def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: 
         measured = measure_link_mbit(link, 0, 1) if args.workers > 1 else math.nan
         print(f"link {rate_mbit:g} Mbit/s: measured {measured:.1f} Mbit/s (one TCP stream)")
         for index, method in enumerate(args.methods):
-            name = f"{method}-{rate_mbit:g}mbit"
-            run_dir = out / "runs" / name
-            shutil.rmtree(run_dir, ignore_errors=True)  # a rerun replaces the previous one
-            (out / "logs").mkdir(parents=True, exist_ok=True)
-            sent_before = [sent_bytes(link, h) for h in range(args.workers)]
-            load_before = os.getloadavg()[0]
-            started = time.perf_counter()
-            launch_workers(
-                link,
-                train_argv(method, args, run_dir),
-                first_port + index,
-                out / "logs" / name,
-                args.timeout,
-            )
-            elapsed = time.perf_counter() - started
-            sent = [sent_bytes(link, h) - b for h, b in enumerate(sent_before)]
             row = {"rate_mbit": rate_mbit, "measured_mbit": measured, "method": method}
-            row.update(summarize_run(run_dir))
-            row.update(
-                process_time_s=elapsed,
-                wire_bytes_per_worker=sum(sent) / len(sent),
-                load_average=[load_before, os.getloadavg()[0]],
-            )
+            row.update(run_method(link, method, args, out, first_port + index))
             rows.append(row)
             print(
                 f"  {method:>10}: val {row['final_val_loss']:.4f}, {row['wall_time_s']:.1f} s "
@@ -194,7 +206,7 @@ def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: 
     return rows
 
 
-def summarize_run(run_dir: Path) -> dict:
+def collect_run(run_dir: Path) -> dict[str, Any]:
     """What the report needs from one run's ``results.json`` and ``metrics.jsonl``."""
     results = json.loads((run_dir / "results.json").read_text())
     steps = max(results["steps"], 1)
@@ -204,14 +216,14 @@ def summarize_run(run_dir: Path) -> dict:
         "steps": results["steps"],
         "tokens": results["tokens"],
         "final_val_loss": results["final_val_loss"],
-        "wall_time_s": results["wall_time_s"],
+        "wall_time_s": results["train_time_s"],  # below: the steps' time, evaluation excluded
         "compute_s_per_step": compute,
-        "comm_s_per_step": results["wall_time_s"] / steps - compute,
+        "comm_s_per_step": results["train_time_s"] / steps - compute,
         "bytes_per_worker": results["bytes_per_worker"],
         "comm_reduction_vs_ddp": results["comm_reduction_vs_ddp"],
         "parameters": results["parameters"],
         "evals": [
-            {k: e[k] for k in ("step", "tokens", "val_loss", "wall_time_s")}
+            {"wall_time_s": e["train_time_s"], **{k: e[k] for k in ("step", "tokens", "val_loss")}}
             for e in results["evals"]
         ],
         "progress": _progress(run_dir),
@@ -219,161 +231,13 @@ def summarize_run(run_dir: Path) -> dict:
 
 
 def _progress(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, wall_time_s) of every metric line, for wall-clock at a given token count."""
+    """(step, train_time_s) of every metric line, for wall-clock at a given token count."""
     points = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "step" in record and "wall_time_s" in record:
-            points.append((record["step"], record["wall_time_s"]))
+        if "step" in record and "train_time_s" in record:
+            points.append((record["step"], record["train_time_s"]))
     return sorted(set(points))
-
-
-# -- analysis -----------------------------------------------------------------------------------
-
-
-def time_to_loss(evals: list[dict], target: float) -> float | None:
-    """Wall-clock at which the validation loss first reaches ``target`` (interpolated)."""
-    previous = {"wall_time_s": 0.0, "val_loss": math.inf}
-    for record in evals:
-        if record["val_loss"] <= target:
-            if not math.isfinite(previous["val_loss"]):
-                return record["wall_time_s"]
-            fraction = (previous["val_loss"] - target) / (previous["val_loss"] - record["val_loss"])
-            return previous["wall_time_s"] + fraction * (
-                record["wall_time_s"] - previous["wall_time_s"]
-            )
-        previous = record
-    return None
-
-
-def wall_at_step(progress: list[tuple[int, float]], step: int) -> float | None:
-    """Wall-clock after ``step`` steps, interpolated between metric lines; None past the end."""
-    previous = (0, 0.0)
-    for point in progress:
-        if point[0] >= step:
-            fraction = (step - previous[0]) / max(point[0] - previous[0], 1)
-            return previous[1] + fraction * (point[1] - previous[1])
-        previous = point
-    return None
-
-
-def compare_to_ddp(rows: list[dict]) -> list[dict]:
-    """Add DDP-relative figures to each row of the same rate."""
-    for row in rows:
-        ddp = next(
-            (r for r in rows if r["rate_mbit"] == row["rate_mbit"] and r["method"] == "ddp"), None
-        )
-        if ddp is None:
-            continue
-        target = ddp["final_val_loss"]
-        reached = time_to_loss(row["evals"], target)
-        ddp_time = time_to_loss(ddp["evals"], target)
-        iso_wall = wall_at_step(row["progress"], ddp["steps"])
-        iso_loss = next((e["val_loss"] for e in row["evals"] if e["step"] == ddp["steps"]), None)
-        row.update(
-            target_val_loss=target,
-            time_to_ddp_loss_s=reached,
-            speedup_to_ddp_loss=ddp_time / reached if reached else None,
-            iso_token_wall_s=iso_wall,
-            iso_token_val_loss=iso_loss,
-            iso_token_speedup=ddp["wall_time_s"] / iso_wall if iso_wall else None,
-        )
-    return rows
-
-
-# -- outputs ------------------------------------------------------------------------------------
-
-
-def _seconds(value: float | None) -> str:
-    return "never" if value is None else f"{value:.1f}"
-
-
-def _speedup(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x ({100 * (1 / value - 1):+.0f}% time)"
-
-
-def report_table(rows: list[dict]) -> str:
-    header = (
-        "| rate (Mbit/s) | measured (Mbit/s) | method | steps | final val loss | wall time (s) "
-        "| time to DDP's final loss (s) | speedup to DDP's loss | wall at DDP's tokens (s) "
-        "| val loss at DDP's tokens | iso-token speedup | payload MB/worker | wire MB/worker "
-        "| compute / comm s per step |"
-    )
-    lines = [header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
-    for r in rows:
-        iso_loss = r.get("iso_token_val_loss")
-        lines.append(
-            f"| {r['rate_mbit']:g} | {r['measured_mbit']:.1f} | {r['method']} | {r['steps']} "
-            f"| {r['final_val_loss']:.4f} | {r['wall_time_s']:.1f} "
-            f"| {_seconds(r.get('time_to_ddp_loss_s'))} | {_speedup(r.get('speedup_to_ddp_loss'))} "
-            f"| {_seconds(r.get('iso_token_wall_s'))} "
-            f"| {'-' if iso_loss is None else f'{iso_loss:.4f}'} "
-            f"| {_speedup(r.get('iso_token_speedup'))} "
-            f"| {r['bytes_per_worker'] / 1e6:.1f} | {r['wire_bytes_per_worker'] / 1e6:.1f} "
-            f"| {r['compute_s_per_step']:.3f} / {r['comm_s_per_step']:.3f} |"
-        )
-    return "\n".join(lines)
-
-
-def write_report(out: Path, rows: list[dict], command: str, workers: int) -> Path:
-    import torch
-
-    runs = "\n".join(
-        f"- {r['method']} at {r['rate_mbit']:g} Mbit/s: {r['process_time_s']:.0f} s from launch to "
-        f"exit, load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}"
-        for r in rows
-    )
-    text = f"""# Slow link: DDP vs local updates, measured on an emulated link
-
-Command: `{command}`
-
-{rows[0]["parameters"]:,} parameters, {workers} gloo worker processes (one thread each), one per
-network namespace; every byte between them crosses a token-bucket link of the given rate (upload and
-download per worker). torch {torch.__version__}, {os.cpu_count()} CPU cores.
-
-{report_table(rows)}
-
-- wall time: rank 0's training-step seconds (waits on collectives included; start-up and
-  evaluation excluded). Speedup = DDP's time / this method's time ("-x% time": faster).
-- time to DDP's final loss: first evaluation at or below it, interpolated from the one before.
-- payload: bytes the harness averages per worker (model-size buffers); wire: bytes each worker's
-  interface sent (ring all-reduce moves ~2(M-1)/M of the payload, plus TCP/IP headers,
-  rendezvous, evaluation averages and loss gathers).
-- compute / comm: rank 0's seconds per step outside / inside the averaging calls.
-
-{runs}
-"""
-    path = out / "report.md"
-    path.write_text(text)
-    return path
-
-
-def plot_time_to_loss(out: Path, rows: list[dict]) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = sorted({r["rate_mbit"] for r in rows})
-    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.0), dpi=120, squeeze=False)
-    for ax, rate in zip(axes[0], rates):
-        for index, row in enumerate(r for r in rows if r["rate_mbit"] == rate):
-            points = [(e["wall_time_s"], e["val_loss"]) for e in row["evals"]]
-            ax.plot(*zip(*points), "o-", color=f"C{index}", lw=2, ms=3, label=row["method"])
-            if row["method"] == "ddp":
-                ax.axhline(
-                    row["final_val_loss"], color="0.5", ls="--", lw=1, label="DDP's final loss"
-                )
-        ax.set_title(f"{rate:g} Mbit/s link")
-        ax.set_xlabel("wall-clock training seconds (measured)")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path = out / "time_to_loss.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -426,6 +290,13 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run_slow_link)
 
 
+def environment() -> dict[str, Any]:
+    """Where the rows are measured: the torch version and the machine's CPU cores."""
+    import torch
+
+    return {"torch": torch.__version__, "cores": os.cpu_count()}
+
+
 def run_slow_link(args: argparse.Namespace) -> int:
     # DDP first: its final loss is every other method's target (without it, no comparison)
     args.methods = sorted(dict.fromkeys(args.methods), key=lambda m: m != "ddp")
@@ -439,9 +310,14 @@ def run_slow_link(args: argparse.Namespace) -> int:
     except LinkUnavailable as error:
         print(f"skipped: {error}")
         return 0
-    compare_to_ddp(rows)
+    rows = compare_to_ddp(rows)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    report = write_report(out, rows, command or "mtdao slow-link", args.workers)
+    report = out / "report.md"
+    report.write_text(
+        render_report(
+            rows, command=command or "mtdao slow-link", workers=args.workers, **environment()
+        )
+    )
     plot = plot_time_to_loss(out, rows)
     print(report_table(rows))
     print(f"report: {report}  plot: {plot}  rows: {out / 'results.json'}")

@@ -7,7 +7,7 @@ same config, otherwise wiped and restarted.
 
 ``jobs == 1`` trains in this process, one run after another. ``jobs > 1`` launches that many
 ``python -m mtdao train ...`` subprocesses at a time, each with ``max(1, cores // jobs)`` threads;
-:func:`config_to_args` is the one place a TrainConfig becomes command-line flags.
+:func:`mtdao.train.command.config_to_argv` turns a config into their command-line flags.
 
 The shared flags of the experiment commands (model size, budget, seeds, LR pins) live here too.
 """
@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.sync.methods import BASE_OPTIMIZERS
-from mtdao.train.config import DEFAULT_LR, TrainConfig
+from mtdao.train.command import config_to_argv
+from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
+from mtdao.train.methods import BASE_OPTIMIZERS
 
 RUNS_DIR = "runs"
 RESULTS_FILE = "results.json"
@@ -40,39 +41,6 @@ LOG_FILE = "train.log"
 # TrainConfig fields that do not change what a run computes: a finished run with other values
 # of these is still the same run.
 BOOKKEEPING_FIELDS = frozenset({"out", "resume", "progress", "log_every", "checkpoint_every"})
-
-# Boolean fields and the flag that sets them away from their default.
-BOOLEAN_FLAGS = {
-    "bf16": ("--no-bf16", False),
-    "track_alignment": ("--no-alignment", False),
-    "progress": ("--no-progress", False),
-    "resume": ("--resume", True),
-}
-
-
-# -- a config as command-line flags ---------------------------------------------------------------
-
-
-def config_to_args(config: TrainConfig) -> list[str]:
-    """``mtdao train`` flags that reproduce ``config`` exactly (the inverse of the train parser)."""
-    args: list[str] = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if value is None:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            if f.name not in BOOLEAN_FLAGS:
-                raise ValueError(f"config_to_args: no flag known for boolean field {f.name!r}")
-            switch, when = BOOLEAN_FLAGS[f.name]
-            if value == when:
-                args.append(switch)
-        elif isinstance(value, (tuple, list)):
-            args += [flag, *(repr(float(v)) for v in value)]
-        else:
-            args += [flag, repr(value) if isinstance(value, float) else str(value)]
-    return args
-
 
 # -- one run --------------------------------------------------------------------------------------
 
@@ -100,12 +68,20 @@ def load_results(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _computed_settings(config: TrainConfig) -> dict[str, Any]:
-    return {k: v for k, v in config.to_dict().items() if k not in BOOKKEEPING_FIELDS}
+    resolved = resolve(config).to_dict()
+    return {k: v for k, v in resolved.items() if k not in BOOKKEEPING_FIELDS}
 
 
 def stale_settings(results: dict[str, Any], config: TrainConfig) -> list[str]:
-    """How a finished run's config differs from ``config`` ('field: old -> new'); [] if it matches."""
-    saved = {k: v for k, v in results.get("config", {}).items() if k not in BOOKKEEPING_FIELDS}
+    """How a finished run's config differs from ``config`` ('field: old -> new'); [] if it matches.
+
+    Both sides are compared resolved, so a config saved with unset (null) fields, as older
+    versions saved it, matches the same config resolved today; one that no longer resolves is
+    stale."""
+    try:
+        saved = _computed_settings(TrainConfig.from_dict(results.get("config", {})))
+    except (TypeError, ValueError) as error:
+        return [f"the saved config is unusable ({error})"]
     wanted = _computed_settings(config)
     return [
         f"{k}: {saved.get(k)!r} -> {wanted.get(k)!r}"
@@ -116,11 +92,13 @@ def stale_settings(results: dict[str, Any], config: TrainConfig) -> list[str]:
 
 def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
     """The config to launch: resume a matching checkpoint, otherwise start from an empty dir."""
-    meta_path = run_dir / "checkpoint" / "meta.json"
+    from mtdao.train.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
     config = dataclasses.replace(config, out=str(run_dir), resume=False, progress=False)
-    if meta_path.is_file():
+    if latest is not None:
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = latest.meta
             same = not stale_settings({"config": meta["config"]}, config)
             if same and int(meta["step"]) <= config.total_steps():
                 return dataclasses.replace(config, resume=True)
@@ -175,7 +153,7 @@ def run_suite(
     suite = SuiteResult()
     pending: list[tuple[str, TrainConfig]] = []
     for name, config in runs:
-        config.validate()
+        resolve(config)  # refuses a bad config before anything trains
         results = load_results(run_dir_of(out, name))
         if results is None:
             pending.append((name, config))
@@ -201,18 +179,22 @@ def run_suite(
 
     threads = threads or max(1, (cores or available_cores()) // jobs)
     if jobs == 1:
-        import torch
-
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            for name, config in pending:
-                _train_in_process(name, config, out, finished)
-        finally:
-            torch.set_num_threads(previous)
+        _train_one_after_another(pending, out, threads, finished)
     else:
         _train_in_subprocesses(pending, out, jobs, threads, finished)
     return suite
+
+
+def _train_one_after_another(pending, out: Path, threads: int, finished) -> None:
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, config in pending:
+            _train_in_process(name, config, out, finished)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _train_in_process(name: str, config: TrainConfig, out: Path, finished) -> None:
@@ -240,7 +222,7 @@ def _train_in_subprocesses(pending, out: Path, jobs: int, threads: int, finished
                 run_dir = run_dir_of(out, name)
                 launch = _prepare(run_dir, config)
                 run_dir.mkdir(parents=True, exist_ok=True)
-                command = [sys.executable, "-m", "mtdao", "train", *config_to_args(launch)]
+                command = [sys.executable, "-m", "mtdao", "train", *config_to_argv(launch)]
                 with open(run_dir / LOG_FILE, "a") as log_file:  # the child keeps its own copy
                     log_file.write("$ " + shlex.join(command) + "\n")
                     log_file.flush()
@@ -341,7 +323,3 @@ def parse_lr_pins(values: Sequence[str], methods: Sequence[str]) -> dict[str, fl
         for name in [method] if method else methods:
             pins[name] = lr
     return pins
-
-
-def format_lr(lr: float) -> str:
-    return f"{lr:.3g}"

@@ -1,8 +1,13 @@
-"""The local-update sync engine: policies (what and when), engine (carries it out), communicators
-(how bytes move)."""
+"""The local-update sync engine: policies (what and when), the engine (carries them out),
+communicators (how bytes move) and worker layouts (where each worker's copy lives).
 
-from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
-from mtdao.sync.engine import LocalUpdateSync, NonFiniteError
+Depends on torch only (and :mod:`mtdao.timescales` for half-lives); knows no model and no
+optimizer beyond the state keys its policies name. Test doubles: :mod:`mtdao.sync.testing`.
+"""
+
+from mtdao.sync.communicator import Averages, Communicator, SingleWorker, Traffic
+from mtdao.sync.engine import LocalUpdateSync, NonFiniteError, SyncEvent
+from mtdao.sync.layout import ProcessGroupLayout, StackedLayout, WorkerLayout
 from mtdao.sync.policy import (
     OuterOptimizerConfig,
     SyncPolicy,
@@ -15,23 +20,30 @@ from mtdao.sync.policy import (
     state_decays,
     unified,
 )
-from mtdao.sync.simulated import SimulatedWorkers
+from mtdao.sync.simulated import SimulatedWorkers, StackedWorkers, stack_workers
 
 __all__ = [
+    "Averages",
     "Communicator",
     "LocalUpdateSync",
     "NonFiniteError",
     "OuterOptimizerConfig",
+    "ProcessGroupLayout",
     "SimulatedWorkers",
     "SingleWorker",
+    "StackedLayout",
+    "StackedWorkers",
+    "SyncEvent",
     "SyncPolicy",
     "SyncRule",
     "Traffic",
+    "WorkerLayout",
     "desloc",
     "explicit",
     "gradient_averaging",
     "half_life_policy",
     "keep_local",
+    "stack_workers",
     "state_decays",
     "unified",
 ]

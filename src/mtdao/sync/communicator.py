@@ -1,16 +1,23 @@
-"""How bytes move between workers, behind one narrow interface.
+"""How bytes move between workers, behind the narrow interface the sync engine needs.
 
-A communicator averages a list of tensors over workers. Three implementations:
+A communicator does four things: average a list of tensors over the workers (optionally leaving
+some workers out), assign averaged values back to every worker's copy, broadcast worker 0's values
+at start-up, and keep the account of what averaging costs (:class:`Traffic`). Where each worker's
+copy of a tensor lives (stacked along a leading dimension in one process, or one per process) is
+the communicator's :class:`~mtdao.sync.layout.WorkerLayout`; everything else that depends on it
+(per-worker norms, locating a NaN, gathering per-worker scalars) lives there.
 
-* :class:`SingleWorker` - world size 1, nothing to send;
-* :class:`mtdao.sync.simulated.SimulatedWorkers` - M workers in one process, each tensor stacked
-  along a leading worker dimension;
-* :class:`mtdao.sync.process_group.ProcessGroupWorkers` - a ``torch.distributed`` process group
-  (gloo on CPU, NCCL on GPU).
+Implementations:
 
-Averaging is split in two so that the engine can inspect the result before it is written back:
-``mean`` returns the averages without touching the inputs, ``assign`` writes them back. A
-non-finite value in a worker's tensor is thus caught before it replaces anything.
+* :class:`SingleWorker`: world size 1, nothing to send;
+* :class:`mtdao.sync.simulated.SimulatedWorkers`: M workers in one process, stacked tensors;
+* :class:`mtdao.sync.process_group.ProcessGroupWorkers`: a ``torch.distributed`` process group;
+* :mod:`mtdao.sync.testing`: recording and scripted doubles for tests.
+
+Averaging is split from assigning so that the engine can check the averages (NaN/inf) before
+anything is overwritten. :meth:`Communicator.average` returns an :class:`Averages`; a blocking
+communicator returns it complete, one that overlaps communication with compute could return it
+early and finish it in :meth:`Averages.wait`.
 """
 
 from __future__ import annotations
@@ -18,26 +25,63 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
+
+from mtdao.sync.layout import WorkerLayout
+
+
+def format_bytes(num_bytes: float) -> str:
+    """1536 -> '1.5 kB', 2.5e9 -> '2.5 GB' (decimal units, as links are rated)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 @dataclass
 class Traffic:
-    """Bytes and collectives sent by one worker (payload of averaging collectives only)."""
+    """What one worker sent by averaging (payloads of counted collectives only).
+
+    ``steps`` and ``ddp_bytes_per_step`` are filled in by the engine that uses the communicator, so
+    that the account can say how it compares with DDP (one gradient all-reduce per step).
+    """
 
     collectives: int = 0
     bytes: int = 0
     rounds: int = 0
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    ddp_bytes_per_step: int | None = None
 
     def record_round(self, sizes: Sequence[tuple[str, int]], collectives: int) -> None:
-        """One round of averaging: (kind, bytes) per tensor, sent in ``collectives`` calls."""
+        """One averaging call: (kind, bytes) per tensor, sent in ``collectives`` calls."""
         for kind, num_bytes in sizes:
             self.bytes += num_bytes
             self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + num_bytes
         self.collectives += collectives
         self.rounds += 1
+
+    @property
+    def ddp_bytes(self) -> int | None:
+        """What DDP would have sent per worker over the same steps (None when unknown)."""
+        return None if self.ddp_bytes_per_step is None else self.ddp_bytes_per_step * self.steps
+
+    def reduction_vs_ddp(self) -> float | None:
+        """DDP's bytes over these bytes (None when unknown or nothing was sent)."""
+        ddp = self.ddp_bytes
+        return ddp / self.bytes if ddp is not None and self.bytes else None
+
+    def __str__(self) -> str:
+        text = (
+            f"{format_bytes(self.bytes)} sent per worker in {self.rounds} rounds "
+            f"({self.collectives} collectives)"
+        )
+        if self.steps:
+            text += f" over {self.steps} steps"
+        reduction = self.reduction_vs_ddp()
+        if reduction is not None:
+            text += f"; DDP would send {format_bytes(self.ddp_bytes)}: {reduction:.1f}x more"
+        return text
 
     def state_dict(self) -> dict:
         return {
@@ -45,6 +89,8 @@ class Traffic:
             "bytes": self.bytes,
             "rounds": self.rounds,
             "bytes_by_kind": dict(self.bytes_by_kind),
+            "steps": self.steps,
+            "ddp_bytes_per_step": self.ddp_bytes_per_step,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -52,93 +98,80 @@ class Traffic:
         self.bytes = int(state["bytes"])
         self.rounds = int(state["rounds"])
         self.bytes_by_kind = {str(k): int(v) for k, v in state["bytes_by_kind"].items()}
+        self.steps = int(state.get("steps", 0))
+        self.ddp_bytes_per_step = state.get("ddp_bytes_per_step")
+
+
+@dataclass
+class Averages:
+    """The result of one averaging call and what it sent per worker."""
+
+    values: list[Tensor]
+    bytes: int = 0
+    collectives: int = 0
+
+    def wait(self) -> list[Tensor]:
+        """The global averages (complete at once for a blocking communicator)."""
+        return self.values
 
 
 class Communicator:
-    """Averages tensors over ``num_workers`` workers and counts what that costs each worker."""
+    """Averages tensors over workers and counts what that costs each worker.
 
-    num_workers: int = 1
-    rank: int = 0
+    A "global" tensor is one value shared by all workers: the shape of one worker's copy.
+    """
 
-    def __init__(self) -> None:
+    layout: WorkerLayout
+
+    def __init__(self, layout: WorkerLayout) -> None:
+        self.layout = layout
         self.traffic = Traffic()
 
-    # A "global" tensor is one value shared by all workers: the shape of one worker's tensor.
-    def mean(
+    @property
+    def num_workers(self) -> int:
+        return self.layout.num_workers
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    def average(
         self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
-    ) -> list[Tensor]:
-        """Global averages of ``tensors`` over workers (leaving out ``excluded``), one round.
+    ) -> Averages:
+        """Global averages of ``tensors`` over the workers not in ``excluded``, inputs untouched.
 
         ``kinds`` labels each tensor for the traffic account (``params``, ``exp_avg_0``, ...).
         """
         raise NotImplementedError
-
-    def mean_uncounted(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """:meth:`mean` for evaluation and logging, left out of the traffic account."""
-        saved = self.traffic.state_dict()
-        averages = self.mean(tensors, ["uncounted"] * len(tensors))
-        self.traffic.load_state_dict(saved)
-        return averages
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         """Set every worker's copy of each tensor to the matching global value."""
         for tensor, value in zip(tensors, values):
             tensor.copy_(value)
 
-    def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
-        """{worker: index of its first tensor holding NaN/inf} for every worker that has one."""
-        raise NotImplementedError
-
-    def global_copy(self, tensor: Tensor) -> Tensor:
-        """A copy of a tensor that all workers hold identically, in global shape."""
-        return tensor.detach().clone()
-
-    def per_worker_sum(self, tensor: Tensor) -> Tensor:
-        """Sum of each local worker's slice: shape [1] here, [M] in the simulator."""
-        return tensor.sum().reshape(1)
-
-    def gather_scalars(self, values: Tensor) -> Tensor:
-        """Per-worker scalars [num_workers] from each worker's value (control traffic, uncounted)."""
-        raise NotImplementedError
-
     def broadcast_from_first(self, tensors: Sequence[Tensor]) -> None:
         """Make every worker start from worker 0's values (set-up traffic, uncounted)."""
 
-    def _record(self, tensors: Sequence[Tensor], kinds: Sequence[str], collectives: int) -> None:
-        sizes = [(kind, self.bytes_per_worker(tensor)) for tensor, kind in zip(tensors, kinds)]
+    def _account(self, tensors: Sequence[Tensor], kinds: Sequence[str], collectives: int):
+        """Record one averaging call in the traffic account; returns its (bytes, collectives)."""
+        sizes = [(kind, self.layout.worker_bytes(t)) for t, kind in zip(tensors, kinds)]
         self.traffic.record_round(sizes, collectives)
-
-    def bytes_per_worker(self, tensor: Tensor) -> int:
-        return tensor.numel() * tensor.element_size()
+        return sum(size for _, size in sizes), collectives
 
 
 class SingleWorker(Communicator):
     """World size 1: every average is the tensor itself and nothing is sent."""
 
-    def mean(
+    def __init__(self) -> None:
+        super().__init__(WorkerLayout())
+
+    def average(
         self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
-    ) -> list[Tensor]:
-        return list(tensors)
+    ) -> Averages:
+        return Averages(list(tensors))
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         # An average is the tensor itself; an outer step's new parameters are not.
         for tensor, value in zip(tensors, values):
             if value is not tensor:
                 tensor.copy_(value)
-
-    def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
-        for index, tensor in enumerate(tensors):
-            if not torch.isfinite(tensor).all():
-                return {0: index}
-        return {}
-
-    def gather_scalars(self, values: Tensor) -> Tensor:
-        return values.reshape(1)
-
-
-def dtype_buckets(tensors: Sequence[Tensor]) -> dict[tuple, list[int]]:
-    """Indices of ``tensors`` grouped by (device, dtype): one flat buffer per group."""
-    buckets: dict[tuple, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        buckets.setdefault((tensor.device, tensor.dtype), []).append(index)
-    return buckets

@@ -1,31 +1,44 @@
-"""The local-update sync engine: after each optimizer step, average whatever the policy says is due.
+"""The local-update sync engine: around each optimizer step, average whatever the policy says is due.
 
 The engine wraps an unmodified optimizer (any element-wise ``torch.optim`` optimizer, torch's
-AdamW included) and a communicator. Use it explicitly::
+AdamW included) and a communicator. One step is
+
+    gradients -> [average gradients (DDP)] -> gradient hooks (clipping) -> optimizer step
+              -> average the parameters and states that are due -> [outer step (DiLoCo)]
+
+Drive it explicitly::
 
     sync = LocalUpdateSync(optimizer, unified(32), communicator)
-    loss.backward(); sync.step()            # optimizer.step() plus the averaging that is due
+    sync.register_gradient_hook(lambda: clip(...))   # optional: runs between averaging and step
+    loss.backward(); sync.step()                     # optimizer.step() plus what is due
 
 or keep a plain loop and let optimizer step hooks call it::
 
     with sync.attached():
         for batch in data: ...; optimizer.step()
 
-Step t counts optimizer steps from 1 and is the same on every worker.
+Step t counts optimizer steps from 1 and is the same on every worker. Each averaging is one
+*round*: the tensors due are collected, averaged in one communicator call, checked for NaN/inf,
+then applied; every round leaves a :class:`SyncEvent` in ``events``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
-from mtdao.sync.communicator import Communicator, SingleWorker
+from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
+from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy
 
@@ -36,6 +49,26 @@ NON_FINITE_ACTIONS = ("raise", "skip")
 
 class NonFiniteError(FloatingPointError):
     """A worker's tensor held NaN or inf when it was due to be averaged."""
+
+
+@dataclass
+class SyncEvent:
+    """One averaging round as it happened: at which step, which kinds, what it sent per worker."""
+
+    step: int
+    kinds: list[str]
+    bytes: int
+    collectives: int
+
+
+@dataclass
+class SyncRound:
+    """The tensors due at one step, averaged together in one communicator call."""
+
+    step: int
+    tensors: list[Tensor]
+    kinds: list[str]
+    names: list[str]
 
 
 class LocalUpdateSync:
@@ -70,25 +103,39 @@ class LocalUpdateSync:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = _param_names(optimizer)
         self.step_count = 0
+        self.events: list[SyncEvent] = []
         self.skipped_rounds: list[dict[str, Any]] = []
         self.alignment: list[dict[str, Any]] = []
+        self.seconds_syncing = 0.0
+        """Wall-clock seconds this process spent in rounds (a measurement, not state)."""
+        # an OrderedDict, not a dict: RemovableHandle keeps a weak reference to it
+        self._gradient_hooks: OrderedDict[int, Callable[[], Any]] = OrderedDict()
         self._state_keys_checked = False
+        self.traffic.ddp_bytes_per_step = sum(self.layout.worker_bytes(p) for p in self.params)
         with torch.no_grad():
             if broadcast_initial:
                 self.communicator.broadcast_from_first(self.params)
             needs_anchor = policy.outer is not None or track_alignment
             # The anchor is the global model after the last parameter sync (DiLoCo's x_start).
             self.anchors = (
-                [self.communicator.global_copy(p) for p in self.params]
+                [self.layout.global_copy(p) for p in self.params]
                 if needs_anchor and policy.params.period is not None
                 else []
             )
         self.outer = NesterovOuterStep(policy.outer, self.anchors) if policy.outer else None
 
+    @property
+    def layout(self) -> WorkerLayout:
+        return self.communicator.layout
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.communicator.traffic
+
     # -- driving ------------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """``optimizer.step(closure)`` with gradient averaging before and state sync after."""
+        """``optimizer.step(closure)`` with gradient averaging and hooks before, syncs after."""
         self.before_optimizer_step()
         loss = self.optimizer.step(closure)
         self.after_optimizer_step()
@@ -105,30 +152,54 @@ class LocalUpdateSync:
             pre.remove()
             post.remove()
 
+    def register_gradient_hook(self, hook: Callable[[], Any]) -> RemovableHandle:
+        """Call ``hook()`` once the gradients are final (averaged, for DDP), before the step.
+
+        Gradient clipping belongs here. Returns a handle whose ``remove()`` unregisters the hook.
+        """
+        handle = RemovableHandle(self._gradient_hooks)
+        self._gradient_hooks[handle.id] = hook
+        return handle
+
     @torch.no_grad()
     def before_optimizer_step(self) -> None:
-        """DDP: replace every worker's gradients by their average."""
-        if not self.policy.average_gradients:
-            return
+        """DDP: replace every worker's gradients by their average; then run the gradient hooks."""
+        started = time.perf_counter()
         owners = [p for p in self.params if p.grad is not None]
-        grads = [p.grad for p in owners]
-        if grads:
+        if self.policy.average_gradients and owners:
             names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
-            averages = self._average(grads, ["grads"] * len(grads), names, self.step_count + 1)
-            self.communicator.assign(grads, averages)
+            grads = [p.grad for p in owners]
+            due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
+            self.communicator.assign(grads, self._average(due))
+        self.seconds_syncing += time.perf_counter() - started
+        for hook in list(self._gradient_hooks.values()):
+            hook()
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
         """Count the step and average the parameters and states that are due."""
+        started = time.perf_counter()
         self.step_count += 1
-        step = self.step_count
+        self.traffic.steps = self.step_count
         if not self._state_keys_checked:
             self.policy.check_state_keys(self._state_keys())
             self._state_keys_checked = True
-        params_due = self.policy.params.is_due(step)
-        tensors: list[Tensor] = list(self.params) if params_due else []
-        kinds = ["params"] * len(tensors)
-        names = [self.param_names[id(p)] for p in tensors]
+        due, num_params = self._due_after_step(self.step_count)
+        if due.tensors:
+            averages = self._average(due)
+            if num_params:
+                self._finish_parameter_sync(averages[:num_params], due.step)
+            if len(due.tensors) > num_params:
+                self.communicator.assign(due.tensors[num_params:], averages[num_params:])
+        self.seconds_syncing += time.perf_counter() - started
+
+    # -- one round ----------------------------------------------------------------------------
+
+    def _due_after_step(self, step: int) -> tuple[SyncRound, int]:
+        """The round of ``step`` and how many parameters lead it (all of them, or none)."""
+        params = list(self.params) if self.policy.params.is_due(step) else []
+        names = [self.param_names[id(p)] for p in params]
+        due = SyncRound(step, list(params), ["params"] * len(params), names)
         for p in self.params:
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
                 if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
@@ -136,18 +207,55 @@ class LocalUpdateSync:
                 # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
                 param_shaped = value.dim() > 0 or p.dim() == 0
                 if param_shaped and self.policy.state_rule(key).is_due(step):
-                    tensors.append(value)
-                    kinds.append(key)
-                    names.append(f"{key} of {self.param_names[id(p)]}")
-        if not tensors:
-            return
-        averages = self._average(tensors, kinds, names, step)
-        num_params = len(self.params) if params_due else 0
-        if params_due:
-            self._finish_parameter_sync(averages[:num_params], step)
-        self.communicator.assign(tensors[num_params:], averages[num_params:])
+                    due.tensors.append(value)
+                    due.kinds.append(key)
+                    due.names.append(f"{key} of {self.param_names[id(p)]}")
+        return due, len(params)
 
-    # -- internals ----------------------------------------------------------------------------
+    def _average(self, due: SyncRound) -> list[Tensor]:
+        """One communicator call for the round, checked; a worker holding NaN/inf is either
+        reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``)."""
+        result = self.communicator.average(due.tensors, due.kinds)
+        averages = result.wait()
+        sent, collectives = result.bytes, result.collectives
+        if not _all_finite(averages):
+            excluded = self._workers_to_leave_out(due)
+            retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
+            averages = retry.wait()
+            sent, collectives = sent + retry.bytes, collectives + retry.collectives
+            if not _all_finite(averages):
+                raise NonFiniteError(
+                    f"Non-finite average at step {due.step} even without workers {excluded}"
+                )
+        kinds = list(dict.fromkeys(due.kinds))
+        self.events.append(SyncEvent(due.step, kinds, sent, collectives))
+        return averages
+
+    def _workers_to_leave_out(self, due: SyncRound) -> list[int]:
+        offenders = self.layout.first_non_finite(due.tensors)
+        if not offenders:
+            raise NonFiniteError(
+                f"Averaging at step {due.step} overflowed although every worker's values are "
+                "finite (values too large for their dtype)"
+            )
+        described = "; ".join(f"worker {w}: {due.names[i]}" for w, i in sorted(offenders.items()))
+        if self.on_non_finite == "raise":
+            raise NonFiniteError(
+                f"Non-finite value (NaN/inf) at step {due.step} in {described}. Nothing was "
+                "averaged; use on_non_finite='skip' (CLI: --on-non-finite skip) to leave such "
+                "workers out"
+            )
+        excluded = sorted(offenders)
+        if len(excluded) == self.layout.num_workers:
+            raise NonFiniteError(
+                f"Non-finite value (NaN/inf) at step {due.step} on every worker ({described}); "
+                "no worker is left to average"
+            )
+        logger.warning(
+            "step %d: leaving worker(s) %s out of this round (%s)", due.step, excluded, described
+        )
+        self.skipped_rounds.append({"step": due.step, "workers": excluded, "tensors": described})
+        return excluded
 
     def _finish_parameter_sync(self, averages: list[Tensor], step: int) -> None:
         if self.track_alignment and self.anchors:
@@ -161,57 +269,21 @@ class LocalUpdateSync:
             new_params = averages
         self.communicator.assign(self.params, new_params)
 
-    def _average(
-        self, tensors: list[Tensor], kinds: list[str], names: list[str], step: int
-    ) -> list[Tensor]:
-        comm = self.communicator
-        averages = comm.mean(tensors, kinds)
-        if _all_finite(averages):
-            return averages
-        offenders = comm.first_non_finite(tensors)
-        if not offenders:
-            raise NonFiniteError(
-                f"Averaging at step {step} overflowed although every worker's values are finite "
-                "(values too large for their dtype)"
-            )
-        described = "; ".join(f"worker {w}: {names[i]}" for w, i in sorted(offenders.items()))
-        if self.on_non_finite == "raise":
-            raise NonFiniteError(
-                f"Non-finite value (NaN/inf) at step {step} in {described}. Nothing was averaged; "
-                "use on_non_finite='skip' (CLI: --on-non-finite skip) to leave such workers out"
-            )
-        excluded = sorted(offenders)
-        if len(excluded) == comm.num_workers:
-            raise NonFiniteError(
-                f"Non-finite value (NaN/inf) at step {step} on every worker ({described}); "
-                "no worker is left to average"
-            )
-        logger.warning(
-            "step %d: leaving worker(s) %s out of this round (%s)", step, excluded, described
-        )
-        self.skipped_rounds.append({"step": step, "workers": excluded, "tensors": described})
-        averages = comm.mean(tensors, kinds, excluded=excluded)
-        if not _all_finite(averages):
-            raise NonFiniteError(
-                f"Non-finite average at step {step} even without workers {excluded}"
-            )
-        return averages
-
     def _alignment(self, averages: list[Tensor], step: int) -> dict[str, Any]:
-        comm = self.communicator
+        layout = self.layout
         dot = norm_local = norm_global = drift = 0.0
         for param, anchor, average in zip(self.params, self.anchors, averages):
             local_update = (anchor - param).float()  # each worker's pseudo-gradient
             global_update = (anchor - average).float()
-            dot = dot + comm.per_worker_sum(local_update * global_update)
-            norm_local = norm_local + comm.per_worker_sum(local_update.square())
+            dot = dot + layout.per_worker_sum(local_update * global_update)
+            norm_local = norm_local + layout.per_worker_sum(local_update.square())
             norm_global = norm_global + global_update.square().sum()
-            drift = drift + comm.per_worker_sum((param - average).float().square())
+            drift = drift + layout.per_worker_sum((param - average).float().square())
         cosine = dot / (norm_local.sqrt() * norm_global.sqrt()).clamp_min(1e-30)
         return {
             "step": step,
-            "cosine": comm.gather_scalars(cosine).tolist(),
-            "drift": comm.gather_scalars(drift.sqrt()).tolist(),
+            "cosine": layout.gather(cosine).tolist(),
+            "drift": layout.gather(drift.sqrt()).tolist(),
         }
 
     def _state_keys(self) -> set[str]:
@@ -220,11 +292,14 @@ class LocalUpdateSync:
     # -- checkpointing ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything the engine carries between steps: the step, the anchors and the outer
+        momentum (global tensors), the traffic account and the record of every round."""
         return {
             "step": self.step_count,
             "anchors": [a.clone() for a in self.anchors],
             "outer": self.outer.state_dict() if self.outer else None,
-            "traffic": self.communicator.traffic.state_dict(),
+            "traffic": self.traffic.state_dict(),
+            "events": [asdict(event) for event in self.events],
             "skipped_rounds": list(self.skipped_rounds),
             "alignment": list(self.alignment),
         }
@@ -235,7 +310,8 @@ class LocalUpdateSync:
             anchor.copy_(saved)
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
-        self.communicator.traffic.load_state_dict(state["traffic"])
+        self.traffic.load_state_dict(state["traffic"])
+        self.events = [SyncEvent(**event) for event in state["events"]]
         self.skipped_rounds = list(state["skipped_rounds"])
         self.alignment = list(state["alignment"])
 

@@ -1,12 +1,13 @@
-"""Sync policies as data: which tensors are averaged across workers, and how often (SPEC §3).
+"""Sync policies as data: which tensors are averaged across workers, and how often.
 
 A policy names a rule for the parameters and one per optimizer state key (``exp_avg_0``,
 ``exp_avg_sq``, torch's ``exp_avg``, ...). The engine carries it out; nothing here talks to a
-network or knows a model.
+network or knows a model. The rules and why they are what they are: docs/design.md.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -139,7 +140,10 @@ def half_life_policy(
     max_multiple: int = 16,
     outer: OuterOptimizerConfig | None = None,
 ) -> SyncPolicy:
-    """Each state's period grows with its half-life (SPEC §3 default rule), capped at 16 K.
+    """Each state's period grows with its half-life, capped at 16 K (see :func:`half_life_period`).
+
+    A state that forgets slowly changes little within a round, so averaging it less often loses
+    little and saves its bytes.
 
     ``decays`` maps state keys to their EMA decay, e.g. from :func:`state_decays`.
     """
@@ -220,7 +224,7 @@ def state_decays(optimizer: Optimizer) -> dict[str, float]:
 def communication_per_step(policy: SyncPolicy, state_keys: list[str]) -> float:
     """Model-sized transfers per step relative to DDP (1.0), counting each state as one model.
 
-    Exact in bytes when every state has the parameter dtype (SPEC §3: 1/K_x + sum 1/K_j + 1/K_v).
+    That is 1/K_x + sum_j 1/K_j + 1/K_v: exact in bytes when every state has the parameter dtype.
     """
     if policy.average_gradients:
         return 1.0
@@ -230,3 +234,14 @@ def communication_per_step(policy: SyncPolicy, state_keys: list[str]) -> float:
         if key not in NON_AVERAGED_STATE_KEYS and period is not None:
             total += 1.0 / period
     return total
+
+
+def full_cycle(policy: SyncPolicy, state_keys: list[str]) -> int:
+    """Steps after which every rule of ``policy`` is due at once again: the least common multiple
+    of its periods over the parameters and ``state_keys`` (1 for gradient averaging)."""
+    if policy.average_gradients:
+        return 1
+    periods = [policy.params.period] + [
+        policy.state_rule(key).period for key in state_keys if key not in NON_AVERAGED_STATE_KEYS
+    ]
+    return math.lcm(*[period for period in periods if period is not None] or [1])

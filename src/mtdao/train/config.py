@@ -1,56 +1,104 @@
-"""The training configuration: one dataclass, a docstring per field, validated in one place.
+"""The training configuration: one dataclass, a docstring per field, every default in one place.
 
-Resolution order: dataclass defaults, then the method's defaults (``resolve``), then the CLI
-flags the user gave. The resolved config is written to the run directory and checked on resume.
+A :class:`TrainConfig` holds what the user asked for; fields left ``None`` take a default that
+depends on the method and the base optimizer (:data:`OPTIMIZER_DEFAULTS`, the method table in
+:mod:`mtdao.train.methods`). :func:`resolve` validates a config once and fills in every default;
+the resolved config is what a run uses, what ``config.json`` and ``results.json`` hold, and what a
+resume is compared with. Resolving is idempotent, so a saved resolved config resolves to itself,
+and a ``config.json`` written with unset (null) fields, as older versions wrote it, resolves to the
+values those fields take today.
+
+The ``mtdao train`` flags are generated from the fields (:mod:`mtdao.train.command`): the help
+text is the field's docstring, ``metadata`` names choices and the spelling of boolean switches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.sync.methods import BASE_OPTIMIZERS, METHODS, SYNC_POLICIES
+from mtdao.optim.base import check_momenta
+from mtdao.train.methods import (
+    BASE_OPTIMIZERS,
+    METHOD_TABLE,
+    METHODS,
+    STATE_AVERAGING_METHODS,
+    SYNC_POLICIES,
+)
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 NON_FINITE_ACTIONS = ("raise", "skip")
+DATA_SPLITS = ("iid", "by-file")
+DEFAULT_STEPS = 1200
+EVALUATIONS_PER_RUN = 10
 
 # Fields that may differ between a run and its resumption; everything else must match.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "tokens", "out", "resume", "eval_every", "checkpoint_every", "log_every", "progress"}
 )
 
-# Best learning rate per (method family, base optimizer) found by the sweeps in BENCHMARKS.md on
-# the tiny preset; a starting point, to be re-tuned at other sizes.
-DEFAULT_LR = {"adam": 8e-3, "adopt": 4e-3, "sgdm": 0.3}
+
+@dataclass(frozen=True)
+class OptimizerDefaults:
+    """The defaults that depend on the base optimizer (and on the method family)."""
+
+    lr: float
+    """Peak learning rate: the best of the sweeps in BENCHMARKS.md (tiny preset)."""
+    betas: tuple[float, ...]
+    """First-momentum decays of the baselines (ddp, local-adam, diloco, desloc)."""
+    mtdao_betas: tuple[float, ...]
+    """Slow momenta of the multi-timescale methods (mtdao, qh-ddp)."""
+    mtdao_omegas: tuple[float, ...]
+    """Their mixing weights; the raw gradient gets 1 - sum."""
+    beta2: float | None
+    """Second-moment decay (None: the optimizer keeps no second moment)."""
+    eps: float | None
+    """Denominator epsilon (None: the optimizer has none)."""
 
 
-@dataclass
+# MT-DAO-Adam's (0.95, 0.7) is the best setting measured at CPU scale (BENCHMARKS.md section 4);
+# slower momenta (0.99 .. 0.999, the paper's) lost there and need longer horizons. MT-DAO-ADOPT
+# keeps the paper's code defaults (0.999, 0.9).
+OPTIMIZER_DEFAULTS = {
+    "adam": OptimizerDefaults(8e-3, (0.9,), (0.95,), (0.7,), beta2=0.95, eps=1e-8),
+    "adopt": OptimizerDefaults(4e-3, (0.9,), (0.999,), (0.9,), beta2=0.9999, eps=1e-6),
+    "sgdm": OptimizerDefaults(0.3, (0.9,), (0.99,), (0.9,), beta2=None, eps=None),
+}
+DEFAULT_LR = {name: defaults.lr for name, defaults in OPTIMIZER_DEFAULTS.items()}
+
+
+def _choice(default: str, choices: tuple[str, ...]):
+    return field(default=default, metadata={"choices": choices})
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    method: str = "mtdao"
-    """ddp | qh-ddp | local-adam | diloco | desloc | mtdao."""
-    optimizer: str = "adam"
-    """Base optimizer: adam | adopt | sgdm."""
+    method: str = _choice("mtdao", METHODS)
+    """Training method (see the method table below)."""
+    optimizer: str = _choice("adam", BASE_OPTIMIZERS)
+    """Base optimizer."""
     workers: int = 4
-    """Number of data-parallel workers M (simulated in one process unless launched by torchrun)."""
+    """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
     sync_period: int = 32
-    """K: local steps between parameter averages."""
-    sync_policy: str | None = None
-    """unified | half-life | desloc period rule for the states of local methods (None: method's)."""
+    """K: local steps between parameter averages (local methods)."""
+    sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
+    """Period rule for the optimizer states of local methods."""
     state_sync_period: int | None = None
-    """Average every optimizer state every N steps, whatever the period rule (local methods)."""
+    """Average every optimizer state every N steps, whatever the period rule."""
     betas: tuple[float, ...] | None = None
-    """First-momentum decays (None: 0.9 for baselines, the slow MT-DAO defaults for mtdao)."""
+    """First-momentum decays, e.g. --betas 0.9 0.99."""
     omegas: tuple[float, ...] | None = None
-    """Mixing weights of the momenta; the raw gradient gets 1 - sum (None: method's default)."""
+    """Mixing weights of the momenta; the raw gradient gets 1 - sum."""
     beta2: float | None = None
-    """Second-moment decay (None: 0.95 for adam, 0.9999 for adopt)."""
+    """Second-moment decay."""
     eps: float | None = None
-    """Denominator epsilon (None: 1e-8 adam, 1e-6 adopt)."""
+    """Denominator epsilon."""
     lr: float | None = None
-    """Peak learning rate (None: the per-optimizer default in DEFAULT_LR)."""
+    """Peak learning rate."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms or embeddings)."""
     omega_warmup: float = 0.0
@@ -59,24 +107,24 @@ class TrainConfig:
     """DiLoCo outer learning rate."""
     outer_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum."""
-    steps: int | None = None
-    """Optimizer steps per worker (give steps or tokens; default 1200)."""
-    tokens: int | None = None
-    """Total training tokens over all workers; converted to steps."""
+    steps: int | None = field(default=None, metadata={"exclusive": "budget"})
+    """Optimizer steps per worker."""
+    tokens: int | None = field(default=None, metadata={"exclusive": "budget"})
+    """Total training tokens over all workers, instead of --steps (converted to steps)."""
     batch_size: int = 16
     """Sequences per worker per step."""
     seq_len: int = 64
     """Tokens per sequence."""
-    model: str = "tiny"
-    """Model preset: tiny | small | 16m | 125m | 360m | 720m."""
+    model: str = _choice("tiny", MODEL_PRESETS)
+    """Model preset."""
     data: str | None = None
-    """None: built-in Python stdlib sources; a text file/dir; or hf:NAME[:CONFIG]."""
+    """Training text: builtin, a text file or directory of text files, or hf:NAME[:CONFIG]."""
     tokenizer: str = "byte"
     """byte | bpe:VOCAB | hf:NAME."""
-    data_split: str = "iid"
-    """iid (random shards) | by-file (non-IID: each worker its own files)."""
-    schedule: str = "cosine"
-    """cosine | wsd (warmup-stable-decay) | constant, after linear warmup."""
+    data_split: str = _choice("iid", DATA_SPLITS)
+    """Worker shards: iid (random) or by-file (non-IID: each worker its own files)."""
+    schedule: str = _choice("cosine", SCHEDULES)
+    """Learning-rate schedule after a linear warmup (wsd: warmup-stable-decay)."""
     warmup: float = 0.05
     """Warmup length as a fraction of the steps."""
     decay_fraction: float = 0.2
@@ -86,90 +134,29 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Per-worker gradient norm clip (0 disables)."""
     eval_every: int | None = None
-    """Steps between validation evaluations (None: 10 per run)."""
+    """Steps between validation evaluations."""
     eval_tokens: int = 65536
     """Held-out tokens per evaluation."""
     log_every: int = 10
     """Steps between metric lines."""
     checkpoint_every: int | None = None
-    """Steps between checkpoints (None: only at the end)."""
+    """Steps between checkpoints."""
     seed: int = 0
     """Seed for the model init and the data streams."""
     out: str | None = None
-    """Run directory (None: runs/<method>-<optimizer>-M<workers>-K<K>-seed<seed>)."""
-    resume: bool = False
-    """Continue the run in ``out`` from its checkpoint up to ``steps``."""
-    device: str = "auto"
-    """auto | cpu | cuda."""
-    bf16: bool = True
+    """Run directory."""
+    resume: bool = field(default=False, metadata={"flag": "--resume"})
+    """Continue the run in --out from its checkpoint up to --steps."""
+    device: str = _choice("auto", DEVICES)
+    """Device (auto: CUDA when available)."""
+    bf16: bool = field(default=True, metadata={"flag": "--no-bf16"})
     """bf16 autocast on GPU (CPU always runs float32)."""
-    on_non_finite: str = "raise"
-    """raise | skip: what a NaN/inf in a worker does at a sync."""
-    track_alignment: bool = True
+    on_non_finite: str = _choice("raise", NON_FINITE_ACTIONS)
+    """NaN/inf in a worker at a sync: stop (raise), or leave that worker out (skip)."""
+    track_alignment: bool = field(default=True, metadata={"flag": "--no-alignment"})
     """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
-    progress: bool = True
+    progress: bool = field(default=True, metadata={"flag": "--no-progress"})
     """Show a progress bar."""
-
-    def validate(self) -> TrainConfig:
-        """Raise ValueError naming the first bad field; returns self for chaining."""
-        _choice("method", self.method, METHODS)
-        _choice("optimizer", self.optimizer, BASE_OPTIMIZERS)
-        _choice("model", self.model, MODEL_PRESETS)
-        _choice("schedule", self.schedule, SCHEDULES)
-        _choice("device", self.device, DEVICES)
-        _choice("on_non_finite", self.on_non_finite, NON_FINITE_ACTIONS)
-        if self.sync_policy is not None:
-            _choice("sync_policy", self.sync_policy, SYNC_POLICIES)
-        for name in ("workers", "sync_period", "batch_size", "seq_len", "eval_tokens", "log_every"):
-            _positive_int(name, getattr(self, name))
-        if self.state_sync_period is not None and self.method in ("ddp", "qh-ddp", "diloco"):
-            raise ValueError(
-                f"--state-sync-period: {self.method} does not average optimizer states"
-            )
-        for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        if self.steps is not None and self.tokens is not None:
-            raise ValueError("give --steps or --tokens, not both")
-        for name in ("weight_decay", "grad_clip", "min_lr_ratio"):
-            _non_negative(name, getattr(self, name))
-        if self.lr is not None:
-            _non_negative("lr", self.lr)
-        self._validate_momenta()
-        for name in ("warmup", "decay_fraction", "omega_warmup"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
-        return self
-
-    def _validate_momenta(self) -> None:
-        for index, beta in enumerate(self.betas or ()):
-            if not 0.0 <= beta < 1.0:  # also refuses NaN
-                raise ValueError(f"--betas: {beta} (index {index}) is outside [0, 1)")
-        if self.betas is not None and len(self.betas) == 0:
-            raise ValueError("--betas: give at least one momentum decay")
-        for omega in self.omegas or ():
-            if not (omega >= 0.0 and math.isfinite(omega)):
-                raise ValueError(f"--omegas: {omega} is not a finite number >= 0")
-        if self.omegas is not None and sum(self.omegas) > 1.0 + 1e-9:
-            raise ValueError(f"--omegas: {list(self.omegas)} sum to {sum(self.omegas):g} > 1")
-        if (
-            self.betas is not None
-            and self.omegas is not None
-            and len(self.betas) != len(self.omegas)
-        ):
-            raise ValueError(
-                f"--omegas: {len(self.omegas)} weights for {len(self.betas)} --betas (one per momentum)"
-            )
-        if self.beta2 is not None and not 0.0 <= self.beta2 < 1.0:
-            raise ValueError(f"--beta2: {self.beta2} is outside [0, 1)")
-        if self.eps is not None:
-            _non_negative("eps", self.eps)
-        if self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(
-                f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {self.outer_lr}, "
-                f"{self.outer_momentum}"
-            )
 
     @property
     def tokens_per_step(self) -> int:
@@ -180,10 +167,12 @@ class TrainConfig:
             return self.steps
         if self.tokens is not None:
             return max(1, math.ceil(self.tokens / self.tokens_per_step))
-        return 1200
+        return DEFAULT_STEPS
 
     def run_name(self) -> str:
-        return f"{self.method}-{self.optimizer}-M{self.workers}-K{self.sync_period}-seed{self.seed}"
+        """<method>-<optimizer>-M<workers>[-K<K>]-seed<seed> (no K for gradient averaging)."""
+        period = "" if METHOD_TABLE[self.method].averages_gradients else f"-K{self.sync_period}"
+        return f"{self.method}-{self.optimizer}-M{self.workers}{period}-seed{self.seed}"
 
     def to_dict(self) -> dict:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -210,15 +199,127 @@ class TrainConfig:
         ]
 
 
+# -- resolving ----------------------------------------------------------------------------------
+
+
+def resolve(config: TrainConfig) -> TrainConfig:
+    """``config`` validated, with every default filled in; raises ValueError naming a bad flag."""
+    _validate(config)
+    table = OPTIMIZER_DEFAULTS[config.optimizer]
+    method = METHOD_TABLE[config.method]
+    betas = config.betas
+    if betas is None:
+        betas = table.mtdao_betas if method.multi_timescale else table.betas
+    omegas = config.omegas
+    if omegas is None and method.multi_timescale and config.betas is None:
+        omegas = table.mtdao_omegas
+    elif omegas is None:  # the user's own momenta share 0.9 (multi-timescale) or 1 equally
+        share = 0.9 if method.multi_timescale else 1.0
+        omegas = (share / len(betas),) * len(betas) if betas else ()
+    try:
+        betas, omegas = check_momenta(betas, omegas)
+    except ValueError as error:
+        raise ValueError(f"--betas/--omegas: {error}") from None
+    steps = config.total_steps()
+    return dataclasses.replace(
+        config,
+        lr=config.lr if config.lr is not None else table.lr,
+        betas=betas,
+        omegas=omegas,
+        beta2=config.beta2 if config.beta2 is not None else table.beta2,
+        eps=config.eps if config.eps is not None else table.eps,
+        sync_policy=config.sync_policy or method.period_rule,
+        steps=steps,
+        tokens=None,
+        eval_every=config.eval_every or max(1, steps // EVALUATIONS_PER_RUN),
+        data=config.data or "builtin",
+        out=config.out or str(Path("runs") / config.run_name()),
+    )
+
+
+def describe_default(name: str) -> str | None:
+    """How an unset (None) field is resolved, for ``--help``; None for fields with a value."""
+    rules = [f"{spec.period_rule} for {m}" for m, spec in METHOD_TABLE.items() if spec.period_rule]
+    descriptions = {
+        "sync_policy": "the method's: " + ", ".join(rules),
+        "state_sync_period": "the period rule's",
+        "betas": f"{_per_optimizer('betas')}; mtdao and qh-ddp: {_per_optimizer('mtdao_betas')}",
+        "omegas": f"1 for the baselines; mtdao and qh-ddp: {_per_optimizer('mtdao_omegas')}, "
+        "or 0.9 shared equally among the user's own --betas",
+        "beta2": _per_optimizer("beta2"),
+        "eps": _per_optimizer("eps"),
+        "lr": _per_optimizer("lr"),
+        "steps": str(DEFAULT_STEPS),
+        "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
+        "checkpoint_every": "only at the end",
+        "data": "builtin: the Python standard library's source, no download",
+        "out": "runs/<method>-<optimizer>-M<workers>[-K<K>]-seed<seed>",
+    }
+    return descriptions.get(name)
+
+
+def _per_optimizer(attribute: str) -> str:
+    values = {name: getattr(row, attribute) for name, row in OPTIMIZER_DEFAULTS.items()}
+    shown = [f"{name} {_text(value)}" for name, value in values.items() if value is not None]
+    return ", ".join(shown)
+
+
+def _text(value) -> str:
+    if isinstance(value, tuple):
+        return " ".join(f"{v:g}" for v in value)
+    return f"{value:g}"
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def _validate(config: TrainConfig) -> None:
+    """Raise ValueError naming the first bad field."""
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices and value is not None and value not in choices:
+            raise ValueError(
+                f"--{_flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
+            )
+    for name in ("workers", "sync_period", "batch_size", "seq_len", "eval_tokens", "log_every"):
+        _positive_int(name, getattr(config, name))
+    for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
+        if getattr(config, name) is not None:
+            _positive_int(name, getattr(config, name))
+    if config.steps is not None and config.tokens is not None:
+        raise ValueError("give --steps or --tokens, not both")
+    if config.state_sync_period is not None and config.method not in STATE_AVERAGING_METHODS:
+        raise ValueError(f"--state-sync-period: {config.method} does not average optimizer states")
+    if config.sync_policy is not None and config.method not in STATE_AVERAGING_METHODS:
+        raise ValueError(
+            f"--sync-policy: {config.method} does not average optimizer states; "
+            "a sync policy does not apply"
+        )
+    for name in ("weight_decay", "grad_clip", "min_lr_ratio", "lr", "eps"):
+        if getattr(config, name) is not None:
+            _non_negative(name, getattr(config, name))
+    if config.beta2 is not None and not 0.0 <= config.beta2 < 1.0:
+        raise ValueError(f"--beta2: {config.beta2} is outside [0, 1)")
+    for name in ("beta2", "eps"):
+        if (
+            getattr(config, name) is not None
+            and getattr(OPTIMIZER_DEFAULTS[config.optimizer], name) is None
+        ):
+            raise ValueError(f"--{name}: {config.optimizer} has no {name}")
+    if config.outer_lr <= 0 or not 0.0 <= config.outer_momentum < 1.0:
+        raise ValueError(
+            f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {config.outer_lr}, "
+            f"{config.outer_momentum}"
+        )
+    for name in ("warmup", "decay_fraction", "omega_warmup"):
+        value = getattr(config, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
-
-
-def _choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(
-            f"--{_flag(name)}: unknown value {value!r}; choose from {', '.join(choices)}"
-        )
 
 
 def _positive_int(name: str, value) -> None:

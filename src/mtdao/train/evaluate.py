@@ -1,10 +1,20 @@
-"""Validation loss of one model on a fixed set of held-out batches."""
+"""Validation loss of the global (averaged) model on a fixed set of held-out batches."""
 
 from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mtdao.sync.engine import NonFiniteError
+
+if TYPE_CHECKING:
+    from mtdao.train.metrics import MetricsLog
+    from mtdao.train.setup import Run
 
 
 @torch.no_grad()
@@ -24,3 +34,32 @@ def evaluate(model: nn.Module, batches: list, device: torch.device) -> float:
         count += targets.numel()
     model.train(was_training)
     return total / max(count, 1)
+
+
+def run_evaluation(run: Run, log: MetricsLog) -> float:
+    """Evaluate the run's global model now; the record goes to ``run.evals`` and the log."""
+    started = time.perf_counter()
+    model = run.workers.global_model()
+    with run.workers.autocast():
+        val_loss = evaluate(model, run.val_batches, run.device)
+    if not math.isfinite(val_loss) and run.config.on_non_finite == "raise":
+        raise NonFiniteError(
+            f"validation loss of the averaged model is NaN/inf at step {run.step}; lower --lr"
+        )
+    run.clock.eval_s += time.perf_counter() - started
+    record = {
+        "step": run.step,
+        "tokens": run.step * run.config.tokens_per_step,
+        "val_loss": val_loss,
+        "val_ppl": math.exp(min(val_loss, 50.0)),
+        "train_time_s": run.clock.train_s,
+        "wall_time_s": run.clock.wall_s(),
+        "bytes_per_worker": run.sync.traffic.bytes,
+    }
+    for key in ("cosine", "drift"):
+        if run.sync.alignment:
+            values = run.sync.alignment[-1][key]
+            record[f"alignment_{key}_mean"] = sum(values) / len(values)
+    run.evals.append(record)
+    log.write(record)
+    return val_loss

@@ -1,8 +1,9 @@
-"""Building a run: data, model, workers, optimizer, sync policy and engine, from a TrainConfig."""
+"""Building a run from a resolved TrainConfig: data, model, workers, optimizer, policy, engine."""
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,17 +12,45 @@ import torch
 from mtdao.data import WorkerShard, encode_corpus, load_corpus, load_tokenizer
 from mtdao.data.batches import validation_batches
 from mtdao.model import Llama, model_config, split_weight_decay
-from mtdao.sync.engine import LocalUpdateSync
-from mtdao.sync.methods import OptimizerSettings, build_optimizer, build_policy, resolve_settings
-from mtdao.sync.policy import OuterOptimizerConfig, with_state_period
+from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers
+from mtdao.sync.policy import OuterOptimizerConfig
 from mtdao.sync.process_group import ProcessGroupWorkers
-from mtdao.train.config import DEFAULT_LR, TrainConfig
+from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
+from mtdao.train.methods import METHOD_TABLE, build_optimizer, build_policy
+from mtdao.train.schedule import LRSchedule, OmegaWarmup
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet, WorkerSet
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MTDAO_CACHE", Path.home() / ".cache" / "mtdao"))
+
+
+@dataclass
+class RunClock:
+    """Where a run's time goes, summed over the sessions of a resumed run."""
+
+    train_s: float = 0.0
+    """The steps: forward, backward, averaging, optimizer."""
+    sync_s: float = 0.0
+    """The part of train_s spent in sync rounds."""
+    eval_s: float = 0.0
+    """Evaluations of the global model."""
+    earlier_wall_s: float = 0.0
+    """Wall time of the sessions before the last resume."""
+    started: float = field(default_factory=time.perf_counter)
+
+    def wall_s(self) -> float:
+        """Real time since the run started: start-up, steps, evaluations and checkpoints."""
+        return self.earlier_wall_s + time.perf_counter() - self.started
+
+    def state_dict(self) -> dict[str, float]:
+        times = {"train_s": self.train_s, "sync_s": self.sync_s, "eval_s": self.eval_s}
+        return {**times, "wall_s": self.wall_s()}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.train_s, self.sync_s, self.eval_s = state["train_s"], state["sync_s"], state["eval_s"]
+        self.earlier_wall_s = state["wall_s"]
 
 
 @dataclass
@@ -37,13 +66,20 @@ class Run:
     val_batches: list
     optimizer: torch.optim.Optimizer
     sync: LocalUpdateSync
-    total_steps: int
-    step: int = 0
-    wall_time_s: float = 0.0
-    compute_time_s: float = 0.0
-    eval_time_s: float = 0.0
-    comm_events: list = field(default_factory=list)
+    lr_schedule: LRSchedule
+    omega_warmup: OmegaWarmup
+    data_summary: str = ""
+    clock: RunClock = field(default_factory=RunClock)
     evals: list = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (the sync engine's count: there is no other)."""
+        return self.sync.step_count
+
+    @property
+    def total_steps(self) -> int:
+        return self.config.total_steps()
 
     @property
     def is_main(self) -> bool:
@@ -51,7 +87,9 @@ class Run:
 
 
 def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
-    config.validate()
+    """The run of a resolved ``config`` (see :func:`mtdao.train.config.resolve`)."""
+    if config.out is None or config.steps is None or config.lr is None or config.omegas is None:
+        raise ValueError("build_run needs a resolved config (mtdao.train.config.resolve)")
     device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
     process = process or init_process_group(device)
     if process.distributed and process.world_size != config.workers:
@@ -59,9 +97,84 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
             f"--workers {config.workers} but torchrun started {process.world_size} processes; "
             "they must match (one worker per process)"
         )
-    run_dir = Path(config.out or Path("runs") / config.run_name())
     torch.manual_seed(config.seed)
+    shards, val_batches, vocab_size, data_summary = load_data(config, process)
+    model = Llama(model_config(config.model, vocab_size, config.seq_len)).to(device)
+    communicator, workers = build_workers(model, config, process, device)
+    optimizer = build_optimizer(
+        split_weight_decay(workers.named_parameters(), config.weight_decay), config
+    )
+    return Run(
+        config=config,
+        run_dir=Path(config.out),
+        process=process,
+        device=device,
+        workers=workers,
+        shards=shards,
+        val_batches=val_batches,
+        optimizer=optimizer,
+        sync=build_sync(config, optimizer, communicator, workers),
+        lr_schedule=LRSchedule(
+            config.lr,
+            config.steps,
+            config.schedule,
+            round(config.warmup * config.steps),
+            config.min_lr_ratio,
+            config.decay_fraction,
+        ),
+        omega_warmup=OmegaWarmup(config.omegas, round(config.omega_warmup * config.steps)),
+        data_summary=data_summary,
+    )
 
+
+def build_workers(
+    model: torch.nn.Module, config: TrainConfig, process: ProcessInfo, device: torch.device
+) -> tuple[Communicator, WorkerSet]:
+    """The communicator and the workers: one per process under torchrun, else simulated."""
+    communicator: Communicator
+    if process.distributed:
+        communicator = ProcessGroupWorkers()
+        workers: WorkerSet = ProcessWorkerSet(model, communicator.layout)
+    else:
+        communicator = SimulatedWorkers(config.workers)
+        workers = SimulatedWorkerSet(model, communicator.layout)
+    if device.type == "cuda" and config.bf16:
+        workers.autocast_dtype = torch.bfloat16
+    return communicator, workers
+
+
+def build_sync(
+    config: TrainConfig, optimizer, communicator: Communicator, workers: WorkerSet
+) -> LocalUpdateSync:
+    """The engine carrying out the method's policy, with per-worker gradient clipping."""
+    policy = build_policy(
+        config.method,
+        config.sync_period,
+        optimizer,
+        config.sync_policy,
+        _outer_step(config),
+        config.state_sync_period,
+    )
+    sync = LocalUpdateSync(
+        optimizer,
+        policy,
+        communicator,
+        on_non_finite=config.on_non_finite,
+        track_alignment=config.track_alignment,
+    )
+    if config.grad_clip > 0:  # between gradient averaging and the step, on each worker
+        sync.register_gradient_hook(lambda: workers.clip_grad_norm_(config.grad_clip))
+    return sync
+
+
+def _outer_step(config: TrainConfig) -> OuterOptimizerConfig | None:
+    if not METHOD_TABLE[config.method].outer_step:
+        return None
+    return OuterOptimizerConfig(lr=config.outer_lr, momentum=config.outer_momentum)
+
+
+def load_data(config: TrainConfig, process: ProcessInfo):
+    """(this process's worker shards, validation batches, vocabulary size, a one-line summary)."""
     corpus = load_corpus(config.data)
     tokenizer = load_tokenizer(config.tokenizer, corpus, default_cache_dir())
     tokens = encode_corpus(corpus, tokenizer, default_cache_dir())
@@ -80,58 +193,10 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
     ]
     eval_batch = max(1, min(32, config.eval_tokens // config.seq_len))
     val_batches = validation_batches(tokens.val, eval_batch, config.seq_len, config.eval_tokens)
-
-    model = Llama(model_config(config.model, tokenizer.vocab_size, config.seq_len)).to(device)
-    if process.distributed:
-        workers: WorkerSet = ProcessWorkerSet(model, ProcessGroupWorkers())
-    else:
-        workers = SimulatedWorkerSet(model, config.workers)
-    if device.type == "cuda" and config.bf16:
-        workers.autocast_dtype = torch.bfloat16
-
-    settings = resolve_settings(
-        config.method,
-        OptimizerSettings(
-            name=config.optimizer,
-            lr=config.lr if config.lr is not None else DEFAULT_LR[config.optimizer],
-            betas=config.betas,
-            omegas=config.omegas,
-            beta2=config.beta2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        ),
+    train_tokens = sum(len(doc) for doc in tokens.train)
+    summary = (
+        f"data: {corpus.name}: {len(corpus.train_docs)} training and {len(corpus.val_docs)} "
+        f"validation documents, {train_tokens:,} and {len(tokens.val):,} tokens "
+        f"({config.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size})"
     )
-    groups = split_weight_decay(workers.named_parameters(), config.weight_decay)
-    optimizer = build_optimizer(groups, settings)
-    for group in optimizer.param_groups:
-        group["initial_lr"] = settings.lr
-        group["target_omegas"] = tuple(group["omegas"])
-    outer = OuterOptimizerConfig(lr=config.outer_lr, momentum=config.outer_momentum)
-    policy = build_policy(
-        config.method,
-        config.sync_period,
-        optimizer,
-        config.sync_policy,
-        outer=outer if config.method == "diloco" else None,
-    )
-    if config.state_sync_period is not None:
-        policy = with_state_period(policy, config.state_sync_period)
-    sync = LocalUpdateSync(
-        optimizer,
-        policy,
-        workers.communicator,
-        on_non_finite=config.on_non_finite,
-        track_alignment=config.track_alignment,
-    )
-    return Run(
-        config=config,
-        run_dir=run_dir,
-        process=process,
-        device=device,
-        workers=workers,
-        shards=shards,
-        val_batches=val_batches,
-        optimizer=optimizer,
-        sync=sync,
-        total_steps=config.total_steps(),
-    )
+    return shards, val_batches, tokenizer.vocab_size, summary

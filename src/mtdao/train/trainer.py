@@ -1,13 +1,14 @@
 """The training loop: one loop for every method, simulated workers or real ones.
 
-setup   (setup.py) data -> model -> workers -> optimizer -> sync policy -> engine (-> resume)
-loop    batch -> per-worker losses -> backward -> [average grads] -> clip -> step -> [sync]
-finish  evaluate the global model -> checkpoint (snapshot.py) -> results.json (results.py)
+setup   (setup.py) resolved config -> data -> model -> workers -> optimizer -> policy -> engine
+loop    schedules -> batch -> per-worker losses -> backward -> sync.step() -> [evaluate, checkpoint]
+        sync.step(): [average grads] -> clip (gradient hook) -> optimizer step -> [average due]
+finish  checkpoint (snapshot.py) -> results.json (results.py) -> loss.png
 """
 
 from __future__ import annotations
 
-import math
+import sys
 import time
 from typing import Any
 
@@ -17,11 +18,10 @@ from tqdm import tqdm
 from mtdao.data import stacked_batches
 from mtdao.sync.engine import NonFiniteError
 from mtdao.train import checkpoint as ckpt
-from mtdao.train.config import TrainConfig
-from mtdao.train.evaluate import evaluate
+from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.evaluate import run_evaluation
 from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
-from mtdao.train.schedule import lr_multiplier, ramp
 from mtdao.train.setup import Run, build_run
 from mtdao.train.snapshot import resume, save
 
@@ -31,22 +31,10 @@ __all__ = ["Run", "build_run", "train", "train_step", "set_hyperparameters"]
 # -- one step -----------------------------------------------------------------------------------
 
 
-def set_hyperparameters(run: Run, step: int) -> float:
-    """LR schedule (and omega warm-up) for 0-based ``step``; returns the LR multiplier."""
-    config = run.config
-    multiplier = lr_multiplier(
-        step,
-        run.total_steps,
-        config.schedule,
-        round(config.warmup * run.total_steps),
-        config.min_lr_ratio,
-        config.decay_fraction,
-    )
-    omega_scale = ramp(step, round(config.omega_warmup * run.total_steps))
-    for group in run.optimizer.param_groups:
-        group["lr"] = group["initial_lr"] * multiplier
-        group["omegas"] = tuple(w * omega_scale for w in group["target_omegas"])
-    return multiplier
+def set_hyperparameters(run: Run, step: int) -> None:
+    """The learning rate and omegas of 0-based ``step``, applied to every param group."""
+    run.lr_schedule.apply(run.optimizer, step)
+    run.omega_warmup.apply(run.optimizer, step)
 
 
 def next_batch(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,33 +45,39 @@ def next_batch(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs.to(run.device, non_blocking=True), targets.to(run.device, non_blocking=True)
 
 
-def train_step(run: Run, step: int) -> tuple[torch.Tensor, float]:
-    """One optimizer step of every local worker, with whatever averaging is due.
-
-    Returns the per-worker losses and the seconds spent averaging (communication).
-    """
-    set_hyperparameters(run, step)
+def train_step(run: Run) -> torch.Tensor:
+    """One optimizer step of every local worker, with whatever averaging is due; returns the
+    per-worker losses."""
+    set_hyperparameters(run, run.step)
     inputs, targets = next_batch(run)
     losses = run.workers.losses(inputs, targets)
     losses.sum().backward()  # each worker's gradient lands in its own slice
-    started = time.perf_counter()
-    run.sync.before_optimizer_step()  # DDP: average gradients
-    sync_seconds = time.perf_counter() - started
-    run.workers.clip_grad_norm_(run.config.grad_clip)
-    run.optimizer.step()
-    started = time.perf_counter()
-    run.sync.after_optimizer_step()  # average the parameters and states that are due
-    sync_seconds += time.perf_counter() - started
+    run.sync.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return losses.detach(), sync_seconds
+    return losses.detach()
+
+
+def timed_step(run: Run) -> tuple[torch.Tensor, float]:
+    """:func:`train_step` with its accounting; returns the losses and the step's seconds."""
+    syncing_before, started = run.sync.seconds_syncing, time.perf_counter()
+    losses = train_step(run)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    elapsed = time.perf_counter() - started
+    run.clock.train_s += elapsed
+    run.clock.sync_s += run.sync.seconds_syncing - syncing_before
+    return losses, elapsed
 
 
 # -- the loop -----------------------------------------------------------------------------------
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
-    """Train as configured; returns (and writes) the results of the run."""
+    """Train as configured (resolved first); returns (and writes) the results of the run."""
+    started = time.perf_counter()
+    config = resolve(config)
     run = build_run(config)
+    run.clock.started = started
     if config.resume:
         resume(run)
     elif run.is_main and (run.run_dir / ckpt.CHECKPOINT_DIR).exists():
@@ -93,37 +87,15 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run.run_dir / "config.json", config.to_dict())
+        say(run.data_summary)
+        if config.resume:
+            say(f"resumed from step {run.step} of {run.total_steps} ({run.run_dir})")
     log = MetricsLog(run.run_dir, enabled=run.is_main, append=config.resume)
     if config.resume:
         log.truncate_after(run.step)
-    eval_every = config.eval_every or max(1, run.total_steps // 10)
-    progress = tqdm(
-        total=run.total_steps,
-        initial=run.step,
-        disable=not (config.progress and run.is_main),
-        desc=f"{config.method}",
-        unit="step",
-        dynamic_ncols=True,
-    )
-    throughput = Throughput()
     try:
-        while run.step < run.total_steps:
-            losses, elapsed = advance(run)
-            throughput.add(config.tokens_per_step, elapsed)
-            should_log = run.step % config.log_every == 0 or run.step == run.total_steps
-            if should_log or not run.process.distributed:
-                # every worker's loss (a tiny uncounted gather on real workers: log steps only)
-                worker_losses = run.workers.communicator.gather_scalars(losses.float())
-                check_finite_losses(run, worker_losses)
-            if should_log:
-                log_training(run, log, progress, worker_losses.mean().item(), throughput.take())
-            progress.update(1)
-            if run.step % eval_every == 0 or run.step == run.total_steps:
-                run_evaluation(run, log)
-            if config.checkpoint_every and run.step % config.checkpoint_every == 0:
-                save(run)
+        loop(run, log)
     finally:
-        progress.close()
         log.close()
     save(run)
     results = summarize(run)
@@ -135,20 +107,40 @@ def train(config: TrainConfig) -> dict[str, Any]:
     return results
 
 
-def advance(run: Run) -> tuple[torch.Tensor, float]:
-    """One training step with its accounting: wall time, compute time, bytes sent that step."""
-    traffic = run.sync.communicator.traffic
-    sent_before, started = traffic.bytes, time.perf_counter()
-    losses, sync_seconds = train_step(run, run.step)
-    if run.device.type == "cuda":
-        torch.cuda.synchronize(run.device)
-    elapsed = time.perf_counter() - started
-    run.step += 1
-    run.wall_time_s += elapsed
-    run.compute_time_s += elapsed - sync_seconds
-    if traffic.bytes > sent_before:
-        run.comm_events.append([run.step, traffic.bytes - sent_before])
-    return losses, elapsed
+def say(line: str) -> None:
+    """A progress line for the person at the terminal (stderr: stdout carries the results)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def loop(run: Run, log: MetricsLog) -> None:
+    config = run.config
+    progress = tqdm(
+        total=run.total_steps,
+        initial=run.step,
+        disable=not (config.progress and run.is_main),
+        desc=f"{config.method}",
+        unit="step",
+        dynamic_ncols=True,
+    )
+    throughput = Throughput()
+    try:
+        while run.step < run.total_steps:
+            losses, elapsed = timed_step(run)
+            throughput.add(config.tokens_per_step, elapsed)
+            should_log = run.step % config.log_every == 0 or run.step == run.total_steps
+            if should_log or not run.process.distributed:
+                # every worker's loss (a tiny uncounted gather on real workers: log steps only)
+                worker_losses = run.workers.layout.gather(losses.float())
+                check_finite_losses(run, worker_losses)
+            if should_log:
+                log_training(run, log, progress, worker_losses.mean().item(), throughput.take())
+            progress.update(1)
+            if run.step % config.eval_every == 0 or run.step == run.total_steps:
+                run_evaluation(run, log)
+            if config.checkpoint_every and run.step % config.checkpoint_every == 0:
+                save(run)
+    finally:
+        progress.close()
 
 
 class Throughput:
@@ -168,7 +160,7 @@ class Throughput:
 
 
 def log_training(run: Run, log: MetricsLog, progress: tqdm, loss: float, tokens_per_s: float):
-    sent = run.sync.communicator.traffic.bytes
+    sent = run.sync.traffic.bytes
     log.write(
         {
             "step": run.step,
@@ -177,7 +169,8 @@ def log_training(run: Run, log: MetricsLog, progress: tqdm, loss: float, tokens_
             "lr": run.optimizer.param_groups[0]["lr"],
             "bytes_per_worker": sent,
             "tokens_per_s": tokens_per_s,
-            "wall_time_s": run.wall_time_s,
+            "train_time_s": run.clock.train_s,
+            "wall_time_s": run.clock.wall_s(),
         }
     )
     progress.set_postfix(
@@ -200,30 +193,3 @@ def check_finite_losses(run: Run, worker_losses: torch.Tensor) -> None:
         raise NonFiniteError(
             f"training loss is NaN/inf at step {run.step} on every worker; none is left to average"
         )
-
-
-def run_evaluation(run: Run, log: MetricsLog) -> float:
-    started = time.perf_counter()
-    model = run.workers.global_model()
-    with run.workers._autocast():
-        val_loss = evaluate(model, run.val_batches, run.device)
-    if not math.isfinite(val_loss) and run.config.on_non_finite == "raise":
-        raise NonFiniteError(
-            f"validation loss of the averaged model is NaN/inf at step {run.step}; lower --lr"
-        )
-    record = {
-        "step": run.step,
-        "tokens": run.step * run.config.tokens_per_step,
-        "val_loss": val_loss,
-        "val_ppl": math.exp(min(val_loss, 50.0)),
-        "wall_time_s": run.wall_time_s,
-        "bytes_per_worker": run.sync.communicator.traffic.bytes,
-    }
-    for key in ("cosine", "drift"):
-        if run.sync.alignment:
-            values = run.sync.alignment[-1][key]
-            record[f"alignment_{key}_mean"] = sum(values) / len(values)
-    run.evals.append(record)
-    log.write(record)
-    run.eval_time_s += time.perf_counter() - started
-    return val_loss

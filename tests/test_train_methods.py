@@ -1,4 +1,4 @@
-"""The compared methods (SPEC §4): defaults, and identical data on M workers == one worker."""
+"""The compared methods: their defaults, and identical data on M workers == one worker."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ from torch.testing import assert_close
 
 from mtdao import MTSGD, MTAdam, MTAdopt
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, SingleWorker
-from mtdao.sync.methods import (
-    BASE_OPTIMIZERS,
-    METHODS,
-    OptimizerSettings,
-    build_optimizer,
-    build_policy,
-    resolve_settings,
-)
+from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.methods import BASE_OPTIMIZERS, METHODS, build_optimizer, build_policy
 
 D_IN, D_OUT, BATCH = 5, 2, 16
 SYNC_PERIOD, STEPS = 2, 13  # rounds at even steps; desloc's second moment syncs at step 12
@@ -50,8 +44,8 @@ def run(method: str, base: str, num_workers: int | None) -> tuple[list[Tensor], 
     if num_workers is not None:
         params = [p.expand(num_workers, *p.shape).clone() for p in params]
     params = [torch.nn.Parameter(p) for p in params]
-    settings = resolve_settings(method, OptimizerSettings(name=base, lr=LR[base]))
-    optimizer = build_optimizer(params, settings)
+    config = resolve(TrainConfig(method=method, optimizer=base, lr=LR[base], weight_decay=0.0))
+    optimizer = build_optimizer(params, config)
     policy = build_policy(method, SYNC_PERIOD, optimizer)
     communicator = SingleWorker() if num_workers is None else SimulatedWorkers(num_workers)
     sync = LocalUpdateSync(optimizer, policy, communicator)
@@ -87,31 +81,33 @@ def test_diloco_outer_step_is_not_the_identity(base):
     assert not torch.allclose(diloco_m[0][0], local[0], rtol=1e-3, atol=1e-6)
 
 
+def settings(method: str, optimizer: str = "adam", **given) -> tuple:
+    config = resolve(TrainConfig(method=method, optimizer=optimizer, **given))
+    return config.betas, config.omegas, config.beta2, config.eps
+
+
 def test_resolved_defaults():
-    ddp = resolve_settings("ddp", OptimizerSettings(name="adam"))
-    assert (ddp.betas, ddp.omegas, ddp.beta2, ddp.eps) == ((0.9,), (1.0,), 0.95, 1e-8)
-    mtdao = resolve_settings("mtdao", OptimizerSettings(name="adam"))
-    assert (mtdao.betas, mtdao.omegas) == ((0.95,), (0.7,))
-    adopt = resolve_settings("mtdao", OptimizerSettings(name="adopt"))
-    assert (adopt.betas, adopt.beta2, adopt.eps) == ((0.999,), 0.9999, 1e-6)
-    own = resolve_settings("qh-ddp", OptimizerSettings(name="sgdm", betas=(0.9, 0.99)))
-    assert own.omegas == pytest.approx((0.45, 0.45))
-    assert (own.beta2, own.eps) == (None, None)
-    two = resolve_settings("local-adam", OptimizerSettings(name="adam", betas=(0.9, 0.99)))
-    assert two.omegas == (0.5, 0.5)
+    assert settings("ddp") == ((0.9,), (1.0,), 0.95, 1e-8)
+    assert settings("mtdao")[:2] == ((0.95,), (0.7,))
+    betas, _, beta2, eps = settings("mtdao", "adopt")
+    assert (betas, beta2, eps) == ((0.999,), 0.9999, 1e-6)
+    betas, omegas, beta2, eps = settings("qh-ddp", "sgdm", betas=(0.9, 0.99))
+    assert omegas == pytest.approx((0.45, 0.45))
+    assert (beta2, eps) == (None, None)  # SGDM has neither
+    assert settings("local-adam", betas=(0.9, 0.99))[1] == (0.5, 0.5)
 
 
 def test_build_optimizer_types():
     param = torch.nn.Parameter(torch.zeros(3))
     for name, kind in [("adam", MTAdam), ("adopt", MTAdopt), ("sgdm", MTSGD)]:
-        settings = resolve_settings("mtdao", OptimizerSettings(name=name))
-        assert type(build_optimizer([param], settings)) is kind
+        config = resolve(TrainConfig(method="mtdao", optimizer=name))
+        assert type(build_optimizer([param], config)) is kind
 
 
 def test_build_policy_per_method():
     param = torch.nn.Parameter(torch.zeros(3))
-    slow = OptimizerSettings(betas=(0.99,), omegas=(0.9,))
-    optimizer = build_optimizer([param], resolve_settings("mtdao", slow))
+    slow = resolve(TrainConfig(method="mtdao", betas=(0.99,), omegas=(0.9,)))
+    optimizer = build_optimizer([param], slow)
     ddp = build_policy("ddp", 32, optimizer)
     assert ddp.average_gradients and ddp.params.period is None and ddp.name == "ddp"
     diloco = build_policy("diloco", 32, optimizer)
@@ -123,24 +119,21 @@ def test_build_policy_per_method():
     assert half_life.state_rule("exp_avg_0").period == 64
     assert half_life.state_rule("exp_avg_sq").period == 32
     assert build_policy("desloc", 32, optimizer).state_rule("exp_avg_sq").period == 192
-    sgdm = build_optimizer([param], resolve_settings("desloc", OptimizerSettings(name="sgdm")))
+    sgdm = build_optimizer([param], resolve(TrainConfig(method="desloc", optimizer="sgdm")))
     sgdm_desloc = build_policy("desloc", 32, sgdm)  # no second moment to name
     assert sgdm_desloc.periods() == {"params": 32, "other states": 96}
 
 
 @pytest.mark.parametrize(
-    "method, optimizer_name, sync_policy, match",
+    "method, sync_policy, match",
     [
-        ("ddp", "adam", "unified", "does not apply"),
-        ("diloco", "adam", "unified", "does not apply"),
-        ("mtdao", "adam", "sometimes", "Unknown sync policy"),
-        ("fsdp", "adam", None, "Unknown method"),
-        ("mtdao", "lion", None, "Unknown optimizer"),
+        ("ddp", "unified", "a sync policy does not apply"),
+        ("diloco", "unified", "a sync policy does not apply"),
+        ("mtdao", "sometimes", "Unknown sync policy"),
+        ("fsdp", None, "Unknown method"),
     ],
 )
-def test_bad_method_settings_are_refused(method, optimizer_name, sync_policy, match):
-    param = torch.nn.Parameter(torch.zeros(3))
-    optimizer = MTAdam([param])
+def test_bad_method_settings_are_refused(method, sync_policy, match):
+    optimizer = MTAdam([torch.nn.Parameter(torch.zeros(3))])
     with pytest.raises(ValueError, match=match):
-        resolve_settings(method, OptimizerSettings(name=optimizer_name))
         build_policy(method, 4, optimizer, sync_policy=sync_policy)

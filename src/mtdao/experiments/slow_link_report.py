@@ -1,0 +1,117 @@
+"""``mtdao slow-link``'s report.md and time_to_loss.png, rendered from the measured rows
+(the content of results.json) and the environment they were measured in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mtdao.experiments.figures import pyplot, save
+from mtdao.experiments.formatting import megabytes, table
+
+COLUMNS = (
+    "rate (Mbit/s)",
+    "measured (Mbit/s)",
+    "method",
+    "steps",
+    "final val loss",
+    "wall time (s)",
+    "time to DDP's final loss (s)",
+    "speedup to DDP's loss",
+    "wall at DDP's tokens (s)",
+    "val loss at DDP's tokens",
+    "iso-token speedup",
+    "payload MB/worker",
+    "wire MB/worker",
+    "compute / comm s per step",
+)
+NOTES = """\
+- wall time: rank 0's training-step seconds (waits on collectives included; start-up and
+  evaluation excluded). Speedup = DDP's time / this method's time ("-x% time": faster).
+- time to DDP's final loss: first evaluation at or below it, interpolated from the one before.
+- payload: bytes the harness averages per worker (model-size buffers); wire: bytes each worker's
+  interface sent (ring all-reduce moves ~2(M-1)/M of the payload, plus TCP/IP headers,
+  rendezvous, evaluation averages and loss gathers).
+- compute / comm: rank 0's seconds per step outside / inside the averaging calls."""
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f}"
+
+
+def _speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x ({100 * (1 / value - 1):+.0f}% time)"
+
+
+def _row(r: Mapping[str, Any]) -> list[str]:
+    iso_loss = r.get("iso_token_val_loss")
+    return [
+        f"{r['rate_mbit']:g}",
+        f"{r['measured_mbit']:.1f}",
+        r["method"],
+        str(r["steps"]),
+        f"{r['final_val_loss']:.4f}",
+        f"{r['wall_time_s']:.1f}",
+        _seconds(r.get("time_to_ddp_loss_s")),
+        _speedup(r.get("speedup_to_ddp_loss")),
+        _seconds(r.get("iso_token_wall_s")),
+        "-" if iso_loss is None else f"{iso_loss:.4f}",
+        _speedup(r.get("iso_token_speedup")),
+        megabytes(r["bytes_per_worker"]),
+        megabytes(r["wire_bytes_per_worker"]),
+        f"{r['compute_s_per_step']:.3f} / {r['comm_s_per_step']:.3f}",
+    ]
+
+
+def report_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    return "\n".join(table(COLUMNS, (_row(r) for r in rows)))
+
+
+def render_report(
+    rows: Sequence[Mapping[str, Any]], *, command: str, workers: int, torch: str, cores: int
+) -> str:
+    """The whole report.md; ``torch`` and ``cores`` say where it was measured."""
+    runs = "\n".join(
+        f"- {r['method']} at {r['rate_mbit']:g} Mbit/s: {r['process_time_s']:.0f} s from launch to "
+        f"exit, load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}"
+        for r in rows
+    )
+    return f"""# Slow link: DDP vs local updates, measured on an emulated link
+
+Command: `{command}`
+
+{rows[0]["parameters"]:,} parameters, {workers} gloo worker processes (one thread each), one per
+network namespace; every byte between them crosses a token-bucket link of the given rate (upload and
+download per worker). torch {torch}, {cores} CPU cores.
+
+{report_table(rows)}
+
+{NOTES}
+
+{runs}
+"""
+
+
+def plot_time_to_loss(out: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Validation loss against measured wall-clock, one panel per link rate."""
+    plt = pyplot()
+    rates = sorted({r["rate_mbit"] for r in rows})
+    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.0), dpi=120, squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for index, row in enumerate(r for r in rows if r["rate_mbit"] == rate):
+            points = [(e["wall_time_s"], e["val_loss"]) for e in row["evals"]]
+            ax.plot(*zip(*points), "o-", color=f"C{index}", lw=2, ms=3, label=row["method"])
+            if row["method"] == "ddp":
+                ax.axhline(
+                    row["final_val_loss"], color="0.5", ls="--", lw=1, label="DDP's final loss"
+                )
+        ax.set_title(f"{rate:g} Mbit/s link")
+        ax.set_xlabel("wall-clock training seconds (measured)")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = Path(out) / "time_to_loss.png"
+    save(fig, path)
+    return path

@@ -1,0 +1,69 @@
+"""The one collective real workers average with: a bucketed all-reduce over a process group.
+
+Tensors are flattened into one buffer per (device, dtype), split at ``bucket_bytes``, and summed
+with ``all_reduce``; gloo has no AVG reduction, so the sum is divided by the number of contributing
+workers. A worker left out of the average contributes zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def dtype_buckets(tensors: Sequence[Tensor]) -> dict[tuple, list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype): one flat buffer per group."""
+    buckets: dict[tuple, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        buckets.setdefault((tensor.device, tensor.dtype), []).append(index)
+    return buckets
+
+
+def size_chunks(
+    indices: list[int], tensors: Sequence[Tensor], bucket_bytes: int
+) -> list[list[int]]:
+    """``indices`` cut into consecutive runs of at most ``bucket_bytes`` (one tensor at least)."""
+    chunks: list[list[int]] = [[]]
+    size = 0
+    for index in indices:
+        nbytes = tensors[index].numel() * tensors[index].element_size()
+        if chunks[-1] and size + nbytes > bucket_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(index)
+        size += nbytes
+    return chunks
+
+
+def all_reduce_mean(
+    tensors: Sequence[Tensor],
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    excluded: Sequence[int] = (),
+) -> tuple[list[Tensor], int]:
+    """Averages over the group's ranks not in ``excluded``; returns (averages, collectives)."""
+    rank = dist.get_rank(group)
+    contributors = dist.get_world_size(group) - len(set(excluded))
+    if contributors < 1:
+        raise RuntimeError("Every worker was excluded from the average")
+    averages: list[Tensor | None] = [None] * len(tensors)
+    collectives = 0
+    for indices in dtype_buckets(tensors).values():
+        for chunk in size_chunks(indices, tensors, bucket_bytes):
+            flat = torch.cat([tensors[i].reshape(-1) for i in chunk])
+            if rank in set(excluded):
+                flat.zero_()
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat.div_(contributors)
+            collectives += 1
+            offset = 0
+            for i in chunk:
+                numel = tensors[i].numel()
+                averages[i] = flat[offset : offset + numel].view_as(tensors[i])
+                offset += numel
+    return averages, collectives  # type: ignore[return-value]

@@ -1,0 +1,152 @@
+"""Where each worker's copy of a tensor lives: the one place that knows.
+
+* :class:`WorkerLayout`: one worker in this process and no other (world size 1);
+* :class:`StackedLayout`: M simulated workers in one process, worker w's copy of a tensor of
+  shape S being row w of a tensor of shape [M, *S];
+* :class:`ProcessGroupLayout`: one worker per process of a ``torch.distributed`` process group.
+
+Everything that depends on the layout but is not averaging goes through it: sizes per worker, a
+global copy of a tensor all workers hold identically, per-worker sums (gradient norms, alignment),
+gathering one scalar per worker (losses), locating the workers that hold a NaN, and the average
+model for evaluation. The gathers here are control traffic, left out of the traffic account.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, all_reduce_mean
+
+
+class WorkerLayout:
+    """One unstacked worker in this process, and no other worker anywhere (world size 1)."""
+
+    num_workers: int = 1
+    rank: int = 0
+    """Index of this process's first worker among all workers."""
+    local_workers: int = 1
+    """Workers whose copies this process holds."""
+
+    def worker_numel(self, tensor: Tensor) -> int:
+        """Elements of one worker's copy."""
+        return tensor.numel()
+
+    def worker_bytes(self, tensor: Tensor) -> int:
+        return self.worker_numel(tensor) * tensor.element_size()
+
+    def global_copy(self, tensor: Tensor) -> Tensor:
+        """A copy of a tensor that all workers hold identically, in one worker's shape."""
+        return tensor.detach().clone()
+
+    def per_worker_sum(self, tensor: Tensor) -> Tensor:
+        """Sum over each local worker's copy: shape [local_workers]."""
+        return tensor.sum().reshape(1)
+
+    def per_worker_view(self, values: Tensor, like: Tensor) -> Tensor:
+        """``values`` [local_workers] shaped to broadcast against ``like`` worker by worker."""
+        return values.reshape(())
+
+    def gather(self, values: Tensor) -> Tensor:
+        """One value per local worker [local_workers] -> one per worker [num_workers]."""
+        return values.reshape(1)
+
+    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Averages over all workers, for evaluation and logging (uncounted)."""
+        return list(tensors)
+
+    def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
+        """{worker: index of its first tensor holding NaN/inf} for every worker that has one."""
+        first = next((i for i, t in enumerate(tensors) if not torch.isfinite(t).all()), -1)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        per_worker = self.gather(torch.tensor(float(first), device=device))
+        return {w: int(i) for w, i in enumerate(per_worker.tolist()) if i >= 0}
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, grads: Sequence[Tensor], max_norm: float) -> Tensor:
+        """Scale each worker's gradients to norm <= max_norm; returns the norms before scaling."""
+        squared = sum(self.per_worker_sum(g.float().square()) for g in grads)
+        norms = squared.sqrt()
+        if max_norm > 0:
+            scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(self.per_worker_view(scale, g).to(g.dtype))
+        return norms
+
+
+def check_num_workers(num_workers: int) -> int:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"Invalid number of workers: {num_workers} (must be >= 1)")
+    return num_workers
+
+
+class StackedLayout(WorkerLayout):
+    """M workers in one process; every tensor carries a leading worker dimension of size M."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = self.local_workers = check_num_workers(num_workers)
+
+    def check(self, tensor: Tensor) -> None:
+        if tensor.dim() == 0 or tensor.shape[0] != self.num_workers:
+            raise ValueError(
+                f"Simulated tensors need a leading worker dimension of {self.num_workers}, "
+                f"got shape {tuple(tensor.shape)} (stack a model with mtdao.sync.stack_workers)"
+            )
+
+    def worker_numel(self, tensor: Tensor) -> int:
+        return tensor[0].numel()
+
+    def global_copy(self, tensor: Tensor) -> Tensor:
+        self.check(tensor)
+        return tensor[0].detach().clone()
+
+    def per_worker_sum(self, tensor: Tensor) -> Tensor:
+        return tensor.reshape(self.num_workers, -1).sum(dim=1)
+
+    def per_worker_view(self, values: Tensor, like: Tensor) -> Tensor:
+        return values.reshape([-1] + [1] * (like.dim() - 1))
+
+    def gather(self, values: Tensor) -> Tensor:
+        return values.reshape(self.num_workers)
+
+    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return [tensor.mean(dim=0) for tensor in tensors]
+
+    def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
+        found: dict[int, int] = {}
+        for index, tensor in enumerate(tensors):
+            finite = torch.isfinite(tensor.reshape(self.num_workers, -1)).all(dim=1)
+            for worker in (~finite).nonzero().flatten().tolist():
+                found.setdefault(worker, index)
+        return found
+
+
+class ProcessGroupLayout(WorkerLayout):
+    """One worker per process of an initialized process group (``None``: the default group)."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "one worker per process needs torch.distributed initialized "
+                "(launch with torchrun, or call torch.distributed.init_process_group first)"
+            )
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.num_workers = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def gather(self, values: Tensor) -> Tensor:
+        value = values.reshape(1).to(
+            torch.float64 if values.device.type == "cpu" else torch.float32
+        )
+        gathered = [torch.zeros_like(value) for _ in range(self.num_workers)]
+        dist.all_gather(gathered, value, group=self.group)
+        return torch.cat(gathered)
+
+    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return all_reduce_mean(tensors, self.group, self.bucket_bytes)[0]

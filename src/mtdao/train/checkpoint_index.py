@@ -1,0 +1,121 @@
+"""Finding the complete checkpoints of a run directory, and checking their files.
+
+A ``checkpoints/step-N`` (or ``step-N.K``) directory is complete by construction: it only appears
+by the rename that commits it (see :mod:`mtdao.train.checkpoint`). Listing reads only the small
+``meta.json`` files; ``verify_files`` reads every byte to check sizes and checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtdao.train.durable import file_checksum
+
+CHECKPOINTS_DIR = "checkpoints"
+LEGACY_DIRS = ("checkpoint", "checkpoint.previous")  # one checkpoint, as written before 0.2
+FORMAT = 2
+COMPLETE_NAME = re.compile(r"step-(\d+)(?:\.(\d+))?")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint on disk (its files are not verified by listing)."""
+
+    path: Path
+    step: int
+    sequence: int
+    meta: dict[str, Any] = field(repr=False)
+
+    @property
+    def world_size(self) -> int | None:
+        return self.meta.get("world_size")
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        """{file name: {"bytes": size, "<algorithm>": checksum}}; legacy ones list no checksum."""
+        if "files" in self.meta:
+            return self.meta["files"]
+        return {f"rank{r}.pt": {} for r in range(self.world_size or 1)}
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """The complete checkpoints in ``run_dir``, newest first (nothing is verified)."""
+    return scan_checkpoints(Path(run_dir))[0]
+
+
+def scan_checkpoints(run_dir: Path) -> tuple[list[CheckpointInfo], list[tuple[Path, str]]]:
+    """(complete checkpoints newest first, [(directory, why its metadata is unreadable)])."""
+    found, unreadable = [], []
+    root = run_dir / CHECKPOINTS_DIR
+    candidates = sorted(root.iterdir()) if root.is_dir() else []
+    for path in candidates:
+        if COMPLETE_NAME.fullmatch(path.name) and path.is_dir():
+            meta, problem = read_meta(path / "meta.json", FORMAT)
+            if problem:
+                unreadable.append((path, problem))
+            else:
+                found.append(CheckpointInfo(path, int(meta["step"]), int(meta["sequence"]), meta))
+    for order, name in enumerate(LEGACY_DIRS):
+        meta, problem = read_meta(run_dir / name / "meta.json")
+        if not problem:
+            found.append(CheckpointInfo(run_dir / name, int(meta["step"]), -order, meta))
+    found.sort(key=lambda info: info.sequence, reverse=True)
+    return found, unreadable
+
+
+def read_meta(path: Path, format: int = 1) -> tuple[dict[str, Any], str | None]:
+    try:
+        meta = json.loads(path.read_text())
+        int(meta["step"])
+        if format >= 2:
+            int(meta["sequence"]), int(meta["world_size"]), dict(meta["files"])
+        return meta, None
+    except FileNotFoundError:
+        return {}, f"{path.name} is missing"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return {}, f"{path} is unreadable ({type(error).__name__})"
+
+
+def verify_files(info: CheckpointInfo, names: list[str] | None = None) -> str | None:
+    """Why the named files (default: all) of ``info`` fail their size or checksum; None if fine."""
+    for name in names if names is not None else list(info.files):
+        expected = info.files.get(name)
+        if expected is None:
+            return f"{info.path / 'meta.json'} lists no {name}"
+        path = info.path / name
+        try:
+            size = path.stat().st_size
+            if "bytes" in expected and size != expected["bytes"]:
+                return (
+                    f"{path} is corrupted or incomplete ({size} bytes, {expected['bytes']} saved)"
+                )
+            algorithm = next((key for key in expected if key != "bytes"), None)
+            if algorithm and file_checksum(path, algorithm) != expected[algorithm]:
+                return f"{path} is corrupted or incomplete (its {algorithm} checksum differs)"
+        except OSError as error:
+            return f"{path} cannot be read ({error.strerror or type(error).__name__})"
+    return None
+
+
+def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
+    """The newest complete checkpoint, without verifying its files (cheap)."""
+    found = list_checkpoints(run_dir)
+    return found[0] if found else None
+
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "COMPLETE_NAME",
+    "FORMAT",
+    "LEGACY_DIRS",
+    "CheckpointInfo",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "read_meta",
+    "scan_checkpoints",
+    "verify_files",
+]

@@ -1,0 +1,162 @@
+"""Files that are either wholly written or not there at all, with their checksums.
+
+Every write goes to a temporary file in the same directory, is flushed to disk (fsync), and is
+renamed over its final name; a failure removes the temporary file, so a full disk leaves nothing
+behind. Checksums are xxHash XXH3-128: fast enough to compute while writing (tens of GB/s,
+against about 1 GB/s for SHA-256) and ample to catch flipped or truncated bytes, which is all they
+are for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import xxhash
+
+CHECKSUM = "xxh3_128"
+"""The checksum algorithm recorded with new checkpoint files."""
+
+_CHUNK = 1 << 20
+
+
+class WriteError(OSError):
+    """A file could not be written (full disk, no permission, ...); the message is one line."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        super().__init__(error.errno, error.strerror, str(path))
+        self.message = f"cannot write {path}: {describe_os_error(error)}"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line for an OSError; a full disk is always called "no space left on device"."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on device ({errno.errorcode[error.errno]})"
+    reason = error.strerror or str(error) or type(error).__name__
+    code = errno.errorcode.get(error.errno) if error.errno else None
+    return f"{reason} ({code})" if code else reason
+
+
+def new_hasher(algorithm: str):
+    """A streaming hasher (``update``/``hexdigest``) for a recorded algorithm name."""
+    if algorithm == "xxh3_128":
+        return xxhash.xxh3_128()
+    if algorithm in hashlib.algorithms_guaranteed:
+        return hashlib.new(algorithm)
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+
+
+def file_checksum(path: Path, algorithm: str = CHECKSUM) -> str:
+    hasher = new_hasher(algorithm)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+class _Writer:
+    """A write-only file wrapper that checksums the bytes on their way to disk (no second read)
+    and remembers a failed write: torch.save hides it behind its own error when it ends."""
+
+    def __init__(self, handle: BinaryIO, algorithm: str | None) -> None:
+        self.handle = handle
+        self.hasher = new_hasher(algorithm) if algorithm else None
+        self.size = 0
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            written = self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+        if self.hasher is not None:
+            self.hasher.update(data)
+        self.size += len(data)
+        return written
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def temporary_path(path: Path) -> Path:
+    return path.with_name(f"{path.name}.tmp")
+
+
+def write_atomic(
+    path: Path, write: Callable[[Any], None], algorithm: str | None = None, sync: bool = True
+) -> tuple[int, str | None]:
+    """Call ``write(handle)`` into a temporary file, then rename it to ``path``.
+
+    Returns (bytes written, checksum or None). Raises :class:`WriteError` and removes the
+    temporary file when anything fails; ``path`` is then as it was before.
+    """
+    path = Path(path)
+    partial = temporary_path(path)
+    target = None
+    try:
+        with open(partial, "wb") as handle:
+            target = _Writer(handle, algorithm)
+            write(target)
+            handle.flush()
+            if sync:
+                os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except OSError as error:
+        _remove_quietly(partial)
+        raise WriteError(path, error) from None
+    except Exception:
+        _remove_quietly(partial)
+        if target is not None and target.error is not None:
+            raise WriteError(path, target.error) from None
+        raise
+    return target.size, target.hasher.hexdigest() if target.hasher else None
+
+
+def write_text_atomic(path: Path, text: str, sync: bool = True) -> None:
+    write_atomic(path, lambda handle: handle.write(text.encode("utf-8")), sync=sync)
+
+
+def write_json_atomic(path: Path, value: Any, sync: bool = True) -> None:
+    write_text_atomic(path, json.dumps(value, indent=2), sync=sync)
+
+
+def fsync_directory(path: Path) -> None:
+    """Make renames and new entries in ``path`` durable (a no-op where directories cannot be
+    opened, e.g. on Windows)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+__all__ = [
+    "CHECKSUM",
+    "WriteError",
+    "describe_os_error",
+    "file_checksum",
+    "fsync_directory",
+    "new_hasher",
+    "temporary_path",
+    "write_atomic",
+    "write_json_atomic",
+    "write_text_atomic",
+]

@@ -1,0 +1,146 @@
+"""stack_workers: any module as M simulated workers; and the test doubles of mtdao.sync.testing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.testing import assert_close
+
+from mtdao.sync import LocalUpdateSync, SimulatedWorkers, stack_workers, unified
+from mtdao.sync.testing import PeerFailure, RecordingCommunicator, ScriptedCommunicator
+
+WORKERS = 3
+
+
+class TiedModel(nn.Module):
+    """An embedding whose weight the output layer shares, a norm, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("offset", torch.arange(6.0) / 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(tokens) + self.offset))
+
+
+def perturbed_workers():
+    torch.manual_seed(0)
+    model = TiedModel()
+    workers = stack_workers(model, WORKERS)
+    with torch.no_grad():
+        for p in workers.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # every worker somewhere else
+    return model, workers
+
+
+def worker_copy(model: nn.Module, workers, w: int) -> dict[str, torch.Tensor]:
+    return {name: p[w] for name, p in workers.named_parameters()}
+
+
+def test_stacked_parameters_keep_names_shapes_and_ties():
+    model = TiedModel()
+    workers = stack_workers(model, WORKERS)
+    names = [name for name, _ in model.named_parameters()]
+    assert [name for name, _ in workers.named_parameters()] == names  # tied head: not repeated
+    for (_, stacked), (_, p) in zip(workers.named_parameters(), model.named_parameters()):
+        assert stacked.shape == (WORKERS, *p.shape)
+        assert all(torch.equal(stacked[w], p) for w in range(WORKERS))
+    assert set(workers.state_dict()) == set(model.state_dict()) - {"head.weight"}
+
+
+def test_forward_and_losses_run_each_worker_on_its_own_inputs():
+    model, workers = perturbed_workers()
+    tokens = torch.randint(0, 11, (WORKERS, 4, 5))
+    targets = torch.randint(0, 11, (WORKERS, 4, 5))
+    outputs = workers(tokens)
+    assert outputs.shape == (WORKERS, 4, 5, 11)
+
+    def loss_fn(logits, targets):
+        return nn.functional.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+
+    losses = workers.losses(loss_fn, tokens, targets)
+    losses.sum().backward()
+    for w in range(WORKERS):
+        params = {k: v.detach().requires_grad_() for k, v in worker_copy(model, workers, w).items()}
+        alone = functional_call(model, params, (tokens[w],))
+        assert_close(outputs[w], alone)
+        loss = loss_fn(alone, targets[w])
+        assert_close(losses[w], loss)
+        loss.backward()
+        for name, p in workers.named_parameters():  # each slice holds that worker's gradient
+            assert_close(p.grad[w], params[name].grad)
+
+
+def test_average_is_the_module_at_the_mean_parameters():
+    model, workers = perturbed_workers()
+    average = workers.average()
+    assert average is not model
+    for (name, p), (_, stacked) in zip(average.named_parameters(), workers.named_parameters()):
+        assert_close(p, stacked.mean(0)), name
+    assert average.head.weight is average.embed.weight
+
+
+def test_stacked_workers_train_with_the_engine_and_stay_in_step():
+    _, workers = perturbed_workers()
+    optimizer = torch.optim.AdamW(workers.parameters(), lr=1e-2)
+    sync = LocalUpdateSync(optimizer, unified(2), SimulatedWorkers(WORKERS))  # broadcasts worker 0
+    for step in range(4):
+        tokens = torch.randint(
+            0, 11, (WORKERS, 4, 5), generator=torch.Generator().manual_seed(step)
+        )
+        workers(tokens).square().mean(dim=(1, 2, 3)).sum().backward()
+        sync.step()
+        optimizer.zero_grad()
+    for p in workers.parameters():  # step 4 ended a round: every worker holds the average
+        assert all(torch.equal(p[0], p[w]) for w in range(WORKERS))
+
+
+def test_an_unstacked_tensor_is_refused_with_the_way_out():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(64, 16))], lr=0.1)
+    with pytest.raises(ValueError, match="leading worker dimension of 4.*stack_workers"):
+        LocalUpdateSync(optimizer, unified(2), SimulatedWorkers(4))
+
+
+# -- the test doubles -----------------------------------------------------------------------------
+
+
+def test_recording_communicator_forwards_to_a_real_one_and_logs_every_call():
+    inner = SimulatedWorkers(2)
+    recording = RecordingCommunicator(inner)
+    param = nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 6.0]]))
+    sync = LocalUpdateSync(torch.optim.SGD([param], lr=0.0), unified(1), recording)
+    param.grad = torch.zeros_like(param)
+    sync.step()
+    assert [call.method for call in recording.calls] == [
+        "broadcast_from_first",
+        "average",
+        "assign",
+    ]
+    assert recording.average_kinds() == [["params"]]
+    assert recording.calls[1].shapes == [(2, 2)]
+    assert recording.traffic is inner.traffic and inner.traffic.bytes == 8
+    assert torch.equal(param, torch.tensor([[1.0, 2.0], [1.0, 2.0]]))  # worker 0 broadcast
+
+
+def test_scripted_communicator_returns_its_script_then_fails_where_told():
+    param = nn.Parameter(torch.tensor([1.0, 2.0]))
+    scripted = ScriptedCommunicator([lambda tensors: [t * 10 for t in tensors]], fail_at=3)
+    sync = LocalUpdateSync(torch.optim.SGD([param], lr=0.0), unified(1), scripted)
+    param.grad = torch.zeros_like(param)
+    sync.step()
+    assert torch.equal(param.detach(), torch.tensor([10.0, 20.0]))  # scripted
+    sync.step()
+    assert torch.equal(param.detach(), torch.tensor([10.0, 20.0]))  # past the script: identity
+    with pytest.raises(PeerFailure, match="average call 3"):
+        sync.step()
+    custom = ScriptedCommunicator(fail_at=1, error=TimeoutError("quorum lost"))
+    with pytest.raises(TimeoutError, match="quorum lost"):
+        LocalUpdateSync(torch.optim.SGD([copy.deepcopy(param)], lr=0.0), unified(1), custom).step()
