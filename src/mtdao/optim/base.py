@@ -76,11 +76,12 @@ def check_momenta(betas: Any, omegas: Any) -> tuple[tuple[float, ...], tuple[flo
 class MultiTimescaleOptimizer(Optimizer):
     """Base class: a subclass names its kernels and the group entries they take.
 
-    Three implementations of one update, chosen per group: ``fused`` (one compiled kernel per
-    tensor, see :mod:`mtdao.optim.fused`), ``foreach`` (one multi-tensor kernel per operation) and
-    a for-loop over tensors. ``fused=None, foreach=None`` (the default) takes the fused kernel for
-    tensors large enough for it to be faster (see :func:`mtdao.optim.fused.fusing_pays`), the
-    foreach path otherwise and wherever the kernel does not compile (decided at first use, with a
+    Three implementations of one update, chosen per group: ``fused`` (compiled kernels that read
+    and write each element once, see :mod:`mtdao.optim.fused`), ``foreach`` (one multi-tensor
+    kernel per operation) and a for-loop over tensors. ``fused=None, foreach=None`` (the default)
+    takes the fused kernels for models large enough for them to pay (see
+    :func:`mtdao.optim.fused.fusing_pays`), the foreach path otherwise; wherever the kernels do
+    not compile, ``fused=True`` falls back to the foreach path too (decided at first use, with one
     warning).
     """
 

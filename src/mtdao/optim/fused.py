@@ -1,11 +1,11 @@
-"""The MT-DAO update rules as one fused kernel per tensor (``fused=True``).
+"""The MT-DAO update rules as compiled kernels (``fused=True``).
 
 Each rule is an *element update*: a pure in-place function of one tensor set (parameter ``x``,
 gradient ``g``, momenta ``u_j``, second moment ``v``) and a 1-D tensor ``c`` of coefficients. It
-performs the same operations, in the same order, as the foreach form in
-:mod:`mtdao.optim.functional`, so the two agree to float rounding (the tests hold them to that).
-Compiled (:mod:`mtdao.optim.compilation`), it reads every element once and writes it once, which is
-all an element-wise optimizer has to do; the foreach form makes one pass over memory per operation.
+computes the same update as the foreach form in :mod:`mtdao.optim.functional` and agrees with it
+to float rounding (the tests hold them to that). Compiled (:mod:`mtdao.optim.compilation`), it
+reads every element once and writes it once, which is all an element-wise optimizer has to do; the
+foreach form makes one pass over memory per operation.
 
 All hyperparameters, the learning rate and the step-dependent factors (bias corrections, ADOPT's
 clip) are coefficients: tensor values, not constants of the kernel, so a changing learning rate or
@@ -207,14 +207,14 @@ def apply_rule(
 
 
 def mt_adam_fused(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, **hyper) -> None:
-    """Same as :func:`mtdao.optim.functional.mt_adam_multi_tensor`, one kernel per tensor."""
+    """Same as :func:`mtdao.optim.functional.mt_adam_multi_tensor`, as compiled kernels."""
     apply_rule(
         ADAM, params, grads, exp_avgs, exp_avg_sqs, adam_coefficients(step=step, **hyper), lr
     )
 
 
 def mt_adopt_fused(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, **hyper) -> None:
-    """Same as :func:`mtdao.optim.functional.mt_adopt_multi_tensor`, one kernel per tensor."""
+    """Same as :func:`mtdao.optim.functional.mt_adopt_multi_tensor`, as compiled kernels."""
     if step == 1:  # the first call only fills v (and decays x): once per run, not worth a kernel
         _adopt_first_step(params, grads, exp_avg_sqs, lr, hyper["weight_decay"])
         return
@@ -223,7 +223,7 @@ def mt_adopt_fused(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, **hyper) -
 
 
 def mt_sgd_fused(params, grads, exp_avgs, *, lr, **hyper) -> None:
-    """Same as :func:`mtdao.optim.functional.mt_sgd_multi_tensor`, one kernel per tensor."""
+    """Same as :func:`mtdao.optim.functional.mt_sgd_multi_tensor`, as compiled kernels."""
     apply_rule(SGD, params, grads, exp_avgs, [], sgd_coefficients(**hyper), lr)
 
 
