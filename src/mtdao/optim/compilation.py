@@ -1,7 +1,7 @@
 """Compiling the fused update kernels: once per process and kernel spec, checked at first use.
 
 An element update (see :mod:`mtdao.optim.fused`) is a plain PyTorch function over one flat tensor
-set: parameter, gradient, N momenta, second moment and a 1-D tensor of coefficients. A kernel
+set: parameter, gradient, N momenta, second moment and a 1-D float64 tensor of coefficients. A kernel
 applies it to ``slots`` tensor sets per call and is compiled with ``torch.compile`` (inductor:
 C++/OpenMP on CPU, Triton on CUDA) into code that reads and writes each element once. Every size
 is symbolic and every hyperparameter (learning rate, bias corrections, ADOPT's clip) lives in the
@@ -133,7 +133,7 @@ def _probe_inputs(spec: KernelSpec) -> tuple:
     vs = [random(i, spec.state_dtype, 0.0, 1.0) if spec.second_moment else None for i in slots]
     # plausible coefficients: decays, weights and step sizes all lie in (0, 1) in magnitude
     coefficients = torch.linspace(0.9, 0.1, spec.num_coefficients, dtype=torch.float64)
-    return xs, gs, momenta, vs, coefficients.to(device=spec.device, dtype=spec.state_dtype)
+    return xs, gs, momenta, vs, coefficients.to(spec.device)
 
 
 def _clone(inputs: tuple) -> tuple:
