@@ -182,11 +182,12 @@ def train_with_tensor_lr(optimizer, params, steps: int) -> None:
         optimizer.step()
 
 
-def test_tensor_lr_gives_the_float_lr_result():
+@pytest.mark.parametrize("path", ["fused", "foreach"])
+def test_tensor_lr_gives_the_float_lr_result(path):
     runs = []
     for as_tensor in (False, True):
         params = make_params(torch.float32)
-        optimizer = make_optimizer("adam", 1, params, fused=True)
+        optimizer = make_optimizer("adam", 1, params, **{path: True})
         for step in range(5):
             lr = 1e-2 / (step + 1)
             as_given = torch.tensor(lr, dtype=torch.float64) if as_tensor else lr
