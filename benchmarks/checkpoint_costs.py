@@ -3,7 +3,8 @@
 1. Save and load of one checkpoint of a real run (tiny model, 2 simulated workers, after two
    steps so the optimizer states exist), with this checkout's checkpoint module; with
    ``--baseline FILE`` (another version's ``checkpoint.py``, e.g. from ``git show``), that one
-   is timed side by side, alternating, and reported as a ratio.
+   is timed side by side, alternating, and reported as a ratio. Then the trainer's own save
+   against a training step of the same run.
 2. Checksum throughput of the candidate algorithms on a 100 MB file (read from the page cache).
 3. Fingerprinting the builtin corpus (the key of the token caches) against loading it.
 
@@ -28,35 +29,47 @@ import torch
 import xxhash
 
 from mtdao.data import load_corpus
-from mtdao.train import checkpoint
-from mtdao.train.config import TrainConfig
+from mtdao.train import checkpoint, snapshot
+from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.setup import build_run
 from mtdao.train.trainer import train_step
 
 
-def run_state(model: str, work: Path) -> tuple[dict, dict]:
+def build_tiny_run(model: str, work: Path):
     corpus = work / "corpus"
     corpus.mkdir()
     for module in ("argparse", "textwrap", "csv", "string"):
         source = inspect.getsource(__import__(module))
         (corpus / f"{module}.py").write_text(source)
     config = TrainConfig(
-        model=model, workers=2, batch_size=2, seq_len=32, steps=4, data=str(corpus),
+        model=model, workers=2, batch_size=2, seq_len=32, steps=10_000, data=str(corpus),
         out=str(work / "run"), device="cpu", progress=False,
     )  # fmt: skip
-    run = build_run(config)
-    for step in (1, 2):
-        run.step = step
-        train_step(run, step)
-    state = {
-        "step": run.step,
-        "params": {name: p.detach() for name, p in run.workers.named_parameters()},
-        "optimizer": run.optimizer.state_dict(),
-        "sync": run.sync.state_dict(),
-        "shards": [shard.state_dict() for shard in run.shards],
-        "torch_rng": torch.get_rng_state(),
-    }
-    return state, {"step": run.step, "config": config.to_dict()}
+    run = build_run(resolve(config))
+    for _ in range(2):  # the optimizer states exist after a step
+        train_step(run)
+    return run
+
+
+def run_state(run) -> tuple[dict, dict]:
+    return snapshot.run_state(run), {"step": run.step, "config": run.config.to_dict()}
+
+
+def time_harness_save(run, rounds: int) -> None:
+    """The trainer's save (finite screen, files, fsyncs, commit, pruning to the newest 2) against
+    one training step of the same run, alternating."""
+    store = snapshot.checkpoint_store(run.config, run.process, run.device)
+    steps, saves = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        train_step(run)
+        steps.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        snapshot.save(run, store)
+        saves.append(time.perf_counter() - started)
+    step, save = statistics.median(steps), statistics.median(saves)
+    print(f"harness: one training step {step * 1e3:.1f} ms, one save {save * 1e3:.1f} ms "
+          f"(medians of {rounds}); a save every N steps adds {save / step:.2f}/N of a step")  # fmt: skip
 
 
 def time_save_load(modules: dict, state: dict, meta: dict, work: Path, rounds: int) -> None:
@@ -138,8 +151,10 @@ def main() -> None:
         modules["baseline"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(modules["baseline"])
     with tempfile.TemporaryDirectory() as work:
-        state, meta = run_state(args.model, Path(work))
+        run = build_tiny_run(args.model, Path(work))
+        state, meta = run_state(run)
         time_save_load(modules, state, meta, Path(work), args.rounds)
+        time_harness_save(run, args.rounds)
         time_checksums(Path(work))
     time_corpus_fingerprint()
 

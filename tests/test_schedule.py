@@ -8,7 +8,7 @@ import math
 import pytest
 
 from mtdao.train.config import TrainConfig, resolve
-from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_multiplier, ramp
+from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_multiplier, ramp, steps_change
 from mtdao.train.trainer import build_run, set_hyperparameters, train_step
 
 TOTAL, WARMUP, MIN_RATIO = 100, 10, 0.1
@@ -122,3 +122,52 @@ def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tm
             assert group["omegas"] == pytest.approx((0.3 * scale, 0.6 * scale))
     assert run.optimizer.param_groups[0]["omegas"] == pytest.approx((0.3, 0.6))
     assert all(math.isfinite(p.sum().item()) for _, p in run.workers.named_parameters())
+
+
+# -- re-planning a run for other --steps ---------------------------------------------------------
+
+
+def planned(steps: int, **fields) -> TrainConfig:
+    return resolve(TrainConfig(steps=steps, **fields))
+
+
+def test_wsd_replanned_in_its_stable_phase_is_exact():
+    """1000 -> 2000 steps at step 700: both plans warm up for 0 steps and stay at the peak until
+    700 (the old decay would start at 800)."""
+    change = steps_change(
+        planned(1000, schedule="wsd", warmup=0.0), planned(2000, schedule="wsd", warmup=0.0), 700
+    )
+    assert change.exact and change.lr_planned == change.lr_new == 8e-3
+    assert (
+        "exact here" in change.consequence()
+        and "--steps 2000 from the start" in change.consequence()
+    )
+    # past the old decay start, the steps taken followed the old decay: a jump back to the peak
+    late = steps_change(
+        planned(1000, schedule="wsd", warmup=0.0), planned(2000, schedule="wsd", warmup=0.0), 900
+    )
+    assert not late.exact and late.first_difference == 801
+    assert late.lr_new == 8e-3 > late.lr_planned
+    assert f"jumps from {late.lr_planned:.4g} to 0.008 at step 901" in late.consequence()
+
+
+def test_cosine_replanned_jumps_and_says_by_how_much():
+    old, new = planned(1200), planned(2400)
+    change = steps_change(old, new, 600)
+    expected_old = LRSchedule(8e-3, 1200, "cosine", 60, 0.1)(600)
+    expected_new = LRSchedule(8e-3, 2400, "cosine", 120, 0.1)(600)
+    assert (change.lr_planned, change.lr_new) == (expected_old, expected_new)
+    assert not change.exact and change.first_difference == 1  # the warmups differ too
+    text = change.consequence()
+    assert (
+        f"the learning rate jumps from {expected_old:.4g} to {expected_new:.4g} at step 601" in text
+    )
+
+
+def test_a_longer_warmup_is_not_exact_even_without_a_jump():
+    """wsd with a 5% warmup: 60 steps planned for 1200, 120 for 2400; the rate at step 700 is the
+    peak either way, but the steps taken warmed up faster than a 2400-step run would have."""
+    change = steps_change(planned(1200, schedule="wsd"), planned(2400, schedule="wsd"), 700)
+    assert not change.exact and change.first_difference == 1
+    assert change.lr_new == change.lr_planned
+    assert change.consequence().startswith("the learning rate continues at 0.008, but")

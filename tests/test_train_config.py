@@ -13,7 +13,13 @@ import pytest
 from mtdao.cli import build_parser
 from mtdao.flags import add_dataclass_arguments
 from mtdao.train.command import config_from_args, config_to_argv
-from mtdao.train.config import RESUMABLE_FIELDS, TrainConfig, describe_default, resolve
+from mtdao.train.config import (
+    RESUMABLE_FIELDS,
+    TrainConfig,
+    config_warnings,
+    describe_default,
+    resolve,
+)
 from mtdao.train.methods import BASE_OPTIMIZERS, METHODS
 
 
@@ -85,8 +91,15 @@ def test_given_values_survive_resolution():
         ("omegas", (1.2,), "sum to 1.2 > 1"),
         ("beta2", 1.0, "--beta2: 1.0 is outside [0, 1)"),
         ("eps", -1e-8, "--eps must be a finite number >= 0"),
-        ("outer_lr", 0.0, "--outer-lr must be > 0"),
-        ("outer_momentum", 1.0, "--outer-momentum in [0, 1)"),
+        ("outer_lr", 0.0, "--outer-lr must be a finite number > 0"),
+        ("outer_lr", math.nan, "--outer-lr must be a finite number > 0, got nan"),
+        ("outer_lr", math.inf, "--outer-lr must be a finite number > 0, got inf"),
+        ("outer_momentum", 1.0, "--outer-momentum must lie in [0, 1)"),
+        ("outer_momentum", math.nan, "--outer-momentum must lie in [0, 1)"),
+        ("min_lr_ratio", 1.5, "--min-lr-ratio must lie in [0, 1]"),
+        ("keep_checkpoints", 0, "--keep-checkpoints must be a positive integer"),
+        ("collective_timeout", 0.0, "--collective-timeout must be a finite number > 0"),
+        ("collective_timeout", math.nan, "--collective-timeout must be a finite number > 0"),
         ("warmup", 1.5, "--warmup must lie in [0, 1]"),
         ("decay_fraction", -0.1, "--decay-fraction must lie in [0, 1]"),
         ("omega_warmup", math.nan, "--omega-warmup must lie in [0, 1]"),
@@ -108,6 +121,20 @@ def test_resolve_cross_field_rules():
     with pytest.raises(ValueError, match="--sync-policy: ddp does not average optimizer states"):
         resolve(TrainConfig(method="ddp", sync_policy="unified"))
     resolve(TrainConfig(betas=(0.9, 0.99), omegas=(0.3, 0.6)))
+    with pytest.raises(ValueError, match="give --resume .* or --overwrite, not both"):
+        resolve(TrainConfig(resume=True, overwrite=True))
+    with pytest.raises(ValueError, match="--extend re-plans a resumed run: it needs --resume"):
+        resolve(TrainConfig(extend=True))
+
+
+def test_a_sync_period_longer_than_the_run_is_warned():
+    """Allowed (M independent runs, averaged only for evaluation) but rarely meant: one line."""
+    assert config_warnings(resolve(TrainConfig(steps=64, sync_period=64))) == []
+    (warning,) = config_warnings(resolve(TrainConfig(steps=64, sync_period=65)))
+    assert "--sync-period 65 is larger than --steps 64" in warning and "never average" in warning
+    assert config_warnings(resolve(TrainConfig(method="ddp", steps=8, sync_period=32))) == []
+    (warning,) = config_warnings(resolve(TrainConfig(steps=8, sync_period=4, state_sync_period=9)))
+    assert "--state-sync-period 9 is larger than --steps 8" in warning
 
 
 def test_step_budget_from_tokens():

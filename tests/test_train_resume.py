@@ -118,14 +118,16 @@ def test_interrupted_run_resumes_exactly(tmp_path, corpus_dir, monkeypatch, meth
 
 
 def test_extending_a_finished_run_matches_one_long_run(tmp_path, corpus_dir):
-    """--steps 6, then --resume --steps 12: equal to 12 steps straight when the LR does not depend
-    on the length of the run (a cosine schedule does; extending a run changes its schedule)."""
+    """--steps 6, then --resume --steps 12 --extend: equal to 12 steps straight when the LR does
+    not depend on the length of the run (a cosine schedule does: see test_train_extend.py)."""
     flat = dict(schedule="constant", warmup=0.0)
     reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, **flat))
 
     out = tmp_path / "extended"
     trainer.train(tiny_config(out, corpus_dir, steps=6, **flat))
-    resumed = trainer.train(tiny_config(out, corpus_dir, steps=12, resume=True, **flat))
+    resumed = trainer.train(
+        tiny_config(out, corpus_dir, steps=12, resume=True, extend=True, **flat)
+    )
 
     assert_runs_equal(tmp_path / "reference", out, reference, resumed)
 
@@ -167,27 +169,22 @@ def test_resume_says_where_it_resumed_and_reads_an_older_config(
     meta["config"] = tiny_config(out, corpus_dir, steps=2).to_dict()
     assert meta["config"]["lr"] is None
     meta_path.write_text(json.dumps(meta))
-    results = trainer.train(tiny_config(out, corpus_dir, steps=3, resume=True))
+    results = trainer.train(tiny_config(out, corpus_dir, steps=3, resume=True, extend=True))
     assert results["steps"] == 3
     assert "resumed from step 2 of 3" in capsys.readouterr().err
 
 
 def test_resume_refuses_a_checkpoint_without_sync_events(finished_run, corpus_dir, monkeypatch):
-    real_load = ckpt.load_checkpoint
+    real_load = ckpt.CheckpointStore.load
 
-    def older_checkpoint(*args):
-        state = real_load(*args)
-        del state["sync"]["events"]
-        return state
+    def older_checkpoint(store):
+        loaded = real_load(store)
+        del loaded.state["sync"]["events"]
+        return loaded
 
-    monkeypatch.setattr(ckpt, "load_checkpoint", older_checkpoint)
+    monkeypatch.setattr(ckpt.CheckpointStore, "load", older_checkpoint)
     with pytest.raises(ckpt.CheckpointError, match="written by an older version of mtdao"):
-        trainer.train(tiny_config(finished_run, corpus_dir, steps=4, resume=True))
-
-
-def test_resume_without_a_checkpoint(tmp_path, corpus_dir):
-    with pytest.raises(ckpt.CheckpointError, match="no checkpoint to resume from"):
-        trainer.train(tiny_config(tmp_path / "empty", corpus_dir, resume=True))
+        trainer.train(tiny_config(finished_run, corpus_dir, steps=2, resume=True))
 
 
 def test_resume_from_a_truncated_checkpoint(finished_run, corpus_dir, tmp_path):
@@ -195,7 +192,7 @@ def test_resume_from_a_truncated_checkpoint(finished_run, corpus_dir, tmp_path):
     weights = ckpt.checkpoint_path(out) / "rank0.pt"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ckpt.CheckpointError, match="corrupted or incomplete"):
-        trainer.train(tiny_config(out, corpus_dir, steps=4, resume=True))
+        trainer.train(tiny_config(out, corpus_dir, steps=2, resume=True))
 
 
 def test_resume_past_the_requested_steps(finished_run, corpus_dir):
@@ -204,7 +201,7 @@ def test_resume_past_the_requested_steps(finished_run, corpus_dir):
 
 
 def test_new_run_refuses_a_directory_holding_a_run(finished_run, corpus_dir):
-    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+    with pytest.raises(ValueError, match=r"already holds a run \(config.json, .*\); pass --resume"):
         trainer.train(tiny_config(finished_run, corpus_dir, steps=2))
 
 

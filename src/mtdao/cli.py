@@ -52,8 +52,18 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from mtdao.data.errors import DataError
     from mtdao.sync.engine import NonFiniteError
     from mtdao.train.checkpoint import CheckpointError
+    from mtdao.train.distributed import CollectiveError
+    from mtdao.train.durable import WriteError
 
-    return (ValueError, DataError, CheckpointError, NonFiniteError, FileNotFoundError)
+    return (
+        ValueError,
+        DataError,
+        CheckpointError,
+        NonFiniteError,
+        FileNotFoundError,
+        WriteError,
+        CollectiveError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

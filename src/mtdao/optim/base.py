@@ -8,6 +8,7 @@ second moment. State keys per parameter are a contract with the sync engine: ``s
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from itertools import chain
@@ -71,6 +72,16 @@ def check_momenta(betas: Any, omegas: Any) -> tuple[tuple[float, ...], tuple[flo
             "(the raw gradient gets 1 - sum(omegas), which must not be negative)"
         )
     return betas, omegas
+
+
+def local_shards(tensors: list[Tensor]) -> list[Tensor]:
+    """Sharded tensors (DTensors, as FSDP2 makes parameters) as their local shards, in place of
+    which the kernels update them; other tensors unchanged. The update is element-wise, so a shard
+    is updated exactly as the same slice of the whole tensor would be."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless imported
+    if dtensor is None:
+        return tensors
+    return [t.to_local() if isinstance(t, dtensor.DTensor) else t for t in tensors]
 
 
 class MultiTimescaleOptimizer(Optimizer):
@@ -198,6 +209,8 @@ class MultiTimescaleOptimizer(Optimizer):
             grads = [p.grad for p in params]
             exp_avgs = [[s[momentum_key(j)] for s in states] for j in range(num_momenta)]
             exp_avg_sqs = [s["exp_avg_sq"] for s in states] if self._has_second_moment else []
+            params, grads, exp_avg_sqs = map(local_shards, (params, grads, exp_avg_sqs))
+            exp_avgs = [local_shards(momenta) for momenta in exp_avgs]
             path = self._path(group, params, exp_avgs[0][0])
             if path == "fused":  # low-precision parameters are handled inside the kernel
                 self._run(
@@ -215,7 +228,8 @@ class MultiTimescaleOptimizer(Optimizer):
                 self._run(kernel, params, grads, exp_avgs, exp_avg_sqs, step, hyperparameters)
 
     def _path(self, group: dict[str, Any], params: list[Tensor], state: Tensor) -> str:
-        """ "fused", "foreach" or "loop" for a bucket of ``params`` whose states are like ``state``."""
+        """The implementation ("fused", "foreach" or "loop") for a bucket of ``params`` whose
+        states are like ``state``."""
         fused, foreach = group.get("fused"), group.get("foreach")
         if foreach is False and not fused:
             return "loop"

@@ -2,7 +2,8 @@
 
 Tensors are flattened into one buffer per (device, dtype), split at ``bucket_bytes``, and summed
 with ``all_reduce``; gloo has no AVG reduction, so the sum is divided by the number of contributing
-workers. A worker left out of the average contributes zeros.
+workers. A worker left out of the average contributes zeros. A sharded tensor (a ``DTensor``, as
+FSDP2 makes parameters) travels as its local shard: the group averages shard with shard.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from mtdao.sync.dtensors import local_shard
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -51,6 +54,7 @@ def all_reduce_mean(
     contributors = dist.get_world_size(group) - len(set(excluded))
     if contributors < 1:
         raise RuntimeError("Every worker was excluded from the average")
+    tensors = [local_shard(tensor) for tensor in tensors]
     averages: list[Tensor | None] = [None] * len(tensors)
     collectives = 0
     for indices in dtype_buckets(tensors).values():

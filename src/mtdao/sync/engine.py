@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
+from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy
@@ -75,8 +76,10 @@ class LocalUpdateSync:
     """Carries out a :class:`SyncPolicy` for one optimizer over one communicator.
 
     ``on_non_finite``: ``"raise"`` stops with an error naming worker, tensor and step before
-    anything is averaged; ``"skip"`` leaves the offending workers out of that round (they receive
-    the others' average) and records the event in ``skipped_rounds``.
+    anything is averaged; ``"skip"`` leaves the offending workers out of that round and heals
+    them: they receive the others' average of every tensor they hold (parameters and every
+    state, due or not, counted as "heal" traffic), so they rejoin at once. Each such event is
+    recorded in ``skipped_rounds``.
     ``track_alignment`` records, at each parameter sync, each worker's cosine similarity between
     its pseudo-gradient and the global one, and its parameter drift from the average.
     """
@@ -186,7 +189,7 @@ class LocalUpdateSync:
             self._state_keys_checked = True
         due, num_params = self._due_after_step(self.step_count)
         if due.tensors:
-            averages = self._average(due)
+            averages = self._average(due, heal=True)
             if num_params:
                 self._finish_parameter_sync(averages[:num_params], due.step)
             if len(due.tensors) > num_params:
@@ -201,38 +204,103 @@ class LocalUpdateSync:
         names = [self.param_names[id(p)] for p in params]
         due = SyncRound(step, list(params), ["params"] * len(params), names)
         for p in self.params:
-            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
-                    continue
-                # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
-                param_shaped = value.dim() > 0 or p.dim() == 0
-                if param_shaped and self.policy.state_rule(key).is_due(step):
+            for key, value in self._worker_states(p):
+                if self.policy.state_rule(key).is_due(step):
                     due.tensors.append(value)
                     due.kinds.append(key)
                     due.names.append(f"{key} of {self.param_names[id(p)]}")
         return due, len(params)
 
-    def _average(self, due: SyncRound) -> list[Tensor]:
+    def _worker_states(self, p: Tensor) -> list[tuple[str, Tensor]]:
+        """(key, tensor) of the states of ``p`` that each worker holds a copy of, in key order."""
+        found = []
+        for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+            if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
+                continue
+            # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
+            if value.dim() > 0 or p.dim() == 0:
+                found.append((key, value))
+        return found
+
+    def _average(self, due: SyncRound, heal: bool = False) -> list[Tensor]:
         """One communicator call for the round, checked; a worker holding NaN/inf is either
-        reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``)."""
+        reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``).
+
+        heal (rounds after the optimizer step): a worker holding NaN/inf in any tensor, due or
+        not, is left out, then healed with the others' average of everything else it holds.
+        """
         result = self.communicator.average(due.tensors, due.kinds)
         averages = result.wait()
         sent, collectives = result.bytes, result.collectives
-        if not _all_finite(averages):
-            excluded = self._workers_to_leave_out(due)
+        excluded: list[int] = []
+        if not self.layout.all_finite(averages):
+            skipping = heal and self.on_non_finite == "skip"
+            excluded = self._workers_to_leave_out(self._held(due.step) if skipping else due)
             retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
             averages = retry.wait()
             sent, collectives = sent + retry.bytes, collectives + retry.collectives
-            if not _all_finite(averages):
+            if not self.layout.all_finite(averages):
                 raise NonFiniteError(
                     f"Non-finite average at step {due.step} even without workers {excluded}"
                 )
         kinds = list(dict.fromkeys(due.kinds))
         self.events.append(SyncEvent(due.step, kinds, sent, collectives))
+        if heal and excluded:
+            self._heal(excluded, due.step, skip={id(t) for t in due.tensors})
         return averages
 
-    def _workers_to_leave_out(self, due: SyncRound) -> list[int]:
-        offenders = self.layout.first_non_finite(due.tensors)
+    def _held(self, step: int) -> SyncRound:
+        """Everything a worker holds its own copy of: its parameters and every parameter-shaped
+        optimizer state (whether the policy averages it or keeps it local)."""
+        held = SyncRound(step, [], [], [])
+        for p in self.params:
+            name = self.param_names[id(p)]
+            for key, value in [("params", p), *self._worker_states(p)]:
+                held.tensors.append(value)
+                held.kinds.append(key)
+                held.names.append(name if key == "params" else f"{key} of {name}")
+        return held
+
+    @torch.no_grad()
+    def heal_non_finite_workers(self) -> list[int]:
+        """Heal now every worker holding NaN/inf anywhere (``on_non_finite='skip'``): it takes
+        the others' average of everything it holds. Returns the workers healed. Between rounds a
+        worker left out stays non-finite; this makes the state finite, e.g. before a checkpoint."""
+        held = self._held(self.step_count)
+        offenders = self.layout.first_non_finite(held.tensors)
+        if not offenders:
+            return []
+        excluded = self._workers_to_leave_out(held, offenders)
+        self._heal(excluded, self.step_count, skip=set())
+        return excluded
+
+    def _heal(self, workers: list[int], step: int, skip: set[int]) -> None:
+        """Give ``workers`` the others' average of every tensor they hold but those in ``skip``
+        (ids of the tensors the round already averaged); every worker takes part in the
+        collective, only ``workers`` are overwritten."""
+        held = self._held(step)
+        tensors = [t for t in held.tensors if id(t) not in skip]
+        if not tensors:
+            return
+        result = self.communicator.average(tensors, ["heal"] * len(tensors), excluded=workers)
+        averages = result.wait()
+        if not self.layout.all_finite(averages):
+            raise NonFiniteError(
+                f"Cannot heal workers {workers} at step {step}: non-finite average"
+            )
+        layout = self.layout
+        local = torch.arange(layout.rank, layout.rank + layout.local_workers)
+        chosen = torch.isin(local, torch.tensor(workers))
+        if bool(chosen.any()):
+            for tensor, average in zip(tensors, averages):
+                tensor = local_shard(tensor)  # a sharded tensor's average is its shard's
+                mask = layout.per_worker_view(chosen.to(tensor.device), tensor)
+                tensor.copy_(torch.where(mask, average.to(tensor.dtype), tensor))
+        self.events.append(SyncEvent(step, ["heal"], result.bytes, result.collectives))
+        self.skipped_rounds[-1]["healed_tensors"] = len(tensors)
+
+    def _workers_to_leave_out(self, due: SyncRound, offenders: dict | None = None) -> list[int]:
+        offenders = self.layout.first_non_finite(due.tensors) if offenders is None else offenders
         if not offenders:
             raise NonFiniteError(
                 f"Averaging at step {due.step} overflowed although every worker's values are "
@@ -252,7 +320,11 @@ class LocalUpdateSync:
                 "no worker is left to average"
             )
         logger.warning(
-            "step %d: leaving worker(s) %s out of this round (%s)", due.step, excluded, described
+            "step %d: leaving worker(s) %s out (%s); they take the others' average of every "
+            "tensor they hold",
+            due.step,
+            excluded,
+            described,
         )
         self.skipped_rounds.append({"step": due.step, "workers": excluded, "tensors": described})
         return excluded
@@ -273,11 +345,12 @@ class LocalUpdateSync:
         layout = self.layout
         dot = norm_local = norm_global = drift = 0.0
         for param, anchor, average in zip(self.params, self.anchors, averages):
+            param = local_shard(param)  # anchors and averages of a sharded tensor are shards
             local_update = (anchor - param).float()  # each worker's pseudo-gradient
             global_update = (anchor - average).float()
             dot = dot + layout.per_worker_sum(local_update * global_update)
             norm_local = norm_local + layout.per_worker_sum(local_update.square())
-            norm_global = norm_global + global_update.square().sum()
+            norm_global = norm_global + layout.global_sum(global_update.square())
             drift = drift + layout.per_worker_sum((param - average).float().square())
         cosine = dot / (norm_local.sqrt() * norm_global.sqrt()).clamp_min(1e-30)
         return {
@@ -314,10 +387,6 @@ class LocalUpdateSync:
         self.events = [SyncEvent(**event) for event in state["events"]]
         self.skipped_rounds = list(state["skipped_rounds"])
         self.alignment = list(state["alignment"])
-
-
-def _all_finite(tensors: Sequence[Tensor]) -> bool:
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def _param_names(optimizer: Optimizer) -> dict[int, str]:

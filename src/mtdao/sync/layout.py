@@ -3,12 +3,15 @@
 * :class:`WorkerLayout`: one worker in this process and no other (world size 1);
 * :class:`StackedLayout`: M simulated workers in one process, worker w's copy of a tensor of
   shape S being row w of a tensor of shape [M, *S];
-* :class:`ProcessGroupLayout`: one worker per process of a ``torch.distributed`` process group.
+* :class:`ProcessGroupLayout`: one worker per process of a ``torch.distributed`` process group;
+* :class:`mtdao.sync.sharded_layout.ShardedLayout`: one worker per group of processes that shard
+  its tensors (FSDP2), one process per worker in each averaging group.
 
 Everything that depends on the layout but is not averaging goes through it: sizes per worker, a
 global copy of a tensor all workers hold identically, per-worker sums (gradient norms, alignment),
 gathering one scalar per worker (losses), locating the workers that hold a NaN, and the average
 model for evaluation. The gathers here are control traffic, left out of the traffic account.
+A sharded tensor (DTensor) is seen through its local shard, its sizes are those of the whole.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, all_reduce_mean
+from mtdao.sync.dtensors import local_shard, shard_group_ranks
 
 
 class WorkerLayout:
@@ -39,12 +43,17 @@ class WorkerLayout:
         return self.worker_numel(tensor) * tensor.element_size()
 
     def global_copy(self, tensor: Tensor) -> Tensor:
-        """A copy of a tensor that all workers hold identically, in one worker's shape."""
-        return tensor.detach().clone()
+        """A copy of a tensor that all workers hold identically, in one worker's shape (of a
+        sharded tensor: this process's shard)."""
+        return local_shard(tensor).detach().clone()
 
     def per_worker_sum(self, tensor: Tensor) -> Tensor:
         """Sum over each local worker's copy: shape [local_workers]."""
-        return tensor.sum().reshape(1)
+        return local_shard(tensor).sum().reshape(1)
+
+    def global_sum(self, tensor: Tensor) -> Tensor:
+        """Sum of a tensor that has one worker's shape (a global value): shape []."""
+        return local_shard(tensor).sum()
 
     def per_worker_view(self, values: Tensor, like: Tensor) -> Tensor:
         """``values`` [local_workers] shaped to broadcast against ``like`` worker by worker."""
@@ -54,20 +63,29 @@ class WorkerLayout:
         """One value per local worker [local_workers] -> one per worker [num_workers]."""
         return values.reshape(1)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Averages over all workers, for evaluation and logging (uncounted)."""
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        """Averages over all workers but ``excluded``, for evaluation and logging (uncounted)."""
         return list(tensors)
 
     def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
         """{worker: index of its first tensor holding NaN/inf} for every worker that has one."""
+        tensors = [local_shard(t) for t in tensors]
         first = next((i for i, t in enumerate(tensors) if not torch.isfinite(t).all()), -1)
         device = tensors[0].device if tensors else torch.device("cpu")
         per_worker = self.gather(torch.tensor(float(first), device=device))
         return {w: int(i) for w, i in enumerate(per_worker.tolist()) if i >= 0}
 
+    def all_finite(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether every tensor is free of NaN/inf: the same answer in every process of a worker."""
+        if not tensors:
+            return True
+        checks = [torch.isfinite(local_shard(t)).all() for t in tensors]
+        return bool(torch.stack(checks).all())
+
     @torch.no_grad()
     def clip_grad_norm_(self, grads: Sequence[Tensor], max_norm: float) -> Tensor:
         """Scale each worker's gradients to norm <= max_norm; returns the norms before scaling."""
+        grads = [local_shard(g) for g in grads]
         squared = sum(self.per_worker_sum(g.float().square()) for g in grads)
         norms = squared.sqrt()
         if max_norm > 0:
@@ -112,8 +130,12 @@ class StackedLayout(WorkerLayout):
     def gather(self, values: Tensor) -> Tensor:
         return values.reshape(self.num_workers)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return [tensor.mean(dim=0) for tensor in tensors]
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        if not excluded:
+            return [tensor.mean(dim=0) for tensor in tensors]
+        kept = [w for w in range(self.num_workers) if w not in set(excluded)]
+        index = torch.tensor(kept, device=tensors[0].device if tensors else None)
+        return [tensor.index_select(0, index).mean(dim=0) for tensor in tensors]
 
     def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
         found: dict[int, int] = {}
@@ -140,6 +162,14 @@ class ProcessGroupLayout(WorkerLayout):
         self.num_workers = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
+    def worker_numel(self, tensor: Tensor) -> int:
+        if shard_group_ranks(tensor) is not None:
+            raise ValueError(
+                "this tensor is sharded over several processes (a DTensor, as FSDP2 makes): pass "
+                "the processes of one worker as shard_group to ProcessGroupWorkers"
+            )
+        return tensor.numel()
+
     def gather(self, values: Tensor) -> Tensor:
         value = values.reshape(1).to(
             torch.float64 if values.device.type == "cpu" else torch.float32
@@ -148,5 +178,5 @@ class ProcessGroupLayout(WorkerLayout):
         dist.all_gather(gathered, value, group=self.group)
         return torch.cat(gathered)
 
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return all_reduce_mean(tensors, self.group, self.bucket_bytes)[0]
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        return all_reduce_mean(tensors, self.group, self.bucket_bytes, excluded)[0]

@@ -63,6 +63,11 @@ from mtdao.train.durable import (
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = CHECKPOINTS_DIR  # the name older callers use
+# The runs whose checkpoints each backend writes ("backend" in meta.json; absent: "torch").
+BACKEND_RUNS = {
+    "torch": "unsharded workers (--shards 1)",
+    "dcp": "sharded workers (--shards > 1, torch.distributed.checkpoint)",
+}
 _LEFTOVER_SUFFIXES = (".partial", ".trash", ".tmp")
 
 
@@ -102,6 +107,9 @@ class CheckpointStore:
     single process; with several, ``load`` then has each process check every rank's checksums
     itself, and ``save`` is refused (it cannot fail on all processes at once without one).
     """
+
+    backend = "torch"
+    """How the files are written: one ``torch.save`` per process (see BACKEND_RUNS)."""
 
     def __init__(
         self,
@@ -207,13 +215,18 @@ class CheckpointStore:
             write_json_atomic(staging / f"{name}.digest.json", digest, sync=False)
         return digest
 
-    def _commit(self, staging: Path, step: int, meta: dict, digest: dict) -> Path:
+    def _collect_files(self, staging: Path, digest: dict) -> dict[str, dict]:
+        """Process 0: {file name: size and checksum} of every process's files in ``staging``."""
         files = {"rank0.pt": digest}
         for rank in range(1, self.world_size):
             sidecar = staging / f"rank{rank}.pt.digest.json"
             if not (staging / f"rank{rank}.pt").is_file() or not sidecar.is_file():
                 raise CheckpointError(f"process {rank} wrote no file in {staging}")
             files[f"rank{rank}.pt"] = json.loads(sidecar.read_text())
+        return files
+
+    def _commit(self, staging: Path, step: int, meta: dict, digest: dict) -> Path:
+        files = self._collect_files(staging, digest)
         found = list_checkpoints(self.run_dir)
         meta.update(
             format=FORMAT,
@@ -260,11 +273,9 @@ class CheckpointStore:
             self._set_aside(path)
         if not found and not skipped:
             return None
-        if found and found[0].world_size != self.world_size:
-            raise CheckpointError(
-                f"checkpoint {found[0].path} was written by {found[0].world_size} process(es), "
-                f"this run has {self.world_size}"
-            )
+        problem = self._incompatibility(found[0]) if found else None
+        if problem:
+            raise CheckpointError(problem)
         for info in found:
             state, problem = self._try_load(info)
             if self.collective.all_true(problem is None):
@@ -274,6 +285,21 @@ class CheckpointStore:
             skipped.append(f"{info.path}: {problem}")
             self._set_aside(info.path)
         raise CheckpointError(f"no usable checkpoint in {self.run_dir}: " + "; ".join(skipped))
+
+    def _incompatibility(self, info: CheckpointInfo) -> str | None:
+        """Why this run cannot load ``info`` whatever its files hold; None if it can."""
+        backend = info.meta.get("backend", "torch")
+        if backend != self.backend:
+            return (
+                f"checkpoint {info.path} was written by {BACKEND_RUNS.get(backend, backend)}, this "
+                f"run has {BACKEND_RUNS[self.backend]}"
+            )
+        if info.world_size != self.world_size:
+            return (
+                f"checkpoint {info.path} was written by {info.world_size} process(es), "
+                f"this run has {self.world_size}"
+            )
+        return None
 
     def _set_aside(self, path: Path) -> None:
         """Process 0 renames a damaged checkpoint to ``step-N.damaged``: kept for inspection,

@@ -27,6 +27,10 @@ examples:
   mtdao train                                   # MT-DAO, 4 simulated workers, built-in data
   mtdao train --method ddp --steps 600 --out runs/ddp
   torchrun --nproc-per-node 4 -m mtdao train --workers 4 --method mtdao
+  mtdao train --out runs/x --resume             # continue a stopped run exactly
+  mtdao train --out runs/x --resume --steps 2400 --extend   # re-plan it for more steps
+  torchrun --nproc-per-node 4 --max-restarts 3 -m mtdao train --workers 4 --resume
+                                                # a restart resumes from the newest checkpoint
 """
 
 

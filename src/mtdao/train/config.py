@@ -39,6 +39,8 @@ EVALUATIONS_PER_RUN = 10
 # Fields that may differ between a run and its resumption; everything else must match.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "tokens", "out", "resume", "eval_every", "checkpoint_every", "log_every", "progress"}
+    | {"keep_checkpoints", "extend", "overwrite", "collective_timeout"}
+    | {"shards"}  # a sharded checkpoint loads into any number of shards per worker
 )
 
 
@@ -83,6 +85,8 @@ class TrainConfig:
     """Base optimizer."""
     workers: int = 4
     """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
+    shards: int = 1
+    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S)."""
     sync_period: int = 32
     """K: local steps between parameter averages (local methods)."""
     sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
@@ -141,18 +145,38 @@ class TrainConfig:
     """Steps between metric lines."""
     checkpoint_every: int | None = None
     """Steps between checkpoints."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in --out (the newest N): a damaged newest one falls back to the
+    one before it."""
     seed: int = 0
     """Seed for the model init and the data streams."""
     out: str | None = None
     """Run directory."""
     resume: bool = field(default=False, metadata={"flag": "--resume"})
-    """Continue the run in --out from its checkpoint up to --steps."""
+    """Continue the run in --out from its newest good checkpoint, exactly as if it had not stopped;
+    a directory with no checkpoint yet starts fresh (so one command line serves the first start
+    and every restart under torchrun --max-restarts)."""
+    extend: bool = field(default=False, metadata={"flag": "--extend"})
+    """With --resume: allow a --steps other than the run's and re-plan the schedules for it. Exact
+    (the same run as one given the new --steps from the start) when both plans agree on every step
+    already taken: wsd resumed before its decay starts, or constant, with warmups of the same
+    number of steps (--warmup is a fraction of --steps). Otherwise it says so: cosine, or wsd past
+    its decay start, is re-stretched and the learning rate jumps at the resume step (both values
+    are printed). Without --extend a changed --steps is refused with that explanation."""
+    overwrite: bool = field(default=False, metadata={"flag": "--overwrite"})
+    """Replace the run in --out: delete the files a run writes there (config, metrics, results,
+    checkpoints, plots), nothing else. Without it a fresh run refuses a directory holding one."""
+    collective_timeout: float = 180.0
+    """Seconds a worker waits for the others in one collective (torchrun workers, gloo or NCCL)
+    before it stops with an error: a frozen or lost peer ends the job instead of hanging it."""
     device: str = _choice("auto", DEVICES)
     """Device (auto: CUDA when available)."""
     bf16: bool = field(default=True, metadata={"flag": "--no-bf16"})
     """bf16 autocast on GPU (CPU always runs float32)."""
     on_non_finite: str = _choice("raise", NON_FINITE_ACTIONS)
-    """NaN/inf in a worker at a sync: stop (raise), or leave that worker out (skip)."""
+    """NaN/inf in a worker at a sync: stop (raise), or leave that worker out and heal it with the
+    others' average of everything it holds (skip; evaluation and checkpoints meanwhile leave it
+    out or heal it first)."""
     track_alignment: bool = field(default=True, metadata={"flag": "--no-alignment"})
     """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
     progress: bool = field(default=True, metadata={"flag": "--no-progress"})
@@ -170,9 +194,11 @@ class TrainConfig:
         return DEFAULT_STEPS
 
     def run_name(self) -> str:
-        """<method>-<optimizer>-M<workers>[-K<K>]-seed<seed> (no K for gradient averaging)."""
+        """<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed> (no K for gradient
+        averaging, no S unsharded)."""
         period = "" if METHOD_TABLE[self.method].averages_gradients else f"-K{self.sync_period}"
-        return f"{self.method}-{self.optimizer}-M{self.workers}{period}-seed{self.seed}"
+        shards = f"-S{self.shards}" if self.shards > 1 else ""
+        return f"{self.method}-{self.optimizer}-M{self.workers}{shards}{period}-seed{self.seed}"
 
     def to_dict(self) -> dict:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -237,6 +263,23 @@ def resolve(config: TrainConfig) -> TrainConfig:
     )
 
 
+def config_warnings(config: TrainConfig) -> list[str]:
+    """Settings of a resolved ``config`` that are allowed but probably not what was meant."""
+    found = []
+    steps = config.total_steps()
+    if not METHOD_TABLE[config.method].averages_gradients and config.sync_period > steps:
+        found.append(
+            f"--sync-period {config.sync_period} is larger than --steps {steps}: the workers never "
+            "average their parameters in this run (evaluation still averages them)"
+        )
+    if config.state_sync_period is not None and config.state_sync_period > steps:
+        found.append(
+            f"--state-sync-period {config.state_sync_period} is larger than --steps {steps}: the "
+            "optimizer states are never averaged in this run"
+        )
+    return found
+
+
 def describe_default(name: str) -> str | None:
     """How an unset (None) field is resolved, for ``--help``; None for fields with a value."""
     rules = [f"{spec.period_rule} for {m}" for m, spec in METHOD_TABLE.items() if spec.period_rule]
@@ -253,7 +296,7 @@ def describe_default(name: str) -> str | None:
         "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
         "checkpoint_every": "only at the end",
         "data": "builtin: the Python standard library's source, no download",
-        "out": "runs/<method>-<optimizer>-M<workers>[-K<K>]-seed<seed>",
+        "out": "runs/<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed>",
     }
     return descriptions.get(name)
 
@@ -282,8 +325,14 @@ def _validate(config: TrainConfig) -> None:
             raise ValueError(
                 f"--{_flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
             )
-    for name in ("workers", "sync_period", "batch_size", "seq_len", "eval_tokens", "log_every"):
+    names = ("workers", "shards", "sync_period", "batch_size", "seq_len", "eval_tokens")
+    for name in names + ("log_every", "keep_checkpoints"):
         _positive_int(name, getattr(config, name))
+    if config.batch_size % config.shards != 0:
+        raise ValueError(
+            f"--batch-size {config.batch_size} does not split over --shards {config.shards} "
+            "(each process of a worker takes batch-size / shards of its sequences)"
+        )
     for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
         if getattr(config, name) is not None:
             _positive_int(name, getattr(config, name))
@@ -307,11 +356,19 @@ def _validate(config: TrainConfig) -> None:
             and getattr(OPTIMIZER_DEFAULTS[config.optimizer], name) is None
         ):
             raise ValueError(f"--{name}: {config.optimizer} has no {name}")
-    if config.outer_lr <= 0 or not 0.0 <= config.outer_momentum < 1.0:
+    for name in ("outer_lr", "collective_timeout"):
+        _positive(name, getattr(config, name))
+    if not 0.0 <= config.outer_momentum < 1.0:
+        raise ValueError(f"--outer-momentum must lie in [0, 1), got {config.outer_momentum}")
+    if config.min_lr_ratio > 1.0:
         raise ValueError(
-            f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {config.outer_lr}, "
-            f"{config.outer_momentum}"
+            f"--min-lr-ratio must lie in [0, 1] (the final learning rate as a fraction of the "
+            f"peak), got {config.min_lr_ratio}"
         )
+    if config.resume and config.overwrite:
+        raise ValueError("give --resume (continue the run in --out) or --overwrite, not both")
+    if config.extend and not config.resume:
+        raise ValueError("--extend re-plans a resumed run: it needs --resume")
     for name in ("warmup", "decay_fraction", "omega_warmup"):
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
@@ -325,6 +382,11 @@ def _flag(name: str) -> str:
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"--{_flag(name)} must be a positive integer, got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+        raise ValueError(f"--{_flag(name)} must be a finite number > 0, got {value!r}")
 
 
 def _non_negative(name: str, value) -> None:

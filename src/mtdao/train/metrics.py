@@ -2,11 +2,13 @@
 
 ``metrics.jsonl`` is only ever appended to, one whole line per write, so a crash can tear at most
 its last line. A resumed run drops that torn line (with a warning naming the file and the line)
-and keeps every complete record.
+and keeps every complete record. A write that fails (a full disk) is cut back off the file, so
+the file keeps only whole records, and stops the run with one line (:class:`WriteError`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -14,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mtdao.train.durable import write_json_atomic, write_text_atomic
+from mtdao.train.durable import WriteError, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ class MetricsLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not append:
-            self.path.write_text("")
+            write_text_atomic(self.path, "", sync=False)
         elif self.path.exists():
             repair_torn_tail(self.path)
         try:
@@ -47,8 +49,7 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")  # one write: a crash tears only this line
+        append_line(self.path, json.dumps(record) + "\n")
         if self._tensorboard is not None and "step" in record:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
@@ -66,6 +67,21 @@ class MetricsLog:
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` in one write (a crash tears only this line); if the write fails, cut the
+    file back to its size before and raise :class:`WriteError` (one line, ENOSPC named)."""
+    data = memoryview(line.encode("utf-8"))
+    with open(path, "ab", buffering=0) as handle:  # unbuffered: nothing left to flush on close
+        size = handle.seek(0, os.SEEK_END)
+        try:
+            while data:
+                data = data[handle.write(data) :]  # a full disk may first write part of it
+        except OSError as error:
+            with contextlib.suppress(OSError):  # else the next resume drops the torn line
+                os.truncate(path, size)
+            raise WriteError(path, error) from None
 
 
 def read_records(path: Path) -> tuple[list[dict[str, Any]], int | None]:

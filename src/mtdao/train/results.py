@@ -8,6 +8,7 @@ from mtdao.sync.communicator import format_bytes
 from mtdao.sync.engine import SyncEvent
 from mtdao.sync.policy import communication_per_step, full_cycle
 from mtdao.train.setup import Run
+from mtdao.train.sharding import process_memory, process_share
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -15,10 +16,12 @@ def summarize(run: Run) -> dict[str, Any]:
     final = run.evals[-1] if run.evals else {}
     state_keys = sorted({k for s in run.optimizer.state.values() for k in s})
     steady_steps = run.step - run.step % full_cycle(run.sync.policy, state_keys)
+    params = [p for _, p in run.workers.named_parameters()]
     return {
         "method": config.method,
         "optimizer": config.optimizer,
         "workers": config.workers,
+        "shards": config.shards,
         "sync_period": config.sync_period,
         "sync_policy": run.sync.policy.name,
         "periods": run.sync.policy.periods(),
@@ -27,6 +30,10 @@ def summarize(run: Run) -> dict[str, Any]:
         "final_val_loss": final.get("val_loss"),
         "val_ppl": final.get("val_ppl"),
         "bytes_per_worker": traffic.bytes,
+        # a sharded worker's processes each send their shards: about bytes_per_worker / shards
+        "bytes_per_process": None
+        if not run.process.distributed
+        else round(traffic.bytes * process_share(params)),
         "bytes_by_kind": traffic.bytes_by_kind,
         "collectives": traffic.collectives,
         "ddp_bytes_per_worker": traffic.ddp_bytes,
@@ -44,7 +51,9 @@ def summarize(run: Run) -> dict[str, Any]:
         / max(run.step, 1)
         / layout.local_workers,
         "simulated": not run.process.distributed,
-        "parameters": sum(layout.worker_numel(p) for _, p in run.workers.named_parameters()),
+        "parameters": sum(layout.worker_numel(p) for p in params),
+        # what this process holds: its shards (sharded), its worker (torchrun), all (simulated)
+        "memory_per_process": process_memory(params, run.optimizer),
         "evals": run.evals,
         "comm_events": bytes_per_step(run.sync.events),
         "alignment": run.sync.alignment,

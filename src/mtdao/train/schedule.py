@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from mtdao.train.config import TrainConfig
 
 
 def lr_multiplier(
@@ -108,3 +111,93 @@ class OmegaWarmup(_Definition):
         omegas = self(step)
         for group in optimizer.param_groups:
             group["omegas"] = omegas
+
+
+def lr_schedule_of(config: TrainConfig) -> LRSchedule:
+    """The learning-rate schedule of a resolved config (its warmup is a fraction of the steps)."""
+    steps = config.total_steps()
+    return LRSchedule(
+        config.lr,
+        steps,
+        config.schedule,
+        round(config.warmup * steps),
+        config.min_lr_ratio,
+        config.decay_fraction,
+    )
+
+
+def omega_warmup_of(config: TrainConfig) -> OmegaWarmup:
+    return OmegaWarmup(config.omegas, round(config.omega_warmup * config.total_steps()))
+
+
+# -- re-planning a run for other --steps (``--resume --extend``) --------------------------------
+
+
+@dataclass(frozen=True)
+class StepsChange:
+    """What re-planning a run for other ``--steps`` does, seen from its checkpoint at ``step``.
+
+    The resumed run follows the schedules of the new length from ``step`` on. It is exactly the
+    run that had the new length from the start when both plans agree on every step already taken
+    (``first_difference`` is None): a wsd schedule resumed in its stable phase, a constant one,
+    with warmups of the same number of steps. Otherwise the steps taken followed another plan; if
+    the learning rate of the next step changes too, it jumps.
+    """
+
+    schedule: str
+    step: int
+    old_steps: int
+    new_steps: int
+    lr_planned: float
+    """The learning rate of the next step under the run's own plan."""
+    lr_new: float
+    """The learning rate of the next step under the new plan."""
+    first_difference: int | None
+    """The first step (counted from 1) taken under a learning rate or omegas the new plan would
+    not have used; None when there is none."""
+
+    @property
+    def exact(self) -> bool:
+        return self.first_difference is None
+
+    def consequence(self) -> str:
+        """What the change does, in words, with the numbers."""
+        new = self.new_steps
+        if self.exact:
+            return (
+                f"exact here, the {self.schedule} schedule of {new} steps matching this run's on "
+                f"all {self.step} steps taken (the same run as --steps {new} from the start)"
+            )
+        differs = (
+            f"the result is not that of a {new}-step run (the plans differ from step "
+            f"{self.first_difference} on)"
+        )
+        if self.lr_new != self.lr_planned:
+            return (
+                f"this re-stretches the {self.schedule} schedule: the learning rate jumps from "
+                f"{self.lr_planned:.4g} to {self.lr_new:.4g} at step {self.step + 1}, and {differs}"
+            )
+        return f"the learning rate continues at {self.lr_new:.4g}, but {differs}"
+
+
+def steps_change(old: TrainConfig, new: TrainConfig, step: int) -> StepsChange:
+    """Compare the schedules of two resolved configs that differ in their length, at ``step``."""
+    old_lr, new_lr = lr_schedule_of(old), lr_schedule_of(new)
+    old_omegas, new_omegas = omega_warmup_of(old), omega_warmup_of(new)
+    first_difference = next(
+        (
+            taken + 1
+            for taken in range(step)
+            if old_lr(taken) != new_lr(taken) or old_omegas(taken) != new_omegas(taken)
+        ),
+        None,
+    )
+    return StepsChange(
+        schedule=new.schedule,
+        step=step,
+        old_steps=old.total_steps(),
+        new_steps=new.total_steps(),
+        lr_planned=old_lr(step),
+        lr_new=new_lr(step),
+        first_difference=first_difference,
+    )

@@ -18,7 +18,8 @@ from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
 from mtdao.train.methods import METHOD_TABLE, build_optimizer, build_policy
-from mtdao.train.schedule import LRSchedule, OmegaWarmup
+from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_schedule_of, omega_warmup_of
+from mtdao.train.sharding import build_sharded_workers, check_topology, worker_of
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet, WorkerSet
 
 
@@ -71,6 +72,8 @@ class Run:
     data_summary: str = ""
     clock: RunClock = field(default_factory=RunClock)
     evals: list = field(default_factory=list)
+    extensions: list = field(default_factory=list)
+    """Every re-planning of the run's length (``--resume --extend``), as recorded."""
 
     @property
     def step(self) -> int:
@@ -92,11 +95,7 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
         raise ValueError("build_run needs a resolved config (mtdao.train.config.resolve)")
     device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
     process = process or init_process_group(device)
-    if process.distributed and process.world_size != config.workers:
-        raise ValueError(
-            f"--workers {config.workers} but torchrun started {process.world_size} processes; "
-            "they must match (one worker per process)"
-        )
+    check_topology(config, process)
     torch.manual_seed(config.seed)
     shards, val_batches, vocab_size, data_summary = load_data(config, process)
     model = Llama(model_config(config.model, vocab_size, config.seq_len)).to(device)
@@ -114,15 +113,8 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
         val_batches=val_batches,
         optimizer=optimizer,
         sync=build_sync(config, optimizer, communicator, workers),
-        lr_schedule=LRSchedule(
-            config.lr,
-            config.steps,
-            config.schedule,
-            round(config.warmup * config.steps),
-            config.min_lr_ratio,
-            config.decay_fraction,
-        ),
-        omega_warmup=OmegaWarmup(config.omegas, round(config.omega_warmup * config.steps)),
+        lr_schedule=lr_schedule_of(config),
+        omega_warmup=omega_warmup_of(config),
         data_summary=data_summary,
     )
 
@@ -130,9 +122,12 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
 def build_workers(
     model: torch.nn.Module, config: TrainConfig, process: ProcessInfo, device: torch.device
 ) -> tuple[Communicator, WorkerSet]:
-    """The communicator and the workers: one per process under torchrun, else simulated."""
+    """The communicator and the workers: one per process (or per --shards processes) under
+    torchrun, else simulated."""
     communicator: Communicator
-    if process.distributed:
+    if config.shards > 1:
+        communicator, workers = build_sharded_workers(model, config, device)
+    elif process.distributed:
         communicator = ProcessGroupWorkers()
         workers: WorkerSet = ProcessWorkerSet(model, communicator.layout)
     else:
@@ -178,7 +173,9 @@ def load_data(config: TrainConfig, process: ProcessInfo):
     corpus = load_corpus(config.data)
     tokenizer = load_tokenizer(config.tokenizer, corpus, default_cache_dir())
     tokens = encode_corpus(corpus, tokenizer, default_cache_dir())
-    my_workers = [process.rank] if process.distributed else range(config.workers)
+    my_workers = (
+        [worker_of(process, config.shards)] if process.distributed else range(config.workers)
+    )
     shards = [
         WorkerShard(
             tokens,

@@ -1,17 +1,46 @@
-"""Saving a whole run to its checkpoint and restoring it exactly (``--resume``)."""
+"""Saving a whole run to a checkpoint and restoring it exactly (``--resume``).
+
+A checkpoint holds, per process: the workers' parameters, the optimizer and sync-engine state
+(anchors, outer momentum, traffic account, every round), the data positions, the RNG state, the
+clock, the evaluations so far and the record of extensions. The store (:mod:`checkpoint`) writes
+it atomically, keeps the newest ``--keep-checkpoints``, and refuses a state holding NaN/inf, so
+that a diverged run never replaces its last good checkpoint.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from mtdao.train import checkpoint as ckpt
+from mtdao.train.checkpoint_state import ProcessGroupCollective
 from mtdao.train.config import TrainConfig, resolve
-from mtdao.train.distributed import barrier
+from mtdao.train.distributed import ProcessInfo
 from mtdao.train.setup import Run
 
 
-def save(run: Run) -> None:
-    state = {
+def checkpoint_store(config: TrainConfig, process: ProcessInfo, device: torch.device):
+    """The store of a run's checkpoints, on every process (they agree through the process
+    group: a failure on one process fails the save or load on all of them together)."""
+    if config.shards > 1:  # DCP files, see sharded_snapshot.py
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.checkpoint_store(config, process, device, config.keep_checkpoints)
+    collective = None
+    if process.distributed:
+        collective = ProcessGroupCollective(device=device if device.type == "cuda" else None)
+    return ckpt.CheckpointStore(
+        Path(config.out),
+        rank=process.rank,
+        world_size=process.world_size,
+        keep=config.keep_checkpoints,
+        collective=collective,
+    )
+
+
+def run_state(run: Run) -> dict:
+    return {
         "step": run.step,
         "params": {name: p.detach() for name, p in run.workers.named_parameters()},
         "optimizer": run.optimizer.state_dict(),
@@ -20,16 +49,25 @@ def save(run: Run) -> None:
         "torch_rng": torch.get_rng_state(),
         "clock": run.clock.state_dict(),
         "evals": run.evals,
+        "extensions": run.extensions,
     }
-    meta = {"step": run.step, "config": run.config.to_dict()}
-    ckpt.save_checkpoint(
-        run.run_dir,
-        run.process.rank,
-        run.process.world_size,
-        state,
-        meta,
-        lambda: barrier(run.process),
-    )
+
+
+def save(run: Run, store: ckpt.CheckpointStore) -> Path | None:
+    """Checkpoint the run (every process together); returns the directory on process 0.
+
+    With ``--on-non-finite skip`` a worker left out of a round can hold NaN/inf until its next
+    round; it is healed first (it takes the others' average of every tensor, counted as "heal"
+    traffic), so the checkpoint is finite. A NaN/inf that remains is refused: the run stops with
+    one line naming the step, the tensor and the last finite checkpoint, which stays on disk.
+    """
+    if run.config.on_non_finite == "skip":
+        run.sync.heal_non_finite_workers()
+    if run.config.shards > 1:
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.save(run, store)
+    return store.save(run.step, run_state(run), {"config": run.config.to_dict()})
 
 
 def saved_config(meta: dict) -> TrainConfig:
@@ -44,22 +82,17 @@ def saved_config(meta: dict) -> TrainConfig:
 
 
 @torch.no_grad()
-def resume(run: Run) -> None:
-    meta = ckpt.load_meta(run.run_dir)
-    differences = saved_config(meta).differences(run.config)
-    if differences:
-        raise ckpt.CheckpointError(
-            f"--resume: the config differs from the run in {run.run_dir}: " + "; ".join(differences)
-        )
-    state = ckpt.load_checkpoint(run.run_dir, run.process.rank, run.process.world_size)
+def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
+    """Put the run back in the state of ``loaded`` (its config was checked when it was chosen)."""
+    if run.config.shards > 1:
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.restore(run, loaded)
+    state = loaded.state
     if "clock" not in state or "events" not in state["sync"]:
         raise ckpt.CheckpointError(
-            f"--resume: the checkpoint in {run.run_dir} was written by an older version of mtdao "
+            f"--resume: the checkpoint {loaded.path} was written by an older version of mtdao "
             "(no record of its sync rounds); start a new run"
-        )
-    if state["step"] > run.total_steps:
-        raise ckpt.CheckpointError(
-            f"--resume: the checkpoint is at step {state['step']}, past --steps {run.total_steps}"
         )
     params = dict(run.workers.named_parameters())
     if set(params) != set(state["params"]):
@@ -68,8 +101,14 @@ def resume(run: Run) -> None:
         p.copy_(state["params"][name])
     run.optimizer.load_state_dict(state["optimizer"])
     run.sync.load_state_dict(state["sync"])
+    restore_progress(run, state)
+
+
+def restore_progress(run: Run, state: dict) -> None:
+    """The data positions, RNG, clock, evaluations and extensions a checkpoint holds."""
     for shard, saved in zip(run.shards, state["shards"], strict=True):
         shard.load_state_dict(saved)
     torch.set_rng_state(state["torch_rng"])
     run.clock.load_state_dict(state["clock"])
     run.evals = list(state["evals"])
+    run.extensions = list(state.get("extensions", []))

@@ -1,15 +1,20 @@
 """The training loop: one loop for every method, simulated workers or real ones.
 
+start   (startup.py) lock --out -> fresh, --overwrite, or --resume from the newest good checkpoint
 setup   (setup.py) resolved config -> data -> model -> workers -> optimizer -> policy -> engine
 loop    schedules -> batch -> per-worker losses -> backward -> sync.step() -> [evaluate, checkpoint]
         sync.step(): [average grads] -> clip (gradient hook) -> optimizer step -> [average due]
-finish  checkpoint (snapshot.py) -> results.json (results.py) -> loss.png
+finish  checkpoint (snapshot.py, unless just saved) -> results.json (results.py) -> loss.png
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,15 +22,25 @@ from tqdm import tqdm
 
 from mtdao.data import stacked_batches
 from mtdao.sync.engine import NonFiniteError
-from mtdao.train import checkpoint as ckpt
-from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.checkpoint import CheckpointStore
+from mtdao.train.config import TrainConfig, config_warnings, resolve
+from mtdao.train.distributed import (
+    ProcessInfo,
+    collective_errors,
+    init_process_group,
+    pick_device,
+)
 from mtdao.train.evaluate import run_evaluation
 from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
 from mtdao.train.setup import Run, build_run
-from mtdao.train.snapshot import resume, save
+from mtdao.train.sharding import check_topology
+from mtdao.train.snapshot import checkpoint_store, restore, save
+from mtdao.train.startup import Start, choose_start, lock_run_dir
 
 __all__ = ["Run", "build_run", "train", "train_step", "set_hyperparameters"]
+
+logger = logging.getLogger(__name__)
 
 
 # -- one step -----------------------------------------------------------------------------------
@@ -76,35 +91,81 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """Train as configured (resolved first); returns (and writes) the results of the run."""
     started = time.perf_counter()
     config = resolve(config)
-    run = build_run(config)
-    run.clock.started = started
-    if config.resume:
-        resume(run)
-    elif run.is_main and (run.run_dir / ckpt.CHECKPOINT_DIR).exists():
-        raise ValueError(
-            f"{run.run_dir} already holds a run; pass --resume to continue it or choose another --out"
-        )
+    device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
+    launched = ProcessInfo(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    with collective_errors(launched, config.collective_timeout):
+        process = init_process_group(device, config.collective_timeout)
+        check_topology(config, process)  # --workers x --shards processes, before any file
+        if process.rank == 0:
+            for warning in config_warnings(config):
+                say(f"warning: {warning}")
+        store = checkpoint_store(config, process, device)
+        lock = lock_run_dir(config, process, store.collective)  # held by process 0 till the end
+        try:
+            start = choose_start(config, process, store)
+            if process.rank == 0:
+                for note in start.notes:
+                    say(note)
+            run = build_run(config, process)
+            run.clock.started = started
+            return train_run(run, store, start)
+        finally:
+            lock.release()
+
+
+@dataclass
+class Outputs:
+    """Where the loop writes, and what it must remember about this start of the run."""
+
+    store: CheckpointStore
+    log: MetricsLog
+    last_saved: int | None = None
+    """The step of the newest checkpoint (loaded or saved): the final save is skipped at it."""
+    resumed: tuple[int, Path] | None = None
+    """(step, checkpoint directory) when the run was resumed."""
+
+
+def train_run(run: Run, store: CheckpointStore, start: Start) -> dict[str, Any]:
+    """Restore the run if it resumes, train it to the end, and write its results."""
+    loaded = start.checkpoint
+    if loaded is not None:
+        restore(run, loaded)
+    if start.extension is not None:
+        run.extensions.append(start.extension)
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run.run_dir / "config.json", config.to_dict())
+        write_json(run.run_dir / "config.json", run.config.to_dict())
         say(run.data_summary)
-        if config.resume:
-            say(f"resumed from step {run.step} of {run.total_steps} ({run.run_dir})")
-    log = MetricsLog(run.run_dir, enabled=run.is_main, append=config.resume)
-    if config.resume:
+        if loaded is not None:
+            say(f"resumed from step {run.step} of {run.total_steps} ({loaded.path})")
+    log = MetricsLog(run.run_dir, enabled=run.is_main, append=loaded is not None)
+    outputs = Outputs(store, log)
+    if loaded is not None:
         log.truncate_after(run.step)
+        outputs.last_saved = run.step
+        outputs.resumed = (run.step, loaded.path)
     try:
-        loop(run, log)
+        loop(run, outputs)
     finally:
         log.close()
-    save(run)
+    if outputs.last_saved != run.step:  # unless the loop (or the resume) just saved this step
+        save(run, store)
     results = summarize(run)
+    results["extensions"] = run.extensions
     if run.is_main:
         write_json(run.run_dir / "results.json", results)
-        from mtdao.train.plots import plot_run
-
-        plot_run(run.run_dir)
+        draw_plot(run.run_dir)
     return results
+
+
+def draw_plot(run_dir: Path) -> None:
+    """loss.png; a plot that cannot be written (a full disk) costs only the plot."""
+    from mtdao.train.plots import plot_run
+
+    try:
+        plot_run(run_dir)
+    except OSError as error:
+        logger.warning("could not draw %s: %s", run_dir / "loss.png", error)
 
 
 def say(line: str) -> None:
@@ -112,7 +173,7 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def loop(run: Run, log: MetricsLog) -> None:
+def loop(run: Run, outputs: Outputs) -> None:
     config = run.config
     progress = tqdm(
         total=run.total_steps,
@@ -131,16 +192,25 @@ def loop(run: Run, log: MetricsLog) -> None:
             if should_log or not run.process.distributed:
                 # every worker's loss (a tiny uncounted gather on real workers: log steps only)
                 worker_losses = run.workers.layout.gather(losses.float())
-                check_finite_losses(run, worker_losses)
+                check_finite_losses(run, worker_losses, outputs.resumed)
             if should_log:
-                log_training(run, log, progress, worker_losses.mean().item(), throughput.take())
+                loss = finite_mean(worker_losses)
+                log_training(run, outputs.log, progress, loss, throughput.take())
             progress.update(1)
             if run.step % config.eval_every == 0 or run.step == run.total_steps:
-                run_evaluation(run, log)
+                run_evaluation(run, outputs.log)
             if config.checkpoint_every and run.step % config.checkpoint_every == 0:
-                save(run)
+                save(run, outputs.store)
+                outputs.last_saved = run.step
     finally:
         progress.close()
+
+
+def finite_mean(worker_losses: torch.Tensor) -> float:
+    """The mean loss of the workers whose loss is finite (with --on-non-finite skip a worker left
+    out holds NaN until its next round)."""
+    finite = worker_losses[torch.isfinite(worker_losses)]
+    return (finite if finite.numel() else worker_losses).mean().item()
 
 
 class Throughput:
@@ -178,18 +248,31 @@ def log_training(run: Run, log: MetricsLog, progress: tqdm, loss: float, tokens_
     )
 
 
-def check_finite_losses(run: Run, worker_losses: torch.Tensor) -> None:
-    """Stop on a diverged worker (on_non_finite 'raise'), or when none is left to skip."""
+def check_finite_losses(
+    run: Run, worker_losses: torch.Tensor, resumed: tuple[int, Path] | None = None
+) -> None:
+    """Stop on a diverged worker (on_non_finite 'raise'), or when none is left to skip.
+
+    The message names the likely cause: at the first step after a resume, the checkpoint's state
+    (it was finite, or it would not have been saved, but it may be bad); otherwise the run itself
+    diverged (the learning rate)."""
     finite = torch.isfinite(worker_losses)
     if bool(finite.all()):
         return
     diverged = torch.nonzero(~finite).flatten().tolist()
-    if run.config.on_non_finite == "raise":
-        raise NonFiniteError(
-            f"training loss is NaN/inf at step {run.step} on worker(s) {diverged}; lower --lr, "
-            "or pass --on-non-finite skip to leave diverged workers out at the next sync"
+    every = len(diverged) == len(worker_losses)
+    if run.config.on_non_finite == "skip" and not every:
+        return
+    where = f"worker(s) {diverged}" if not every else "every worker"
+    text = f"training loss is NaN/inf at step {run.step} on {where}"
+    if resumed is not None and run.step == resumed[0] + 1:
+        text += (
+            f", the first step after resuming from {resumed[1]}: that checkpoint's state may be "
+            f"bad (rename it to {resumed[1].name}.damaged to resume from the one before it), or "
+            "the run diverged right there (lower --lr)"
         )
-    if len(diverged) == len(worker_losses):
-        raise NonFiniteError(
-            f"training loss is NaN/inf at step {run.step} on every worker; none is left to average"
-        )
+    elif every and run.config.on_non_finite == "skip":
+        text += "; none is left to average (lower --lr)"
+    else:
+        text += "; lower --lr, or pass --on-non-finite skip to leave diverged workers out"
+    raise NonFiniteError(text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +43,9 @@ class WorkerSet:
         """Mean loss of each local worker on its batch: shape [local workers]."""
         raise NotImplementedError
 
-    def global_model(self) -> nn.Module:
-        """A model holding the average of the workers' parameters (for evaluation)."""
+    def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
+        """A model holding the average of the workers' parameters (for evaluation), leaving out
+        the workers in ``excluded``."""
         raise NotImplementedError
 
     def autocast(self):
@@ -72,8 +74,16 @@ class SimulatedWorkerSet(WorkerSet):
         with self.autocast():
             return self.stacked.losses(language_model_loss, inputs, targets)
 
-    def global_model(self) -> nn.Module:
-        return self.stacked.average()
+    @torch.no_grad()
+    def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
+        if not excluded:
+            return self.stacked.average()
+        model = copy.deepcopy(self.stacked.template)
+        names, params = zip(*self.named_parameters())
+        model.load_state_dict(
+            dict(zip(names, self.layout.global_mean(params, excluded))), strict=False
+        )
+        return model
 
 
 class ProcessWorkerSet(WorkerSet):
@@ -92,11 +102,11 @@ class ProcessWorkerSet(WorkerSet):
         return language_model_loss(logits, targets).reshape(1)
 
     @torch.no_grad()
-    def global_model(self) -> nn.Module:
+    def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
         if self.layout.num_workers == 1:
             return self.model
         model = copy.deepcopy(self.model)
         params = list(model.parameters())
-        for p, average in zip(params, self.layout.global_mean(params)):
+        for p, average in zip(params, self.layout.global_mean(params, excluded)):
             p.copy_(average)
         return model

@@ -1,0 +1,235 @@
+"""Sharded workers on a GPU: NCCL, bf16 autocast, FSDP2's MixedPrecisionPolicy, fp32 states.
+
+Needs CUDA; prints one PASS/FAIL line per check with its figures and exits 1 if any check fails.
+
+1. ``fsdp-cuda`` (any GPU; one process, NCCL, a 1 x 1 device mesh): a small Llama sharded with
+   FSDP2 (parameters in bf16 for compute, gradients reduced in fp32) under bf16 autocast, stepped
+   by the MT-DAO optimizer through the sync engine with a shard group. Sharded parameters,
+   gradients and optimizer states must stay float32 DTensors; the loss must fall, and end within
+   bf16 noise of the same model trained unsharded with bf16 autocast; a DCP save and load must
+   restore every parameter and state bit for bit.
+2. ``harness-s1`` (any GPU): ``mtdao train --device cuda`` (unsharded, simulated workers) ends
+   with a finite loss.
+3. ``harness-s2`` (4 GPUs or more): ``torchrun --nproc-per-node 4 ... --workers 2 --shards 2``
+   against ``--nproc-per-node 2 ... --shards 1`` on NCCL: validation losses within bf16 noise,
+   the same bytes per worker, half the parameter and optimizer-state bytes per process.
+4. ``cpu-sharded``: the sharded test files on CPU (gloo), the 2 x 2 topology with one GPU or none.
+
+    python benchmarks/gpu_sharded_check.py --out /tmp/gpu-sharded-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+BF16_LOSS_TOLERANCE = 0.05  # bf16 compute moves a tiny model's loss by ~1e-2 over these steps
+STEPS, BATCH, SEQ_LEN = 30, 8, 64
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def report(name: str, passed: bool, details: str) -> bool:
+    print(f"{'PASS' if passed else 'FAIL'} {name}: {details}", flush=True)
+    return passed
+
+
+# -- 1. FSDP2 on one GPU, in this process ---------------------------------------------------------
+
+
+def small_llama(sharded: bool, mesh):
+    """(model, worker set, optimizer, engine) of a small Llama on this GPU, sharded or not."""
+    from mtdao.model import Llama, ModelConfig, split_weight_decay
+    from mtdao.sync.process_group import ProcessGroupWorkers
+    from mtdao.train.config import TrainConfig, resolve
+    from mtdao.train.methods import build_optimizer
+    from mtdao.train.setup import build_sync
+    from mtdao.train.sharding import ShardedWorkerSet, shard_model
+    from mtdao.train.workers import ProcessWorkerSet
+
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(256, 128, 4, 4, SEQ_LEN)).cuda()
+    if sharded:
+        shard_model(model, mesh, bf16=True)
+        shard_group = mesh.get_group("shard")
+        communicator = ProcessGroupWorkers(mesh.get_group("replicate"), shard_group=shard_group)
+        workers = ShardedWorkerSet(model, communicator.layout, mesh)
+    else:
+        communicator = ProcessGroupWorkers(mesh.get_group("replicate"))
+        workers = ProcessWorkerSet(model, communicator.layout)
+    workers.autocast_dtype = torch.bfloat16
+    config = resolve(TrainConfig(method="mtdao", workers=1, sync_period=4))
+    named = workers.named_parameters()
+    optimizer = build_optimizer(split_weight_decay(named, config.weight_decay), config)
+    return model, workers, optimizer, build_sync(config, optimizer, communicator, workers)
+
+
+def train_small_llama(sharded: bool, mesh) -> dict:
+    model, workers, optimizer, sync = small_llama(sharded, mesh)
+    named = workers.named_parameters()
+    generator = torch.Generator().manual_seed(1)
+    losses, grad_dtypes = [], set()
+    for _ in range(STEPS):
+        # a learnable stream: each token is the previous one plus one
+        starts = torch.randint(0, 256, (BATCH, 1), generator=generator)
+        tokens = ((starts + torch.arange(SEQ_LEN + 1)) % 256).cuda()
+        loss = workers.losses(tokens[:, :-1], tokens[:, 1:])
+        loss.sum().backward()
+        grad_dtypes |= {p.grad.dtype for _, p in named}
+        sync.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    states = [v for _, p in named for k, v in optimizer.state[p].items() if k != "step"]
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "losses": losses,
+        "param_types": {(type(p).__name__, p.dtype) for _, p in named},
+        "grad_dtypes": grad_dtypes,
+        "state_types": {(type(v).__name__, v.dtype) for v in states},
+    }
+
+
+def dcp_round_trip(run: dict, mesh, directory: Path) -> bool:
+    """Save the trained run with DCP, load it into a fresh (untrained) one: equal bit for bit?"""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(run["model"], run["optimizer"])
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
+    model, _, optimizer, _ = small_llama(True, mesh)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    loaded = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(loaded, checkpoint_id=directory)
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+    )
+    same = True
+    for saved, restored in zip(run["model"].parameters(), model.parameters()):
+        same &= torch.equal(saved.full_tensor(), restored.full_tensor())
+        saved_state, restored_state = run["optimizer"].state[saved], optimizer.state[restored]
+        for key, value in saved_state.items():
+            other = restored_state[key]
+            if key != "step":
+                value, other = value.full_tensor(), other.full_tensor()
+            same &= torch.equal(value, other)
+    return same
+
+
+def check_fsdp_on_cuda(out: Path) -> bool:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    try:
+        mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+        sharded, unsharded = train_small_llama(True, mesh), train_small_llama(False, mesh)
+        fp32 = torch.float32
+        types_ok = sharded["param_types"] == {("DTensor", fp32)}
+        types_ok &= sharded["grad_dtypes"] == {fp32}
+        types_ok &= sharded["state_types"] == {("DTensor", fp32)}
+        first, last = sharded["losses"][0], sharded["losses"][-1]
+        gap = abs(last - unsharded["losses"][-1])
+        learning = math.isfinite(last) and last < first
+        round_trip = dcp_round_trip(sharded, mesh, out / "dcp")
+        grads = sorted(map(str, sharded["grad_dtypes"]))
+        details = (
+            f"parameters {sorted(map(str, sharded['param_types']))}, gradients {grads}, states "
+            f"{sorted(map(str, sharded['state_types']))}; loss {first:.4f} -> {last:.4f}, unsharded "
+            f"{unsharded['losses'][-1]:.4f} (gap {gap:.4f}); DCP round trip "
+            f"{'exact' if round_trip else 'DIFFERS'}"
+        )
+        passed = types_ok and learning and gap < BF16_LOSS_TOLERANCE and round_trip
+        return report("fsdp-cuda", passed, details)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- 2, 3. the harness --------------------------------------------------------------------------
+
+
+def mtdao_train(processes: int, flags: list[str], out: Path) -> dict:
+    base = ["--device", "cuda", "--model", "tiny", "--steps", str(STEPS), "--sync-period", "8"]
+    base += ["--eval-every", str(STEPS), "--no-progress", "--out", str(out)]
+    if processes == 1:
+        command = [sys.executable, "-m", "mtdao", "train", *base, *flags]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", str(processes), "-m", "mtdao", "train", *base, *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:] or ["exit code != 0"]}
+    return json.loads((out / "results.json").read_text())
+
+
+def check_harness_unsharded(out: Path) -> bool:
+    results = mtdao_train(1, ["--workers", "2"], out / "s1")
+    loss = results.get("final_val_loss")
+    passed = loss is not None and math.isfinite(loss)
+    return report("harness-s1", passed, f"final_val_loss {loss} {results.get('error', '')}")
+
+
+def check_harness_sharded(out: Path) -> bool:
+    two = mtdao_train(2, ["--workers", "2", "--shards", "1"], out / "M2-S1")
+    four = mtdao_train(4, ["--workers", "2", "--shards", "2"], out / "M2-S2")
+    if "error" in two or "error" in four:
+        return report("harness-s2", False, f"{two.get('error')} {four.get('error')}")
+    gap = abs(two["final_val_loss"] - four["final_val_loss"])
+    memory_one, memory_two = two["memory_per_process"], four["memory_per_process"]
+    halved = all(memory_two[key] * 2 <= memory_one[key] * 1.01 for key in memory_one)
+    passed = gap < BF16_LOSS_TOLERANCE and two["bytes_per_worker"] == four["bytes_per_worker"]
+    details = (
+        f"val loss S1 {two['final_val_loss']:.4f} S2 {four['final_val_loss']:.4f} (gap "
+        f"{gap:.4f}); bytes per worker {two['bytes_per_worker']} / {four['bytes_per_worker']}; "
+        f"memory per process {memory_one} -> {memory_two}"
+    )
+    return report("harness-s2", passed and halved, details)
+
+
+def check_cpu_sharded() -> bool:
+    tests = ["tests/test_sharded_sync.py", "tests/test_sharded_train.py"]
+    tests.append("tests/test_sharded_config.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", *tests]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+    return report("cpu-sharded", done.returncode == 0, summary)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="gpu-sharded-")))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("FAIL no CUDA device")
+        return 1
+    gpus = torch.cuda.device_count()
+    print(f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [check_fsdp_on_cuda(args.out), check_harness_unsharded(args.out)]
+    if gpus >= 4:
+        results.append(check_harness_sharded(args.out))
+    else:
+        print(f"SKIP harness-s2: needs 4 GPUs, found {gpus}")
+    results.append(check_cpu_sharded())
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

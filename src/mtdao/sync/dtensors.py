@@ -1,0 +1,50 @@
+"""Sharded tensors (``DTensor``, as FSDP2 makes parameters) seen from the sync engine.
+
+The engine averages a sharded worker's tensors shard by shard: each process holds a slice of every
+parameter and optimizer state, and the process holding the same slice in every other worker is its
+partner in the average. Everything element-wise (averaging, the outer step, the optimizer update)
+therefore runs on the local shard; only sums over a whole worker (norms, finiteness) need the
+other shards, through the worker's shard group.
+
+``torch.distributed.tensor`` is looked up in ``sys.modules`` rather than imported: no DTensor can
+exist unless the program imported it, and importing it here would add a second to every start-up.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _dtensor_class():
+    module = sys.modules.get("torch.distributed.tensor")
+    return module.DTensor if module is not None else None
+
+
+def local_shard(tensor: Tensor) -> Tensor:
+    """This process's shard of a DTensor (a view sharing its storage); any other tensor itself."""
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        return tensor.to_local()
+    return tensor
+
+
+def shard_group_ranks(tensor: Tensor) -> list[int] | None:
+    """The global ranks over which ``tensor`` is sharded; None when it is not sharded (a plain
+    tensor, a replicated DTensor, or one sharded over a single process)."""
+    dtensor = _dtensor_class()
+    if dtensor is None or not isinstance(tensor, dtensor):
+        return None
+    mesh = tensor.device_mesh
+    sharded = [dim for dim, placement in enumerate(tensor.placements) if placement.is_shard()]
+    sharded = [dim for dim in sharded if mesh.size(dim) > 1]
+    if not sharded:
+        return None
+    if len(sharded) > 1:
+        raise ValueError(
+            f"a tensor sharded over {len(sharded)} mesh dimensions ({tensor.placements}); the sync "
+            "engine averages tensors sharded over one (FSDP2's shard dimension)"
+        )
+    return dist.get_process_group_ranks(mesh.get_group(sharded[0]))

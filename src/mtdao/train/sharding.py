@@ -1,0 +1,202 @@
+"""Workers bigger than one process: M replica groups of S processes, each group sharding its model.
+
+``--workers M --shards S`` under ``torchrun`` (world size M x S): process ``r`` belongs to worker
+``r // S`` and holds shard ``r % S`` of it. Inside a worker, FSDP2 (``fully_shard`` on every
+transformer block and on the model) shards parameters and optimizer states over the S processes,
+splits the worker's batch between them and reduces their gradients every step. Between workers,
+the sync engine averages each local shard over the M processes that hold it (the device mesh's
+``replicate`` dimension); see :mod:`mtdao.sync.sharded_layout`.
+
+A worker computes what one unsharded worker computes: the same batch (its S processes each take
+``batch_size / S`` of its sequences; FSDP averages their gradients), the same clipping norm (summed
+over shards), the same averages. ``--shards 1`` is the unsharded harness, unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from mtdao.sync.dtensors import local_shard
+from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.train.config import TrainConfig
+from mtdao.train.distributed import ProcessInfo
+from mtdao.train.workers import WorkerSet, language_model_loss
+
+MESH_DIMENSIONS = ("replicate", "shard")
+
+
+# -- topology -------------------------------------------------------------------------------------
+
+
+def check_topology(config: TrainConfig, process: ProcessInfo) -> None:
+    """Refuse a launch whose processes do not make ``--workers`` x ``--shards`` (one line)."""
+    workers, shards = config.workers, config.shards
+    if shards > 1 and not process.distributed:
+        raise ValueError(
+            f"--shards {shards}: sharded workers need one process per shard; launch with "
+            f"torchrun --nproc-per-node {workers * shards} (--workers {workers} x --shards "
+            f"{shards}); simulated workers are unsharded"
+        )
+    if not process.distributed:
+        return
+    if shards == 1 and process.world_size != workers:
+        raise ValueError(
+            f"--workers {workers} but torchrun started {process.world_size} processes; "
+            "they must match (one worker per process)"
+        )
+    if shards > 1 and process.world_size % shards != 0:
+        raise ValueError(
+            f"--shards {shards}: torchrun started {process.world_size} processes, which do not "
+            f"divide into groups of {shards}"
+        )
+    if shards > 1 and process.world_size != workers * shards:
+        raise ValueError(
+            f"--workers {workers} x --shards {shards} needs {workers * shards} processes, but "
+            f"torchrun started {process.world_size} ({process.world_size // shards} groups of "
+            f"{shards})"
+        )
+
+
+def worker_of(process: ProcessInfo, shards: int) -> int:
+    """The worker this process belongs to."""
+    return process.rank // shards
+
+
+def check_shardable(model: nn.Module, shards: int) -> None:
+    """Refuse a model that does not shard over ``shards`` processes: FSDP2 cuts each parameter's
+    dim 0 into chunks of ceil(rows / S) rows, so a parameter with too few rows (or none: a scalar)
+    would leave a process of every worker holding none of it."""
+    for name, param in model.named_parameters():
+        rows = param.shape[0] if param.dim() > 0 else 0
+        chunk = math.ceil(rows / shards)
+        if rows == 0 or chunk * (shards - 1) >= rows:
+            raise ValueError(
+                f"--shards {shards}: the model does not shard: parameter {name} "
+                f"{tuple(param.shape)} has {rows} rows along dim 0, which leaves process "
+                f"{shards - 1} of every worker none of it; use fewer shards"
+            )
+
+
+def build_mesh(device: torch.device, workers: int, shards: int):
+    """The (replicate, shard) device mesh of all processes: row w holds worker w's processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return init_device_mesh(device.type, (workers, shards), mesh_dim_names=MESH_DIMENSIONS)
+
+
+def shard_model(model: nn.Module, mesh, bf16: bool) -> nn.Module:
+    """FSDP2 over the mesh's shard dimension: each transformer block, then the rest of the model.
+
+    On a GPU with ``bf16``, blocks compute in bfloat16 and reduce gradients in float32, while the
+    sharded parameters, and so the optimizer states, stay float32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    shard_mesh = mesh["shard"]
+    policy = MixedPrecisionPolicy()
+    if bf16 and shard_mesh.device_type == "cuda":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=shard_mesh, mp_policy=policy)
+    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
+    return model
+
+
+def build_sharded_workers(
+    model: nn.Module, config: TrainConfig, device: torch.device
+) -> tuple[ProcessGroupWorkers, ShardedWorkerSet]:
+    """The communicator over the replicate groups and this process's part of its worker."""
+    check_shardable(model, config.shards)
+    mesh = build_mesh(device, config.workers, config.shards)
+    shard_model(model, mesh, config.bf16)
+    communicator = ProcessGroupWorkers(
+        mesh.get_group("replicate"), shard_group=mesh.get_group("shard")
+    )
+    return communicator, ShardedWorkerSet(model, communicator.layout, mesh)
+
+
+# -- the workers ----------------------------------------------------------------------------------
+
+
+class ShardedWorkerSet(WorkerSet):
+    """This process: shard ``layout.shard_rank`` of worker ``layout.rank``, an FSDP2 model."""
+
+    def __init__(self, model: nn.Module, layout, mesh) -> None:
+        self.model = model
+        self.layout = layout
+        self.mesh = mesh
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+    def losses(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """This process's loss on its rows of the worker's batch (FSDP averages the gradients of
+        the worker's processes; the layout's ``gather`` averages their losses)."""
+        rows = inputs.shape[0] // self.layout.num_shards
+        mine = slice(self.layout.shard_rank * rows, (self.layout.shard_rank + 1) * rows)
+        with self.autocast():
+            logits = self.model(inputs[mine])
+        return language_model_loss(logits, targets[mine]).reshape(1)
+
+    @torch.no_grad()
+    def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
+        if self.layout.num_workers == 1:
+            return self.model
+        params = [p for _, p in self.named_parameters()]
+        return AveragedShards(self.model, params, self.layout.global_mean(params, excluded))
+
+
+class AveragedShards(nn.Module):
+    """The sharded model with the workers' average in place of its own shards while it runs (a
+    copy of the model would not be sharded: every call swaps the averages in and back out)."""
+
+    def __init__(self, model: nn.Module, params: list[Tensor], averages: list[Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.params, self.averages = params, averages
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor) -> Tensor:
+        shards = [local_shard(p) for p in self.params]
+        own = [shard.clone() for shard in shards]
+        torch._foreach_copy_(shards, self.averages)
+        try:
+            return self.model(tokens)
+        finally:
+            torch._foreach_copy_(shards, own)
+
+
+# -- what a process holds -------------------------------------------------------------------------
+
+
+def process_memory(params: list[Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters and optimizer state this process holds (its shards, when sharded;
+    every local worker's copy, when simulated)."""
+
+    def nbytes(tensor: Tensor) -> int:
+        shard = local_shard(tensor)
+        return shard.numel() * shard.element_size()
+
+    states = [
+        v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, Tensor)
+    ]
+    return {
+        "parameter_bytes": sum(nbytes(p) for p in params),
+        "optimizer_state_bytes": sum(nbytes(v) for v in states),
+    }
+
+
+def process_share(params: list[Tensor]) -> float:
+    """The fraction of each averaged tensor this process holds and sends: its shard's bytes over
+    the whole parameters' (1 unsharded; 1/S when the rows divide evenly). Every state is sharded
+    like its parameter and every round carries a kind for all parameters, so the fraction of the
+    parameters is the fraction of every round."""
+    whole = sum(p.numel() * p.element_size() for p in params)
+    mine = sum(local_shard(p).numel() * local_shard(p).element_size() for p in params)
+    return mine / whole if whole else 1.0

@@ -1,0 +1,162 @@
+"""Opening the run directory: one run per directory, no run replaced by accident, and the
+checkpoint a resumed run starts from.
+
+Every process of the run calls these together, before the run is built (so a refusal comes before
+the data is loaded). Process 0 holds the directory's lock for the whole job. The other decisions
+read the same files on every process, and the processes agree before going on, so they all stop
+together with the same one-line error:
+
+* a fresh run needs a directory without a run in it, or ``--overwrite`` (which deletes the files
+  a run writes, and nothing else);
+* ``--resume`` takes the newest checkpoint that verifies (older ones as fallback); with none yet
+  it starts fresh and says so, so one command line serves a first start and every restart;
+* a resumed run with another ``--steps`` is re-planned only with ``--extend``
+  (:class:`~mtdao.train.schedule.StepsChange` says what that does to the schedule).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtdao.train import checkpoint as ckpt
+from mtdao.train.checkpoint_state import Collective
+from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.distributed import ProcessInfo
+from mtdao.train.durable import describe_os_error
+from mtdao.train.run_lock import (
+    RunDirError,
+    RunLock,
+    check_run_dir,
+    clear_run_files,
+    refuse_to_replace_a_run,
+)
+from mtdao.train.schedule import steps_change
+from mtdao.train.snapshot import saved_config
+
+
+@dataclass
+class Start:
+    """How a run starts: from scratch, or from a checkpoint (possibly re-planned)."""
+
+    checkpoint: ckpt.LoadedCheckpoint | None = None
+    notes: list[str] = field(default_factory=list)
+    """Lines for the person at the terminal (what was decided, and why)."""
+    extension: dict[str, Any] | None = None
+    """The record of a re-planned length (``--extend``), kept with the run."""
+
+
+def agree(collective: Collective, error: Exception | None, elsewhere: str) -> None:
+    """Raise on every process when any failed (its own error, or one naming ``elsewhere``)."""
+    if not collective.all_true(error is None):
+        raise error or RunDirError(elsewhere)
+
+
+def lock_run_dir(config: TrainConfig, process: ProcessInfo, collective: Collective) -> RunLock:
+    """Process 0 takes the run directory's lock (a second run on it is refused, naming the
+    holder's pid); returns the lock (held on process 0 only) once every process agrees."""
+    run_dir, lock, error = Path(config.out), RunLock(Path(config.out)), None
+    try:
+        check_run_dir(run_dir)
+        if process.rank == 0:
+            lock.acquire()
+    except RunDirError as refused:
+        error = refused
+    except OSError as failure:
+        error = RunDirError(
+            f"cannot use {run_dir} as the run directory: {describe_os_error(failure)}"
+        )
+    try:
+        agree(collective, error, f"process 0 could not take the lock of {run_dir} (see its error)")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def choose_start(config: TrainConfig, process: ProcessInfo, store: ckpt.CheckpointStore) -> Start:
+    """Decide how the run in ``config.out`` starts (the lock is held); see the module notes."""
+    run_dir, collective = Path(config.out), store.collective
+    if config.resume:
+        loaded = store.load()
+        if loaded is not None:
+            return _resumed(config, loaded)
+        error = None
+        try:
+            _check_fresh_resume(run_dir, config)
+        except ValueError as refused:
+            error = refused
+        agree(collective, error, f"--resume: process 0 refused to start in {run_dir}")
+        return Start(notes=[f"--resume: no checkpoint in {run_dir} yet; starting fresh"])
+    error, removed = None, []
+    try:
+        if config.overwrite:
+            if process.rank == 0:
+                removed = clear_run_files(run_dir)
+        else:
+            refuse_to_replace_a_run(run_dir)
+    except RunDirError as refused:
+        error = refused
+    except OSError as failure:
+        error = RunDirError(f"--overwrite: cannot delete the run in {run_dir}: {failure}")
+    agree(collective, error, f"process 0 refused to start a run in {run_dir} (see its error)")
+    if removed:
+        return Start(notes=[f"--overwrite: deleted {', '.join(removed)} from {run_dir}"])
+    return Start()
+
+
+def _check_fresh_resume(run_dir: Path, config: TrainConfig) -> None:
+    """A fresh start under --resume may replace a run's files only when they are this run's
+    (a first attempt that died before its first checkpoint)."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return
+    try:
+        differences = resolve(TrainConfig.from_dict(json.loads(path.read_text()))).differences(
+            config
+        )
+    except (OSError, ValueError, TypeError) as error:
+        differences = [f"unreadable: {error}"]
+    if differences:
+        raise RunDirError(
+            f"--resume: {run_dir} has no checkpoint yet, and its config.json is another run's "
+            f"({'; '.join(differences)}); pass --overwrite to replace it, or choose another --out"
+        )
+
+
+def _resumed(config: TrainConfig, loaded: ckpt.LoadedCheckpoint) -> Start:
+    """Check that ``loaded`` can continue as ``config`` asks; refuse in one line if not."""
+    run_dir, step = Path(config.out), loaded.step
+    saved = saved_config(loaded.meta)
+    differences = saved.differences(config)
+    if differences:
+        raise ckpt.CheckpointError(
+            f"--resume: the config differs from the run in {run_dir}: " + "; ".join(differences)
+        )
+    new_steps, old_steps = config.total_steps(), saved.total_steps()
+    if step > new_steps:
+        raise ckpt.CheckpointError(
+            f"--resume: the checkpoint is at step {step}, past --steps {new_steps}"
+        )
+    if new_steps == old_steps:
+        return Start(checkpoint=loaded)
+    change = steps_change(saved, config, step)
+    if not config.extend:
+        raise ValueError(
+            f"--resume: --steps {new_steps} differs from the run's {old_steps} (checkpoint at "
+            f"step {step}). Keep --steps {old_steps} to continue it exactly, or pass --extend to "
+            f"re-plan it: {change.consequence()}"
+        )
+    note = f"--extend: re-planned from {old_steps} to {new_steps} steps at step {step}: "
+    note += change.consequence()
+    record = {
+        "step": step,
+        "from_steps": old_steps,
+        "to_steps": new_steps,
+        "exact": change.exact,
+        "lr_planned": change.lr_planned,
+        "lr_new": change.lr_new,
+    }
+    return Start(checkpoint=loaded, notes=[note], extension=record)

@@ -1,0 +1,306 @@
+"""2 workers x 2 FSDP2 shards (4 gloo processes) == 2 unsharded processes == 2 simulated workers.
+
+One spawn of four processes trains a small Llama with every method three ways: sharded over a
+(replicate, shard) device mesh; unsharded on processes 0 and 1 (a two-process group); and, in this
+process, simulated. Parameters, every optimizer state, per-worker losses, clipping, alignment and
+traffic must agree to float rounding; a NaN in one shard of one worker must be found, and skipped
+or reported, by every process alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.testing import assert_close
+
+from mtdao.model import Llama, ModelConfig, split_weight_decay
+from mtdao.sync import NonFiniteError, SimulatedWorkers
+from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.methods import build_optimizer
+from mtdao.train.setup import build_sync
+from mtdao.train.sharding import process_share, shard_model
+from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
+    ),
+]
+
+WORKERS, SHARDS = 2, 2
+METHODS = ("ddp", "local-adam", "diloco", "desloc", "mtdao")
+STEPS, SYNC_PERIOD, BATCH, SEQ_LEN = 6, 2, 4, 8
+MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=SEQ_LEN)
+JOIN_TIMEOUT_S = 120
+NAN_PARAM = "blocks.0.mlp.up_proj.weight"
+
+
+def config_of(method: str, **changes) -> TrainConfig:
+    # a small clip, so that clipping acts (by the norm of a whole worker)
+    config = TrainConfig(method=method, workers=WORKERS, sync_period=SYNC_PERIOD, lr=1e-2)
+    return resolve(dataclasses.replace(config, **{"grad_clip": 0.05, **changes}))
+
+
+def nan_config(action: str) -> TrainConfig:
+    """DES-LOC: at step 2 only the parameters are due, so skipping a worker also heals its
+    states (the others' average of every tensor it holds)."""
+    return config_of("desloc", grad_clip=0.0, on_non_finite=action)
+
+
+def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * worker + step)
+    tokens = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(config: TrainConfig, build, workers_here: list[int], nan_at: tuple | None = None):
+    """Train as configured; ``build(model) -> (communicator, worker set)``; ``nan_at`` = (step,
+    rows of NAN_PARAM's gradient) poisons that slice of the gradient held here."""
+    torch.manual_seed(0)
+    communicator, workers = build(Llama(MODEL))
+    named = workers.named_parameters()
+    optimizer = build_optimizer(split_weight_decay(named, config.weight_decay), config)
+    sync = build_sync(config, optimizer, communicator, workers)
+    losses = []
+    for step in range(STEPS):
+        pairs = [batch(w, step) for w in workers_here]
+        inputs, targets = (torch.stack(column).squeeze(0) for column in zip(*pairs))
+        worker_losses = workers.losses(inputs, targets)
+        worker_losses.sum().backward()
+        if nan_at is not None and step == nan_at[0]:
+            from mtdao.sync.dtensors import local_shard
+
+            local_shard(dict(named)[NAN_PARAM].grad)[nan_at[1]] = float("nan")
+        try:
+            sync.step()
+        except NonFiniteError as error:
+            return {"error": str(error)}
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(workers.layout.gather(worker_losses.detach().float()))
+    return {
+        "params": {name: full(p) for name, p in named},
+        "states": {name: {k: full(v) for k, v in optimizer.state[p].items()} for name, p in named},
+        "losses": torch.stack(losses),
+        "traffic": sync.traffic.state_dict(),
+        "alignment": sync.alignment,
+        "skipped": sync.skipped_rounds,
+        "share": process_share([p for _, p in named]),
+    }
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered from the worker's shards when sharded)."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+# -- the spawned processes ----------------------------------------------------------------------
+
+
+def sharded_builder(mesh):
+    def build(model):
+        from mtdao.train.sharding import ShardedWorkerSet
+
+        shard_model(model, mesh, bf16=False)
+        communicator = ProcessGroupWorkers(
+            mesh.get_group("replicate"), shard_group=mesh.get_group("shard")
+        )
+        return communicator, ShardedWorkerSet(model, communicator.layout, mesh)
+
+    return build
+
+
+def unsharded_builder(group):
+    def build(model):
+        communicator = ProcessGroupWorkers(group)
+        return communicator, ProcessWorkerSet(model, communicator.layout)
+
+    return build
+
+
+def without_shard_group(mesh) -> str:
+    """What the engine says when given sharded parameters but no shard group."""
+    torch.manual_seed(0)
+    model = shard_model(Llama(MODEL), mesh, bf16=False)
+    config = config_of("mtdao")
+    optimizer = build_optimizer(split_weight_decay(model.named_parameters(), 0.0), config)
+    communicator = ProcessGroupWorkers(mesh.get_group("replicate"))
+    try:
+        build_sync(config, optimizer, communicator, ProcessWorkerSet(model, communicator.layout))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=WORKERS * SHARDS,
+            timeout=timedelta(seconds=60),
+        )
+        mesh = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("replicate", "shard"))
+        pair = dist.new_group([0, 1])  # the unsharded run: one worker per process
+        worker, shard = divmod(rank, SHARDS)
+        results = {}
+        for method in METHODS:
+            config = config_of(method)
+            results[method] = train(config, sharded_builder(mesh), [worker])
+            if rank < WORKERS:
+                results[f"{method} unsharded"] = train(config, unsharded_builder(pair), [rank])
+        # worker 1's second shard alone holds the NaN, at a sync step: all must see it
+        bad = (1, slice(None)) if (worker, shard) == (1, 1) else None
+        for action in ("raise", "skip"):
+            config = nan_config(action)
+            results[f"nan {action}"] = train(config, sharded_builder(mesh), [worker], bad)
+        results["no shard group"] = without_shard_group(mesh)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def process_results(tmp_path_factory) -> list[dict]:
+    return run_processes(tmp_path_factory.mktemp("sharded"))
+
+
+@pytest.fixture(scope="module")
+def simulated_results(one_thread) -> dict:
+    return run_simulated()
+
+
+def run_processes(root: Path) -> list[dict]:
+    """Every process's results (benchmarks/sharded_exactness.py reports from them too)."""
+    if "forkserver" in mp.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        # the fork server is shared with test_sharded_train.py: whichever starts it preloads
+        preload = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint"]
+        preload += ["matplotlib.pyplot", "mtdao.train.trainer"]
+        context.set_forkserver_preload([*preload, __name__])
+    else:
+        context = mp.get_context("spawn")
+    processes = [
+        context.Process(target=_worker, args=(rank, str(root / "store"), str(root)))
+        for rank in range(WORKERS * SHARDS)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(JOIN_TIMEOUT_S)
+    finally:
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    errors = "\n".join(p.read_text() for p in sorted(root.glob("rank*.err")))
+    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s (deadlock?)\n{errors}"
+    assert all(p.exitcode == 0 for p in processes), errors or "a process failed"
+    return [torch.load(root / f"rank{rank}.pt") for rank in range(WORKERS * SHARDS)]
+
+
+def run_simulated() -> dict:
+    def build(model):
+        communicator = SimulatedWorkers(WORKERS)
+        return communicator, SimulatedWorkerSet(model, communicator.layout)
+
+    everyone = list(range(WORKERS))
+    results = {method: train(config_of(method), build, everyone) for method in METHODS}
+    # the rows of NAN_PARAM that worker 1's second shard holds (FSDP2: dim 0 in equal chunks)
+    rows = dict(Llama(MODEL).named_parameters())[NAN_PARAM].shape[0]
+    bad = (1, (1, slice(rows // SHARDS, None)))
+    for action in ("raise", "skip"):
+        results[f"nan {action}"] = train(nan_config(action), build, everyone, bad)
+    return results
+
+
+# -- the comparisons ----------------------------------------------------------------------------
+
+
+def assert_worker_matches(real: dict, simulated: dict, worker: int) -> None:
+    assert real["params"].keys() == simulated["params"].keys()
+    for name, param in real["params"].items():
+        assert_close(param, simulated["params"][name][worker], msg=name)
+        states, stacked = real["states"][name], simulated["states"][name]
+        assert states.keys() == stacked.keys()
+        for key, value in states.items():
+            expected = stacked[key] if key == "step" else stacked[key][worker]
+            assert_close(value, expected, msg=f"{key} of {name}")
+    assert_close(real["losses"].float(), simulated["losses"].float())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sharded_workers_match_unsharded_and_simulated(method, process_results, simulated_results):
+    simulated = simulated_results[method]
+    assert simulated["losses"].shape == (STEPS, WORKERS)
+    for rank, results in enumerate(process_results):
+        worker = rank // SHARDS
+        sharded = results[method]
+        assert_worker_matches(sharded, simulated, worker)
+        # traffic per worker: the sum over its processes, each sending its half of every tensor
+        assert sharded["traffic"] == simulated["traffic"]
+        assert sharded["share"] == 1 / SHARDS
+        if simulated["alignment"]:
+            for real, expected in zip(sharded["alignment"], simulated["alignment"], strict=True):
+                assert real["step"] == expected["step"]
+                assert real["cosine"] == pytest.approx(expected["cosine"], rel=1e-4)
+                assert real["drift"] == pytest.approx(expected["drift"], rel=1e-4)
+        if rank < WORKERS:
+            unsharded = results[f"{method} unsharded"]
+            assert_worker_matches(unsharded, simulated, rank)
+            assert unsharded["traffic"] == simulated["traffic"]
+            assert unsharded["share"] == 1.0
+    assert simulated["traffic"]["bytes"] > 0
+
+
+def test_clipping_acted(simulated_results):
+    """The comparisons above include clipping only if it clipped: the first steps' gradient norms
+    exceed 0.05 by far, so an unclipped run ends elsewhere."""
+    config = config_of("mtdao", grad_clip=0.0)
+
+    def build(model):
+        communicator = SimulatedWorkers(WORKERS)
+        return communicator, SimulatedWorkerSet(model, communicator.layout)
+
+    unclipped = train(config, build, list(range(WORKERS)))
+    clipped = simulated_results["mtdao"]
+    name = "blocks.0.attn.qkv.weight"
+    assert not torch.allclose(unclipped["params"][name], clipped["params"][name])
+
+
+def test_nan_in_one_shard_is_reported_by_every_process(process_results, simulated_results):
+    expected = simulated_results["nan raise"]["error"]
+    assert f"in worker 1: {NAN_PARAM}" in expected, expected
+    for results in process_results:
+        assert results["nan raise"] == {"error": expected}
+
+
+def test_nan_in_one_shard_leaves_the_whole_worker_out(process_results, simulated_results):
+    simulated = simulated_results["nan skip"]
+    assert [(s["step"], s["workers"]) for s in simulated["skipped"]] == [(2, [1])]
+    assert simulated["skipped"][0]["healed_tensors"] > 0  # the states, not due at step 2
+    for rank, results in enumerate(process_results):
+        real = results["nan skip"]
+        assert real["skipped"] == simulated["skipped"]
+        assert_worker_matches(real, simulated, rank // SHARDS)
+
+
+def test_sharded_parameters_need_the_shard_group(process_results):
+    for results in process_results:
+        assert "pass the processes of one worker as shard_group" in results["no shard group"]

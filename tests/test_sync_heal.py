@@ -1,0 +1,101 @@
+"""``on_non_finite="skip"`` heals a worker left out of a round: it takes the others' average of
+every tensor it holds (parameters and every optimizer state, due or not), so it rejoins at once.
+
+Three simulated workers under DES-LOC periods (parameters every 2 steps, first momentum every 6,
+second moment every 12), so most states are not due when a worker is left out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sync_engine import EXACT, STATE_KEYS, backward, init_params, named_groups
+from torch.testing import assert_close
+
+from mtdao import MTAdam
+from mtdao.sync import LocalUpdateSync, NonFiniteError, SimulatedWorkers
+from mtdao.sync.policy import desloc
+
+WORKERS = 3
+
+
+def skip_run():
+    params = init_params(WORKERS)
+    optimizer = MTAdam(named_groups(params), lr=1e-2, betas=(0.9,), omegas=(1.0,))
+    sync = LocalUpdateSync(optimizer, desloc(2), SimulatedWorkers(WORKERS), on_non_finite="skip")
+    return params, optimizer, sync
+
+
+def held(params, optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor a worker holds, by name (clones)."""
+    tensors = {}
+    for name, p in zip(("weight", "bias"), params):
+        tensors[name] = p.detach().clone()
+        for key in STATE_KEYS:
+            tensors[f"{key} of {name}"] = optimizer.state[p][key].clone()
+    return tensors
+
+
+def step(params, optimizer, sync, number: int) -> dict[str, torch.Tensor]:
+    """One step; returns every held tensor as it was after the optimizer step, before syncing."""
+    backward(params, range(WORKERS), number, optimizer)
+    sync.before_optimizer_step()
+    optimizer.step()
+    local = held(params, optimizer)
+    sync.after_optimizer_step()
+    return local
+
+
+def test_a_worker_left_out_receives_the_average_of_every_state_due_or_not():
+    params, optimizer, sync = skip_run()
+    step(params, optimizer, sync, 0)
+    step(params, optimizer, sync, 1)  # a parameter round at step 2
+    optimizer.state[params[0]]["exp_avg_sq"][1, 0, 0] = float("nan")  # not due before step 12
+    step(params, optimizer, sync, 2)  # worker 1's update is NaN now
+    local = step(params, optimizer, sync, 3)  # round at step 4: parameters only are due
+
+    others = [0, 2]
+    after = held(params, optimizer)
+    for name, now in after.items():
+        assert torch.isfinite(now).all(), name
+        assert_close(now[1], local[name][others].mean(0), **EXACT)  # healed: the others' average
+        if name in ("weight", "bias"):  # averaged as usual, worker 1 left out
+            assert torch.equal(now[0], now[1]) and torch.equal(now[2], now[1])
+        else:  # not due: the healthy workers keep their own
+            assert torch.equal(now[others], local[name][others]), name
+
+    (skipped,) = sync.skipped_rounds
+    assert skipped["step"] == 4 and skipped["workers"] == [1]
+    assert skipped["healed_tensors"] == 4  # two states of each of the two parameters
+    # the heal is counted: one worker's copy of every state, sent once
+    state_bytes = sum(t[0].numel() * t.element_size() for n, t in after.items() if " of " in n)
+    assert sync.traffic.bytes_by_kind["heal"] == state_bytes
+    heals = [(e.step, e.kinds, e.bytes) for e in sync.events if "heal" in e.kinds]
+    assert heals == [(4, ["heal"], state_bytes)]
+    # healed at once: never left out again, through the momentum and second-moment rounds
+    for number in range(4, 14):
+        step(params, optimizer, sync, number)
+    assert len(sync.skipped_rounds) == 1
+
+
+def test_heal_now_makes_the_state_finite_and_costs_nothing_when_it_is():
+    params, optimizer, sync = skip_run()
+    step(params, optimizer, sync, 0)
+    assert sync.heal_non_finite_workers() == [] and "heal" not in sync.traffic.bytes_by_kind
+
+    optimizer.state[params[1]]["exp_avg_0"][2, 1] = float("inf")
+    before = held(params, optimizer)
+    assert sync.heal_non_finite_workers() == [2]
+    for name, now in held(params, optimizer).items():
+        assert torch.equal(now[:2], before[name][:2]), name  # workers 0 and 1 untouched
+        assert_close(now[2], before[name][:2].mean(0), **EXACT)
+    assert sync.skipped_rounds[-1]["workers"] == [2]
+    assert sync.traffic.bytes_by_kind["heal"] > 0
+
+
+def test_heal_refuses_when_every_worker_is_non_finite():
+    params, optimizer, sync = skip_run()
+    step(params, optimizer, sync, 0)
+    params[0].data[:, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="no worker is left to average"):
+        sync.heal_non_finite_workers()
