@@ -11,7 +11,13 @@ The update is memory-bound, so each optimizer is also given as a bandwidth: the 
 single pass moves (read x, g and every state; write x and every state) over the time per step,
 beside the bandwidth of the copy (read + write), the practical limit of this machine.
 
+``--breakdown`` adds two rows that split a fused MTAdam step: its compiled kernels launched
+directly on the same tensors (the rest of the step is the optimizer's bookkeeping: step counters,
+bucketing, coefficients), and one launch over a single flat copy of all tensors (the difference
+to the former is the per-tensor cost of launching).
+
     python benchmarks/optimizer_step.py                      # ~25M params in 100 tensors, CPU
+    python benchmarks/optimizer_step.py --breakdown          # where a fused step's time goes
     python benchmarks/optimizer_step.py --device cuda --json runs/optimizer_step.json
 """
 
@@ -28,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from mtdao import MTSGD, MTAdam, MTAdopt
+from mtdao.optim.fused import ADAM, adam_coefficients, coefficient_tensor
+from mtdao.optim.launch import launch
 
 WEIGHT_DECAY = 0.1  # the same for all, so that all pay for the decay pass
 BASELINE = "AdamW(fused=True)"
@@ -92,6 +100,42 @@ def time_calls(call: Callable[[], object], steps: int, device: torch.device) -> 
     return (time.perf_counter() - start) / steps
 
 
+BREAKDOWN_OF = "MTAdam N=1 omegas=(0.9,)"
+
+
+def breakdown_calls(optimizer: MTAdam) -> dict[str, Callable[[], object]]:
+    """Where a fused step's time goes: the same kernel launches without the optimizer's
+    bookkeeping, and one launch over the same update on a single flat copy of the tensors."""
+    group = optimizer.param_groups[0]
+    params = group["params"]
+    states = [optimizer.state[p] for p in params]
+    hyper = {k: group[k] for k in ("betas", "omegas", "beta2", "eps", "weight_decay")}
+    coefficients = adam_coefficients(step=10, **hyper)
+    c = coefficient_tensor(coefficients, group["lr"], params[0])
+    spec = ADAM.spec(1, params[0], states[0]["exp_avg_0"])
+    tensors = [
+        [p.detach() for p in params],
+        [p.grad for p in params],
+        [[s["exp_avg_0"] for s in states]],
+        [s["exp_avg_sq"] for s in states],
+    ]
+    flat = [torch.cat([t.reshape(-1) for t in column]) for column in tensors[:2]]
+    flat += [[torch.cat([t.reshape(-1) for t in tensors[2][0]])], torch.cat(tensors[3])]
+
+    @torch.no_grad()
+    def kernels_only() -> None:
+        launch(spec, *tensors, c)
+
+    @torch.no_grad()
+    def one_flat_buffer() -> None:
+        launch(spec, [flat[0]], [flat[1]], [flat[2]], [flat[3]], c)
+
+    return {
+        BREAKDOWN_OF + ": kernels only": kernels_only,
+        BREAKDOWN_OF + ": one flat buffer": one_flat_buffer,
+    }
+
+
 def bytes_per_step(states: int, numel: int, element_size: int) -> int:
     """x read + written, g read, each state read + written."""
     return (3 + 2 * states) * numel * element_size
@@ -107,6 +151,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's)")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help=f"also time {BREAKDOWN_OF}'s compiled kernels alone, on its tensors and on one flat copy",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,6 +175,10 @@ def main() -> None:
         first_step[name] = time_calls(optimizer.step, 1, device)
         time_calls(optimizer.step, args.warmup, device)  # and passes ADOPT's v-only call
         calls[name] = optimizer.step
+        if args.breakdown and name == BREAKDOWN_OF:
+            for part, call in breakdown_calls(optimizer).items():
+                time_calls(call, args.warmup, device)
+                calls[part] = call
 
     names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -142,6 +195,8 @@ def main() -> None:
     }
     moved = {name: bytes_per_step(c.states, numel, 4) for name, c in CANDIDATES.items()}
     moved[COPY] = 2 * numel * 4
+    for name in names:  # breakdown rows move what the step they break down moves
+        moved.setdefault(name, moved[BREAKDOWN_OF])
     bandwidth = {name: moved[name] / fastest[name] / 1e9 for name in names}
     environment = {
         "torch": torch.__version__,
@@ -155,14 +210,17 @@ def main() -> None:
         f"{environment['threads']} threads, torch {environment['torch']}; "
         f"{args.rounds} interleaved rounds x {args.repeats} steps"
     )
-    print(f"{'':30s} {'ms/step':>17s}   {'ratio to fused AdamW':>29s}   {'GB/s':>6s} {'first':>7s}")
+    width = max(len(name) for name in names)
     print(
-        f"{'optimizer':30s} {'median':>8s} {'fastest':>8s}   {'median':>9s} {'fastest':>9s} "
+        f"{'':{width}s} {'ms/step':>17s}   {'ratio to fused AdamW':>29s}   {'GB/s':>6s} {'first':>7s}"
+    )
+    print(
+        f"{'optimizer':{width}s} {'median':>8s} {'fastest':>8s}   {'median':>9s} {'fastest':>9s} "
         f"{'in-round':>9s}   {'fastest':>6s} {'step, s':>7s}"
     )
     for name in names:
         print(
-            f"{name:30s} {1e3 * medians[name]:8.1f} {1e3 * fastest[name]:8.1f}   "
+            f"{name:{width}s} {1e3 * medians[name]:8.1f} {1e3 * fastest[name]:8.1f}   "
             f"{medians[name] / medians[BASELINE]:8.2f}x {fastest[name] / fastest[BASELINE]:8.2f}x "
             f"{paired[name]:8.2f}x   {bandwidth[name]:6.1f} {first_step.get(name, float('nan')):7.2f}"
         )
