@@ -122,6 +122,7 @@ def test_recording_communicator_forwards_to_a_real_one_and_logs_every_call():
     assert [call.method for call in recording.calls] == [
         "broadcast_from_first",
         "average",
+        "commit",
         "assign",
     ]
     assert recording.average_kinds() == [["params"]]

@@ -13,6 +13,7 @@ import sys
 # Modules that each define add_parser(subparsers); listed in the order `mtdao --help` shows them.
 COMMAND_MODULES = (
     "mtdao.train.command",
+    "mtdao.train.lighthouse",
     "mtdao.experiments.commands",
 )
 
@@ -55,6 +56,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from mtdao.train.distributed import CollectiveError
     from mtdao.train.durable import WriteError
 
+    # ConnectionError: a lighthouse or peer that cannot be reached (fault-tolerant runs)
     return (
         ValueError,
         DataError,
@@ -63,6 +65,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
         FileNotFoundError,
         WriteError,
         CollectiveError,
+        ConnectionError,
     )
 
 

@@ -2,7 +2,9 @@
 
 A communicator does four things: average a list of tensors over the workers (optionally leaving
 some workers out), assign averaged values back to every worker's copy, broadcast worker 0's values
-at start-up, and keep the account of what averaging costs (:class:`Traffic`). Where each worker's
+at start-up, and keep the account of what averaging costs (:class:`Traffic`). A communicator whose
+rounds can fail part-way (a peer dies mid-round) also says, in :meth:`Communicator.commit`, whether
+the round the engine has checked may be applied. Where each worker's
 copy of a tensor lives (stacked along a leading dimension in one process, or one per process) is
 the communicator's :class:`~mtdao.sync.layout.WorkerLayout`; everything else that depends on it
 (per-worker norms, locating a NaN, gathering per-worker scalars) lives there.
@@ -12,6 +14,7 @@ Implementations:
 * :class:`SingleWorker`: world size 1, nothing to send;
 * :class:`mtdao.sync.simulated.SimulatedWorkers`: M workers in one process, stacked tensors;
 * :class:`mtdao.sync.process_group.ProcessGroupWorkers`: a ``torch.distributed`` process group;
+* :class:`mtdao.sync.torchft.ReplicaGroups`: fault-tolerant replica groups (torchft, optional);
 * :mod:`mtdao.sync.testing`: recording and scripted doubles for tests.
 
 Averaging is split from assigning so that the engine can check the averages (NaN/inf) before
@@ -102,6 +105,10 @@ class Traffic:
         self.ddp_bytes_per_step = state.get("ddp_bytes_per_step")
 
 
+class RoundNotCommitted(RuntimeError):
+    """A round that must be discarded (a peer failed during it): the engine applies none of it."""
+
+
 @dataclass
 class Averages:
     """The result of one averaging call and what it sent per worker."""
@@ -151,6 +158,11 @@ class Communicator:
 
     def broadcast_from_first(self, tensors: Sequence[Tensor]) -> None:
         """Make every worker start from worker 0's values (set-up traffic, uncounted)."""
+
+    def commit(self) -> None:
+        """Called once per round, after the engine has checked the averages and before it applies
+        any: raise :class:`RoundNotCommitted` if the round must be discarded. The communicators
+        here either complete a round on every worker or raise inside it, so they accept it."""
 
     def _account(self, tensors: Sequence[Tensor], kinds: Sequence[str], collectives: int):
         """Record one averaging call in the traffic account; returns its (bytes, collectives)."""

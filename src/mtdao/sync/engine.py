@@ -19,7 +19,8 @@ or keep a plain loop and let optimizer step hooks call it::
 
 Step t counts optimizer steps from 1 and is the same on every worker. Each averaging is one
 *round*: the tensors due are collected, averaged in one communicator call, checked for NaN/inf,
-then applied; every round leaves a :class:`SyncEvent` in ``events``.
+committed (the communicator may still discard it, raising ``RoundNotCommitted``), then applied;
+every committed round leaves a :class:`SyncEvent` in ``events``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -38,10 +39,10 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
-from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy
+from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound, alignment
 
 logger = logging.getLogger(__name__)
 
@@ -50,26 +51,6 @@ NON_FINITE_ACTIONS = ("raise", "skip")
 
 class NonFiniteError(FloatingPointError):
     """A worker's tensor held NaN or inf when it was due to be averaged."""
-
-
-@dataclass
-class SyncEvent:
-    """One averaging round as it happened: at which step, which kinds, what it sent per worker."""
-
-    step: int
-    kinds: list[str]
-    bytes: int
-    collectives: int
-
-
-@dataclass
-class SyncRound:
-    """The tensors due at one step, averaged together in one communicator call."""
-
-    step: int
-    tensors: list[Tensor]
-    kinds: list[str]
-    names: list[str]
 
 
 class LocalUpdateSync:
@@ -169,12 +150,16 @@ class LocalUpdateSync:
         """DDP: replace every worker's gradients by their average; then run the gradient hooks."""
         started = time.perf_counter()
         owners = [p for p in self.params if p.grad is not None]
-        if self.policy.average_gradients and owners:
-            names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
-            grads = [p.grad for p in owners]
-            due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
-            self.communicator.assign(grads, self._average(due))
-        self.seconds_syncing += time.perf_counter() - started
+        try:
+            if self.policy.average_gradients and owners:
+                names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
+                grads = [p.grad for p in owners]
+                due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
+                checked = self._average(due)
+                self._commit(checked)
+                self.communicator.assign(grads, checked.averages)
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
         for hook in list(self._gradient_hooks.values()):
             hook()
 
@@ -188,15 +173,43 @@ class LocalUpdateSync:
             self.policy.check_state_keys(self._state_keys())
             self._state_keys_checked = True
         due, num_params = self._due_after_step(self.step_count)
+        try:
+            if due.tensors:
+                self._run_round(due, num_params)
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
+
+    def round_due(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) has a round: gradients averaged before it, or
+        parameters or states after it. For a communicator that prepares each round (a quorum)
+        before the step's forward pass; before the optimizer keeps any state, a state rule due
+        at ``step`` counts."""
+        if self.policy.average_gradients:
+            return True
+        due, _ = self._due_after_step(step)
         if due.tensors:
-            averages = self._average(due, heal=True)
-            if num_params:
-                self._finish_parameter_sync(averages[:num_params], due.step)
-            if len(due.tensors) > num_params:
-                self.communicator.assign(due.tensors[num_params:], averages[num_params:])
-        self.seconds_syncing += time.perf_counter() - started
+            return True
+        if self._state_keys():
+            return False
+        rules = [self.policy.other_states, *self.policy.states.values()]
+        return any(rule.is_due(step) for rule in rules)
 
     # -- one round ----------------------------------------------------------------------------
+
+    def _run_round(self, due: SyncRound, num_params: int) -> None:
+        """Average, check, commit, apply: nothing is written before the communicator commits."""
+        checked = self._average(due, heal=True)
+        averaged_params = checked.averages[:num_params]
+        if num_params and self.track_alignment and self.anchors:
+            # the per-worker gathers are part of the round: a peer lost in them discards it
+            checked.alignment = alignment(
+                self.layout, self.params, self.anchors, averaged_params, due.step
+            )
+        self._commit(checked)
+        if num_params:
+            self._finish_parameter_sync(averaged_params)
+        if len(due.tensors) > num_params:
+            self.communicator.assign(due.tensors[num_params:], checked.averages[num_params:])
 
     def _due_after_step(self, step: int) -> tuple[SyncRound, int]:
         """The round of ``step`` and how many parameters lead it (all of them, or none)."""
@@ -222,7 +235,7 @@ class LocalUpdateSync:
                 found.append((key, value))
         return found
 
-    def _average(self, due: SyncRound, heal: bool = False) -> list[Tensor]:
+    def _average(self, due: SyncRound, heal: bool = False) -> CheckedRound:
         """One communicator call for the round, checked; a worker holding NaN/inf is either
         reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``).
 
@@ -233,9 +246,12 @@ class LocalUpdateSync:
         averages = result.wait()
         sent, collectives = result.bytes, result.collectives
         excluded: list[int] = []
+        skipped = None
         if not self.layout.all_finite(averages):
             skipping = heal and self.on_non_finite == "skip"
-            excluded = self._workers_to_leave_out(self._held(due.step) if skipping else due)
+            excluded, skipped = self._workers_to_leave_out(
+                self._held(due.step) if skipping else due
+            )
             retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
             averages = retry.wait()
             sent, collectives = sent + retry.bytes, collectives + retry.collectives
@@ -244,10 +260,25 @@ class LocalUpdateSync:
                     f"Non-finite average at step {due.step} even without workers {excluded}"
                 )
         kinds = list(dict.fromkeys(due.kinds))
-        self.events.append(SyncEvent(due.step, kinds, sent, collectives))
+        checked = CheckedRound(averages, [SyncEvent(due.step, kinds, sent, collectives)], skipped)
         if heal and excluded:
-            self._heal(excluded, due.step, skip={id(t) for t in due.tensors})
-        return averages
+            self._heal(checked, excluded, due.step, skip={id(t) for t in due.tensors})
+        return checked
+
+    def _commit(self, checked: CheckedRound) -> None:
+        """The communicator's last word on a checked round; only a committed round is recorded
+        and written."""
+        self.communicator.commit()
+        self._record(checked)
+
+    def _record(self, checked: CheckedRound) -> None:
+        self.events += checked.events
+        if checked.skipped is not None:
+            self.skipped_rounds.append(checked.skipped)
+        if checked.alignment is not None:
+            self.alignment.append(checked.alignment)
+        if checked.heal is not None:  # the workers left out take the others' values
+            self.layout.assign_to_workers(*checked.heal)
 
     def _held(self, step: int) -> SyncRound:
         """Everything a worker holds its own copy of: its parameters and every parameter-shaped
@@ -270,14 +301,16 @@ class LocalUpdateSync:
         offenders = self.layout.first_non_finite(held.tensors)
         if not offenders:
             return []
-        excluded = self._workers_to_leave_out(held, offenders)
-        self._heal(excluded, self.step_count, skip=set())
+        excluded, skipped = self._workers_to_leave_out(held, offenders)
+        checked = CheckedRound([], [], skipped)
+        self._heal(checked, excluded, self.step_count, skip=set())
+        self._record(checked)
         return excluded
 
-    def _heal(self, workers: list[int], step: int, skip: set[int]) -> None:
-        """Give ``workers`` the others' average of every tensor they hold but those in ``skip``
-        (ids of the tensors the round already averaged); every worker takes part in the
-        collective, only ``workers`` are overwritten."""
+    def _heal(self, checked: CheckedRound, workers: list[int], step: int, skip: set[int]) -> None:
+        """Average, over the others, every tensor ``workers`` hold but those in ``skip`` (ids of
+        the tensors the round already averaged): every worker takes part in the collective; only
+        ``workers`` are overwritten, when ``checked`` is recorded."""
         held = self._held(step)
         tensors = [t for t in held.tensors if id(t) not in skip]
         if not tensors:
@@ -288,18 +321,13 @@ class LocalUpdateSync:
             raise NonFiniteError(
                 f"Cannot heal workers {workers} at step {step}: non-finite average"
             )
-        layout = self.layout
-        local = torch.arange(layout.rank, layout.rank + layout.local_workers)
-        chosen = torch.isin(local, torch.tensor(workers))
-        if bool(chosen.any()):
-            for tensor, average in zip(tensors, averages):
-                tensor = local_shard(tensor)  # a sharded tensor's average is its shard's
-                mask = layout.per_worker_view(chosen.to(tensor.device), tensor)
-                tensor.copy_(torch.where(mask, average.to(tensor.dtype), tensor))
-        self.events.append(SyncEvent(step, ["heal"], result.bytes, result.collectives))
-        self.skipped_rounds[-1]["healed_tensors"] = len(tensors)
+        checked.heal = (tensors, averages, workers)
+        checked.events.append(SyncEvent(step, ["heal"], result.bytes, result.collectives))
+        checked.skipped["healed_tensors"] = len(tensors)
 
-    def _workers_to_leave_out(self, due: SyncRound, offenders: dict | None = None) -> list[int]:
+    def _workers_to_leave_out(
+        self, due: SyncRound, offenders: dict | None = None
+    ) -> tuple[list[int], dict[str, Any]]:
         offenders = self.layout.first_non_finite(due.tensors) if offenders is None else offenders
         if not offenders:
             raise NonFiniteError(
@@ -326,12 +354,9 @@ class LocalUpdateSync:
             excluded,
             described,
         )
-        self.skipped_rounds.append({"step": due.step, "workers": excluded, "tensors": described})
-        return excluded
+        return excluded, {"step": due.step, "workers": excluded, "tensors": described}
 
-    def _finish_parameter_sync(self, averages: list[Tensor], step: int) -> None:
-        if self.track_alignment and self.anchors:
-            self.alignment.append(self._alignment(averages, step))
+    def _finish_parameter_sync(self, averages: list[Tensor]) -> None:
         if self.outer is not None:
             self.outer.apply(self.anchors, averages)
             new_params = self.anchors
@@ -340,24 +365,6 @@ class LocalUpdateSync:
                 anchor.copy_(average)
             new_params = averages
         self.communicator.assign(self.params, new_params)
-
-    def _alignment(self, averages: list[Tensor], step: int) -> dict[str, Any]:
-        layout = self.layout
-        dot = norm_local = norm_global = drift = 0.0
-        for param, anchor, average in zip(self.params, self.anchors, averages):
-            param = local_shard(param)  # anchors and averages of a sharded tensor are shards
-            local_update = (anchor - param).float()  # each worker's pseudo-gradient
-            global_update = (anchor - average).float()
-            dot = dot + layout.per_worker_sum(local_update * global_update)
-            norm_local = norm_local + layout.per_worker_sum(local_update.square())
-            norm_global = norm_global + layout.global_sum(global_update.square())
-            drift = drift + layout.per_worker_sum((param - average).float().square())
-        cosine = dot / (norm_local.sqrt() * norm_global.sqrt()).clamp_min(1e-30)
-        return {
-            "step": step,
-            "cosine": layout.gather(cosine).tolist(),
-            "drift": layout.gather(drift.sqrt()).tolist(),
-        }
 
     def _state_keys(self) -> set[str]:
         return {key for p in self.params for key in self.optimizer.state.get(p, {})}

@@ -83,6 +83,19 @@ class WorkerLayout:
         return bool(torch.stack(checks).all())
 
     @torch.no_grad()
+    def assign_to_workers(
+        self, tensors: Sequence[Tensor], values: Sequence[Tensor], workers: Sequence[int]
+    ) -> None:
+        """Overwrite only ``workers``' copies of ``tensors`` with the global ``values``."""
+        local = torch.arange(self.rank, self.rank + self.local_workers)
+        chosen = torch.isin(local, torch.tensor(list(workers)))
+        if bool(chosen.any()):
+            for tensor, value in zip(tensors, values):
+                tensor = local_shard(tensor)  # a sharded tensor's average is its shard's
+                mask = self.per_worker_view(chosen.to(tensor.device), tensor)
+                tensor.copy_(torch.where(mask, value.to(tensor.dtype), tensor))
+
+    @torch.no_grad()
     def clip_grad_norm_(self, grads: Sequence[Tensor], max_norm: float) -> Tensor:
         """Scale each worker's gradients to norm <= max_norm; returns the norms before scaling."""
         grads = [local_shard(g) for g in grads]

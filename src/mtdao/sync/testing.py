@@ -11,6 +11,7 @@ test can pin which tensors travel at which step, and what that costs, without a 
 
     scripted = ScriptedCommunicator([[x0 - d]])       # the first average returns x0 - d
     failing = ScriptedCommunicator(fail_at=3)         # the third average raises (a peer died)
+    discarding = ScriptedCommunicator(discard_at=2)   # the second round is not committed
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from mtdao.sync.collectives import dtype_buckets
-from mtdao.sync.communicator import Averages, Communicator
+from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
 from mtdao.sync.layout import WorkerLayout
 
 
@@ -30,7 +31,7 @@ class Call:
     """One call to a communicator: which method, and the kinds and shapes of its tensors."""
 
     method: str
-    """``average``, ``assign`` or ``broadcast_from_first``."""
+    """``average``, ``assign``, ``broadcast_from_first`` or ``commit``."""
     shapes: list[tuple[int, ...]]
     kinds: list[str] = field(default_factory=list)
     """The kinds of the tensors averaged (``average`` only)."""
@@ -72,6 +73,11 @@ class RecordingCommunicator(Communicator):
         if self.inner is not None:
             self.inner.broadcast_from_first(tensors)
 
+    def commit(self) -> None:
+        self.calls.append(Call("commit", []))
+        if self.inner is not None:
+            self.inner.commit()
+
     def average_kinds(self) -> list[list[str]]:
         """The kinds of the tensors of every ``average`` call, in order."""
         return [call.kinds for call in self.calls if call.method == "average"]
@@ -90,7 +96,9 @@ class ScriptedCommunicator(RecordingCommunicator):
     ``averages[i]`` is what the (i+1)-th ``average`` call returns: a list of tensors, or a function
     of the input tensors. Past the end of the script an average is a copy of the inputs.
     ``fail_at`` (1-based) makes that call raise ``error`` (default :class:`PeerFailure`) before it
-    returns anything, as a collective does when a peer dies mid-round.
+    returns anything, as a collective does when a peer dies mid-round. ``discard_at`` (1-based)
+    makes that round's :meth:`commit` raise :class:`RoundNotCommitted`, as a fault-tolerant
+    communicator does when the round's averages arrived but a peer failed before it committed.
     """
 
     def __init__(
@@ -99,11 +107,19 @@ class ScriptedCommunicator(RecordingCommunicator):
         *,
         fail_at: int | None = None,
         error: BaseException | None = None,
+        discard_at: int | None = None,
     ) -> None:
         super().__init__()
         self.script = list(averages)
         self.fail_at = fail_at
         self.error = error
+        self.discard_at = discard_at
+
+    def commit(self) -> None:
+        self.calls.append(Call("commit", []))
+        number = sum(call.method == "commit" for call in self.calls)
+        if number == self.discard_at:
+            raise RoundNotCommitted(f"scripted discard of round {number}")
 
     def average(
         self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()

@@ -41,6 +41,7 @@ RESUMABLE_FIELDS = frozenset(
     {"steps", "tokens", "out", "resume", "eval_every", "checkpoint_every", "log_every", "progress"}
     | {"keep_checkpoints", "extend", "overwrite", "collective_timeout"}
     | {"shards"}  # a sharded checkpoint loads into any number of shards per worker
+    | {"lighthouse", "connect_timeout", "quorum_timeout"}
 )
 
 
@@ -168,7 +169,9 @@ class TrainConfig:
     checkpoints, plots), nothing else. Without it a fresh run refuses a directory holding one."""
     collective_timeout: float = 180.0
     """Seconds a worker waits for the others in one collective (torchrun workers, gloo or NCCL)
-    before it stops with an error: a frozen or lost peer ends the job instead of hanging it."""
+    before it stops with an error: a frozen or lost peer ends the job instead of hanging it. A
+    fault-tolerant replica instead discards that round (or state transfer) and goes on; raise it
+    for large models on slow links."""
     device: str = _choice("auto", DEVICES)
     """Device (auto: CUDA when available)."""
     bf16: bool = field(default=True, metadata={"flag": "--no-bf16"})
@@ -181,6 +184,16 @@ class TrainConfig:
     """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
     progress: bool = field(default=True, metadata={"flag": "--no-progress"})
     """Show a progress bar."""
+    fault_tolerant: bool = False
+    """Run one replica of a fault-tolerant run (torchft): replicas may die, rejoin and heal."""
+    replica_id: int | None = None
+    """This replica's number, 0 .. --workers - 1: its data shard (with --fault-tolerant)."""
+    lighthouse: str | None = None
+    """The lighthouse's host:port (with --fault-tolerant; start one with mtdao lighthouse)."""
+    connect_timeout: float = 30.0
+    """Seconds to reach the lighthouse or a peer before giving up (with --fault-tolerant)."""
+    quorum_timeout: float = 600.0
+    """Seconds to wait for a quorum; keep it above the time between syncs (--fault-tolerant)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -259,8 +272,14 @@ def resolve(config: TrainConfig) -> TrainConfig:
         tokens=None,
         eval_every=config.eval_every or max(1, steps // EVALUATIONS_PER_RUN),
         data=config.data or "builtin",
-        out=config.out or str(Path("runs") / config.run_name()),
+        out=config.out or default_out(config),
     )
+
+
+def default_out(config: TrainConfig) -> str:
+    """runs/<run name>, and a directory per replica in a fault-tolerant run."""
+    out = Path("runs") / config.run_name()
+    return str(out / f"replica-{config.replica_id}" if config.fault_tolerant else out)
 
 
 def config_warnings(config: TrainConfig) -> list[str]:
@@ -296,7 +315,9 @@ def describe_default(name: str) -> str | None:
         "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
         "checkpoint_every": "only at the end",
         "data": "builtin: the Python standard library's source, no download",
-        "out": "runs/<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed>",
+        "out": "runs/<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed>[/replica-<id>]",
+        "replica_id": "required with --fault-tolerant",
+        "lighthouse": "required with --fault-tolerant",
     }
     return descriptions.get(name)
 
@@ -373,6 +394,35 @@ def _validate(config: TrainConfig) -> None:
         value = getattr(config, name)
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
+    _validate_fault_tolerance(config)
+
+
+def _validate_fault_tolerance(config: TrainConfig) -> None:
+    for name in ("connect_timeout", "quorum_timeout"):
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"--{_flag(name)} must be a number of seconds > 0, got {value!r}")
+    if not config.fault_tolerant:
+        for name in ("replica_id", "lighthouse"):
+            if getattr(config, name) is not None:
+                raise ValueError(f"--{_flag(name)} needs --fault-tolerant")
+        return
+    if config.replica_id is None or config.lighthouse is None:
+        raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
+    if config.shards > 1:
+        raise ValueError(
+            f"--shards {config.shards}: a fault-tolerant replica is one process for now; "
+            "sharded replicas are not supported yet"
+        )
+    if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
+        raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
+    if not 0 <= config.replica_id < config.workers:
+        raise ValueError(
+            f"--replica-id {config.replica_id} is outside 0 .. {config.workers - 1} "
+            f"(--workers {config.workers} replicas, one data shard each)"
+        )
+    if not config.lighthouse.strip():
+        raise ValueError("--lighthouse is empty; give the lighthouse's host:port")
 
 
 def _flag(name: str) -> str:

@@ -35,6 +35,7 @@ RUN_FILES = (
     "checkpoint.partial",
     "tensorboard",
     "loss.png",
+    "replicas.jsonl",
 )
 """What a run writes into its directory: any of them means the directory holds (part of) a run."""
 

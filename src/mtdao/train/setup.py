@@ -12,7 +12,7 @@ import torch
 from mtdao.data import WorkerShard, encode_corpus, load_corpus, load_tokenizer
 from mtdao.data.batches import validation_batches
 from mtdao.model import Llama, model_config, split_weight_decay
-from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers
+from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers, WorkerLayout
 from mtdao.sync.policy import OuterOptimizerConfig
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig
@@ -89,17 +89,27 @@ class Run:
         return self.process.rank == 0
 
 
-def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
-    """The run of a resolved ``config`` (see :func:`mtdao.train.config.resolve`)."""
+def build_run(
+    config: TrainConfig,
+    process: ProcessInfo | None = None,
+    *,
+    communicator: Communicator | None = None,
+    worker_index: int | None = None,
+) -> Run:
+    """The run of a resolved ``config`` (see :func:`mtdao.train.config.resolve`).
+
+    With a ``communicator``, this process is one worker that averages through it, reading data
+    shard ``worker_index`` (a fault-tolerant replica: :mod:`mtdao.train.fault_tolerant`).
+    """
     if config.out is None or config.steps is None or config.lr is None or config.omegas is None:
         raise ValueError("build_run needs a resolved config (mtdao.train.config.resolve)")
     device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
     process = process or init_process_group(device)
     check_topology(config, process)
     torch.manual_seed(config.seed)
-    shards, val_batches, vocab_size, data_summary = load_data(config, process)
+    shards, val_batches, vocab_size, data_summary = load_data(config, process, worker_index)
     model = Llama(model_config(config.model, vocab_size, config.seq_len)).to(device)
-    communicator, workers = build_workers(model, config, process, device)
+    communicator, workers = build_workers(model, config, process, device, communicator)
     optimizer = build_optimizer(
         split_weight_decay(workers.named_parameters(), config.weight_decay), config
     )
@@ -120,16 +130,22 @@ def build_run(config: TrainConfig, process: ProcessInfo | None = None) -> Run:
 
 
 def build_workers(
-    model: torch.nn.Module, config: TrainConfig, process: ProcessInfo, device: torch.device
+    model: torch.nn.Module,
+    config: TrainConfig,
+    process: ProcessInfo,
+    device: torch.device,
+    communicator: Communicator | None = None,
 ) -> tuple[Communicator, WorkerSet]:
     """The communicator and the workers: one per process (or per --shards processes) under
-    torchrun, else simulated."""
-    communicator: Communicator
-    if config.shards > 1:
+    torchrun, else simulated; or one worker in this process, averaging through a given
+    communicator."""
+    if communicator is not None:  # no coordination outside its rounds: the losses are this worker's
+        workers: WorkerSet = ProcessWorkerSet(model, WorkerLayout())
+    elif config.shards > 1:
         communicator, workers = build_sharded_workers(model, config, device)
     elif process.distributed:
         communicator = ProcessGroupWorkers()
-        workers: WorkerSet = ProcessWorkerSet(model, communicator.layout)
+        workers = ProcessWorkerSet(model, communicator.layout)
     else:
         communicator = SimulatedWorkers(config.workers)
         workers = SimulatedWorkerSet(model, communicator.layout)
@@ -168,7 +184,7 @@ def _outer_step(config: TrainConfig) -> OuterOptimizerConfig | None:
     return OuterOptimizerConfig(lr=config.outer_lr, momentum=config.outer_momentum)
 
 
-def load_data(config: TrainConfig, process: ProcessInfo):
+def load_data(config: TrainConfig, process: ProcessInfo, worker_index: int | None = None):
     """(this process's worker shards, validation batches, vocabulary size, a one-line summary)."""
     corpus = load_corpus(config.data)
     tokenizer = load_tokenizer(config.tokenizer, corpus, default_cache_dir())
@@ -176,6 +192,8 @@ def load_data(config: TrainConfig, process: ProcessInfo):
     my_workers = (
         [worker_of(process, config.shards)] if process.distributed else range(config.workers)
     )
+    if worker_index is not None:
+        my_workers = [worker_index]
     shards = [
         WorkerShard(
             tokens,

@@ -37,6 +37,7 @@ from mtdao.train.setup import Run, build_run
 from mtdao.train.sharding import check_topology
 from mtdao.train.snapshot import checkpoint_store, restore, save
 from mtdao.train.startup import Start, choose_start, lock_run_dir
+from mtdao.train.workers import SimulatedWorkerSet
 
 __all__ = ["Run", "build_run", "train", "train_step", "set_hyperparameters"]
 
@@ -53,10 +54,10 @@ def set_hyperparameters(run: Run, step: int) -> None:
 
 
 def next_batch(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
-    if run.process.distributed:
-        inputs, targets = run.shards[0].next_batch()
-    else:
+    if isinstance(run.workers, SimulatedWorkerSet):
         inputs, targets = stacked_batches(run.shards)
+    else:  # one worker in this process
+        inputs, targets = run.shards[0].next_batch()
     return inputs.to(run.device, non_blocking=True), targets.to(run.device, non_blocking=True)
 
 
@@ -87,10 +88,18 @@ def timed_step(run: Run) -> tuple[torch.Tensor, float]:
 # -- the loop -----------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
-    """Train as configured (resolved first); returns (and writes) the results of the run."""
+def train(config: TrainConfig, *, build=build_run, run_loop=None) -> dict[str, Any]:
+    """Train as configured (resolved first); returns (and writes) the results of the run.
+
+    A replica of a fault-tolerant run is built and driven by :mod:`mtdao.train.fault_tolerant`,
+    through ``build`` ((config, process) -> Run) and ``run_loop`` ((run, outputs) -> None).
+    """
     started = time.perf_counter()
     config = resolve(config)
+    if config.fault_tolerant and run_loop is None:
+        from mtdao.train.fault_tolerant import train_replica  # the only path to torchft
+
+        return train_replica(config)
     device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
     launched = ProcessInfo(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     with collective_errors(launched, config.collective_timeout):
@@ -106,9 +115,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
             if process.rank == 0:
                 for note in start.notes:
                     say(note)
-            run = build_run(config, process)
+            run = build(config, process)
             run.clock.started = started
-            return train_run(run, store, start)
+            return train_run(run, store, start, run_loop)
         finally:
             lock.release()
 
@@ -125,7 +134,7 @@ class Outputs:
     """(step, checkpoint directory) when the run was resumed."""
 
 
-def train_run(run: Run, store: CheckpointStore, start: Start) -> dict[str, Any]:
+def train_run(run: Run, store: CheckpointStore, start: Start, run_loop=None) -> dict[str, Any]:
     """Restore the run if it resumes, train it to the end, and write its results."""
     loaded = start.checkpoint
     if loaded is not None:
@@ -145,7 +154,7 @@ def train_run(run: Run, store: CheckpointStore, start: Start) -> dict[str, Any]:
         outputs.last_saved = run.step
         outputs.resumed = (run.step, loaded.path)
     try:
-        loop(run, outputs)
+        (run_loop or loop)(run, outputs)
     finally:
         log.close()
     if outputs.last_saved != run.step:  # unless the loop (or the resume) just saved this step

@@ -1,0 +1,54 @@
+"""Replica groups that die, rejoin and heal: averaging through torchft.
+
+Each replica group (one process for now) holds a full copy of the model and optimizer and is one
+worker of the sync engine. A torchft lighthouse keeps track of the live replicas; each replica has
+a torchft ``Manager``. A round runs in three parts:
+
+1. :meth:`ReplicaGroups.before_step`, before the forward pass of every step: when this replica
+   has not joined yet, or a round is due at the coming step (the engine's ``round_due``), a quorum
+   of the live replicas, a new process group when the membership changed, and, for a replica
+   that is new or missed a commit, a heal: it receives a live peer's state (everything registered
+   with :meth:`track_state`) and continues as that peer's copy from before the step, so its own
+   step is a real one. A quorum with no round behind it (the first one, when nothing is due at
+   step 1) is closed by an empty round, once every healing replica holds its state;
+2. :meth:`ReplicaGroups.average`: the due tensors, one SUM all-reduce per dtype bucket through the
+   manager, each bucket carrying the number of replicas that contributed to it;
+3. :meth:`ReplicaGroups.commit`: torchft's ``should_commit``; the round stands only when no
+   collective of it failed.
+
+A round a peer's death breaks raises :class:`~mtdao.sync.communicator.RoundNotCommitted` and the
+engine applies none of it: every replica keeps its local state and the next quorum goes on without
+the dead one. Between rounds nothing is coordinated. A replica healed at this round's quorum has
+not run the round's local steps, so it adds nothing to a parameter or state average (it receives
+it); its gradient, computed on the healed state, does count in a gradient round (DDP).
+
+This module is the only one that imports torchft (an optional dependency: ``pip install
+mtdao[ft]``). Healed state travels over torchft's HTTP transport as a pickle: peers must trust
+each other.
+
+Modules: :mod:`.replicas` (the communicator and its layout), :mod:`.healing` (the state a healing
+replica receives), :mod:`.plumbing` (what is added to torchft's process group and state
+transport, and the lighthouse).
+"""
+
+from mtdao.sync.torchft.healing import engine_state
+from mtdao.sync.torchft.plumbing import QuorumError, ReplicaRefused, start_lighthouse
+from mtdao.sync.torchft.replicas import (
+    Heal,
+    ReplicaGroups,
+    ReplicaLayout,
+    ReplicaSettings,
+    RoundStart,
+)
+
+__all__ = [
+    "Heal",
+    "QuorumError",
+    "ReplicaGroups",
+    "ReplicaLayout",
+    "ReplicaRefused",
+    "ReplicaSettings",
+    "RoundStart",
+    "engine_state",
+    "start_lighthouse",
+]

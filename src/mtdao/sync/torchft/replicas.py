@@ -1,0 +1,331 @@
+"""The communicator of a fault-tolerant replica, and its layout (see the package docstring for
+the round protocol)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torchft import Manager
+
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, dtype_buckets, size_chunks
+from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
+from mtdao.sync.engine import LocalUpdateSync
+from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.torchft.plumbing import (
+    HealTransport,
+    MembershipGloo,
+    QuorumError,
+    first_line,
+)
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """How one replica group reaches the others; timeouts in seconds."""
+
+    replica_id: int
+    lighthouse: str
+    """``http://host:port`` or ``host:port`` of the lighthouse."""
+    connect_timeout: float = 30.0
+    """Reaching the lighthouse, and a peer to heal from."""
+    quorum_timeout: float = 600.0
+    """Waiting for a quorum: longer than the time between two rounds, or a late joiner gives up."""
+    collective_timeout: float = 300.0
+    """One collective or heal transfer; a peer slower than this counts as failed."""
+    heartbeat_interval: float = 0.1
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    @property
+    def lighthouse_url(self) -> str:
+        return self.lighthouse if "://" in self.lighthouse else f"http://{self.lighthouse}"
+
+
+@dataclass
+class Heal:
+    """A state transfer from a live peer to this replica."""
+
+    source: int
+    """The replica the state came from."""
+    bytes: int
+    seconds: float
+    """The whole quorum that carried it: waiting, transfer and loading."""
+
+
+@dataclass
+class RoundStart:
+    """What a quorum found: who takes part in this round, who came and went, and any heal."""
+
+    replicas: list[int]
+    joined: list[int]
+    left: list[int]
+    quorum_id: int
+    seconds: float
+    heal: Heal | None = None
+
+
+class ReplicaLayout(WorkerLayout):
+    """This replica among the replicas of the current quorum; its gathers go through the manager
+    and belong to the round in progress (a failure discards the round)."""
+
+    def __init__(self, communicator: ReplicaGroups) -> None:
+        self.communicator = communicator
+
+    @property
+    def num_workers(self) -> int:  # type: ignore[override]
+        return max(1, len(self.communicator.replicas))
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.communicator.quorum_rank
+
+    def gather(self, values: Tensor) -> Tensor:
+        """Inside a round, every replica's value; between rounds (no coordination) this
+        replica's own, and NaN for the others."""
+        in_round = self.communicator.in_round
+        slots = torch.full((self.num_workers,), 0.0 if in_round else float("nan"))
+        slots = slots.to(dtype=torch.float64, device=values.device)
+        slots[self.rank] = values.reshape(()).to(torch.float64)
+        return self.communicator.sum_in_round(slots) if in_round else slots
+
+    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return self.communicator.mean_in_round(tensors, contributes=True)[0]
+
+
+class ReplicaGroups(Communicator):
+    """One replica group of a fault-tolerant run: a worker of the engine, averaging with whichever
+    replicas are alive in each round. See the module docstring for the round protocol."""
+
+    layout: ReplicaLayout
+
+    def __init__(self, settings: ReplicaSettings) -> None:
+        super().__init__(ReplicaLayout(self))
+        self.settings = settings
+        self.replica_id = settings.replica_id
+        self.process_group = MembershipGloo(
+            settings.replica_id, timedelta(seconds=settings.collective_timeout)
+        )
+        self.manager: Manager | None = None
+        self._tracked: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self.track_state("replica", self._identity, self._note_source)
+        self._round_open = False
+        self._fresh = False  # healed at this round's quorum: ran none of its local steps
+        self._heal: Heal | None = None
+        self._joined = False
+        self._prepared_step: int | None = None  # the step whose round the last quorum opened
+
+    def connect(self) -> None:
+        """Announce this replica to the lighthouse (heartbeats start): call it once the replica
+        is ready to join, since a live replica that does not join holds up new quorums."""
+        settings = self.settings
+        collective = timedelta(seconds=settings.collective_timeout)
+        host = socket.gethostname()
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.transport = HealTransport(collective)
+        try:
+            self.manager = Manager(
+                pg=self.process_group,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=1,
+                use_async_quorum=False,  # heal before the step, not during it
+                timeout=collective,
+                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+                connect_timeout=timedelta(seconds=settings.connect_timeout),
+                rank=0,
+                world_size=1,
+                store_addr=host,
+                store_port=self._store.port,
+                lighthouse_addr=settings.lighthouse_url,
+                replica_id=str(settings.replica_id),
+                hostname=host,
+                heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
+                checkpoint_transport=self.transport,
+            )
+        except RuntimeError as error:
+            self.transport.shutdown(wait=False)
+            reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
+            raise QuorumError(
+                f"cannot reach the lighthouse at {settings.lighthouse_url} within "
+                f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
+            ) from None
+        for key, (state_dict, load_state_dict) in self._tracked.items():
+            self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+
+    # -- membership --------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[int]:
+        """The replica ids of the current quorum, in rank order."""
+        return self.process_group.quorum.replicas
+
+    @property
+    def quorum_rank(self) -> int:
+        return self.process_group.quorum.rank
+
+    @property
+    def in_round(self) -> bool:
+        """Whether a round is open (between its quorum and its commit)."""
+        return self._round_open
+
+    def track_state(
+        self, key: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]
+    ) -> None:
+        """State a healing replica receives from a live peer, loaded in registration order
+        (before :meth:`connect`)."""
+        if self.manager is not None:
+            raise RuntimeError("track_state() comes before connect()")
+        self._tracked[key] = (state_dict, load_state_dict)
+
+    def before_step(self, sync: LocalUpdateSync) -> RoundStart | None:
+        """Call before each step's forward pass: a quorum when this replica has not joined yet or
+        a round is due at the coming step (None otherwise: no coordination between rounds)."""
+        coming = sync.step_count + 1
+        if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
+            return None
+        start = self.start_round()
+        self._joined = True
+        self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
+        if not sync.round_due(self._prepared_step):
+            self._empty_round()
+        return start
+
+    def _empty_round(self) -> None:
+        """Commit a quorum that no round follows: the one-element sum completes only once every
+        healing replica has loaded its state (the sources stop serving it at the commit)."""
+        self.sum_in_round(torch.zeros(1))
+        self.commit()
+
+    def start_round(self) -> RoundStart:
+        """A quorum for the round ahead, healing this replica if it is new or fell behind."""
+        before = list(self.replicas)
+        self.process_group.refuse_duplicates = self.manager.current_step() == 0
+        self._heal, self._fresh = None, False
+        started = time.perf_counter()
+        try:
+            self.manager.start_quorum()
+        except ValueError:  # a refusal, or a peer's state that does not fit
+            raise
+        except Exception as error:  # the lighthouse is gone, or no quorum in time
+            raise QuorumError(
+                f"no quorum (lighthouse {self.settings.lighthouse_url}, --quorum-timeout "
+                f"{self.settings.quorum_timeout:g} s): {first_line(error)}"
+            ) from None
+        if self.process_group.refusal is not None:
+            raise self.process_group.refusal
+        self._round_open = True
+        seconds = time.perf_counter() - started
+        if self._heal is not None:
+            self._heal.bytes, self._heal.seconds = self.transport.received_bytes, seconds
+            self._fresh = True
+        after = self.replicas
+        return RoundStart(
+            replicas=list(after),
+            joined=sorted(set(after) - set(before)),
+            left=sorted(set(before) - set(after)),
+            quorum_id=self.process_group.quorum.quorum_id,
+            seconds=seconds,
+            heal=self._heal,
+        )
+
+    def _identity(self) -> dict[str, int]:
+        return {"replica_id": self.replica_id}
+
+    def _note_source(self, state: dict[str, int]) -> None:
+        if self.process_group.refusal is not None:  # load nothing: this replica leaves
+            raise self.process_group.refusal
+        self._heal = Heal(source=int(state["replica_id"]), bytes=0, seconds=0.0)
+
+    # -- the round ---------------------------------------------------------------------------
+
+    def average(
+        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
+    ) -> Averages:
+        # a healed replica's gradient is its own, its parameters and states its source's
+        contributes = self.quorum_rank not in excluded and not (
+            self._fresh and any(kind != "grads" for kind in kinds)
+        )
+        values, collectives = self.mean_in_round(tensors, contributes)
+        num_bytes, collectives = self._account(tensors, kinds, collectives)
+        return Averages(values, num_bytes, collectives)
+
+    def commit(self) -> None:
+        self._require_round()
+        self._round_open = False
+        if not self.manager.should_commit():
+            self._prepared_step = None
+            raise RoundNotCommitted(f"round discarded ({self._failure()})")
+        self._fresh = False
+
+    def mean_in_round(
+        self, tensors: Sequence[Tensor], contributes: bool
+    ) -> tuple[list[Tensor], int]:
+        """(means over the replicas that contribute, collectives): one SUM all-reduce per bucket,
+        each carrying its contributor count in one extra element."""
+        averages: list[Tensor | None] = [None] * len(tensors)
+        collectives = 0
+        for indices in dtype_buckets(tensors).values():
+            for chunk in size_chunks(indices, tensors, self.settings.bucket_bytes):
+                parts = [tensors[i].reshape(-1) for i in chunk]
+                marker = torch.ones(1, dtype=parts[0].dtype, device=parts[0].device)
+                flat = torch.cat([*parts, marker])
+                if not contributes:
+                    flat.zero_()
+                flat = self.sum_in_round(flat)
+                contributors = flat[-1].item()
+                if contributors < 0.5:
+                    self._fail("no replica contributed to the average")
+                flat = flat[:-1].div_(contributors)
+                collectives += 1
+                offset = 0
+                for i in chunk:
+                    numel = tensors[i].numel()
+                    averages[i] = flat[offset : offset + numel].view_as(tensors[i])
+                    offset += numel
+        return averages, collectives  # type: ignore[return-value]
+
+    def sum_in_round(self, flat: Tensor) -> Tensor:
+        """``flat`` summed over the quorum, through the manager; a failure discards the round."""
+        self._require_round()
+        work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
+        work.wait()
+        if self.manager.errored() is not None:
+            self._fail(self._failure())
+        return flat
+
+    def _fail(self, reason: str) -> None:
+        """Tell torchft the round failed (the next quorum rebuilds the group), then raise."""
+        self.manager.report_error(RuntimeError(reason))
+        self._round_open, self._prepared_step = False, None  # a retried step needs a new quorum
+        self.manager.should_commit()
+        raise RoundNotCommitted(f"round discarded ({reason})")
+
+    def _failure(self) -> str:
+        error = self.manager.errored()
+        if error is None:
+            return "too few replicas"
+        return first_line(error.original_exception)
+
+    def _require_round(self) -> None:
+        if not self._round_open:
+            raise RuntimeError(
+                "no round in progress: call start_round() before a step whose round is due "
+                "(LocalUpdateSync.round_due), then let the engine average and commit"
+            )
+
+    def broadcast_from_first(self, tensors: Sequence[Tensor]) -> None:
+        """Nothing: the first quorum heals every replica from one of them (torchft's init sync)."""
+
+    def shutdown(self) -> None:
+        """Leave: stop heartbeats and the state server (the lighthouse drops us after its
+        heartbeat timeout)."""
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+        self.process_group.abort(errored=False)  # peers in a round with us fail now, not later

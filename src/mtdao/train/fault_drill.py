@@ -1,0 +1,287 @@
+"""Fault drills: replicas of a fault-tolerant run under remote control, to rehearse failures.
+
+``python -m mtdao.train.fault_drill CONTROL_DIR NAME -- <mtdao train flags>`` runs one replica
+(``mtdao train``) with hooks that a controller steers through files in CONTROL_DIR:
+
+* ``NAME.hold``: while it exists, the replica waits before announcing itself to the lighthouse;
+* ``gate``: a step count; no replica takes a step beyond it until it moves;
+* ``NAME.hold-S``: while it exists, the replica waits inside its round at step S, just before it
+  all-reduces (``NAME.entered-S`` says it got there);
+* the replica writes its step to ``NAME.status`` and, after every committed round, a digest of
+  its whole state (parameters, optimizer state, engine state) to ``NAME.rounds``.
+
+:class:`Drill` is the controller: it starts a lighthouse and replicas as subprocesses, moves the
+gate, kills replicas with SIGKILL and reads what they recorded. The fault-tolerance tests and
+``benchmarks/fault_tolerance.py`` use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+POLL_S = 0.02
+
+
+# -- inside a replica ---------------------------------------------------------------------------
+
+
+def install_hooks(control: Path, name: str) -> None:
+    """Steer this process's replica through the files in ``control`` (see the module docstring)."""
+    from mtdao.sync import torchft
+    from mtdao.train import fault_tolerant
+
+    current: dict = {}
+
+    def before_connect(run) -> None:
+        current["run"] = run
+        _write(control / f"{name}.status", "held 0")
+        _wait_while(lambda: (control / f"{name}.hold").exists())
+
+    def before_step(run) -> None:
+        if _read_int(control / "gate", run.step + 1) <= run.step:
+            _write(control / f"{name}.status", f"waiting {run.step}")
+            _wait_while(lambda: _read_int(control / "gate", run.step + 1) <= run.step)
+        _write(control / f"{name}.status", f"running {run.step}")
+
+    def after_round(run) -> None:
+        with open(control / f"{name}.rounds", "a") as handle:
+            handle.write(f"{run.step} {state_digest(run)}\n")
+
+    all_reduce = torchft.ReplicaGroups.sum_in_round
+
+    def sum_in_round(self, flat):
+        step = current["run"].step
+        _write(control / f"{name}.entered-{step}", "")
+        _wait_while(lambda: (control / f"{name}.hold-{step}").exists())
+        return all_reduce(self, flat)
+
+    fault_tolerant.before_connect = before_connect
+    fault_tolerant.before_step = before_step
+    fault_tolerant.after_round = after_round
+    torchft.ReplicaGroups.sum_in_round = sum_in_round
+
+
+def state_digest(run) -> str:
+    """A checksum of everything replicas must agree on after a round: the parameters, every
+    optimizer state and the engine's step, anchors and outer momentum."""
+    import torch
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    tensors = [p.detach() for p in run.sync.params]
+    for p in run.sync.params:
+        for key, value in sorted(run.optimizer.state.get(p, {}).items()):
+            digest.update(key.encode())
+            tensors.append(value if torch.is_tensor(value) else torch.tensor(value))
+    engine = run.sync.state_dict()
+    digest.update(str(engine["step"]).encode())
+    tensors += engine["anchors"]
+    if engine["outer"] is not None:
+        tensors += engine["outer"]["momentum_buffers"]
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _read_int(path: Path, default: int) -> int:
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return default
+
+
+def _write(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def _wait_while(condition: Callable[[], bool]) -> None:
+    while condition():
+        time.sleep(POLL_S)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 3 or argv[2] != "--":
+        print("usage: python -m mtdao.train.fault_drill CONTROL_DIR NAME -- <train flags>")
+        return 2
+    install_hooks(Path(argv[0]), argv[1])
+    from mtdao.cli import main as cli_main
+
+    return cli_main(["train", *argv[3:]])
+
+
+# -- the controller -----------------------------------------------------------------------------
+
+
+class Drill:
+    """A lighthouse and named replicas, each a subprocess with its log in ``root``.
+
+    ``train_flags`` are the ``mtdao train`` flags every replica shares; :meth:`start` adds the
+    replica's own. Use it as a context manager: every process is killed on the way out.
+
+    The lighthouse's join timeout is long on purpose: a replica that waited longer than it to
+    join makes the next quorum form with whoever asked first, and a member arriving a moment
+    later would miss that sync (a dead replica is not waited for: it stops heartbeating).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        train_flags: Sequence[str],
+        heartbeat_timeout: float = 1.0,
+        join_timeout: float = 30.0,
+    ) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.train_flags = list(train_flags)
+        self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.killed_at: dict[str, float] = {}
+        self.started_at: dict[str, float] = {}
+        self.port = free_port()
+        self.lighthouse = f"localhost:{self.port}"
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def __enter__(self) -> Drill:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start_lighthouse(self, min_replicas: int = 1) -> None:
+        argv = [sys.executable, "-m", "mtdao", "lighthouse", "--bind", f"[::]:{self.port}"]
+        argv += ["--min-replicas", str(min_replicas), "--heartbeat-timeout"]
+        argv += [str(self.heartbeat_timeout), "--join-timeout", str(self.join_timeout)]
+        self._spawn("lighthouse", argv)
+
+    def start(self, name: str, replica_id: int, flags: Sequence[str] = (), hold=False) -> None:
+        """Start replica ``name`` (held before it connects when ``hold``)."""
+        if hold:
+            (self.root / f"{name}.hold").touch()
+        argv = [sys.executable, "-m", "mtdao.train.fault_drill", str(self.root), name, "--"]
+        argv += ["--fault-tolerant", "--replica-id", str(replica_id), "--lighthouse"]
+        argv += [self.lighthouse, "--out", str(self.root / name), *self.train_flags, *flags]
+        self._spawn(name, argv)
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.root / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+        self.started_at[name] = time.time()
+        self.processes[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        log.close()
+
+    def release(self, name: str) -> None:
+        (self.root / f"{name}.hold").unlink(missing_ok=True)
+
+    def gate(self, step: int | None) -> None:
+        """No replica takes a step beyond ``step`` (None: no limit)."""
+        if step is None:
+            (self.root / "gate").unlink(missing_ok=True)
+        else:
+            _write(self.root / "gate", str(step))
+
+    def hold_round(self, name: str, step: int) -> None:
+        (self.root / f"{name}.hold-{step}").touch()
+
+    def release_round(self, name: str, step: int) -> None:
+        (self.root / f"{name}.hold-{step}").unlink(missing_ok=True)
+
+    def entered_round(self, name: str, step: int) -> bool:
+        return (self.root / f"{name}.entered-{step}").exists()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a machine that dies would."""
+        self.killed_at[name] = time.time()
+        self.processes[name].send_signal(signal.SIGKILL)
+        self.processes[name].wait(timeout=30)
+
+    def stop(self, name: str, timeout: float = 30.0) -> int:
+        """SIGTERM, as an operator stopping a process would; returns its exit code."""
+        self.processes[name].send_signal(signal.SIGTERM)
+        return self.wait_exit(name, timeout)
+
+    def status(self, name: str) -> tuple[str, int]:
+        try:
+            state, step = (self.root / f"{name}.status").read_text().split()
+        except (FileNotFoundError, ValueError):
+            return "starting", -1
+        return state, int(step)
+
+    def rounds(self, name: str) -> dict[int, str]:
+        """{step: state digest} of every round the replica committed."""
+        path = self.root / f"{name}.rounds"
+        if not path.exists():
+            return {}
+        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        return {int(step): digest for step, digest in lines}
+
+    def events(self, name: str, event: str | None = None) -> list[dict]:
+        import json
+
+        path = self.root / name / "replicas.jsonl"
+        if not path.exists():
+            return []
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r for r in records if event is None or r["event"] == event]
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def returncode(self, name: str) -> int | None:
+        return self.processes[name].poll()
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> float:
+        """Poll until ``condition()``; returns the seconds it took. Fails with every replica's
+        log tail, or at once when a replica it may be waiting on has died unexpectedly."""
+        started = time.time()
+        while not condition():
+            if time.time() - started > timeout:
+                raise TimeoutError(f"after {timeout:g} s still waiting for {what}\n{self.tails()}")
+            time.sleep(POLL_S)
+        return time.time() - started
+
+    def wait_exit(self, name: str, timeout: float) -> int:
+        try:
+            return self.processes[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"{name} still running after {timeout:g} s\n{self.tails()}"
+            ) from None
+
+    def tails(self, lines: int = 8) -> str:
+        parts = []
+        for name in self.processes:
+            tail = "\n".join(self.log(name).splitlines()[-lines:])
+            parts.append(f"--- {name} (exit {self.returncode(name)}):\n{tail}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+        for process in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+        probe.bind(("::", 0))
+        return probe.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

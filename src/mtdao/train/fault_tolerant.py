@@ -1,0 +1,294 @@
+"""One replica of a fault-tolerant run: ``mtdao train --fault-tolerant --replica-id I --lighthouse ADDR``.
+
+A fault-tolerant run is ``--workers`` replicas, each its own process, started anywhere and at any
+time, and a lighthouse (``mtdao lighthouse``) that knows which of them are alive. Replica I trains
+on data shard I, averages with whichever replicas are alive at each sync
+(:mod:`mtdao.sync.torchft`) and writes its own run directory. A replica that starts late or
+restarts heals from a live peer: parameters, every optimizer state and the engine's state. Every
+averaged state is the same on all replicas after a sync, so the healed replica carries on with the
+group's global states, not only its parameters. Its data position stays its own.
+
+Progress lines (stderr) say when replicas join or leave, when this replica healed and when a round
+was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON line each (events
+``connect``, ``quorum``, ``discarded``, ``committed``, each with its time and step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from mtdao.sync.communicator import RoundNotCommitted
+from mtdao.sync.engine import NonFiniteError
+from mtdao.train import trainer
+from mtdao.train.config import TrainConfig
+from mtdao.train.distributed import ProcessInfo, launched_by_torchrun
+from mtdao.train.evaluate import run_evaluation
+from mtdao.train.metrics import write_json
+from mtdao.train.setup import Run, build_run
+from mtdao.train.snapshot import save
+
+# Settings that may differ between the replicas of one run; every other field must match the
+# quorum's, or the replica is refused when it first heals.
+REPLICA_FIELDS = frozenset(
+    {"replica_id", "lighthouse", "out", "resume", "progress", "log_every", "eval_every"}
+    | {"eval_tokens", "checkpoint_every", "device", "connect_timeout", "quorum_timeout"}
+    | {"collective_timeout"}
+)
+
+INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
+
+
+def before_connect(run: Run) -> None:
+    """Called once the run is built, before the replica announces itself to the lighthouse."""
+
+
+def before_step(run: Run) -> None:
+    """Called before every step; a fault drill may pause this replica here (see fault_drill)."""
+
+
+def after_round(run: Run) -> None:
+    """Called after every committed round; a fault drill may record the state here."""
+
+
+def train_replica(config: TrainConfig) -> dict[str, Any]:
+    """Train one replica of a fault-tolerant run (config resolved); returns its results."""
+    if launched_by_torchrun():
+        raise ValueError(
+            "--fault-tolerant runs one process per replica for now: start each replica with "
+            "`mtdao train --fault-tolerant ...`, not under torchrun"
+        )
+    try:
+        from mtdao.sync import torchft
+    except ModuleNotFoundError as error:
+        if error.name != "torchft":
+            raise
+        raise ValueError(f"--fault-tolerant needs torchft: {INSTALL_HINT}") from None
+    driver = ReplicaDriver(config, torchft)
+    try:
+        results = trainer.train(config, build=driver.build, run_loop=driver.loop)
+    finally:
+        driver.close()
+    results["simulated"] = False
+    results["fault_tolerance"] = driver.summary()
+    write_json(Path(config.out) / "results.json", results)
+    return results
+
+
+class ReplicaDriver:
+    """Builds the replica's run around a torchft communicator and drives its steps."""
+
+    def __init__(self, config: TrainConfig, torchft) -> None:
+        self.config = config
+        self.torchft = torchft
+        self.replicas = None
+        self.events: ReplicaEvents | None = None
+        self.heals: list[dict[str, Any]] = []
+        self.discarded: list[dict[str, Any]] = []
+        self.quorums = 0
+
+    def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
+        settings = self.torchft.ReplicaSettings(
+            replica_id=config.replica_id,
+            lighthouse=config.lighthouse,
+            connect_timeout=config.connect_timeout,
+            quorum_timeout=config.quorum_timeout,
+            collective_timeout=config.collective_timeout,
+        )
+        self.replicas = self.torchft.ReplicaGroups(settings)
+        run = build_run(config, process, communicator=self.replicas, worker_index=config.replica_id)
+        # the config first: a replica that differs is refused before its state is overwritten
+        self.replicas.track_state("config", self._config_state, self._check_config)
+        self.replicas.track_state("engine", *self.torchft.engine_state(run.sync))
+        self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id)
+        before_connect(run)
+        self.events.write({"event": "connect", "step": run.step})
+        self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
+        return run
+
+    def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.shutdown()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.config.replica_id,
+            "replicas_at_end": list(self.replicas.replicas) if self.replicas else [],
+            "quorums": self.quorums,
+            "heals": self.heals,
+            "discarded_rounds": self.discarded,
+        }
+
+    # -- the config every replica must share --------------------------------------------------
+
+    def _config_state(self) -> dict[str, Any]:
+        return {"replica_id": self.config.replica_id, "config": self.config.to_dict()}
+
+    def _check_config(self, state: dict[str, Any]) -> None:
+        theirs, mine = state["config"], self.config.to_dict()
+        differences = [
+            f"{name}: {theirs.get(name)!r} there, {value!r} here"
+            for name, value in mine.items()
+            if name not in REPLICA_FIELDS and theirs.get(name) != value
+        ]
+        if differences:
+            raise self.torchft.ReplicaRefused(
+                f"replica {self.config.replica_id}'s config differs from the quorum's (replica "
+                f"{state['replica_id']}): " + "; ".join(differences)
+            )
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def loop(self, run: Run, outputs: trainer.Outputs) -> None:
+        progress = tqdm(
+            total=run.total_steps,
+            initial=run.step,
+            disable=not run.config.progress,
+            desc=f"{run.config.method} replica {run.config.replica_id}",
+            unit="step",
+            dynamic_ncols=True,
+        )
+        throughput = trainer.Throughput()
+        try:
+            while run.step < run.total_steps:
+                before_step(run)
+                self._step(run, outputs, progress, throughput)
+        finally:
+            progress.close()
+
+    def _step(self, run: Run, outputs: trainer.Outputs, progress: tqdm, throughput) -> None:
+        config = run.config
+        rounds = len(run.sync.events)
+        try:
+            self._prepare(run)
+            losses, elapsed = trainer.timed_step(run)
+        except RoundNotCommitted as failure:
+            run.optimizer.zero_grad(set_to_none=True)
+            self._discarded(run, failure)
+            return
+        if len(run.sync.events) > rounds:
+            self._committed(run)
+        throughput.add(config.batch_size * config.seq_len, elapsed)
+        loss = losses.item()
+        self._check_loss(run, loss)
+        if run.step % config.log_every == 0 or run.step == run.total_steps:
+            trainer.log_training(run, outputs.log, progress, loss, throughput.take())
+        progress.update(run.step - progress.n)
+        if run.step % config.eval_every == 0 or run.step == run.total_steps:
+            run_evaluation(run, outputs.log)
+        if config.checkpoint_every and run.step % config.checkpoint_every == 0:
+            self._checkpoint(run, outputs)
+
+    def _checkpoint(self, run: Run, outputs: trainer.Outputs) -> None:
+        """This replica's own checkpoint; one holding NaN/inf (left out of a round with
+        --on-non-finite skip) waits for the next sync to heal it: nothing coordinates between
+        syncs, so no peer can heal it now."""
+        held = [p for p in run.sync.params]
+        held += [v for p in run.sync.params for v in run.optimizer.state.get(p, {}).values()]
+        if not all(bool(torch.isfinite(t).all()) for t in held if torch.is_tensor(t)):
+            say(
+                self.config.replica_id,
+                f"step {run.step}: checkpoint skipped (NaN/inf until the next sync)",
+            )
+            return
+        save(run, outputs.store)
+        outputs.last_saved = run.step
+
+    def _prepare(self, run: Run) -> None:
+        """A quorum when joining or when the coming step has a round (counted as sync time)."""
+        started = time.perf_counter()
+        start = self.replicas.before_step(run.sync)
+        if start is None:
+            return
+        elapsed = time.perf_counter() - started
+        run.clock.train_s += elapsed
+        run.clock.sync_s += elapsed
+        self.quorums += 1
+        self._report_quorum(run, start)
+
+    def _report_quorum(self, run: Run, start) -> None:
+        me, members = self.config.replica_id, _ids(start.replicas)
+        record = {
+            "event": "quorum",
+            "step": run.step,
+            "replicas": start.replicas,
+            "joined": start.joined,
+            "left": start.left,
+            "quorum_id": start.quorum_id,
+            "seconds": start.seconds,
+        }
+        if self.quorums == 1:
+            say(me, f"joined at step {run.step}; averaging over replicas {members}")
+        else:
+            if start.left:
+                say(
+                    me,
+                    f"step {run.step}: replica {_ids(start.left)} left; averaging over {members}",
+                )
+            if start.joined:
+                say(
+                    me,
+                    f"step {run.step}: replica {_ids(start.joined)} joined; averaging over {members}",
+                )
+        if start.heal is not None:
+            heal = {"step": run.step, "source": start.heal.source, "bytes": start.heal.bytes}
+            heal["seconds"] = start.heal.seconds
+            self.heals.append(heal)
+            record["heal"] = heal
+            say(
+                me,
+                f"healed from replica {start.heal.source}: continuing at step {run.step} "
+                f"({start.heal.bytes / 1e6:.1f} MB in {start.heal.seconds:.1f} s)",
+            )
+        self.events.write(record)
+
+    def _discarded(self, run: Run, failure: RoundNotCommitted) -> None:
+        record = {"event": "discarded", "step": run.step, "reason": str(failure)}
+        self.discarded.append({"step": run.step, "reason": str(failure)})
+        self.events.write(record)
+        say(
+            self.config.replica_id, f"step {run.step}: {failure}; every replica keeps its own state"
+        )
+
+    def _committed(self, run: Run) -> None:
+        event = run.sync.events[-1]
+        record = {"event": "committed", "step": event.step, "kinds": event.kinds}
+        self.events.write({**record, "replicas": list(self.replicas.replicas)})
+        after_round(run)
+
+    def _check_loss(self, run: Run, loss: float) -> None:
+        if math.isfinite(loss):
+            return
+        if run.config.on_non_finite == "raise":
+            raise NonFiniteError(
+                f"training loss is NaN/inf at step {run.step} on replica {run.config.replica_id}; "
+                "lower --lr, or pass --on-non-finite skip to leave it out of the next sync (it "
+                "then takes the others' average)"
+            )
+
+
+class ReplicaEvents:
+    """``replicas.jsonl``: what the quorums did, as this replica saw it, one JSON line each."""
+
+    def __init__(self, path: Path, replica_id: int) -> None:
+        self.path, self.replica_id = path, replica_id
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"time": time.time(), "replica": self.replica_id, **record})
+        with open(self.path, "a") as handle:
+            handle.write(line + "\n")
+
+
+def say(replica_id: int, line: str) -> None:
+    trainer.say(f"[replica {replica_id}] {line}")
+
+
+def _ids(replicas) -> str:
+    return ", ".join(str(r) for r in replicas)

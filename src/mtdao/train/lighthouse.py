@@ -1,0 +1,83 @@
+"""``mtdao lighthouse``: the coordinator of a fault-tolerant run (torchft's lighthouse).
+
+Replicas (``mtdao train --fault-tolerant --lighthouse HOST:PORT``) report to it with heartbeats
+and ask it for a quorum at every sync; it answers with the replicas alive at that moment. It holds
+no training state: if it restarts, the replicas' next quorum simply waits for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "lighthouse",
+        help="start the lighthouse of a fault-tolerant run (mtdao train --fault-tolerant)",
+        description="Keep track of the live replicas of a fault-tolerant run and form their "
+        "quorums. Runs until interrupted.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--bind", default="[::]:29510", help="address:port to serve on (port 0: any free port)")  # fmt: skip
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="replicas a quorum needs to form"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=5.0,
+        help="seconds without a heartbeat after which a replica counts as dead: the time to "
+        "detect a failure",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a new quorum waits for live replicas that have not asked to join it yet; "
+        "keep it above the time between two syncs, or a replica that waited longer than this to "
+        "join makes the next quorum form with whoever asks first (a member a moment late then "
+        "misses that sync and is healed at the next)",
+    )
+    parser.add_argument(
+        "--quorum-tick", type=float, default=0.1, help="seconds between checks for a quorum"
+    )
+    parser.set_defaults(func=run_lighthouse)
+
+
+def run_lighthouse(args: argparse.Namespace) -> int:
+    if args.min_replicas < 1:
+        raise ValueError(f"--min-replicas must be >= 1, got {args.min_replicas}")
+    for name in ("heartbeat_timeout", "join_timeout", "quorum_tick"):
+        if not getattr(args, name) > 0:
+            flag = name.replace("_", "-")
+            raise ValueError(f"--{flag} must be a number of seconds > 0, got {getattr(args, name)}")
+    try:
+        from mtdao.sync.torchft import start_lighthouse
+    except ModuleNotFoundError as error:
+        if error.name != "torchft":
+            raise
+        raise ValueError(f"the lighthouse needs torchft: {INSTALL_HINT}") from None
+    server = start_lighthouse(
+        args.bind, args.min_replicas, args.join_timeout, args.heartbeat_timeout, args.quorum_tick
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    address = server.address()
+    print(
+        f"lighthouse: serving at {address} (min replicas {args.min_replicas}, heartbeat timeout "
+        f"{args.heartbeat_timeout:g} s, join timeout {args.join_timeout:g} s); start replicas "
+        f"with mtdao train --fault-tolerant --lighthouse {address.split('://')[-1]} ...",
+        flush=True,
+    )
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.shutdown()
+    print("lighthouse: stopped", file=sys.stderr, flush=True)
+    return 0

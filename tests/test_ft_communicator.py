@@ -1,0 +1,279 @@
+"""The torchft communicator with replicas as threads of this process (a lighthouse in-process,
+gloo on loopback): equal to simulated workers for every kind of round, healing of a late
+replica to the group's exact state, the NaN guard across replicas, and the refusals."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from mtdao import MTAdam
+from mtdao.sync import (
+    LocalUpdateSync,
+    NonFiniteError,
+    OuterOptimizerConfig,
+    SimulatedWorkers,
+    desloc,
+    explicit,
+    gradient_averaging,
+    unified,
+)
+from mtdao.sync.communicator import RoundNotCommitted
+
+torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+
+D_IN, D_OUT = 4, 3
+THREAD_TIMEOUT_S = 60.0
+
+
+def initial(replica: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + replica)  # replicas start apart: the first quorum
+    return [  # makes them all replica 0
+        torch.randn(D_OUT, D_IN, generator=gen, dtype=torch.float64),
+        torch.randn(D_OUT, generator=gen, dtype=torch.float64),
+    ]
+
+
+def data(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * replica + step)
+    inputs = torch.randn(8, D_IN, generator=gen, dtype=torch.float64)
+    return inputs, torch.randn(8, D_OUT, generator=gen, dtype=torch.float64)
+
+
+def loss(weight, bias, inputs, targets) -> torch.Tensor:
+    prediction = torch.einsum("...nd,...od->...no", inputs, weight) + bias.unsqueeze(-2)
+    return 0.5 * (prediction - targets).square().mean(dim=(-2, -1)).sum()
+
+
+def optimizer_for(params) -> MTAdam:
+    return MTAdam(params, lr=0.05, betas=(0.9,), omegas=(0.7,), beta2=0.95)
+
+
+POLICIES = {
+    "mtdao (unified)": lambda: unified(4),
+    "desloc (per-state periods)": lambda: desloc(2),
+    "diloco (outer step)": lambda: explicit(4, outer=OuterOptimizerConfig()),
+    "ddp (gradients every step)": gradient_averaging,
+}
+
+
+class Replica:
+    """One replica in a thread: its own model, optimizer, engine and communicator."""
+
+    def __init__(self, replica_id: int, address: str, policy, steps: int, **engine) -> None:
+        self.replica_id, self.steps = replica_id, steps
+        self.params = [torch.nn.Parameter(t) for t in initial(replica_id)]
+        self.optimizer = optimizer_for(self.params)
+        settings = torchft.ReplicaSettings(
+            replica_id, address, connect_timeout=5, quorum_timeout=30, collective_timeout=10
+        )
+        self.communicator = torchft.ReplicaGroups(settings)
+        self.sync = LocalUpdateSync(self.optimizer, policy, self.communicator, **engine)
+        self.communicator.track_state("engine", *torchft.engine_state(self.sync))
+        self.rounds: dict[int, dict] = {}  # step -> the whole state after that committed round
+        self.starts: list = []
+        self.discarded: list = []
+        self.error: BaseException | None = None
+        self.before_step: Callable[[Replica], None] = lambda replica: None
+
+    def run(self) -> None:
+        try:
+            self.communicator.connect()
+            while self.sync.step_count < self.steps:
+                self.before_step(self)
+                try:
+                    self.step()
+                except RoundNotCommitted as failure:  # as the harness does: go on locally
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.discarded.append((self.sync.step_count, failure))
+        except BaseException as error:  # handed to the test thread
+            self.error = error
+        finally:
+            self.communicator.shutdown()
+
+    def step(self) -> None:
+        start = self.communicator.before_step(self.sync)
+        if start is not None:
+            self.starts.append((self.sync.step_count, start))
+        inputs, targets = data(self.replica_id, self.sync.step_count)
+        loss(*self.params, inputs, targets).backward()
+        rounds = len(self.sync.events)
+        self.sync.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if len(self.sync.events) > rounds:
+            self.rounds[self.sync.step_count] = self.state()
+
+    def state(self) -> dict:
+        return {
+            "params": [p.detach().clone() for p in self.params],
+            "optimizer": {
+                key: value.clone() if torch.is_tensor(value) else value
+                for p in self.params
+                for key, value in sorted(self.optimizer.state[p].items())
+            },
+            "engine": self.sync.state_dict(),
+        }
+
+
+def run_threads(replicas: list[Replica], delays: dict[int, float] | None = None) -> None:
+    """Run every replica to its end in daemon threads (a hung one cannot outlive the test);
+    ``delays`` by position in ``replicas``."""
+    delays = delays or {}
+
+    def target(index: int, replica: Replica) -> None:
+        time.sleep(delays.get(index, 0.0))
+        replica.run()
+
+    threads = [
+        threading.Thread(target=target, args=(i, r), daemon=True) for i, r in enumerate(replicas)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + THREAD_TIMEOUT_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "a replica thread did not finish"
+
+
+@pytest.fixture
+def lighthouse(request):
+    server = torchft.start_lighthouse(
+        "[::]:0", getattr(request, "param", 1), join_timeout=2.0, heartbeat_timeout=1.0
+    )
+    yield server.address()
+    server.shutdown()
+
+
+def assert_equal_states(a: dict, b: dict, optimizer_states: bool = True) -> None:
+    torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
+    if optimizer_states:
+        torch.testing.assert_close(a["optimizer"], b["optimizer"], rtol=0, atol=0)
+    assert a["engine"]["step"] == b["engine"]["step"]
+    torch.testing.assert_close(a["engine"]["anchors"], b["engine"]["anchors"], rtol=0, atol=0)
+    torch.testing.assert_close(a["engine"]["outer"], b["engine"]["outer"], rtol=0, atol=0)
+
+
+def simulated(policy, steps: int) -> list[torch.Tensor]:
+    """The same run with 3 simulated workers, all starting from replica 0's initial values."""
+    params = [torch.nn.Parameter(t.expand(3, *t.shape).clone()) for t in initial(0)]
+    optimizer = optimizer_for(params)
+    sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(3))
+    for step in range(steps):
+        pairs = [data(w, step) for w in range(3)]
+        inputs = torch.stack([p[0] for p in pairs])
+        targets = torch.stack([p[1] for p in pairs])
+        loss(*params, inputs, targets).backward()
+        sync.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach()[0] for p in params]
+
+
+@pytest.mark.parametrize("lighthouse", [3], indirect=True)
+@pytest.mark.parametrize("name", POLICIES)
+def test_three_replicas_are_three_simulated_workers(name, lighthouse):
+    steps = 12  # a whole cycle of every policy: everything is averaged at the end
+    replicas = [Replica(r, lighthouse, POLICIES[name](), steps) for r in range(3)]
+    run_threads(replicas)
+    for replica in replicas:
+        assert replica.error is None, repr(replica.error)
+    final = [r.rounds[steps] for r in replicas]
+    for other in final[1:]:  # bitwise: one all-reduce, one division (DiLoCo keeps states local)
+        assert_equal_states(final[0], other, optimizer_states="diloco" not in name)
+    expected = simulated(POLICIES[name](), steps)
+    torch.testing.assert_close(final[0]["params"], expected)
+    assert [len(r.sync.events) for r in replicas] == [len(replicas[0].sync.events)] * 3
+
+
+LATE_POLICIES = {"unified": (lambda: unified(4), 4), "desloc": (lambda: desloc(2), 12)}
+
+
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+@pytest.mark.parametrize("name", LATE_POLICIES)
+def test_a_late_replica_heals_to_the_groups_exact_state(name, lighthouse):
+    """Its first sync makes it the others' equal in everything that sync averages (with unified
+    periods: everything); the first sync that averages every state, in everything."""
+    policy, full_cycle = LATE_POLICIES[name]
+    steps = 36  # a whole cycle: every state is averaged at the end
+    replicas = [Replica(r, lighthouse, policy(), steps) for r in range(3)]
+    started = threading.Event()
+
+    def wait_for_the_late_one(replica: Replica) -> None:
+        if replica.sync.step_count == 10:
+            assert started.wait(THREAD_TIMEOUT_S)
+
+    late = replicas[2]
+    late.before_step = lambda replica: started.set()
+    for replica in replicas[:2]:
+        replica.before_step = wait_for_the_late_one
+    run_threads(replicas, delays={2: 0.5})
+    for replica in replicas:
+        assert replica.error is None, repr(replica.error)
+
+    joined_at, start = late.starts[0]
+    assert joined_at > 10 and start.heal is not None and start.heal.bytes > 0
+    assert start.heal.source in (0, 1)
+    first = min(late.rounds)
+    for other in replicas[:2]:
+        assert_equal_states(other.rounds[first], late.rounds[first], name == "unified")
+    full = min(step for step in late.rounds if step % full_cycle == 0)
+    for step in (full, steps):
+        for other in replicas[:2]:
+            assert_equal_states(other.rounds[step], late.rounds[step])
+    assert late.sync.events == replicas[0].sync.events
+
+
+@pytest.mark.parametrize("lighthouse", [3], indirect=True)
+@pytest.mark.parametrize("action", ["skip", "raise"])
+def test_the_nan_guard_spans_replicas(action, lighthouse):
+    steps = 8
+    replicas = [Replica(r, lighthouse, unified(4), steps, on_non_finite=action) for r in range(3)]
+
+    def diverge(replica: Replica) -> None:
+        if replica.sync.step_count == 5:
+            with torch.no_grad():
+                replica.params[0][0, 0] = float("nan")
+
+    replicas[1].before_step = diverge
+    run_threads(replicas)
+    if action == "raise":
+        for replica in replicas:
+            assert isinstance(replica.error, NonFiniteError), repr(replica.error)
+            assert "at step 8 in worker 1: param 0 of group 0" in str(replica.error)
+        return
+    for replica in replicas:
+        assert replica.error is None, repr(replica.error)
+    for other in replicas[1:]:  # the diverged replica took the others' average
+        assert_equal_states(replicas[0].rounds[steps], other.rounds[steps])
+    assert all(torch.isfinite(p).all() for p in replicas[1].params)
+    assert replicas[0].sync.skipped_rounds[0]["workers"] == [1]
+
+
+@pytest.mark.parametrize("lighthouse", [1], indirect=True)
+def test_a_second_replica_with_a_taken_id_is_refused(lighthouse):
+    first = Replica(0, lighthouse, unified(2), steps=30)
+    second = Replica(0, lighthouse, unified(2), steps=30)
+    ready = threading.Event()
+    second.before_step = lambda replica: ready.set()
+    first.before_step = lambda replica: replica.sync.step_count == 6 and ready.wait(30)
+    run_threads([first, second], delays={1: 1.0})
+    assert first.error is None, repr(first.error)
+    assert isinstance(second.error, torchft.ReplicaRefused)
+    assert "replica id 0 is already taken in the quorum (replicas 0, 0)" in str(second.error)
+    assert first.sync.step_count == 30 and not second.rounds  # it averaged nothing
+
+
+def test_an_unreachable_lighthouse_fails_within_the_connect_timeout():
+    from mtdao.train.fault_drill import free_port
+
+    address = f"localhost:{free_port()}"
+    communicator = torchft.ReplicaGroups(torchft.ReplicaSettings(0, address, connect_timeout=1))
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"http://{address}.*--connect-timeout 1 s"):
+        communicator.connect()
+    assert time.monotonic() - started < 10

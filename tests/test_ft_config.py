@@ -1,0 +1,123 @@
+"""The fault-tolerance settings: flags, validation, the per-replica run directory, the config check
+a joining replica passes, the one-line errors, and torchft staying out of plain runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import mtdao.sync
+from mtdao.cli import build_parser, main
+from mtdao.train import fault_tolerant
+from mtdao.train.command import config_from_args, config_to_argv
+from mtdao.train.config import TrainConfig, resolve
+
+FT = dict(fault_tolerant=True, replica_id=1, lighthouse="host:29510", workers=3)
+
+
+def test_the_flags_round_trip():
+    config = TrainConfig(**FT, quorum_timeout=30.0, collective_timeout=12.5, connect_timeout=4.0)
+    argv = config_to_argv(config)
+    assert "--fault-tolerant" in argv and argv[argv.index("--replica-id") + 1] == "1"
+    assert config_from_args(build_parser().parse_args(["train", *argv])) == config
+
+
+def test_each_replica_gets_its_own_run_directory():
+    config = resolve(TrainConfig(**FT, steps=10))
+    assert config.out == "runs/mtdao-adam-M3-K32-seed0/replica-1"
+    assert resolve(TrainConfig(steps=10)).out == "runs/mtdao-adam-M4-K32-seed0"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(replica_id=None), "--fault-tolerant needs --replica-id and --lighthouse"),
+        (dict(lighthouse=None), "--fault-tolerant needs --replica-id and --lighthouse"),
+        (dict(replica_id=3), "--replica-id 3 is outside 0 .. 2 (--workers 3 replicas"),
+        (dict(replica_id=-1), "--replica-id -1 is outside 0 .. 2"),
+        (dict(lighthouse=" "), "--lighthouse is empty"),
+        (dict(quorum_timeout=0.0), "--quorum-timeout must be a number of seconds > 0"),
+        (dict(collective_timeout=float("inf")), "--collective-timeout must be a finite number > 0"),
+        (dict(fault_tolerant=False), "--replica-id needs --fault-tolerant"),
+        (dict(shards=2), "--shards 2: a fault-tolerant replica is one process for now"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(changes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        resolve(TrainConfig(**{**FT, **changes}))
+
+
+def test_a_bad_setting_is_one_line_on_the_command_line(capsys):
+    argv = ["train", "--fault-tolerant", "--replica-id", "5", "--lighthouse", "h:1"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "mtdao train: error: --replica-id 5 is outside 0 .. 3 (--workers 4 replicas, one data "
+        "shard each)\n"
+    )
+    assert main(["lighthouse", "--min-replicas", "0"]) == 2
+    assert (
+        capsys.readouterr().err == "mtdao lighthouse: error: --min-replicas must be >= 1, got 0\n"
+    )
+
+
+class FakeTorchft:
+    """What the config check needs from mtdao.sync.torchft (no network)."""
+
+    class ReplicaRefused(ValueError):
+        pass
+
+
+def check(mine: TrainConfig, theirs: TrainConfig) -> None:
+    driver = fault_tolerant.ReplicaDriver(resolve(mine), FakeTorchft)
+    driver._check_config({"replica_id": 0, "config": resolve(theirs).to_dict()})
+
+
+def test_a_joining_replica_must_share_the_quorums_config():
+    mine = TrainConfig(**FT, steps=100, lr=0.01, sync_period=16)
+    with pytest.raises(FakeTorchft.ReplicaRefused) as refused:
+        check(mine, TrainConfig(**{**FT, "replica_id": 0}, steps=100, sync_period=8))
+    assert str(refused.value) == (
+        "replica 1's config differs from the quorum's (replica 0): sync_period: 8 there, 16 "
+        "here; lr: 0.008 there, 0.01 here"
+    )
+    # what is each replica's own may differ
+    own = dict(replica_id=0, lighthouse="other:1", out="elsewhere", quorum_timeout=5.0)
+    check(mine, TrainConfig(**{**FT, **own}, steps=100, lr=0.01, sync_period=16, progress=False))
+
+
+def test_without_torchft_the_error_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft now fails
+    for name in [name for name in sys.modules if name.startswith("mtdao.sync.torchft")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr(mtdao.sync, "torchft", raising=False)
+    config = resolve(TrainConfig(**FT, steps=2, out=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"--fault-tolerant needs torchft: pip install .*\[ft\]"):
+        fault_tolerant.train_replica(config)
+    assert main(["lighthouse"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "mtdao lighthouse: error: the lighthouse needs torchft: pip install"
+    )
+
+
+@pytest.mark.slow
+def test_plain_runs_do_not_import_torchft(corpus_dir, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import contextlib, io, sys
+        from mtdao.cli import main
+        for argv in (["--help"], ["train", "--help"], ["lighthouse", "--help"]):
+            with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+                main(argv)
+        flags = ["--model", "micro", "--steps", "2", "--workers", "2", "--batch-size", "2",
+                 "--seq-len", "16", "--eval-tokens", "64", "--no-progress"]
+        assert main(["train", *flags, "--data", {str(corpus_dir)!r}, "--out", {str(tmp_path)!r}]) == 0
+        assert "torchft" not in sys.modules, "torchft was imported"
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,157 @@
+"""What the engine promises a communicator whose rounds can fail (fault-tolerant replicas), pinned
+with the scripted doubles: a discarded round changes no tensor and leaves no record, commit comes
+between checking and applying, and ``round_due`` says in advance exactly which steps have a round."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mtdao import MTAdam
+from mtdao.sync import (
+    LocalUpdateSync,
+    OuterOptimizerConfig,
+    SimulatedWorkers,
+    desloc,
+    explicit,
+    gradient_averaging,
+    unified,
+)
+from mtdao.sync.communicator import RoundNotCommitted
+from mtdao.sync.testing import RecordingCommunicator, ScriptedCommunicator
+
+
+def make_params() -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.nn.Parameter(torch.randn(3, 4, generator=gen, dtype=torch.float64)),
+        torch.nn.Parameter(torch.randn(3, generator=gen, dtype=torch.float64)),
+    ]
+
+
+def set_gradients(params, step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+
+
+def shifted(tensors):
+    """A scripted 'average' that differs from every input, so an applied round shows."""
+    return [t + 1.0 for t in tensors]
+
+
+def snapshot(sync: LocalUpdateSync) -> dict:
+    state = {
+        "params": [p.detach().clone() for p in sync.params],
+        "grads": [None if p.grad is None else p.grad.clone() for p in sync.params],
+        "optimizer": copy.deepcopy(sync.optimizer.state_dict()),
+        "engine": copy.deepcopy(sync.state_dict()),
+    }
+    return state
+
+
+def assert_same(before, after, where="state") -> None:
+    """Bitwise equal, through nested dicts and lists."""
+    if isinstance(before, torch.Tensor):
+        assert torch.equal(before, after), where
+    elif isinstance(before, dict):
+        assert before.keys() == after.keys(), where
+        for key in before:
+            assert_same(before[key], after[key], f"{where}.{key}")
+    elif isinstance(before, (list, tuple)):
+        assert len(before) == len(after), where
+        for index, (b, a) in enumerate(zip(before, after)):
+            assert_same(b, a, f"{where}[{index}]")
+    else:
+        assert before == after, where
+
+
+POLICIES = {
+    "unified": lambda: unified(2),
+    "diloco": lambda: explicit(2, outer=OuterOptimizerConfig()),
+    "ddp": gradient_averaging,
+}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_discarded_round_changes_nothing_and_the_next_one_applies(name):
+    params = make_params()
+    optimizer = MTAdam(params, lr=0.1, betas=(0.9,), omegas=(0.5,))
+    policy = POLICIES[name]()
+    communicator = ScriptedCommunicator([shifted] * 8, discard_at=2)
+    sync = LocalUpdateSync(optimizer, policy, communicator, track_alignment=True)
+    gradient_rounds = policy.average_gradients
+    steps_to_second_round = 1 if gradient_rounds else 3  # rounds at steps 1, 2 or 2, 4
+    for step in range(steps_to_second_round):
+        set_gradients(params, step)
+        sync.step()
+    set_gradients(params, 99)
+    rounds_sent = sync.traffic.rounds
+    if gradient_rounds:  # the round comes before the optimizer step, which then does not happen
+        before = snapshot(sync)
+        with pytest.raises(RoundNotCommitted, match="round 2"):
+            sync.step()
+    else:  # the local step happened; the round after it is discarded
+        sync.before_optimizer_step()
+        optimizer.step()
+        before = snapshot(sync)
+        before["engine"]["step"] += 1  # the step counts, the round does not
+        with pytest.raises(RoundNotCommitted, match="round 2"):
+            sync.after_optimizer_step()
+    assert sync.traffic.rounds == rounds_sent + 1  # what was sent is counted as sent
+    before["engine"]["traffic"] = sync.state_dict()["traffic"]
+    assert_same(before, snapshot(sync))
+    assert len(sync.events) == 1 and len(sync.alignment) == (0 if gradient_rounds else 1)
+
+    for step in range(2):  # on to the next round, which applies as usual
+        set_gradients(params, 100 + step)
+        sync.before_optimizer_step()
+        optimizer.step()
+        stepped = [p.detach().clone() for p in params]
+        sync.after_optimizer_step()
+        if len(sync.events) == 2:
+            break
+    assert len(sync.events) == 2
+    if name == "unified":  # the scripted average: every tensor + 1
+        torch.testing.assert_close([p.detach() for p in params], [t + 1 for t in stepped])
+
+
+def test_commit_comes_after_the_average_and_before_anything_is_written():
+    params = make_params()
+    optimizer = MTAdam(params, lr=0.1, betas=(0.9,), omegas=(0.5,))
+    communicator = RecordingCommunicator()
+    sync = LocalUpdateSync(optimizer, unified(2), communicator)
+    for step in range(4):
+        set_gradients(params, step)
+        sync.step()
+    methods = [call.method for call in communicator.calls if call.method != "broadcast_from_first"]
+    assert methods == ["average", "commit", "assign", "assign"] * 2
+
+
+ROUND_POLICIES = {
+    "unified": lambda: unified(3),
+    "desloc": lambda: desloc(2),
+    "states only, every step": lambda: explicit(None, other_states=1),
+    "per-state periods": lambda: explicit(4, {"exp_avg_0": 6}, other_states=None),
+    "diloco": lambda: explicit(3, outer=OuterOptimizerConfig()),
+    "ddp": gradient_averaging,
+}
+
+
+@pytest.mark.parametrize("name", ROUND_POLICIES)
+def test_round_due_says_in_advance_which_steps_average(name):
+    params = [torch.nn.Parameter(p.detach().expand(2, *p.shape).clone()) for p in make_params()]
+    optimizer = MTAdam(params, lr=0.1, betas=(0.9,), omegas=(0.5,))
+    communicator = RecordingCommunicator(SimulatedWorkers(2))
+    sync = LocalUpdateSync(optimizer, ROUND_POLICIES[name](), communicator)
+    predicted, happened = [], []
+    for step in range(1, 25):
+        predicted.append(sync.round_due(step))
+        calls = len(communicator.average_kinds())
+        set_gradients(params, step)
+        sync.step()
+        happened.append(len(communicator.average_kinds()) > calls)
+    assert predicted == happened
+    assert any(happened)
