@@ -409,11 +409,6 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
         return
     if config.replica_id is None or config.lighthouse is None:
         raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
-    if config.shards > 1:
-        raise ValueError(
-            f"--shards {config.shards}: a fault-tolerant replica is one process for now; "
-            "sharded replicas are not supported yet"
-        )
     if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
         raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
     if not 0 <= config.replica_id < config.workers:
