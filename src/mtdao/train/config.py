@@ -87,7 +87,8 @@ class TrainConfig:
     workers: int = 4
     """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
     shards: int = 1
-    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S)."""
+    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S; for a
+    fault-tolerant replica, S)."""
     sync_period: int = 32
     """K: local steps between parameter averages (local methods)."""
     sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
