@@ -150,3 +150,12 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, StopIteration):
         return False
     return "zombie" not in state and os.path.exists(f"/proc/{pid}")
+
+
+def test_a_joiner_is_measured_against_most_replicas_at_the_newest_step():
+    from mtdao.sync.torchft.plumbing import reference_shard_count
+
+    # posted by each replica's first process: replica id, --shards, torchft step
+    assert reference_shard_count([["0", "2", "12"], ["1", "2", "0"], ["2", "1", "0"]]) == 2
+    assert reference_shard_count([["0", "1", "7"], ["1", "2", "7"], ["2", "2", "7"]]) == 2
+    assert reference_shard_count([["0", "2", "0"], ["1", "1", "0"]]) is None  # no majority

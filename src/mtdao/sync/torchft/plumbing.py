@@ -145,11 +145,11 @@ class MembershipGloo(ProcessGroupGloo):
         theirs = ", ".join(
             f"replica {r} has --shards {n}" for r, n in sorted(counts.items()) if n != shards
         )
-        refuse = self.step == 0 and _reference_count(posted) != shards
+        refuse = self.step == 0 and reference_shard_count(posted) != shards
         return f"{'refuse' if refuse else 'fail'} {theirs}"
 
 
-def _reference_count(posted: list[list[str]]) -> int | None:
+def reference_shard_count(posted: list[list[str]]) -> int | None:
     """The number of processes most replicas at the newest step have (None: no majority)."""
     newest = max(int(step) for _, _, step in posted)
     counts = [int(count) for _, count, step in posted if int(step) == newest]
