@@ -13,6 +13,9 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+# Re-exported: the reports and the training summary share one byte format.
+from mtdao.sync.communicator import format_bytes as format_bytes
+
 SIGNIFICANCE_RULE = (
     "a difference between two methods counts only if it exceeds the sum of their standard "
     "deviations over seeds; otherwise it is a tie within seed noise"
@@ -120,14 +123,6 @@ def format_seconds(seconds: float | None) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-def format_bytes(num_bytes: float) -> str:
-    """Decimal units: 41.3 MB."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.1f} {unit}"
-    return f"{num_bytes:.0f} B"
 
 
 def megabytes(num_bytes: float) -> str:

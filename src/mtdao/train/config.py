@@ -88,7 +88,8 @@ class TrainConfig:
     workers: int = 4
     """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
     shards: int = 1
-    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S)."""
+    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S; for a
+    fault-tolerant replica, S)."""
     sync_period: int = 32
     """K: local steps between parameter averages (local methods)."""
     sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
@@ -423,11 +424,6 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
         return
     if config.replica_id is None or config.lighthouse is None:
         raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
-    if config.shards > 1:
-        raise ValueError(
-            f"--shards {config.shards}: a fault-tolerant replica is one process for now; "
-            "sharded replicas are not supported yet"
-        )
     if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
         raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
     if not 0 <= config.replica_id < config.workers:

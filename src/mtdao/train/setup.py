@@ -20,7 +20,12 @@ from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
 from mtdao.train.methods import METHOD_TABLE, build_optimizer, build_policy
 from mtdao.train.schedule import LRSchedule, OmegaWarmup, lr_schedule_of, omega_warmup_of
-from mtdao.train.sharding import build_sharded_workers, check_topology, worker_of
+from mtdao.train.sharding import (
+    build_sharded_replica,
+    build_sharded_workers,
+    check_topology,
+    worker_of,
+)
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet, WorkerSet
 
 
@@ -140,8 +145,10 @@ def build_workers(
     """The communicator and the workers: one per process (or per --shards processes) under
     torchrun, else simulated; or one worker in this process, averaging through a given
     communicator."""
-    if communicator is not None:  # no coordination outside its rounds: the losses are this worker's
-        workers: WorkerSet = ProcessWorkerSet(model, WorkerLayout())
+    if communicator is not None and config.shards > 1:  # a replica of --shards processes
+        workers: WorkerSet = build_sharded_replica(model, config, device, communicator)
+    elif communicator is not None:  # no coordination outside its rounds: the losses are its own
+        workers = ProcessWorkerSet(model, WorkerLayout())
     elif config.shards > 1:
         communicator, workers = build_sharded_workers(model, config, device)
     elif process.distributed:

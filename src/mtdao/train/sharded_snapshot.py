@@ -21,7 +21,7 @@ from mtdao.train.checkpoint_state import ProcessGroupCollective
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.setup import Run
-from mtdao.train.sharding import worker_of
+from mtdao.train.sharding import launched_workers, worker_of
 
 # The engine's state that is sharded like the parameters; the rest of it belongs to the worker.
 ENGINE_SHARDED_KEYS = ("anchors", "outer")
@@ -35,7 +35,7 @@ def checkpoint_store(
     return ShardedCheckpointStore(
         Path(config.out),
         rank=process.rank,
-        workers=config.workers,
+        workers=launched_workers(config),  # a fault-tolerant replica: its own run directory
         shards=config.shards,
         keep=keep,
         collective=ProcessGroupCollective(device=device if device.type == "cuda" else None),
