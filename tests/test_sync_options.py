@@ -77,4 +77,9 @@ def test_summary_applies_the_significance_rule_against_the_reference(tmp_path):
     )
     assert "| bf16 | `--sync-dtype bf16` | 1.5200 ± 0.0200 | +0.0000: tie | 20.0x less" in report
     assert "1.0 kB (1.67x)" in report  # frag4's peak against the reference's 600 bytes
+    # paired by seed: bf16 +0.02, -0.02, 0.00; frag4 +0.20 in every seed
+    assert rows["bf16"]["paired_difference"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert rows["bf16"]["paired_difference"]["std"] == pytest.approx(0.02)
+    assert "| +0.0000 ± 0.0200 (higher in 1 of 3) |" in report
+    assert "| +0.2000 ± 0.0000 (higher in 3 of 3) |" in report
     assert plot_options(tmp_path, summary).is_file()

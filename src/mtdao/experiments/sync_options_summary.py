@@ -42,6 +42,24 @@ def option_row(
     return row
 
 
+def paired_difference(
+    results: Mapping[str, Mapping[str, Any]],
+    setting: str,
+    option: str,
+    reference: str,
+    seeds: Sequence[int],
+) -> dict[str, Any] | None:
+    """The option's final loss minus the reference's, seed by seed (the same seed gives both the
+    same initialization and data): :func:`stats` of the differences over the seeds both ran."""
+    differences = []
+    for seed in seeds:
+        run = results.get(f"{setting}-{option}-seed{seed}")
+        base = results.get(f"{setting}-{reference}-seed{seed}")
+        if run is not None and base is not None:
+            differences.append(run.get("final_val_loss") - base.get("final_val_loss"))
+    return stats(differences)
+
+
 def summarize(
     results: Mapping[str, Mapping[str, Any]],
     *,
@@ -62,6 +80,10 @@ def summarize(
             runs = [r for r in runs if r is not None]
             if runs:
                 rows[option] = option_row(runs, rows.get(reference_name))
+                if option != reference_name:
+                    rows[option]["paired_difference"] = paired_difference(
+                        results, setting, option, reference_name, seeds
+                    )
         table[setting] = rows
     any_run = next(iter(results.values()), {})
     config = any_run.get("config", {})
