@@ -17,6 +17,7 @@ from mtdao.experiments.ablation_summary import load_summary
 from mtdao.experiments.compare_report import render_compare_report
 from mtdao.experiments.rosenbrock_report import report_markdown
 from mtdao.experiments.slow_link_report import render_report
+from mtdao.experiments.sync_options_report import render_report as render_sync_options
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
@@ -25,6 +26,8 @@ def kind(results) -> str | None:
     """Which experiment wrote this results.json (by its shape)."""
     if isinstance(results, list):
         return "slow-link"
+    if results.get("kind") == "sync-options":
+        return "sync-options"
     if "variants" in results:
         return "ablation"
     if "target_val_loss" in results:
@@ -50,6 +53,7 @@ def rendered(report_dir: Path) -> str:
         "ablation": lambda: render_ablation_report(load_summary(report_dir / "results.json")),
         "rosenbrock": lambda: report_markdown(results["config"], results["summary"]),
         "slow-link": lambda: render_slow_link(report_dir, results),
+        "sync-options": lambda: render_sync_options(results),
     }
     return renderers[kind(results)]()
 
@@ -61,7 +65,7 @@ def known_reports() -> list[Path]:
 
 def test_every_experiment_has_a_committed_report():
     kinds = {kind(json.loads((d / "results.json").read_text())) for d in known_reports()}
-    assert kinds == {"compare", "ablation", "rosenbrock", "slow-link"}
+    assert kinds == {"compare", "ablation", "rosenbrock", "slow-link", "sync-options"}
 
 
 @pytest.mark.parametrize("report_dir", known_reports(), ids=lambda d: d.name)
