@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mtdao.sync.dtensors import shard_like
 from mtdao.train import checkpoint as ckpt
 from mtdao.train.checkpoint_dcp import ShardedCheckpointStore, load_sharded
 from mtdao.train.checkpoint_state import ProcessGroupCollective
@@ -55,30 +56,15 @@ def sharded_state(run: Run) -> dict[str, Any]:
     params, sync = run.sync.params, run.sync
     names = [sync.param_names[id(p)] for p in params]
     engine: dict[str, Any] = {
-        "anchors": {n: _like(p, a) for n, p, a in zip(names, params, sync.anchors)},
+        "anchors": {n: shard_like(p, a) for n, p, a in zip(names, params, sync.anchors)},
     }
     if sync.outer is not None:
         buffers = sync.outer.momentum_buffers
-        engine["outer_momentum"] = {n: _like(p, b) for n, p, b in zip(names, params, buffers)}
+        engine["outer_momentum"] = {n: shard_like(p, b) for n, p, b in zip(names, params, buffers)}
     worker = worker_of(run.process, run.config.shards)
     return {
         f"worker{worker}": {"model": model_state, "optimizer": optimizer_state, "engine": engine}
     }
-
-
-def _like(param, shard: torch.Tensor):
-    """``shard`` (this process's part of a tensor shaped and sharded like ``param``) as a DTensor
-    sharing its storage."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        shard,
-        param.device_mesh,
-        param.placements,
-        shape=param.shape,
-        stride=param.stride(),
-        run_check=False,
-    )
 
 
 def worker_state(run: Run) -> dict[str, Any]:
