@@ -1,12 +1,23 @@
-"""Time one optimizer step of the MT-DAO optimizers against torch.optim.AdamW(foreach=True).
+"""Time one optimizer step of the MT-DAO optimizers against torch.optim.AdamW(fused=True).
 
 All optimizers step the same parameters with the same fixed gradients and are measured side by side
 in one process: after a warm-up, each round times every optimizer once (``--repeats`` steps each,
-in an order that rotates between rounds). Each optimizer is reported as a ratio to AdamW, from
-the median over rounds and from the fastest round; on a shared machine, where other work slows
-some rounds down, the fastest round is the steadier figure.
+in an order that rotates between rounds), and a plain copy of a parameter-sized buffer. Each
+optimizer is reported as a ratio to fused AdamW three ways: of the median times, of the fastest
+times, and the median over rounds of the ratio within a round. On a shared machine, where other
+work slows some rounds down, the fastest round and the within-round ratio are the steadier figures.
+
+The update is memory-bound, so each optimizer is also given as a bandwidth: the bytes an ideal
+single pass moves (read x, g and every state; write x and every state) over the time per step,
+beside the bandwidth of the copy (read + write), the practical limit of this machine.
+
+``--breakdown`` adds two rows that split a fused MTAdam step: its compiled kernels launched
+directly on the same tensors (the rest of the step is the optimizer's bookkeeping: step counters,
+bucketing, coefficients), and one launch over a single flat copy of all tensors (the difference
+to the former is the per-tensor cost of launching).
 
     python benchmarks/optimizer_step.py                      # ~25M params in 100 tensors, CPU
+    python benchmarks/optimizer_step.py --breakdown          # where a fused step's time goes
     python benchmarks/optimizer_step.py --device cuda --json runs/optimizer_step.json
 """
 
@@ -18,27 +29,49 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from mtdao import MTSGD, MTAdam, MTAdopt
+from mtdao.optim.fused import ADAM, adam_coefficients, coefficient_tensor
+from mtdao.optim.launch import launch
 
 WEIGHT_DECAY = 0.1  # the same for all, so that all pay for the decay pass
-CANDIDATES: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
-    "AdamW(foreach=True)": lambda ps: torch.optim.AdamW(
-        ps, lr=1e-3, weight_decay=WEIGHT_DECAY, foreach=True
-    ),
-    "MTAdam N=1 omegas=(1,)": lambda ps: MTAdam(
-        ps, lr=1e-3, betas=(0.9,), omegas=(1.0,), weight_decay=WEIGHT_DECAY
-    ),
-    "MTAdam N=1 omegas=(0.9,)": lambda ps: MTAdam(ps, lr=1e-3, weight_decay=WEIGHT_DECAY),
-    "MTAdam N=2 omegas=(.45,.45)": lambda ps: MTAdam(
-        ps, lr=1e-3, betas=(0.9, 0.999), omegas=(0.45, 0.45), weight_decay=WEIGHT_DECAY
-    ),
-    "MTAdopt N=1 omegas=(0.9,)": lambda ps: MTAdopt(ps, lr=1e-3, weight_decay=WEIGHT_DECAY),
-    "MTSGD N=1": lambda ps: MTSGD(ps, lr=1e-3, weight_decay=WEIGHT_DECAY),
+BASELINE = "AdamW(fused=True)"
+COPY = "copy (memory limit)"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    states: int  # parameter-sized optimizer states, each read and written once per step
+
+
+def adamw(**kwargs) -> Candidate:
+    return Candidate(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=WEIGHT_DECAY, **kwargs), states=2
+    )
+
+
+def mt(optimizer_class, states: int, **kwargs) -> Candidate:
+    return Candidate(
+        lambda ps: optimizer_class(ps, lr=1e-3, weight_decay=WEIGHT_DECAY, **kwargs), states
+    )
+
+
+N2 = dict(betas=(0.9, 0.999), omegas=(0.45, 0.45))
+CANDIDATES: dict[str, Candidate] = {
+    BASELINE: adamw(fused=True),
+    "AdamW(foreach=True)": adamw(foreach=True),
+    "MTAdam N=1 omegas=(1,)": mt(MTAdam, 2, betas=(0.9,), omegas=(1.0,), fused=True),
+    "MTAdam N=1 omegas=(0.9,)": mt(MTAdam, 2, fused=True),
+    "MTAdam N=2 omegas=(.45,.45)": mt(MTAdam, 3, fused=True, **N2),
+    "MTAdopt N=1": mt(MTAdopt, 2, fused=True),
+    "MTSGD N=1": mt(MTSGD, 1, fused=True),
+    "MTAdam N=1 (0.9,) foreach": mt(MTAdam, 2, foreach=True),
+    "MTAdam N=2 foreach": mt(MTAdam, 3, foreach=True, **N2),
 }
-BASELINE = "AdamW(foreach=True)"
 
 
 def make_parameters(total: int, count: int, device: torch.device) -> list[torch.Tensor]:
@@ -57,26 +90,72 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(optimizer: torch.optim.Optimizer, steps: int, device: torch.device) -> float:
-    """Seconds per step, averaged over ``steps`` back-to-back steps."""
+def time_calls(call: Callable[[], object], steps: int, device: torch.device) -> float:
+    """Seconds per call, averaged over ``steps`` back-to-back calls."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
-        optimizer.step()
+        call()
     synchronize(device)
     return (time.perf_counter() - start) / steps
+
+
+BREAKDOWN_OF = "MTAdam N=1 omegas=(0.9,)"
+
+
+def breakdown_calls(optimizer: MTAdam) -> dict[str, Callable[[], object]]:
+    """Where a fused step's time goes: the same kernel launches without the optimizer's
+    bookkeeping, and one launch over the same update on a single flat copy of the tensors."""
+    group = optimizer.param_groups[0]
+    params = group["params"]
+    states = [optimizer.state[p] for p in params]
+    hyper = {k: group[k] for k in ("betas", "omegas", "beta2", "eps", "weight_decay")}
+    coefficients = adam_coefficients(step=10, **hyper)
+    c = coefficient_tensor(coefficients, group["lr"], params[0])
+    spec = ADAM.spec(1, params[0], states[0]["exp_avg_0"])
+    tensors = [
+        [p.detach() for p in params],
+        [p.grad for p in params],
+        [[s["exp_avg_0"] for s in states]],
+        [s["exp_avg_sq"] for s in states],
+    ]
+    flat = [torch.cat([t.reshape(-1) for t in column]) for column in tensors[:2]]
+    flat += [[torch.cat([t.reshape(-1) for t in tensors[2][0]])], torch.cat(tensors[3])]
+
+    @torch.no_grad()
+    def kernels_only() -> None:
+        launch(spec, *tensors, c)
+
+    @torch.no_grad()
+    def one_flat_buffer() -> None:
+        launch(spec, [flat[0]], [flat[1]], [flat[2]], [flat[3]], c)
+
+    return {
+        BREAKDOWN_OF + ": kernels only": kernels_only,
+        BREAKDOWN_OF + ": one flat buffer": one_flat_buffer,
+    }
+
+
+def bytes_per_step(states: int, numel: int, element_size: int) -> int:
+    """x read + written, g read, each state read + written."""
+    return (3 + 2 * states) * numel * element_size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params-millions", type=float, default=25.0)
     parser.add_argument("--tensors", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median over)")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (median over)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per optimizer per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's)")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help=f"also time {BREAKDOWN_OF}'s compiled kernels alone, on its tensors and on one flat copy",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,19 +165,39 @@ def main() -> None:
         parser.error("--device cuda requested but CUDA is not available")
     total = int(args.params_millions * 1e6)
     params = make_parameters(total, args.tensors, device)
-    optimizers = {name: make(params) for name, make in CANDIDATES.items()}
-    for optimizer in optimizers.values():  # allocate state, pass ADOPT's first (v-only) call
-        time_steps(optimizer, args.warmup, device)
+    numel = sum(p.numel() for p in params)
+    source, target = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    calls: dict[str, Callable[[], object]] = {COPY: lambda: target.copy_(source)}
+    first_step: dict[str, float] = {}
+    for name, candidate in CANDIDATES.items():
+        optimizer = candidate.make(params)
+        # the first step allocates state and, for fused MT-DAO, compiles (or loads) its kernel
+        first_step[name] = time_calls(optimizer.step, 1, device)
+        time_calls(optimizer.step, args.warmup, device)  # and passes ADOPT's v-only call
+        calls[name] = optimizer.step
+        if args.breakdown and name == BREAKDOWN_OF:
+            for part, call in breakdown_calls(optimizer).items():
+                time_calls(call, args.warmup, device)
+                calls[part] = call
 
-    names = list(optimizers)
+    names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(time_steps(optimizers[name], args.repeats, device))
+            samples[name].append(time_calls(calls[name], args.repeats, device))
 
     medians = {name: statistics.median(times) for name, times in samples.items()}
     fastest = {name: min(times) for name, times in samples.items()}
+    paired = {
+        name: statistics.median(t / b for t, b in zip(times, samples[BASELINE]))
+        for name, times in samples.items()
+    }
+    moved = {name: bytes_per_step(c.states, numel, 4) for name, c in CANDIDATES.items()}
+    moved[COPY] = 2 * numel * 4
+    for name in names:  # breakdown rows move what the step they break down moves
+        moved.setdefault(name, moved[BREAKDOWN_OF])
+    bandwidth = {name: moved[name] / fastest[name] / 1e9 for name in names}
     environment = {
         "torch": torch.__version__,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
@@ -107,16 +206,23 @@ def main() -> None:
         "machine": platform.machine(),
     }
     print(
-        f"{sum(p.numel() for p in params) / 1e6:.1f}M float32 params in {len(params)} tensors, "
-        f"{environment['device']}, {environment['threads']} threads, torch {environment['torch']}; "
+        f"{numel / 1e6:.1f}M float32 params in {len(params)} tensors, {environment['device']}, "
+        f"{environment['threads']} threads, torch {environment['torch']}; "
         f"{args.rounds} interleaved rounds x {args.repeats} steps"
     )
-    print(f"{'':30s} {'ms/step':>20s}   {'ratio to AdamW':>16s}")
-    print(f"{'optimizer':30s} {'median':>9s} {'fastest':>9s}   {'median':>7s} {'fastest':>8s}")
+    width = max(len(name) for name in names)
+    print(
+        f"{'':{width}s} {'ms/step':>17s}   {'ratio to fused AdamW':>29s}   {'GB/s':>6s} {'first':>7s}"
+    )
+    print(
+        f"{'optimizer':{width}s} {'median':>8s} {'fastest':>8s}   {'median':>9s} {'fastest':>9s} "
+        f"{'in-round':>9s}   {'fastest':>6s} {'step, s':>7s}"
+    )
     for name in names:
         print(
-            f"{name:30s} {1e3 * medians[name]:9.1f} {1e3 * fastest[name]:9.1f}   "
-            f"{medians[name] / medians[BASELINE]:6.2f}x {fastest[name] / fastest[BASELINE]:7.2f}x"
+            f"{name:{width}s} {1e3 * medians[name]:8.1f} {1e3 * fastest[name]:8.1f}   "
+            f"{medians[name] / medians[BASELINE]:8.2f}x {fastest[name] / fastest[BASELINE]:8.2f}x "
+            f"{paired[name]:8.2f}x   {bandwidth[name]:6.1f} {first_step.get(name, float('nan')):7.2f}"
         )
     if args.json:
         result = {
@@ -124,9 +230,13 @@ def main() -> None:
             "environment": environment,
             "seconds_per_step_median": medians,
             "seconds_per_step_fastest": fastest,
+            "first_step_seconds": first_step,
+            "bytes_per_step": moved,
+            "bandwidth_gb_per_s_fastest": bandwidth,
             "samples": samples,
-            "ratio_to_adamw_median": {n: medians[n] / medians[BASELINE] for n in names},
-            "ratio_to_adamw_fastest": {n: fastest[n] / fastest[BASELINE] for n in names},
+            "ratio_to_fused_adamw_median": {n: medians[n] / medians[BASELINE] for n in names},
+            "ratio_to_fused_adamw_fastest": {n: fastest[n] / fastest[BASELINE] for n in names},
+            "ratio_to_fused_adamw_within_round_median": paired,
         }
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

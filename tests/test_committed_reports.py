@@ -18,6 +18,7 @@ from mtdao.experiments.compare_report import render_compare_report
 from mtdao.experiments.horizon_report import render_horizon_report
 from mtdao.experiments.rosenbrock_report import report_markdown
 from mtdao.experiments.slow_link_report import render_report
+from mtdao.experiments.sync_options_report import render_report as render_sync_options
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
@@ -28,6 +29,8 @@ def kind(results) -> str | None:
         return "slow-link"
     if "experiments" in results and "protocol" in results:
         return "horizon"
+    if results.get("kind") == "sync-options":
+        return "sync-options"
     if "variants" in results:
         return "ablation"
     if "target_val_loss" in results:
@@ -54,6 +57,7 @@ def rendered(report_dir: Path) -> str:
         "ablation": lambda: render_ablation_report(load_summary(report_dir / "results.json")),
         "rosenbrock": lambda: report_markdown(results["config"], results["summary"]),
         "slow-link": lambda: render_slow_link(report_dir, results),
+        "sync-options": lambda: render_sync_options(results),
     }
     return renderers[kind(results)]()
 
@@ -65,7 +69,7 @@ def known_reports() -> list[Path]:
 
 def test_every_experiment_has_a_committed_report():
     kinds = {kind(json.loads((d / "results.json").read_text())) for d in known_reports()}
-    assert kinds == {"compare", "ablation", "rosenbrock", "slow-link", "horizon"}
+    assert kinds == {"compare", "ablation", "rosenbrock", "slow-link", "sync-options", "horizon"}
 
 
 @pytest.mark.parametrize("report_dir", known_reports(), ids=lambda d: d.name)

@@ -42,7 +42,9 @@ def test_each_replica_gets_its_own_run_directory():
         (dict(quorum_timeout=0.0), "--quorum-timeout must be a number of seconds > 0"),
         (dict(collective_timeout=float("inf")), "--collective-timeout must be a finite number > 0"),
         (dict(fault_tolerant=False), "--replica-id needs --fault-tolerant"),
-        (dict(shards=2), "--shards 2: a fault-tolerant replica is one process for now"),
+        (dict(sync_delay=4), "--sync-delay: fault-tolerant replicas sync in plain blocking"),
+        (dict(sync_fragments=2), "--sync-fragments: fault-tolerant replicas sync in plain"),
+        (dict(sync_dtype=("int8",)), "--sync-dtype: fault-tolerant replicas sync in plain"),
     ],
 )
 def test_bad_settings_are_refused_by_name(changes, message):
@@ -61,6 +63,17 @@ def test_a_bad_setting_is_one_line_on_the_command_line(capsys):
     assert (
         capsys.readouterr().err == "mtdao lighthouse: error: --min-replicas must be >= 1, got 0\n"
     )
+
+
+def test_a_sharded_replica_outside_torchrun_is_one_line(capsys, tmp_path):
+    pytest.importorskip("torchft")
+    argv = ["train", "--fault-tolerant", "--replica-id", "0", "--lighthouse", "h:1"]
+    assert main([*argv, "--shards", "2", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (
+        "mtdao train: error: --fault-tolerant --shards 2: each replica is its own launch of 2 "
+        "processes, one per shard (torchrun --nproc-per-node 2), but this one has one\n"
+    )
+    assert not (tmp_path / "run").exists()  # refused before any file
 
 
 class FakeTorchft:

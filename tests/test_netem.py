@@ -98,7 +98,9 @@ def test_teardown_on_exception():
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_teardown_when_process_is_signalled(signum):
     script = textwrap.dedent(f"""
-        import time
+        import signal, time
+        # A shell's background job inherits SIGINT ignored; a user at a terminal has Python's.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from mtdao.experiments.netem import emulated_link
         with emulated_link(2, 10.0, prefix={PREFIX!r}) as link:
             print(" ".join([link.hub, *link.hosts]), flush=True)

@@ -308,8 +308,8 @@ def test_beta_for_half_life_inverts_half_life(beta):
     assert beta ** half_life(beta) == pytest.approx(0.5, rel=1e-12)
 
 
-# SPEC §1, as printed there: beta | half-life (steps) | weight left after 32 steps
-SPEC_TABLE = [
+# Timescales to the printed precision: beta | half-life (steps) | weight left after 32 steps
+TIMESCALE_TABLE = [
     ("0.9", "6.6", "0.034"),
     ("0.95", "13.5", "0.19"),
     ("0.99", "69", "0.72"),
@@ -323,8 +323,8 @@ def decimals(printed: str) -> int:
     return len(printed.partition(".")[2])
 
 
-@pytest.mark.parametrize(("beta", "steps", "left"), SPEC_TABLE)
-def test_spec_timescale_table(beta, steps, left):
+@pytest.mark.parametrize(("beta", "steps", "left"), TIMESCALE_TABLE)
+def test_timescale_table(beta, steps, left):
     assert f"{half_life(float(beta)):.{decimals(steps)}f}" == steps
     assert f"{weight_left(float(beta), 32):.{decimals(left)}f}" == left
 

@@ -1,4 +1,4 @@
-"""Special cases that must hold exactly (SPEC §2): AdamW, QHAdam, ADOPT and EMA-momentum SGD.
+"""Special cases that must hold exactly: AdamW, QHAdam, ADOPT and EMA-momentum SGD.
 
 The known optimizers below are written out literally from their papers / official code, in
 float64, with decoupled weight decay and a learning rate that changes on every step.
@@ -16,6 +16,8 @@ from mtdao import MTSGD, MTAdam, MTAdopt
 SHAPES = [(), (6,), (4, 3)]
 STEPS = 80
 WEIGHT_DECAY = 0.05
+# How each implementation is asked for (see MultiTimescaleOptimizer).
+PATHS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
 
 
 def lr_at(step: int, peak: float) -> float:
@@ -75,17 +77,22 @@ def assert_trajectories_match(actual, expected, exact: bool = False):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
-def test_mtadam_one_momentum_full_weight_is_adamw(foreach):
-    hyper = dict(eps=1e-8, weight_decay=WEIGHT_DECAY, foreach=foreach)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_mtadam_one_momentum_full_weight_is_adamw(path):
+    hyper = dict(eps=1e-8, weight_decay=WEIGHT_DECAY)
+    torch_path = dict(foreach=False) if path == "loop" else PATHS[path]
     expected = run_optimizer(
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.99), **hyper), 1e-2
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.99), **hyper, **torch_path), 1e-2
     )
     actual = run_optimizer(
-        lambda ps: MTAdam(ps, lr=1e-2, betas=(0.8,), omegas=(1.0,), beta2=0.99, **hyper), 1e-2
+        lambda ps: MTAdam(
+            ps, lr=1e-2, betas=(0.8,), omegas=(1.0,), beta2=0.99, **hyper, **PATHS[path]
+        ),
+        1e-2,
     )
-    # Same operations in the same order as torch's AdamW: equal to the last bit.
-    assert_trajectories_match(actual, expected, exact=True)
+    # foreach and loop: the same operations in the same order as torch's AdamW, equal to the last
+    # bit; fused: compiled code against torch's hand-written kernel, equal to float rounding.
+    assert_trajectories_match(actual, expected, exact=path != "fused")
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,8 +125,8 @@ def qhadam_update(beta1, beta2, nu1, nu2, eps, weight_decay):
 
 
 @pytest.mark.parametrize("nu", [0.0, 0.7, 0.9])
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
-def test_mtadam_one_momentum_is_qhadam(foreach, nu):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_mtadam_one_momentum_is_qhadam(path, nu):
     expected = run_literal(qhadam_update(0.995, 0.999, nu, 1.0, 1e-8, WEIGHT_DECAY), 1e-2)
     actual = run_optimizer(
         lambda ps: MTAdam(
@@ -130,7 +137,7 @@ def test_mtadam_one_momentum_is_qhadam(foreach, nu):
             beta2=0.999,
             eps=1e-8,
             weight_decay=WEIGHT_DECAY,
-            foreach=foreach,
+            **PATHS[path],
         ),
         1e-2,
     )
@@ -144,7 +151,7 @@ def test_mtadam_one_momentum_is_qhadam(foreach, nu):
 # so this is a literal port of the official single-tensor step (github.com/iShohei220/adopt,
 # clip_lambda = step**0.25, decoupled weight decay). Some third-party copies count the step from 0
 # (clip 1 on the second call) and skip weight decay on the first call; the official code and
-# SPEC §2 count from 1 and decay on every call.
+# the algorithm count from 1 and decay on every call.
 
 
 def adopt_update(beta1, beta2, eps, weight_decay, clip_lambda=lambda step: step**0.25):
@@ -170,8 +177,8 @@ def adopt_update(beta1, beta2, eps, weight_decay, clip_lambda=lambda step: step*
 
 
 @pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
-def test_mtadopt_one_momentum_full_weight_is_adopt(foreach, clip):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_mtadopt_one_momentum_full_weight_is_adopt(path, clip):
     clip_lambda = (lambda step: step**0.25) if clip else None
     expected = run_literal(adopt_update(0.9, 0.9999, 1e-6, WEIGHT_DECAY, clip_lambda), 1e-2)
     actual = run_optimizer(
@@ -184,7 +191,7 @@ def test_mtadopt_one_momentum_full_weight_is_adopt(foreach, clip):
             eps=1e-6,
             weight_decay=WEIGHT_DECAY,
             clip=clip,
-            foreach=foreach,
+            **PATHS[path],
         ),
         1e-2,
     )
@@ -215,23 +222,23 @@ def ema_sgd_update(beta, weight_decay):
     return update
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
-def test_mtsgd_one_momentum_full_weight_is_ema_sgd(foreach):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_mtsgd_one_momentum_full_weight_is_ema_sgd(path):
     expected = run_literal(ema_sgd_update(0.9, WEIGHT_DECAY), 5e-2)
     actual = run_optimizer(
         lambda ps: MTSGD(
-            ps, lr=5e-2, betas=(0.9,), omegas=(1.0,), weight_decay=WEIGHT_DECAY, foreach=foreach
+            ps, lr=5e-2, betas=(0.9,), omegas=(1.0,), weight_decay=WEIGHT_DECAY, **PATHS[path]
         ),
         5e-2,
     )
     assert_trajectories_match(actual, expected)
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
-def test_mtsgd_zero_weight_is_plain_sgd(foreach):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_mtsgd_zero_weight_is_plain_sgd(path):
     """omegas=(0,) leaves only the raw gradient: torch.optim.SGD without momentum."""
     expected = run_optimizer(lambda ps: torch.optim.SGD(ps, lr=5e-2), 5e-2)
     actual = run_optimizer(
-        lambda ps: MTSGD(ps, lr=5e-2, betas=(0.9,), omegas=(0.0,), foreach=foreach), 5e-2
+        lambda ps: MTSGD(ps, lr=5e-2, betas=(0.9,), omegas=(0.0,), **PATHS[path]), 5e-2
     )
     assert_trajectories_match(actual, expected)

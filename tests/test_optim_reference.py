@@ -1,4 +1,4 @@
-"""The fast path (foreach and for-loop) against the literal reference of SPEC §2, and convergence."""
+"""The fast paths (fused, foreach, for-loop) against the literal reference, and convergence."""
 
 from __future__ import annotations
 
@@ -51,7 +51,11 @@ def make_gradient(noise: torch.Tensor, x: torch.Tensor, step: int) -> torch.Tens
     return g
 
 
-def run_fast_and_reference(variant: str, num_momenta: int, foreach: bool):
+# How each implementation is asked for (see MultiTimescaleOptimizer).
+PATHS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
+
+
+def run_fast_and_reference(variant: str, num_momenta: int, path: str):
     optimizer_class, reference_step, extra, peak_lr = VARIANTS[variant]
     betas, omegas = MOMENTA[num_momenta]
     hyper = dict(betas=betas, omegas=omegas, weight_decay=WEIGHT_DECAY, **extra)
@@ -59,7 +63,7 @@ def run_fast_and_reference(variant: str, num_momenta: int, foreach: bool):
     initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in SHAPES]
 
     params = [x.clone().requires_grad_(True) for x in initial]
-    optimizer = optimizer_class(params, lr=peak_lr, foreach=foreach, **hyper)
+    optimizer = optimizer_class(params, lr=peak_lr, **PATHS[path], **hyper)
     second_moment = variant != "sgd"
     ref_params = [x.clone() for x in initial]
     ref_states = [initial_state(x, num_momenta, second_moment) for x in initial]
@@ -80,13 +84,11 @@ def run_fast_and_reference(variant: str, num_momenta: int, foreach: bool):
     return params, optimizer, ref_params, ref_states
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("num_momenta", [1, 2, 3])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_fast_path_matches_reference(variant, num_momenta, foreach):
-    params, optimizer, ref_params, ref_states = run_fast_and_reference(
-        variant, num_momenta, foreach
-    )
+def test_fast_path_matches_reference(variant, num_momenta, path):
+    params, optimizer, ref_params, ref_states = run_fast_and_reference(variant, num_momenta, path)
     for p, x_ref, state_ref in zip(params, ref_params, ref_states):
         torch.testing.assert_close(p.detach(), x_ref, rtol=1e-10, atol=1e-12)
         state = optimizer.state[p]
@@ -100,8 +102,10 @@ def test_fast_path_matches_reference(variant, num_momenta, foreach):
 @pytest.mark.parametrize("num_momenta", [1, 3])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_foreach_matches_for_loop(variant, num_momenta):
-    foreach_params, foreach_optimizer, _, _ = run_fast_and_reference(variant, num_momenta, True)
-    loop_params, loop_optimizer, _, _ = run_fast_and_reference(variant, num_momenta, False)
+    foreach_params, foreach_optimizer, _, _ = run_fast_and_reference(
+        variant, num_momenta, "foreach"
+    )
+    loop_params, loop_optimizer, _, _ = run_fast_and_reference(variant, num_momenta, "loop")
     for p, q in zip(foreach_params, loop_params):
         torch.testing.assert_close(p, q, rtol=1e-13, atol=1e-15)
         for key, value in foreach_optimizer.state[p].items():

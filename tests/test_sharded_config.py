@@ -108,3 +108,11 @@ def test_shards_travel_with_the_config():
 
 def test_an_unsharded_process_holds_and_sends_every_tensor_whole():
     assert process_share(list(nn.Linear(3, 4).parameters())) == 1.0
+
+
+@pytest.mark.parametrize(
+    "changes", [dict(sync_delay=2), dict(sync_fragments=2), dict(sync_dtype=("int8",))]
+)
+def test_sync_options_are_refused_with_shards(changes):
+    with pytest.raises(ValueError, match=r"sharded workers \(--shards 2\) sync in plain blocking"):
+        resolve(TrainConfig(shards=2, **changes))

@@ -6,6 +6,7 @@ few steps. Needs root and namespaces; skips with the reason otherwise.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -48,13 +49,17 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
     argv += ["--model", "tiny", "--betas", "0.95", "--omegas", "0.7"]
     argv += ["--batch-size", "2", "--seq-len", "32", "--eval-tokens", "512"]
     argv += ["--data", str(corpus_dir), "--timeout", "90", "--out", str(out)]
+    argv += ["--variant", "overlap", "--sync-delay 1 --sync-dtype int8"]
     assert main(argv) == 0
     assert "skipped" not in capsys.readouterr().out
     # this process's namespaces are gone (others may be running their own links meanwhile)
     assert not [ns for ns in namespaces() if ns.startswith(f"mtdaoslow-{os.getpid()}-")]
 
-    (row,) = json.loads((out / "results.json").read_text())
+    row, variant = json.loads((out / "results.json").read_text())
     assert (out / "report.md").is_file() and (out / "time_to_loss.png").is_file()
+    assert (out / "time_to_ddp_loss.png").is_file()
+    assert (variant["method"], variant["flags"]) == ("overlap", "--sync-delay 1 --sync-dtype int8")
+    assert variant["bytes_per_worker"] < row["bytes_per_worker"] / 3  # int8 payloads
     assert row["steps"] == STEPS and row["measured_mbit"] > 100
     # the workers' traffic crossed the link: at least the two parameter/state averages
     assert row["wire_bytes_per_worker"] >= row["bytes_per_worker"] / 2 > 0
@@ -86,6 +91,36 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
     simulated = trainer.train(config)
     assert row["final_val_loss"] == pytest.approx(simulated["final_val_loss"], abs=1e-5)
     assert row["bytes_per_worker"] == simulated["bytes_per_worker"]
+
+
+def test_variants_are_flags_on_top_of_the_experiment_checked_before_anything_runs(tmp_path):
+    parser = argparse.ArgumentParser()
+    slow_link.add_parser(parser.add_subparsers())
+    variants = [
+        "--variant",
+        "quiet",
+        "--sync-period 100000",
+        "--variant",
+        "ddp-lr",
+        "--method ddp --lr 0.01",
+    ]
+    args = parser.parse_args(["slow-link", *variants])
+    specs = slow_link.run_specs(args)
+    assert [(s.name, s.method) for s in specs] == [
+        ("ddp", "ddp"),
+        ("mtdao", "mtdao"),
+        ("quiet", "mtdao"),
+        ("ddp-lr", "ddp"),
+    ]
+    argv = slow_link.train_argv(specs[2], args, tmp_path)
+    assert argv[argv.index("--sync-period") + 1] == "100000"
+    assert argv[argv.index("--steps") + 1] == str(2 * args.steps)  # a local method's budget
+    argv = slow_link.train_argv(specs[3], args, tmp_path)
+    assert argv[argv.index("--steps") + 1] == str(args.steps) and "0.01" in argv
+    for flags, match in (("--sync-delay 32", "--sync-delay 32 must be below"), ("--x", "--x")):
+        args.variant = [["bad", flags]]
+        with pytest.raises(ValueError, match=match):
+            slow_link.run_specs(args)
 
 
 def test_skips_in_one_line_without_root(monkeypatch, tmp_path, capsys):

@@ -7,14 +7,10 @@ process and each rank is compared with its row of the stacked tensors.
 from __future__ import annotations
 
 import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 from torch.testing import assert_close
 
@@ -28,6 +24,7 @@ from mtdao.sync import (
 )
 from mtdao.sync.policy import desloc
 from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.sync.testing import run_on_gloo
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.methods import METHODS, build_optimizer, build_policy
 
@@ -146,55 +143,19 @@ def nan_run(communicator: Communicator, stacked: bool, bad_worker: int, action: 
 # -- the spawned workers ------------------------------------------------------------------------
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    out = Path(out_dir)
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=timedelta(seconds=60),
-        )
-        results = {method: train(method, ProcessGroupWorkers(), False) for method in METHODS}
-        small = ProcessGroupWorkers(bucket_bytes=SMALL_BUCKET_BYTES)
-        results["mtdao-small-buckets"] = train("mtdao", small, False)
-        results["nan-raise"] = nan_run(ProcessGroupWorkers(), False, 2, "raise")
-        results["nan-skip"] = nan_run(ProcessGroupWorkers(), False, 1, "skip")
-        torch.save(results, out / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+def rank_work() -> dict:
+    results = {method: train(method, ProcessGroupWorkers(), False) for method in METHODS}
+    small = ProcessGroupWorkers(bucket_bytes=SMALL_BUCKET_BYTES)
+    results["mtdao-small-buckets"] = train("mtdao", small, False)
+    results["nan-raise"] = nan_run(ProcessGroupWorkers(), False, 2, "raise")
+    results["nan-skip"] = nan_run(ProcessGroupWorkers(), False, 1, "skip")
+    return results
 
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("gloo")
-    # A fork server imports torch once for all four workers (spawn imports it four times), and
-    # torch._dynamo too, which torch.optim otherwise imports lazily in every worker (seconds).
-    if "forkserver" in mp.get_all_start_methods():
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload(["torch._dynamo", __name__])
-    else:
-        context = mp.get_context("spawn")
-    processes = [
-        context.Process(target=_worker, args=(rank, str(root / "store"), str(root)))
-        for rank in range(WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(JOIN_TIMEOUT_S)
-    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-    for rank in hung:
-        processes[rank].kill()
-        processes[rank].join()
-    errors = "\n".join(p.read_text() for p in sorted(root.glob("rank*.err")))
-    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s (deadlock?)\n{errors}"
-    assert all(p.exitcode == 0 for p in processes), errors or "a worker process failed"
-    return [torch.load(root / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return run_on_gloo(rank_work, WORLD_SIZE, root, preload=[__name__], timeout_s=JOIN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -105,3 +105,17 @@ def test_a_reference_that_is_no_run_is_named(tmp_path):
     run = write_run(tmp_path / "mtdao", 10, [[4, 300]])
     with pytest.raises(FileNotFoundError, match="nowhere holds no metrics.jsonl"):
         plot_run(run, reference=tmp_path / "nowhere")
+
+
+def test_mtdao_plot_draws_a_run_beside_a_reference_from_the_command_line(tmp_path, capsys):
+    from mtdao.cli import main
+
+    run = write_run(tmp_path / "mtdao", 10, [[4, 300], [8, 300]])
+    ddp = write_run(tmp_path / "ddp", 10, [[s, 100] for s in range(1, 11)])
+    assert main(["plot", str(run), "--reference", str(ddp)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "loss.png")
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert main(["plot", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere holds no metrics.jsonl" in err and len(err.strip().splitlines()) == 1

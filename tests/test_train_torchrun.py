@@ -17,9 +17,17 @@ import torch
 import torch.distributed as dist
 
 from mtdao.train import trainer
+from mtdao.train.command import config_to_argv
 from mtdao.train.config import TrainConfig
 
-METHODS = ("mtdao", "diloco")
+# run name -> config fields besides FLAGS; the last one delays, splits and quantizes its rounds
+RUNS = {
+    "mtdao": dict(method="mtdao"),
+    "diloco": dict(method="diloco"),
+    "mtdao-overlap": dict(
+        method="mtdao", sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedback=True
+    ),
+}
 FLAGS = dict(
     workers=2, steps=8, sync_period=4, model="tiny", batch_size=2, seq_len=32, eval_every=4
 )
@@ -31,25 +39,22 @@ pytestmark = [
 ]
 
 
-def train_flags(method: str, data: Path, out: Path) -> list[str]:
-    flags = ["--method", method, "--data", str(data), "--out", str(out), "--no-progress"]
-    for name, value in FLAGS.items():
-        if name != "progress":
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    return flags
+def train_flags(run: str, data: Path, out: Path) -> list[str]:
+    config = TrainConfig(data=str(data), out=str(out), **FLAGS, **RUNS[run])
+    return config_to_argv(config)
 
 
 @pytest.fixture(scope="module")
 def torchrun_results(corpus_dir, tmp_path_factory) -> dict[str, dict]:
-    """Both methods' torchrun jobs, started together (each mostly waits on start-up)."""
+    """Every run's torchrun job, started together (each mostly waits on start-up)."""
     root = tmp_path_factory.mktemp("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     jobs = {}
-    for method in METHODS:
+    for run in RUNS:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         argv += ["--nproc-per-node", "2", "-m", "mtdao", "train"]
-        argv += train_flags(method, corpus_dir, root / method)
-        jobs[method] = subprocess.Popen(
+        argv += train_flags(run, corpus_dir, root / run)
+        jobs[run] = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
     results = {}
@@ -68,16 +73,16 @@ def torchrun_results(corpus_dir, tmp_path_factory) -> dict[str, dict]:
     return results
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_torchrun_equals_simulated(method, corpus_dir, torchrun_results, tmp_path):
+@pytest.mark.parametrize("run", RUNS)
+def test_torchrun_equals_simulated(run, corpus_dir, torchrun_results, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        config = TrainConfig(method=method, data=str(corpus_dir), out=str(tmp_path), **FLAGS)
+        config = TrainConfig(data=str(corpus_dir), out=str(tmp_path), **FLAGS, **RUNS[run])
         simulated = trainer.train(config)
     finally:
         torch.set_num_threads(threads)
-    real = torchrun_results[method]
+    real = torchrun_results[run]
 
     assert real["simulated"] is False and simulated["simulated"] is True
     assert real["steps"] == simulated["steps"] == FLAGS["steps"]

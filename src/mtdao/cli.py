@@ -14,6 +14,7 @@ import sys
 COMMAND_MODULES = (
     "mtdao.train.command",
     "mtdao.train.lighthouse",
+    "mtdao.train.plot_command",
     "mtdao.experiments.commands",
 )
 

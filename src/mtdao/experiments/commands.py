@@ -13,6 +13,7 @@ EXPERIMENT_MODULES = (
     "mtdao.experiments.compare",  # mtdao compare
     "mtdao.experiments.ablation",  # mtdao ablation
     "mtdao.experiments.slow_link",  # mtdao slow-link
+    "mtdao.experiments.sync_options",  # mtdao sync-options
 )
 
 

@@ -29,20 +29,28 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.netem import HOST_IFACE, EmulatedLink, LinkUnavailable, emulated_link
 from mtdao.experiments.netem import measure_throughput_mbit as measure_link_mbit
-from mtdao.experiments.slow_link_report import plot_time_to_loss, render_report, report_table
+from mtdao.experiments.slow_link_report import (
+    plot_time_to_loss,
+    plot_time_to_target,
+    render_report,
+    report_table,
+)
 from mtdao.experiments.slow_link_summary import compare_to_ddp
+from mtdao.flags import add_dataclass_arguments, dataclass_from_args
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.command import config_to_argv
-from mtdao.train.config import TrainConfig
+from mtdao.train.config import TrainConfig, describe_default, resolve
 from mtdao.train.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
 
 DEFAULT_RATES = (100.0, 1000.0)
@@ -53,10 +61,56 @@ FIRST_PORT = 29500
 # -- launching the workers ----------------------------------------------------------------------
 
 
-def train_argv(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
-    """``mtdao train`` flags of one run; local methods get ``--local-steps`` steps."""
+@dataclass(frozen=True)
+class RunSpec:
+    """One row per link rate: a method, or a named variant (a method with extra train flags)."""
+
+    name: str
+    method: str
+    flags: str = ""
+
+
+def run_specs(args: argparse.Namespace) -> list[RunSpec]:
+    """DDP first (its final loss is every other row's target), then the methods, then the
+    variants, each checked before anything runs."""
+    methods = sorted(dict.fromkeys(args.methods), key=lambda m: m != "ddp")
+    specs = [RunSpec(method, method) for method in methods]
+    for name, flags in args.variant:
+        if any(spec.name == name for spec in specs):
+            raise ValueError(f"--variant {name}: the name is taken")
+        method = parse_train_flags(shlex.split(flags)).method
+        spec = RunSpec(name, method, flags)
+        train_argv(spec, args, Path("unused"))  # refuses bad flags in one line, now
+        specs.append(spec)
+    return specs
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise ValueError(f"--variant: {message}")
+
+
+def parse_train_flags(argv: list[str]) -> TrainConfig:
+    """The (unresolved) config that ``mtdao train`` flags give; a bad flag raises ValueError."""
+    parser = _RaisingParser(prog="--variant", add_help=False)
+    add_dataclass_arguments(parser, TrainConfig, describe_default)
+    return dataclass_from_args(TrainConfig, parser.parse_args(argv))
+
+
+def train_argv(spec: RunSpec, args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """``mtdao train`` flags of one run: the experiment's settings, then the variant's flags on
+    top; local methods get ``--local-steps`` steps."""
+    argv = config_to_argv(base_config(spec.method, args, run_dir))
+    if not spec.flags:
+        return argv
+    config = parse_train_flags(argv + shlex.split(spec.flags))
+    resolve(config)  # a bad combination is refused before any worker starts
+    return config_to_argv(config)
+
+
+def base_config(method: str, args: argparse.Namespace, run_dir: Path) -> TrainConfig:
     multi_timescale = method in MULTI_TIMESCALE_METHODS
-    config = TrainConfig(
+    return TrainConfig(
         method=method,
         workers=args.workers,
         steps=args.steps if method in GRADIENT_AVERAGING_METHODS else local_steps(args),
@@ -75,7 +129,6 @@ def train_argv(method: str, args: argparse.Namespace, run_dir: Path) -> list[str
         betas=tuple(args.betas) if multi_timescale and args.betas else None,
         omegas=tuple(args.omegas) if multi_timescale and args.omegas else None,
     )
-    return config_to_argv(config)
 
 
 def local_steps(args: argparse.Namespace) -> int:
@@ -166,18 +219,19 @@ def sent_bytes(link: EmulatedLink, host: int) -> int:
 
 
 def run_method(
-    link: EmulatedLink, method: str, args: argparse.Namespace, out: Path, port: int
+    link: EmulatedLink, spec: RunSpec, args: argparse.Namespace, out: Path, port: int
 ) -> dict[str, Any]:
-    """One method's workers across ``link``: the run's outputs plus what the link and the machine
+    """One run's workers across ``link``: the run's outputs plus what the link and the machine
     measured meanwhile (interface bytes, launch-to-exit seconds, load average)."""
-    name = f"{method}-{link.rate_mbit:g}mbit"
+    name = f"{spec.name}-{link.rate_mbit:g}mbit"
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun replaces the previous one
     (out / "logs").mkdir(parents=True, exist_ok=True)
     sent_before = [sent_bytes(link, h) for h in range(args.workers)]
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    launch_workers(link, train_argv(method, args, run_dir), port, out / "logs" / name, args.timeout)
+    argv = train_argv(spec, args, run_dir)
+    launch_workers(link, argv, port, out / "logs" / name, args.timeout)
     elapsed = time.perf_counter() - started
     sent = [sent_bytes(link, h) - b for h, b in enumerate(sent_before)]
     return {
@@ -194,12 +248,13 @@ def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: 
     with emulated_link(args.workers, rate_mbit, args.delay_ms, prefix="mtdaoslow") as link:
         measured = measure_link_mbit(link, 0, 1) if args.workers > 1 else math.nan
         print(f"link {rate_mbit:g} Mbit/s: measured {measured:.1f} Mbit/s (one TCP stream)")
-        for index, method in enumerate(args.methods):
-            row = {"rate_mbit": rate_mbit, "measured_mbit": measured, "method": method}
-            row.update(run_method(link, method, args, out, first_port + index))
+        for index, spec in enumerate(args.runs):
+            row = {"rate_mbit": rate_mbit, "measured_mbit": measured, "method": spec.name}
+            row["flags"] = spec.flags
+            row.update(run_method(link, spec, args, out, first_port + index))
             rows.append(row)
             print(
-                f"  {method:>10}: val {row['final_val_loss']:.4f}, {row['wall_time_s']:.1f} s "
+                f"  {spec.name:>10}: val {row['final_val_loss']:.4f}, {row['wall_time_s']:.1f} s "
                 f"({row['compute_s_per_step']:.3f} s compute + {row['comm_s_per_step']:.3f} s "
                 f"comm per step), {row['wire_bytes_per_worker'] / 1e6:.1f} MB sent per worker"
             )
@@ -284,6 +339,16 @@ def add_parser(subparsers) -> None:
     add("--eval-every", type=int, help="steps between evaluations (default: ~10 per run, on K)")
     add("--eval-tokens", type=int, default=8192, help="held-out tokens per evaluation")
     add("--seed", type=int, default=0, help="seed")
+    add(
+        "--variant",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "FLAGS"),
+        help="an extra row: a name and `mtdao train` flags on top of the experiment's (method "
+        "mtdao unless they give one), e.g. --variant overlap '--sync-delay 8 --sync-fragments 4'; "
+        "repeatable",
+    )
     add("--delay-ms", type=float, default=0.0, help="one-way link delay (needs sch_netem)")
     add("--timeout", type=float, default=1800.0, help="seconds one run may take")
     add("--out", default="runs/slow-link", help="output directory (default: %(default)s)")
@@ -298,11 +363,10 @@ def environment() -> dict[str, Any]:
 
 
 def run_slow_link(args: argparse.Namespace) -> int:
-    # DDP first: its final loss is every other method's target (without it, no comparison)
-    args.methods = sorted(dict.fromkeys(args.methods), key=lambda m: m != "ddp")
+    args.runs = run_specs(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "mtdao slow-link " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["slow-link"] else ""
+    command = shlex.join(["mtdao", *sys.argv[1:]]) if sys.argv[1:2] == ["slow-link"] else ""
     rows: list[dict] = []
     try:
         for index, rate in enumerate(args.rates):
@@ -319,6 +383,7 @@ def run_slow_link(args: argparse.Namespace) -> int:
         )
     )
     plot = plot_time_to_loss(out, rows)
+    plot_time_to_target(out, rows)
     print(report_table(rows))
     print(f"report: {report}  plot: {plot}  rows: {out / 'results.json'}")
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.figures import pyplot, save
-from mtdao.experiments.formatting import megabytes, table
+from mtdao.experiments.formatting import format_traffic, megabytes, table
 
 COLUMNS = (
     "rate (Mbit/s)",
@@ -17,12 +17,14 @@ COLUMNS = (
     "steps",
     "final val loss",
     "wall time (s)",
+    "s/step",
     "time to DDP's final loss (s)",
     "speedup to DDP's loss",
     "wall at DDP's tokens (s)",
     "val loss at DDP's tokens",
     "iso-token speedup",
     "payload MB/worker",
+    "traffic vs DDP",
     "wire MB/worker",
     "compute / comm s per step",
 )
@@ -30,9 +32,10 @@ NOTES = """\
 - wall time: rank 0's training-step seconds (waits on collectives included; start-up and
   evaluation excluded). Speedup = DDP's time / this method's time ("-x% time": faster).
 - time to DDP's final loss: first evaluation at or below it, interpolated from the one before.
-- payload: bytes the harness averages per worker (model-size buffers); wire: bytes each worker's
-  interface sent (ring all-reduce moves ~2(M-1)/M of the payload, plus TCP/IP headers,
-  rendezvous, evaluation averages and loss gathers).
+- payload: bytes the harness averages per worker (model-size buffers, or their encoded blocks and
+  scales); traffic vs DDP: DDP's payload per step over this row's; wire: bytes each worker's
+  interface sent (ring all-reduce moves ~2(M-1)/M of the payload, as does the quantized exchange,
+  plus TCP/IP headers, rendezvous, evaluation averages and loss gathers).
 - compute / comm: rank 0's seconds per step outside / inside the averaging calls."""
 
 
@@ -44,6 +47,10 @@ def _speedup(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x ({100 * (1 / value - 1):+.0f}% time)"
 
 
+def _traffic(reduction: float | None) -> str:
+    return "-" if reduction is None else format_traffic(reduction)
+
+
 def _row(r: Mapping[str, Any]) -> list[str]:
     iso_loss = r.get("iso_token_val_loss")
     return [
@@ -53,12 +60,14 @@ def _row(r: Mapping[str, Any]) -> list[str]:
         str(r["steps"]),
         f"{r['final_val_loss']:.4f}",
         f"{r['wall_time_s']:.1f}",
+        f"{r['wall_time_s'] / max(r['steps'], 1):.3f}",
         _seconds(r.get("time_to_ddp_loss_s")),
         _speedup(r.get("speedup_to_ddp_loss")),
         _seconds(r.get("iso_token_wall_s")),
         "-" if iso_loss is None else f"{iso_loss:.4f}",
         _speedup(r.get("iso_token_speedup")),
         megabytes(r["bytes_per_worker"]),
+        _traffic(r.get("comm_reduction_vs_ddp")),
         megabytes(r["wire_bytes_per_worker"]),
         f"{r['compute_s_per_step']:.3f} / {r['comm_s_per_step']:.3f}",
     ]
@@ -77,6 +86,10 @@ def render_report(
         f"exit, load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}"
         for r in rows
     )
+    variants = {r["method"]: r["flags"] for r in rows if r.get("flags")}
+    if variants:
+        listed = "\n".join(f"- {name}: `{flags}`" for name, flags in variants.items())
+        runs = f"Variants (`mtdao train` flags on top of the method's):\n\n{listed}\n\n{runs}"
     return f"""# Slow link: DDP vs local updates, measured on an emulated link
 
 Command: `{command}`
@@ -113,5 +126,27 @@ def plot_time_to_loss(out: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
         ax.legend()
     fig.tight_layout()
     path = Path(out) / "time_to_loss.png"
+    save(fig, path)
+    return path
+
+
+def plot_time_to_target(out: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Seconds to DDP's final loss per row, one panel per link rate ('never' rows unbarred)."""
+    plt = pyplot()
+    rates = sorted({r["rate_mbit"] for r in rows})
+    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 0.5 + 0.45 * len(rows)))
+    for ax, rate in zip(list(getattr(axes, "flat", [axes])), rates):
+        at_rate = [r for r in rows if r["rate_mbit"] == rate]
+        names = [r["method"] for r in at_rate]
+        times = [r.get("time_to_ddp_loss_s") for r in at_rate]
+        ax.barh(names, [t or 0.0 for t in times], color=[f"C{i}" for i in range(len(names))])
+        for y, seconds in enumerate(times):
+            ax.text(seconds or 0.0, y, f" {_seconds(seconds)}", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{rate:g} Mbit/s link: time to DDP's final loss")
+        ax.set_xlabel("wall-clock training seconds (measured)")
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path = Path(out) / "time_to_ddp_loss.png"
     save(fig, path)
     return path

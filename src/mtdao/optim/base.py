@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mtdao.optim.fused import FusedRule, fusing_pays
+
 # Parameters stored in these dtypes get float32 optimizer state and are updated through a float32
 # copy: a bf16 EMA with beta = 0.999 cannot represent (1 - beta) * g against u and would stall.
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
@@ -83,15 +85,32 @@ def local_shards(tensors: list[Tensor]) -> list[Tensor]:
 
 
 class MultiTimescaleOptimizer(Optimizer):
-    """Base class: a subclass names its two kernels and the group entries they take."""
+    """Base class: a subclass names its kernels and the group entries they take.
+
+    Three implementations of one update, chosen per group: ``fused`` (compiled kernels that read
+    and write each element once, see :mod:`mtdao.optim.fused`), ``foreach`` (one multi-tensor
+    kernel per operation) and a for-loop over tensors. ``fused=None, foreach=None`` (the default)
+    takes the fused kernels for models large enough for them to pay (see
+    :func:`mtdao.optim.fused.fusing_pays`), the foreach path otherwise; wherever the kernels do
+    not compile, ``fused=True`` falls back to the foreach path too (decided at first use, with one
+    warning).
+    """
 
     _has_second_moment = True
     single_tensor_kernel: Callable[..., None]
     multi_tensor_kernel: Callable[..., None]
+    fused_kernel: Callable[..., None]
+    fused_rule: FusedRule
     hyperparameter_names: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # optimizers pickled before these options existed
+            group.setdefault("foreach", None)
+            group.setdefault("fused", None)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -105,13 +124,19 @@ class MultiTimescaleOptimizer(Optimizer):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check (and normalize in place) one group's hyperparameters."""
-        group["lr"] = check_non_negative("learning rate (lr)", group["lr"])
+        lr = check_non_negative("learning rate (lr)", group["lr"])
+        if not isinstance(group["lr"], Tensor):  # a tensor lr stays one (schedulers fill it)
+            group["lr"] = lr
         group["weight_decay"] = check_non_negative("weight_decay", group["weight_decay"])
         group["betas"], group["omegas"] = check_momenta(group["betas"], group["omegas"])
         if "eps" in group:
             group["eps"] = check_non_negative("eps", group["eps"])
         if "beta2" in group:
             group["beta2"] = check_decay("beta2", group["beta2"])
+        if group.get("fused") and group.get("foreach"):
+            raise ValueError(
+                "Invalid fused/foreach: fused=True and foreach=True exclude each other"
+            )
         for p in group["params"]:
             if p.is_complex():
                 raise ValueError(f"{type(self).__name__} does not support complex parameters")
@@ -167,19 +192,18 @@ class MultiTimescaleOptimizer(Optimizer):
 
     def _step_group(self, group: dict[str, Any]) -> None:
         num_momenta = len(group["betas"])
-        # Bucket by (device, dtype, step) so foreach kernels see uniform tensors and one scalar
-        # bias correction; parameters normally share one step, so there is normally one bucket.
+        # Bucket by (device, dtype, step) so kernels see uniform tensors and one scalar bias
+        # correction; parameters normally share one step, so there is normally one bucket.
         buckets: dict[tuple, list[Tensor]] = defaultdict(list)
-        if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        if any(p.grad.is_sparse for p in with_grad):
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self._init_state(p, num_momenta)
-            state["step"] += 1
-            buckets[(p.device, p.dtype, int(state["step"].item()))].append(p)
-        foreach = group.get("foreach")
-        foreach = True if foreach is None else foreach
+        steps = [self._init_state(p, num_momenta)["step"] for p in with_grad]
+        if steps:
+            torch._foreach_add_(steps, 1)  # one call: per-tensor adds cost more than a fused step
+        for p, step in zip(with_grad, steps):
+            buckets[(p.device, p.dtype, int(step.item()))].append(p)
+        hyperparameters = {name: group[name] for name in self.hyperparameter_names}
         for (_, dtype, step), params in buckets.items():
             states = [self.state[p] for p in params]
             grads = [p.grad for p in params]
@@ -187,26 +211,43 @@ class MultiTimescaleOptimizer(Optimizer):
             exp_avg_sqs = [s["exp_avg_sq"] for s in states] if self._has_second_moment else []
             params, grads, exp_avg_sqs = map(local_shards, (params, grads, exp_avg_sqs))
             exp_avgs = [local_shards(momenta) for momenta in exp_avgs]
+            path = self._path(group, params, exp_avgs[0][0])
+            if path == "fused":  # low-precision parameters are handled inside the kernel
+                self._run(
+                    self.fused_kernel, params, grads, exp_avgs, exp_avg_sqs, step, hyperparameters
+                )
+                continue
+            kernel = self.multi_tensor_kernel if path == "foreach" else self.single_tensor_kernel
+            hyperparameters["lr"] = float(hyperparameters["lr"])
             if dtype in LOW_PRECISION_DTYPES:
                 params32 = [p.float() for p in params]
                 grads32 = [g.float() for g in grads]
-                self._update(params32, grads32, exp_avgs, exp_avg_sqs, step, group, foreach)
+                self._run(kernel, params32, grads32, exp_avgs, exp_avg_sqs, step, hyperparameters)
                 torch._foreach_copy_(params, params32)
             else:
-                self._update(params, grads, exp_avgs, exp_avg_sqs, step, group, foreach)
+                self._run(kernel, params, grads, exp_avgs, exp_avg_sqs, step, hyperparameters)
 
-    def _update(
+    def _path(self, group: dict[str, Any], params: list[Tensor], state: Tensor) -> str:
+        """The implementation ("fused", "foreach" or "loop") for a bucket of ``params`` whose
+        states are like ``state``."""
+        fused, foreach = group.get("fused"), group.get("foreach")
+        if foreach is False and not fused:
+            return "loop"
+        if fused is False or (fused is None and (foreach or not fusing_pays(params))):
+            return "foreach"
+        available = self.fused_rule.available(len(group["betas"]), params[0], state)
+        return "fused" if available else "foreach"
+
+    def _run(
         self,
+        kernel: Callable[..., None],
         params: list[Tensor],
         grads: list[Tensor],
         exp_avgs: list[list[Tensor]],
         exp_avg_sqs: list[Tensor],
         step: int,
-        group: dict[str, Any],
-        foreach: bool,
+        hyperparameters: dict[str, Any],
     ) -> None:
-        kernel = self.multi_tensor_kernel if foreach else self.single_tensor_kernel
-        hyperparameters = {name: group[name] for name in self.hyperparameter_names}
         if self._has_second_moment:
             kernel(params, grads, exp_avgs, exp_avg_sqs, step=step, **hyperparameters)
         else:

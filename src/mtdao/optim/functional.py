@@ -1,8 +1,8 @@
-"""The MT-DAO update rules as pure functions over lists of tensors (SPEC §2).
+"""The MT-DAO update rules as pure functions over lists of tensors.
 
 Each rule has a for-loop form (``*_single_tensor``) and a multi-tensor form (``*_multi_tensor``,
-``torch._foreach_*`` kernels) with one shared signature; the optimizer classes only route tensors
-here. All tensors in one call share device and dtype, and all parameters share one ``step`` value
+``torch._foreach_*`` kernels) with one shared signature, shared also by the compiled form in
+:mod:`mtdao.optim.fused`; the optimizer classes only route tensors here. All tensors in one call share device and dtype, and all parameters share one ``step`` value
 (the caller buckets by it), so bias corrections are plain Python floats.
 
 Notation: x parameter, g gradient, u_j the j-th first momentum (decay b_j, mixing weight w_j),

@@ -6,10 +6,11 @@ from collections.abc import Iterable, Sequence
 
 from mtdao.optim.base import MultiTimescaleOptimizer
 from mtdao.optim.functional import mt_adam_multi_tensor, mt_adam_single_tensor
+from mtdao.optim.fused import ADAM, mt_adam_fused
 
 
 class MTAdam(MultiTimescaleOptimizer):
-    """Multi-timescale Adam (SPEC §2) with decoupled weight decay.
+    """Multi-timescale Adam with decoupled weight decay.
 
     ``betas`` are the decays of the N first momenta, ``omegas`` their mixing weights; the raw
     gradient gets ``1 - sum(omegas)``. With ``betas=(b1,), omegas=(1.0,)`` this is
@@ -18,6 +19,8 @@ class MTAdam(MultiTimescaleOptimizer):
     """
 
     single_tensor_kernel = staticmethod(mt_adam_single_tensor)
+    fused_kernel = staticmethod(mt_adam_fused)
+    fused_rule = ADAM
     multi_tensor_kernel = staticmethod(mt_adam_multi_tensor)
     hyperparameter_names = ("lr", "betas", "omegas", "beta2", "eps", "weight_decay")
 
@@ -31,6 +34,7 @@ class MTAdam(MultiTimescaleOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -40,5 +44,6 @@ class MTAdam(MultiTimescaleOptimizer):
             eps=eps,
             weight_decay=weight_decay,
             foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)

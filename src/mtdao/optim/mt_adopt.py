@@ -6,10 +6,11 @@ from collections.abc import Iterable, Sequence
 
 from mtdao.optim.base import MultiTimescaleOptimizer
 from mtdao.optim.functional import mt_adopt_multi_tensor, mt_adopt_single_tensor
+from mtdao.optim.fused import ADOPT, mt_adopt_fused
 
 
 class MTAdopt(MultiTimescaleOptimizer):
-    """Multi-timescale ADOPT (SPEC §2), the paper's main base optimizer.
+    """Multi-timescale ADOPT, the paper's main base optimizer.
 
     The gradient is normalized by the second moment of the *previous* steps, clipped to
     ``±step**0.25`` when ``clip``, then fed to N momenta; the normalized gradient gets
@@ -18,6 +19,8 @@ class MTAdopt(MultiTimescaleOptimizer):
     """
 
     single_tensor_kernel = staticmethod(mt_adopt_single_tensor)
+    fused_kernel = staticmethod(mt_adopt_fused)
+    fused_rule = ADOPT
     multi_tensor_kernel = staticmethod(mt_adopt_multi_tensor)
     hyperparameter_names = ("lr", "betas", "omegas", "beta2", "eps", "weight_decay", "clip")
 
@@ -32,6 +35,7 @@ class MTAdopt(MultiTimescaleOptimizer):
         weight_decay: float = 0.0,
         clip: bool = True,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -42,5 +46,6 @@ class MTAdopt(MultiTimescaleOptimizer):
             weight_decay=weight_decay,
             clip=bool(clip),
             foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 from mtdao.optim.base import MultiTimescaleOptimizer
 from mtdao.optim.functional import mt_sgd_multi_tensor, mt_sgd_single_tensor
+from mtdao.optim.fused import SGD, mt_sgd_fused
 
 
 class MTSGD(MultiTimescaleOptimizer):
@@ -17,6 +18,8 @@ class MTSGD(MultiTimescaleOptimizer):
     """
 
     single_tensor_kernel = staticmethod(mt_sgd_single_tensor)
+    fused_kernel = staticmethod(mt_sgd_fused)
+    fused_rule = SGD
     multi_tensor_kernel = staticmethod(mt_sgd_multi_tensor)
     hyperparameter_names = ("lr", "betas", "omegas", "weight_decay")
 
@@ -30,8 +33,14 @@ class MTSGD(MultiTimescaleOptimizer):
         omegas: Sequence[float] = (1.0,),
         weight_decay: float = 0.0,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
-            lr=lr, betas=betas, omegas=omegas, weight_decay=weight_decay, foreach=foreach
+            lr=lr,
+            betas=betas,
+            omegas=omegas,
+            weight_decay=weight_decay,
+            foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)

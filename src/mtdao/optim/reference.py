@@ -1,8 +1,8 @@
-"""Slow, literal reference implementations of the MT-DAO update rules (SPEC §2): the test oracle.
+"""Slow, literal reference implementations of the MT-DAO update rules: the test oracle.
 
 One function per variant, one tensor at a time, out of place: each takes a parameter ``x``, its
 gradient ``g`` and a state dict, and returns a new parameter and a new state dict without touching
-its inputs. Every line follows the SPEC pseudo-code; nothing here is shared with
+its inputs. Every line follows the algorithm's pseudo-code; nothing here is shared with
 :mod:`mtdao.optim.functional` (the fast path this checks), and nothing here is meant to be fast.
 
 State dicts use the optimizer's keys: ``step`` (a Python int, number of calls so far),

@@ -6,6 +6,7 @@ optimizer beyond the state keys its policies name. Test doubles: :mod:`mtdao.syn
 """
 
 from mtdao.sync.communicator import Averages, Communicator, SingleWorker, Traffic
+from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.engine import LocalUpdateSync, NonFiniteError, SyncEvent
 from mtdao.sync.layout import ProcessGroupLayout, StackedLayout, WorkerLayout
 from mtdao.sync.policy import (
@@ -33,6 +34,7 @@ __all__ = [
     "SingleWorker",
     "StackedLayout",
     "StackedWorkers",
+    "SyncCodecs",
     "SyncEvent",
     "SyncPolicy",
     "SyncRule",

@@ -2,12 +2,15 @@
 
 Tensors are flattened into one buffer per (device, dtype), split at ``bucket_bytes``, and summed
 with ``all_reduce``; gloo has no AVG reduction, so the sum is divided by the number of contributing
-workers. A worker left out of the average contributes zeros. A sharded tensor (a ``DTensor``, as
-FSDP2 makes parameters) travels as its local shard: the group averages shard with shard.
+workers. A worker left out of the average contributes zeros. The all-reduces are launched without
+blocking (:class:`InFlightMean`), so a caller may compute while they run and wait later. A sharded
+tensor (a ``DTensor``, as FSDP2 makes parameters) travels as its local shard: the group averages
+shard with shard.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +46,51 @@ def size_chunks(
     return chunks
 
 
+class InFlightMean:
+    """Bucketed all-reduces launched without blocking; :meth:`wait` completes them."""
+
+    def __init__(
+        self,
+        tensors: Sequence[Tensor],
+        group: dist.ProcessGroup | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        excluded: Sequence[int] = (),
+    ) -> None:
+        rank = dist.get_rank(group)
+        self.contributors = dist.get_world_size(group) - len(set(excluded))
+        if self.contributors < 1:
+            raise RuntimeError("Every worker was excluded from the average")
+        tensors = [local_shard(tensor) for tensor in tensors]
+        self.shapes = [t.shape for t in tensors]
+        self.launched: list[tuple[list[int], Tensor, dist.Work]] = []
+        for indices in dtype_buckets(tensors).values():
+            for chunk in size_chunks(indices, tensors, bucket_bytes):
+                flat = torch.cat([tensors[i].reshape(-1) for i in chunk])  # a copy: inputs free
+                if rank in set(excluded):
+                    flat.zero_()
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                self.launched.append((chunk, flat, work))
+
+    @property
+    def collectives(self) -> int:
+        return len(self.launched)
+
+    def advance(self) -> None:
+        """Nothing to launch later: one stage."""
+
+    def wait(self) -> list[Tensor]:
+        averages: list[Tensor | None] = [None] * len(self.shapes)
+        for chunk, flat, work in self.launched:
+            work.wait()
+            flat.div_(self.contributors)
+            offset = 0
+            for i in chunk:
+                numel = math.prod(self.shapes[i])
+                averages[i] = flat[offset : offset + numel].view(self.shapes[i])
+                offset += numel
+        return averages  # type: ignore[return-value]
+
+
 def all_reduce_mean(
     tensors: Sequence[Tensor],
     group: dist.ProcessGroup | None,
@@ -50,24 +98,5 @@ def all_reduce_mean(
     excluded: Sequence[int] = (),
 ) -> tuple[list[Tensor], int]:
     """Averages over the group's ranks not in ``excluded``; returns (averages, collectives)."""
-    rank = dist.get_rank(group)
-    contributors = dist.get_world_size(group) - len(set(excluded))
-    if contributors < 1:
-        raise RuntimeError("Every worker was excluded from the average")
-    tensors = [local_shard(tensor) for tensor in tensors]
-    averages: list[Tensor | None] = [None] * len(tensors)
-    collectives = 0
-    for indices in dtype_buckets(tensors).values():
-        for chunk in size_chunks(indices, tensors, bucket_bytes):
-            flat = torch.cat([tensors[i].reshape(-1) for i in chunk])
-            if rank in set(excluded):
-                flat.zero_()
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            flat.div_(contributors)
-            collectives += 1
-            offset = 0
-            for i in chunk:
-                numel = tensors[i].numel()
-                averages[i] = flat[offset : offset + numel].view_as(tensors[i])
-                offset += numel
-    return averages, collectives  # type: ignore[return-value]
+    in_flight = InFlightMean(tensors, group, bucket_bytes, excluded)
+    return in_flight.wait(), in_flight.collectives

@@ -19,18 +19,21 @@ Implementations:
 
 Averaging is split from assigning so that the engine can check the averages (NaN/inf) before
 anything is overwritten. :meth:`Communicator.average` returns an :class:`Averages`; a blocking
-communicator returns it complete, one that overlaps communication with compute could return it
-early and finish it in :meth:`Averages.wait`.
+communicator returns it complete, one that overlaps communication with compute returns it with
+its collectives in flight and finishes it in :meth:`Averages.wait`. A call may name a codec per
+tensor (:mod:`mtdao.sync.quantize`); quantized tensors travel as in :mod:`mtdao.sync.exchange`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch import Tensor
 
 from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.quantize import Codec
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -109,17 +112,48 @@ class RoundNotCommitted(RuntimeError):
     """A round that must be discarded (a peer failed during it): the engine applies none of it."""
 
 
-@dataclass
-class Averages:
-    """The result of one averaging call and what it sent per worker."""
+class InFlight(Protocol):
+    """Collectives launched for some of a round's tensors, not yet complete."""
 
-    values: list[Tensor]
-    bytes: int = 0
-    collectives: int = 0
+    collectives: int
+
+    def advance(self) -> None:
+        """Run the next stage (wait for what the last one launched, launch what follows)."""
 
     def wait(self) -> list[Tensor]:
-        """The global averages (complete at once for a blocking communicator)."""
-        return self.values
+        """Run every remaining stage; the averages of this part's tensors."""
+
+
+@dataclass
+class Averages:
+    """The result of one averaging call and what it sent per worker.
+
+    A blocking communicator gives the ``values`` at once. One that overlaps communication with
+    compute gives ``in_flight`` parts instead, each with the positions of its tensors in the call;
+    :meth:`advance` moves them on and :meth:`wait` completes them.
+    """
+
+    values: list[Tensor] | None = None
+    bytes: int = 0
+    collectives: int = 0
+    in_flight: list[tuple[list[int], InFlight]] = field(default_factory=list)
+
+    def advance(self) -> None:
+        """Launch whatever next stage the in-flight parts have (a no-op when blocking)."""
+        for _, part in self.in_flight:
+            part.advance()
+
+    def wait(self) -> list[Tensor]:
+        """The global averages, in the order of the tensors averaged."""
+        if self.values is None:
+            count = sum(len(indices) for indices, _ in self.in_flight)
+            values: list[Tensor | None] = [None] * count
+            for indices, part in self.in_flight:
+                for index, value in zip(indices, part.wait()):
+                    values[index] = value
+            self.values = values  # type: ignore[assignment]
+            self.in_flight = []
+        return self.values  # type: ignore[return-value]
 
 
 class Communicator:
@@ -129,6 +163,9 @@ class Communicator:
     """
 
     layout: WorkerLayout
+    plain_rounds_only = False
+    """True for a communicator that takes neither codecs nor rounds left in flight across steps
+    (one that may discard a round): the engine refuses delayed, fragmented and quantized rounds."""
 
     def __init__(self, layout: WorkerLayout) -> None:
         self.layout = layout
@@ -143,11 +180,18 @@ class Communicator:
         return self.layout.rank
 
     def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
+        self,
+        tensors: Sequence[Tensor],
+        kinds: Sequence[str],
+        excluded: Sequence[int] = (),
+        codecs: Sequence[Codec | None] | None = None,
     ) -> Averages:
-        """Global averages of ``tensors`` over the workers not in ``excluded``, inputs untouched.
+        """Global averages of ``tensors`` over the workers not in ``excluded``, inputs untouched
+        (and free to change once this returns: what is sent has been copied or encoded).
 
         ``kinds`` labels each tensor for the traffic account (``params``, ``exp_avg_0``, ...).
+        ``codecs`` gives each tensor's :class:`~mtdao.sync.quantize.Codec` on the link (None:
+        float32, averaged exactly); every worker receives bit-identical averages either way.
         """
         raise NotImplementedError
 
@@ -165,10 +209,29 @@ class Communicator:
         here either complete a round on every worker or raise inside it, so they accept it."""
 
     def _account(self, tensors: Sequence[Tensor], kinds: Sequence[str], collectives: int):
-        """Record one averaging call in the traffic account; returns its (bytes, collectives)."""
+        """Record one float32 averaging call in the traffic account; returns (bytes, collectives)."""
         sizes = [(kind, self.layout.worker_bytes(t)) for t, kind in zip(tensors, kinds)]
+        return self._account_sizes(sizes, collectives)
+
+    def _account_sizes(self, sizes: Sequence[tuple[str, int]], collectives: int):
+        """Record (kind, bytes per worker) of everything one averaging call sent."""
         self.traffic.record_round(sizes, collectives)
         return sum(size for _, size in sizes), collectives
+
+
+def codec_groups(
+    count: int, codecs: Sequence[Codec | None] | None
+) -> list[tuple[Codec | None, list[int]]]:
+    """Positions of a call's tensors grouped by codec, float32 (None) first, then each codec in
+    order of first appearance: each group travels in its own collectives."""
+    groups: dict[Codec | None, list[int]] = {}
+    if codecs is None or all(codec is None for codec in codecs):
+        return [(None, list(range(count)))] if count else []
+    if None in codecs:
+        groups[None] = []
+    for index, codec in enumerate(codecs):
+        groups.setdefault(codec, []).append(index)
+    return list(groups.items())
 
 
 class SingleWorker(Communicator):
@@ -178,7 +241,11 @@ class SingleWorker(Communicator):
         super().__init__(WorkerLayout())
 
     def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
+        self,
+        tensors: Sequence[Tensor],
+        kinds: Sequence[str],
+        excluded: Sequence[int] = (),
+        codecs: Sequence[Codec | None] | None = None,
     ) -> Averages:
         return Averages(list(tensors))
 

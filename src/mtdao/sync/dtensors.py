@@ -48,3 +48,20 @@ def shard_group_ranks(tensor: Tensor) -> list[int] | None:
             "engine averages tensors sharded over one (FSDP2's shard dimension)"
         )
     return dist.get_process_group_ranks(mesh.get_group(sharded[0]))
+
+
+def shard_like(param: Tensor, shard: Tensor) -> Tensor:
+    """``shard``, this process's part of a tensor shaped and sharded like ``param``, as a DTensor
+    sharing its storage (a state received as local shards, made like its parameter again); when
+    ``param`` is not a DTensor, ``shard`` itself."""
+    dtensor = _dtensor_class()
+    if dtensor is None or not isinstance(param, dtensor):
+        return shard
+    return dtensor.from_local(
+        shard,
+        param.device_mesh,
+        param.placements,
+        shape=param.shape,
+        stride=param.stride(),
+        run_check=False,
+    )

@@ -20,13 +20,23 @@ or keep a plain loop and let optimizer step hooks call it::
 Step t counts optimizer steps from 1 and is the same on every worker. Each averaging is one
 *round*: the tensors due are collected, averaged in one communicator call, checked for NaN/inf,
 committed (the communicator may still discard it, raising ``RoundNotCommitted``), then applied;
-every committed round leaves a :class:`SyncEvent` in ``events``.
+every committed round leaves a :class:`SyncEvent` in ``events``. Three options change how a round
+travels, each in its own module the engine composes:
+
+* ``fragments=P`` (:mod:`.fragments`): the layers fall into P fragments due at staggered steps;
+* ``delay=D`` (:mod:`.overlap`): a round is sent D steps before it is applied (at the policy's
+  step), merged with the local progress made meanwhile, its collectives running while the
+  workers compute;
+* ``codecs`` (:mod:`.compression`, :mod:`.quantize`): a dtype on the link per kind, parameters
+  sent as pseudo-gradients.
+
+A delayed round cannot be discarded after it was sent (its record is made when it is sent): the
+fault-tolerant communicator is used with blocking rounds only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -39,30 +49,32 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
+from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError, NonFiniteWorkers
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
-from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy
+from mtdao.sync.overlap import DelayedRounds, PendingRound
+from mtdao.sync.policy import SyncPolicy
+from mtdao.sync.round_plan import RoundPlan
 from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound, alignment
 
-logger = logging.getLogger(__name__)
-
-NON_FINITE_ACTIONS = ("raise", "skip")
+__all__ = ["LocalUpdateSync", "NonFiniteError", "NON_FINITE_ACTIONS", "SyncEvent"]
 
 
-class NonFiniteError(FloatingPointError):
-    """A worker's tensor held NaN or inf when it was due to be averaged."""
-
-
-class LocalUpdateSync:
+class LocalUpdateSync(NonFiniteWorkers):
     """Carries out a :class:`SyncPolicy` for one optimizer over one communicator.
 
     ``on_non_finite``: ``"raise"`` stops with an error naming worker, tensor and step before
     anything is averaged; ``"skip"`` leaves the offending workers out of that round and heals
     them: they receive the others' average of every tensor they hold (parameters and every
-    state, due or not, counted as "heal" traffic), so they rejoin at once. Each such event is
-    recorded in ``skipped_rounds``.
+    state, due or not, counted as "heal" traffic), so they rejoin at once (a delayed round's
+    offenders take the round's average, without a merge). Each such event is recorded in
+    ``skipped_rounds``.
     ``track_alignment`` records, at each parameter sync, each worker's cosine similarity between
     its pseudo-gradient and the global one, and its parameter drift from the average.
+    ``fragments``, ``delay`` and ``codecs`` (a :class:`~mtdao.sync.compression.SyncCodecs`) split,
+    overlap and quantize the rounds (see the module docstring); ``state_decays`` gives each state
+    key's EMA decay for the delayed merge (default: :func:`~mtdao.sync.policy.state_decays`).
     """
 
     def __init__(
@@ -74,6 +86,10 @@ class LocalUpdateSync:
         on_non_finite: str = "raise",
         track_alignment: bool = False,
         broadcast_initial: bool = True,
+        fragments: int = 1,
+        delay: int = 0,
+        codecs: SyncCodecs | None = None,
+        state_decays: dict[str, float] | None = None,
     ) -> None:
         if on_non_finite not in NON_FINITE_ACTIONS:
             raise ValueError(
@@ -96,10 +112,22 @@ class LocalUpdateSync:
         self._gradient_hooks: OrderedDict[int, Callable[[], Any]] = OrderedDict()
         self._state_keys_checked = False
         self.traffic.ddp_bytes_per_step = sum(self.layout.worker_bytes(p) for p in self.params)
+        names = [self.param_names[id(p)] for p in self.params]
+        self.plan = RoundPlan(
+            policy,
+            optimizer,
+            self.communicator,
+            names,
+            fragments=fragments,
+            delay=delay,
+            codecs=codecs,
+            decays=state_decays,
+        )
+        self.pending = DelayedRounds()
         with torch.no_grad():
             if broadcast_initial:
                 self.communicator.broadcast_from_first(self.params)
-            needs_anchor = policy.outer is not None or track_alignment
+            needs_anchor = policy.outer is not None or track_alignment or self.plan.pseudo_gradients
             # The anchor is the global model after the last parameter sync (DiLoCo's x_start).
             self.anchors = (
                 [self.layout.global_copy(p) for p in self.params]
@@ -155,7 +183,7 @@ class LocalUpdateSync:
                 names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
                 grads = [p.grad for p in owners]
                 due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
-                checked = self._average(due)
+                checked = self._check(self._send(due))
                 self._commit(checked)
                 self.communicator.assign(grads, checked.averages)
         finally:
@@ -165,103 +193,107 @@ class LocalUpdateSync:
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
-        """Count the step and average the parameters and states that are due."""
+        """Count the step; apply the delayed rounds that land now; start the rounds due now."""
         started = time.perf_counter()
         self.step_count += 1
         self.traffic.steps = self.step_count
         if not self._state_keys_checked:
             self.policy.check_state_keys(self._state_keys())
             self._state_keys_checked = True
-        due, num_params = self._due_after_step(self.step_count)
         try:
+            for pending in self.pending.pop_due(self.step_count):
+                self._finish(pending)
+            self.pending.advance(self.step_count)
+            due = self.plan.collect(self.step_count)
             if due.tensors:
-                self._run_round(due, num_params)
+                pending = self._send(due)
+                if self.plan.delay:
+                    self.pending.add(pending)
+                else:
+                    self._finish(pending)
         finally:
             self.seconds_syncing += time.perf_counter() - started
 
     def round_due(self, step: int) -> bool:
         """Whether step ``step`` (counted from 1) has a round: gradients averaged before it, or
-        parameters or states after it. For a communicator that prepares each round (a quorum)
-        before the step's forward pass; before the optimizer keeps any state, a state rule due
-        at ``step`` counts."""
-        if self.policy.average_gradients:
-            return True
-        due, _ = self._due_after_step(step)
-        if due.tensors:
+        parameters or states sent after it. For a communicator that prepares each round (a
+        quorum) before the step's forward pass; before the optimizer keeps any state, a state
+        rule due at ``step`` counts."""
+        if self.policy.average_gradients or self.plan.collect(step).tensors:
             return True
         if self._state_keys():
             return False
         rules = [self.policy.other_states, *self.policy.states.values()]
-        return any(rule.is_due(step) for rule in rules)
+        return any(rule.is_due(step + self.plan.delay) for rule in rules)
+
+    def complete_transfers(self) -> None:
+        """Wait until the collectives of every delayed round have completed; the rounds are
+        still applied at their own steps (nothing changes but when the waiting happens)."""
+        for pending in self.pending.rounds:
+            pending.result.wait()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Apply every delayed round now (e.g. before using the model once training ends)."""
+        for pending in self.pending.pop_due(None):
+            self._finish(pending)
 
     # -- one round ----------------------------------------------------------------------------
 
-    def _run_round(self, due: SyncRound, num_params: int) -> None:
-        """Average, check, commit, apply: nothing is written before the communicator commits."""
-        checked = self._average(due, heal=True)
-        averaged_params = checked.averages[:num_params]
+    def _send(self, due: SyncRound) -> PendingRound:
+        """Start the round. A delayed round is recorded now (what it sent, when); a blocking one
+        when it commits."""
+        pending = self.plan.send(due, self.anchors)
+        result, kinds = pending.result, list(dict.fromkeys(due.kinds))
+        pending.event = SyncEvent(due.step, kinds, result.bytes, result.collectives)
+        if self.plan.delay:
+            self.events.append(pending.event)
+        return pending
+
+    def _finish(self, pending: PendingRound) -> None:
+        """Check, commit, apply (assign, or merge a delayed round): nothing is written before
+        the communicator commits."""
+        checked = self._check(pending, heal=True)
+        due = pending.due
+        num_params = len(due.param_indices)
+        means = self.plan.global_params(pending, checked.averages[:num_params], self.anchors)
         if num_params and self.track_alignment and self.anchors:
             # the per-worker gathers are part of the round: a peer lost in them discards it
-            checked.alignment = alignment(
-                self.layout, self.params, self.anchors, averaged_params, due.step
-            )
+            indices = due.param_indices
+            local = pending.snapshots[:num_params] if pending.snapshots else due.tensors
+            anchors = [self.anchors[i] for i in indices]
+            checked.alignment = alignment(self.layout, local, anchors, means, pending.step)
         self._commit(checked)
         if num_params:
-            self._finish_parameter_sync(averaged_params)
+            self._finish_parameter_sync(means, pending)
         if len(due.tensors) > num_params:
-            self.communicator.assign(due.tensors[num_params:], checked.averages[num_params:])
+            self.plan.apply(pending, num_params, checked.averages[num_params:])
 
-    def _due_after_step(self, step: int) -> tuple[SyncRound, int]:
-        """The round of ``step`` and how many parameters lead it (all of them, or none)."""
-        params = list(self.params) if self.policy.params.is_due(step) else []
-        names = [self.param_names[id(p)] for p in params]
-        due = SyncRound(step, list(params), ["params"] * len(params), names)
-        for p in self.params:
-            for key, value in self._worker_states(p):
-                if self.policy.state_rule(key).is_due(step):
-                    due.tensors.append(value)
-                    due.kinds.append(key)
-                    due.names.append(f"{key} of {self.param_names[id(p)]}")
-        return due, len(params)
+    def _check(self, pending: PendingRound, heal: bool = False) -> CheckedRound:
+        """The round's averages, checked; a worker holding NaN/inf is either reported (nothing
+        averaged) or left out of a second call (``on_non_finite='skip'``).
 
-    def _worker_states(self, p: Tensor) -> list[tuple[str, Tensor]]:
-        """(key, tensor) of the states of ``p`` that each worker holds a copy of, in key order."""
-        found = []
-        for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-            if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
-                continue
-            # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
-            if value.dim() > 0 or p.dim() == 0:
-                found.append((key, value))
-        return found
-
-    def _average(self, due: SyncRound, heal: bool = False) -> CheckedRound:
-        """One communicator call for the round, checked; a worker holding NaN/inf is either
-        reported (nothing averaged) or left out of a second call (``on_non_finite='skip'``).
-
-        heal (rounds after the optimizer step): a worker holding NaN/inf in any tensor, due or
-        not, is left out, then healed with the others' average of everything else it holds.
-        """
-        result = self.communicator.average(due.tensors, due.kinds)
-        averages = result.wait()
-        sent, collectives = result.bytes, result.collectives
-        excluded: list[int] = []
-        skipped = None
-        if not self.layout.all_finite(averages):
-            skipping = heal and self.on_non_finite == "skip"
-            excluded, skipped = self._workers_to_leave_out(
-                self._held(due.step) if skipping else due
+        heal (blocking rounds after the optimizer step): a worker holding NaN/inf in any tensor,
+        due or not, is left out, then healed with the others' average of everything else."""
+        due, event = pending.due, pending.event
+        averages = pending.result.wait()
+        checked = CheckedRound(averages, [] if self.plan.delay else [event])
+        if self.layout.all_finite(averages):
+            return checked
+        healing = heal and self.on_non_finite == "skip" and not self.plan.delay
+        sent = SyncRound(due.step, pending.sent, due.kinds, due.names)
+        searched = self._held(due.step) if healing else sent
+        excluded, checked.skipped = self._workers_to_leave_out(searched)
+        retry = self.plan.average(due, pending.sent, excluded)
+        checked.averages = retry.wait()
+        event.bytes += retry.bytes
+        event.collectives += retry.collectives
+        if not self.layout.all_finite(checked.averages):
+            raise NonFiniteError(
+                f"Non-finite average at step {due.step} even without workers {excluded}"
             )
-            retry = self.communicator.average(due.tensors, due.kinds, excluded=excluded)
-            averages = retry.wait()
-            sent, collectives = sent + retry.bytes, collectives + retry.collectives
-            if not self.layout.all_finite(averages):
-                raise NonFiniteError(
-                    f"Non-finite average at step {due.step} even without workers {excluded}"
-                )
-        kinds = list(dict.fromkeys(due.kinds))
-        checked = CheckedRound(averages, [SyncEvent(due.step, kinds, sent, collectives)], skipped)
-        if heal and excluded:
+        pending.excluded = excluded
+        if healing:
             self._heal(checked, excluded, due.step, skip={id(t) for t in due.tensors})
         return checked
 
@@ -280,91 +312,17 @@ class LocalUpdateSync:
         if checked.heal is not None:  # the workers left out take the others' values
             self.layout.assign_to_workers(*checked.heal)
 
-    def _held(self, step: int) -> SyncRound:
-        """Everything a worker holds its own copy of: its parameters and every parameter-shaped
-        optimizer state (whether the policy averages it or keeps it local)."""
-        held = SyncRound(step, [], [], [])
-        for p in self.params:
-            name = self.param_names[id(p)]
-            for key, value in [("params", p), *self._worker_states(p)]:
-                held.tensors.append(value)
-                held.kinds.append(key)
-                held.names.append(name if key == "params" else f"{key} of {name}")
-        return held
-
-    @torch.no_grad()
-    def heal_non_finite_workers(self) -> list[int]:
-        """Heal now every worker holding NaN/inf anywhere (``on_non_finite='skip'``): it takes
-        the others' average of everything it holds. Returns the workers healed. Between rounds a
-        worker left out stays non-finite; this makes the state finite, e.g. before a checkpoint."""
-        held = self._held(self.step_count)
-        offenders = self.layout.first_non_finite(held.tensors)
-        if not offenders:
-            return []
-        excluded, skipped = self._workers_to_leave_out(held, offenders)
-        checked = CheckedRound([], [], skipped)
-        self._heal(checked, excluded, self.step_count, skip=set())
-        self._record(checked)
-        return excluded
-
-    def _heal(self, checked: CheckedRound, workers: list[int], step: int, skip: set[int]) -> None:
-        """Average, over the others, every tensor ``workers`` hold but those in ``skip`` (ids of
-        the tensors the round already averaged): every worker takes part in the collective; only
-        ``workers`` are overwritten, when ``checked`` is recorded."""
-        held = self._held(step)
-        tensors = [t for t in held.tensors if id(t) not in skip]
-        if not tensors:
-            return
-        result = self.communicator.average(tensors, ["heal"] * len(tensors), excluded=workers)
-        averages = result.wait()
-        if not self.layout.all_finite(averages):
-            raise NonFiniteError(
-                f"Cannot heal workers {workers} at step {step}: non-finite average"
-            )
-        checked.heal = (tensors, averages, workers)
-        checked.events.append(SyncEvent(step, ["heal"], result.bytes, result.collectives))
-        checked.skipped["healed_tensors"] = len(tensors)
-
-    def _workers_to_leave_out(
-        self, due: SyncRound, offenders: dict | None = None
-    ) -> tuple[list[int], dict[str, Any]]:
-        offenders = self.layout.first_non_finite(due.tensors) if offenders is None else offenders
-        if not offenders:
-            raise NonFiniteError(
-                f"Averaging at step {due.step} overflowed although every worker's values are "
-                "finite (values too large for their dtype)"
-            )
-        described = "; ".join(f"worker {w}: {due.names[i]}" for w, i in sorted(offenders.items()))
-        if self.on_non_finite == "raise":
-            raise NonFiniteError(
-                f"Non-finite value (NaN/inf) at step {due.step} in {described}. Nothing was "
-                "averaged; use on_non_finite='skip' (CLI: --on-non-finite skip) to leave such "
-                "workers out"
-            )
-        excluded = sorted(offenders)
-        if len(excluded) == self.layout.num_workers:
-            raise NonFiniteError(
-                f"Non-finite value (NaN/inf) at step {due.step} on every worker ({described}); "
-                "no worker is left to average"
-            )
-        logger.warning(
-            "step %d: leaving worker(s) %s out (%s); they take the others' average of every "
-            "tensor they hold",
-            due.step,
-            excluded,
-            described,
-        )
-        return excluded, {"step": due.step, "workers": excluded, "tensors": described}
-
-    def _finish_parameter_sync(self, averages: list[Tensor]) -> None:
+    def _finish_parameter_sync(self, averages: list[Tensor], pending: PendingRound) -> None:
+        indices = pending.due.param_indices
+        anchors = [self.anchors[i] for i in indices] if self.anchors else []
         if self.outer is not None:
-            self.outer.apply(self.anchors, averages)
-            new_params = self.anchors
+            self.outer.apply(anchors, averages, indices)
+            new_params = anchors
         else:
-            for anchor, average in zip(self.anchors, averages):
+            for anchor, average in zip(anchors, averages):
                 anchor.copy_(average)
             new_params = averages
-        self.communicator.assign(self.params, new_params)
+        self.plan.apply(pending, 0, new_params)
 
     def _state_keys(self) -> set[str]:
         return {key for p in self.params for key in self.optimizer.state.get(p, {})}
@@ -382,6 +340,10 @@ class LocalUpdateSync:
             "events": [asdict(event) for event in self.events],
             "skipped_rounds": list(self.skipped_rounds),
             "alignment": list(self.alignment),
+            "pending": [pending.state_dict() for pending in self.pending.rounds],
+            "pseudo_gradients": self.plan.pseudo_gradients.state_dict()
+            if self.plan.pseudo_gradients
+            else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -394,6 +356,13 @@ class LocalUpdateSync:
         self.events = [SyncEvent(**event) for event in state["events"]]
         self.skipped_rounds = list(state["skipped_rounds"])
         self.alignment = list(state["alignment"])
+        self.pending = DelayedRounds()
+        for saved in state.get("pending", []):
+            pending = self.plan.restore(saved)
+            pending.event = next(e for e in reversed(self.events) if e.step == pending.step)
+            self.pending.add(pending)
+        if self.plan.pseudo_gradients is not None and state.get("pseudo_gradients"):
+            self.plan.pseudo_gradients.load_state_dict(state["pseudo_gradients"])
 
 
 def _param_names(optimizer: Optimizer) -> dict[int, str]:

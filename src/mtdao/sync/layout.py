@@ -63,6 +63,11 @@ class WorkerLayout:
         """One value per local worker [local_workers] -> one per worker [num_workers]."""
         return values.reshape(1)
 
+    def worker_mask(self, workers: Sequence[int]) -> Tensor:
+        """[local_workers] booleans: which local workers are among ``workers``."""
+        first = self.rank
+        return torch.tensor([first + w in set(workers) for w in range(self.local_workers)])
+
     def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
         """Averages over all workers but ``excluded``, for evaluation and logging (uncounted)."""
         return list(tensors)
@@ -79,8 +84,13 @@ class WorkerLayout:
         """Whether every tensor is free of NaN/inf: the same answer in every process of a worker."""
         if not tensors:
             return True
-        checks = [torch.isfinite(local_shard(t)).all() for t in tensors]
-        return bool(torch.stack(checks).all())
+        tensors = [local_shard(t) for t in tensors]
+        # NaN and inf survive a sum, so finite sums prove the tensors finite: one reduction per
+        # tensor; only a non-finite sum (or finite values overflowing) pays for the exact check
+        sums = [t.sum(dtype=torch.float64 if t.is_floating_point() else None) for t in tensors]
+        if bool(torch.isfinite(torch.stack(sums)).all()):
+            return True
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
     @torch.no_grad()
     def assign_to_workers(

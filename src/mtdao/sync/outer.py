@@ -23,10 +23,19 @@ class NesterovOuterStep:
         self.momentum_buffers = [torch.zeros_like(anchor) for anchor in anchors]
 
     @torch.no_grad()
-    def apply(self, anchors: Sequence[Tensor], averages: Sequence[Tensor]) -> None:
-        """Move ``anchors`` (in place) by one outer step towards the worker average."""
+    def apply(
+        self,
+        anchors: Sequence[Tensor],
+        averages: Sequence[Tensor],
+        indices: Sequence[int] | None = None,
+    ) -> None:
+        """Move ``anchors`` (in place) by one outer step towards the worker average; ``indices``
+        name the parameters they are when only some are synced (fragments)."""
         lr, momentum = self.config.lr, self.config.momentum
-        for anchor, average, buffer in zip(anchors, averages, self.momentum_buffers):
+        buffers = self.momentum_buffers
+        if indices is not None:
+            buffers = [buffers[i] for i in indices]
+        for anchor, average, buffer in zip(anchors, averages, buffers):
             pseudo_gradient = anchor - average  # points uphill, like a gradient
             buffer.mul_(momentum).add_(pseudo_gradient)  # m = mu m + delta
             if self.config.nesterov:

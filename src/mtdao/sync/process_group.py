@@ -1,8 +1,10 @@
 """Real workers: averaging over a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
 
 One worker per process, or per group of processes sharding its tensors (FSDP2, ``shard_group``);
-tensors due at one step travel in the bucketed all-reduce of :mod:`mtdao.sync.collectives` (one
-flat buffer per device and dtype, split at ``bucket_bytes``), a sharded tensor as its local shard.
+float32 tensors due at one step travel in the bucketed all-reduce of :mod:`mtdao.sync.collectives`
+(one flat buffer per device and dtype, split at ``bucket_bytes``; a sharded tensor as its local
+shard), quantized ones in the exchange of :mod:`mtdao.sync.exchange`. Both are launched without
+blocking: the :class:`Averages` returned holds them in flight until ``wait()``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, all_reduce_mean
-from mtdao.sync.communicator import Averages, Communicator
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, InFlightMean
+from mtdao.sync.communicator import Averages, Communicator, InFlight, codec_groups
 from mtdao.sync.dtensors import local_shard
+from mtdao.sync.exchange import InFlightQuantizedMean
 from mtdao.sync.layout import ProcessGroupLayout
+from mtdao.sync.quantize import Codec
 from mtdao.sync.sharded_layout import ShardedLayout
 
 
@@ -46,11 +50,27 @@ class ProcessGroupWorkers(Communicator):
         self.bucket_bytes = bucket_bytes
 
     def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
+        self,
+        tensors: Sequence[Tensor],
+        kinds: Sequence[str],
+        excluded: Sequence[int] = (),
+        codecs: Sequence[Codec | None] | None = None,
     ) -> Averages:
-        values, collectives = all_reduce_mean(tensors, self.group, self.bucket_bytes, excluded)
-        num_bytes, collectives = self._account(tensors, kinds, collectives)
-        return Averages(values, num_bytes, collectives)
+        in_flight: list[tuple[list[int], InFlight]] = []
+        sizes: list[tuple[str, int]] = []
+        for codec, indices in codec_groups(len(tensors), codecs):
+            group = [tensors[i] for i in indices]
+            part: InFlight
+            if codec is None:
+                part = InFlightMean(group, self.group, self.bucket_bytes, excluded)
+                sizes += [(kinds[i], self.layout.worker_bytes(tensors[i])) for i in indices]
+            else:
+                part = InFlightQuantizedMean(group, codec, self.group, excluded)
+                sizes += part.layout.kind_bytes([kinds[i] for i in indices], codec)
+            in_flight.append((indices, part))
+        collectives = sum(part.collectives for _, part in in_flight)
+        num_bytes, collectives = self._account_sizes(sizes, collectives)
+        return Averages(None, num_bytes, collectives, in_flight)
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         for tensor, value in zip(tensors, values):

@@ -4,7 +4,7 @@ is applied (see LocalUpdateSync, docs/design.md "A round")."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -25,12 +25,14 @@ class SyncEvent:
 
 @dataclass
 class SyncRound:
-    """The tensors due at one step, averaged together in one communicator call."""
+    """The tensors due at one step, averaged together in one communicator call: the parameters
+    (``param_indices`` into the engine's list) first, then the states."""
 
     step: int
     tensors: list[Tensor]
     kinds: list[str]
     names: list[str]
+    param_indices: list[int] = field(default_factory=list)
 
 
 @dataclass

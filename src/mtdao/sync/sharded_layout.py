@@ -26,20 +26,16 @@ from torch import Tensor
 
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 from mtdao.sync.dtensors import local_shard, shard_group_ranks
-from mtdao.sync.layout import ProcessGroupLayout
+from mtdao.sync.layout import ProcessGroupLayout, WorkerLayout
 
 
-class ShardedLayout(ProcessGroupLayout):
-    """One worker per ``shard_group`` of processes; ``group`` joins this process with the process
-    holding the same shard in every other worker (None: the default group)."""
+class ShardGroupSums:
+    """What changes for a layout whose worker is a group of processes sharding its tensors: sums
+    and agreements over that shard group, before whatever the layout does between workers (the
+    ``super()`` methods). Mixed in before a :class:`~mtdao.sync.layout.WorkerLayout`; call
+    :meth:`_join_shard_group` from the constructor."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        shard_group: dist.ProcessGroup,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> None:
-        super().__init__(group, bucket_bytes)
+    def _join_shard_group(self, shard_group: dist.ProcessGroup) -> None:
         self.shard_group = shard_group
         self.num_shards = dist.get_world_size(shard_group)
         self.shard_rank = dist.get_rank(shard_group)
@@ -103,3 +99,25 @@ class ShardedLayout(ProcessGroupLayout):
             for g in grads:
                 g.mul_(scale.reshape(()).to(g.dtype))
         return norms
+
+
+class ShardedLayout(ShardGroupSums, ProcessGroupLayout):
+    """One worker per ``shard_group`` of processes; ``group`` joins this process with the process
+    holding the same shard in every other worker (None: the default group)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        shard_group: dist.ProcessGroup,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        super().__init__(group, bucket_bytes)
+        self._join_shard_group(shard_group)
+
+
+class ShardedWorkerLayout(ShardGroupSums, WorkerLayout):
+    """One worker of ``shard_group``'s processes, with no other worker in reach: a fault-tolerant
+    replica between its rounds (its losses, clipping and evaluation are its own)."""
+
+    def __init__(self, shard_group: dist.ProcessGroup) -> None:
+        self._join_shard_group(shard_group)

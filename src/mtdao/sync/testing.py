@@ -12,18 +12,31 @@ test can pin which tensors travel at which step, and what that costs, without a 
     scripted = ScriptedCommunicator([[x0 - d]])       # the first average returns x0 - d
     failing = ScriptedCommunicator(fail_at=3)         # the third average raises (a peer died)
     discarding = ScriptedCommunicator(discard_at=2)   # the second round is not committed
+
+:func:`run_on_gloo` runs a function in real processes joined in a gloo group, for comparing a
+real run with a simulated one.
 """
 
 from __future__ import annotations
 
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import Tensor
 
 from mtdao.sync.collectives import dtype_buckets
-from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
+from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted, codec_groups
+from mtdao.sync.exchange import BlockLayout
 from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.quantize import Codec
 
 
 @dataclass
@@ -36,6 +49,8 @@ class Call:
     kinds: list[str] = field(default_factory=list)
     """The kinds of the tensors averaged (``average`` only)."""
     excluded: list[int] = field(default_factory=list)
+    codecs: list[str] = field(default_factory=list)
+    """Each averaged tensor's codec name, ``fp32`` when sent as it is (``average`` only)."""
 
 
 class PeerFailure(RuntimeError):
@@ -57,12 +72,16 @@ class RecordingCommunicator(Communicator):
         self.calls: list[Call] = []
 
     def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
+        self,
+        tensors: Sequence[Tensor],
+        kinds: Sequence[str],
+        excluded: Sequence[int] = (),
+        codecs: Sequence[Codec | None] | None = None,
     ) -> Averages:
-        self.calls.append(Call("average", _shapes(tensors), list(kinds), list(excluded)))
+        self.calls.append(_average_call(tensors, kinds, excluded, codecs))
         if self.inner is not None:
-            return self.inner.average(tensors, kinds, excluded)
-        return self._averages([t.clone() for t in tensors], tensors, kinds)
+            return self.inner.average(tensors, kinds, excluded, codecs)
+        return self._averages([t.clone() for t in tensors], tensors, kinds, codecs)
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         self.calls.append(Call("assign", _shapes(tensors)))
@@ -82,8 +101,20 @@ class RecordingCommunicator(Communicator):
         """The kinds of the tensors of every ``average`` call, in order."""
         return [call.kinds for call in self.calls if call.method == "average"]
 
-    def _averages(self, values: list[Tensor], tensors: Sequence[Tensor], kinds: Sequence[str]):
-        num_bytes, collectives = self._account(tensors, kinds, len(dtype_buckets(tensors)))
+    def _averages(
+        self, values: list[Tensor], tensors: Sequence[Tensor], kinds: Sequence[str], codecs
+    ):
+        sizes, collectives = [], 0
+        for codec, indices in codec_groups(len(tensors), codecs):
+            group = [tensors[i] for i in indices]
+            if codec is None:
+                sizes += [(kinds[i], self.layout.worker_bytes(tensors[i])) for i in indices]
+                collectives += len(dtype_buckets(group))
+            else:
+                layout = BlockLayout(tuple(t.numel() for t in group), codec.block, 1)
+                sizes += layout.kind_bytes([kinds[i] for i in indices], codec)
+                collectives += 2
+        num_bytes, collectives = self._account_sizes(sizes, collectives)
         return Averages(values, num_bytes, collectives)
 
 
@@ -122,18 +153,93 @@ class ScriptedCommunicator(RecordingCommunicator):
             raise RoundNotCommitted(f"scripted discard of round {number}")
 
     def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
+        self,
+        tensors: Sequence[Tensor],
+        kinds: Sequence[str],
+        excluded: Sequence[int] = (),
+        codecs: Sequence[Codec | None] | None = None,
     ) -> Averages:
-        self.calls.append(Call("average", _shapes(tensors), list(kinds), list(excluded)))
+        self.calls.append(_average_call(tensors, kinds, excluded, codecs))
         number = len(self.average_kinds())
         if number == self.fail_at:
             raise self.error or PeerFailure(f"scripted failure of average call {number}")
         if number <= len(self.script):
             entry = self.script[number - 1]
             values = entry(tensors) if callable(entry) else entry
-            return self._averages([v.clone() for v in values], tensors, kinds)
-        return self._averages([t.clone() for t in tensors], tensors, kinds)
+            return self._averages([v.clone() for v in values], tensors, kinds, codecs)
+        return self._averages([t.clone() for t in tensors], tensors, kinds, codecs)
+
+
+def _average_call(tensors, kinds, excluded, codecs) -> Call:
+    names = ["fp32" if codec is None else codec.name for codec in codecs or [None] * len(tensors)]
+    return Call("average", _shapes(tensors), list(kinds), list(excluded), names)
 
 
 def _shapes(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in tensors]
+
+
+# -- real processes ---------------------------------------------------------------------------------
+
+
+def run_on_gloo(
+    work: Callable[[], Any],
+    world_size: int,
+    root: str | Path,
+    *,
+    preload: Sequence[str] = (),
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """``work()`` in ``world_size`` fresh processes joined in a gloo group (one torch thread
+    each); returns what each rank's call returned, in rank order.
+
+    ``work`` must be a module-level function (it is pickled by name). A fork server imports
+    torch, ``torch._dynamo`` (which torch.optim otherwise imports lazily in every process) and
+    the modules in ``preload`` once for all ranks. A rank that fails or hangs past ``timeout_s``
+    raises RuntimeError with the ranks' tracebacks, and no process is left behind.
+    """
+    root = Path(root)
+    if "forkserver" in mp.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(["torch._dynamo", *preload])
+    else:
+        context = mp.get_context("spawn")
+    processes = [
+        context.Process(target=_gloo_rank, args=(rank, world_size, str(root), work))
+        for rank in range(world_size)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    errors = "\n".join(p.read_text() for p in sorted(root.glob("rank*.err")))
+    if hung:
+        raise RuntimeError(f"ranks {hung} still running after {timeout_s:.0f} s\n{errors}")
+    if any(process.exitcode != 0 for process in processes):
+        raise RuntimeError(errors or "a worker process failed")
+    return [torch.load(root / f"rank{rank}.pt") for rank in range(world_size)]
+
+
+def _gloo_rank(rank: int, world_size: int, root: str, work: Callable[[], Any]) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{root}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        torch.save(work(), Path(root) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(root) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise

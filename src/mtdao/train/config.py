@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.optim.base import check_momenta
+from mtdao.sync.compression import SyncCodecs
 from mtdao.train.methods import (
     BASE_OPTIMIZERS,
     METHOD_TABLE,
@@ -88,13 +89,24 @@ class TrainConfig:
     workers: int = 4
     """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
     shards: int = 1
-    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S)."""
+    """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S; for a
+    fault-tolerant replica, S)."""
     sync_period: int = 32
     """K: local steps between parameter averages (local methods)."""
     sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
     """Period rule for the optimizer states of local methods."""
     state_sync_period: int | None = None
     """Average every optimizer state every N steps, whatever the period rule."""
+    sync_delay: int = 0
+    """D: apply each sync round D steps after it starts, its collectives running meanwhile and
+    the local progress merged in (0: blocking rounds)."""
+    sync_fragments: int = 1
+    """P: split the layers and their states into P fragments synced at staggered steps."""
+    sync_dtype: tuple[str, ...] | None = None
+    """What crosses the link: one dtype for every kind, or KIND=DTYPE per kind (params, momenta,
+    second-moment); dtypes fp32, bf16, fp8, int8 (parameters go as pseudo-gradients)."""
+    error_feedback: bool = False
+    """Carry each worker's quantization error of the parameters into its next round."""
     betas: tuple[float, ...] | None = None
     """First-momentum decays, e.g. --betas 0.9 0.99."""
     omegas: tuple[float, ...] | None = None
@@ -230,7 +242,7 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config field(s) {unknown}")
         values = dict(values)
-        for name in ("betas", "omegas"):
+        for name in ("betas", "omegas", "sync_dtype"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
@@ -275,6 +287,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
         beta2=config.beta2 if config.beta2 is not None else table.beta2,
         eps=config.eps if config.eps is not None else table.eps,
         sync_policy=config.sync_policy or method.period_rule,
+        sync_dtype=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback).spec(),
         steps=steps,
         tokens=None,
         eval_every=config.eval_every or max(1, steps // EVALUATIONS_PER_RUN),
@@ -312,6 +325,7 @@ def describe_default(name: str) -> str | None:
     descriptions = {
         "sync_policy": "the method's: " + ", ".join(rules),
         "state_sync_period": "the period rule's",
+        "sync_dtype": "fp32 for every kind",
         "betas": f"{_per_optimizer('betas')}; mtdao and qh-ddp: {_per_optimizer('mtdao_betas')}",
         "omegas": f"1 for the baselines; mtdao and qh-ddp: {_per_optimizer('mtdao_omegas')}, "
         "or 0.9 shared equally among the user's own --betas",
@@ -373,6 +387,7 @@ def _validate(config: TrainConfig) -> None:
             f"--sync-policy: {config.method} does not average optimizer states; "
             "a sync policy does not apply"
         )
+    _validate_sync_options(config)
     for name in ("weight_decay", "grad_clip", "min_lr_ratio", "lr", "eps"):
         if getattr(config, name) is not None:
             _non_negative(name, getattr(config, name))
@@ -418,11 +433,6 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
         return
     if config.replica_id is None or config.lighthouse is None:
         raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
-    if config.shards > 1:
-        raise ValueError(
-            f"--shards {config.shards}: a fault-tolerant replica is one process for now; "
-            "sharded replicas are not supported yet"
-        )
     if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
         raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
     if not 0 <= config.replica_id < config.workers:
@@ -432,6 +442,47 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
         )
     if not config.lighthouse.strip():
         raise ValueError("--lighthouse is empty; give the lighthouse's host:port")
+
+
+def _validate_sync_options(config: TrainConfig) -> None:
+    """Delay, fragments and dtypes: well formed, and only where a method has sync rounds."""
+    _positive_int("sync_fragments", config.sync_fragments)
+    delay = config.sync_delay
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        raise ValueError(f"--sync-delay must be an integer >= 0, got {delay!r}")
+    codecs = SyncCodecs.parse(config.sync_dtype or (), config.error_feedback)
+    changed = [
+        flag
+        for flag, on in (
+            ("--sync-delay", delay > 0),
+            ("--sync-fragments", config.sync_fragments > 1),
+            ("--sync-dtype", codecs.quantizes_anything),
+        )
+        if on
+    ]
+    if changed and METHOD_TABLE[config.method].averages_gradients:
+        raise ValueError(
+            f"{changed[0]}: {config.method} averages gradients every step; it has no sync "
+            "rounds to delay, split or quantize"
+        )
+    if changed and config.fault_tolerant:
+        raise ValueError(
+            f"{changed[0]}: fault-tolerant replicas sync in plain blocking float32 rounds for now; "
+            "drop the flag or --fault-tolerant"
+        )
+    if changed and config.shards > 1:
+        raise ValueError(
+            f"{changed[0]}: sharded workers (--shards {config.shards}) sync in plain blocking "
+            "float32 rounds for now; drop the flag or --shards"
+        )
+    periods = [config.sync_period, config.state_sync_period]
+    shortest = min(p for p in periods if p is not None)
+    if delay >= shortest:
+        which = "--sync-period" if shortest == config.sync_period else "--state-sync-period"
+        raise ValueError(
+            f"--sync-delay {delay} must be below {which} {shortest}: a round has to land before "
+            "the next round of the same tensors starts"
+        )
 
 
 def _flag(name: str) -> str:

@@ -10,8 +10,12 @@
 * the replica writes its step to ``NAME.status`` and, after every committed round, a digest of
   its whole state (parameters, optimizer state, engine state) to ``NAME.rounds``.
 
-:class:`Drill` is the controller: it starts a lighthouse and replicas as subprocesses, moves the
-gate, kills replicas with SIGKILL and reads what they recorded. The fault-tolerance tests and
+A replica of several processes (``--shards``, under torchrun) is steered by the same files; each
+process writes its own status, digests (of its shards) and pid, process r > 0 as ``NAME.rR``.
+
+:class:`Drill` is the controller: it starts a lighthouse and replicas as subprocesses (a sharded
+one under ``torchrun --max-restarts``), moves the gate, kills replicas or single processes of
+them with SIGKILL and reads what they recorded. The fault-tolerance tests and
 ``benchmarks/fault_tolerance.py`` use it.
 """
 
@@ -38,28 +42,31 @@ def install_hooks(control: Path, name: str) -> None:
     from mtdao.sync import torchft
     from mtdao.train import fault_tolerant
 
+    rank = int(os.environ.get("RANK", "0"))
+    label = process_label(name, rank)
+    _write(control / f"{label}.pid", str(os.getpid()))
     current: dict = {}
 
     def before_connect(run) -> None:
         current["run"] = run
-        _write(control / f"{name}.status", "held 0")
+        _write(control / f"{label}.status", "held 0")
         _wait_while(lambda: (control / f"{name}.hold").exists())
 
     def before_step(run) -> None:
         if _read_int(control / "gate", run.step + 1) <= run.step:
-            _write(control / f"{name}.status", f"waiting {run.step}")
+            _write(control / f"{label}.status", f"waiting {run.step}")
             _wait_while(lambda: _read_int(control / "gate", run.step + 1) <= run.step)
-        _write(control / f"{name}.status", f"running {run.step}")
+        _write(control / f"{label}.status", f"running {run.step}")
 
     def after_round(run) -> None:
-        with open(control / f"{name}.rounds", "a") as handle:
+        with open(control / f"{label}.rounds", "a") as handle:
             handle.write(f"{run.step} {state_digest(run)}\n")
 
     all_reduce = torchft.ReplicaGroups.sum_in_round
 
     def sum_in_round(self, flat):
         step = current["run"].step
-        _write(control / f"{name}.entered-{step}", "")
+        _write(control / f"{label}.entered-{step}", "")
         _wait_while(lambda: (control / f"{name}.hold-{step}").exists())
         return all_reduce(self, flat)
 
@@ -71,9 +78,12 @@ def install_hooks(control: Path, name: str) -> None:
 
 def state_digest(run) -> str:
     """A checksum of everything replicas must agree on after a round: the parameters, every
-    optimizer state and the engine's step, anchors and outer momentum."""
+    optimizer state and the engine's step, anchors and outer momentum (of a sharded replica,
+    this process's shards)."""
     import torch
     import xxhash
+
+    from mtdao.sync.dtensors import local_shard
 
     digest = xxhash.xxh3_64()
     tensors = [p.detach() for p in run.sync.params]
@@ -87,8 +97,14 @@ def state_digest(run) -> str:
     if engine["outer"] is not None:
         tensors += engine["outer"]["momentum_buffers"]
     for tensor in tensors:
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
+        shard = local_shard(tensor).detach().cpu().contiguous()
+        digest.update(shard.reshape(-1).numpy().tobytes())
     return digest.hexdigest()
+
+
+def process_label(name: str, rank: int) -> str:
+    """The files of process ``rank`` of replica ``name``: ``name`` itself for the first."""
+    return name if rank == 0 else f"{name}.r{rank}"
 
 
 def _read_int(path: Path, default: int) -> int:
@@ -164,13 +180,29 @@ class Drill:
         argv += [str(self.heartbeat_timeout), "--join-timeout", str(self.join_timeout)]
         self._spawn("lighthouse", argv)
 
-    def start(self, name: str, replica_id: int, flags: Sequence[str] = (), hold=False) -> None:
-        """Start replica ``name`` (held before it connects when ``hold``)."""
+    def start(
+        self,
+        name: str,
+        replica_id: int,
+        flags: Sequence[str] = (),
+        hold=False,
+        shards: int = 1,
+        max_restarts: int | None = None,
+    ) -> None:
+        """Start replica ``name`` (held before it connects when ``hold``): one process, or, with
+        ``max_restarts``, ``shards`` processes under torchrun, which restarts them all that many
+        times when one of them dies (with --resume, the replica's same command line)."""
         if hold:
             (self.root / f"{name}.hold").touch()
-        argv = [sys.executable, "-m", "mtdao.train.fault_drill", str(self.root), name, "--"]
+        drill = ["-m", "mtdao.train.fault_drill", str(self.root), name, "--"]
+        argv = [sys.executable, *drill]
+        if max_restarts is not None:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            argv += ["--nproc-per-node", str(shards), "--max-restarts", str(max_restarts), *drill]
         argv += ["--fault-tolerant", "--replica-id", str(replica_id), "--lighthouse"]
         argv += [self.lighthouse, "--out", str(self.root / name), *self.train_flags, *flags]
+        if shards > 1:
+            argv += ["--shards", str(shards)]
         self._spawn(name, argv)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
@@ -205,6 +237,15 @@ class Drill:
         self.killed_at[name] = time.time()
         self.processes[name].send_signal(signal.SIGKILL)
         self.processes[name].wait(timeout=30)
+
+    def kill_process(self, name: str, rank: int) -> None:
+        """SIGKILL process ``rank`` of replica ``name`` (one started under torchrun)."""
+        label = process_label(name, rank)
+        self.killed_at[label] = time.time()
+        os.kill(self.pid(label), signal.SIGKILL)
+
+    def pid(self, label: str) -> int:
+        return int((self.root / f"{label}.pid").read_text())
 
     def stop(self, name: str, timeout: float = 30.0) -> int:
         """SIGTERM, as an operator stopping a process would; returns its exit code."""
@@ -272,6 +313,12 @@ class Drill:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
+        # torchrun starts each process in a session of its own: those are found by their pids
+        for path in self.root.glob("*.pid"):
+            with contextlib.suppress(ValueError, OSError):
+                pid = int(path.read_text())
+                if str(self.root) in Path(f"/proc/{pid}/cmdline").read_text():
+                    os.kill(pid, signal.SIGKILL)
         for process in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=30)

@@ -1,14 +1,17 @@
 """One replica of a fault-tolerant run: ``mtdao train --fault-tolerant --replica-id I --lighthouse ADDR``.
 
-A fault-tolerant run is ``--workers`` replicas, each its own process, started anywhere and at any
-time, and a lighthouse (``mtdao lighthouse``) that knows which of them are alive. Replica I trains
+A fault-tolerant run is ``--workers`` replicas, started anywhere and at any time, and a lighthouse
+(``mtdao lighthouse``) that knows which of them are alive. A replica is one process, or
+``--shards S`` processes under ``torchrun --nproc-per-node S`` sharding its model with FSDP2
+(:mod:`mtdao.train.sharding`); killing any of them takes the replica out, and torchrun
+``--max-restarts`` brings it back to heal. Replica I trains
 on data shard I, averages with whichever replicas are alive at each sync
 (:mod:`mtdao.sync.torchft`) and writes its own run directory. A replica that starts late or
 restarts heals from a live peer: parameters, every optimizer state and the engine's state. Every
 averaged state is the same on all replicas after a sync, so the healed replica carries on with the
 group's global states, not only its parameters. Its data position stays its own.
 
-Progress lines (stderr) say when replicas join or leave, when this replica healed and when a round
+Progress lines (stderr, from the replica's first process) say when replicas join or leave, when this replica healed and when a round
 was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON line each (events
 ``connect``, ``quorum``, ``discarded``, ``committed``, each with its time and step).
 """
@@ -28,7 +31,7 @@ from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.sync.engine import NonFiniteError
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
-from mtdao.train.distributed import ProcessInfo, launched_by_torchrun
+from mtdao.train.distributed import ProcessInfo
 from mtdao.train.evaluate import run_evaluation
 from mtdao.train.metrics import write_json
 from mtdao.train.setup import Run, build_run
@@ -59,11 +62,6 @@ def after_round(run: Run) -> None:
 
 def train_replica(config: TrainConfig) -> dict[str, Any]:
     """Train one replica of a fault-tolerant run (config resolved); returns its results."""
-    if launched_by_torchrun():
-        raise ValueError(
-            "--fault-tolerant runs one process per replica for now: start each replica with "
-            "`mtdao train --fault-tolerant ...`, not under torchrun"
-        )
     try:
         from mtdao.sync import torchft
     except ModuleNotFoundError as error:
@@ -77,7 +75,8 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
         driver.close()
     results["simulated"] = False
     results["fault_tolerance"] = driver.summary()
-    write_json(Path(config.out) / "results.json", results)
+    if driver.is_main:
+        write_json(Path(config.out) / "results.json", results)
     return results
 
 
@@ -92,6 +91,8 @@ class ReplicaDriver:
         self.heals: list[dict[str, Any]] = []
         self.discarded: list[dict[str, Any]] = []
         self.quorums = 0
+        self.is_main = True
+        """The replica's first process: it speaks, and writes the replica's records."""
 
     def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
         settings = self.torchft.ReplicaSettings(
@@ -102,11 +103,12 @@ class ReplicaDriver:
             collective_timeout=config.collective_timeout,
         )
         self.replicas = self.torchft.ReplicaGroups(settings)
+        self.is_main = process.rank == 0
         run = build_run(config, process, communicator=self.replicas, worker_index=config.replica_id)
         # the config first: a replica that differs is refused before its state is overwritten
         self.replicas.track_state("config", self._config_state, self._check_config)
         self.replicas.track_state("engine", *self.torchft.engine_state(run.sync))
-        self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id)
+        self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id, self.is_main)
         before_connect(run)
         self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
@@ -149,7 +151,7 @@ class ReplicaDriver:
         progress = tqdm(
             total=run.total_steps,
             initial=run.step,
-            disable=not run.config.progress,
+            disable=not (run.config.progress and self.is_main),
             desc=f"{run.config.method} replica {run.config.replica_id}",
             unit="step",
             dynamic_ncols=True,
@@ -175,7 +177,7 @@ class ReplicaDriver:
         if len(run.sync.events) > rounds:
             self._committed(run)
         throughput.add(config.batch_size * config.seq_len, elapsed)
-        loss = losses.item()
+        loss = run.workers.layout.gather(losses.float()).item()  # over a sharded replica's rows
         self._check_loss(run, loss)
         if run.step % config.log_every == 0 or run.step == run.total_steps:
             trainer.log_training(run, outputs.log, progress, loss, throughput.take())
@@ -191,11 +193,8 @@ class ReplicaDriver:
         syncs, so no peer can heal it now."""
         held = [p for p in run.sync.params]
         held += [v for p in run.sync.params for v in run.optimizer.state.get(p, {}).values()]
-        if not all(bool(torch.isfinite(t).all()) for t in held if torch.is_tensor(t)):
-            say(
-                self.config.replica_id,
-                f"step {run.step}: checkpoint skipped (NaN/inf until the next sync)",
-            )
+        if not run.workers.layout.all_finite([t for t in held if torch.is_tensor(t)]):
+            self._say(f"step {run.step}: checkpoint skipped (NaN/inf until the next sync)")
             return
         save(run, outputs.store)
         outputs.last_saved = run.step
@@ -213,7 +212,7 @@ class ReplicaDriver:
         self._report_quorum(run, start)
 
     def _report_quorum(self, run: Run, start) -> None:
-        me, members = self.config.replica_id, _ids(start.replicas)
+        members = _ids(start.replicas)
         record = {
             "event": "quorum",
             "step": run.step,
@@ -224,27 +223,24 @@ class ReplicaDriver:
             "seconds": start.seconds,
         }
         if self.quorums == 1:
-            say(me, f"joined at step {run.step}; averaging over replicas {members}")
+            self._say(f"joined at step {run.step}; averaging over replicas {members}")
         else:
             if start.left:
-                say(
-                    me,
-                    f"step {run.step}: replica {_ids(start.left)} left; averaging over {members}",
+                self._say(
+                    f"step {run.step}: replica {_ids(start.left)} left; averaging over {members}"
                 )
             if start.joined:
-                say(
-                    me,
-                    f"step {run.step}: replica {_ids(start.joined)} joined; averaging over {members}",
+                self._say(
+                    f"step {run.step}: replica {_ids(start.joined)} joined; averaging over {members}"
                 )
         if start.heal is not None:
             heal = {"step": run.step, "source": start.heal.source, "bytes": start.heal.bytes}
             heal["seconds"] = start.heal.seconds
             self.heals.append(heal)
             record["heal"] = heal
-            say(
-                me,
+            self._say(
                 f"healed from replica {start.heal.source}: continuing at step {run.step} "
-                f"({start.heal.bytes / 1e6:.1f} MB in {start.heal.seconds:.1f} s)",
+                f"({start.heal.bytes / 1e6:.1f} MB in {start.heal.seconds:.1f} s)"
             )
         self.events.write(record)
 
@@ -252,15 +248,17 @@ class ReplicaDriver:
         record = {"event": "discarded", "step": run.step, "reason": str(failure)}
         self.discarded.append({"step": run.step, "reason": str(failure)})
         self.events.write(record)
-        say(
-            self.config.replica_id, f"step {run.step}: {failure}; every replica keeps its own state"
-        )
+        self._say(f"step {run.step}: {failure}; every replica keeps its own state")
 
     def _committed(self, run: Run) -> None:
         event = run.sync.events[-1]
         record = {"event": "committed", "step": event.step, "kinds": event.kinds}
         self.events.write({**record, "replicas": list(self.replicas.replicas)})
         after_round(run)
+
+    def _say(self, line: str) -> None:
+        if self.is_main:
+            say(self.config.replica_id, line)
 
     def _check_loss(self, run: Run, loss: float) -> None:
         if math.isfinite(loss):
@@ -274,12 +272,15 @@ class ReplicaDriver:
 
 
 class ReplicaEvents:
-    """``replicas.jsonl``: what the quorums did, as this replica saw it, one JSON line each."""
+    """``replicas.jsonl``: what the quorums did, as this replica saw it, one JSON line each
+    (written by the replica's first process only, when ``enabled``)."""
 
-    def __init__(self, path: Path, replica_id: int) -> None:
-        self.path, self.replica_id = path, replica_id
+    def __init__(self, path: Path, replica_id: int, enabled: bool = True) -> None:
+        self.path, self.replica_id, self.enabled = path, replica_id, enabled
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"time": time.time(), "replica": self.replica_id, **record})
         with open(self.path, "a") as handle:

@@ -13,6 +13,7 @@ from mtdao.data import WorkerShard, encode_corpus, load_corpus, load_tokenizer
 from mtdao.data.batches import validation_batches
 from mtdao.model import Llama, model_config, split_weight_decay
 from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers, WorkerLayout
+from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.policy import OuterOptimizerConfig
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig
@@ -26,7 +27,12 @@ from mtdao.train.schedule import (
     lr_schedule_of,
     omega_warmup_of,
 )
-from mtdao.train.sharding import build_sharded_workers, check_topology, worker_of
+from mtdao.train.sharding import (
+    build_sharded_replica,
+    build_sharded_workers,
+    check_topology,
+    worker_of,
+)
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet, WorkerSet
 
 
@@ -148,8 +154,10 @@ def build_workers(
     """The communicator and the workers: one per process (or per --shards processes) under
     torchrun, else simulated; or one worker in this process, averaging through a given
     communicator."""
-    if communicator is not None:  # no coordination outside its rounds: the losses are this worker's
-        workers: WorkerSet = ProcessWorkerSet(model, WorkerLayout())
+    if communicator is not None and config.shards > 1:  # a replica of --shards processes
+        workers: WorkerSet = build_sharded_replica(model, config, device, communicator)
+    elif communicator is not None:  # no coordination outside its rounds: the losses are its own
+        workers = ProcessWorkerSet(model, WorkerLayout())
     elif config.shards > 1:
         communicator, workers = build_sharded_workers(model, config, device)
     elif process.distributed:
@@ -181,6 +189,9 @@ def build_sync(
         communicator,
         on_non_finite=config.on_non_finite,
         track_alignment=config.track_alignment,
+        fragments=config.sync_fragments,
+        delay=config.sync_delay,
+        codecs=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback),
     )
     if config.grad_clip > 0:  # between gradient averaging and the step, on each worker
         sync.register_gradient_hook(lambda: workers.clip_grad_norm_(config.grad_clip))

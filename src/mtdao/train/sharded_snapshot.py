@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
+from mtdao.sync.dtensors import shard_like
 from mtdao.train import checkpoint as ckpt
 from mtdao.train.checkpoint_dcp import ShardedCheckpointStore, load_sharded
 from mtdao.train.checkpoint_state import ProcessGroupCollective
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.setup import Run
-from mtdao.train.sharding import worker_of
+from mtdao.train.sharding import launched_workers, worker_of
 
 # The engine's state that is sharded like the parameters; the rest of it belongs to the worker.
 ENGINE_SHARDED_KEYS = ("anchors", "outer")
@@ -35,7 +36,7 @@ def checkpoint_store(
     return ShardedCheckpointStore(
         Path(config.out),
         rank=process.rank,
-        workers=config.workers,
+        workers=launched_workers(config),  # a fault-tolerant replica: its own run directory
         shards=config.shards,
         keep=keep,
         collective=ProcessGroupCollective(device=device if device.type == "cuda" else None),
@@ -55,30 +56,15 @@ def sharded_state(run: Run) -> dict[str, Any]:
     params, sync = run.sync.params, run.sync
     names = [sync.param_names[id(p)] for p in params]
     engine: dict[str, Any] = {
-        "anchors": {n: _like(p, a) for n, p, a in zip(names, params, sync.anchors)},
+        "anchors": {n: shard_like(p, a) for n, p, a in zip(names, params, sync.anchors)},
     }
     if sync.outer is not None:
         buffers = sync.outer.momentum_buffers
-        engine["outer_momentum"] = {n: _like(p, b) for n, p, b in zip(names, params, buffers)}
+        engine["outer_momentum"] = {n: shard_like(p, b) for n, p, b in zip(names, params, buffers)}
     worker = worker_of(run.process, run.config.shards)
     return {
         f"worker{worker}": {"model": model_state, "optimizer": optimizer_state, "engine": engine}
     }
-
-
-def _like(param, shard: torch.Tensor):
-    """``shard`` (this process's part of a tensor shaped and sharded like ``param``) as a DTensor
-    sharing its storage."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        shard,
-        param.device_mesh,
-        param.placements,
-        shape=param.shape,
-        stride=param.stride(),
-        run_check=False,
-    )
 
 
 def worker_state(run: Run) -> dict[str, Any]:

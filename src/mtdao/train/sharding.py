@@ -10,6 +10,11 @@ the sync engine averages each local shard over the M processes that hold it (the
 A worker computes what one unsharded worker computes: the same batch (its S processes each take
 ``batch_size / S`` of its sequences; FSDP averages their gradients), the same clipping norm (summed
 over shards), the same averages. ``--shards 1`` is the unsharded harness, unchanged.
+
+A replica of a fault-tolerant run (``--fault-tolerant --shards S``) is one such worker launched on
+its own (torchrun world size S): FSDP2 over its S processes, and its communicator
+(:mod:`mtdao.sync.torchft`) averaging each local shard with the same process of the other
+replicas.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch import Tensor, nn
 
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.sync.sharded_layout import ShardedWorkerLayout
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.workers import WorkerSet, language_model_loss
@@ -32,9 +38,25 @@ MESH_DIMENSIONS = ("replicate", "shard")
 # -- topology -------------------------------------------------------------------------------------
 
 
+def launched_workers(config: TrainConfig) -> int:
+    """The workers this launch's processes make: ``--workers``, or one fault-tolerant replica."""
+    return 1 if config.fault_tolerant else config.workers
+
+
 def check_topology(config: TrainConfig, process: ProcessInfo) -> None:
-    """Refuse a launch whose processes do not make ``--workers`` x ``--shards`` (one line)."""
+    """Refuse a launch whose processes do not make ``--workers`` x ``--shards`` (one line), or,
+    for a fault-tolerant replica, ``--shards``."""
     workers, shards = config.workers, config.shards
+    if config.fault_tolerant:
+        if process.world_size != shards:
+            need = "one process" if shards == 1 else f"{shards} processes, one per shard"
+            how = "" if shards == 1 else f" (torchrun --nproc-per-node {shards})"
+            has = "one" if not process.distributed else f"{process.world_size} (torchrun)"
+            raise ValueError(
+                f"--fault-tolerant --shards {shards}: each replica is its own launch of {need}"
+                f"{how}, but this one has {has}"
+            )
+        return
     if shards > 1 and not process.distributed:
         raise ValueError(
             f"--shards {shards}: sharded workers need one process per shard; launch with "
@@ -119,6 +141,20 @@ def build_sharded_workers(
         mesh.get_group("replicate"), shard_group=mesh.get_group("shard")
     )
     return communicator, ShardedWorkerSet(model, communicator.layout, mesh)
+
+
+def build_sharded_replica(
+    model: nn.Module, config: TrainConfig, device: torch.device, communicator
+) -> ShardedWorkerSet:
+    """This process's part of a fault-tolerant replica of ``--shards`` processes: FSDP2 over them,
+    and ``communicator`` (a :class:`mtdao.sync.torchft.ReplicaGroups`) averaging its shards with
+    the same process of the other replicas. Between rounds the replica reaches no other worker:
+    its losses, clipping and evaluation are its own."""
+    check_shardable(model, config.shards)
+    mesh = build_mesh(device, 1, config.shards)
+    shard_model(model, mesh, config.bf16)
+    communicator.shard_over(mesh.get_group("shard"))
+    return ShardedWorkerSet(model, ShardedWorkerLayout(mesh.get_group("shard")), mesh)
 
 
 # -- the workers ----------------------------------------------------------------------------------

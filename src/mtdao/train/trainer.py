@@ -208,12 +208,23 @@ def loop(run: Run, outputs: Outputs) -> None:
                 log_training(run, outputs.log, progress, loss, throughput.take())
             progress.update(1)
             if run.step % config.eval_every == 0 or run.step == run.total_steps:
+                complete_transfers(run)
                 run_evaluation(run, outputs.log)
             if config.checkpoint_every and run.step % config.checkpoint_every == 0:
                 save(run, outputs.store)
                 outputs.last_saved = run.step
     finally:
         progress.close()
+
+
+def complete_transfers(run: Run) -> None:
+    """Let the collectives of delayed rounds finish before an (untimed) evaluation, timed as
+    training: an evaluation must not hide communication that the steps would have waited for."""
+    started = time.perf_counter()
+    run.sync.complete_transfers()
+    elapsed = time.perf_counter() - started
+    run.clock.train_s += elapsed
+    run.clock.sync_s += elapsed
 
 
 def finite_mean(worker_losses: torch.Tensor) -> float:

@@ -1,8 +1,9 @@
 """Replica groups that die, rejoin and heal: averaging through torchft.
 
-Each replica group (one process for now) holds a full copy of the model and optimizer and is one
-worker of the sync engine. A torchft lighthouse keeps track of the live replicas; each replica has
-a torchft ``Manager``. A round runs in three parts:
+Each replica group holds a full copy of the model and optimizer and is one worker of the sync
+engine: one process, or several sharding it with FSDP2 (``shard_group``, see :mod:`.shards`). A
+torchft lighthouse keeps track of the live replicas; each replica has a torchft ``Manager`` (one
+per process). A round runs in three parts:
 
 1. :meth:`ReplicaGroups.before_step`, before the forward pass of every step: when this replica
    has not joined yet, or a round is due at the coming step (the engine's ``round_due``), a quorum
@@ -27,8 +28,8 @@ mtdao[ft]``). Healed state travels over torchft's HTTP transport as a pickle: pe
 each other.
 
 Modules: :mod:`.replicas` (the communicator and its layout), :mod:`.healing` (the state a healing
-replica receives), :mod:`.plumbing` (what is added to torchft's process group and state
-transport, and the lighthouse).
+replica receives), :mod:`.shards` (replicas of several processes), :mod:`.plumbing` (what is added
+to torchft's process group and state transport, and the lighthouse).
 """
 
 from mtdao.sync.torchft.healing import engine_state
@@ -39,16 +40,20 @@ from mtdao.sync.torchft.replicas import (
     ReplicaLayout,
     ReplicaSettings,
     RoundStart,
+    ShardedReplicaLayout,
 )
+from mtdao.sync.torchft.shards import ReplicaProcesses
 
 __all__ = [
     "Heal",
     "QuorumError",
     "ReplicaGroups",
     "ReplicaLayout",
+    "ReplicaProcesses",
     "ReplicaRefused",
     "ReplicaSettings",
     "RoundStart",
+    "ShardedReplicaLayout",
     "engine_state",
     "start_lighthouse",
 ]

@@ -17,14 +17,18 @@ from torchft import Manager
 
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, dtype_buckets, size_chunks
 from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
+from mtdao.sync.dtensors import local_shard
 from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.sharded_layout import ShardGroupSums
 from mtdao.sync.torchft.plumbing import (
     HealTransport,
     MembershipGloo,
     QuorumError,
+    create_store_client,
     first_line,
 )
+from mtdao.sync.torchft.shards import ReplicaProcesses
 
 
 @dataclass(frozen=True)
@@ -99,14 +103,33 @@ class ReplicaLayout(WorkerLayout):
         return self.communicator.mean_in_round(tensors, contributes=True)[0]
 
 
+class ShardedReplicaLayout(ShardGroupSums, ReplicaLayout):
+    """A replica of ``shard_group``'s processes among the replicas of the current quorum: a sum
+    over a worker adds the replica's shards first (see :mod:`.shards`)."""
+
+    def __init__(self, communicator: ReplicaGroups, shard_group: dist.ProcessGroup) -> None:
+        super().__init__(communicator)
+        self._join_shard_group(shard_group)
+
+
 class ReplicaGroups(Communicator):
     """One replica group of a fault-tolerant run: a worker of the engine, averaging with whichever
-    replicas are alive in each round. See the module docstring for the round protocol."""
+    replicas are alive in each round. See the module docstring for the round protocol.
+
+    With ``shard_group``, the replica is that group of processes sharding its tensors (FSDP2),
+    each averaging its shards with the same process of the other replicas (see :mod:`.shards`).
+    """
 
     layout: ReplicaLayout
+    plain_rounds_only = True  # a round must be whole and blocking to be committed or discarded
 
-    def __init__(self, settings: ReplicaSettings) -> None:
+    def __init__(
+        self, settings: ReplicaSettings, shard_group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__(ReplicaLayout(self))
+        self.processes = ReplicaProcesses()
+        if shard_group is not None:
+            self.shard_over(shard_group)
         self.settings = settings
         self.replica_id = settings.replica_id
         self.process_group = MembershipGloo(
@@ -121,14 +144,40 @@ class ReplicaGroups(Communicator):
         self._joined = False
         self._prepared_step: int | None = None  # the step whose round the last quorum opened
 
+    def shard_over(self, shard_group: dist.ProcessGroup) -> None:
+        """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
+        self.processes = ReplicaProcesses(shard_group)
+        self.layout = ShardedReplicaLayout(self, shard_group)
+
     def connect(self) -> None:
         """Announce this replica to the lighthouse (heartbeats start): call it once the replica
-        is ready to join, since a live replica that does not join holds up new quorums."""
+        is ready to join, since a live replica that does not join holds up new quorums. In a
+        replica of several processes every process calls it; group rank 0 first starts the
+        replica's manager server and store, then the others connect to them."""
+        self.transport = HealTransport(timedelta(seconds=self.settings.collective_timeout))
+        store, failure = None, None
+        if self.processes.rank == 0:
+            host = socket.gethostname()
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            store = (host, self._store.port)
+            failure = self._start_manager(*store)
+        store, failure = self.processes.from_first((store, failure))
+        if failure is None and self.processes.rank > 0:
+            failure = self._start_manager(*store)
+        if failure is not None:
+            self.transport.shutdown(wait=False)
+            raise QuorumError(failure)
+        if self.processes.size > 1:
+            address = f"{store[0]}:{store[1]}/mtdao"
+            timeout = timedelta(seconds=self.settings.collective_timeout)
+            self.process_group.replica_store = create_store_client(address, timeout)
+        for key, (state_dict, load_state_dict) in self._tracked.items():
+            self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+
+    def _start_manager(self, store_host: str, store_port: int) -> str | None:
+        """This process's torchft manager; the reason it could not start, if so."""
         settings = self.settings
         collective = timedelta(seconds=settings.collective_timeout)
-        host = socket.gethostname()
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.transport = HealTransport(collective)
         try:
             self.manager = Manager(
                 pg=self.process_group,
@@ -139,25 +188,25 @@ class ReplicaGroups(Communicator):
                 timeout=collective,
                 quorum_timeout=timedelta(seconds=settings.quorum_timeout),
                 connect_timeout=timedelta(seconds=settings.connect_timeout),
-                rank=0,
-                world_size=1,
-                store_addr=host,
-                store_port=self._store.port,
+                rank=self.processes.rank,
+                world_size=self.processes.size,
+                store_addr=store_host,
+                store_port=store_port,
                 lighthouse_addr=settings.lighthouse_url,
                 replica_id=str(settings.replica_id),
-                hostname=host,
+                hostname=store_host,
                 heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
                 checkpoint_transport=self.transport,
             )
         except RuntimeError as error:
-            self.transport.shutdown(wait=False)
             reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
-            raise QuorumError(
+            if self.processes.rank > 0:
+                return f"cannot reach this replica's manager on {store_host} ({reason})"
+            return (
                 f"cannot reach the lighthouse at {settings.lighthouse_url} within "
                 f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
-            ) from None
-        for key, (state_dict, load_state_dict) in self._tracked.items():
-            self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+            )
+        return None
 
     # -- membership --------------------------------------------------------------------------
 
@@ -191,10 +240,10 @@ class ReplicaGroups(Communicator):
         if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
             return None
         start = self.start_round()
-        self._joined = True
         self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
         if not sync.round_due(self._prepared_step):
             self._empty_round()
+        self._joined = True  # not before: a joiner whose first quorum failed asks again at once
         return start
 
     def _empty_round(self) -> None:
@@ -206,7 +255,7 @@ class ReplicaGroups(Communicator):
     def start_round(self) -> RoundStart:
         """A quorum for the round ahead, healing this replica if it is new or fell behind."""
         before = list(self.replicas)
-        self.process_group.refuse_duplicates = self.manager.current_step() == 0
+        self.process_group.step = self.manager.current_step()
         self._heal, self._fresh = None, False
         started = time.perf_counter()
         try:
@@ -222,8 +271,10 @@ class ReplicaGroups(Communicator):
             raise self.process_group.refusal
         self._round_open = True
         seconds = time.perf_counter() - started
+        received = self.transport.received_bytes if self._heal is not None else 0
+        received = self.processes.sum(received)  # a sharded replica: over its processes
         if self._heal is not None:
-            self._heal.bytes, self._heal.seconds = self.transport.received_bytes, seconds
+            self._heal.bytes, self._heal.seconds = received, seconds
             self._fresh = True
         after = self.replicas
         return RoundStart(
@@ -256,6 +307,10 @@ class ReplicaGroups(Communicator):
         num_bytes, collectives = self._account(tensors, kinds, collectives)
         return Averages(values, num_bytes, collectives)
 
+    def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
+        for tensor, value in zip(tensors, values):
+            local_shard(tensor).copy_(value)  # a sharded tensor's average is its shard's
+
     def commit(self) -> None:
         self._require_round()
         self._round_open = False
@@ -268,7 +323,9 @@ class ReplicaGroups(Communicator):
         self, tensors: Sequence[Tensor], contributes: bool
     ) -> tuple[list[Tensor], int]:
         """(means over the replicas that contribute, collectives): one SUM all-reduce per bucket,
-        each carrying its contributor count in one extra element."""
+        each carrying its contributor count in one extra element. A sharded tensor is averaged
+        as this process's shard."""
+        tensors = [local_shard(t) for t in tensors]
         averages: list[Tensor | None] = [None] * len(tensors)
         collectives = 0
         for indices in dtype_buckets(tensors).values():
@@ -296,8 +353,10 @@ class ReplicaGroups(Communicator):
         self._require_round()
         work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
         work.wait()
-        if self.manager.errored() is not None:
-            self._fail(self._failure())
+        failure = self._failure() if self.manager.errored() is not None else None
+        failure = self.processes.first_failure(failure)  # every process of the replica stops
+        if failure is not None:
+            self._fail(failure)
         return flat
 
     def _fail(self, reason: str) -> None:

@@ -1,0 +1,124 @@
+"""``mtdao sync-options``' report.md and options.png, rendered from its results.json alone."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mtdao.experiments.figures import pyplot, save
+from mtdao.experiments.formatting import (
+    SIGNIFICANCE_RULE,
+    failures_section,
+    format_traffic,
+    pm,
+    signed,
+    table,
+)
+from mtdao.sync.communicator import format_bytes
+
+SETTING_TITLES = {
+    "k32": "states on the period rule (every K)",
+    "state16": "states every 16 steps (--state-sync-period 16)",
+}
+VERDICTS = {
+    "better": "lower (significant)",
+    "worse": "higher (significant)",
+    "tie": "tie",
+    None: "one seed, no verdict",
+}
+
+
+def _cells(option: str, row: Mapping[str, Any], summary: Mapping[str, Any]) -> list[str]:
+    reference = summary["table"][summary["setting"]].get(summary["reference"], {})
+    peak = row["peak_step_bytes"] / max(reference.get("peak_step_bytes") or 1, 1)
+    is_reference = option == summary["reference"]
+    return [
+        option,
+        f"`{summary['options'][option]}`" if summary["options"][option] else "(float32, blocking)",
+        pm(row["val_loss"]),
+        "-"
+        if is_reference
+        else f"{signed(row['difference'])}: {VERDICTS[row['versus_reference']]}",
+        format_traffic(row["reduction_vs_ddp"]),
+        f"{format_bytes(row['peak_step_bytes'])} ({peak:.2f}x)",
+        "-" if is_reference else _paired(row.get("paired_difference")),
+    ]
+
+
+def _paired(paired: Mapping[str, Any] | None) -> str:
+    """Mean ± std of the per-seed differences, and in how many seeds the option was higher."""
+    if not paired:
+        return "-"
+    higher = sum(value > 0 for value in paired["values"])
+    return f"{signed(paired['mean'])} ± {paired['std']:.4f} (higher in {higher} of {paired['n']})"
+
+
+def render_report(summary: Mapping[str, Any]) -> str:
+    setup = summary["setup"]
+    lines = [
+        "# Sync options: overlapped, fragmented and quantized rounds against float32 rounds",
+        "",
+        f"Command: `{summary['command']}`",
+        "",
+        f"MT-DAO, {setup['model']} model ({summary['parameters']:,} parameters), "
+        f"M = {setup['workers']} simulated workers x {setup['batch_size']} x {setup['seq_len']} "
+        f"tokens, {setup['steps']} steps, K = {setup['sync_period']}, lr {setup['lr']:g}, seeds "
+        f"{' '.join(map(str, summary['seeds']))}. Final validation loss: mean ± std over seeds.",
+        f"Significance rule: {SIGNIFICANCE_RULE}.",
+    ]
+    header = (
+        "option",
+        "flags",
+        "final val loss",
+        "vs float32 blocking",
+        "traffic vs DDP",
+        "peak per step (vs float32)",
+        "paired by seed: difference, mean ± std",
+    )
+    for setting in summary["settings"]:
+        rows = summary["table"][setting]
+        context = {**summary, "setting": setting}
+        lines += ["", f"## {SETTING_TITLES.get(setting, setting)}", ""]
+        lines += table(header, (_cells(o, r, context) for o, r in rows.items()))
+    lines += [
+        "",
+        "- traffic vs DDP: DDP's bytes over the run's (the harness's account: encoded payloads, "
+        "scales and padding included), over the whole run.",
+        "- peak per step: the most one worker sends at any one step; fragments spread a round "
+        "over the period.",
+        "- paired by seed: the option's final loss minus float32's with the same seed (same "
+        "initialization and data), over the seeds; not the significance rule, which compares the "
+        "spreads over seeds. Runs that differ only in float rounding already end a few 0.01 apart.",
+    ]
+    if summary.get("failures"):
+        lines += ["", *failures_section(summary["failures"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot_options(out: Path, summary: Mapping[str, Any]) -> Path:
+    """Final loss (mean, std bars) per option, one panel per setting, the reference dashed."""
+    plt = pyplot()
+    settings = [s for s in summary["settings"] if summary["table"][s]]
+    count = max(len(settings), 1)
+    fig, axes = plt.subplots(1, count, figsize=(5.5 * count, 4.2), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        rows = summary["table"][setting]
+        names = list(rows)
+        means = [rows[n]["val_loss"]["mean"] for n in names]
+        stds = [rows[n]["val_loss"]["std"] for n in names]
+        ax.barh(names, means, xerr=stds, color=[f"C{i}" for i in range(len(names))], alpha=0.8)
+        reference = rows.get(summary["reference"])
+        if reference is not None:
+            ax.axvline(reference["val_loss"]["mean"], color="0.3", ls="--", lw=1)
+        low = min(m - s for m, s in zip(means, stds))
+        high = max(m + s for m, s in zip(means, stds))
+        ax.set_xlim(low - 0.05 * (high - low + 1e-9), high + 0.05 * (high - low + 1e-9))
+        ax.invert_yaxis()
+        ax.set_title(SETTING_TITLES.get(setting, setting), fontsize=10)
+        ax.set_xlabel("final validation loss (mean ± std over seeds)")
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path = Path(out) / "options.png"
+    save(fig, path)
+    return path

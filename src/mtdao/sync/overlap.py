@@ -1,0 +1,159 @@
+"""Delayed rounds: a round sent at step t - D is applied at t, keeping the local progress made in
+between.
+
+A delayed round lands at the policy's step t, where a blocking round would have been applied, so
+the steps at which workers take the global values (and at which a run is evaluated) stay the same;
+it is sent D steps earlier. At t - D the engine copies the tensors due (the *snapshot*) and sends
+the copy; workers keep training while it travels. At t the average of the snapshots is there, and
+each worker's tensor s (which has moved on from its snapshot s0) becomes
+
+    s <- s + c (mean(s0) - s0)
+
+the local progress since the snapshot on top of the new global value, where the correction is
+weighted by how much of the snapshot the tensor still carries:
+
+* parameters: c = 1 (Streaming DiLoCo's merge: the global value plus the local change);
+* a state that is an exponential moving average with decay beta (Adam's and MT-DAO's momenta,
+  the second moment, SGD's momentum buffer): c = beta^D. After D steps such a state holds
+  beta^D of its snapshot plus what the new gradients added, so replacing that share of the
+  snapshot by the average is exactly the state it would hold had the average been applied when
+  the snapshot was taken (for the same gradients);
+* the second moment is kept >= c mean(v0) >= 0: in exact arithmetic the merge is
+  (v - c v0) + c mean(v0), a sum of squares plus a positive average, and the bound absorbs
+  rounding, so the merged value never loses its sign.
+
+The merge leaves the workers' mean unchanged (mean(s) + c (mean(s0) - mean(s0))): it only removes
+the spread the workers had at the snapshot. With D = 0 no merge happens: the average is assigned,
+as a blocking round always did. A worker left out of a round (NaN/inf) takes the plain average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mtdao.sync.communicator import Averages
+from mtdao.sync.policy import SyncPolicy
+from mtdao.sync.rounds import SyncRound
+
+POSITIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
+"""States that are averages of squares, kept non-negative by the merge."""
+
+
+def check_delay(delay: int, policy: SyncPolicy) -> int:
+    """Refuse a delay that is not below every period of ``policy`` (a round must land before the
+    next round of the same tensors starts) or that a gradient-averaging policy cannot have."""
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        raise ValueError(f"Invalid sync delay: {delay!r} (must be an integer >= 0)")
+    if delay and policy.average_gradients:
+        raise ValueError("a sync delay needs local steps; gradient averaging (DDP) has none")
+    periods = [policy.params.period, policy.other_states.period]
+    periods += [rule.period for rule in policy.states.values()]
+    shortest = min((p for p in periods if p is not None), default=None)
+    if shortest is not None and delay >= shortest:
+        raise ValueError(
+            f"--sync-delay {delay} must be below every sync period (the shortest is {shortest}): "
+            "a round has to land before the next round of the same tensors starts"
+        )
+    return delay
+
+
+def merge_factor(kind: str, delay: int, decays: Mapping[str, float]) -> float:
+    """c of the merge: 1 for parameters (and states of unknown decay), beta^D for an EMA state."""
+    if kind == "params" or kind not in decays:
+        return 1.0
+    return float(decays[kind]) ** delay
+
+
+@torch.no_grad()
+def merge(
+    tensor: Tensor,
+    average: Tensor,
+    snapshot: Tensor,
+    factor: float,
+    positive: bool = False,
+    healed: Tensor | None = None,
+) -> None:
+    """``tensor <- tensor + factor (average - snapshot)`` in place (see the module docstring).
+
+    ``average`` is the global value (broadcast over stacked workers); ``healed``, a boolean mask
+    broadcastable to ``tensor``, marks workers that take ``average`` itself. Each operation is
+    rounded on its own (no fused multiply-add), so every layout computes the same bits.
+    """
+    correction = average - snapshot
+    if factor != 1.0:
+        correction.mul_(factor)
+    if healed is None:
+        tensor.add_(correction)
+    else:
+        merged = torch.where(healed, average.to(tensor.dtype), tensor + correction)
+        tensor.copy_(merged)
+    if positive:  # (a healed worker's average is above its floor already: factor <= 1)
+        torch.maximum(tensor, average * factor, out=tensor)
+
+
+@dataclass
+class PendingRound:
+    """A round whose average is in flight: applied at ``finish_step``."""
+
+    due: SyncRound
+    sent: list[Tensor]
+    """What was averaged (copies, for a delayed round): kept for a retry without a NaN worker."""
+    snapshots: list[Tensor] | None
+    """Each tensor's local value at the start (delayed rounds only)."""
+    result: Averages
+    finish_step: int
+    advance_step: int
+    """When the exchange's second stage is launched (quantized rounds have two)."""
+    excluded: list[int] = field(default_factory=list)
+    """Workers left out of the average (NaN/inf): they take the average without a merge."""
+    event: Any = None
+    """The engine's record of the round (made when it is sent)."""
+
+    @property
+    def step(self) -> int:
+        """The step it started at."""
+        return self.due.step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The round with its averages complete (waiting for them here changes no value)."""
+        values = self.result.wait()
+        return {
+            "step": self.step,
+            "sent": self.sent,
+            "snapshots": self.snapshots,
+            "averages": values,
+            "bytes": self.result.bytes,
+            "collectives": self.result.collectives,
+            "finish_step": self.finish_step,
+            "advance_step": self.advance_step,
+        }
+
+
+@dataclass
+class DelayedRounds:
+    """The rounds in flight, oldest first."""
+
+    rounds: list[PendingRound] = field(default_factory=list)
+
+    def add(self, pending: PendingRound) -> None:
+        self.rounds.append(pending)
+
+    def pop_due(self, step: int | None) -> list[PendingRound]:
+        """The rounds to apply at ``step`` (every round, with ``step`` None), removed."""
+        due = [r for r in self.rounds if step is None or r.finish_step <= step]
+        self.rounds = [r for r in self.rounds if not (step is None or r.finish_step <= step)]
+        return due
+
+    def advance(self, step: int) -> None:
+        """Launch the second stage of the rounds whose time for it has come."""
+        for pending in self.rounds:
+            if pending.advance_step == step:
+                pending.result.advance()
+
+    def __len__(self) -> int:
+        return len(self.rounds)

@@ -1,0 +1,175 @@
+"""How the engine's rounds are formed, sent and applied: fragments, delay and codecs composed.
+
+:class:`RoundPlan` holds the three options of :class:`~mtdao.sync.engine.LocalUpdateSync` that
+change a round without changing the policy, and does the parts of a round that depend on them:
+
+* :meth:`RoundPlan.collect`: the tensors whose round is sent at a step (the fragments due,
+  :mod:`.fragments`; D steps before the policy's step when rounds are delayed);
+* :meth:`RoundPlan.send`: a copy when the round is delayed, parameters as pseudo-gradients when
+  they are quantized (:mod:`.compression`), one communicator call with a codec per tensor;
+* :meth:`RoundPlan.apply`: assign the averages, or merge them into a delayed round's tensors
+  (:mod:`.overlap`).
+
+With the defaults (one fragment, no delay, float32) a round is collected, sent and applied exactly
+as a plain blocking round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from mtdao.sync.communicator import Averages, Communicator
+from mtdao.sync.compression import PseudoGradients, SyncCodecs
+from mtdao.sync.dtensors import shard_group_ranks
+from mtdao.sync.fragments import FragmentSchedule
+from mtdao.sync.overlap import POSITIVE_STATE_KEYS, PendingRound, check_delay, merge, merge_factor
+from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy, state_decays
+from mtdao.sync.quantize import check_supported
+from mtdao.sync.rounds import SyncRound
+
+
+class RoundPlan:
+    """Fragments, delay and codecs of one engine (validated together)."""
+
+    def __init__(
+        self,
+        policy: SyncPolicy,
+        optimizer: Optimizer,
+        communicator: Communicator,
+        names: Sequence[str],
+        *,
+        fragments: int = 1,
+        delay: int = 0,
+        codecs: SyncCodecs | None = None,
+        decays: dict[str, float] | None = None,
+    ) -> None:
+        codecs = codecs or SyncCodecs()
+        if policy.average_gradients and (fragments != 1 or codecs.quantizes_anything):
+            raise ValueError(
+                "fragments and quantized sync apply to parameter and state rounds; gradient "
+                "averaging (DDP) sends float32 gradients every step"
+            )
+        if fragments != 1 or delay or codecs.quantizes_anything:
+            _check_options_supported(communicator, optimizer)
+        self.policy, self.optimizer = policy, optimizer
+        self.communicator, self.layout = communicator, communicator.layout
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.names = list(names)
+        self.delay = check_delay(delay, policy)
+        sizes = [self.layout.worker_numel(p) for p in self.params]
+        self.fragments = FragmentSchedule(self.names, sizes, fragments)
+        self.codecs = codecs
+        device = self.params[0].device if self.params else torch.device("cpu")
+        for kind in ("params", "exp_avg", "exp_avg_sq"):
+            check_supported(codecs.codec(kind), device)
+        params_codec = codecs.codec("params")
+        self.pseudo_gradients = (
+            PseudoGradients(params_codec, codecs.error_feedback, self.layout.local_workers)
+            if params_codec is not None and policy.params.period is not None
+            else None
+        )
+        if decays is None and delay:
+            try:
+                decays = state_decays(optimizer)
+            except ValueError:  # an optimizer of unknown decays: the plain delta merge
+                decays = {}
+        self.decays = dict(decays or {})
+
+    def collect(self, step: int) -> SyncRound:
+        """The round sent at ``step``: what is due D steps later (a delayed round lands where a
+        blocking one would), the parameters of the fragments due, then their states in key order
+        per parameter."""
+        due = SyncRound(step, [], [], [])
+        lands = step + self.delay
+        for index, p in enumerate(self.params):
+            if self.fragments.is_due(self.policy.params, index, lands):
+                due.tensors.append(p)
+                due.kinds.append("params")
+                due.names.append(self.names[index])
+                due.param_indices.append(index)
+        for index, p in enumerate(self.params):
+            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
+                    continue
+                # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
+                param_shaped = value.dim() > 0 or p.dim() == 0
+                rule = self.policy.state_rule(key)
+                if param_shaped and self.fragments.is_due(rule, index, lands):
+                    due.tensors.append(value)
+                    due.kinds.append(key)
+                    due.names.append(f"{key} of {self.names[index]}")
+        return due
+
+    def send(self, due: SyncRound, anchors: Sequence[Tensor]) -> PendingRound:
+        """Start the round: one communicator call over what each tensor sends."""
+        snapshots = [t.clone() for t in due.tensors] if self.delay else None
+        sent = list(snapshots or due.tensors)
+        if self.pseudo_gradients is not None:
+            for j, index in enumerate(due.param_indices):
+                sent[j] = self.pseudo_gradients.payload(index, anchors[index], sent[j])
+        result = self.average(due, sent)
+        finish, advance = due.step + self.delay, due.step + max(1, self.delay // 2)
+        return PendingRound(due, sent, snapshots, result, finish, advance)
+
+    def average(self, due: SyncRound, sent: Sequence[Tensor], excluded=()) -> Averages:
+        if not self.codecs.quantizes_anything:
+            return self.communicator.average(sent, due.kinds, excluded)
+        codecs = [self.codecs.codec(kind) for kind in due.kinds]
+        return self.communicator.average(sent, due.kinds, excluded, codecs)
+
+    def global_params(self, pending: PendingRound, means: list[Tensor], anchors) -> list[Tensor]:
+        """The new global parameters from the averages of what the parameters sent."""
+        if self.pseudo_gradients is None:
+            return means
+        anchors = [anchors[i] for i in pending.due.param_indices]
+        return [PseudoGradients.global_value(a, m) for a, m in zip(anchors, means)]
+
+    def apply(self, pending: PendingRound, first: int, values: Sequence[Tensor]) -> None:
+        """Give the round's tensors from position ``first`` on their new global ``values``: one
+        assignment, or (a delayed round) a merge into each."""
+        tensors = pending.due.tensors[first : first + len(values)]
+        if pending.snapshots is None:
+            self.communicator.assign(tensors, values)
+            return
+        for j, (tensor, value) in enumerate(zip(tensors, values), start=first):
+            healed = None
+            if pending.excluded:
+                mask = self.layout.worker_mask(pending.excluded)
+                healed = self.layout.per_worker_view(mask, tensor)
+            kind = pending.due.kinds[j]
+            factor = merge_factor(kind, self.delay, self.decays)
+            positive = kind in POSITIVE_STATE_KEYS
+            merge(tensor, value, pending.snapshots[j], factor, positive, healed)
+
+    def restore(self, saved: dict[str, Any]) -> PendingRound:
+        """A delayed round from a checkpoint: its tensors found again by the step it started."""
+        due = self.collect(saved["step"])
+        device = due.tensors[0].device
+        sent, snapshots, averages = (
+            [t.to(device) for t in saved[key]] for key in ("sent", "snapshots", "averages")
+        )
+        result = Averages(averages, saved["bytes"], saved["collectives"])
+        return PendingRound(
+            due, sent, snapshots, result, saved["finish_step"], saved["advance_step"]
+        )
+
+
+def _check_options_supported(communicator: Communicator, optimizer: Optimizer) -> None:
+    """Delayed, fragmented and quantized rounds need whole workers (no sharded tensor) and a
+    communicator that keeps rounds in flight and takes codecs."""
+    if communicator.plain_rounds_only:
+        raise ValueError(
+            f"{type(communicator).__name__} syncs in plain blocking float32 rounds only: "
+            "no delay, fragments or quantized sync"
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(shard_group_ranks(p) is not None for p in params):
+        raise ValueError(
+            "sharded parameters (DTensor) sync in plain blocking float32 rounds only: "
+            "no delay, fragments or quantized sync"
+        )
