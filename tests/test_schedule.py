@@ -119,7 +119,8 @@ def test_warmed_beta_leaves_fast_momenta_alone(target):
 # -- applied by the trainer -----------------------------------------------------------------------
 
 
-def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tmp_path):
+def two_momenta_run(corpus_dir, tmp_path, **schedule):
+    """A tiny 2-worker run of 8 steps with two momenta (0.9, 0.99) weighted (0.3, 0.6)."""
     config = TrainConfig(
         model="tiny",
         workers=2,
@@ -127,8 +128,6 @@ def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tm
         batch_size=2,
         seq_len=32,
         steps=8,
-        warmup=0.25,
-        omega_warmup=0.5,
         betas=(0.9, 0.99),
         omegas=(0.3, 0.6),
         lr=1e-3,
@@ -137,8 +136,13 @@ def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tm
         out=str(tmp_path / "run"),
         device="cpu",
         progress=False,
+        **schedule,
     )
-    run = build_run(resolve(config))
+    return build_run(resolve(config))
+
+
+def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tmp_path):
+    run = two_momenta_run(corpus_dir, tmp_path, warmup=0.25, omega_warmup=0.5)
     assert run.lr_schedule.peak_lr == 1e-3 and run.omega_warmup.target_omegas == (0.3, 0.6)
     for group in run.optimizer.param_groups:
         assert "initial_lr" not in group and "target_omegas" not in group  # nothing stashed
@@ -159,24 +163,7 @@ def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tm
 
 
 def test_trainer_applies_beta_warmup(one_thread, corpus_dir, tmp_path):
-    config = TrainConfig(
-        model="tiny",
-        workers=2,
-        sync_period=2,
-        batch_size=2,
-        seq_len=32,
-        steps=8,
-        beta_warmup=0.5,
-        betas=(0.9, 0.99),
-        omegas=(0.3, 0.6),
-        lr=1e-3,
-        eval_tokens=64,
-        data=str(corpus_dir),
-        out=str(tmp_path / "run"),
-        device="cpu",
-        progress=False,
-    )
-    run = build_run(resolve(config))
+    run = two_momenta_run(corpus_dir, tmp_path, beta_warmup=0.5)
     assert run.beta_warmup.target_betas == (0.9, 0.99)
     for group in run.optimizer.param_groups:
         assert "target_betas" not in group  # nothing stashed
