@@ -10,19 +10,17 @@ or reported, by every process alike.
 from __future__ import annotations
 
 import dataclasses
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.testing import assert_close
 
 from mtdao.model import Llama, ModelConfig, split_weight_decay
 from mtdao.sync import NonFiniteError, SimulatedWorkers
 from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.sync.testing import run_on_gloo
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.methods import build_optimizer
 from mtdao.train.setup import build_sync
@@ -140,38 +138,28 @@ def without_shard_group(mesh) -> str:
     return "no error"
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _sharded_work() -> dict:
+    """One process of the 2 x 2 run (through ``run_on_gloo``): every method sharded, the
+    unsharded pair on ranks 0 and 1, and the NaN cases."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=WORKERS * SHARDS,
-            timeout=timedelta(seconds=60),
-        )
-        mesh = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("replicate", "shard"))
-        pair = dist.new_group([0, 1])  # the unsharded run: one worker per process
-        worker, shard = divmod(rank, SHARDS)
-        results = {}
-        for method in METHODS:
-            config = config_of(method)
-            results[method] = train(config, sharded_builder(mesh), [worker])
-            if rank < WORKERS:
-                results[f"{method} unsharded"] = train(config, unsharded_builder(pair), [rank])
-        # worker 1's second shard alone holds the NaN, at a sync step: all must see it
-        bad = (1, slice(None)) if (worker, shard) == (1, 1) else None
-        for action in ("raise", "skip"):
-            config = nan_config(action)
-            results[f"nan {action}"] = train(config, sharded_builder(mesh), [worker], bad)
-        results["no shard group"] = without_shard_group(mesh)
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORKERS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    pair = dist.new_group([0, 1])  # the unsharded run: one worker per process
+    worker, shard = divmod(rank, SHARDS)
+    results = {}
+    for method in METHODS:
+        config = config_of(method)
+        results[method] = train(config, sharded_builder(mesh), [worker])
+        if rank < WORKERS:
+            results[f"{method} unsharded"] = train(config, unsharded_builder(pair), [rank])
+    # worker 1's second shard alone holds the NaN, at a sync step: all must see it
+    bad = (1, slice(None)) if (worker, shard) == (1, 1) else None
+    for action in ("raise", "skip"):
+        config = nan_config(action)
+        results[f"nan {action}"] = train(config, sharded_builder(mesh), [worker], bad)
+    results["no shard group"] = without_shard_group(mesh)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -186,33 +174,12 @@ def simulated_results(one_thread) -> dict:
 
 def run_processes(root: Path) -> list[dict]:
     """Every process's results (benchmarks/sharded_exactness.py reports from them too)."""
-    if "forkserver" in mp.get_all_start_methods():
-        context = mp.get_context("forkserver")
-        # the fork server is shared with test_sharded_train.py: whichever starts it preloads
-        preload = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint"]
-        preload += ["matplotlib.pyplot", "mtdao.train.trainer"]
-        context.set_forkserver_preload([*preload, __name__])
-    else:
-        context = mp.get_context("spawn")
-    processes = [
-        context.Process(target=_worker, args=(rank, str(root / "store"), str(root)))
-        for rank in range(WORKERS * SHARDS)
-    ]
-    try:
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(JOIN_TIMEOUT_S)
-    finally:
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    errors = "\n".join(p.read_text() for p in sorted(root.glob("rank*.err")))
-    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s (deadlock?)\n{errors}"
-    assert all(p.exitcode == 0 for p in processes), errors or "a process failed"
-    return [torch.load(root / f"rank{rank}.pt") for rank in range(WORKERS * SHARDS)]
+    # the fork server is shared with test_sharded_train.py: whichever starts it preloads
+    preload = ["torch.distributed.fsdp", "torch.distributed.checkpoint", "matplotlib.pyplot"]
+    preload += ["mtdao.train.trainer", __name__]
+    return run_on_gloo(
+        _sharded_work, WORKERS * SHARDS, root, preload=preload, timeout_s=JOIN_TIMEOUT_S
+    )
 
 
 def run_simulated() -> dict:
