@@ -152,10 +152,10 @@ def test_a_killed_worker_restarts_from_its_checkpoint_to_the_identical_end(tmp_p
         for job in jobs.values():
             kill_group(job)
     for name, job in jobs.items():
-        assert job.returncode == 0, outputs[name][-3000:]
+        assert job.returncode == 0, outputs[name][-8000:]
     assert "starting fresh" in outputs["straight"] and "resumed from" not in outputs["straight"]
     assert outputs["killed"].count("starting fresh") == 1  # the first start
-    assert "resumed from step " in outputs["killed"], outputs["killed"][-3000:]
+    assert "resumed from step " in outputs["killed"], outputs["killed"][-8000:]
     assert not Path(f"/proc/{victim}").exists()
 
     straight, restarted = tmp_path / "straight", tmp_path / "killed"

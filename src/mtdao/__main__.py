@@ -2,6 +2,6 @@
 
 import sys
 
-from mtdao.cli import main
+from mtdao.cli import entry_point
 
-sys.exit(main())
+sys.exit(entry_point())

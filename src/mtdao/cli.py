@@ -7,8 +7,10 @@ function; this module only collects them and turns expected errors into one clea
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import sys
+import traceback
 
 # Modules that each define add_parser(subparsers); listed in the order `mtdao --help` shows them.
 COMMAND_MODULES = (
@@ -84,5 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     return int(result or 0)
 
 
+def entry_point() -> int:
+    """The ``mtdao`` program: :func:`main`; a native crash (a SIGSEGV or SIGABRT in a
+    communication backend) prints the Python stack of every thread before the process dies. A
+    process launched by torchrun ends without interpreter teardown (see
+    :func:`mtdao.train.distributed.end_worker_process`)."""
+    faulthandler.enable()
+    from mtdao.train.distributed import end_worker_process, launched_by_torchrun
+
+    if not launched_by_torchrun():
+        return main()
+    try:
+        exit_code = main()
+    except Exception:  # printed as Python would, then the same clean end
+        traceback.print_exc()
+        exit_code = 1
+    end_worker_process(exit_code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point())

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -92,6 +95,23 @@ def leave_process_group() -> None:
     """Destroy the process group if this process joined one (clean exit under torchrun)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_worker_process(exit_code: int) -> NoReturn:
+    """End a process launched by torchrun without tearing the interpreter down.
+
+    A gloo worker thread lets go of its last collective a moment after the collective completes;
+    the tensors it held then hand their Python objects back, which takes the GIL. If the main
+    thread has finished by then and the interpreter is finalizing, the worker thread cannot take
+    the GIL and the process aborts (SIGABRT, "terminate called without an active exception")
+    after a run that succeeded. The process group has been left and every file the run writes is
+    closed at this point: flush what is buffered and leave.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exit_code)
 
 
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
