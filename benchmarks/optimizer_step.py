@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from mtdao import MTSGD, MTAdam, MTAdopt
-from mtdao.optim.fused import ADAM, adam_coefficients, coefficient_tensor
-from mtdao.optim.launch import launch
+from mtdao.optim.fused import ADAM, adam_coefficients, coefficient_tensor, run_kernels
 
 WEIGHT_DECAY = 0.1  # the same for all, so that all pay for the decay pass
 BASELINE = "AdamW(fused=True)"
@@ -124,11 +123,11 @@ def breakdown_calls(optimizer: MTAdam) -> dict[str, Callable[[], object]]:
 
     @torch.no_grad()
     def kernels_only() -> None:
-        launch(spec, *tensors, c)
+        run_kernels(ADAM, spec, *tensors, c)
 
     @torch.no_grad()
     def one_flat_buffer() -> None:
-        launch(spec, [flat[0]], [flat[1]], [flat[2]], [flat[3]], c)
+        run_kernels(ADAM, spec, [flat[0]], [flat[1]], [flat[2]], [flat[3]], c)
 
     return {
         BREAKDOWN_OF + ": kernels only": kernels_only,

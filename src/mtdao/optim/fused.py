@@ -31,6 +31,7 @@ from torch import Tensor
 from mtdao.optim.compilation import ElementUpdate, KernelSpec, compiled_kernel
 from mtdao.optim.functional import raw_gradient_weight
 from mtdao.optim.launch import launch
+from mtdao.optim.native import native_available, native_launch
 
 # When ``fused=None`` takes the fused kernel (measured on the 2-core CPU of BENCHMARKS.md):
 # - per step, the kernel's fixed cost per tensor (~7-30 us of Python) against the foreach path's
@@ -149,6 +150,7 @@ class FusedRule:
     coefficients: Callable[..., Coefficients]
     second_moment: bool
     extra_coefficients: int  # how many coefficients besides the two per momentum
+    native_op: str  # its operator in the C++ kernel (torch.ops.mtdao_optim)
 
     def spec(self, num_momenta: int, param: Tensor, state: Tensor) -> KernelSpec:
         return KernelSpec(
@@ -161,14 +163,22 @@ class FusedRule:
             device=param.device,
         )
 
+    def native(self, spec: KernelSpec) -> bool:
+        """Whether the C++ kernel serves the spec (builds it on first request)."""
+        return native_available(spec, self.native_op)
+
     def available(self, num_momenta: int, param: Tensor, state: Tensor) -> bool:
-        """Whether a compiled kernel exists for such tensors (compiles it on first request)."""
-        return compiled_kernel(self.spec(num_momenta, param, state)) is not None
+        """Whether a fused kernel exists for such tensors: the C++ kernel on the CPU, else a
+        compiled one (built or compiled on first request)."""
+        spec = self.spec(num_momenta, param, state)
+        return self.native(spec) or compiled_kernel(spec) is not None
 
 
-ADAM = FusedRule(adam_update, adam_coefficients, second_moment=True, extra_coefficients=6)
-ADOPT = FusedRule(adopt_update, adopt_coefficients, second_moment=True, extra_coefficients=6)
-SGD = FusedRule(sgd_update, sgd_coefficients, second_moment=False, extra_coefficients=2)
+ADAM = FusedRule(adam_update, adam_coefficients, True, extra_coefficients=6, native_op="adam_step")
+ADOPT = FusedRule(
+    adopt_update, adopt_coefficients, True, extra_coefficients=6, native_op="adopt_step"
+)
+SGD = FusedRule(sgd_update, sgd_coefficients, False, extra_coefficients=2, native_op="sgd_step")
 
 
 def coefficient_tensor(coefficients: Coefficients, lr: float | Tensor, like: Tensor) -> Tensor:
@@ -199,7 +209,16 @@ def apply_rule(
     if len(coefficients[0]) != spec.num_coefficients:
         raise ValueError(f"{len(coefficients[0])} coefficients for {spec.describe()}")
     c = coefficient_tensor(coefficients, lr, exp_avgs[0][0])
-    launch(spec, params, grads, exp_avgs, exp_avg_sqs if rule.second_moment else None, c)
+    run_kernels(rule, spec, params, grads, exp_avgs, exp_avg_sqs, c)
+
+
+def run_kernels(rule, spec, params, grads, exp_avgs, exp_avg_sqs, c: Tensor) -> None:
+    """The update of every tensor set by the C++ kernel where it serves, else compiled ones."""
+    second_moments = exp_avg_sqs if rule.second_moment else None
+    if rule.native(spec):
+        native_launch(spec, rule.native_op, params, grads, exp_avgs, second_moments, c)
+    else:
+        launch(spec, params, grads, exp_avgs, second_moments, c)
 
 
 # --------------------------------------------------------------------------------------------
