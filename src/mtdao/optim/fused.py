@@ -1,4 +1,5 @@
-"""The MT-DAO update rules as compiled kernels (``fused=True``).
+"""The MT-DAO update rules as fused kernels (``fused=True``): one C++ call per bucket on the CPU,
+compiled kernels elsewhere.
 
 Each rule is an *element update*: a pure in-place function of one tensor set (parameter ``x``,
 gradient ``g``, momenta ``u_j``, second moment ``v``) and a 1-D float64 tensor ``c`` of
@@ -8,7 +9,10 @@ iteration, 10-15% of the kernel's time at memory speed). It
 computes the same update as the foreach form in :mod:`mtdao.optim.functional` and agrees with it
 to float rounding (the tests hold them to that). Compiled (:mod:`mtdao.optim.compilation`), it
 reads every element once and writes it once, which is all an element-wise optimizer has to do; the
-foreach form makes one pass over memory per operation.
+foreach form makes one pass over memory per operation. On the CPU a hand-written C++ kernel
+(:mod:`mtdao.optim.native`) does the same operations in the same order over all tensors of a
+bucket in one call (agreeing with the element update run eagerly to float rounding); compiled
+kernels serve CUDA and CPUs where the C++ kernel cannot be built.
 
 All hyperparameters, the learning rate and the step-dependent factors (bias corrections, ADOPT's
 clip) are coefficients: tensor values, not constants of the kernel, so a changing learning rate or
@@ -33,7 +37,8 @@ from mtdao.optim.functional import raw_gradient_weight
 from mtdao.optim.launch import launch
 from mtdao.optim.native import native_available, native_launch
 
-# When ``fused=None`` takes the fused kernel (measured on the 2-core CPU of BENCHMARKS.md):
+# When ``fused=None`` takes a compiled kernel where the C++ kernel does not serve (CUDA, or no
+# C++ build), as measured on the 2-core CPU of BENCHMARKS.md:
 # - per step, the kernel's fixed cost per tensor (~7-30 us of Python) against the foreach path's
 #   extra passes over memory (cheap while tensors sit in cache) cross at ~8K elements per tensor;
 # - once per process, compiling costs seconds (BENCHMARKS.md section 1), which a bucket of 4M
@@ -172,6 +177,17 @@ class FusedRule:
         compiled one (built or compiled on first request)."""
         spec = self.spec(num_momenta, param, state)
         return self.native(spec) or compiled_kernel(spec) is not None
+
+    def chosen(self, num_momenta: int, params: list[Tensor], state: Tensor, fused: bool | None):
+        """Whether to take a fused kernel for ``params`` with ``fused=True`` or ``None``: the C++
+        kernel wherever it serves (it beats the foreach path at every size), else a compiled one
+        if asked for or where it pays (``fused=None``)."""
+        spec = self.spec(num_momenta, params[0], state)
+        if self.native(spec):
+            return True
+        if fused is None and not fusing_pays(params):
+            return False
+        return compiled_kernel(spec) is not None
 
 
 ADAM = FusedRule(adam_update, adam_coefficients, True, extra_coefficients=6, native_op="adam_step")

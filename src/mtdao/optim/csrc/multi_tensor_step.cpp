@@ -8,8 +8,9 @@
 // Each element is updated by one loop body that reads every tensor once and writes it once; for
 // N <= 4 momenta N is a compile-time constant, so the loop over momenta unrolls and the element
 // loop vectorizes (-O3). The operations and their order are those of the element updates in
-// mtdao/optim/fused.py (built with -ffp-contract=off: no fused multiply-adds), so the result is
-// the same as those functions run eagerly, bit for bit. Coefficient layouts are documented there.
+// mtdao/optim/fused.py (built with -ffp-contract=off: no fused multiply-adds), each correctly
+// rounded, so the result agrees with those functions run eagerly to the last bit or one rounding
+// (torch's vectorized sqrt is not always correctly rounded). Coefficient layouts are there.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
