@@ -159,3 +159,24 @@ def test_a_failed_build_warns_once_and_the_optimizer_still_steps(tmp_path):
     assert float(value) < 1.0  # it stepped
     assert message.startswith("mtdao: the C++ optimizer kernel could not be built (")
     assert "\n" not in message
+
+
+def test_a_broken_library_and_a_dead_builders_lock_lead_to_a_new_build(tmp_path, monkeypatch):
+    # what a build killed while linking leaves: a truncated library and cpp_extension's lock file
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    source = resources.files("mtdao.optim").joinpath("csrc", native_build.SOURCE).read_text()
+    name = native_build.build_name(source, native_build.build_flags())
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / f"{name}.so").write_bytes(b"cut short")
+    (directory / "lock").touch()
+    builds = []
+
+    def build(name, source, flags, directory):  # stands in for the real (slow) build
+        assert not (directory / f"{name}.so").exists()
+        assert not (directory / "lock").exists()
+        builds.append(name)
+
+    monkeypatch.setattr(native_build, "_build", build)
+    native_build._build_and_load()
+    assert len(builds) == 1

@@ -1,11 +1,13 @@
 """Building and loading the hand-written CPU kernel (``csrc/multi_tensor_step.cpp``).
 
-The kernel is compiled with ``torch.utils.cpp_extension`` the first time a process asks for it and
-kept in torch's extensions folder (``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``), so a
-machine compiles it once; later processes only load it. The folder's name carries a hash of the
-source, the flags and the torch version, so a changed source or another torch never loads a stale
-build. The build needs a C++ compiler and ``ninja`` (a dependency of this package). If anything
-fails, :func:`native_library` warns once and returns False; the optimizers then take the compiled
+The kernel is compiled with ``torch.utils.cpp_extension`` the first time a machine needs it and
+kept in a folder of torch's extensions root (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``) named by a hash of the source, the flags, torch and Python; later
+processes load the library from there directly (a changed source or another torch gets a folder of
+its own, never a stale build). Builds are serialized by a lock the operating system drops when its
+holder dies, so a process killed while building leaves no lock behind that would block the next.
+The build needs a C++ compiler and ``ninja`` (a dependency of this package). If anything fails,
+:func:`native_library` warns once and returns False; the optimizers then take the compiled
 (inductor) kernels or the foreach path.
 """
 
@@ -77,20 +79,62 @@ def build_name(source: str, flags: list[str]) -> str:
     return f"mtdao_optim_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _build_and_load() -> None:
-    from torch.utils import cpp_extension  # imported on first use: it is slow to import
+def extensions_root() -> Path:
+    """Where torch keeps JIT-built extensions (its own default on Linux, without importing
+    ``torch.utils.cpp_extension``, which takes a few hundred ms)."""
+    if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "torch_extensions"
 
+
+def _build_and_load() -> None:
     source = resources.files("mtdao.optim").joinpath("csrc", SOURCE).read_text()
     flags = build_flags()
+    name = build_name(source, flags)
+    directory = extensions_root() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+    with _exclusive(directory / "build.lock"):
+        if library.exists():
+            try:
+                torch.ops.load_library(str(library))
+                return
+            except OSError:  # a build cut short (its process killed while linking): build again
+                library.unlink()
+        (directory / "lock").unlink(missing_ok=True)  # cpp_extension's own, left by a dead build
+        _build(name, source, flags, directory)
+
+
+def _build(name: str, source: str, flags: list[str], directory: Path) -> None:
+    from torch.utils import cpp_extension  # imported only to build: it is slow to import
+
     with _ninja_on_path():
         cpp_extension.load_inline(
-            name=build_name(source, flags),
+            name=name,
             cpp_sources=[source],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
             is_python_module=False,
             no_implicit_headers=True,  # the source includes only what it uses: a faster build
         )
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (released by the OS if this process dies)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: builds are not serialized
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
