@@ -178,7 +178,9 @@ class FusedRule:
         spec = self.spec(num_momenta, param, state)
         return self.native(spec) or compiled_kernel(spec) is not None
 
-    def chosen(self, num_momenta: int, params: list[Tensor], state: Tensor, fused: bool | None):
+    def chosen(
+        self, num_momenta: int, params: list[Tensor], state: Tensor, fused: bool | None
+    ) -> bool:
         """Whether to take a fused kernel for ``params`` with ``fused=True`` or ``None``: the C++
         kernel wherever it serves (it beats the foreach path at every size), else a compiled one
         if asked for or where it pays (``fused=None``)."""
@@ -190,11 +192,19 @@ class FusedRule:
         return compiled_kernel(spec) is not None
 
 
-ADAM = FusedRule(adam_update, adam_coefficients, True, extra_coefficients=6, native_op="adam_step")
-ADOPT = FusedRule(
-    adopt_update, adopt_coefficients, True, extra_coefficients=6, native_op="adopt_step"
+ADAM = FusedRule(
+    adam_update, adam_coefficients, second_moment=True, extra_coefficients=6, native_op="adam_step"
 )
-SGD = FusedRule(sgd_update, sgd_coefficients, False, extra_coefficients=2, native_op="sgd_step")
+ADOPT = FusedRule(
+    adopt_update,
+    adopt_coefficients,
+    second_moment=True,
+    extra_coefficients=6,
+    native_op="adopt_step",
+)
+SGD = FusedRule(
+    sgd_update, sgd_coefficients, second_moment=False, extra_coefficients=2, native_op="sgd_step"
+)
 
 
 def coefficient_tensor(coefficients: Coefficients, lr: float | Tensor, like: Tensor) -> Tensor:
