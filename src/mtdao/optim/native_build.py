@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import sys
 import warnings
@@ -64,8 +65,17 @@ def native_library() -> bool:
 
 
 def _first_line(error: BaseException) -> str:
+    """The line of a failed build that names its cause (the compiler's or the shell's error rather
+    than the command line ninja echoes), else the first line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+    causes = [
+        line
+        for line in lines
+        if not line.startswith(("[", "FAILED", "ninja:", "Error building extension"))
+        and any(word in line.lower() for word in ("error", "not found", "no such file"))
+    ]
+    line = (causes or lines or [""])[0]
+    return f"{type(error).__name__}: {line[:200]}"
 
 
 def build_flags() -> list[str]:
@@ -109,16 +119,24 @@ def _build_and_load() -> None:
 def _build(name: str, source: str, flags: list[str], directory: Path) -> None:
     from torch.utils import cpp_extension  # imported only to build: it is slow to import
 
-    with _ninja_on_path():
-        cpp_extension.load_inline(
-            name=name,
-            cpp_sources=[source],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            no_implicit_headers=True,  # the source includes only what it uses: a faster build
-        )
+    # cpp_extension logs a page-long ABI warning for any compiler not named g++; a failed build
+    # is reported by native_library in one line, a wrong result by the check against eager
+    quiet = logging.getLogger(cpp_extension.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with _ninja_on_path():
+            cpp_extension.load_inline(
+                name=name,
+                cpp_sources=[source],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                no_implicit_headers=True,  # the source includes only what it uses: a faster build
+            )
+    finally:
+        quiet.setLevel(level)
 
 
 @contextlib.contextmanager
