@@ -118,13 +118,14 @@ def _compile(spec: KernelSpec) -> Kernel:
     return torch_compile(unique, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
 
 
-def probe_inputs(spec: KernelSpec, slots: int | None = None) -> tuple:
-    """Scratch tensor sets (``slots`` of them, by default the spec's) and coefficients."""
+def probe_inputs(spec: KernelSpec, slots: int | None = None, numel: int = PROBE_NUMEL) -> tuple:
+    """Scratch tensor sets (``slots`` of them, by default the spec's, of about ``numel`` elements
+    each) and coefficients."""
     generator = torch.Generator().manual_seed(0)
 
     def random(slot: int, dtype: torch.dtype, low: float = -1.0, high: float = 1.0) -> Tensor:
         # a different size per slot, so that the kernel does not assume equal sizes
-        values = torch.rand(PROBE_NUMEL + 16 * slot, generator=generator, dtype=torch.float64)
+        values = torch.rand(numel + 16 * slot, generator=generator, dtype=torch.float64)
         return (low + (high - low) * values).to(device=spec.device, dtype=dtype)
 
     slots = range(spec.slots if slots is None else slots)
