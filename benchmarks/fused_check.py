@@ -1,12 +1,16 @@
 """Check the fused optimizer step against the foreach path on a device, and time both.
 
 For every variant, number of momenta and dtype: compile the kernels (the first two fused steps,
-timed: the one-time cost a process pays; the very first also imports and sets up the compiler), run the same steps with ``fused=True`` and ``foreach=True`` from the same start,
+timed: the one-time cost a process pays; on the CPU the very first builds or loads the C++ kernel,
+elsewhere it sets up the compiler), run the same steps with ``fused=True`` and ``foreach=True`` from
+the same start,
 compare parameters and states (torch's default tolerances for the dtype), and time a step of each
 (median of interleaved repeats). Exits with status 1 if any comparison fails. This is the script a
 GPU run uses; it runs on CPU as well.
 
     python benchmarks/fused_check.py --device cuda
+    TORCH_EXTENSIONS_DIR=$(mktemp -d) python benchmarks/fused_check.py --device cpu \
+        --variants adam --momenta 1 --dtypes float32    # C++ kernel: cold build cost
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_COMPILE_THREADS=1 \\
         python benchmarks/fused_check.py --variants adam --momenta 1    # cold compile cost
 """

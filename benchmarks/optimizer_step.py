@@ -11,10 +11,10 @@ The update is memory-bound, so each optimizer is also given as a bandwidth: the 
 single pass moves (read x, g and every state; write x and every state) over the time per step,
 beside the bandwidth of the copy (read + write), the practical limit of this machine.
 
-``--breakdown`` adds two rows that split a fused MTAdam step: its compiled kernels launched
-directly on the same tensors (the rest of the step is the optimizer's bookkeeping: step counters,
-bucketing, coefficients), and one launch over a single flat copy of all tensors (the difference
-to the former is the per-tensor cost of launching).
+``--breakdown`` adds two rows that split a fused MTAdam step: its kernel (on the CPU the C++
+kernel, elsewhere the compiled ones) called directly on the same tensors (the rest of the step is
+the optimizer's bookkeeping: step counters, bucketing, coefficients), and called on a single flat
+copy of all tensors (the difference to the former is the cost of many tensors over one).
 
     python benchmarks/optimizer_step.py                      # ~25M params in 100 tensors, CPU
     python benchmarks/optimizer_step.py --breakdown          # where a fused step's time goes
@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from mtdao import MTSGD, MTAdam, MTAdopt
-from mtdao.optim.fused import ADAM, adam_coefficients, coefficient_tensor
-from mtdao.optim.launch import launch
+from mtdao.optim.fused import ADAM, adam_coefficients, coefficient_tensor, run_kernels
 
 WEIGHT_DECAY = 0.1  # the same for all, so that all pay for the decay pass
 BASELINE = "AdamW(fused=True)"
@@ -104,8 +103,8 @@ BREAKDOWN_OF = "MTAdam N=1 omegas=(0.9,)"
 
 
 def breakdown_calls(optimizer: MTAdam) -> dict[str, Callable[[], object]]:
-    """Where a fused step's time goes: the same kernel launches without the optimizer's
-    bookkeeping, and one launch over the same update on a single flat copy of the tensors."""
+    """Where a fused step's time goes: the same kernel calls without the optimizer's
+    bookkeeping, and the same update on a single flat copy of the tensors."""
     group = optimizer.param_groups[0]
     params = group["params"]
     states = [optimizer.state[p] for p in params]
@@ -124,11 +123,11 @@ def breakdown_calls(optimizer: MTAdam) -> dict[str, Callable[[], object]]:
 
     @torch.no_grad()
     def kernels_only() -> None:
-        launch(spec, *tensors, c)
+        run_kernels(ADAM, spec, *tensors, c)
 
     @torch.no_grad()
     def one_flat_buffer() -> None:
-        launch(spec, [flat[0]], [flat[1]], [flat[2]], [flat[3]], c)
+        run_kernels(ADAM, spec, [flat[0]], [flat[1]], [flat[2]], [flat[3]], c)
 
     return {
         BREAKDOWN_OF + ": kernels only": kernels_only,
@@ -154,7 +153,7 @@ def main() -> None:
     parser.add_argument(
         "--breakdown",
         action="store_true",
-        help=f"also time {BREAKDOWN_OF}'s compiled kernels alone, on its tensors and on one flat copy",
+        help=f"also time {BREAKDOWN_OF}'s kernel alone, on its tensors and on one flat copy",
     )
     args = parser.parse_args()
     if args.threads:

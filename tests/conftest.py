@@ -10,6 +10,15 @@ import torch
 CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpp_optimizer_kernel() -> None:
+    """Build the C++ optimizer kernel (once per machine) before any test, so that no test's
+    subprocess, with its timeout, is the one that pays for the build."""
+    from mtdao.optim.native_build import native_library
+
+    native_library()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Small problems are fastest single-threaded: a second intra-op thread only adds

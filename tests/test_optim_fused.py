@@ -1,6 +1,8 @@
-"""The fused (compiled) step: equal to the foreach path to float rounding, no recompilation as the
-learning rate, step or tensor sizes change, reproducible, and a clean fallback where it cannot
-compile. Float64 equality with the literal reference is in test_optim_reference.py.
+"""The fused step, by both kernels (the C++ one of the CPU and the compiled one that serves CUDA
+and CPUs without the C++ build): equal to the foreach path to float rounding, no recompilation as
+the learning rate, step or tensor sizes change, reproducible, and a clean fallback where it cannot
+compile. Float64 equality with the literal reference is in test_optim_reference.py; the C++
+kernel's own properties are in test_optim_native.py.
 
 Every compiled kernel costs seconds on a cold cache, so the tests share a few kernel specs:
 float32 and float64 for every variant and N = 1..3, bfloat16 at N = 1.
@@ -14,12 +16,13 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from mtdao import MTSGD, MTAdam, MTAdopt
-from mtdao.optim import compilation
+from mtdao.optim import compilation, native
 from mtdao.optim.fused import ADAM, FUSED_MIN_MEAN_NUMEL, FUSED_MIN_NUMEL
 from mtdao.optim.launch import PARALLEL_MIN_NUMEL, SLOTS
 
@@ -102,6 +105,27 @@ def fresh_kernels():
     compilation._kernels.update(saved)
 
 
+@pytest.fixture
+def compiled_only(monkeypatch):
+    """The compiled kernels only, as on a machine where the C++ kernel cannot be built."""
+    monkeypatch.setattr(native, "native_library", lambda: False)
+    native.forget_native_checks()
+    yield
+    native.forget_native_checks()
+
+
+@pytest.fixture(params=["native", "compiled"])
+def kernel(request) -> Iterator[str]:
+    """Each test that takes it runs with the C++ kernel, then with the compiled ones."""
+    if request.param == "compiled":
+        request.getfixturevalue("compiled_only")
+        yield request.param
+        return
+    with warnings.catch_warnings():  # a C++ kernel that fails its check must fail the test
+        warnings.filterwarnings("error", message="mtdao: the C\\+\\+ optimizer kernel")
+        yield request.param
+
+
 # --------------------------------------------------------------------------------------------
 # Equality with the foreach path
 # --------------------------------------------------------------------------------------------
@@ -110,7 +134,7 @@ def fresh_kernels():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("num_momenta", [1, 2, 3])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_fused_matches_foreach(variant, num_momenta, dtype):
+def test_fused_matches_foreach(kernel, variant, num_momenta, dtype):
     fused = run(variant, num_momenta, dtype, fused=True)
     foreach = run(variant, num_momenta, dtype, foreach=True)
     initial = make_params(dtype)
@@ -119,7 +143,7 @@ def test_fused_matches_foreach(variant, num_momenta, dtype):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_bfloat16_params_with_float32_state_match_foreach(variant):
+def test_bfloat16_params_with_float32_state_match_foreach(kernel, variant):
     # Gradients independent of the parameters: a parameter that rounds to the neighbouring
     # bfloat16 value on one path would otherwise feed different gradients to the states.
     fused = run(variant, 1, torch.bfloat16, pull=0.0, fused=True)
@@ -132,7 +156,7 @@ def test_bfloat16_params_with_float32_state_match_foreach(variant):
             torch.testing.assert_close(value, foreach[1].state[q][key])  # float32 rounding
 
 
-def test_many_tensors_share_calls_of_the_many_tensor_kernel():
+def test_many_tensors_share_calls_of_the_many_tensor_kernel(compiled_only):
     # 11 small and 9 large tensors: each group fills one call of SLOTS and pads a second
     generator = torch.Generator().manual_seed(3)
     sizes = [5 + 7 * i for i in range(11)] + [PARALLEL_MIN_NUMEL + 9 * i for i in range(9)]
@@ -159,7 +183,7 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def test_nothing_recompiles_as_lr_step_omegas_and_sizes_change():
+def test_nothing_recompiles_as_lr_step_omegas_and_sizes_change(kernel):
     params = make_params(torch.float32)
     optimizer = make_optimizer("adam", 2, params, fused=True)
     train(optimizer, params, steps=2)  # compiled (or loaded) here
@@ -183,7 +207,7 @@ def train_with_tensor_lr(optimizer, params, steps: int) -> None:
 
 
 @pytest.mark.parametrize("path", ["fused", "foreach"])
-def test_tensor_lr_gives_the_float_lr_result(path):
+def test_tensor_lr_gives_the_float_lr_result(kernel, path):
     runs = []
     for as_tensor in (False, True):
         params = make_params(torch.float32)
@@ -203,7 +227,7 @@ def test_tensor_lr_gives_the_float_lr_result(path):
 # --------------------------------------------------------------------------------------------
 
 
-def test_bit_for_bit_reproducible_and_independent_of_threads():
+def test_bit_for_bit_reproducible_and_independent_of_threads(kernel):
     results = []
     for count in (2, 1, 2):
         torch.set_num_threads(count)  # the one_thread fixture restores the count afterwards
@@ -213,7 +237,7 @@ def test_bit_for_bit_reproducible_and_independent_of_threads():
 
 
 @pytest.mark.parametrize("resume_with", ["fused", "foreach"])
-def test_state_dict_round_trip(resume_with):
+def test_state_dict_round_trip(kernel, resume_with):
     params = make_params(torch.float32)
     optimizer = make_optimizer("adam", 2, params, fused=True)
     train(optimizer, params, steps=4)
@@ -237,26 +261,50 @@ def test_state_dict_round_trip(resume_with):
 # --------------------------------------------------------------------------------------------
 
 
-def test_default_takes_the_fused_kernel_for_large_buckets_of_large_tensors_only():
-    large = [torch.zeros(FUSED_MIN_NUMEL // 2, requires_grad=True) for _ in range(2)]
-    too_few = large[:1]  # large tensors, but too few elements in all to earn the compile back
-    too_small = [
-        torch.zeros(FUSED_MIN_MEAN_NUMEL // 2)
-        for _ in range(2 * FUSED_MIN_NUMEL // FUSED_MIN_MEAN_NUMEL)
-    ]
+def assert_paths(large, too_few, too_small, expected_paths) -> None:
     state = torch.zeros(1)
-    for options, on_large, elsewhere in [
-        ({}, "fused", "foreach"),
-        ({"fused": True}, "fused", "fused"),
-        ({"foreach": True}, "foreach", "foreach"),
-        ({"fused": False}, "foreach", "foreach"),
-        ({"foreach": False}, "loop", "loop"),
-    ]:
+    for options, on_large, elsewhere in expected_paths:
         optimizer = MTAdam(large, betas=(0.9, 0.99), omegas=(0.5, 0.5), **options)
         group = optimizer.param_groups[0]
         assert optimizer._path(group, large, state) == on_large, options
         assert optimizer._path(group, too_few, state) == elsewhere, options
         assert optimizer._path(group, too_small, state) == elsewhere, options
+
+
+def buckets_of_each_size():
+    large = [torch.zeros(FUSED_MIN_NUMEL // 2, requires_grad=True) for _ in range(2)]
+    too_few = large[:1]  # large tensors, but too few elements in all to earn a compile back
+    too_small = [
+        torch.zeros(FUSED_MIN_MEAN_NUMEL // 2)
+        for _ in range(2 * FUSED_MIN_NUMEL // FUSED_MIN_MEAN_NUMEL)
+    ]
+    return large, too_few, too_small
+
+
+def test_default_takes_the_cpp_kernel_for_every_bucket():
+    assert_paths(
+        *buckets_of_each_size(),
+        [
+            ({}, "fused", "fused"),
+            ({"fused": True}, "fused", "fused"),
+            ({"foreach": True}, "foreach", "foreach"),
+            ({"fused": False}, "foreach", "foreach"),
+            ({"foreach": False}, "loop", "loop"),
+        ],
+    )
+
+
+def test_default_takes_compiled_kernels_for_large_buckets_of_large_tensors_only(compiled_only):
+    assert_paths(
+        *buckets_of_each_size(),
+        [
+            ({}, "fused", "foreach"),
+            ({"fused": True}, "fused", "fused"),
+            ({"foreach": True}, "foreach", "foreach"),
+            ({"fused": False}, "foreach", "foreach"),
+            ({"foreach": False}, "loop", "loop"),
+        ],
+    )
 
 
 def test_fused_and_foreach_together_is_an_error():
@@ -283,7 +331,7 @@ def wrong_compile(function, **options):
     ids=["compile-error", "wrong-result"],
 )
 def test_falls_back_to_foreach_with_one_warning(
-    fresh_kernels, monkeypatch, compile_function, reason
+    compiled_only, fresh_kernels, monkeypatch, compile_function, reason
 ):
     monkeypatch.setattr(compilation, "torch_compile", compile_function)
     params = make_params(torch.float32)
@@ -312,25 +360,28 @@ def test_no_compiler_in_a_fresh_process_falls_back(tmp_path):
             for _ in range(3):
                 params[0].grad = params[0].detach().clone()
                 optimizer.step()
-        messages = [str(w.message) for w in caught if "fused optimizer step" in str(w.message)]
-        print(len(messages), messages[0] if messages else "")
+        messages = [str(w.message) for w in caught]
+        native = [m for m in messages if "C++ optimizer kernel could not be built" in m]
+        compiled = [m for m in messages if "fused optimizer step" in m]
+        print(len(native), len(compiled), compiled[0] if compiled else "")
         """
     )
     env = dict(
         os.environ,
         CXX=str(tmp_path / "no-such-compiler"),
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"),
+        TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"),  # no C++ kernel built before
     )
     result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    count, _, message = result.stdout.strip().partition(" ")
-    assert count == "1", result.stdout
+    native_warnings, compiled_warnings, message = result.stdout.strip().split(" ", 2)
+    assert (native_warnings, compiled_warnings) == ("1", "1"), result.stdout
     assert "foreach path" in message
 
 
-def test_availability_is_decided_once_per_spec(fresh_kernels, monkeypatch):
+def test_availability_is_decided_once_per_spec(compiled_only, fresh_kernels, monkeypatch):
     calls = []
 
     def counting_compile(function, **options):

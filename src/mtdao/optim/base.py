@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mtdao.optim.fused import FusedRule, fusing_pays
+from mtdao.optim.fused import FusedRule
 
 # Parameters stored in these dtypes get float32 optimizer state and are updated through a float32
 # copy: a bf16 EMA with beta = 0.999 cannot represent (1 - beta) * g against u and would stall.
@@ -87,13 +87,13 @@ def local_shards(tensors: list[Tensor]) -> list[Tensor]:
 class MultiTimescaleOptimizer(Optimizer):
     """Base class: a subclass names its kernels and the group entries they take.
 
-    Three implementations of one update, chosen per group: ``fused`` (compiled kernels that read
-    and write each element once, see :mod:`mtdao.optim.fused`), ``foreach`` (one multi-tensor
-    kernel per operation) and a for-loop over tensors. ``fused=None, foreach=None`` (the default)
-    takes the fused kernels for models large enough for them to pay (see
-    :func:`mtdao.optim.fused.fusing_pays`), the foreach path otherwise; wherever the kernels do
-    not compile, ``fused=True`` falls back to the foreach path too (decided at first use, with one
-    warning).
+    Three implementations of one update, chosen per group: ``fused`` (kernels that read and write
+    each element once: on the CPU one C++ call per bucket, elsewhere compiled kernels, see
+    :mod:`mtdao.optim.fused`), ``foreach`` (one multi-tensor kernel per operation) and a for-loop
+    over tensors. ``fused=None, foreach=None`` (the default) takes the C++ kernel on the CPU
+    whatever the size, compiled kernels where they pay (see :func:`mtdao.optim.fused.fusing_pays`)
+    and the foreach path otherwise. Where no fused kernel can be built, ``fused=True`` falls back
+    to the foreach path too (decided at first use, with one warning).
     """
 
     _has_second_moment = True
@@ -233,10 +233,10 @@ class MultiTimescaleOptimizer(Optimizer):
         fused, foreach = group.get("fused"), group.get("foreach")
         if foreach is False and not fused:
             return "loop"
-        if fused is False or (fused is None and (foreach or not fusing_pays(params))):
+        if fused is False or (fused is None and foreach):
             return "foreach"
-        available = self.fused_rule.available(len(group["betas"]), params[0], state)
-        return "fused" if available else "foreach"
+        chosen = self.fused_rule.chosen(len(group["betas"]), params, state, fused)
+        return "fused" if chosen else "foreach"
 
     def _run(
         self,

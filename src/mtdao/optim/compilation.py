@@ -118,15 +118,17 @@ def _compile(spec: KernelSpec) -> Kernel:
     return torch_compile(unique, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
 
 
-def _probe_inputs(spec: KernelSpec) -> tuple:
+def probe_inputs(spec: KernelSpec, slots: int | None = None, numel: int = PROBE_NUMEL) -> tuple:
+    """Scratch tensor sets (``slots`` of them, by default the spec's, of about ``numel`` elements
+    each) and coefficients."""
     generator = torch.Generator().manual_seed(0)
 
     def random(slot: int, dtype: torch.dtype, low: float = -1.0, high: float = 1.0) -> Tensor:
         # a different size per slot, so that the kernel does not assume equal sizes
-        values = torch.rand(PROBE_NUMEL + 16 * slot, generator=generator, dtype=torch.float64)
+        values = torch.rand(numel + 16 * slot, generator=generator, dtype=torch.float64)
         return (low + (high - low) * values).to(device=spec.device, dtype=dtype)
 
-    slots = range(spec.slots)
+    slots = range(spec.slots if slots is None else slots)
     xs = [random(i, spec.param_dtype) for i in slots]
     gs = [random(i, spec.param_dtype) for i in slots]
     momenta = [[random(i, spec.state_dtype) for _ in range(spec.num_momenta)] for i in slots]
@@ -143,7 +145,7 @@ def _clone(inputs: tuple) -> tuple:
     return [x.clone() for x in xs], gs, momenta, vs, c
 
 
-def _written(inputs: tuple) -> list[Tensor]:
+def written_tensors(inputs: tuple) -> list[Tensor]:
     xs, _, momenta, vs, _ = inputs
     momenta = [u for set_momenta in momenta for u in set_momenta]
     return xs + momenta + [v for v in vs if v is not None]
@@ -152,14 +154,14 @@ def _written(inputs: tuple) -> list[Tensor]:
 @torch.no_grad()
 def _check_against_eager(kernel: Kernel, spec: KernelSpec) -> None:
     """Compile (first call) and compare one update with the same function run eagerly."""
-    inputs = _probe_inputs(spec)
+    inputs = probe_inputs(spec)
     # the coefficient count is fixed per spec: a static size halves the time dynamo takes to trace
     torch._dynamo.mark_static(inputs[-1])
     compiled_run, eager_run = _clone(inputs), _clone(inputs)
     with _no_size_specialization():
         kernel(*compiled_run)
     _slotted(spec.update, spec.slots)(*eager_run)
-    for got, expected in zip(_written(compiled_run), _written(eager_run)):
+    for got, expected in zip(written_tensors(compiled_run), written_tensors(eager_run)):
         torch.testing.assert_close(got, expected)
 
 

@@ -1,4 +1,5 @@
-"""The MT-DAO update rules as compiled kernels (``fused=True``).
+"""The MT-DAO update rules as fused kernels (``fused=True``): one C++ call per bucket on the CPU,
+compiled kernels elsewhere.
 
 Each rule is an *element update*: a pure in-place function of one tensor set (parameter ``x``,
 gradient ``g``, momenta ``u_j``, second moment ``v``) and a 1-D float64 tensor ``c`` of
@@ -8,7 +9,10 @@ iteration, 10-15% of the kernel's time at memory speed). It
 computes the same update as the foreach form in :mod:`mtdao.optim.functional` and agrees with it
 to float rounding (the tests hold them to that). Compiled (:mod:`mtdao.optim.compilation`), it
 reads every element once and writes it once, which is all an element-wise optimizer has to do; the
-foreach form makes one pass over memory per operation.
+foreach form makes one pass over memory per operation. On the CPU a hand-written C++ kernel
+(:mod:`mtdao.optim.native`) does the same operations in the same order over all tensors of a
+bucket in one call (agreeing with the element update run eagerly to float rounding); compiled
+kernels serve CUDA and CPUs where the C++ kernel cannot be built.
 
 All hyperparameters, the learning rate and the step-dependent factors (bias corrections, ADOPT's
 clip) are coefficients: tensor values, not constants of the kernel, so a changing learning rate or
@@ -31,8 +35,10 @@ from torch import Tensor
 from mtdao.optim.compilation import ElementUpdate, KernelSpec, compiled_kernel
 from mtdao.optim.functional import raw_gradient_weight
 from mtdao.optim.launch import launch
+from mtdao.optim.native import native_available, native_launch
 
-# When ``fused=None`` takes the fused kernel (measured on the 2-core CPU of BENCHMARKS.md):
+# When ``fused=None`` takes a compiled kernel where the C++ kernel does not serve (CUDA, or no
+# C++ build), as measured on the 2-core CPU of BENCHMARKS.md:
 # - per step, the kernel's fixed cost per tensor (~7-30 us of Python) against the foreach path's
 #   extra passes over memory (cheap while tensors sit in cache) cross at ~8K elements per tensor;
 # - once per process, compiling costs seconds (BENCHMARKS.md section 1), which a bucket of 4M
@@ -149,6 +155,7 @@ class FusedRule:
     coefficients: Callable[..., Coefficients]
     second_moment: bool
     extra_coefficients: int  # how many coefficients besides the two per momentum
+    native_op: str  # its operator in the C++ kernel (torch.ops.mtdao_optim)
 
     def spec(self, num_momenta: int, param: Tensor, state: Tensor) -> KernelSpec:
         return KernelSpec(
@@ -161,14 +168,43 @@ class FusedRule:
             device=param.device,
         )
 
+    def native(self, spec: KernelSpec) -> bool:
+        """Whether the C++ kernel serves the spec (builds it on first request)."""
+        return native_available(spec, self.native_op)
+
     def available(self, num_momenta: int, param: Tensor, state: Tensor) -> bool:
-        """Whether a compiled kernel exists for such tensors (compiles it on first request)."""
-        return compiled_kernel(self.spec(num_momenta, param, state)) is not None
+        """Whether a fused kernel exists for such tensors: the C++ kernel on the CPU, else a
+        compiled one (built or compiled on first request)."""
+        spec = self.spec(num_momenta, param, state)
+        return self.native(spec) or compiled_kernel(spec) is not None
+
+    def chosen(
+        self, num_momenta: int, params: list[Tensor], state: Tensor, fused: bool | None
+    ) -> bool:
+        """Whether to take a fused kernel for ``params`` with ``fused=True`` or ``None``: the C++
+        kernel wherever it serves (it beats the foreach path at every size), else a compiled one
+        if asked for or where it pays (``fused=None``)."""
+        spec = self.spec(num_momenta, params[0], state)
+        if self.native(spec):
+            return True
+        if fused is None and not fusing_pays(params):
+            return False
+        return compiled_kernel(spec) is not None
 
 
-ADAM = FusedRule(adam_update, adam_coefficients, second_moment=True, extra_coefficients=6)
-ADOPT = FusedRule(adopt_update, adopt_coefficients, second_moment=True, extra_coefficients=6)
-SGD = FusedRule(sgd_update, sgd_coefficients, second_moment=False, extra_coefficients=2)
+ADAM = FusedRule(
+    adam_update, adam_coefficients, second_moment=True, extra_coefficients=6, native_op="adam_step"
+)
+ADOPT = FusedRule(
+    adopt_update,
+    adopt_coefficients,
+    second_moment=True,
+    extra_coefficients=6,
+    native_op="adopt_step",
+)
+SGD = FusedRule(
+    sgd_update, sgd_coefficients, second_moment=False, extra_coefficients=2, native_op="sgd_step"
+)
 
 
 def coefficient_tensor(coefficients: Coefficients, lr: float | Tensor, like: Tensor) -> Tensor:
@@ -199,7 +235,16 @@ def apply_rule(
     if len(coefficients[0]) != spec.num_coefficients:
         raise ValueError(f"{len(coefficients[0])} coefficients for {spec.describe()}")
     c = coefficient_tensor(coefficients, lr, exp_avgs[0][0])
-    launch(spec, params, grads, exp_avgs, exp_avg_sqs if rule.second_moment else None, c)
+    run_kernels(rule, spec, params, grads, exp_avgs, exp_avg_sqs, c)
+
+
+def run_kernels(rule, spec, params, grads, exp_avgs, exp_avg_sqs, c: Tensor) -> None:
+    """The update of every tensor set by the C++ kernel where it serves, else compiled ones."""
+    second_moments = exp_avg_sqs if rule.second_moment else None
+    if rule.native(spec):
+        native_launch(spec, rule.native_op, params, grads, exp_avgs, second_moments, c)
+    else:
+        launch(spec, params, grads, exp_avgs, second_moments, c)
 
 
 # --------------------------------------------------------------------------------------------

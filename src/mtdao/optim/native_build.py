@@ -1,0 +1,177 @@
+"""Building and loading the hand-written CPU kernel (``csrc/multi_tensor_step.cpp``).
+
+The kernel is compiled with ``torch.utils.cpp_extension`` the first time a machine needs it and
+kept in a folder of torch's extensions root (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``) named by a hash of the source, the flags, torch and Python; later
+processes load the library from there directly (a changed source or another torch gets a folder of
+its own, never a stale build). Builds are serialized by a lock the operating system drops when its
+holder dies, so a process killed while building leaves no lock behind that would block the next.
+The build needs a C++ compiler and ``ninja`` (a dependency of this package). If anything fails,
+:func:`native_library` warns once and returns False; the optimizers then take the compiled
+(inductor) kernels or the foreach path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+SOURCE = "multi_tensor_step.cpp"
+
+# -O3 vectorizes the kernel's loops; -fno-math-errno lets sqrt vectorize (errno is never read);
+# -ffp-contract=off keeps each multiply and add rounded on its own, as torch's eager kernels do;
+# -fopenmp makes at::parallel_for use torch's OpenMP threads (libgomp, already loaded by torch).
+BASE_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+
+# Vector instructions by what torch found the CPU to support (part of the build's name, so a
+# build for one CPU is never loaded on another that lacks its instructions).
+ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+
+# Whether the library is loaded: None until the first request decides it.
+_loaded: bool | None = None
+
+
+def native_library() -> bool:
+    """Build (once per machine) and load (once per process) the CPU kernel; False if impossible.
+
+    Its operators are then ``torch.ops.mtdao_optim.{adam,adopt,sgd}_step``.
+    """
+    global _loaded
+    if _loaded is None:
+        try:
+            _build_and_load()
+            _loaded = True
+        except Exception as error:  # no compiler, no ninja, a failed build: use another path
+            warnings.warn(
+                f"mtdao: the C++ optimizer kernel could not be built ({_first_line(error)}); "
+                "falling back to compiled or foreach kernels, which are slower on the CPU.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _loaded = False
+    return _loaded
+
+
+def _first_line(error: BaseException) -> str:
+    """The line of a failed build that names its cause (the compiler's or the shell's error rather
+    than the command line ninja echoes), else the first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    causes = [
+        line
+        for line in lines
+        if not line.startswith(("[", "FAILED", "ninja:", "Error building extension"))
+        and any(word in line.lower() for word in ("error", "not found", "no such file"))
+    ]
+    line = (causes or lines or [""])[0]
+    return f"{type(error).__name__}: {line[:200]}"
+
+
+def build_flags() -> list[str]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return BASE_FLAGS + ISA_FLAGS.get(capability, [])
+
+
+def build_name(source: str, flags: list[str]) -> str:
+    """The extension's name: one per source, flag set, torch and Python version."""
+    key = "\n".join([source, *flags, torch.__version__, sys.version])
+    return f"mtdao_optim_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def extensions_root() -> Path:
+    """Where torch keeps JIT-built extensions (its own default on Linux, without importing
+    ``torch.utils.cpp_extension``, which takes a few hundred ms)."""
+    if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "torch_extensions"
+
+
+def _build_and_load() -> None:
+    source = resources.files("mtdao.optim").joinpath("csrc", SOURCE).read_text()
+    flags = build_flags()
+    name = build_name(source, flags)
+    directory = extensions_root() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+    with _exclusive(directory / "build.lock"):
+        if library.exists():
+            try:
+                torch.ops.load_library(str(library))
+                return
+            except OSError:  # a build cut short (its process killed while linking): build again
+                library.unlink()
+        (directory / "lock").unlink(missing_ok=True)  # cpp_extension's own, left by a dead build
+        _build(name, source, flags, directory)
+
+
+def _build(name: str, source: str, flags: list[str], directory: Path) -> None:
+    from torch.utils import cpp_extension  # imported only to build: it is slow to import
+
+    # cpp_extension logs a page-long ABI warning for any compiler not named g++; a failed build
+    # is reported by native_library in one line, a wrong result by the check against eager
+    quiet = logging.getLogger(cpp_extension.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with _ninja_on_path():
+            cpp_extension.load_inline(
+                name=name,
+                cpp_sources=[source],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                no_implicit_headers=True,  # the source includes only what it uses: a faster build
+            )
+    finally:
+        quiet.setLevel(level)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (released by the OS if this process dies)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: builds are not serialized
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """Put the ``ninja`` of this Python environment on PATH for the build (torch runs ``ninja``
+    by name, and an environment used without activating it has its scripts off PATH)."""
+    scripts = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if scripts in path.split(os.pathsep):
+        yield
+        return
+    os.environ["PATH"] = os.pathsep.join([scripts, path]) if path else scripts
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def forget_native_library() -> None:
+    """Decide again at the next request (tests use it to simulate a failed build)."""
+    global _loaded
+    _loaded = None
