@@ -89,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
 def entry_point() -> int:
     """The ``mtdao`` program: :func:`main`; a native crash (a SIGSEGV or SIGABRT in a
     communication backend) prints the Python stack of every thread before the process dies. A
-    process launched by torchrun ends without interpreter teardown (see
-    :func:`mtdao.train.distributed.end_worker_process`)."""
+    process that joins process groups (under torchrun, a fault-tolerant replica) ends without
+    interpreter teardown (see :func:`mtdao.train.distributed.end_worker_process`)."""
     faulthandler.enable()
-    from mtdao.train.distributed import end_worker_process, launched_by_torchrun
+    from mtdao.train.distributed import end_worker_process, joins_process_groups
 
-    if not launched_by_torchrun():
+    if not joins_process_groups(sys.argv[1:]):
         return main()
     try:
         exit_code = main()

@@ -97,8 +97,14 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def joins_process_groups(argv: list[str]) -> bool:
+    """Whether a process with these ``mtdao`` arguments joins process groups: launched by
+    torchrun, or a replica of a fault-tolerant run (see :func:`end_worker_process`)."""
+    return launched_by_torchrun() or "--fault-tolerant" in argv
+
+
 def end_worker_process(exit_code: int) -> NoReturn:
-    """End a process launched by torchrun without tearing the interpreter down.
+    """End a process that joined process groups without tearing the interpreter down.
 
     A gloo worker thread lets go of its last collective a moment after the collective completes;
     the tensors it held then hand their Python objects back, which takes the GIL. If the main

@@ -331,4 +331,6 @@ def free_port() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mtdao.train.distributed import end_worker_process
+
+    end_worker_process(main())  # a replica: see end_worker_process
