@@ -95,6 +95,8 @@ def summarize(planned: dict, runs: list[dict], common: list[str]) -> dict:
         "planned_seeds": planned["seeds"],
         "sweep": sweep,
     }
+    if planned.get("lr_from"):  # runs at another experiment's best LR, by design not re-tuned
+        experiment["lr_from"] = planned["lr_from"]
     finite = [p for p in sweep if p["loss"] is not None]
     if not finite:
         return experiment

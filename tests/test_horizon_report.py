@@ -32,6 +32,11 @@ def test_state_names_what_is_missing():
     unbracketed = experiment("p1/ddp/1000", [1.0], bracketed=False)
     assert hr.state(unbracketed) == "provisional: sweep not bracketed yet, 1/3 seeds"
     assert hr.state({"id": "p1/ddp/1000", "sweep": [], "planned_seeds": [0]}) == "not started"
+    # at another experiment's LR (the held-out corpus): one LR, no sweep to bracket
+    one_lr = dict(sweep=((8e-3, 1.7),), bracketed=False, refined=False)
+    held_out = experiment("p6/vim-ddp/3000", [1.7, 1.8, 1.75], **one_lr, lr_from="p1/ddp/3000")
+    assert hr.state(held_out) == "final"
+    assert hr.state({**held_out, "values": [1.7]}) == "provisional: 1/3 seeds"
 
 
 def test_gap_counts_only_beyond_the_summed_stds():

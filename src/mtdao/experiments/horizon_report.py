@@ -37,7 +37,9 @@ def state(experiment: Mapping[str, Any]) -> str:
     missing = []
     if not experiment.get("sweep"):
         return "not started"
-    if not experiment.get("bracketed"):
+    if experiment.get("lr_from"):
+        pass  # the LR is another experiment's best (a check on data never tuned on): no sweep
+    elif not experiment.get("bracketed"):
         missing.append("sweep not bracketed yet")
     elif not experiment.get("refined"):
         missing.append("sweep not refined yet")
