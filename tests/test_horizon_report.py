@@ -78,3 +78,14 @@ def test_report_tables():
     assert "| p1/mtdao-default/1000 | -0.1000 (-8.3%, noise 0.0200): better |" in text
     assert "+0.1000 (+9.9%, noise 0.0200): worse" in text
     assert "- p1/ddp/3000: 0.008: diverged, 0.004: 0.9000" in text
+
+
+def test_each_experiment_is_compared_with_the_baselines_of_its_setting():
+    def baselines(eid):
+        return hr._baselines({"id": eid})
+
+    assert baselines("p1/mtdao-default/3000") == ("p1/local-adam/3000", "p1/ddp/3000")
+    assert baselines("p4/k128-mtdao-default/3000") == ("p4/k128-local-adam/3000", "p1/ddp/3000")
+    assert baselines("p6/vim-mtdao-default/3000") == ("p6/vim-local-adam/3000", "p6/vim-ddp/3000")
+    for baseline in ("p1/ddp/3000", "p1/local-adam/3000", "p4/k128-local-adam/3000"):
+        assert baselines(baseline) is None  # never compared with itself

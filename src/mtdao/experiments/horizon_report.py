@@ -101,7 +101,8 @@ def _by_id(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 def _baselines(experiment: Mapping[str, Any]) -> tuple[str, str] | None:
     """(local baseline id, DDP id) that an experiment is compared with, None for a baseline."""
     block, label, steps = experiment["id"].split("/")
-    if label in ("ddp", "local-adam", "local-adopt") or block in ("p5", "p6"):
+    baseline_labels = ("ddp", "local-adam", "local-adopt", "k128-local-adam")
+    if label in baseline_labels or block in ("p5", "p6"):
         if block == "p5" and label == "b64-mtdao-default":
             return f"p5/b64-local-adam/{steps}", f"p5/b64-ddp/{steps}"
         if block == "p6" and label == "vim-mtdao-default":
