@@ -70,18 +70,23 @@ def launch(
         numel = x.numel()
         if numel == 0:
             continue
-        if not (
-            x.is_contiguous()
-            and g.is_contiguous()
-            and all(u.is_contiguous() for u in momenta)
-            and (v is None or v.is_contiguous())
-        ):
+        if not contiguous_set(x, g, momenta, v):
             spec.update(x, g, momenta, v, c)
         else:
             (large if numel >= PARALLEL_MIN_NUMEL else small).append(x, g, momenta, v)
     with _one_thread(len(small) > 0 and spec.device.type == "cpu"):
         _run(spec, small, c)
     _run(spec, large, c)
+
+
+def contiguous_set(x: Tensor, g: Tensor, momenta: list[Tensor], v: Tensor | None) -> bool:
+    """Whether a tensor set can go to a kernel flattened: every tensor of it contiguous."""
+    return (
+        x.is_contiguous()
+        and g.is_contiguous()
+        and all(u.is_contiguous() for u in momenta)
+        and (v is None or v.is_contiguous())
+    )
 
 
 def _run(spec: KernelSpec, sets: Columns, c: Tensor) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from mtdao.optim.compilation import KernelSpec, probe_inputs, written_tensors
+from mtdao.optim.launch import contiguous_set
 from mtdao.optim.native_build import native_library
 
 # (parameter dtype, state dtype) pairs the kernel is built for
@@ -96,26 +97,19 @@ def native_launch(
     """Update every tensor set; tensors in other layouts (transposed views, channels-last) run
     through the element update eagerly."""
     exp_avg_sqs = exp_avg_sqs or []
-    sets = range(len(params))
-    strided = [i for i in sets if not _contiguous(i, params, grads, exp_avgs, exp_avg_sqs)]
-    if strided:
-        for i in strided:
-            v = exp_avg_sqs[i] if exp_avg_sqs else None
-            spec.update(params[i], grads[i], [u[i] for u in exp_avgs], v, c)
-        keep = sorted(set(sets) - set(strided))
-        params, grads = [params[i] for i in keep], [grads[i] for i in keep]
-        exp_avgs = [[u[i] for i in keep] for u in exp_avgs]
-        exp_avg_sqs = [exp_avg_sqs[i] for i in keep] if exp_avg_sqs else []
+    flat = []
+    for i, (x, g) in enumerate(zip(params, grads)):
+        momenta = [u[i] for u in exp_avgs]
+        v = exp_avg_sqs[i] if exp_avg_sqs else None
+        if contiguous_set(x, g, momenta, v):
+            flat.append(i)
+        else:
+            spec.update(x, g, momenta, v, c)
+    if len(flat) < len(params):
+        params, grads = [params[i] for i in flat], [grads[i] for i in flat]
+        exp_avgs = [[u[i] for i in flat] for u in exp_avgs]
+        exp_avg_sqs = [exp_avg_sqs[i] for i in flat] if exp_avg_sqs else []
     run_native(op_name, params, grads, exp_avgs, exp_avg_sqs, c)
-
-
-def _contiguous(i, params, grads, exp_avgs, exp_avg_sqs) -> bool:
-    return (
-        params[i].is_contiguous()
-        and grads[i].is_contiguous()
-        and all(u[i].is_contiguous() for u in exp_avgs)
-        and (not exp_avg_sqs or exp_avg_sqs[i].is_contiguous())
-    )
 
 
 def forget_native_checks() -> None:
