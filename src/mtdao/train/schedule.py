@@ -224,11 +224,11 @@ class StepsChange:
 
 def steps_change(old: TrainConfig, new: TrainConfig, step: int) -> StepsChange:
     """Compare the schedules of two resolved configs that differ in their length, at ``step``."""
-    old_lr, new_lr = lr_schedule_of(old), lr_schedule_of(new)
     plans = [
         (lr_schedule_of(config), omega_warmup_of(config), beta_warmup_of(config))
         for config in (old, new)
     ]
+    old_lr, new_lr = plans[0][0], plans[1][0]
     first_difference = next(
         (taken + 1 for taken in range(step) if any(o(taken) != n(taken) for o, n in zip(*plans))),
         None,
