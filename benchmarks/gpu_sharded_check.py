@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,14 +31,10 @@ from pathlib import Path
 
 import torch
 
+from mtdao.train.ports import unused_port
+
 BF16_LOSS_TOLERANCE = 0.05  # bf16 compute moves a tiny model's loss by ~1e-2 over these steps
 STEPS, BATCH, SEQ_LEN = 30, 8, 64
-
-
-def free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
 
 
 def report(name: str, passed: bool, details: str) -> bool:
@@ -134,7 +129,7 @@ def check_fsdp_on_cuda(out: Path) -> bool:
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(unused_port()))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     try:

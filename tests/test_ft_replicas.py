@@ -16,7 +16,8 @@ import pytest
 
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
-from mtdao.train.fault_drill import Drill, free_port
+from mtdao.train.fault_drill import Drill
+from mtdao.train.ports import unused_port
 
 pytest.importorskip("torchft")
 
@@ -82,7 +83,7 @@ def drill(corpus_dir, tmp_path_factory):
         for name, replica_id in (("r2", 2), ("r1b", 1), ("r2b", 2)):
             drill.start(name, replica_id, hold=True)
         drill.start("other-config", 2, ["--lr", "0.01"], hold=True)
-        nowhere = ["--lighthouse", f"localhost:{free_port()}", "--connect-timeout", "3"]
+        nowhere = ["--lighthouse", f"localhost:{unused_port()}", "--connect-timeout", "3"]
         drill.start("no-lighthouse", 0, nowhere)
         scenario = Scenario(drill)
         run_scenario(drill, scenario)

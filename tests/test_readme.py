@@ -10,22 +10,17 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mtdao.train.ports import unused_port
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
 ONE_PROCESS_SNIPPETS = [s for s in SNIPPETS if "--nproc-per-node" not in s]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_the_readme_has_python_snippets():
@@ -38,7 +33,9 @@ def test_the_readme_has_python_snippets():
 def test_readme_snippet_runs_as_written(snippet, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if "init_process_group" in snippet:
-        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env.update(
+            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(unused_port())
+        )
     done = subprocess.run(
         [sys.executable, "-c", snippet],
         cwd=tmp_path,

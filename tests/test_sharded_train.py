@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from mtdao.train import trainer
 from mtdao.train.checkpoint_dcp import ShardedCheckpointStore
 from mtdao.train.checkpoint_state import SingleProcess
 from mtdao.train.config import TrainConfig
+from mtdao.train.ports import unused_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -53,12 +53,6 @@ RECIPE = next(s for s in SNIPPETS if "--nproc-per-node 4" in s)
 FLAGS = dict(workers=2, shards=2, steps=8, sync_period=4, checkpoint_every=3, model="micro")
 FLAGS.update(batch_size=4, seq_len=32, eval_every=4, eval_tokens=512, log_every=4)
 FLAGS.update(device="cpu", progress=False)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- the processes ------------------------------------------------------------------------------
@@ -102,7 +96,7 @@ def launch(world: int, jobs: list, out: Path) -> list[int]:
         context.set_forkserver_preload(FORKSERVER_PRELOAD + [__name__])
     else:
         context = mp.get_context("spawn")
-    ports = [free_port() for _ in range(3)]
+    ports = [unused_port() for _ in range(3)]
     processes = [
         context.Process(target=_process, args=(rank, world, ports, jobs, str(out)))
         for rank in range(world)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from mtdao.train.distributed import (
     explain_collective_failure,
 )
 from mtdao.train.metrics import read_metrics
+from mtdao.train.ports import unused_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable")
 
@@ -181,12 +181,6 @@ def test_a_killed_worker_restarts_from_its_checkpoint_to_the_identical_end(tmp_p
             assert torch.equal(value, states[1]["params"][name]), (rank, name)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_frozen_worker_ends_the_others_within_the_collective_timeout(tmp_path, corpus_dir):
     """Worker 1 is stopped (SIGSTOP: alive, silent) once the run is training; worker 0 stops
@@ -195,7 +189,7 @@ def test_a_frozen_worker_ends_the_others_within_the_collective_timeout(tmp_path,
     argv = [sys.executable, "-m", "mtdao", "train", *FLAGS, "--steps", "5000"]
     argv += ["--data", str(corpus_dir), "--out", str(tmp_path / "run")]
     argv += ["--collective-timeout", str(timeout_s)]
-    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(unused_port())}
     workers = []
     try:
         for rank in (0, 1):

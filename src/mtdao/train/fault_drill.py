@@ -24,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from mtdao.train.ports import unused_port
 
 POLL_S = 0.02
 
@@ -164,7 +165,7 @@ class Drill:
         self.processes: dict[str, subprocess.Popen] = {}
         self.killed_at: dict[str, float] = {}
         self.started_at: dict[str, float] = {}
-        self.port = free_port()
+        self.port = unused_port()
         self.lighthouse = f"localhost:{self.port}"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -322,12 +323,6 @@ class Drill:
         for process in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-        probe.bind(("::", 0))
-        return probe.getsockname()[1]
 
 
 if __name__ == "__main__":
