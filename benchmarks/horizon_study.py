@@ -21,7 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from mtdao.experiments.horizon_report import nan_free, plot_horizon, render_horizon_report
+from mtdao.experiments.horizon_report import (
+    nan_free,
+    plot_horizon,
+    plot_screen,
+    render_horizon_report,
+)
 
 # Kept out of the shown flags: what differs per run of one experiment.
 PER_RUN_FLAGS = {"--lr", "--seed", "--out", "--eval-every", "--steps", "--checkpoint-every"}
@@ -32,9 +37,13 @@ PROTOCOL = [
     "evaluation, 25 evaluations per run, one thread per run",
     "LR: seed 0 sweeps a factor-2 grid (Adam 2e-3 .. 1.6e-2, ADOPT 1e-3 .. 8e-3), extended by "
     "factor 2 while the best is an edge (a diverged run counts as worse than any), then the two "
-    "sqrt(2) midpoints around the best; the other seeds run at the best LR. 10k steps start from "
-    "the 3k optimum and its sqrt(2) neighbours. The LR is chosen on seed 0, so seed 0 is slightly "
+    "sqrt(2) midpoints around the best; the other seeds run at the best LR. 10k steps, the "
+    "variants, the other sync periods and batch x4 start from a reference's optimum (the same "
+    "method at 3k, MT-DAO default or paper, the method at batch 16) and its sqrt(2) neighbours, "
+    "extended by sqrt(2) while an edge wins. The LR is chosen on seed 0, so seed 0 is slightly "
     "optimistic at its LR for every method alike",
+    "variants, K = 512 and batch x4 are screened on seed 0 first; seeds 1 and 2 follow for a "
+    "configuration that beats MT-DAO default of its setting beyond the seed spread",
     "seeds 0 1 2 at 1k and 3k steps, 0 1 at 10k; a difference counts only if it exceeds the sum of "
     "the two sample standard deviations",
     "second corpus for the final check, never tuned on: the vim documentation "
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "report.md").write_text(render_horizon_report(summary))
     plot_horizon(summary, args.out / "horizon.png")
+    plot_screen(summary, args.out / "screen.png")
     print(f"report: {args.out / 'report.md'}")
     return 0
 

@@ -89,3 +89,58 @@ def test_each_experiment_is_compared_with_the_baselines_of_its_setting():
     assert baselines("p6/vim-mtdao-default/3000") == ("p6/vim-local-adam/3000", "p6/vim-ddp/3000")
     for baseline in ("p1/ddp/3000", "p1/local-adam/3000", "p4/k128-local-adam/3000"):
         assert baselines(baseline) is None  # never compared with itself
+
+
+def test_other_periods_and_batches_are_compared_within_their_setting():
+    def baselines(eid):
+        return hr._baselines({"id": eid})
+
+    assert baselines("p4/k512-mtdao-default-state16/3000") == (
+        "p4/k512-local-adam/3000",
+        "p1/ddp/3000",
+    )
+    assert baselines("p4/k512-local-adam/3000") is None
+    assert baselines("p5/b64-mtdao-default/750") == ("p5/b64-local-adam/750", "p5/b64-ddp/750")
+    assert baselines("p5/b64-local-adam/750") is None
+
+
+def test_seed0_screen_pairs_each_configuration_with_its_setting():
+    def sweep(*losses):
+        return tuple(zip((2.828e-3, 4e-3, 5.657e-3), losses))
+
+    summary = {
+        "collected": "now",
+        "finished_runs": 9,
+        "running": [],
+        "protocol": ["one line"],
+        "experiments": [
+            experiment("p1/local-adam/3000", [1.31], sweep=sweep(1.33, 1.32, 1.3126)),
+            experiment("p1/mtdao-default/3000", [1.29], sweep=sweep(1.31, 1.2948, 1.30)),
+            experiment("p3/outer-nesterov/3000", [], sweep=sweep(1.30, 1.2848, None), best_lr=4e-3),
+            experiment("p4/k128-local-adam/3000", [], sweep=sweep(1.35, 1.3475, 1.36)),
+            experiment("p4/k128-mtdao-default-state16/3000", [], sweep=sweep(1.3375, 1.34, 1.35)),
+        ],
+    }
+    by_id = hr._by_id(summary)
+    rows = {e["id"]: (loss, a, b) for e, loss, a, b in hr._screen_rows(summary, by_id)}
+    assert rows["p3/outer-nesterov/3000"] == pytest.approx((1.2848, -0.01, -0.0278))
+    # no MT-DAO default at K = 128 yet: only the Local Adam difference
+    loss, vs_default, vs_local = rows["p4/k128-mtdao-default-state16/3000"]
+    assert (loss, vs_default) == (1.3375, None) and vs_local == pytest.approx(-0.01)
+    assert rows["p4/k128-local-adam/3000"][2] is None  # not compared with itself
+    text = hr.render_horizon_report(summary)
+    assert "| p3/outer-nesterov/3000 | 1.2848 @ 0.004 | -0.0100 | -0.0278 | bracketed |" in text
+    assert "![seed-0 screen](screen.png)" in text
+
+
+def test_screen_plot_draws_one_panel_per_setting(tmp_path):
+    summary = {
+        "experiments": [
+            experiment("p3/state16/3000", [], sweep=((4e-3, 1.29),)),
+            experiment("p4/k512-local-adam/3000", [], sweep=((4e-3, 1.4),), bracketed=False),
+        ]
+    }
+    hr.plot_screen(summary, tmp_path / "screen.png")
+    assert (tmp_path / "screen.png").stat().st_size > 1000
+    hr.plot_screen({"experiments": []}, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()

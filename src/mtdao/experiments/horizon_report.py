@@ -11,6 +11,7 @@ finished; otherwise its figures are provisional.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
@@ -101,19 +102,38 @@ def _by_id(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 def _baselines(experiment: Mapping[str, Any]) -> tuple[str, str] | None:
     """(local baseline id, DDP id) that an experiment is compared with, None for a baseline."""
     block, label, steps = experiment["id"].split("/")
-    baseline_labels = ("ddp", "local-adam", "local-adopt", "k128-local-adam")
-    if label in baseline_labels or block in ("p5", "p6"):
-        if block == "p5" and label == "b64-mtdao-default":
-            return f"p5/b64-local-adam/{steps}", f"p5/b64-ddp/{steps}"
-        if block == "p6" and label == "vim-mtdao-default":
-            return f"p6/vim-local-adam/{steps}", f"p6/vim-ddp/{steps}"
+    if label in ("ddp", "local-adam", "local-adopt") or re.fullmatch(r"k\d+-local-adam", label):
+        return None
+    if block in ("p5", "p6"):  # a setting of its own: its own baselines
+        prefix = label.split("-")[0]
+        if label == f"{prefix}-mtdao-default":
+            return f"{block}/{prefix}-local-adam/{steps}", f"{block}/{prefix}-ddp/{steps}"
         return None
     if block in BASELINES:
         local, ddp = BASELINES[block]
         return f"{block}/{local}/{steps}", f"{block}/{ddp}/{steps}"
-    if block == "p4":
-        return f"p4/k128-local-adam/{steps}", f"p1/ddp/{steps}"
+    if block == "p4":  # DDP has no period: the K = 32 table's DDP at the same steps
+        period = label.split("-")[0]
+        return f"p4/{period}-local-adam/{steps}", f"p1/ddp/{steps}"
     return f"p1/local-adam/{steps}", f"p1/ddp/{steps}"  # p3: variants at K = 32
+
+
+def _screen_references(experiment: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(MT-DAO default id, Local Adam id) of an experiment's setting, for the seed-0 screen; None
+    outside the screened blocks (variants, periods, batch)."""
+    block, label, steps = experiment["id"].split("/")
+    if block == "p3":
+        return f"p1/mtdao-default/{steps}", f"p1/local-adam/{steps}"
+    if block in ("p4", "p5"):
+        prefix = label.split("-")[0]
+        return f"{block}/{prefix}-mtdao-default/{steps}", f"{block}/{prefix}-local-adam/{steps}"
+    return None
+
+
+def seed0_best(experiment: Mapping[str, Any]) -> float | None:
+    """The seed-0 loss at the best LR of the sweep (None before any finite run)."""
+    finite = [p["loss"] for p in experiment.get("sweep") or [] if p["loss"] is not None]
+    return min(finite) if finite else None
 
 
 # -- report.md ---------------------------------------------------------------------------------
@@ -144,6 +164,20 @@ def render_horizon_report(summary: Mapping[str, Any]) -> str:
         "curve is below Local Adam's, and from which step on it stays below.",
         "",
         *_gap_table(summary, by_id),
+        "",
+        "## Seed-0 screen: variants, sync periods, batch size",
+        "",
+        "Each configuration at the best LR of its own seed-0 sweep, against MT-DAO default and "
+        "Local Adam of the same setting on the same seed (same data order and initial weights). "
+        "Seed-to-seed spread at 3000 steps is 0.002-0.008 (see above): a screen difference "
+        "smaller than about 0.01 says nothing; a configuration that clears it gets seeds 1 and 2.",
+        "",
+        *(["![seed-0 screen](screen.png)", ""] if _screen_rows(summary, by_id) else []),
+        *_screen_table(summary, by_id),
+        "",
+        "## Batch x4 at equal tokens",
+        "",
+        *_batch_table(by_id),
         "",
         "## Every experiment",
         "",
@@ -188,6 +222,57 @@ def _gap_table(summary, by_id) -> list[str]:
             f"| {e['id']} | {_gap_text(gap(e, local))} | {_gap_text(gap(e, ddp))} | "
             f"{crossing(e, local)} | {state(e)} |"
         )
+    return lines
+
+
+def _screen_rows(summary, by_id) -> list[tuple[dict[str, Any], float, float | None, float | None]]:
+    """(experiment, seed-0 loss, - MT-DAO default, - Local Adam) of every screened experiment."""
+    rows = []
+    for e in summary["experiments"]:
+        refs, loss = _screen_references(e), seed0_best(e)
+        if refs is None or loss is None:
+            continue
+        diffs = []
+        for ref_id in refs:
+            ref = seed0_best(by_id.get(ref_id, {}))
+            diffs.append(None if ref is None or ref_id == e["id"] else loss - ref)
+        rows.append((e, loss, diffs[0], diffs[1]))
+    return rows
+
+
+def _screen_table(summary, by_id) -> list[str]:
+    lines = [
+        "| experiment | seed 0 @ best LR | - MT-DAO default | - Local Adam | sweep |",
+        "|---|---|---|---|---|",
+    ]
+    for e, loss, vs_default, vs_local in _screen_rows(summary, by_id):
+        cells = [f"{d:+.4f}" if d is not None else "-" for d in (vs_default, vs_local)]
+        sweep = "bracketed" if e.get("bracketed") else "not bracketed yet"
+        lines.append(
+            f"| {e['id']} | {loss:.4f} @ {format_lr(e['best_lr'])} | {cells[0]} | {cells[1]} | "
+            f"{sweep} |"
+        )
+    return lines if len(lines) > 2 else ["No screened configuration has finished a run yet."]
+
+
+def _batch_table(by_id) -> list[str]:
+    lines = [
+        "Per-worker batch 16 x 3000 steps against batch 64 x 750 steps: the same 12.3M tokens, a "
+        "quarter of the steps and of the rounds (K = 32 both).",
+        "",
+        "| method | batch 16, 3000 steps | batch 64, 750 steps |",
+        "|---|---|---|",
+    ]
+    for label in ("ddp", "local-adam", "mtdao-default"):
+        cells = []
+        for eid in (f"p1/{label}/3000", f"p5/b64-{label}/750"):
+            e = by_id.get(eid)
+            if e is None or stats(e) is None:
+                cells.append("-")
+                continue
+            final = "" if state(e) == "final" else " *"
+            cells.append(f"{_pm(e)} @ {format_lr(e['best_lr'])}{final}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -274,6 +359,55 @@ def plot_horizon(summary: Mapping[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_screen(summary: Mapping[str, Any], path: Path) -> None:
+    """Seed-0 loss of each screened configuration as a bar, one panel per setting, with the
+    setting's Local Adam and MT-DAO default as lines; hatched bars: sweep not bracketed yet."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_id = _by_id(summary)
+    panels: dict[str, list[tuple[str, float, bool]]] = {}
+    for e, loss, _, _ in _screen_rows(summary, by_id):
+        block, label, steps = e["id"].split("/")
+        setting = _setting_name(block, label, steps)
+        panels.setdefault(setting, []).append((label, loss, bool(e.get("bracketed"))))
+    if not panels:
+        return
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, sharey=False
+    )
+    for axis, (setting, rows) in zip(axes[0], panels.items()):
+        labels = [r[0] for r in rows]
+        losses = [r[1] for r in rows]
+        bars = axis.barh(range(len(rows)), losses, color="C4", alpha=0.8)
+        for bar, (_, _, bracketed) in zip(bars, rows):
+            if not bracketed:
+                bar.set_hatch("//")
+                bar.set_facecolor("white")
+                bar.set_edgecolor("C4")
+        for y, loss in enumerate(losses):
+            axis.text(loss, y, f" {loss:.4f}", va="center", fontsize=7)
+        axis.set_yticks(range(len(rows)), labels, fontsize=8)
+        axis.invert_yaxis()
+        low, high = min(losses), max(losses)
+        axis.set_xlim(low - 0.02, high + 0.02)
+        axis.set_title(setting, fontsize=10)
+        axis.set_xlabel("final val loss, seed 0, own best LR")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _setting_name(block: str, label: str, steps: str) -> str:
+    if block == "p3":
+        return f"K = 32 variants, {steps} steps"
+    if block == "p4":
+        return f"K = {label.split('-')[0][1:]}, {steps} steps"
+    return f"per-worker batch 64, {steps} steps"
 
 
 def _horizon_experiments(summary: Mapping[str, Any], label: str) -> list[dict[str, Any]]:
