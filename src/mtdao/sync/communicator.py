@@ -58,12 +58,23 @@ class Traffic:
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     steps: int = 0
     ddp_bytes_per_step: int | None = None
+    process_bytes: int | None = None
+    """What this process sent, where a worker is several processes each sending its shards
+    (None: one process per worker, which sent ``bytes``)."""
 
-    def record_round(self, sizes: Sequence[tuple[str, int]], collectives: int) -> None:
-        """One averaging call: (kind, bytes) per tensor, sent in ``collectives`` calls."""
+    def record_round(
+        self,
+        sizes: Sequence[tuple[str, int]],
+        collectives: int,
+        process_bytes: int | None = None,
+    ) -> None:
+        """One averaging call: (kind, bytes per worker) per tensor, sent in ``collectives``
+        calls; ``process_bytes``: this process's part, when a worker is several processes."""
         for kind, num_bytes in sizes:
             self.bytes += num_bytes
             self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + num_bytes
+        if process_bytes is not None:
+            self.process_bytes = (self.process_bytes or 0) + process_bytes
         self.collectives += collectives
         self.rounds += 1
 
@@ -97,6 +108,7 @@ class Traffic:
             "bytes_by_kind": dict(self.bytes_by_kind),
             "steps": self.steps,
             "ddp_bytes_per_step": self.ddp_bytes_per_step,
+            "process_bytes": self.process_bytes,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -106,6 +118,7 @@ class Traffic:
         self.bytes_by_kind = {str(k): int(v) for k, v in state["bytes_by_kind"].items()}
         self.steps = int(state.get("steps", 0))
         self.ddp_bytes_per_step = state.get("ddp_bytes_per_step")
+        self.process_bytes = state.get("process_bytes")
 
 
 class RoundNotCommitted(RuntimeError):
@@ -213,9 +226,15 @@ class Communicator:
         sizes = [(kind, self.layout.worker_bytes(t)) for t, kind in zip(tensors, kinds)]
         return self._account_sizes(sizes, collectives)
 
-    def _account_sizes(self, sizes: Sequence[tuple[str, int]], collectives: int):
-        """Record (kind, bytes per worker) of everything one averaging call sent."""
-        self.traffic.record_round(sizes, collectives)
+    def _account_sizes(
+        self,
+        sizes: Sequence[tuple[str, int]],
+        collectives: int,
+        process_bytes: int | None = None,
+    ):
+        """Record (kind, bytes per worker) of everything one averaging call sent (and this
+        process's part, when a worker is several processes)."""
+        self.traffic.record_round(sizes, collectives, process_bytes)
         return sum(size for _, size in sizes), collectives
 
 

@@ -50,6 +50,22 @@ def shard_group_ranks(tensor: Tensor) -> list[int] | None:
     return dist.get_process_group_ranks(mesh.get_group(sharded[0]))
 
 
+def shard_numels(tensor: Tensor, num_shards: int) -> list[int]:
+    """Elements each of a worker's ``num_shards`` processes holds of ``tensor``: a sharded tensor
+    is cut along its one sharded dimension as ``torch.chunk`` cuts it (FSDP2's rule: chunks of
+    ceil(n / S) rows, the last ones shorter or empty); one that is not sharded is held whole by
+    every process."""
+    if shard_group_ranks(tensor) is None:
+        return [tensor.numel()] * num_shards
+    mesh = tensor.device_mesh  # one mesh dimension shards it (shard_group_ranks checked)
+    placements = enumerate(tensor.placements)
+    dim = next(p.dim for d, p in placements if p.is_shard() and mesh.size(d) > 1)
+    rows = tensor.shape[dim]
+    chunk = -(-rows // num_shards)
+    per_row = tensor.numel() // rows if rows else 0
+    return [max(0, min(chunk, rows - s * chunk)) * per_row for s in range(num_shards)]
+
+
 def shard_like(param: Tensor, shard: Tensor) -> Tensor:
     """``shard``, this process's part of a tensor shaped and sharded like ``param``, as a DTensor
     sharing its storage (a state received as local shards, made like its parameter again); when

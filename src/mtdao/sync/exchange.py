@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mtdao.sync.dtensors import local_shard
 from mtdao.sync.quantize import Codec
 
 
@@ -57,6 +58,25 @@ class BlockLayout:
         padding = (self.total_blocks - sum(self.tensor_blocks)) * codec.block_bytes
         sizes[0] = (sizes[0][0], sizes[0][1] + padding)
         return sizes
+
+
+def payload_sizes(
+    parts: Sequence[Sequence[int]],
+    kinds: Sequence[str],
+    codec: Codec,
+    num_workers: int,
+    process: int = 0,
+) -> tuple[list[tuple[str, int]], int]:
+    """What one worker sends in one codec's exchange: (kind, payload bytes) per tensor, summed
+    over the worker's processes, and the payload bytes of its process ``process``. ``parts[i]``
+    holds the elements of tensor i that each process holds: every process encodes its own
+    (a sharded worker's processes their shards, padded to whole blocks and equal chunks each)."""
+    per_process = [
+        BlockLayout(tuple(numels), codec.block, num_workers).kind_bytes(kinds, codec)
+        for numels in zip(*parts)
+    ]
+    sizes = [(kind, sum(sent[i][1] for sent in per_process)) for i, kind in enumerate(kinds)]
+    return sizes, sum(size for _, size in per_process[process])
 
 
 def pack(rows: Sequence[Tensor], layout: BlockLayout) -> Tensor:
@@ -125,6 +145,7 @@ class InFlightQuantizedMean:
         excluded: Sequence[int] = (),
     ) -> None:
         self.codec, self.group = codec, group
+        tensors = [local_shard(t) for t in tensors]  # a sharded worker: each process its shards
         self.shapes = [(t.shape, t.dtype) for t in tensors]
         self.num_workers = dist.get_world_size(group)
         self.contributors = contributors(self.num_workers, excluded)

@@ -34,6 +34,10 @@ class WorkerLayout:
     """Index of this process's first worker among all workers."""
     local_workers: int = 1
     """Workers whose copies this process holds."""
+    num_shards: int = 1
+    """Processes per worker, each holding a shard of its tensors (1: the worker's whole copy)."""
+    shard_rank: int = 0
+    """Which of its worker's processes this one is."""
 
     def worker_numel(self, tensor: Tensor) -> int:
         """Elements of one worker's copy."""
@@ -41,6 +45,10 @@ class WorkerLayout:
 
     def worker_bytes(self, tensor: Tensor) -> int:
         return self.worker_numel(tensor) * tensor.element_size()
+
+    def worker_parts(self, tensor: Tensor) -> list[int]:
+        """Elements of one worker's copy that each of its processes holds (and sends)."""
+        return [self.worker_numel(tensor)]
 
     def global_copy(self, tensor: Tensor) -> Tensor:
         """A copy of a tensor that all workers hold identically, in one worker's shape (of a

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from mtdao.sync.communicator import Averages, Communicator
 from mtdao.sync.compression import PseudoGradients, SyncCodecs
-from mtdao.sync.dtensors import shard_group_ranks
+from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.fragments import FragmentSchedule
 from mtdao.sync.overlap import POSITIVE_STATE_KEYS, PendingRound, check_delay, merge, merge_factor
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy, state_decays
@@ -55,7 +55,7 @@ class RoundPlan:
                 "averaging (DDP) sends float32 gradients every step"
             )
         if fragments != 1 or delay or codecs.quantizes_anything:
-            _check_options_supported(communicator, optimizer)
+            _check_options_supported(communicator)
         self.policy, self.optimizer = policy, optimizer
         self.communicator, self.layout = communicator, communicator.layout
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -106,9 +106,11 @@ class RoundPlan:
         return due
 
     def send(self, due: SyncRound, anchors: Sequence[Tensor]) -> PendingRound:
-        """Start the round: one communicator call over what each tensor sends."""
-        snapshots = [t.clone() for t in due.tensors] if self.delay else None
-        sent = list(snapshots or due.tensors)
+        """Start the round: one communicator call over what each tensor sends (of a sharded
+        tensor, this process's shard: every value a round keeps is a local shard)."""
+        tensors = [local_shard(t) for t in due.tensors]
+        snapshots = [t.clone() for t in tensors] if self.delay else None
+        sent = list(snapshots or tensors)
         if self.pseudo_gradients is not None:
             for j, index in enumerate(due.param_indices):
                 sent[j] = self.pseudo_gradients.payload(index, anchors[index], sent[j])
@@ -117,6 +119,8 @@ class RoundPlan:
         return PendingRound(due, sent, snapshots, result, finish, advance)
 
     def average(self, due: SyncRound, sent: Sequence[Tensor], excluded=()) -> Averages:
+        # a local shard sent goes as a DTensor again: its worker's traffic counts the whole tensor
+        sent = [shard_like(t, value) for t, value in zip(due.tensors, sent)]
         if not self.codecs.quantizes_anything:
             return self.communicator.average(sent, due.kinds, excluded)
         codecs = [self.codecs.codec(kind) for kind in due.kinds]
@@ -137,6 +141,7 @@ class RoundPlan:
             self.communicator.assign(tensors, values)
             return
         for j, (tensor, value) in enumerate(zip(tensors, values), start=first):
+            tensor = local_shard(tensor)
             healed = None
             if pending.excluded:
                 mask = self.layout.worker_mask(pending.excluded)
@@ -149,7 +154,7 @@ class RoundPlan:
     def restore(self, saved: dict[str, Any]) -> PendingRound:
         """A delayed round from a checkpoint: its tensors found again by the step it started."""
         due = self.collect(saved["step"])
-        device = due.tensors[0].device
+        device = local_shard(due.tensors[0]).device
         sent, snapshots, averages = (
             [t.to(device) for t in saved[key]] for key in ("sent", "snapshots", "averages")
         )
@@ -159,17 +164,11 @@ class RoundPlan:
         )
 
 
-def _check_options_supported(communicator: Communicator, optimizer: Optimizer) -> None:
-    """Delayed, fragmented and quantized rounds need whole workers (no sharded tensor) and a
-    communicator that keeps rounds in flight and takes codecs."""
+def _check_options_supported(communicator: Communicator) -> None:
+    """Delayed, fragmented and quantized rounds need a communicator that keeps rounds in flight
+    and takes codecs."""
     if communicator.plain_rounds_only:
         raise ValueError(
             f"{type(communicator).__name__} syncs in plain blocking float32 rounds only: "
-            "no delay, fragments or quantized sync"
-        )
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(shard_group_ranks(p) is not None for p in params):
-        raise ValueError(
-            "sharded parameters (DTensor) sync in plain blocking float32 rounds only: "
             "no delay, fragments or quantized sync"
         )

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
-from mtdao.sync.dtensors import local_shard, shard_group_ranks
+from mtdao.sync.dtensors import local_shard, shard_group_ranks, shard_numels
 from mtdao.sync.layout import ProcessGroupLayout, WorkerLayout
 
 
@@ -49,6 +49,10 @@ class ShardGroupSums:
                 f"{self._shard_ranks}"
             )
         return tensor.numel()  # a DTensor's numel is the whole tensor's
+
+    def worker_parts(self, tensor: Tensor) -> list[int]:
+        self.worker_numel(tensor)  # the same shard group
+        return shard_numels(tensor, self.num_shards)
 
     def _sum_over_shards(self, local_sums: Tensor) -> Tensor:
         dist.all_reduce(local_sums, op=dist.ReduceOp.SUM, group=self.shard_group)

@@ -470,11 +470,6 @@ def _validate_sync_options(config: TrainConfig) -> None:
             f"{changed[0]}: fault-tolerant replicas sync in plain blocking float32 rounds for now; "
             "drop the flag or --fault-tolerant"
         )
-    if changed and config.shards > 1:
-        raise ValueError(
-            f"{changed[0]}: sharded workers (--shards {config.shards}) sync in plain blocking "
-            "float32 rounds for now; drop the flag or --shards"
-        )
     periods = [config.sync_period, config.state_sync_period]
     shortest = min(p for p in periods if p is not None)
     if delay >= shortest:

@@ -30,10 +30,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "final_val_loss": final.get("val_loss"),
         "val_ppl": final.get("val_ppl"),
         "bytes_per_worker": traffic.bytes,
-        # a sharded worker's processes each send their shards: about bytes_per_worker / shards
-        "bytes_per_process": None
-        if not run.process.distributed
-        else round(traffic.bytes * process_share(params)),
+        # a sharded worker's processes each send their shards (encoded, when quantized)
+        "bytes_per_process": bytes_per_process(run, params),
         "bytes_by_kind": traffic.bytes_by_kind,
         "collectives": traffic.collectives,
         "ddp_bytes_per_worker": traffic.ddp_bytes,
@@ -66,6 +64,17 @@ def summarize(run: Run) -> dict[str, Any]:
         },
         "config": config.to_dict(),
     }
+
+
+def bytes_per_process(run: Run, params: list) -> int | None:
+    """What this process sent (None when simulated): counted where a worker is several processes
+    (before its first round: none), its worker's bytes where it is one."""
+    traffic = run.sync.traffic
+    if not run.process.distributed:
+        return None
+    if traffic.process_bytes is not None:
+        return traffic.process_bytes
+    return round(traffic.bytes * process_share(params))
 
 
 def bytes_per_step(events: list[SyncEvent]) -> list[list[int]]:

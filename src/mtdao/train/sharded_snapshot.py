@@ -10,6 +10,7 @@ unsharded one does); the sharded tensors are read into the built run by :func:`r
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from mtdao.train.checkpoint_state import ProcessGroupCollective
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.setup import Run
-from mtdao.train.sharding import launched_workers, worker_of
+from mtdao.train import sharded_rounds
+from mtdao.train.sharding import launched_workers, process_share, worker_of
 
 # The engine's state that is sharded like the parameters; the rest of it belongs to the worker.
 ENGINE_SHARDED_KEYS = ("anchors", "outer")
@@ -67,10 +69,8 @@ def sharded_state(run: Run) -> dict[str, Any]:
     }
 
 
-def worker_state(run: Run) -> dict[str, Any]:
-    engine = run.sync.state_dict()
-    for key in ENGINE_SHARDED_KEYS:
-        engine.pop(key)
+def worker_state(run: Run, engine: dict[str, Any]) -> dict[str, Any]:
+    """What the worker file holds: ``engine`` is the engine's state without its sharded part."""
     return {
         "step": run.step,
         "sync": engine,
@@ -84,7 +84,14 @@ def worker_state(run: Run) -> dict[str, Any]:
 
 def save(run: Run, store: ShardedCheckpointStore) -> Path | None:
     """Checkpoint the run (every process together); returns the directory on process 0."""
-    state = {"sharded": sharded_state(run), "worker": worker_state(run)}
+    engine = run.sync.state_dict()
+    for key in ENGINE_SHARDED_KEYS:
+        engine.pop(key)
+    sharded = sharded_state(run)
+    worker_key = f"worker{worker_of(run.process, run.config.shards)}"
+    sharded[worker_key]["engine"].update(sharded_rounds.split(run.sync, engine))
+    engine["traffic"]["process_bytes"] = sharded_rounds.gather_process_bytes(run.sync)
+    state = {"sharded": sharded, "worker": worker_state(run, engine)}
     return store.save(run.step, state, {"config": run.config.to_dict()})
 
 
@@ -96,18 +103,24 @@ def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
 
     from mtdao.train.snapshot import restore_progress
 
-    everything = sharded_state(run)
-    load_sharded(loaded.path, everything)
+    worker = loaded.state["worker"]
+    engine = copy.deepcopy(worker["sync"])
+    everything = sharded_state(run)  # (before the rounds: it makes the optimizer's states)
     sharded = everything[f"worker{worker_of(run.process, run.config.shards)}"]
+    sharded["engine"].update(sharded_rounds.layout(run.sync, engine))
+    load_sharded(loaded.path, everything)
     set_state_dict(
         run.workers.model,
         run.optimizer,
         model_state_dict=sharded["model"],
         optim_state_dict=sharded["optimizer"],
     )
-    worker = loaded.state["worker"]
+    sharded_rounds.join(run.sync, engine, sharded["engine"])
+    traffic, share = engine["traffic"], process_share(run.sync.params)
+    traffic["process_bytes"] = sharded_rounds.process_bytes_of(
+        traffic.get("process_bytes"), traffic["bytes"], run.sync.layout, share
+    )
     names = [run.sync.param_names[id(p)] for p in run.sync.params]
-    engine = dict(worker["sync"])
     engine["anchors"] = [sharded["engine"]["anchors"][n].to_local() for n in names]
     engine["outer"] = None
     if run.sync.outer is not None:
