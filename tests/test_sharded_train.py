@@ -53,6 +53,8 @@ RECIPE = next(s for s in SNIPPETS if "--nproc-per-node 4" in s)
 FLAGS = dict(workers=2, shards=2, steps=8, sync_period=4, checkpoint_every=3, model="micro")
 FLAGS.update(batch_size=4, seq_len=32, eval_every=4, eval_tokens=512, log_every=4)
 FLAGS.update(device="cpu", progress=False)
+# every round option: at the checkpoint of step 3 the round sent at step 2 is in flight
+OPTIONS = dict(sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedback=True)
 
 
 # -- the processes ------------------------------------------------------------------------------
@@ -129,16 +131,24 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
     data = dict(data=str(corpus_dir), **FLAGS)
     configs = {
         "mtdao": TrainConfig(method="mtdao", out=str(root / "mtdao"), **data),
-        # one worker of 4 shards, resumed below with 2 shards per worker
+        "options": TrainConfig(method="mtdao", out=str(root / "options"), **data, **OPTIONS),
+        # one worker of 4 shards, resumed below with 2 shards per worker from step 6, where a
+        # round is in flight and error feedback holds residuals; 7 steps: no round is sent after
+        # the resume, so the two runs end within float rounding
         "diloco-4": TrainConfig(
-            method="diloco", out=str(root / "diloco-4"), **{**data, "workers": 1, "shards": 4}
+            method="diloco",
+            out=str(root / "diloco-4"),
+            **{**data, "workers": 1, "shards": 4, "steps": 7, **OPTIONS},
         ),
     }
-    killed = replace(configs["mtdao"], out=str(root / "killed"))
+    killed = replace(configs["options"], out=str(root / "killed"))
     codes = launch(4, [*configs.values(), "recipe", "die", killed], root / "first")
     assert codes[1] == -signal.SIGKILL, codes
     assert not (root / "killed" / "results.json").exists()
-    assert ckpt.latest_checkpoint(root / "killed").step == 3
+    killed_at = ckpt.latest_checkpoint(root / "killed")
+    assert killed_at.step == 3
+    in_flight = torch.load(killed_at.path / "worker0.pt", weights_only=True)["sync"]["pending"]
+    assert [(r["step"], r["finish_step"]) for r in in_flight] == [(2, 4)]
     launch(4, [replace(killed, resume=True)], root / "resumed-processes")
     # the 4-shard run's step-6 checkpoint, resumed by 2 processes
     resharded = root / "diloco-2"
@@ -208,6 +218,15 @@ def test_sharded_run_equals_simulated(runs, simulated):
         assert real["cosine"] == pytest.approx(reference["cosine"], rel=1e-4)
 
 
+def test_a_process_of_the_options_run_counts_its_encoded_shards(runs):
+    options, plain = results(runs["options"]), results(runs["mtdao"])
+    assert options["bytes_per_process"] * 2 == options["bytes_per_worker"] > 0  # equal shards
+    assert options["config"]["sync_dtype"] == ["int8"]
+    # int8 codes and a scale per 256: about a quarter of float32's bytes per element
+    per_event = [b for _, b in options["comm_events"]], [b for _, b in plain["comm_events"]]
+    assert max(per_event[0]) < 0.3 * max(per_event[1])
+
+
 def test_memory_per_process_halves_with_two_shards(runs, simulated):
     sharded = results(runs["mtdao"])["memory_per_process"]
     all_workers = simulated["mtdao"]["memory_per_process"]  # both workers in one process
@@ -229,18 +248,23 @@ def test_final_checkpoint_holds_each_worker_whole(runs, simulated):
 
 
 def test_killed_run_resumes_bit_identically(runs):
-    uninterrupted, resumed = results(runs["mtdao"]), results(runs["killed"])
+    """Killed right after the checkpoint of step 3, with a round in flight (every option on)."""
+    uninterrupted, resumed = results(runs["options"]), results(runs["killed"])
     assert resumed["evals"] and [e["val_loss"] for e in resumed["evals"]] == [
         e["val_loss"] for e in uninterrupted["evals"]
     ]
     for key in ("final_val_loss", "bytes_per_worker", "comm_events", "alignment"):
         assert resumed[key] == uninterrupted[key], key
-    expected, tensors = final_tensors(runs["mtdao"]), final_tensors(runs["killed"])
+    for key in ("bytes_per_process", "bytes_by_kind"):
+        assert resumed[key] == uninterrupted[key], key
+    expected, tensors = final_tensors(runs["options"]), final_tensors(runs["killed"])
     assert expected.keys() == tensors.keys()
+    assert any(".engine.rounds." in name for name in tensors)  # one in flight at the end too
+    assert any(".engine.residuals." in name for name in tensors)
     for name, tensor in tensors.items():
         assert torch.equal(tensor, expected[name]), name
     lines = (runs["killed"] / "metrics.jsonl").read_text().splitlines()
-    reference = (runs["mtdao"] / "metrics.jsonl").read_text().splitlines()
+    reference = (runs["options"] / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(line).get("train_loss") for line in lines]
     assert losses == [json.loads(line).get("train_loss") for line in reference]
 
@@ -250,7 +274,9 @@ def test_resharded_resume_continues_the_run(runs):
     assert two["shards"] == 2 and four["shards"] == 4
     assert two["final_val_loss"] == pytest.approx(four["final_val_loss"], abs=1e-5)
     expected, tensors = final_tensors(runs["diloco-4"]), final_tensors(runs["diloco-2"])
-    assert any("outer_momentum" in name for name in tensors)
+    assert expected.keys() == tensors.keys()
+    for kind in ("outer_momentum", "rounds", "residuals"):  # the residuals reshard exactly
+        assert any(f".engine.{kind}." in name for name in tensors), kind
     for name, tensor in tensors.items():
         if tensor.is_floating_point():
             assert_close(tensor, expected[name], msg=name)

@@ -3,8 +3,10 @@
 One worker per process, or per group of processes sharding its tensors (FSDP2, ``shard_group``);
 float32 tensors due at one step travel in the bucketed all-reduce of :mod:`mtdao.sync.collectives`
 (one flat buffer per device and dtype, split at ``bucket_bytes``; a sharded tensor as its local
-shard), quantized ones in the exchange of :mod:`mtdao.sync.exchange`. Both are launched without
-blocking: the :class:`Averages` returned holds them in flight until ``wait()``.
+shard), quantized ones in the exchange of :mod:`mtdao.sync.exchange` (each process encoding its
+own shards). Both are launched without blocking: the :class:`Averages` returned holds them in
+flight until ``wait()``. A sharded process also counts its own part of its worker's bytes
+(``Traffic.process_bytes``).
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ class ProcessGroupWorkers(Communicator):
             part: InFlight
             if codec is None:
                 part = InFlightMean(group, self.group, self.bucket_bytes, excluded)
-                sizes += [(kind, self.layout.worker_bytes(t)) for t, kind in zip(group, group_kinds)]
+                sizes += [
+                    (kind, self.layout.worker_bytes(t)) for t, kind in zip(group, group_kinds)
+                ]
                 process_bytes += sum(local_shard(t).numel() * t.element_size() for t in group)
             else:
                 part = InFlightQuantizedMean(group, codec, self.group, excluded)

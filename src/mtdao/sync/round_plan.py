@@ -11,7 +11,9 @@ change a round without changing the policy, and does the parts of a round that d
   (:mod:`.overlap`).
 
 With the defaults (one fragment, no delay, float32) a round is collected, sent and applied exactly
-as a plain blocking round.
+as a plain blocking round. A sharded tensor (DTensor) is collected whole (fragments and sizes are
+the whole tensor's) and handled as its local shard from the send on: snapshots, pseudo-gradients,
+residuals and averages are this process's shard of them.
 """
 
 from __future__ import annotations

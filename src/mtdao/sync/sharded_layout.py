@@ -13,7 +13,9 @@ the same worker out) and no process of a worker runs ahead of the others.
 
 Sizes (``worker_numel``, ``worker_bytes``, and so the traffic account) are those of one worker's
 whole tensor: the bytes a worker sends per round are the sum over its S processes, each sending
-its shard (1/S of it when the rows divide evenly).
+its shard (1/S of it when the rows divide evenly). A quantized process encodes its own shards
+(``worker_parts``: how many elements each process holds), so its worker's bytes are the sum of
+S payloads, each padded to whole blocks.
 """
 
 from __future__ import annotations

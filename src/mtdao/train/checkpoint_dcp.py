@@ -8,7 +8,8 @@ one rename, keep the newest N, verify on load and fall back); only the files dif
         meta.json                 backend "dcp", workers M, shards S, every file's checksum
         model/.metadata           DCP: where each slice of each tensor lives
         model/__<rank>_0.distcp   DCP: the shards process <rank> held (parameters, optimizer
-                                  states, the sync engine's anchors and outer momentum), under
+                                  states, the sync engine's anchors and outer momentum, its
+                                  rounds in flight and error-feedback residuals), under
                                   "worker<w>." keys: every worker's copy is kept
         worker<w>.pt              worker w's own state: data position, RNG, the engine's step and
                                   record of rounds, clocks, evaluations (one process per worker

@@ -18,12 +18,12 @@ import torch
 
 from mtdao.sync.dtensors import shard_like
 from mtdao.train import checkpoint as ckpt
+from mtdao.train import sharded_rounds
 from mtdao.train.checkpoint_dcp import ShardedCheckpointStore, load_sharded
 from mtdao.train.checkpoint_state import ProcessGroupCollective
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.setup import Run
-from mtdao.train import sharded_rounds
 from mtdao.train.sharding import launched_workers, process_share, worker_of
 
 # The engine's state that is sharded like the parameters; the rest of it belongs to the worker.
