@@ -7,6 +7,11 @@ optimizer state and every per-worker loss, between 2 workers x 2 FSDP2 shards (4
 and the simulated run, and between 2 unsharded processes and the simulated run; and the traffic:
 bytes per worker (identical in all three) and bytes per process.
 
+Then MT-DAO (K = 3) with each round option and all of them together, sharded against the
+simulated run with the same options; for the quantized runs also the relative distance (over all
+parameters) of the sharded and the simulated run from each other and from the float32 run with
+the same other options.
+
     OMP_NUM_THREADS=1 python benchmarks/sharded_exactness.py
 """
 
@@ -53,11 +58,45 @@ def main() -> None:
                 worst = [max(a, b) for a, b in zip(worst, found)]
             traffic = processes[0][key]["traffic"]["bytes"]
             same = traffic == simulated[method]["traffic"]["bytes"]
-            per_process = round(traffic * processes[0][key]["share"])
+            per_process = processes[0][key]["traffic"]["process_bytes"] or traffic
             print(
                 f"| {method} | {label} | {worst[0]:.1e} | {worst[1]:.1e} | {worst[2]:.1e} | "
                 f"{traffic:,}{'' if same else ' (DIFFERS)'} | {per_process:,} |"
             )
+    options_table(processes, simulated)
+
+
+def options_table(processes: list[dict], simulated: dict) -> None:
+    print("\n| options | parameters | optimizer states | losses | bytes per worker (simulated) "
+          "| bytes per process | sharded vs simulated | simulated vs float32 "
+          "| sharded vs float32 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in runs.OPTIONS:
+        worst = [0.0, 0.0, 0.0]
+        distances = [0.0, 0.0, 0.0]
+        for rank, results in enumerate(processes):
+            worker = rank // runs.SHARDS
+            found = largest_differences(results[name], simulated[name], worker)
+            worst = [max(a, b) for a, b in zip(worst, found)]
+            if name in runs.FLOAT32_OF:
+                float32 = simulated[f"{name} float32"]["params"]
+                quantized = {n: p[worker] for n, p in simulated[name]["params"].items()}
+                params = results[name]["params"]
+                found = (
+                    runs.relative_distance(params, simulated[name]["params"], worker),
+                    runs.relative_distance(quantized, float32, worker),
+                    runs.relative_distance(params, float32, worker),
+                )
+                distances = [max(a, b) for a, b in zip(distances, found)]
+        traffic = processes[0][name]["traffic"]
+        columns = (
+            " | ".join(f"{d:.1e}" for d in distances) if name in runs.FLOAT32_OF else "- | - | -"
+        )
+        print(
+            f"| {name} | {worst[0]:.1e} | {worst[1]:.1e} | {worst[2]:.1e} | "
+            f"{traffic['bytes']:,} ({simulated[name]['traffic']['bytes']:,}) | "
+            f"{traffic['process_bytes']:,} | {columns} |"
+        )
 
 
 if __name__ == "__main__":
