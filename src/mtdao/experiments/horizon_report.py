@@ -104,11 +104,12 @@ def _baselines(experiment: Mapping[str, Any]) -> tuple[str, str] | None:
     block, label, steps = experiment["id"].split("/")
     if label in ("ddp", "local-adam", "local-adopt") or re.fullmatch(r"k\d+-local-adam", label):
         return None
-    if block in ("p5", "p6"):  # a setting of its own: its own baselines
-        prefix = label.split("-")[0]
-        if label == f"{prefix}-mtdao-default":
-            return f"{block}/{prefix}-local-adam/{steps}", f"{block}/{prefix}-ddp/{steps}"
-        return None
+    if block in ("p5", "p6"):  # a setting of its own (vim-k128-...): its own baselines
+        if not label.endswith("-mtdao-default"):
+            return None
+        prefix = label.removesuffix("mtdao-default")
+        ddp_prefix = re.sub(r"k\d+-", "", prefix)  # DDP has no sync period
+        return f"{block}/{prefix}local-adam/{steps}", f"{block}/{ddp_prefix}ddp/{steps}"
     if block in BASELINES:
         local, ddp = BASELINES[block]
         return f"{block}/{local}/{steps}", f"{block}/{ddp}/{steps}"
