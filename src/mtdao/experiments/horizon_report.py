@@ -363,41 +363,51 @@ def plot_horizon(summary: Mapping[str, Any], path: Path) -> None:
 
 
 def plot_screen(summary: Mapping[str, Any], path: Path) -> None:
-    """Seed-0 loss of each screened configuration as a bar, one panel per setting, with the
-    setting's Local Adam and MT-DAO default as lines; hatched bars: sweep not bracketed yet."""
+    """Seed-0 loss of each screened configuration as a bar, one panel per setting (baselines grey,
+    hatched: sweep not bracketed yet), with the setting's Local Adam and MT-DAO default as lines
+    where they are not bars of the panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     by_id = _by_id(summary)
-    panels: dict[str, list[tuple[str, float, bool]]] = {}
+    panels: dict[str, list[dict[str, Any]]] = {}
     for e, loss, _, _ in _screen_rows(summary, by_id):
         block, label, steps = e["id"].split("/")
-        setting = _setting_name(block, label, steps)
-        panels.setdefault(setting, []).append((label, loss, bool(e.get("bracketed"))))
+        panels.setdefault(_setting_name(block, label, steps), []).append(dict(e, loss=loss))
     if not panels:
         return
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, sharey=False
-    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4.2), squeeze=False)
     for axis, (setting, rows) in zip(axes[0], panels.items()):
-        labels = [r[0] for r in rows]
-        losses = [r[1] for r in rows]
-        bars = axis.barh(range(len(rows)), losses, color="C4", alpha=0.8)
-        for bar, (_, _, bracketed) in zip(bars, rows):
-            if not bracketed:
-                bar.set_hatch("//")
-                bar.set_facecolor("white")
-                bar.set_edgecolor("C4")
-        for y, loss in enumerate(losses):
-            axis.text(loss, y, f" {loss:.4f}", va="center", fontsize=7)
-        axis.set_yticks(range(len(rows)), labels, fontsize=8)
+        losses = [r["loss"] for r in rows]
+        for y, row in enumerate(rows):
+            baseline = _baselines(row) is None
+            color = "0.55" if baseline else "C4"
+            bracketed = bool(row.get("bracketed"))
+            axis.barh(
+                y,
+                row["loss"],
+                color=color if bracketed else "white",
+                edgecolor=color,
+                hatch=None if bracketed else "//",
+            )
+            axis.text(row["loss"], y, f" {row['loss']:.4f}", va="center", fontsize=7)
+        shown = {r["id"] for r in rows}
+        for ref_id, style, name in zip(
+            _screen_references(rows[0]), (":", "--"), ("MT-DAO default", "Local Adam")
+        ):
+            ref = seed0_best(by_id.get(ref_id, {}))
+            if ref is not None and ref_id not in shown:
+                axis.axvline(ref, color="0.3", ls=style, lw=1, label=f"{name} {ref:.4f}")
+                losses.append(ref)
+        axis.set_yticks(range(len(rows)), [r["id"].split("/")[1] for r in rows], fontsize=8)
         axis.invert_yaxis()
-        low, high = min(losses), max(losses)
-        axis.set_xlim(low - 0.02, high + 0.02)
+        axis.set_xlim(min(losses) - 0.02, max(losses) + 0.02)
         axis.set_title(setting, fontsize=10)
-        axis.set_xlabel("final val loss, seed 0, own best LR")
+        axis.set_xlabel("final val loss, seed 0, own best LR (lower is better)")
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
