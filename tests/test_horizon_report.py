@@ -20,6 +20,7 @@ def experiment(eid, values, sweep=((4e-3, 1.5), (5.657e-3, 1.4), (8e-3, 1.45)), 
         "bracketed": True,
         "refined": True,
         "values": list(values),
+        "seeds": list(range(len(values))),
         "curve": [list(point) for point in curve],
         "cosine": None,
         **extra,
@@ -50,6 +51,13 @@ def test_gap_counts_only_beyond_the_summed_stds():
     assert hr.gap(experiment("p1/mtdao/1000", []), base) is None
 
 
+def test_paired_differences_follow_the_seeds():
+    base = experiment("p1/local-adam/1000", [1.00, 1.01, 1.02], seeds=[0, 1, 2])
+    other = experiment("p1/mtdao/1000", [0.99, 1.02], seeds=[0, 2])
+    assert hr.paired(other, base) == {"diff": pytest.approx(-0.005), "lower": 1, "n": 2}
+    assert hr.paired(experiment("p1/mtdao/1000", [], seeds=[]), base) is None
+
+
 def test_crossing_first_and_lasting():
     base = experiment("p1/local-adam/1000", [1.0], curve=[(40, 3.0), (80, 2.0), (120, 1.5)])
     stays = experiment("p1/mtdao/1000", [1.0], curve=[(40, 3.1), (80, 1.9), (120, 1.4)])
@@ -76,6 +84,7 @@ def test_report_tables():
     text = hr.render_horizon_report(summary)
     assert "| ddp | 1.0100 ± 0.0100 (3/3) @ 0.00566 | 0.9000 (1/3) @ 0.00566 * |" in text
     assert "| p1/mtdao-default/1000 | -0.1000 (-8.3%, noise 0.0200): better |" in text
+    assert "| -0.1000, lower on 3/3 seeds |" in text
     assert "+0.1000 (+9.9%, noise 0.0200): worse" in text
     assert "- p1/ddp/3000: 0.008: diverged, 0.004: 0.9000" in text
 

@@ -63,6 +63,17 @@ def gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"diff": diff, "relative": diff / sb["mean"], "noise": noise, "verdict": verdict}
 
 
+def paired(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any] | None:
+    """a - b seed by seed (a seed fixes the data order and the initial weights of both): mean
+    difference over the seeds both have, and on how many of them a is lower."""
+    a_by_seed = dict(zip(a.get("seeds") or [], a.get("values") or []))
+    b_by_seed = dict(zip(b.get("seeds") or [], b.get("values") or []))
+    diffs = [a_by_seed[s] - b_by_seed[s] for s in sorted(set(a_by_seed) & set(b_by_seed))]
+    if not diffs:
+        return None
+    return {"diff": statistics.fmean(diffs), "lower": sum(d < 0 for d in diffs), "n": len(diffs)}
+
+
 def crossing(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     """The evaluation step where a's mean curve first drops below b's, and whether it stays."""
     curve_a, curve_b = dict(map(tuple, a.get("curve", []))), dict(map(tuple, b.get("curve", [])))
@@ -93,6 +104,12 @@ def _gap_text(g: dict[str, Any] | None) -> str:
     if g is None:
         return "-"
     return f"{g['diff']:+.4f} ({100 * g['relative']:+.1f}%, noise {g['noise']:.4f}): {g['verdict']}"
+
+
+def _paired_text(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return "-"
+    return f"{p['diff']:+.4f}, lower on {p['lower']}/{p['n']} seeds"
 
 
 def _by_id(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -211,8 +228,8 @@ def _horizon_table(summary, by_id) -> list[str]:
 
 def _gap_table(summary, by_id) -> list[str]:
     lines = [
-        "| experiment | vs Local | vs DDP | crossing of Local | state |",
-        "|---|---|---|---|---|",
+        "| experiment | vs Local | vs Local, paired by seed | vs DDP | crossing of Local | state |",
+        "|---|---|---|---|---|---|",
     ]
     for e in summary["experiments"]:
         pair = _baselines(e)
@@ -220,8 +237,8 @@ def _gap_table(summary, by_id) -> list[str]:
             continue
         local, ddp = (by_id.get(i, {"values": []}) for i in pair)
         lines.append(
-            f"| {e['id']} | {_gap_text(gap(e, local))} | {_gap_text(gap(e, ddp))} | "
-            f"{crossing(e, local)} | {state(e)} |"
+            f"| {e['id']} | {_gap_text(gap(e, local))} | {_paired_text(paired(e, local))} | "
+            f"{_gap_text(gap(e, ddp))} | {crossing(e, local)} | {state(e)} |"
         )
     return lines
 
