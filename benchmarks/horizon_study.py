@@ -25,6 +25,7 @@ from mtdao.experiments.horizon_report import (
     nan_free,
     plot_horizon,
     plot_screen,
+    plot_traffic,
     render_horizon_report,
 )
 
@@ -84,11 +85,13 @@ def read_runs(runs: Path) -> dict[str, list[dict]]:
             loss = nan_free(results["final_val_loss"])
             curve = [(e["step"], e["val_loss"]) for e in results["evals"]]
             cosines = [statistics.fmean(a["cosine"]) for a in results.get("alignment") or []]
+            reduction = results.get("comm_reduction_vs_ddp")
         elif failed.exists() and json.loads(failed.read_text()).get("kind") == "diverged":
-            loss, curve, cosines = None, [], []
+            loss, curve, cosines, reduction = None, [], [], None
         else:
             continue
         run = dict(lr=meta["lr"], seed=meta["seed"], loss=loss, curve=curve, cosines=cosines)
+        run["reduction"] = reduction  # traffic: DDP's bytes per worker / the run's
         run["flags"] = shown_flags(meta["args"])
         by_experiment.setdefault(meta["experiment"], []).append(run)
     return by_experiment
@@ -130,6 +133,8 @@ def summarize(planned: dict, runs: list[dict], common: list[str]) -> dict:
     ]
     cosines = [statistics.fmean(r["cosines"]) for r in at_best if r["cosines"]]
     experiment["cosine"] = statistics.fmean(cosines) if cosines else None
+    reductions = [r["reduction"] for r in at_best if r.get("reduction")]
+    experiment["reduction"] = reductions[0] if reductions else None
     return experiment
 
 
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "report.md").write_text(render_horizon_report(summary))
     plot_horizon(summary, args.out / "horizon.png")
     plot_screen(summary, args.out / "screen.png")
+    plot_traffic(summary, args.out / "traffic.png")
     print(f"report: {args.out / 'report.md'}")
     return 0
 

@@ -129,7 +129,13 @@ def test_seed0_screen_pairs_each_configuration_with_its_setting():
         "experiments": [
             experiment("p1/local-adam/3000", [1.31], sweep=sweep(1.33, 1.32, 1.3126)),
             experiment("p1/mtdao-default/3000", [1.29], sweep=sweep(1.31, 1.2948, 1.30)),
-            experiment("p3/outer-nesterov/3000", [], sweep=sweep(1.30, 1.2848, None), best_lr=4e-3),
+            experiment(
+                "p3/outer-nesterov/3000",
+                [],
+                sweep=sweep(1.30, 1.2848, None),
+                best_lr=4e-3,
+                reduction=10.66,
+            ),
             experiment("p4/k128-local-adam/3000", [], sweep=sweep(1.35, 1.3475, 1.36)),
             experiment("p4/k128-mtdao-default-state16/3000", [], sweep=sweep(1.3375, 1.34, 1.35)),
         ],
@@ -142,8 +148,12 @@ def test_seed0_screen_pairs_each_configuration_with_its_setting():
     assert (loss, vs_default) == (1.3375, None) and vs_local == pytest.approx(-0.01)
     assert rows["p4/k128-local-adam/3000"][2] is None  # not compared with itself
     text = hr.render_horizon_report(summary)
-    assert "| p3/outer-nesterov/3000 | 1.2848 @ 0.004 | -0.0100 | -0.0278 | bracketed |" in text
+    assert (
+        "| p3/outer-nesterov/3000 | 1.2848 @ 0.004 | -0.0100 | -0.0278 | 10.7x less | bracketed |"
+        in text
+    )
     assert "![seed-0 screen](screen.png)" in text
+    assert hr._traffic({"reduction": 1.0}) == "-" and hr._traffic({}) == "-"
 
 
 def test_screen_plot_draws_one_panel_per_setting(tmp_path):
@@ -155,5 +165,10 @@ def test_screen_plot_draws_one_panel_per_setting(tmp_path):
     }
     hr.plot_screen(summary, tmp_path / "screen.png")
     assert (tmp_path / "screen.png").stat().st_size > 1000
+    hr.plot_traffic(
+        {"experiments": [experiment("p1/ddp/3000", [1.2, 1.21], reduction=1.0)]},
+        tmp_path / "traffic.png",
+    )
+    assert (tmp_path / "traffic.png").stat().st_size > 1000
     hr.plot_screen({"experiments": []}, tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()

@@ -106,6 +106,14 @@ def _gap_text(g: dict[str, Any] | None) -> str:
     return f"{g['diff']:+.4f} ({100 * g['relative']:+.1f}%, noise {g['noise']:.4f}): {g['verdict']}"
 
 
+def _traffic(experiment: Mapping[str, Any]) -> str:
+    """Bytes per worker against DDP's at the same steps ("-" for DDP itself or before a run)."""
+    reduction = experiment.get("reduction")
+    if not reduction or math.isclose(reduction, 1.0):
+        return "-"
+    return f"{reduction:.1f}x less"
+
+
 def _paired_text(p: dict[str, Any] | None) -> str:
     if p is None:
         return "-"
@@ -191,6 +199,10 @@ def render_horizon_report(summary: Mapping[str, Any]) -> str:
         "smaller than about 0.01 says nothing; a configuration that clears it gets seeds 1 and 2.",
         "",
         *(["![seed-0 screen](screen.png)", ""] if _screen_rows(summary, by_id) else []),
+        "Loss against traffic at 3000 steps, every configuration measured:",
+        "",
+        "![loss against traffic](traffic.png)",
+        "",
         *_screen_table(summary, by_id),
         "",
         "## Batch x4 at equal tokens",
@@ -260,15 +272,15 @@ def _screen_rows(summary, by_id) -> list[tuple[dict[str, Any], float, float | No
 
 def _screen_table(summary, by_id) -> list[str]:
     lines = [
-        "| experiment | seed 0 @ best LR | - MT-DAO default | - Local Adam | sweep |",
-        "|---|---|---|---|---|",
+        "| experiment | seed 0 @ best LR | - MT-DAO default | - Local Adam | traffic vs DDP | sweep |",
+        "|---|---|---|---|---|---|",
     ]
     for e, loss, vs_default, vs_local in _screen_rows(summary, by_id):
         cells = [f"{d:+.4f}" if d is not None else "-" for d in (vs_default, vs_local)]
         sweep = "bracketed" if e.get("bracketed") else "not bracketed yet"
         lines.append(
             f"| {e['id']} | {loss:.4f} @ {format_lr(e['best_lr'])} | {cells[0]} | {cells[1]} | "
-            f"{sweep} |"
+            f"{_traffic(e)} | {sweep} |"
         )
     return lines if len(lines) > 2 else ["No screened configuration has finished a run yet."]
 
@@ -296,14 +308,16 @@ def _batch_table(by_id) -> list[str]:
 
 def _experiment_table(summary, by_id) -> list[str]:
     lines = [
-        "| experiment | flags | final loss | best LR | cosine | state |",
-        "|---|---|---|---|---|---|",
+        "| experiment | flags | final loss | best LR | traffic | cosine | state |",
+        "|---|---|---|---|---|---|---|",
     ]
     for e in summary["experiments"]:
         best = format_lr(e["best_lr"]) if e.get("best_lr") else "-"
         cosine = f"{e['cosine']:.3f}" if e.get("cosine") is not None else "-"
         flags = " ".join(e["flags"])
-        lines.append(f"| {e['id']} | `{flags}` | {_pm(e)} | {best} | {cosine} | {state(e)} |")
+        lines.append(
+            f"| {e['id']} | `{flags}` | {_pm(e)} | {best} | {_traffic(e)} | {cosine} | {state(e)} |"
+        )
     return lines
 
 
@@ -425,6 +439,48 @@ def plot_screen(summary: Mapping[str, Any], path: Path) -> None:
         axis.set_xlabel("final val loss, seed 0, own best LR (lower is better)")
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_traffic(summary: Mapping[str, Any], path: Path, steps: int = 3000) -> None:
+    """Final loss against traffic (DDP's bytes per worker / the configuration's) of every
+    configuration at ``steps`` steps on the built-in data: which ones buy their loss cheaply.
+    Hollow markers: provisional (seed 0 only, or a sweep still open)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = []
+    for e in summary["experiments"]:
+        block, label, horizon = e["id"].split("/")
+        s = stats(e)
+        if int(horizon) != steps or block not in ("p1", "p3", "p4") or s is None:
+            continue
+        points.append((e.get("reduction") or 1.0, s, label, state(e) == "final"))
+    if not points:
+        return
+    fig, axis = plt.subplots(figsize=(7.5, 4.6))
+    for reduction, s, label, final in points:
+        color = "0.45" if label in ("ddp", "local-adam", "k128-local-adam") else "C4"
+        axis.errorbar(
+            reduction,
+            s["mean"],
+            s["std"],
+            marker="o",
+            color=color,
+            mfc=color if final else "white",
+            capsize=3,
+        )
+        axis.annotate(
+            label, (reduction, s["mean"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+        )
+    axis.set_xscale("log")
+    axis.set_xlabel("less traffic than DDP (x, log scale)")
+    axis.set_ylabel(f"final val loss at {steps:,} steps (mean ± std)")
+    axis.set_title("loss against traffic (grey: baselines; hollow: provisional)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
