@@ -111,6 +111,8 @@ def test_other_periods_and_batches_are_compared_within_their_setting():
     assert baselines("p4/k512-local-adam/3000") is None
     assert baselines("p5/b64-mtdao-default/750") == ("p5/b64-local-adam/750", "p5/b64-ddp/750")
     assert baselines("p5/b64-local-adam/750") is None
+    assert baselines("p6/vim-both-wu/3000") == ("p6/vim-local-adam/3000", "p6/vim-ddp/3000")
+    assert baselines("p6/vim-k128-ddp/3000") is None
     assert baselines("p6/vim-k128-mtdao-default/3000") == (
         "p6/vim-k128-local-adam/3000",
         "p6/vim-ddp/3000",

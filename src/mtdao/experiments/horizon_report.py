@@ -129,10 +129,10 @@ def _baselines(experiment: Mapping[str, Any]) -> tuple[str, str] | None:
     block, label, steps = experiment["id"].split("/")
     if label in ("ddp", "local-adam", "local-adopt") or re.fullmatch(r"k\d+-local-adam", label):
         return None
-    if block in ("p5", "p6"):  # a setting of its own (vim-k128-...): its own baselines
-        if not label.endswith("-mtdao-default"):
+    if block in ("p5", "p6"):  # a setting of its own (b64-, vim-, vim-k128-): its own baselines
+        if label.endswith(("-local-adam", "-ddp")):
             return None
-        prefix = label.removesuffix("mtdao-default")
+        prefix = re.match(r"[a-z]+\d*-(k\d+-)?", label).group(0)
         ddp_prefix = re.sub(r"k\d+-", "", prefix)  # DDP has no sync period
         return f"{block}/{prefix}local-adam/{steps}", f"{block}/{ddp_prefix}ddp/{steps}"
     if block in BASELINES:
