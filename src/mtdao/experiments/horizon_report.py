@@ -167,6 +167,7 @@ def seed0_best(experiment: Mapping[str, Any]) -> float | None:
 
 def render_horizon_report(summary: Mapping[str, Any]) -> str:
     by_id = _by_id(summary)
+    screen = _screen_rows(summary, by_id)  # the table and whether its plot exists
     lines = [
         "# Where MT-DAO wins: horizons and variants",
         "",
@@ -198,12 +199,12 @@ def render_horizon_report(summary: Mapping[str, Any]) -> str:
         "Seed-to-seed spread at 3000 steps is 0.002-0.008 (see above): a screen difference "
         "smaller than about 0.01 says nothing; a configuration that clears it gets seeds 1 and 2.",
         "",
-        *(["![seed-0 screen](screen.png)", ""] if _screen_rows(summary, by_id) else []),
+        *(["![seed-0 screen](screen.png)", ""] if screen else []),
         "Loss against traffic at 3000 steps, every configuration measured:",
         "",
         "![loss against traffic](traffic.png)",
         "",
-        *_screen_table(summary, by_id),
+        *_screen_table(screen),
         "",
         "## Batch x4 at equal tokens",
         "",
@@ -270,12 +271,12 @@ def _screen_rows(summary, by_id) -> list[tuple[dict[str, Any], float, float | No
     return rows
 
 
-def _screen_table(summary, by_id) -> list[str]:
+def _screen_table(screen) -> list[str]:
     lines = [
         "| experiment | seed 0 @ best LR | - MT-DAO default | - Local Adam | traffic vs DDP | sweep |",
         "|---|---|---|---|---|---|",
     ]
-    for e, loss, vs_default, vs_local in _screen_rows(summary, by_id):
+    for e, loss, vs_default, vs_local in screen:
         cells = [f"{d:+.4f}" if d is not None else "-" for d in (vs_default, vs_local)]
         sweep = "bracketed" if e.get("bracketed") else "not bracketed yet"
         lines.append(
