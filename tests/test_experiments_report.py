@@ -181,6 +181,16 @@ def test_verdict_partial_and_unchecked():
     )
 
 
+def test_each_method_line_shows_its_own_warmups():
+    summary = fake_compare({"ddp": [0.75], "mtdao": [0.70]})
+    summary["methods"]["mtdao"]["settings"].update(omega_warmup=0.3, beta_warmup=0.25)
+    summary["methods"]["ddp"]["settings"].update(omega_warmup=0.0, beta_warmup=0.0)
+    lines = compare_report.render_compare_report(summary).splitlines()
+    mtdao = next(line for line in lines if line.startswith("- MT-DAO: lr"))
+    ddp = next(line for line in lines if line.startswith("- DDP: lr"))
+    assert mtdao.endswith(", omega warm-up 0.3, beta warm-up 0.25") and "warm-up" not in ddp
+
+
 def test_report_and_plots_are_written(tmp_path):
     sweep = {
         "seed": 0,

@@ -89,6 +89,26 @@ def test_report_tables():
     assert "- p1/ddp/3000: 0.008: diverged, 0.004: 0.9000" in text
 
 
+def test_the_new_default_joins_the_horizon_curve_from_the_variants_screen():
+    """both-wu ran 3000 steps as a K = 32 variant (p3): the horizon row takes it from there."""
+    summary = {
+        "collected": "now",
+        "finished_runs": 4,
+        "running": [],
+        "protocol": ["one line"],
+        "experiments": [
+            experiment("p1/local-adam/1000", [1.20, 1.21, 1.22]),
+            experiment("p1/local-adam/3000", [1.10, 1.11, 1.12]),
+            experiment("p1/both-wu/1000", [1.30, 1.31, 1.32]),
+            experiment("p3/both-wu/3000", [1.00, 1.01, 1.02]),
+        ],
+    }
+    text = hr.render_horizon_report(summary)
+    assert "| both-wu | 1.3100 ± 0.0100 (3/3) @ 0.00566 | 1.0100 ± 0.0100 (3/3) @ 0.00566 |" in text
+    ids = [e["id"] for e in hr._horizon_experiments(summary, "both-wu")]
+    assert ids == ["p1/both-wu/1000", "p3/both-wu/3000"]
+
+
 def test_each_experiment_is_compared_with_the_baselines_of_its_setting():
     def baselines(eid):
         return hr._baselines({"id": eid})
@@ -113,6 +133,8 @@ def test_other_periods_and_batches_are_compared_within_their_setting():
     assert baselines("p5/b64-local-adam/750") is None
     assert baselines("p6/vim-both-wu/3000") == ("p6/vim-local-adam/3000", "p6/vim-ddp/3000")
     assert baselines("p6/vim-k128-ddp/3000") is None
+    assert baselines("p7/cos-both-wu/3000") == ("p7/cos-local-adam/3000", "p7/cos-ddp/3000")
+    assert baselines("p7/cos-local-adam/3000") is None
     assert baselines("p6/vim-k128-mtdao-default/3000") == (
         "p6/vim-k128-local-adam/3000",
         "p6/vim-ddp/3000",

@@ -3,7 +3,7 @@
 Fairness: each method gets its own learning rate. ``--lr-sweep A B C`` trains the first seed of
 every method at each LR, picks each method's best final validation loss, and runs the other seeds
 at that LR (the sweep table is in the report); ``--lr METHOD=VALUE`` pins one method instead.
-MT-DAO's own knobs (``--betas``, ``--omegas``, ``--omega-warmup``) apply to mtdao and qh-ddp only,
+MT-DAO's own knobs (``--betas``, ``--omegas``, the warm-ups) apply to mtdao and qh-ddp only,
 ``--sync-policy`` to mtdao only (qh-ddp averages gradients every step). ``--preset NAME`` sets a
 whole comparison (:mod:`.presets`; paper-16m: the paper's smallest setting), flags beside it win.
 
@@ -60,6 +60,7 @@ def add_parser(subparsers) -> None:
     add("--betas", type=float, nargs="+", help="mtdao/qh-ddp momentum decays")
     add("--omegas", type=float, nargs="+", help="mtdao/qh-ddp mixing weights")
     add("--omega-warmup", type=float, default=0.0, help="mtdao/qh-ddp omega warm-up fraction")
+    add("--beta-warmup", type=float, default=0.0, help="mtdao/qh-ddp slow-beta warm-up fraction")
     add("--sync-policy", choices=SYNC_POLICIES, help="mtdao's period rule (default: unified)")
     add_preset_argument(parser)
     parser.set_defaults(func=run_compare, parser=parser)
@@ -76,6 +77,7 @@ def method_config(args: argparse.Namespace, method: str, seed: int, lr: float) -
             betas=tuple(args.betas) if args.betas else None,
             omegas=tuple(args.omegas) if args.omegas else None,
             omega_warmup=args.omega_warmup,
+            beta_warmup=args.beta_warmup,
         )
     if method == "mtdao":
         config = dataclasses.replace(config, sync_policy=args.sync_policy)
@@ -223,6 +225,7 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
         "betas": args.betas,
         "omegas": args.omegas,
         "omega_warmup": args.omega_warmup,
+        "beta_warmup": args.beta_warmup,
         "sync_policy": args.sync_policy,
         "jobs": args.jobs,
         "threads": args.threads,

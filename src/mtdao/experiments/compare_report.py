@@ -26,6 +26,7 @@ from mtdao.experiments.formatting import (
     pm,
     table,
 )
+from mtdao.train.methods import MULTI_TIMESCALE_METHODS
 
 CLAIM = "the paper's claim (MT-DAO matches or beats DDP and beats Local Adam and DiLoCo)"
 PLOTS = (
@@ -178,11 +179,16 @@ def _method_line(summary: Mapping[str, Any], method: str) -> str:
     s = summary["settings"]
     info = summary["methods"][method]
     st = info["settings"]
-    warmup = s.get("omega_warmup") and method in ("mtdao", "qh-ddp")
+    # a run's own resolved warm-ups; older results.json only had the comparison's omega warm-up
+    omega_warmup = st.get(
+        "omega_warmup", s.get("omega_warmup") if method in MULTI_TIMESCALE_METHODS else 0
+    )
+    beta_warmup = st.get("beta_warmup") or 0
     return (
         f"- {label(method)}: lr {format_lr(st['lr'])}, betas {st['betas']}, omegas "
         f"{st['omegas']}, beta2 {st['beta2']}, sync `{info.get('sync_policy') or ''}`"
-        + (f", omega warm-up {s['omega_warmup']:g}" if warmup else "")
+        + (f", omega warm-up {omega_warmup:g}" if omega_warmup else "")
+        + (f", beta warm-up {beta_warmup:g}" if beta_warmup else "")
     )
 
 

@@ -20,7 +20,16 @@ from typing import Any
 from mtdao.experiments.formatting import format_lr
 
 BASELINES = {"p1": ("local-adam", "ddp"), "p2": ("local-adopt", "ddp")}
-HORIZON_METHODS = ("ddp", "local-adam", "mtdao-default", "mtdao-paper")
+HORIZON_METHODS = ("ddp", "local-adam", "mtdao-default", "mtdao-paper", "both-wu")
+# the horizon curve's runs live in p1, except where a variant's K = 32 screen ran that horizon
+HORIZON_HOMES = {("both-wu", 3000): "p3"}
+NAMES = (
+    "Names: `mtdao-default` is the `mtdao` default (beta 0.95, omega 0.7, no warm-up); "
+    "`mtdao-paper` the paper's 0.99 / 0.9; `both-wu` the paper's 0.99 / 0.9 with `--omega-warmup "
+    "0.3 --beta-warmup 0.3`, the long-run setting. Blocks: p1 horizons, p3 variants at K = 32, "
+    "p4 other sync periods, p5 batch x4, p6 the held-out corpus, p7 a cosine schedule instead of "
+    "WSD (the schedule `mtdao train` uses by default)."
+)
 HORIZONS = (1000, 3000, 10000)
 
 
@@ -129,7 +138,7 @@ def _baselines(experiment: Mapping[str, Any]) -> tuple[str, str] | None:
     block, label, steps = experiment["id"].split("/")
     if label in ("ddp", "local-adam", "local-adopt") or re.fullmatch(r"k\d+-local-adam", label):
         return None
-    if block in ("p5", "p6"):  # a setting of its own (b64-, vim-, vim-k128-): its own baselines
+    if block in ("p5", "p6", "p7"):  # a setting of its own (b64-, vim-, cos-): its own baselines
         if label.endswith(("-local-adam", "-ddp")):
             return None
         prefix = re.match(r"[a-z]+\d*-(k\d+-)?", label).group(0)
@@ -174,6 +183,8 @@ def render_horizon_report(summary: Mapping[str, Any]) -> str:
         f"Status at {summary['collected']}: {summary['finished_runs']} runs finished, "
         f"{len(summary['running'])} running ({', '.join(summary['running']) or 'none'}). "
         "Figures marked provisional will change as the remaining runs finish.",
+        "",
+        NAMES,
         "",
         "## Protocol",
         "",
@@ -228,7 +239,7 @@ def _horizon_table(summary, by_id) -> list[str]:
     for label in HORIZON_METHODS:
         cells = []
         for horizon in horizons:
-            e = by_id.get(f"p1/{label}/{horizon}")
+            e = by_id.get(_horizon_id(label, horizon))
             if e is None or stats(e) is None:
                 cells.append("not run yet" if e is None or not e.get("sweep") else "diverged")
                 continue
@@ -358,9 +369,8 @@ def plot_horizon(summary: Mapping[str, Any], path: Path) -> None:
             face = color if final else "white"
             left.errorbar(steps, s["mean"], s["std"], color=color, marker="o", mfc=face, capsize=3)
     by_id = _by_id(summary)
-    for index, (label, base) in enumerate(
-        (m, b) for m in ("mtdao-default", "mtdao-paper") for b in ("local-adam", "ddp")
-    ):
+    # each MT-DAO setting in its colour of the left panel: solid against Local Adam, dashed DDP
+    for label, base in ((m, b) for m in HORIZON_METHODS[2:] for b in ("local-adam", "ddp")):
         points = []
         for e in _horizon_experiments(summary, label):
             g = gap(e, by_id.get(f"p1/{base}/{e['steps']}", {"values": []}))
@@ -370,7 +380,7 @@ def plot_horizon(summary: Mapping[str, Any], path: Path) -> None:
         if points:
             points.sort()
             style = "-" if base == "local-adam" else "--"
-            color = f"C{index + 4}"
+            color = f"C{HORIZON_METHODS.index(label)}"
             right.plot(
                 [p[0] for p in points],
                 [p[1] for p in points],
@@ -495,8 +505,12 @@ def _setting_name(block: str, label: str, steps: str) -> str:
     return f"per-worker batch 64, {steps} steps"
 
 
+def _horizon_id(label: str, steps: int) -> str:
+    return f"{HORIZON_HOMES.get((label, steps), 'p1')}/{label}/{steps}"
+
+
 def _horizon_experiments(summary: Mapping[str, Any], label: str) -> list[dict[str, Any]]:
-    return [e for e in summary["experiments"] if e["id"] == f"p1/{label}/{e['steps']}"]
+    return [e for e in summary["experiments"] if e["id"] == _horizon_id(label, e["steps"])]
 
 
 def nan_free(value: float) -> float | None:

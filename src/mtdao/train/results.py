@@ -61,6 +61,8 @@ def summarize(run: Run) -> dict[str, Any]:
             "betas": list(config.betas or ()),
             "omegas": list(config.omegas or ()),
             "beta2": config.beta2,
+            "omega_warmup": config.omega_warmup,
+            "beta_warmup": config.beta_warmup,
         },
         "config": config.to_dict(),
     }
