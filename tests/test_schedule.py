@@ -191,18 +191,15 @@ def planned(steps: int, **fields) -> TrainConfig:
 def test_wsd_replanned_in_its_stable_phase_is_exact():
     """1000 -> 2000 steps at step 700: both plans warm up for 0 steps and stay at the peak until
     700 (the old decay would start at 800)."""
-    change = steps_change(
-        planned(1000, schedule="wsd", warmup=0.0), planned(2000, schedule="wsd", warmup=0.0), 700
-    )
+    flat = dict(schedule="wsd", warmup=0.0, beta_warmup=0.0)
+    change = steps_change(planned(1000, **flat), planned(2000, **flat), 700)
     assert change.exact and change.lr_planned == change.lr_new == 8e-3
     assert (
         "exact here" in change.consequence()
         and "--steps 2000 from the start" in change.consequence()
     )
     # past the old decay start, the steps taken followed the old decay: a jump back to the peak
-    late = steps_change(
-        planned(1000, schedule="wsd", warmup=0.0), planned(2000, schedule="wsd", warmup=0.0), 900
-    )
+    late = steps_change(planned(1000, **flat), planned(2000, **flat), 900)
     assert not late.exact and late.first_difference == 801
     assert late.lr_new == 8e-3 > late.lr_planned
     assert f"jumps from {late.lr_planned:.4g} to 0.008 at step 901" in late.consequence()
@@ -228,6 +225,15 @@ def test_a_longer_warmup_is_not_exact_even_without_a_jump():
     assert not change.exact and change.first_difference == 1
     assert change.lr_new == change.lr_planned
     assert change.consequence().startswith("the learning rate continues at 0.008, but")
+
+
+def test_the_default_beta_warmup_makes_a_replan_inexact():
+    """mtdao's default beta warm-up is a fraction of --steps: 300 of 1000 steps, 600 of 2000."""
+    change = steps_change(
+        planned(1000, schedule="wsd", warmup=0.0), planned(2000, schedule="wsd", warmup=0.0), 700
+    )
+    assert not change.exact and change.first_difference == 1
+    assert change.lr_new == change.lr_planned == 8e-3
 
 
 def test_a_beta_warmup_of_another_length_is_not_exact():

@@ -139,7 +139,7 @@ def test_what_the_terminal_shows(tmp_path, corpus_dir, capsys, monkeypatch):
     assert "2.0x less than DDP (1.3x in steady state" in traffic and "last 2 steps" in traffic
     results = json.loads((tmp_path / run_dir / "results.json").read_text())
     assert results["wall_time_s"] > results["train_time_s"] + results["eval_time_s"] > 0
-    assert results["config"]["lr"] == 8e-3 and results["config"]["betas"] == [0.95]
+    assert results["config"]["lr"] == 8e-3 and results["config"]["betas"] == [0.99]
 
     ddp = tiny_args(tmp_path, corpus_dir, "--method", "ddp", "--steps", "1")
     ddp[ddp.index("--out") : ddp.index("--out") + 2] = []

@@ -49,6 +49,30 @@ def test_resolved_configs_are_complete_and_resolve_to_themselves(method, optimiz
         config.lr = 1.0  # type: ignore[misc]
 
 
+def test_mtdao_adam_defaults_to_the_paper_momentum_with_a_beta_warmup():
+    config = resolve(TrainConfig())
+    assert (config.betas, config.omegas) == ((0.99,), (0.9,))
+    assert (config.beta_warmup, config.omega_warmup) == (0.3, 0.0)
+    assert resolve(TrainConfig(method="qh-ddp")).beta_warmup == 0.3  # the same optimizer
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        dict(method="local-adam"),  # a baseline: no slow momentum to warm up
+        dict(optimizer="adopt"),  # the paper's ADOPT defaults, not measured with the warm-up
+        dict(betas=(0.95,), omegas=(0.7,)),  # the user's own momenta get exactly what was asked
+    ],
+)
+def test_the_default_beta_warmup_applies_to_the_default_adam_momenta_only(given):
+    assert resolve(TrainConfig(**given)).beta_warmup == 0.0
+
+
+def test_a_given_beta_warmup_survives_resolution():
+    assert resolve(TrainConfig(beta_warmup=0.0)).beta_warmup == 0.0
+    assert resolve(TrainConfig(betas=(0.9, 0.99), beta_warmup=0.2)).beta_warmup == 0.2
+
+
 def test_given_values_survive_resolution():
     given = TrainConfig(lr=1e-3, betas=(0.9, 0.99), omegas=(0.3, 0.6), beta2=0.9, eps=1e-6)
     config = resolve(given)
@@ -224,6 +248,13 @@ def test_state_sync_period_only_for_methods_that_average_states():
             resolve(TrainConfig(method=method, state_sync_period=16))
     with pytest.raises(ValueError, match="--state-sync-period"):
         resolve(TrainConfig(state_sync_period=0))
+
+
+def test_a_config_saved_before_the_warmup_default_keeps_its_settings():
+    """A run resumed from a config.json of the former default (0.95 / 0.7, warm-up 0) stays so."""
+    old = resolve(TrainConfig(betas=(0.95,), omegas=(0.7,))).to_dict()
+    config = resolve(TrainConfig.from_dict(old))
+    assert (config.betas, config.omegas, config.beta_warmup) == ((0.95,), (0.7,), 0.0)
 
 
 def test_a_config_saved_with_unset_fields_resolves_to_todays_values():

@@ -88,7 +88,7 @@ def settings(method: str, optimizer: str = "adam", **given) -> tuple:
 
 def test_resolved_defaults():
     assert settings("ddp") == ((0.9,), (1.0,), 0.95, 1e-8)
-    assert settings("mtdao")[:2] == ((0.95,), (0.7,))
+    assert settings("mtdao")[:2] == ((0.99,), (0.9,))
     betas, _, beta2, eps = settings("mtdao", "adopt")
     assert (betas, beta2, eps) == ((0.999,), 0.9999, 1e-6)
     betas, omegas, beta2, eps = settings("qh-ddp", "sgdm", betas=(0.9, 0.99))

@@ -135,7 +135,7 @@ def test_resume_inside_the_beta_warmup_with_an_outer_step(tmp_path, corpus_dir, 
 def test_extending_a_finished_run_matches_one_long_run(tmp_path, corpus_dir):
     """--steps 6, then --resume --steps 12 --extend: equal to 12 steps straight when the LR does
     not depend on the length of the run (a cosine schedule does: see test_train_extend.py)."""
-    flat = dict(schedule="constant", warmup=0.0)
+    flat = dict(schedule="constant", warmup=0.0, beta_warmup=0.0)
     reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, **flat))
 
     out = tmp_path / "extended"

@@ -60,7 +60,11 @@ def add_parser(subparsers) -> None:
     add("--betas", type=float, nargs="+", help="mtdao/qh-ddp momentum decays")
     add("--omegas", type=float, nargs="+", help="mtdao/qh-ddp mixing weights")
     add("--omega-warmup", type=float, default=0.0, help="mtdao/qh-ddp omega warm-up fraction")
-    add("--beta-warmup", type=float, default=0.0, help="mtdao/qh-ddp slow-beta warm-up fraction")
+    add(
+        "--beta-warmup",
+        type=float,
+        help="mtdao/qh-ddp slow-beta warm-up fraction (default: mtdao train's)",
+    )
     add("--sync-policy", choices=SYNC_POLICIES, help="mtdao's period rule (default: unified)")
     add_preset_argument(parser)
     parser.set_defaults(func=run_compare, parser=parser)

@@ -20,15 +20,16 @@ from typing import Any
 from mtdao.experiments.formatting import format_lr
 
 BASELINES = {"p1": ("local-adam", "ddp"), "p2": ("local-adopt", "ddp")}
-HORIZON_METHODS = ("ddp", "local-adam", "mtdao-default", "mtdao-paper", "both-wu")
+HORIZON_METHODS = ("ddp", "local-adam", "mtdao-default", "mtdao-paper", "beta-wu", "both-wu")
 # the horizon curve's runs live in p1, except where a variant's K = 32 screen ran that horizon
-HORIZON_HOMES = {("both-wu", 3000): "p3"}
+HORIZON_HOMES = {("both-wu", 3000): "p3", ("beta-wu", 3000): "p3"}
 NAMES = (
-    "Names: `mtdao-default` is the `mtdao` default (beta 0.95, omega 0.7, no warm-up); "
-    "`mtdao-paper` the paper's 0.99 / 0.9; `both-wu` the paper's 0.99 / 0.9 with `--omega-warmup "
-    "0.3 --beta-warmup 0.3`, the long-run setting. Blocks: p1 horizons, p3 variants at K = 32, "
-    "p4 other sync periods, p5 batch x4, p6 the held-out corpus, p7 a cosine schedule instead of "
-    "WSD (the schedule `mtdao train` uses by default)."
+    "Names: `mtdao-default` is the former `mtdao` default (beta 0.95, omega 0.7, no warm-up), the "
+    "default until 2026-12-01; `beta-wu` (the paper's 0.99 / 0.9 with `--beta-warmup 0.3`) is the "
+    "`mtdao` default since; `mtdao-paper` is 0.99 / 0.9 without warm-up, `both-wu` with "
+    "`--omega-warmup 0.3 --beta-warmup 0.3`. Blocks: p1 horizons, p3 variants at K = 32, p4 "
+    "other sync periods, p5 batch x4, p6 the held-out corpus, p7 a cosine schedule instead of WSD "
+    "(the schedule `mtdao train` uses by default)."
 )
 HORIZONS = (1000, 3000, 10000)
 

@@ -40,12 +40,14 @@ def epilog() -> str:
     """The method table and the per-optimizer defaults, from the tables that define them."""
     lines = ["methods:"]
     lines += [f"  {name:<11} {spec.summary}" for name, spec in METHOD_TABLE.items()]
-    lines += ["", "defaults per base optimizer (mtdao and qh-ddp use the slow betas/omegas):"]
-    header = ("", "lr", "betas", "slow betas", "omegas", "beta2", "eps")
-    widths = (6, 6, 6, 11, 7, 7, 6)
+    lines += ["", "defaults per base optimizer (mtdao and qh-ddp use the slow betas/omegas, and"]
+    lines += ["the beta warm-up, a fraction of the run, unless --betas is given):"]
+    header = ("", "lr", "betas", "slow betas", "omegas", "beta2", "eps", "beta warm-up")
+    widths = (6, 6, 6, 11, 7, 7, 6, 13)
     lines.append("  " + " ".join(f"{h:>{w}}" for h, w in zip(header, widths)).rstrip())
     for name, row in OPTIMIZER_DEFAULTS.items():
         values = (row.lr, row.betas, row.mtdao_betas, row.mtdao_omegas, row.beta2, row.eps)
+        values += (row.mtdao_beta_warmup,)
         cells = ["-" if v is None else " ".join(f"{x:g}" for x in _tuple(v)) for v in values]
         lines.append(f"  {name:<6} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths[1:])))
     return "\n".join(lines) + "\n" + EXAMPLES
