@@ -69,8 +69,8 @@ class OptimizerDefaults:
 
 # MT-DAO-Adam's default is the paper's slow momentum (0.99, omega 0.9) whose decay rises from 0.9
 # over the first 30% of the run: beyond seed noise ahead of Local Adam and of the former default
-# (0.95, 0.7) at K = 32 and K = 128 and level with DDP at K = 32 (BENCHMARKS.md section 12). Only
-# very short runs (~300 steps) do better with the former default. MT-DAO-ADOPT keeps the paper's
+# (0.95, 0.7) at K = 32 and K = 128 and level with DDP at K = 32 (BENCHMARKS.md section 12). Runs
+# of ~1000 steps or fewer do better with the former default. MT-DAO-ADOPT keeps the paper's
 # code defaults (0.999, 0.9), not measured with the warm-up here.
 OPTIMIZER_DEFAULTS = {
     "adam": OptimizerDefaults(
