@@ -188,8 +188,9 @@ class TrainConfig:
     already taken: wsd resumed before its decay starts, or constant, with warmups of the same
     number of steps (--warmup and the momentum warm-ups, --beta-warmup on by default for mtdao,
     are fractions of --steps, so they differ unless set to 0). Otherwise it says so: cosine, or
-    wsd past its decay start, is re-stretched and the learning rate jumps at the resume step (both values
-    are printed). Without --extend a changed --steps is refused with that explanation."""
+    wsd past its decay start, is re-stretched and the learning rate jumps at the resume step
+    (both values are printed). Without --extend a changed --steps is refused with that
+    explanation."""
     overwrite: bool = field(default=False, metadata={"flag": "--overwrite"})
     """Replace the run in --out: delete the files a run writes there (config, metrics, results,
     checkpoints, plots), nothing else. Without it a fresh run refuses a directory holding one."""
@@ -341,8 +342,8 @@ def describe_default(name: str) -> str | None:
         "betas": f"{_per_optimizer('betas')}; mtdao and qh-ddp: {_per_optimizer('mtdao_betas')}",
         "omegas": f"1 for the baselines; mtdao and qh-ddp: {_per_optimizer('mtdao_omegas')}, "
         "or 0.9 shared equally among the user's own --betas",
-        "beta_warmup": f"0; mtdao and qh-ddp with the default --betas: "
-        f"{_per_optimizer('mtdao_beta_warmup')}",
+        "beta_warmup": "0; mtdao and qh-ddp with the default --betas: "
+        + _per_optimizer("mtdao_beta_warmup"),
         "beta2": _per_optimizer("beta2"),
         "eps": _per_optimizer("eps"),
         "lr": _per_optimizer("lr"),
