@@ -89,7 +89,7 @@ def test_report_tables():
     assert "- p1/ddp/3000: 0.008: diverged, 0.004: 0.9000" in text
 
 
-def test_the_new_default_joins_the_horizon_curve_from_the_variants_screen():
+def test_a_variant_joins_the_horizon_curve_from_the_variants_screen():
     """both-wu ran 3000 steps as a K = 32 variant (p3): the horizon row takes it from there."""
     summary = {
         "collected": "now",
