@@ -99,3 +99,49 @@ def test_heal_refuses_when_every_worker_is_non_finite():
     params[0].data[:, 0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match="no worker is left to average"):
         sync.heal_non_finite_workers()
+
+
+def quantized_skip_run():
+    """The DES-LOC run above, its parameters sent as int8 pseudo-gradients with error feedback
+    (each worker keeps a residual of what quantization lost)."""
+    from mtdao.sync.compression import SyncCodecs
+
+    params = init_params(WORKERS)
+    optimizer = MTAdam(named_groups(params), lr=1e-2, betas=(0.9,), omegas=(1.0,))
+    codecs = SyncCodecs.parse(["int8"], error_feedback=True)
+    communicator = SimulatedWorkers(WORKERS)
+    sync = LocalUpdateSync(optimizer, desloc(2), communicator, on_non_finite="skip", codecs=codecs)
+    return params, optimizer, sync
+
+
+@pytest.mark.parametrize("when", ["in the round", "before a checkpoint"])
+def test_a_healed_worker_forgets_its_error_feedback_residual(when):
+    """A NaN parameter makes the worker's pseudo-gradient, so its residual, NaN; healed, the
+    worker holds the others' values, and what it had not yet sent is gone with its own: its
+    residual is reset to zero, the others keep theirs, and the next rounds go on."""
+    params, optimizer, sync = quantized_skip_run()
+    for number in range(2):
+        step(params, optimizer, sync, number)  # a round at step 2: every worker has a residual
+    residuals = sync.plan.pseudo_gradients.residuals
+    before = {i: r.clone() for i, r in residuals.items()}
+    assert before and all(bool(r[1].abs().sum() > 0) for r in before.values())
+    params[0].data[1, 0, 0] = float("nan")  # worker 1, between rounds
+    if when == "before a checkpoint":
+        # the round at step 4 sends worker 1's NaN pseudo-gradient (residual NaN) and leaves
+        # it out; a delayed round heals nobody, so heal it as a checkpoint does
+        sync.plan.pseudo_gradients.payload(0, sync.anchors[0], params[0].detach())
+        assert not bool(torch.isfinite(residuals[0][1]).all())
+        assert sync.heal_non_finite_workers() == [1]
+    else:
+        step(params, optimizer, sync, 2)
+        step(params, optimizer, sync, 3)  # the round at step 4 leaves worker 1 out and heals it
+        assert [s["workers"] for s in sync.skipped_rounds] == [[1]]
+    for index, residual in residuals.items():
+        assert torch.equal(residual[1], torch.zeros_like(residual[1])), index
+        assert torch.isfinite(residual).all()
+    assert sync.state_dict()  # nothing non-finite left to checkpoint
+    for number in range(4, 10):  # no round blames an overflow of finite values
+        step(params, optimizer, sync, number)
+    assert len(sync.skipped_rounds) == 1
+    for index, residual in residuals.items():
+        assert torch.isfinite(residual).all(), index

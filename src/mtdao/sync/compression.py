@@ -125,6 +125,14 @@ class PseudoGradients:
             self.residuals[index] = lost.view_as(pseudo_gradient)
         return pseudo_gradient
 
+    @torch.no_grad()
+    def forget(self, layout, workers) -> None:
+        """Zero ``workers``' residuals: a healed worker took the others' values, so what its
+        own quantization had not yet sent (NaN/inf, when its values were) belongs to no one."""
+        residuals = list(self.residuals.values())
+        zeros = [torch.zeros((), device=r.device) for r in residuals]
+        layout.assign_to_workers(residuals, zeros, workers)
+
     @staticmethod
     def global_value(anchor: Tensor, mean_pseudo_gradient: Tensor) -> Tensor:
         return anchor - mean_pseudo_gradient

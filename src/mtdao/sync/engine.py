@@ -311,6 +311,8 @@ class LocalUpdateSync(NonFiniteWorkers):
             self.alignment.append(checked.alignment)
         if checked.heal is not None:  # the workers left out take the others' values
             self.layout.assign_to_workers(*checked.heal)
+            if self.plan.pseudo_gradients is not None:  # and forget what they had not sent
+                self.plan.pseudo_gradients.forget(self.layout, checked.heal[2])
 
     def _finish_parameter_sync(self, averages: list[Tensor], pending: PendingRound) -> None:
         indices = pending.due.param_indices
