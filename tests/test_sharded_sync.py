@@ -23,6 +23,7 @@ from mtdao.sync.dtensors import local_shard
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
 from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.evaluate import evaluate
 from mtdao.train.methods import build_optimizer
 from mtdao.train.setup import build_sync
 from mtdao.train.sharding import process_share, shard_model
@@ -75,16 +76,23 @@ def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def val_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch no worker trains on (as a worker numbered WORKERS would draw it)."""
+    return batch(WORKERS, 0)
+
+
 def train(config: TrainConfig, build, workers_here: list[int], nan_at: tuple | None = None):
     """Train as configured; ``build(model) -> (communicator, worker set)``; ``nan_at`` = (step,
-    rows of NAN_PARAM's gradient) poisons that slice of the gradient held here."""
+    rows of NAN_PARAM's gradient) poisons that slice of the gradient held here. The global model
+    is evaluated after every step, in the middle of rounds too (K >= 2): an evaluation must
+    leave the training it interrupts as it was."""
     torch.manual_seed(0)
     communicator, workers = build(Llama(MODEL))
     named = workers.named_parameters()
     optimizer = build_optimizer(split_weight_decay(named, config.weight_decay), config)
     sync = build_sync(config, optimizer, communicator, workers)
     sends = count_sends(communicator)
-    losses = []
+    losses, val_losses = [], []
     for step in range(STEPS):
         pairs = [batch(w, step) for w in workers_here]
         inputs, targets = (torch.stack(column).squeeze(0) for column in zip(*pairs))
@@ -98,10 +106,12 @@ def train(config: TrainConfig, build, workers_here: list[int], nan_at: tuple | N
             return {"error": str(error)}
         optimizer.zero_grad(set_to_none=True)
         losses.append(workers.layout.gather(worker_losses.detach().float()))
+        val_losses.append(evaluate(workers.global_model(), [val_batch()], torch.device("cpu")))
     return {
         "params": {name: full(p) for name, p in named},
         "states": {name: {k: full(v) for k, v in optimizer.state[p].items()} for name, p in named},
         "losses": torch.stack(losses),
+        "val_losses": torch.tensor(val_losses),
         "traffic": sync.traffic.state_dict(),
         "alignment": sync.alignment,
         "skipped": sync.skipped_rounds,
@@ -245,6 +255,7 @@ def assert_worker_matches(real: dict, simulated: dict, worker: int) -> None:
             expected = stacked[key] if key == "step" else stacked[key][worker]
             assert_close(value, expected, msg=f"{key} of {name}")
     assert_close(real["losses"].float(), simulated["losses"].float())
+    assert_close(real["val_losses"], simulated["val_losses"])
 
 
 @pytest.mark.parametrize("method", METHODS)

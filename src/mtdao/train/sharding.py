@@ -183,29 +183,48 @@ class ShardedWorkerSet(WorkerSet):
     @torch.no_grad()
     def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
         if self.layout.num_workers == 1:
-            return self.model
+            return EvaluatedShards(self.model)
         params = [p for _, p in self.named_parameters()]
-        return AveragedShards(self.model, params, self.layout.global_mean(params, excluded))
+        return EvaluatedShards(self.model, params, self.layout.global_mean(params, excluded))
 
 
-class AveragedShards(nn.Module):
-    """The sharded model with the workers' average in place of its own shards while it runs (a
-    copy of the model would not be sharded: every call swaps the averages in and back out)."""
+class EvaluatedShards(nn.Module):
+    """The sharded model run for evaluation, with the workers' ``averages`` in place of its own
+    shards while it runs (a copy of the model would not be sharded: every call swaps the
+    averages in and back out).
 
-    def __init__(self, model: nn.Module, params: list[Tensor], averages: list[Tensor]) -> None:
+    Every call ends with each FSDP2 module resharded: the root module keeps its parameters
+    unsharded after a forward (a training step frees them in its backward), and an evaluation
+    has no backward. Left behind, the root's gathered (averaged) parameters would serve the next
+    training step's forward in place of the worker's own.
+    """
+
+    def __init__(self, model: nn.Module, params=(), averages=()) -> None:
         super().__init__()
         self.model = model
-        self.params, self.averages = params, averages
+        self.params, self.averages = list(params), list(averages)
 
     @torch.no_grad()
     def forward(self, tokens: Tensor) -> Tensor:
         shards = [local_shard(p) for p in self.params]
         own = [shard.clone() for shard in shards]
-        torch._foreach_copy_(shards, self.averages)
+        if shards:
+            torch._foreach_copy_(shards, self.averages)
         try:
             return self.model(tokens)
         finally:
-            torch._foreach_copy_(shards, own)
+            reshard(self.model)
+            if shards:
+                torch._foreach_copy_(shards, own)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP2 module's unsharded parameters (the next forward gathers them anew)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 # -- what a process holds -------------------------------------------------------------------------
