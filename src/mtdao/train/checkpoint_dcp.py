@@ -28,8 +28,9 @@ from typing import Any
 
 from mtdao.sync.dtensors import local_shard
 from mtdao.train.checkpoint import CheckpointError, CheckpointStore
-from mtdao.train.checkpoint_index import CheckpointInfo, verify_files
+from mtdao.train.checkpoint_index import FORMAT, CheckpointInfo, read_meta, verify_files
 from mtdao.train.checkpoint_state import read_state_file
+from mtdao.train.dcp_metadata import read_metadata, safe_reader
 from mtdao.train.durable import CHECKSUM, file_checksum, write_atomic, write_json_atomic
 
 MODEL_DIR = "model"
@@ -145,7 +146,7 @@ class ShardedCheckpointStore(CheckpointStore):
         problem = self._incompatibility(info)
         if problem is None:
             names = sorted(info.files)[self.rank :: self.world_size]
-            problem = verify_files(info, names)
+            problem = verify_files(info, names) or _refused_metadata(info)
         if not self.collective.all_true(problem is None):
             return None, problem or "a file another process checked failed its check"
         try:
@@ -157,13 +158,37 @@ class ShardedCheckpointStore(CheckpointStore):
 def load_sharded(checkpoint: Path, state_dict: dict[str, Any]) -> None:
     """Read the DCP files of ``checkpoint`` (a directory :meth:`ShardedCheckpointStore.load`
     chose) into ``state_dict`` in place, on every process together; each process reads the
-    slices its tensors cover, whatever the number of shards that wrote them."""
+    slices its tensors cover, whatever the number of shards that wrote them. The metadata is
+    read by the safe reader (:mod:`mtdao.train.dcp_metadata`), never by ``pickle.load``."""
     import torch.distributed.checkpoint as dcp
 
+    data_files = _data_files(checkpoint)
+    try:  # refused in one line here, before DCP wraps the reason into its own report
+        read_metadata(checkpoint / MODEL_DIR / ".metadata", data_files)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{checkpoint} could not be read: {error}") from None
+    reader = safe_reader(checkpoint / MODEL_DIR, data_files)
     try:
-        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(checkpoint / MODEL_DIR))
+        dcp.load(state_dict, storage_reader=reader)
     except Exception as error:  # DCP gathers every process's failure into one exception
         raise CheckpointError(f"{checkpoint} could not be read: {_first_line(error)}") from None
+
+
+def _data_files(checkpoint: Path) -> set[str] | None:
+    """The DCP data files ``checkpoint``'s meta.json lists (checksummed); None if unlisted."""
+    meta, problem = read_meta(checkpoint / "meta.json", FORMAT)
+    if problem:
+        return None
+    return {name.split("/", 1)[1] for name in meta["files"] if name.startswith(f"{MODEL_DIR}/")}
+
+
+def _refused_metadata(info: CheckpointInfo) -> str | None:
+    """Why the DCP metadata of ``info`` is refused (forged, damaged or pointing elsewhere)."""
+    try:
+        read_metadata(info.path / MODEL_DIR / ".metadata", _data_files(info.path))
+    except (OSError, ValueError) as error:
+        return str(error)
+    return None
 
 
 def _local_shards(state: Any) -> Any:

@@ -83,7 +83,8 @@ def read_state_file(path: Path) -> Any:
         raise ValueError(explain_load_error(error)) from None
 
 
-_UNSAFE_REASON = re.compile(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)")
+# torch's reason follows this; it may start on the next line (a raw pickle: "\n\nUnsupported ...")
+_UNSAFE_REASON = re.compile(r"WeightsUnpickler error:\s*(.*?)(?: Please use|\n|$)")
 
 
 def explain_load_error(error: BaseException) -> str:
@@ -93,7 +94,10 @@ def explain_load_error(error: BaseException) -> str:
     text = str(error)
     if "Weights only load failed" in text or "WeightsUnpickler" in text:
         match = _UNSAFE_REASON.search(text)
-        reason = match.group(1).strip().rstrip(".") if match else "an object of an unknown type"
+        reason = match.group(1).strip().rstrip(".") if match else ""
+        if reason.startswith("Unsupported operand"):  # an opcode torch.save never writes
+            reason += ": a raw pickle, not a file torch.save wrote"
+        reason = reason or "an object of an unknown type"
         return f"it holds an object the safe loader refuses ({reason})"
     first_line = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if "weights_only" in first_line:

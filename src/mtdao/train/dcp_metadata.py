@@ -1,0 +1,109 @@
+"""Reading a sharded checkpoint's DCP ``.metadata`` without letting it run code.
+
+torch.distributed.checkpoint keeps its metadata (where each slice of each tensor lives) as a
+pickle, and its reader loads it with ``pickle.load``: a file edited by anyone who can write to the
+run directory runs what it likes on every process that resumes (its checksum in ``meta.json`` is
+no defence: whoever replaces the file can rewrite that too). Here it is read by an unpickler that
+builds only DCP's own metadata classes and the few plain types they hold (torch.Size, dtypes,
+layouts, paths); anything else is refused before it is built. Every slice it points to must lie
+in a file the checkpoint's ``meta.json`` lists (so checksummed), inside the checkpoint's ``model``
+directory: a forged metadata cannot make DCP read another file.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+ALLOWED_GLOBALS = {
+    (_METADATA_MODULE, name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by name, e.g. "torch.strided"
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+"""What DCP's metadata pickles name (checked against torch 2.13), dtypes aside."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata; refuses every other global (a function or class a forged file
+    names to have it called) before importing or calling it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not DCP metadata")
+
+
+def read_metadata(path: Path, data_files: set[str] | None = None):
+    """The DCP metadata in ``path``, read safely. ``data_files``: the names of the files next
+    to it that its slices may lie in (None: any plain name in that directory). Raises
+    ValueError with one line saying why the file is refused."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(path, "rb") as file:
+            metadata = MetadataUnpickler(file).load()
+    except OSError:
+        raise
+    except Exception as error:  # any damaged or forged pickle: one line
+        raise ValueError(f"{path} is refused: {_reason(error)}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise ValueError(
+            f"{path} is refused: it holds a {type(metadata).__name__}, not DCP metadata"
+        )
+    for index, where in metadata.storage_data.items():
+        if not isinstance(where, _StorageInfo) or not isinstance(where.relative_path, str):
+            raise ValueError(f"{path} is refused: slice {index} has no file")
+        name = where.relative_path
+        inside = name == Path(name).name and name not in ("", ".", "..")
+        if not inside or (data_files is not None and name not in data_files):
+            raise ValueError(
+                f"{path} is refused: a slice lies in {name!r}, not a file of this checkpoint"
+            )
+    return metadata
+
+
+def safe_reader(directory: Path, data_files: set[str] | None = None):
+    """A ``dcp.FileSystemReader`` of ``directory`` that reads its metadata with
+    :func:`read_metadata` (the tensors it reads are loaded by DCP with ``weights_only=True``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            rank = kwargs.get("rank")
+            metadata = read_metadata(Path(self._get_metadata_path(rank)), data_files)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(directory)
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    return first or f"it is not a readable pickle ({type(error).__name__})"
