@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -21,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_checkpoint_forged import Payload, forge
 from torch.testing import assert_close
 
 from mtdao.train import checkpoint as ckpt
@@ -51,7 +53,8 @@ SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTAL
 RECIPE = next(s for s in SNIPPETS if "--nproc-per-node 4" in s)
 # checkpoints at steps 3 and 6, between the syncs at 4 and 8: the workers differ there
 FLAGS = dict(workers=2, shards=2, steps=8, sync_period=4, checkpoint_every=3, model="micro")
-FLAGS.update(batch_size=4, seq_len=32, eval_every=4, eval_tokens=512, log_every=4)
+# evaluations at steps 2 and 6 too, in the middle of rounds: they must not change the training
+FLAGS.update(batch_size=4, seq_len=32, eval_every=2, eval_tokens=512, log_every=4)
 FLAGS.update(device="cpu", progress=False)
 # every round option: at the checkpoint of step 3 the round sent at step 2 is in flight
 OPTIONS = dict(sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedback=True)
@@ -149,7 +152,16 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
     assert killed_at.step == 3
     in_flight = torch.load(killed_at.path / "worker0.pt", weights_only=True)["sync"]["pending"]
     assert [(r["step"], r["finish_step"]) for r in in_flight] == [(2, 4)]
-    launch(4, [replace(killed, resume=True)], root / "resumed-processes")
+    # the finished run's last checkpoint, its DCP metadata replaced by a payload (checksum fixed)
+    forged = root / "forged"
+    shutil.copytree(root / "mtdao", forged)
+    newest = ckpt.latest_checkpoint(forged).path
+    forge(newest, "model/.metadata", pickle.dumps(Payload(root / "payload-ran")))
+    resumes = [
+        replace(killed, resume=True),
+        replace(configs["mtdao"], out=str(forged), resume=True),
+    ]
+    launch(4, resumes, root / "resumed-processes")
     # the 4-shard run's step-6 checkpoint, resumed by 2 processes
     resharded = root / "diloco-2"
     shutil.copytree(root / "diloco-4", resharded)
@@ -162,6 +174,7 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
     return {name: Path(config.out) for name, config in configs.items()} | {
         "killed": root / "killed",
         "diloco-2": resharded,
+        "forged": forged,
     }
 
 
@@ -284,6 +297,17 @@ def test_resharded_resume_continues_the_run(runs):
 
 def test_the_readme_recipe_runs_in_four_processes(runs):
     pass  # launched with the first runs; a failure there fails the fixture
+
+
+def test_a_forged_metadata_runs_nothing_and_the_run_resumes_from_the_checkpoint_before(runs):
+    """--resume of the finished run whose final checkpoint (step 8) holds a forged .metadata:
+    no process ran the payload; they set it aside, resumed from step 6 and ended as the run did."""
+    assert not (runs["forged"].parent / "payload-ran").exists()
+    damaged = sorted(p.name for p in (runs["forged"] / "checkpoints").glob("*.damaged"))
+    assert damaged == ["step-00000008.damaged"]
+    forged, original = results(runs["forged"]), results(runs["mtdao"])
+    assert forged["final_val_loss"] == original["final_val_loss"]
+    assert [e["val_loss"] for e in forged["evals"]] == [e["val_loss"] for e in original["evals"]]
 
 
 def test_another_number_of_workers_is_refused(runs, simulated):
