@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,39 @@ def test_resume_with_no_checkpoint_refuses_another_runs_directory(tmp_path, corp
         "has no checkpoint yet, and its config.json is another run's (lr: 0.001 -> 0.008",
     )
     assert json.loads((out / "config.json").read_text()) == other
+
+
+def test_a_repeated_resume_with_every_checkpoint_damaged_never_starts_over(
+    tmp_path, corpus_dir, capsys
+):
+    """The first --resume finds the only checkpoint damaged and sets it aside; the next one (a
+    restart policy's retry) must not take the run for one that never began: it stops, naming
+    what was set aside, and leaves the run's files as they were."""
+    out = tmp_path / "run"
+    assert main(tiny_args(out, corpus_dir)) == 0
+    (only,) = (out / "checkpoints").iterdir()
+    weights = only / "rank0.pt"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    files = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "results.json")}
+    args = tiny_args(out, corpus_dir, "--resume")
+    assert_one_line_error(capsys, args, "no usable checkpoint")
+    assert checkpoint_names(out) == [f"{only.name}.damaged"]
+    for _ in range(2):
+        assert_one_line_error(capsys, args, f"set aside (checkpoints/{only.name}.damaged)")
+    assert {name: (out / name).read_bytes() for name in files} == files
+    assert checkpoint_names(out) == [f"{only.name}.damaged"]
+    assert main([*tiny_args(out, corpus_dir), "--overwrite"]) == 0  # the operator's decision
+
+
+def test_resume_of_a_finished_run_without_checkpoints_never_starts_over(
+    tmp_path, corpus_dir, capsys
+):
+    out = tmp_path / "run"
+    assert main(tiny_args(out, corpus_dir)) == 0
+    shutil.rmtree(out / "checkpoints")
+    results = (out / "results.json").read_text()
+    assert_one_line_error(capsys, tiny_args(out, corpus_dir, "--resume"), "holds a finished run")
+    assert (out / "results.json").read_text() == results
 
 
 # -- what a NaN is blamed on ----------------------------------------------------------------------

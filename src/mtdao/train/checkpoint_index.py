@@ -19,6 +19,8 @@ CHECKPOINTS_DIR = "checkpoints"
 LEGACY_DIRS = ("checkpoint", "checkpoint.previous")  # one checkpoint, as written before 0.2
 FORMAT = 2
 COMPLETE_NAME = re.compile(r"step-(\d+)(?:\.(\d+))?")
+SET_ASIDE_NAME = re.compile(r"step-\d+(?:\.\d+)?\.damaged(?:\.\d+)?")
+"""A checkpoint a load found damaged and renamed (kept for inspection, never loaded)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,13 @@ def verify_files(info: CheckpointInfo, names: list[str] | None = None) -> str | 
     return None
 
 
+def set_aside_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoints of ``run_dir`` that were found damaged and set aside, by name."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    found = sorted(root.iterdir()) if root.is_dir() else []
+    return [path for path in found if SET_ASIDE_NAME.fullmatch(path.name)]
+
+
 def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     """The newest complete checkpoint, without verifying its files (cheap)."""
     found = list_checkpoints(run_dir)
@@ -112,10 +121,12 @@ __all__ = [
     "COMPLETE_NAME",
     "FORMAT",
     "LEGACY_DIRS",
+    "SET_ASIDE_NAME",
     "CheckpointInfo",
     "latest_checkpoint",
     "list_checkpoints",
     "read_meta",
     "scan_checkpoints",
+    "set_aside_checkpoints",
     "verify_files",
 ]

@@ -9,7 +9,9 @@ together with the same one-line error:
 * a fresh run needs a directory without a run in it, or ``--overwrite`` (which deletes the files
   a run writes, and nothing else);
 * ``--resume`` takes the newest checkpoint that verifies (older ones as fallback); with none yet
-  it starts fresh and says so, so one command line serves a first start and every restart;
+  it starts fresh and says so, so one command line serves a first start and every restart; but a
+  run that has made progress (a finished run, or checkpoints all set aside as damaged by an
+  earlier resume) is never started over without ``--overwrite``;
 * a resumed run with another ``--steps`` is re-planned only with ``--extend``
   (:class:`~mtdao.train.schedule.StepsChange` says what that does to the schedule).
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.train import checkpoint as ckpt
+from mtdao.train.checkpoint_index import set_aside_checkpoints
 from mtdao.train.checkpoint_state import Collective
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.distributed import ProcessInfo
@@ -109,7 +112,20 @@ def choose_start(config: TrainConfig, process: ProcessInfo, store: ckpt.Checkpoi
 
 def _check_fresh_resume(run_dir: Path, config: TrainConfig) -> None:
     """A fresh start under --resume may replace a run's files only when they are this run's
-    (a first attempt that died before its first checkpoint)."""
+    (a first attempt that died before its first checkpoint), and never a run's progress."""
+    damaged = set_aside_checkpoints(run_dir)
+    if damaged:
+        names = ", ".join(str(path.relative_to(run_dir)) for path in damaged)
+        raise RunDirError(
+            f"--resume: every checkpoint of the run in {run_dir} was found damaged and set "
+            f"aside ({names}); nothing to resume from, and the run's progress is not thrown "
+            "away: inspect them, or run with --overwrite instead of --resume to start over"
+        )
+    if (run_dir / "results.json").is_file():
+        raise RunDirError(
+            f"--resume: {run_dir} holds a finished run (results.json) but no checkpoint to "
+            "resume from; run with --overwrite instead of --resume to start over, or choose another --out"
+        )
     path = run_dir / "config.json"
     if not path.is_file():
         return
