@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import mtdao
 from mtdao.cli import main
+from mtdao.train import trainer
 from mtdao.train.methods import METHODS
 from mtdao.train.metrics import read_metrics
 
@@ -147,6 +149,47 @@ def test_what_the_terminal_shows(tmp_path, corpus_dir, capsys, monkeypatch):
     assert (tmp_path / "runs" / "ddp-adam-M2-seed0" / "results.json").is_file()
 
 
+def test_the_terminal_says_why_nothing_was_sent_and_names_only_a_drawn_plot(
+    tmp_path, corpus_dir, capsys, monkeypatch
+):
+    """2 workers and fewer steps than K: no round came due (not "one worker"); a plot that
+    could not be drawn is not named (and no older one is left to be taken for it)."""
+    from mtdao.train import plots
+
+    def full_disk(run_dir, reference=None):
+        (Path(run_dir) / "loss.png").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots, "plot_run", full_disk)
+    out = tmp_path / "run"
+    assert main(tiny_args(out, corpus_dir, "--steps", "3", "--eval-every", "3")) == 0
+    _, where, traffic = capsys.readouterr().out.splitlines()
+    assert traffic.endswith("(no round came due in 3 steps with --sync-period 4)"), traffic
+    assert "plot:" not in where and not (out / "loss.png").exists()
+    single = tiny_args(tmp_path / "one", corpus_dir, "--workers", "1", "--steps", "1")
+    assert main(single) == 0
+    assert "(nothing to average with one worker)" in capsys.readouterr().out
+
+
+def test_out_of_memory_is_one_line_naming_the_batch_size(tmp_path, corpus_dir, capsys, monkeypatch):
+    """What the CPU allocator raises (seen with --batch-size 4096 under ``ulimit -v``), and
+    CUDA's error: one line, the size it tried, the flags to lower."""
+    cpu = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 335544320 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 ...")
+    for error in (cpu, cuda):
+
+        def allocate(run, error=error):
+            raise error
+
+        monkeypatch.setattr(trainer, "train_step", allocate)
+        args = tiny_args(tmp_path / "run", corpus_dir, "--overwrite")
+        assert_one_line_error(capsys, args, "out of memory on cpu (it tried to allocate ")
+        assert_one_line_error(capsys, args, "lower --batch-size (now 2 sequences of --seq-len 32")
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
@@ -209,7 +252,8 @@ def test_divergence_of_every_worker_cannot_be_skipped(tmp_path, corpus_dir, caps
         (("--lr", "-1"), "--lr must be a finite number >= 0"),
         (("--tokens", "1000"), "--tokens: not allowed with argument --steps"),
         (("--method", "ddp", "--sync-policy", "unified"), "a sync policy does not apply"),
-        (("--eval-tokens", "16"), "less than one window"),
+        (("--eval-tokens", "16"), "--eval-tokens 16 is less than one window of --seq-len 32"),
+        (("--seq-len", "100000"), "--eval-tokens 256 is less than one window of --seq-len 100000"),
         (("--resume", "--overwrite"), "give --resume (continue the run in --out) or --overwrite"),
         (("--extend",), "--extend re-plans a resumed run: it needs --resume"),
         (("--min-lr-ratio", "1.5"), "--min-lr-ratio must lie in [0, 1]"),

@@ -58,6 +58,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from mtdao.train.checkpoint import CheckpointError
     from mtdao.train.distributed import CollectiveError
     from mtdao.train.durable import WriteError
+    from mtdao.train.memory import OutOfMemory
 
     # ConnectionError: a lighthouse or peer that cannot be reached (fault-tolerant runs)
     return (
@@ -69,6 +70,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
         WriteError,
         CollectiveError,
         ConnectionError,
+        OutOfMemory,
     )
 
 

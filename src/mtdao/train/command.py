@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args, dataclass_to_argv
 from mtdao.train.config import OPTIMIZER_DEFAULTS, TrainConfig, describe_default
@@ -92,6 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         out = results["config"]["out"]
         print(json.dumps({k: results[k] for k in SUMMARY_KEYS}), file=sys.stdout)
-        print(f"results: {out}/results.json  plot: {out}/loss.png  metrics: {out}/metrics.jsonl")
+        plot = f"  plot: {out}/loss.png" if (Path(out) / "loss.png").is_file() else ""
+        print(f"results: {out}/results.json{plot}  metrics: {out}/metrics.jsonl")
         print(traffic_line(results))
     return 0

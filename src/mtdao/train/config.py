@@ -385,6 +385,11 @@ def _validate(config: TrainConfig) -> None:
     names = ("workers", "shards", "sync_period", "batch_size", "seq_len", "eval_tokens")
     for name in names + ("log_every", "keep_checkpoints"):
         _positive_int(name, getattr(config, name))
+    if config.eval_tokens < config.seq_len:
+        raise ValueError(
+            f"--eval-tokens {config.eval_tokens} is less than one window of --seq-len "
+            f"{config.seq_len}: raise --eval-tokens or lower --seq-len"
+        )
     if config.batch_size % config.shards != 0:
         raise ValueError(
             f"--batch-size {config.batch_size} does not split over --shards {config.shards} "

@@ -100,7 +100,14 @@ def traffic_line(results: dict[str, Any]) -> str:
     text = f"traffic: {format_bytes(results['bytes_per_worker'])} sent per worker"
     measured, steady = results["comm_reduction_vs_ddp"], results["comm_reduction_steady_state"]
     if measured is None:
-        return text + " (nothing to average with one worker)"
+        if results["workers"] == 1:
+            return text + " (nothing to average with one worker)"
+        if not results["bytes_per_worker"]:  # e.g. --steps below --sync-period
+            return text + (
+                f" (no round came due in {results['steps']} steps with --sync-period "
+                f"{results['sync_period']})"
+            )
+        return text
     text += f", {measured:.1f}x less than DDP"
     if steady is not None and f"{steady:.1f}" != f"{measured:.1f}":
         tail = results["steps"] - results["steady_state_steps"]

@@ -9,6 +9,7 @@ finish  checkpoint (snapshot.py, unless just saved) -> results.json (results.py)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ from mtdao.train.distributed import (
     pick_device,
 )
 from mtdao.train.evaluate import run_evaluation
+from mtdao.train.memory import out_of_memory_errors
 from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
 from mtdao.train.setup import Run, build_run
@@ -116,9 +118,10 @@ def train(config: TrainConfig, *, build=build_run, run_loop=None) -> dict[str, A
             if process.rank == 0:
                 for note in start.notes:
                     say(note)
-            run = build(config, process)
-            run.clock.started = started
-            return train_run(run, store, start, run_loop)
+            with out_of_memory_errors(config, device, simulated=not process.distributed):
+                run = build(config, process)
+                run.clock.started = started
+                return train_run(run, store, start, run_loop)
         finally:
             lock.release()
 
@@ -169,13 +172,16 @@ def train_run(run: Run, store: CheckpointStore, start: Start, run_loop=None) -> 
 
 
 def draw_plot(run_dir: Path) -> None:
-    """loss.png; a plot that cannot be written (a full disk) costs only the plot."""
+    """loss.png; a plot that cannot be written (a full disk) costs only the plot, and an older
+    one is removed (it would show another run, or this one cut short)."""
     from mtdao.train.plots import plot_run
 
     try:
         plot_run(run_dir)
     except OSError as error:
         logger.warning("could not draw %s: %s", run_dir / "loss.png", error)
+        with contextlib.suppress(OSError):
+            (run_dir / "loss.png").unlink()
 
 
 def say(line: str) -> None:

@@ -1,0 +1,61 @@
+"""Running out of memory: one line naming the flags that size the run, not an allocator trace.
+
+An allocation the device cannot satisfy (CUDA's ``OutOfMemoryError``, the CPU allocator's "can't
+allocate memory", Python's ``MemoryError``) is reported with what it tried to allocate and the
+flags to lower. A process the kernel's OOM killer ends gets no chance to say anything: on a
+machine without swap, keep a run well inside its memory (``--batch-size`` first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+import torch
+
+from mtdao.train.config import TrainConfig
+
+_CPU_ALLOCATOR = ("can't allocate memory", "not enough memory", "DefaultCPUAllocator")
+_TRIED = re.compile(r"(?:tried to allocate|Tried to allocate) ([0-9.]+ ?[KMGT]?i?B|\d+ bytes)")
+
+
+class OutOfMemory(RuntimeError):
+    """The run needs more memory than its device has; the message is one line."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _CPU_ALLOCATOR)
+
+
+def explain(
+    error: BaseException, config: TrainConfig, device: torch.device, simulated: bool
+) -> str:
+    tried = _TRIED.search(str(error))
+    what = f" (it tried to allocate {tried.group(1)})" if tried else ""
+    per_step = config.batch_size * config.seq_len
+    others = ["a smaller --model"]
+    if simulated and config.workers > 1:
+        others.append(f"fewer --workers (all {config.workers} are simulated in this process)")
+    if not simulated:
+        others.append("more --shards per worker")
+    return (
+        f"out of memory on {device}{what}: lower --batch-size (now {config.batch_size} "
+        f"sequences of --seq-len {config.seq_len}, {per_step:,} tokens per worker per step), "
+        f"or use {' or '.join(others)}"
+    )
+
+
+@contextlib.contextmanager
+def out_of_memory_errors(
+    config: TrainConfig, device: torch.device, simulated: bool
+) -> Iterator[None]:
+    """Turn an allocation failure inside the block into :class:`OutOfMemory`."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as error:
+        if not is_out_of_memory(error):
+            raise
+        raise OutOfMemory(explain(error, config, device, simulated)) from None
