@@ -301,6 +301,11 @@ class CheckpointStore:
             )
         return None
 
+    def set_aside(self, path: Path) -> None:
+        """Set a checkpoint aside as damaged (see ``_set_aside``), every process together."""
+        self.collective.all_true(True)  # every process is done with it
+        self._set_aside(path)
+
     def _set_aside(self, path: Path) -> None:
         """Process 0 renames a damaged checkpoint to ``step-N.damaged``: kept for inspection,
         never loaded, counted among the kept ones or overtaken in sequence again. Every process

@@ -95,6 +95,23 @@ def save(run: Run, store: ShardedCheckpointStore) -> Path | None:
     return store.save(run.step, state, {"config": run.config.to_dict()})
 
 
+def unfit(run: Run, loaded: ckpt.LoadedCheckpoint) -> str | None:
+    """Why ``loaded`` cannot be restored into the built run: its worker file lacks a part of
+    the worker's state, or its DCP metadata a tensor of the model (or shapes it otherwise)."""
+    from mtdao.train.checkpoint_dcp import MODEL_DIR
+    from mtdao.train.checkpoint_fit import sharded_tensors_unfit, worker_file_unfit
+    from mtdao.train.dcp_metadata import read_metadata
+
+    problem = worker_file_unfit(run, loaded.state.get("worker"))
+    if problem:
+        return problem
+    try:
+        metadata = read_metadata(loaded.path / MODEL_DIR / ".metadata")
+    except (OSError, ValueError) as error:
+        return str(error)
+    return sharded_tensors_unfit(sharded_state(run), metadata)
+
+
 @torch.no_grad()
 def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
     """Put the built run in the state of ``loaded``, its sharded tensors resharded to this run's

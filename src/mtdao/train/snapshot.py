@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mtdao.train import checkpoint as ckpt
+from mtdao.train import checkpoint_fit
 from mtdao.train.checkpoint_state import ProcessGroupCollective
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.distributed import ProcessInfo
@@ -81,6 +82,16 @@ def saved_config(meta: dict) -> TrainConfig:
         ) from None
 
 
+def unfit(run: Run, loaded: ckpt.LoadedCheckpoint) -> str | None:
+    """Why ``loaded`` (its files verified and read) cannot be restored into the built ``run``:
+    edited or forged, or not this model's; None if it fits (see checkpoint_fit.py)."""
+    if run.config.shards > 1:
+        from mtdao.train import sharded_snapshot
+
+        return sharded_snapshot.unfit(run, loaded)
+    return checkpoint_fit.unfit(run, loaded.state)
+
+
 @torch.no_grad()
 def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
     """Put the run back in the state of ``loaded`` (its config was checked when it was chosen)."""
@@ -89,14 +100,10 @@ def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
 
         return sharded_snapshot.restore(run, loaded)
     state = loaded.state
-    if "clock" not in state or "events" not in state["sync"]:
-        raise ckpt.CheckpointError(
-            f"--resume: the checkpoint {loaded.path} was written by an older version of mtdao "
-            "(no record of its sync rounds); start a new run"
-        )
+    problem = unfit(run, loaded)
+    if problem:  # the harness checked (and fell back); a caller that did not is refused here
+        raise ckpt.CheckpointError(f"--resume: {loaded.path} does not fit this run: {problem}")
     params = dict(run.workers.named_parameters())
-    if set(params) != set(state["params"]):
-        raise ckpt.CheckpointError("--resume: the checkpoint's parameters do not match the model")
     for name, p in params.items():
         p.copy_(state["params"][name])
     run.optimizer.load_state_dict(state["optimizer"])

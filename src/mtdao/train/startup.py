@@ -19,6 +19,7 @@ together with the same one-line error:
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from mtdao.train.run_lock import (
 )
 from mtdao.train.schedule import steps_change
 from mtdao.train.snapshot import saved_config
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -108,6 +111,23 @@ def choose_start(config: TrainConfig, process: ProcessInfo, store: ckpt.Checkpoi
     if removed:
         return Start(notes=[f"--overwrite: deleted {', '.join(removed)} from {run_dir}"])
     return Start()
+
+
+def fall_back(
+    config: TrainConfig, store: ckpt.CheckpointStore, loaded: ckpt.LoadedCheckpoint, problem: str
+) -> Start:
+    """``loaded`` verified and read, but does not fit the built run (``problem``: edited,
+    forged, another model's): set it aside as damaged and start from the checkpoint before it,
+    checked as the first was; with none left, stop in one line (every process together)."""
+    logger.warning("skipping checkpoint %s: it does not fit this run: %s", loaded.path, problem)
+    store.set_aside(loaded.path)
+    earlier = store.load()
+    if earlier is None:
+        raise ckpt.CheckpointError(
+            f"--resume: no usable checkpoint in {config.out}: {loaded.path} does not fit this "
+            f"run ({problem}); it was set aside"
+        )
+    return _resumed(config, earlier)
 
 
 def _check_fresh_resume(run_dir: Path, config: TrainConfig) -> None:

@@ -37,8 +37,8 @@ from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
 from mtdao.train.setup import Run, build_run
 from mtdao.train.sharding import check_topology
-from mtdao.train.snapshot import checkpoint_store, restore, save
-from mtdao.train.startup import Start, choose_start, lock_run_dir
+from mtdao.train.snapshot import checkpoint_store, restore, save, unfit
+from mtdao.train.startup import Start, choose_start, fall_back, lock_run_dir
 from mtdao.train.workers import SimulatedWorkerSet
 
 __all__ = ["Run", "build_run", "train", "train_step", "set_hyperparameters"]
@@ -141,6 +141,14 @@ class Outputs:
 def train_run(run: Run, store: CheckpointStore, start: Start, run_loop=None) -> dict[str, Any]:
     """Restore the run if it resumes, train it to the end, and write its results."""
     loaded = start.checkpoint
+    while loaded is not None:  # a checkpoint that verified may still not fit the built run
+        problem = unfit(run, loaded)
+        if store.collective.all_true(problem is None):
+            break
+        start = fall_back(run.config, store, loaded, problem or "see another process's warning")
+        loaded = start.checkpoint
+        for note in start.notes if run.is_main else []:
+            say(note)
     if loaded is not None:
         restore(run, loaded)
     if start.extension is not None:
