@@ -206,7 +206,7 @@ class TrainConfig:
     on_non_finite: str = _choice("raise", NON_FINITE_ACTIONS)
     """NaN/inf in a worker at a sync: stop (raise), or leave that worker out and heal it with the
     others' average of everything it holds (skip; evaluation and checkpoints meanwhile leave it
-    out or heal it first)."""
+    out or heal it first). Large finite values are averaged like any other (docs/design.md)."""
     track_alignment: bool = field(default=True, metadata={"flag": "--no-alignment"})
     """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
     progress: bool = field(default=True, metadata={"flag": "--no-progress"})
