@@ -78,3 +78,25 @@ def test_a_checkpoint_that_does_not_fit_falls_back_to_the_one_before(
     assert newest.with_name(f"{newest.name}.damaged").is_dir()
     assert resumed["final_val_loss"] == reference["final_val_loss"]
     assert resumed["bytes_per_worker"] == reference["bytes_per_worker"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "no process group"
+def test_sharded_tensors_must_all_be_there_with_their_global_shapes(tmp_path):
+    """A sharded checkpoint's DCP metadata against the built run's DCP state dict."""
+    import torch.distributed.checkpoint as dcp
+
+    from mtdao.train.checkpoint_fit import sharded_tensors_unfit
+    from mtdao.train.dcp_metadata import read_metadata
+
+    saved = {"worker0": {"model": {"w": torch.zeros(4, 2), "b": torch.zeros(2)}}}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path, single_file_per_rank=True))
+    metadata = read_metadata(tmp_path / ".metadata")
+
+    def expected(**model):
+        return {"worker0": {"model": model}}
+
+    assert sharded_tensors_unfit(expected(w=torch.ones(4, 2), b=torch.ones(2)), metadata) is None
+    reason = sharded_tensors_unfit(expected(w=torch.ones(4, 3)), metadata)
+    assert reason == "its worker0.model.w has shape (4, 2), the model (4, 3)"
+    reason = sharded_tensors_unfit(expected(w=torch.ones(4, 2), v=torch.ones(2)), metadata)
+    assert reason == "it holds no worker0.model.v"

@@ -26,7 +26,9 @@ def unfit(run: Run, state: Any) -> str | None:
     if problem:
         return problem
     sync = state["sync"]
-    problem = _missing(sync, list(template["sync"]), "its sync state")
+    optional = ("pending", "pseudo_gradients")  # absent from checkpoints before delays, codecs
+    required = [key for key in template["sync"] if key not in optional]
+    problem = _missing(sync, required, "its sync state")
     if problem:
         return problem
     problem = _same_tensors("parameter", template["params"], state["params"])
