@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, NonFiniteError, SimulatedWorkers
-from mtdao.sync.policy import desloc
+from mtdao.sync.policy import desloc, unified
 
 WORKERS = 3
 
@@ -101,47 +101,80 @@ def test_heal_refuses_when_every_worker_is_non_finite():
         sync.heal_non_finite_workers()
 
 
-def quantized_skip_run():
-    """The DES-LOC run above, its parameters sent as int8 pseudo-gradients with error feedback
-    (each worker keeps a residual of what quantization lost)."""
+def quantized_skip_run(policy=None):
+    """The DES-LOC run above (or ``policy``), its parameters sent as int8 pseudo-gradients with
+    error feedback (each worker keeps a residual of what quantization lost)."""
     from mtdao.sync.compression import SyncCodecs
 
     params = init_params(WORKERS)
     optimizer = MTAdam(named_groups(params), lr=1e-2, betas=(0.9,), omegas=(1.0,))
     codecs = SyncCodecs.parse(["int8"], error_feedback=True)
     communicator = SimulatedWorkers(WORKERS)
-    sync = LocalUpdateSync(optimizer, desloc(2), communicator, on_non_finite="skip", codecs=codecs)
+    sync = LocalUpdateSync(
+        optimizer, policy or desloc(2), communicator, on_non_finite="skip", codecs=codecs
+    )
     return params, optimizer, sync
 
 
-@pytest.mark.parametrize("when", ["in the round", "before a checkpoint"])
-def test_a_healed_worker_forgets_its_error_feedback_residual(when):
+CASES = {
+    # the round at step 4 leaves worker 1 out and heals the states not due
+    "in a round": (desloc(2), "round"),
+    # every tensor is due at step 4: the round itself gives worker 1 everything
+    "in a round of everything": (unified(2), "round"),
+    # a round sends worker 1's NaN pseudo-gradient (a delayed one heals nobody), then the heal
+    # a checkpoint does
+    "before a checkpoint": (desloc(2), "heal now"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_healed_worker_forgets_its_error_feedback_residual(case):
     """A NaN parameter makes the worker's pseudo-gradient, so its residual, NaN; healed, the
     worker holds the others' values, and what it had not yet sent is gone with its own: its
     residual is reset to zero, the others keep theirs, and the next rounds go on."""
-    params, optimizer, sync = quantized_skip_run()
+    policy, how = CASES[case]
+    params, optimizer, sync = quantized_skip_run(policy)
     for number in range(2):
         step(params, optimizer, sync, number)  # a round at step 2: every worker has a residual
     residuals = sync.plan.pseudo_gradients.residuals
-    before = {i: r.clone() for i, r in residuals.items()}
-    assert before and all(bool(r[1].abs().sum() > 0) for r in before.values())
+    assert residuals and all(bool(r[1].abs().sum() > 0) for r in residuals.values())
     params[0].data[1, 0, 0] = float("nan")  # worker 1, between rounds
-    if when == "before a checkpoint":
-        # the round at step 4 sends worker 1's NaN pseudo-gradient (residual NaN) and leaves
-        # it out; a delayed round heals nobody, so heal it as a checkpoint does
+    if how == "heal now":
         sync.plan.pseudo_gradients.payload(0, sync.anchors[0], params[0].detach())
         assert not bool(torch.isfinite(residuals[0][1]).all())
         assert sync.heal_non_finite_workers() == [1]
     else:
         step(params, optimizer, sync, 2)
-        step(params, optimizer, sync, 3)  # the round at step 4 leaves worker 1 out and heals it
+        step(params, optimizer, sync, 3)
         assert [s["workers"] for s in sync.skipped_rounds] == [[1]]
-    for index, residual in residuals.items():
-        assert torch.equal(residual[1], torch.zeros_like(residual[1])), index
-        assert torch.isfinite(residual).all()
-    assert sync.state_dict()  # nothing non-finite left to checkpoint
+    assert_residuals_reset(residuals, worker=1)
     for number in range(4, 10):  # no round blames an overflow of finite values
         step(params, optimizer, sync, number)
     assert len(sync.skipped_rounds) == 1
     for index, residual in residuals.items():
+        assert torch.isfinite(residual).all(), index
+
+
+def test_a_worker_whose_residual_alone_is_non_finite_is_healed():
+    """Finite values can overflow the codec (a pseudo-gradient beyond its range): the residual
+    is then NaN/inf while parameters and states are finite. It is part of the worker's state:
+    found, and the worker healed, instead of a checkpoint refused or the next round blaming
+    "an overflow although every worker's values are finite"."""
+    params, optimizer, sync = quantized_skip_run()
+    for number in range(2):
+        step(params, optimizer, sync, number)
+    residuals = sync.plan.pseudo_gradients.residuals
+    residuals[1][2, 0] = float("inf")  # worker 2's residual of the bias
+    assert sync.heal_non_finite_workers() == [2]
+    assert "error-feedback residual of bias" in sync.skipped_rounds[-1]["tensors"]
+    assert_residuals_reset(residuals, worker=2)
+    assert sync.heal_non_finite_workers() == []
+    for number in range(2, 6):
+        step(params, optimizer, sync, number)
+    assert len(sync.skipped_rounds) == 1
+
+
+def assert_residuals_reset(residuals: dict, worker: int) -> None:
+    for index, residual in residuals.items():
+        assert torch.equal(residual[worker], torch.zeros_like(residual[worker])), index
         assert torch.isfinite(residual).all(), index

@@ -22,6 +22,7 @@ from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound
 logger = logging.getLogger("mtdao.sync.engine")
 
 NON_FINITE_ACTIONS = ("raise", "skip")
+RESIDUAL = "residual"
 
 
 class NonFiniteError(FloatingPointError):
@@ -38,13 +39,15 @@ class NonFiniteWorkers:
     on_non_finite: str
     step_count: int
     layout: WorkerLayout
+    plan: Any
 
     def _record(self, checked: CheckedRound) -> None:
         raise NotImplementedError
 
     def _held(self, step: int) -> SyncRound:
-        """Everything a worker holds its own copy of: its parameters and every parameter-shaped
-        optimizer state (whether the policy averages it or keeps it local)."""
+        """Everything a worker holds its own copy of: its parameters, every parameter-shaped
+        optimizer state (whether the policy averages it or keeps it local) and its error-feedback
+        residuals (searched, never averaged: a healed worker's are reset)."""
         held = SyncRound(step, [], [], [])
         for p in self.params:
             name = self.param_names[id(p)]
@@ -52,6 +55,13 @@ class NonFiniteWorkers:
                 held.tensors.append(value)
                 held.kinds.append(key)
                 held.names.append(name if key == "params" else f"{key} of {name}")
+        feedback = self.plan.pseudo_gradients
+        for index, residual in sorted(feedback.residuals.items()) if feedback else []:
+            held.tensors.append(residual)
+            held.kinds.append(RESIDUAL)
+            held.names.append(
+                f"error-feedback residual of {self.param_names[id(self.params[index])]}"
+            )
         return held
 
     def _worker_states(self, p: Tensor) -> list[tuple[str, Tensor]]:
@@ -85,8 +95,10 @@ class NonFiniteWorkers:
         the tensors the round already averaged): every worker takes part in the collective; only
         ``workers`` are overwritten, when ``checked`` is recorded."""
         held = self._held(step)
-        tensors = [t for t in held.tensors if id(t) not in skip]
-        if not tensors:
+        kept = zip(held.tensors, held.kinds)
+        tensors = [t for t, kind in kept if id(t) not in skip and kind != RESIDUAL]
+        if not tensors:  # the round gave them everything; their residuals are still reset
+            checked.heal = ([], [], workers)
             return
         result = self.communicator.average(tensors, ["heal"] * len(tensors), excluded=workers)
         averages = result.wait()
