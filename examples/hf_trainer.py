@@ -19,7 +19,7 @@ import transformers
 from torch.utils.data import Dataset
 
 from mtdao.data import ByteTokenizer, load_corpus
-from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, traffic_summary, workers_agree
+from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, traffic_summary
 from mtdao.train.methods import METHODS
 
 
@@ -71,6 +71,13 @@ def tiny_causal_lm(kind: str, seq_len: int, seed: int = 0) -> transformers.PreTr
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def held_fraction(model: torch.nn.Module) -> float:
+    """The share of the parameters' elements this process holds (its FSDP2 shards)."""
+    params = list(model.parameters())
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    return local / sum(p.numel() for p in params)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-steps", type=int, required=True, help="optimizer steps")
@@ -84,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chars", type=int, default=400_000, help="characters of text")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N (0: none)")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
+    parser.add_argument("--shards", type=int, default=1, help="processes per worker (FSDP2)")
     return parser.parse_args(argv)
 
 
@@ -110,11 +118,15 @@ def main(argv=None) -> None:
         model=tiny_causal_lm(args.model, args.seq_len),
         args=training_args,
         train_dataset=builtin_text_blocks(args.chars, args.seq_len),
-        local_updates=LocalUpdates(method=args.method, sync_period=args.sync_period),
+        local_updates=LocalUpdates(
+            method=args.method, sync_period=args.sync_period, shards=args.shards
+        ),
     )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
-    identical = workers_agree(trainer.model)  # a collective: every rank takes part
+    identical = trainer.workers_agree()  # a collective: every rank takes part
     if trainer.is_world_process_zero():
+        if args.shards > 1:
+            print(f"FSDP2: this process holds {held_fraction(trainer.model):.0%} of its worker's model")
         print(traffic_summary(trainer.sync.traffic))
         print(f"ranks identical: {identical}")
     if dist.is_available() and dist.is_initialized():

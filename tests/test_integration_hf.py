@@ -4,7 +4,8 @@ In one process: the optimizer and engine are the method's, the logs carry the tr
 continues bit for bit, bad settings are refused. Under torchrun with two gloo processes
 (tests/integration_hf_run.py and examples/hf_trainer.py): the Trainer run equals the README's
 plain loop over the same batches, a resume from a checkpoint taken mid-round (the workers differ)
-is exact, and the ranks differ between syncs (no DDP all-reduce) and agree after one.
+is exact, and the ranks differ between syncs (no DDP all-reduce) and agree after one; with four
+processes, two workers of two FSDP2 shards each train and agree after the final sync.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ def test_bad_settings_are_refused(tmp_path):
     args.gradient_accumulation_steps = 2
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
         LocalUpdateTrainer(model=model, args=args, train_dataset=Blocks(8))
+    with pytest.raises(ValueError, match="needs save_strategy='no'"):
+        make_trainer(tmp_path, 4, LocalUpdates(shards=2), save_steps=2)
+    with pytest.raises(ValueError, match="shards=2 does not divide the 1 launched processes"):
+        make_trainer(tmp_path, 1, LocalUpdates(shards=2)).train()
     with pytest.raises(ValueError, match="--method: unknown value 'lamb'"):
         make_trainer(tmp_path, 1, LocalUpdates(method="lamb")).train()
 
@@ -100,8 +105,8 @@ def test_traffic_summary_says_how_much_less_than_ddp():
 # -- two gloo processes --------------------------------------------------------------------------
 
 
-def torchrun(script: Path, *args: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
     argv += ["--master-addr", "127.0.0.1", "--master-port", str(unused_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen(
@@ -111,7 +116,7 @@ def torchrun(script: Path, *args: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory) -> dict:
+def torchrun_jobs(tmp_path_factory) -> dict:
     """Both torchrun jobs, started together (each mostly waits on start-up)."""
     root = tmp_path_factory.mktemp("hf-torchrun")
     checks = torchrun(Path(__file__).parent / "integration_hf_run.py", str(root / "checks"))
@@ -119,7 +124,11 @@ def two_processes(tmp_path_factory) -> dict:
         ROOT / "examples" / "hf_trainer.py", "--max-steps", "32", "--sync-period", "16",
         "--chars", "100000", "--output-dir", str(root / "example"),
     )
-    jobs = {"checks": checks, "example": example}
+    sharded = torchrun(
+        ROOT / "examples" / "hf_trainer.py", "--max-steps", "16", "--sync-period", "8",
+        "--chars", "50000", "--shards", "2", "--output-dir", str(root / "sharded"), processes=4,
+    )
+    jobs = {"checks": checks, "example": example, "sharded": sharded}
     outputs = {}
     try:
         for name, job in jobs.items():
@@ -131,34 +140,43 @@ def two_processes(tmp_path_factory) -> dict:
                 job.kill()
                 job.wait()
     ranks = [json.loads((root / "checks" / f"rank{r}.json").read_text()) for r in range(2)]
-    return {"ranks": ranks, "example": outputs["example"]}
+    return {"ranks": ranks, **outputs}
 
 
 @pytest.mark.slow
-def test_trainer_run_equals_the_plain_loop(two_processes):
-    for rank in two_processes["ranks"]:
+def test_trainer_run_equals_the_plain_loop(torchrun_jobs):
+    for rank in torchrun_jobs["ranks"]:
         assert rank["plain_loop_max_diff"] <= 1e-6
         assert rank["traffic_bytes"] > 0
 
 
 @pytest.mark.slow
-def test_resume_mid_round_is_exact_on_every_rank(two_processes):
-    for rank in two_processes["ranks"]:
+def test_resume_mid_round_is_exact_on_every_rank(torchrun_jobs):
+    for rank in torchrun_jobs["ranks"]:
         assert rank["resume_max_diff"] == 0.0
         assert rank["resumed_engine_step"] == 3 * PERIOD + 2
 
 
 @pytest.mark.slow
-def test_workers_drift_between_syncs_and_agree_after_one(two_processes):
+def test_workers_drift_between_syncs_and_agree_after_one(torchrun_jobs):
     """Under DDP the ranks would agree at every step: drifting proves no gradient all-reduce."""
-    for rank in two_processes["ranks"]:
+    for rank in torchrun_jobs["ranks"]:
         assert rank["agree_mid_round"] is False
         assert rank["agree_after_sync"] is True
 
 
 @pytest.mark.slow
-def test_example_prints_the_traffic_and_identical_ranks(two_processes):
-    output = two_processes["example"]
+def test_example_prints_the_traffic_and_identical_ranks(torchrun_jobs):
+    output = torchrun_jobs["example"]
     assert output.count("ranks identical: True") == 1, output[-3000:]
     line = next(line for line in output.splitlines() if line.startswith("traffic:"))
     assert "less than DDP" in line
+
+
+@pytest.mark.slow
+def test_fsdp2_workers_shard_their_model_and_agree_after_the_final_sync(torchrun_jobs):
+    """2 workers x 2 processes: FSDP2 inside each worker, the engine across them."""
+    output = torchrun_jobs["sharded"]
+    assert "FSDP2: this process holds 50% of its worker's model" in output, output[-3000:]
+    assert output.count("ranks identical: True") == 1, output[-3000:]
+    assert "less than DDP" in output

@@ -176,17 +176,19 @@ def traffic_logs(traffic: Traffic) -> dict[str, float]:
 
 
 @torch.no_grad()
-def workers_agree(model: nn.Module) -> bool:
-    """Whether every process holds process 0's parameters, bit for bit (True at world size 1).
+def workers_agree(model: nn.Module, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether every worker holds worker 0's parameters, bit for bit (True at world size 1).
 
-    Process 0's values are broadcast and compared on every process, and the verdicts combined:
-    control traffic, not counted in the traffic account.
+    ``group``: the processes holding the same part of the model, one per worker (the engine's
+    ``communicator.group``; None: all processes, one worker each). The first process of the
+    group broadcasts its values, each compares, and the verdicts are combined over all
+    processes: control traffic, not counted in the traffic account.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return True
     local = torch.cat([_local(p).detach().reshape(-1).float() for p in model.parameters()])
     first = local.clone()
-    dist.broadcast(first, src=0)
+    dist.broadcast(first, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     agree = torch.tensor([int(torch.equal(local, first))], device=local.device)
     dist.all_reduce(agree, op=dist.ReduceOp.MIN)
     return bool(agree.item())

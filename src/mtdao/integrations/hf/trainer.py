@@ -29,6 +29,7 @@ from mtdao.integrations.hf.local_updates import (
     LocalUpdates,
     build_local_run,
     traffic_logs,
+    workers_agree,
 )
 from mtdao.sync import LocalUpdateSync
 
@@ -54,6 +55,12 @@ class LocalUpdateTrainer(Trainer):
                 "LocalUpdateTrainer does not take DeepSpeed or the Trainer's FSDP (they reduce "
                 "gradients every step); shard each worker with LocalUpdates(shards=S) instead"
             )
+        if self.local_updates.shards > 1 and self.args.save_strategy != "no":
+            raise ValueError(
+                "LocalUpdates(shards>1) needs save_strategy='no': the Trainer saves process 0's "
+                "model alone, and gathering FSDP2 shards there waits for processes that never "
+                "join; checkpoint sharded workers with `mtdao train --shards` (DCP) instead"
+            )
         if self.args.gradient_accumulation_steps != 1:
             raise ValueError(
                 "LocalUpdateTrainer needs gradient_accumulation_steps=1 (got "
@@ -69,6 +76,10 @@ class LocalUpdateTrainer(Trainer):
         if self.local_run is None:
             raise RuntimeError("the engine is built when training starts: call train() first")
         return self.local_run.sync
+
+    def workers_agree(self) -> bool:
+        """Whether every worker holds the same parameters (e.g. after the final sync)."""
+        return workers_agree(self.model, getattr(self.sync.communicator, "group", None))
 
     # -- the optimizer and the engine ----------------------------------------------------------
 
