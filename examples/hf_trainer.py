@@ -57,13 +57,23 @@ def tiny_causal_lm(kind: str, seq_len: int, seed: int = 0) -> transformers.PreTr
     common = dict(vocab_size=ByteTokenizer.vocab_size, use_cache=False, tie_word_embeddings=True)
     if kind == "llama":
         config = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, max_position_embeddings=seq_len, **common,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=seq_len,
+            **common,
         )
     elif kind == "gpt2":
         config = transformers.GPT2Config(
-            n_embd=64, n_layer=2, n_head=4, n_positions=seq_len, bos_token_id=0,
-            eos_token_id=0, **common,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=seq_len,
+            bos_token_id=0,
+            eos_token_id=0,
+            **common,
         )
     else:
         raise ValueError(f"unknown model {kind!r}; choose llama or gpt2")
@@ -126,7 +136,9 @@ def main(argv=None) -> None:
     identical = trainer.workers_agree()  # a collective: every rank takes part
     if trainer.is_world_process_zero():
         if args.shards > 1:
-            print(f"FSDP2: this process holds {held_fraction(trainer.model):.0%} of its worker's model")
+            print(
+                f"FSDP2: this process holds {held_fraction(trainer.model):.0%} of its worker's model"
+            )
         print(traffic_summary(trainer.sync.traffic))
         print(f"ranks identical: {identical}")
     if dist.is_available() and dist.is_initialized():

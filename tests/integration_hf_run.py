@@ -46,8 +46,13 @@ class Blocks(torch.utils.data.Dataset):
 
 def tiny_llama() -> transformers.PreTrainedModel:
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ_LEN,
         use_cache=False,
     )
     torch.manual_seed(0)
@@ -56,18 +61,30 @@ def tiny_llama() -> transformers.PreTrainedModel:
 
 def training_args(out: Path, steps: int, save_steps: int = 0) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=BATCH,
-        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-        train_sampling_strategy="sequential", save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500, logging_steps=4, report_to=[], disable_tqdm=True,
-        use_cpu=True, seed=0,
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        train_sampling_strategy="sequential",
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        logging_steps=4,
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
     )
 
 
 def trainer_run(out: Path, steps: int, save_steps: int = 0, resume: str | None = None):
     trainer = LocalUpdateTrainer(
-        model=tiny_llama(), args=training_args(out, steps, save_steps),
-        train_dataset=Blocks(256), local_updates=METHOD,
+        model=tiny_llama(),
+        args=training_args(out, steps, save_steps),
+        train_dataset=Blocks(256),
+        local_updates=METHOD,
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
@@ -81,9 +98,7 @@ def plain_loop(steps: int) -> torch.nn.Module:
     )
     sync = LocalUpdateSync(optimizer, unified(PERIOD), ProcessGroupWorkers())
     grads = [p for p in model.parameters()]
-    sync.register_gradient_hook(
-        lambda: sync.layout.clip_grad_norm_([p.grad for p in grads], 1.0)
-    )
+    sync.register_gradient_hook(lambda: sync.layout.clip_grad_norm_([p.grad for p in grads], 1.0))
     data, rank, world = Blocks(256).tokens, dist.get_rank(), dist.get_world_size()
     with sync.attached():
         for step in range(steps):

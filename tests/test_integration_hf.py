@@ -36,8 +36,11 @@ TORCHRUN_TIMEOUT_S = 300
 
 def make_trainer(out: Path, steps: int, method: LocalUpdates, save_steps: int = 0, **kwargs):
     return LocalUpdateTrainer(
-        model=tiny_llama(), args=training_args(out, steps, save_steps),
-        train_dataset=Blocks(64), local_updates=method, **kwargs,
+        model=tiny_llama(),
+        args=training_args(out, steps, save_steps),
+        train_dataset=Blocks(64),
+        local_updates=method,
+        **kwargs,
     )
 
 
@@ -110,8 +113,12 @@ def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
     argv += ["--master-addr", "127.0.0.1", "--master-port", str(unused_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen(
-        argv + [str(script), *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        argv + [str(script), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -121,12 +128,29 @@ def torchrun_jobs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hf-torchrun")
     checks = torchrun(Path(__file__).parent / "integration_hf_run.py", str(root / "checks"))
     example = torchrun(
-        ROOT / "examples" / "hf_trainer.py", "--max-steps", "32", "--sync-period", "16",
-        "--chars", "100000", "--output-dir", str(root / "example"),
+        ROOT / "examples" / "hf_trainer.py",
+        "--max-steps",
+        "32",
+        "--sync-period",
+        "16",
+        "--chars",
+        "100000",
+        "--output-dir",
+        str(root / "example"),
     )
     sharded = torchrun(
-        ROOT / "examples" / "hf_trainer.py", "--max-steps", "16", "--sync-period", "8",
-        "--chars", "50000", "--shards", "2", "--output-dir", str(root / "sharded"), processes=4,
+        ROOT / "examples" / "hf_trainer.py",
+        "--max-steps",
+        "16",
+        "--sync-period",
+        "8",
+        "--chars",
+        "50000",
+        "--shards",
+        "2",
+        "--output-dir",
+        str(root / "sharded"),
+        processes=4,
     )
     jobs = {"checks": checks, "example": example, "sharded": sharded}
     outputs = {}

@@ -45,9 +45,9 @@ def test_keyword_inputs_reach_each_worker_with_its_own_slice():
     out = workers(inputs=inputs, scale=scale, negate=True)
     for w in range(M):
         params = {name: p[w] for name, p in workers.named_parameters()}
-        expected = torch.func.functional_call(module, params, (), dict(
-            inputs=inputs[w], scale=scale[w], negate=True
-        ))
+        expected = torch.func.functional_call(
+            module, params, (), dict(inputs=inputs[w], scale=scale[w], negate=True)
+        )
         assert_close(out[w], expected)
 
 
@@ -57,8 +57,14 @@ from mtdao.integrations.hf import stack_hf_workers  # noqa: E402
 
 def llama(**overrides):
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, **overrides,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        **overrides,
     )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -66,8 +72,14 @@ def llama(**overrides):
 
 def gpt2(**overrides):
     config = transformers.GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16, bos_token_id=0,
-        eos_token_id=0, **overrides,
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        **overrides,
     )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -83,7 +95,9 @@ def test_each_simulated_worker_is_the_model_with_its_own_parameters(build):
     assert out.loss.shape == (M,)
     for w in range(M):
         params = {name: p[w] for name, p in workers.named_parameters()}
-        single = torch.func.functional_call(model, params, (), dict(input_ids=ids[w], labels=ids[w]))
+        single = torch.func.functional_call(
+            model, params, (), dict(input_ids=ids[w], labels=ids[w])
+        )
         assert_close(out.loss[w], single.loss)
         assert_close(out.logits[w], single.logits)
 

@@ -5,7 +5,8 @@ every process holds the same values, as under DDP. With local updates the worker
 syncs, so each process adds one file to the Trainer's checkpoint folder: the engine's state (its
 step, anchors, outer momentum, rounds in flight, traffic account) and, with more than one
 worker, this worker's own parameters and optimizer state. Resuming loads the Trainer's files,
-then this one on top.
+then this one on top. (Sharded workers are not checkpointed through the Trainer: see
+``LocalUpdateTrainer``.)
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def save_worker_state(
     """Write this process's file into ``checkpoint_dir``; returns its path."""
     state: dict[str, Any] = {"format": FORMAT, "engine": run.sync.state_dict()}
     if world_size > 1:  # process 0's model and optimizer in the Trainer's files are not ours
-        state["params"] = {name: _local(p).clone() for name, p in model.named_parameters()}
-        state["optimizer"] = _local_tree(run.optimizer.state_dict())
+        state["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+        state["optimizer"] = run.optimizer.state_dict()
     problem = first_unsavable(state, finite=False)
     if problem is not None:
         raise ValueError(f"cannot checkpoint the mtdao state: {problem}")
@@ -68,44 +69,6 @@ def load_worker_state(
             missing = sorted(set(named) ^ set(state["params"]))[:3]
             raise ValueError(f"{path}: saved for another model (parameters differ: {missing})")
         for name, saved in state["params"].items():
-            _local(named[name]).copy_(saved)
-        run.optimizer.load_state_dict(_like_params(state["optimizer"], run.optimizer))
+            named[name].copy_(saved)
+        run.optimizer.load_state_dict(state["optimizer"])
     run.sync.load_state_dict(state["engine"])
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's shard of a DTensor (FSDP2), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _local_tree(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _local(value).clone()
-    if isinstance(value, dict):
-        return {key: _local_tree(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_local_tree(item) for item in value)
-    return value
-
-
-def _like_params(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """The saved optimizer state with each local shard put back in its parameter's DTensor form,
-    so that the optimizer holds the same kind of state it would have created."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for index, entries in saved["state"].items():
-        param = params[int(index)]
-        state[index] = {
-            key: _as_param_kind(value, param) if isinstance(value, torch.Tensor) else value
-            for key, value in entries.items()
-        }
-    return {**saved, "state": state}
-
-
-def _as_param_kind(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    if not hasattr(param, "to_local") or value.shape != _local(param).shape:
-        return value
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())

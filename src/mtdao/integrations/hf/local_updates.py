@@ -156,7 +156,8 @@ def weight_decay_groups(
 
 def traffic_summary(traffic: Traffic) -> str:
     """One line on what a worker sent, against DDP over the same steps."""
-    text = f"traffic: {format_bytes(traffic.bytes)} sent per worker in {traffic.rounds} rounds"
+    rounds = f"{traffic.rounds} round" + ("" if traffic.rounds == 1 else "s")
+    text = f"traffic: {format_bytes(traffic.bytes)} sent per worker in {rounds}"
     text += f" over {traffic.steps} steps"
     reduction = traffic.reduction_vs_ddp()
     if reduction is None:

@@ -137,7 +137,10 @@ class LocalUpdateTrainer(Trainer):
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         checkpoint_dir = os.path.join(self._get_output_dir(trial=trial), folder)
         save_worker_state(
-            checkpoint_dir, self.local_run, self.model, self.args.process_index,
+            checkpoint_dir,
+            self.local_run,
+            self.model,
+            self.args.process_index,
             self.args.world_size,
         )
         if dist.is_available() and dist.is_initialized():
@@ -147,7 +150,10 @@ class LocalUpdateTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.local_run is not None:
             load_worker_state(
-                checkpoint, self.local_run, self.model, self.args.process_index,
+                checkpoint,
+                self.local_run,
+                self.model,
+                self.args.process_index,
                 self.args.world_size,
             )
 
