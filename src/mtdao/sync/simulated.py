@@ -126,11 +126,25 @@ class StackedWorkers(nn.Module):
     def _call_one(self, params: dict[str, Tensor], buffers: dict[str, Tensor], *inputs: Tensor):
         return functional_call(self.template, (params, buffers), inputs)
 
-    def forward(self, *inputs: Tensor):
-        """Every worker on its own inputs: each input is [M, ...], so is the output."""
-        in_dims = (0, None) + (0,) * len(inputs)
-        call = vmap(self._call_one, in_dims=in_dims, randomness="different")
-        return call(dict(self.named_parameters()), dict(self.named_buffers()), *inputs)
+    def _call_one_with_keywords(self, params, buffers, inputs, tensor_keywords, other_keywords):
+        keywords = {**tensor_keywords, **other_keywords}
+        return functional_call(self.template, (params, buffers), inputs, keywords)
+
+    def forward(self, *inputs: Tensor, **keyword_inputs):
+        """Every worker on its own inputs: each input tensor, positional or keyword, is
+        [M, ...], and so is each tensor of the output; keyword values that are not tensors
+        (flags, None) reach every worker as they are."""
+        params, buffers = dict(self.named_parameters()), dict(self.named_buffers())
+        if not keyword_inputs:
+            in_dims = (0, None) + (0,) * len(inputs)
+            call = vmap(self._call_one, in_dims=in_dims, randomness="different")
+            return call(params, buffers, *inputs)
+        tensors = {k: v for k, v in keyword_inputs.items() if isinstance(v, Tensor)}
+        others = {k: v for k, v in keyword_inputs.items() if not isinstance(v, Tensor)}
+        call = vmap(
+            self._call_one_with_keywords, in_dims=(0, None, 0, 0, None), randomness="different"
+        )
+        return call(params, buffers, inputs, tensors, others)
 
     def losses(self, loss_fn: Callable[..., Tensor], inputs: Tensor, *targets: Tensor) -> Tensor:
         """``loss_fn(module(inputs[w]), *targets[w])`` of every worker w, in one call: shape [M].

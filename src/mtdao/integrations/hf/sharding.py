@@ -1,0 +1,31 @@
+"""Workers bigger than one process for a transformers model: the ``--shards`` layout of the
+harness (a ``workers x shards`` mesh, FSDP2 over ``"shard"``, the engine over ``"replicate"``),
+with the model's own block classes (``_no_split_modules``) as the FSDP2 units."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.train.config import TrainConfig
+from mtdao.train.sharding import ShardedWorkerSet, build_mesh, check_shardable
+
+
+def shard_workers(model: nn.Module, config: TrainConfig):
+    """(communicator over the replicate groups, this process's part of its worker); shards
+    ``model`` in place: each block of a class named in ``model._no_split_modules``, then the
+    rest (embeddings, tied output layer, final norm) as one unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    check_shardable(model, config.shards)
+    device = next(model.parameters()).device
+    mesh = build_mesh(device, config.workers, config.shards)
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if module is not model and type(module).__name__ in block_classes:
+            fully_shard(module, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    communicator = ProcessGroupWorkers(
+        mesh.get_group("replicate"), shard_group=mesh.get_group("shard")
+    )
+    return communicator, ShardedWorkerSet(model, communicator.layout, mesh)

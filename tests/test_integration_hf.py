@@ -1,0 +1,206 @@
+"""mtdao.integrations.hf: a transformers Trainer run through the sync engine.
+
+In one process: the optimizer and engine are the method's, the logs carry the traffic, a resume
+continues bit for bit, bad settings are refused. Under torchrun with two gloo processes
+(tests/integration_hf_run.py and examples/hf_trainer.py): the Trainer run equals the README's
+plain loop over the same batches, a resume from a checkpoint taken mid-round (the workers differ)
+is exact, and the ranks differ between syncs (no DDP all-reduce) and agree after one; with four
+processes, two workers of two FSDP2 shards each train and agree after the final sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+
+from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, traffic_summary  # noqa: E402
+from mtdao.integrations.hf.checkpoint import load_worker_state  # noqa: E402
+from mtdao.optim import MTAdam  # noqa: E402
+from mtdao.sync.communicator import Traffic  # noqa: E402
+from mtdao.train.ports import unused_port  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from integration_hf_run import PERIOD, Blocks, tiny_llama, training_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN_TIMEOUT_S = 300
+
+
+def make_trainer(out: Path, steps: int, method: LocalUpdates, save_steps: int = 0, **kwargs):
+    return LocalUpdateTrainer(
+        model=tiny_llama(),
+        args=training_args(out, steps, save_steps),
+        train_dataset=Blocks(64),
+        local_updates=method,
+        **kwargs,
+    )
+
+
+def test_one_process_trains_with_the_methods_optimizer_and_engine(tmp_path):
+    trainer = make_trainer(tmp_path, 6, LocalUpdates(method="mtdao", sync_period=PERIOD))
+    trainer.train()
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # Accelerate's wrapper
+    assert isinstance(inner, MTAdam)
+    assert trainer.sync.step_count == 6
+    assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all("sync_bytes_per_worker" in entry for entry in logged)
+    per_step = trainer.sync.traffic.ddp_bytes_per_step
+    assert [entry["sync_ddp_bytes_per_worker"] for entry in logged] == [4 * per_step]  # step 4
+    assert trainer.state.log_history[-1]["sync_ddp_bytes_per_worker"] == 6 * per_step  # the end
+
+
+@pytest.mark.parametrize("method", ["diloco", "mtdao"])
+def test_one_process_resume_is_exact(tmp_path, method):
+    """DiLoCo's outer step keeps an anchor and a momentum: lost on resume, the run would differ."""
+    local = LocalUpdates(method=method, sync_period=PERIOD)
+    straight = make_trainer(tmp_path / "a", 10, local, save_steps=6)
+    straight.train()
+    checkpoint = tmp_path / "a" / "checkpoint-6"
+    assert (checkpoint / "mtdao-rank0-of-1.pt").is_file()
+    resumed = make_trainer(tmp_path / "b", 10, local)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.sync.step_count == 10
+    for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_resume_without_mtdao_state_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path, 1, LocalUpdates())
+    trainer.train()
+    with pytest.raises(FileNotFoundError, match="not saved by LocalUpdateTrainer"):
+        load_worker_state(tmp_path, trainer.local_run, trainer.model, 0, 1)
+
+
+def test_bad_settings_are_refused(tmp_path):
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="do not pass optimizers"):
+        make_trainer(tmp_path, 1, LocalUpdates(), optimizers=(optimizer, None))
+    args = training_args(tmp_path, 1)
+    args.gradient_accumulation_steps = 2
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
+        LocalUpdateTrainer(model=model, args=args, train_dataset=Blocks(8))
+    with pytest.raises(ValueError, match="needs save_strategy='no'"):
+        make_trainer(tmp_path, 4, LocalUpdates(shards=2), save_steps=2)
+    with pytest.raises(ValueError, match="shards=2 does not divide the 1 launched processes"):
+        make_trainer(tmp_path, 1, LocalUpdates(shards=2)).train()
+    with pytest.raises(ValueError, match="--method: unknown value 'lamb'"):
+        make_trainer(tmp_path, 1, LocalUpdates(method="lamb")).train()
+
+
+def test_traffic_summary_says_how_much_less_than_ddp():
+    traffic = Traffic(bytes=1000, rounds=2, steps=32, ddp_bytes_per_step=100)
+    assert traffic_summary(traffic) == (
+        "traffic: 1.0 kB sent per worker in 2 rounds over 32 steps, 3.2x less than DDP (3.2 kB)"
+    )
+    assert "nothing averaged" in traffic_summary(Traffic(steps=4, ddp_bytes_per_step=100))
+
+
+# -- two gloo processes --------------------------------------------------------------------------
+
+
+def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
+    argv += ["--master-addr", "127.0.0.1", "--master-port", str(unused_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        argv + [str(script), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def torchrun_jobs(tmp_path_factory) -> dict:
+    """Both torchrun jobs, started together (each mostly waits on start-up)."""
+    root = tmp_path_factory.mktemp("hf-torchrun")
+    checks = torchrun(Path(__file__).parent / "integration_hf_run.py", str(root / "checks"))
+    example = torchrun(
+        ROOT / "examples" / "hf_trainer.py",
+        "--max-steps",
+        "32",
+        "--sync-period",
+        "16",
+        "--chars",
+        "100000",
+        "--output-dir",
+        str(root / "example"),
+    )
+    sharded = torchrun(
+        ROOT / "examples" / "hf_trainer.py",
+        "--max-steps",
+        "16",
+        "--sync-period",
+        "8",
+        "--chars",
+        "50000",
+        "--shards",
+        "2",
+        "--output-dir",
+        str(root / "sharded"),
+        processes=4,
+    )
+    jobs = {"checks": checks, "example": example, "sharded": sharded}
+    outputs = {}
+    try:
+        for name, job in jobs.items():
+            outputs[name] = job.communicate(timeout=TORCHRUN_TIMEOUT_S)[0]
+            assert job.returncode == 0, outputs[name][-6000:]
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    ranks = [json.loads((root / "checks" / f"rank{r}.json").read_text()) for r in range(2)]
+    return {"ranks": ranks, **outputs}
+
+
+@pytest.mark.slow
+def test_trainer_run_equals_the_plain_loop(torchrun_jobs):
+    for rank in torchrun_jobs["ranks"]:
+        assert rank["plain_loop_max_diff"] <= 1e-6
+        assert rank["traffic_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_resume_mid_round_is_exact_on_every_rank(torchrun_jobs):
+    for rank in torchrun_jobs["ranks"]:
+        assert rank["resume_max_diff"] == 0.0
+        assert rank["resumed_engine_step"] == 3 * PERIOD + 2
+
+
+@pytest.mark.slow
+def test_workers_drift_between_syncs_and_agree_after_one(torchrun_jobs):
+    """Under DDP the ranks would agree at every step: drifting proves no gradient all-reduce."""
+    for rank in torchrun_jobs["ranks"]:
+        assert rank["agree_mid_round"] is False
+        assert rank["agree_after_sync"] is True
+
+
+@pytest.mark.slow
+def test_example_prints_the_traffic_and_identical_ranks(torchrun_jobs):
+    output = torchrun_jobs["example"]
+    assert output.count("ranks identical: True") == 1, output[-3000:]
+    line = next(line for line in output.splitlines() if line.startswith("traffic:"))
+    assert "less than DDP" in line
+
+
+@pytest.mark.slow
+def test_fsdp2_workers_shard_their_model_and_agree_after_the_final_sync(torchrun_jobs):
+    """2 workers x 2 processes: FSDP2 inside each worker, the engine across them."""
+    output = torchrun_jobs["sharded"]
+    assert "FSDP2: this process holds 50% of its worker's model" in output, output[-3000:]
+    assert output.count("ranks identical: True") == 1, output[-3000:]
+    assert "less than DDP" in output
