@@ -18,6 +18,7 @@ was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON li
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -42,7 +43,7 @@ from mtdao.train.snapshot import save
 REPLICA_FIELDS = frozenset(
     {"replica_id", "lighthouse", "out", "resume", "progress", "log_every", "eval_every"}
     | {"eval_tokens", "checkpoint_every", "device", "connect_timeout", "quorum_timeout"}
-    | {"collective_timeout"}
+    | {"collective_timeout", "bind_host", "auth_token_file"}
 )
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
@@ -95,12 +96,18 @@ class ReplicaDriver:
         """The replica's first process: it speaks, and writes the replica's records."""
 
     def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
+        from mtdao.sync.torchft.auth import read_token, run_key
+
+        key = run_key(read_token(config.auth_token_file), config.bind_host)
         settings = self.torchft.ReplicaSettings(
             replica_id=config.replica_id,
             lighthouse=config.lighthouse,
             connect_timeout=config.connect_timeout,
             quorum_timeout=config.quorum_timeout,
             collective_timeout=config.collective_timeout,
+            bind_host=config.bind_host,
+            key=key,
+            config_digest=config_digest(config),
         )
         self.replicas = self.torchft.ReplicaGroups(settings)
         self.is_main = process.rank == 0
@@ -112,6 +119,12 @@ class ReplicaDriver:
         before_connect(run)
         self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
+        self._say(f"serving on {config.bind_host}: {self.replicas.listeners()}")
+        if not key.is_secret:
+            self._say(
+                "no --auth-token-file or $MTDAO_AUTH_TOKEN: any process on this machine can join "
+                "this run (see docs/security.md)"
+            )
         return run
 
     def close(self) -> None:
@@ -213,6 +226,10 @@ class ReplicaDriver:
 
     def _report_quorum(self, run: Run, start) -> None:
         members = _ids(start.replicas)
+        for refused in start.refused:
+            self._say(f"step {run.step}: refused {refused}")
+        if start.stale is not None:
+            self._say(f"step {run.step}: sitting this round out ({start.stale}); healing next")
         record = {
             "event": "quorum",
             "step": run.step,
@@ -293,3 +310,9 @@ def say(replica_id: int, line: str) -> None:
 
 def _ids(replicas) -> str:
     return ", ".join(str(r) for r in replicas)
+
+
+def config_digest(config: TrainConfig) -> str:
+    """A digest of the settings every replica must share (all but REPLICA_FIELDS)."""
+    shared = {k: v for k, v in config.to_dict().items() if k not in REPLICA_FIELDS}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()

@@ -3,10 +3,9 @@ the round protocol)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,13 +20,16 @@ from mtdao.sync.dtensors import local_shard
 from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.sharded_layout import ShardGroupSums
+from mtdao.sync.torchft.auth import NO_TOKEN, RunKey
 from mtdao.sync.torchft.plumbing import (
-    HealTransport,
     MembershipGloo,
     QuorumError,
     create_store_client,
     first_line,
+    listening_store,
+    manager_bound_to,
 )
+from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host, keeps_own_state
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
 
@@ -46,6 +48,12 @@ class ReplicaSettings:
     """One collective or heal transfer; a peer slower than this counts as failed."""
     heartbeat_interval: float = 0.1
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bind_host: str = "127.0.0.1"
+    """The address every listener of this replica serves on (manager, store, gloo, heal)."""
+    key: RunKey = field(default_factory=lambda: RunKey(NO_TOKEN), repr=False)
+    """The run's secret: what a peer proves it belongs to the run with (see :mod:`.auth`)."""
+    config_digest: str = ""
+    """Digest of the settings every replica must share: a member with another sits out."""
 
     @property
     def lighthouse_url(self) -> str:
@@ -73,6 +81,10 @@ class RoundStart:
     quorum_id: int
     seconds: float
     heal: Heal | None = None
+    refused: list[str] = field(default_factory=list)
+    """Peers of the quorum that did not prove they belong to the run (left out)."""
+    stale: str | None = None
+    """Why this replica sits out this round and heals at the next (None: it takes part)."""
 
 
 class ReplicaLayout(WorkerLayout):
@@ -133,8 +145,13 @@ class ReplicaGroups(Communicator):
         self.settings = settings
         self.replica_id = settings.replica_id
         self.process_group = MembershipGloo(
-            settings.replica_id, timedelta(seconds=settings.collective_timeout)
+            settings.replica_id,
+            timedelta(seconds=settings.collective_timeout),
+            settings.key,
+            settings.bind_host,
+            proof_wait_s=settings.connect_timeout,
         )
+        self.process_group.config_digest = settings.config_digest
         self.manager: Manager | None = None
         self._tracked: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self.track_state("replica", self._identity, self._note_source)
@@ -154,12 +171,14 @@ class ReplicaGroups(Communicator):
         is ready to join, since a live replica that does not join holds up new quorums. In a
         replica of several processes every process calls it; group rank 0 first starts the
         replica's manager server and store, then the others connect to them."""
-        self.transport = HealTransport(timedelta(seconds=self.settings.collective_timeout))
+        settings = self.settings
+        timeout = timedelta(seconds=settings.collective_timeout)
+        judge = self.process_group.judge_heal_source
+        self.transport = SignedHealTransport(settings.key, settings.bind_host, timeout, judge)
         store, failure = None, None
         if self.processes.rank == 0:
-            host = socket.gethostname()
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            store = (host, self._store.port)
+            self._store = listening_store(settings.bind_host)
+            store = (advertised_host(settings.bind_host), self._store.port)
             failure = self._start_manager(*store)
         store, failure = self.processes.from_first((store, failure))
         if failure is None and self.processes.rank > 0:
@@ -171,41 +190,52 @@ class ReplicaGroups(Communicator):
             address = f"{store[0]}:{store[1]}/mtdao"
             timeout = timedelta(seconds=self.settings.collective_timeout)
             self.process_group.replica_store = create_store_client(address, timeout)
+        self.transport.own_progress = self.manager.state_dict
         for key, (state_dict, load_state_dict) in self._tracked.items():
-            self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+            self.manager.register_state_dict_fn(key, _unless_kept(load_state_dict), state_dict)
+
+    def listeners(self) -> str:
+        """Where this process serves (after :meth:`connect`)."""
+        heal_host, heal_port = self.transport.address
+        parts = [f"heal state {heal_host}:{heal_port}"]
+        if self.processes.rank == 0:
+            manager = self.manager._manager.address().split("://")[-1]
+            parts = [f"manager {manager}", f"store port {self._store.port}", *parts]
+        return ", ".join(parts) + " (collectives on the same address)"
 
     def _start_manager(self, store_host: str, store_port: int) -> str | None:
         """This process's torchft manager; the reason it could not start, if so."""
         settings = self.settings
         collective = timedelta(seconds=settings.collective_timeout)
-        try:
-            self.manager = Manager(
-                pg=self.process_group,
-                load_state_dict=None,
-                state_dict=None,
-                min_replica_size=1,
-                use_async_quorum=False,  # heal before the step, not during it
-                timeout=collective,
-                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
-                connect_timeout=timedelta(seconds=settings.connect_timeout),
-                rank=self.processes.rank,
-                world_size=self.processes.size,
-                store_addr=store_host,
-                store_port=store_port,
-                lighthouse_addr=settings.lighthouse_url,
-                replica_id=str(settings.replica_id),
-                hostname=store_host,
-                heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
-                checkpoint_transport=self.transport,
-            )
-        except RuntimeError as error:
-            reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
-            if self.processes.rank > 0:
-                return f"cannot reach this replica's manager on {store_host} ({reason})"
-            return (
-                f"cannot reach the lighthouse at {settings.lighthouse_url} within "
-                f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
-            )
+        with manager_bound_to(settings.bind_host):
+            try:
+                self.manager = Manager(
+                    pg=self.process_group,
+                    load_state_dict=None,
+                    state_dict=None,
+                    min_replica_size=1,
+                    use_async_quorum=False,  # heal before the step, not during it
+                    timeout=collective,
+                    quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+                    connect_timeout=timedelta(seconds=settings.connect_timeout),
+                    rank=self.processes.rank,
+                    world_size=self.processes.size,
+                    store_addr=store_host,
+                    store_port=store_port,
+                    lighthouse_addr=settings.lighthouse_url,
+                    replica_id=str(settings.replica_id),
+                    hostname=store_host,
+                    heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
+                    checkpoint_transport=self.transport,
+                )
+            except RuntimeError as error:
+                reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
+                if self.processes.rank > 0:
+                    return f"cannot reach this replica's manager on {store_host} ({reason})"
+                return (
+                    f"cannot reach the lighthouse at {settings.lighthouse_url} within "
+                    f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
+                )
         return None
 
     # -- membership --------------------------------------------------------------------------
@@ -237,6 +267,7 @@ class ReplicaGroups(Communicator):
         """Call before each step's forward pass: a quorum when this replica has not joined yet or
         a round is due at the coming step (None otherwise: no coordination between rounds)."""
         coming = sync.step_count + 1
+        self.process_group.training_step = sync.step_count
         if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
             return None
         start = self.start_round()
@@ -284,6 +315,8 @@ class ReplicaGroups(Communicator):
             quorum_id=self.process_group.quorum.quorum_id,
             seconds=seconds,
             heal=self._heal,
+            refused=list(self.process_group.refused),
+            stale=self.process_group.stale,
         )
 
     def _identity(self) -> dict[str, int]:
@@ -303,6 +336,7 @@ class ReplicaGroups(Communicator):
         contributes = self.quorum_rank not in excluded and not (
             self._fresh and any(kind != "grads" for kind in kinds)
         )
+        contributes = contributes and self.process_group.stale is None
         values, collectives = self.mean_in_round(tensors, contributes)
         num_bytes, collectives = self._account(tensors, kinds, collectives)
         return Averages(values, num_bytes, collectives)
@@ -313,6 +347,8 @@ class ReplicaGroups(Communicator):
 
     def commit(self) -> None:
         self._require_round()
+        if self.process_group.stale is not None:  # it added nothing; it heals at the next quorum
+            self._fail(f"this replica sat the round out: {self.process_group.stale}")
         self._round_open = False
         if not self.manager.should_commit():
             self._prepared_step = None
@@ -388,3 +424,13 @@ class ReplicaGroups(Communicator):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
         self.process_group.abort(errored=False)  # peers in a round with us fail now, not later
+
+
+def _unless_kept(load_state_dict: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``load_state_dict``, doing nothing for a heal that keeps this replica's own state."""
+
+    def load(state: Any) -> None:
+        if not keeps_own_state(state):
+            load_state_dict(state)
+
+    return load
