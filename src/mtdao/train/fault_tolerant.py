@@ -270,7 +270,7 @@ class ReplicaDriver:
     def _committed(self, run: Run) -> None:
         event = run.sync.events[-1]
         record = {"event": "committed", "step": event.step, "kinds": event.kinds}
-        self.events.write({**record, "replicas": list(self.replicas.replicas)})
+        self.events.write({**record, "replicas": self.replicas.contributors})
         after_round(run)
 
     def _say(self, line: str) -> None:

@@ -23,7 +23,13 @@ def add_parser(subparsers) -> None:
         "quorums. Runs until interrupted.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--bind", default="[::]:29510", help="address:port to serve on (port 0: any free port)")  # fmt: skip
+    parser.add_argument(
+        "--bind-host",
+        default="127.0.0.1",
+        help="address to serve on: loopback for replicas on this machine, this machine's address "
+        "on the replicas' network for several (see docs/security.md)",
+    )
+    parser.add_argument("--port", type=int, default=29510, help="port to serve on (0: any free)")
     parser.add_argument(
         "--min-replicas", type=int, default=1, help="replicas a quorum needs to form"
     )
@@ -62,12 +68,21 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         if error.name != "torchft":
             raise
         raise ValueError(f"the lighthouse needs torchft: {INSTALL_HINT}") from None
+    host = args.bind_host.strip("[]")
+    if not host:
+        raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
+    bind = f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}"
     server = start_lighthouse(
-        args.bind, args.min_replicas, args.join_timeout, args.heartbeat_timeout, args.quorum_tick
+        bind, args.min_replicas, args.join_timeout, args.heartbeat_timeout, args.quorum_tick
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    address = server.address()
+    from mtdao.sync.torchft.safe_transport import advertised_host
+
+    port = server.address().rsplit(":", 1)[1]
+    address = f"http://{advertised_host(host)}:{port}"
     print(
         f"lighthouse: serving at {address} (min replicas {args.min_replicas}, heartbeat timeout "
         f"{args.heartbeat_timeout:g} s, join timeout {args.join_timeout:g} s); start replicas "

@@ -30,13 +30,7 @@ from torchft import ProcessGroupGloo  # noqa: E402
 from torchft.process_group import create_store_client  # noqa: E402
 
 from mtdao.sync.torchft.auth import NO_TOKEN, RunKey  # noqa: E402
-from mtdao.sync.torchft.proofs import (  # noqa: E402
-    Claim,
-    Reference,
-    exchange_claims,
-    reference,
-    staleness,
-)
+from mtdao.sync.torchft.proofs import Claim, exchange_claims  # noqa: E402
 
 # torchft reports what went wrong to its manager, which hands it to us; its own log lines
 # (tracebacks of every failed collective) would bury the one line that matters.
@@ -91,12 +85,8 @@ class MembershipGloo(ProcessGroupGloo):
         self.refusal: ReplicaRefused | None = None
         self.refused: list[str] = []
         """The members of the last quorum that did not prove they belong to the run."""
-        self.stale: str | None = None
-        """Why this replica sits out the round of the last quorum (None: it takes part)."""
         self._claims: dict[int, Claim] = {}  # torchft quorum rank -> proven claim
         self._ranked: list[int] = []  # torchft quorum rank -> replica id
-        self._rank = 0
-        self._reference: Reference | None = None
 
     def configure(
         self,
@@ -153,9 +143,7 @@ class MembershipGloo(ProcessGroupGloo):
         if claims[rank] is None:
             raise RuntimeError("this replica's own claim did not verify in the quorum's store")
         self._claims = {r: c for r, c in enumerate(claims) if c is not None}
-        self._ranked, self._rank = replicas, rank
-        self._reference = reference(claims)
-        self.stale = staleness(mine, self._reference)
+        self._ranked = replicas
         self.refused = [
             f"{self._peer(r)} did not prove it belongs to the run (no claim signed with this "
             "run's secret: wrong or missing --auth-token-file / $MTDAO_AUTH_TOKEN); it is not "
@@ -171,17 +159,13 @@ class MembershipGloo(ProcessGroupGloo):
 
     def judge_heal_source(self, rank: int) -> tuple[str, str]:
         """Whether to take the state of torchft's heal source ``rank`` (see :mod:`.safe_transport`):
-        ``take`` from a proven member at the round's reference, else ``keep`` this replica's own
-        state when it is at the reference itself, else ``refuse``."""
-        peer, claim = self._peer(rank), self._claims.get(rank)
-        ref = self._reference
-        if claim is not None and ref is not None and ref.holds(claim):
+        ``take`` it from a proven member; from any other, ``keep`` this replica's own (its round
+        then checks the step: a replica that was behind sits it out and heals at the next
+        quorum, from a proven member)."""
+        peer = self._peer(rank)
+        if rank in self._claims:
             return "take", peer
-        why = "it did not prove it belongs to the run" if claim is None else "it is stale"
-        mine = self._claims.get(self._rank)
-        if mine is not None and ref is not None and ref.holds(mine):
-            return "keep", f"{peer}: {why}; this replica holds the round's state"
-        return "refuse", f"{peer}: {why}"
+        return "keep", f"{peer}: it did not prove it belongs to the run"
 
     def _create_pg(self, store, rank: int, world_size: int):
         """torchft's gloo group, its sockets on ``bind_host``."""

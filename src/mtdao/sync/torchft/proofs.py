@@ -1,20 +1,18 @@
-"""Who is in a round, proven: every member of a quorum signs where it stands.
+"""Who is in a quorum, proven: every member signs who it is.
 
 torchft's lighthouse lets any process that reaches it into a quorum, and its step (the number of
-commits) is what decides who heals from whom. So at each quorum every member posts a signed
-:class:`Claim` (its replica id, commit count, training step and config digest, bound to the quorum
-and the member's place in it) to the quorum's store and checks everyone else's. A member whose claim
-is missing or does not verify is not one of the run's replicas: nobody forms a process group with
-it or takes its state. Among the proven members, the most common (step, config) at the highest
-commit count is the round's *reference*; a proven member at that commit count but another step or
-config is *stale*: it is left out of the round and heals at the next quorum.
+commits) is what decides who heals from whom. So whenever the membership changes (torchft then
+configures a new process group) every member posts a signed :class:`Claim` (its replica id,
+commit count, training step and config digest, bound to the quorum and the member's place in it)
+to the quorum's store and checks everyone else's. A member whose claim is missing or does not
+verify is not one of the run's replicas: nobody forms a process group with it or takes its state.
+Whether the members agree on step and config is checked at every round (:mod:`.round_identity`).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,16 +29,6 @@ class Claim:
     """The training step this replica has taken."""
     config: str
     """Digest of the settings every replica must share."""
-
-
-@dataclass(frozen=True)
-class Reference:
-    commits: int
-    step: int
-    config: str
-
-    def holds(self, claim: Claim) -> bool:
-        return (claim.commits, claim.step, claim.config) == (self.commits, self.step, self.config)
 
 
 def exchange_claims(
@@ -65,35 +53,11 @@ def exchange_claims(
 
 
 def verified(posted: Any, key: RunKey, context: str, rank: int) -> Claim | None:
-    if not isinstance(posted, dict) or not key.verifies(posted.get("sig"), context, rank,
-                                                        posted.get("claim")):  # fmt: skip
+    if not isinstance(posted, dict):
+        return None
+    if not key.verifies(posted.get("sig"), context, rank, posted.get("claim")):
         return None
     try:
         return Claim(**json.loads(posted["claim"]))
     except (TypeError, ValueError):
         return None
-
-
-def reference(claims: list[Claim | None]) -> Reference | None:
-    """The (step, config) most proven members at the highest commit count share; a tie goes to
-    the later step. None when no member is proven."""
-    proven = [c for c in claims if c is not None]
-    if not proven:
-        return None
-    top = max(c.commits for c in proven)
-    counts = Counter((c.step, c.config) for c in proven if c.commits == top)
-    (step, config), _ = max(counts.items(), key=lambda item: (item[1], item[0][0]))
-    return Reference(top, step, config)
-
-
-def staleness(mine: Claim, ref: Reference) -> str | None:
-    """Why this member may not take part in the round (None: it may). A member behind on
-    commits heals from a reference member before the round, so only one at the reference's
-    commit count can be stale."""
-    if mine.commits != ref.commits:
-        return None
-    if mine.config != ref.config:
-        return "its config differs from the quorum's"
-    if mine.step != ref.step:
-        return f"it is at step {mine.step}, the quorum at step {ref.step}"
-    return None

@@ -29,6 +29,7 @@ from mtdao.sync.torchft.plumbing import (
     listening_store,
     manager_bound_to,
 )
+from mtdao.sync.torchft.round_identity import digest_number, exchange_positions, sitting_out
 from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host, keeps_own_state
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
@@ -160,6 +161,8 @@ class ReplicaGroups(Communicator):
         self._heal: Heal | None = None
         self._joined = False
         self._prepared_step: int | None = None  # the step whose round the last quorum opened
+        self._stale: str | None = None  # why this replica sits the open round out
+        self._sitting_out: list[int] = []  # the replicas that do
 
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
@@ -246,6 +249,11 @@ class ReplicaGroups(Communicator):
         return self.process_group.quorum.replicas
 
     @property
+    def contributors(self) -> list[int]:
+        """The replicas of the current quorum whose state goes into its round (not the stale)."""
+        return [r for r in self.replicas if r not in self._sitting_out]
+
+    @property
     def quorum_rank(self) -> int:
         return self.process_group.quorum.rank
 
@@ -272,10 +280,22 @@ class ReplicaGroups(Communicator):
             return None
         start = self.start_round()
         self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
+        start.stale = self._check_positions(sync.step_count)
         if not sync.round_due(self._prepared_step):
             self._empty_round()
         self._joined = True  # not before: a joiner whose first quorum failed asks again at once
         return start
+
+    def _check_positions(self, step: int) -> str | None:
+        """Why this replica sits this round out (None: it takes part); see :mod:`.round_identity`."""
+        config = digest_number(self.settings.config_digest)
+        positions = exchange_positions(
+            self.sum_in_round, self.quorum_rank, len(self.replicas), step, config
+        )
+        reasons = sitting_out(positions)
+        self._sitting_out = [self.replicas[rank] for rank in reasons]
+        self._stale = reasons.get(self.quorum_rank)
+        return self._stale
 
     def _empty_round(self) -> None:
         """Commit a quorum that no round follows: the one-element sum completes only once every
@@ -288,6 +308,7 @@ class ReplicaGroups(Communicator):
         before = list(self.replicas)
         self.process_group.step = self.manager.current_step()
         self._heal, self._fresh = None, False
+        self._stale, self._sitting_out = None, []
         started = time.perf_counter()
         try:
             self.manager.start_quorum()
@@ -316,7 +337,6 @@ class ReplicaGroups(Communicator):
             seconds=seconds,
             heal=self._heal,
             refused=list(self.process_group.refused),
-            stale=self.process_group.stale,
         )
 
     def _identity(self) -> dict[str, int]:
@@ -336,7 +356,7 @@ class ReplicaGroups(Communicator):
         contributes = self.quorum_rank not in excluded and not (
             self._fresh and any(kind != "grads" for kind in kinds)
         )
-        contributes = contributes and self.process_group.stale is None
+        contributes = contributes and self._stale is None
         values, collectives = self.mean_in_round(tensors, contributes)
         num_bytes, collectives = self._account(tensors, kinds, collectives)
         return Averages(values, num_bytes, collectives)
@@ -347,8 +367,8 @@ class ReplicaGroups(Communicator):
 
     def commit(self) -> None:
         self._require_round()
-        if self.process_group.stale is not None:  # it added nothing; it heals at the next quorum
-            self._fail(f"this replica sat the round out: {self.process_group.stale}")
+        if self._stale is not None:  # it added nothing; it heals at the next quorum
+            self._fail(f"this replica sat the round out: {self._stale}")
         self._round_open = False
         if not self.manager.should_commit():
             self._prepared_step = None
