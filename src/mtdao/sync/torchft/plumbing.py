@@ -8,6 +8,7 @@ This package is the only place that imports torchft.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -85,7 +86,7 @@ class MembershipGloo(ProcessGroupGloo):
         self.refusal: ReplicaRefused | None = None
         self.refused: list[str] = []
         """The members of the last quorum that did not prove they belong to the run."""
-        self._claims: dict[int, Claim] = {}  # torchft quorum rank -> proven claim
+        self._proven: set[int] = set()  # torchft quorum ranks of the proven members
         self._ranked: list[int] = []  # torchft quorum rank -> replica id
 
     def configure(
@@ -130,28 +131,43 @@ class MembershipGloo(ProcessGroupGloo):
     def _prove(
         self, store_addr: str, replicas: list[int], rank: int, world_size: int, quorum_id: int
     ) -> list[int]:
-        """Exchange signed claims with the quorum; the torchft ranks of the proven members."""
+        """The torchft ranks of the quorum members that prove they belong to the run. The first
+        process of each replica exchanges signed claims (every replica has one), and hands the
+        verdict to the replica's other processes through the replica's store."""
+        self._ranked = replicas
+        verdict_key = f"proven/{quorum_id}"
+        if self.group_rank == 0:
+            proven = self._exchange_claims(store_addr, replicas, rank, world_size, quorum_id)
+            if self.replica_store is not None:
+                self.replica_store.set(verdict_key, json.dumps(proven))
+        else:
+            self.replica_store.wait([verdict_key], self._timeout)
+            proven = json.loads(self.replica_store.get(verdict_key))
+        self._proven = set(proven)
+        self.refused = [
+            f"{self._peer(r)} did not prove it belongs to the run (no claim signed with this "
+            "run's secret: wrong or missing --auth-token-file / $MTDAO_AUTH_TOKEN); it is not "
+            "averaged with nor healed from"
+            for r in range(world_size)
+            if r not in self._proven
+        ]
+        return proven
+
+    def _exchange_claims(
+        self, store_addr: str, replicas: list[int], rank: int, world_size: int, quorum_id: int
+    ) -> list[int]:
         mine = Claim(self.replica_id, self.step, self.training_step, self.config_digest)
         store = create_store_client(f"{store_addr}/claims", self._timeout)
         context = f"{quorum_id}|{store_addr}|{','.join(map(str, replicas))}"
         claims = exchange_claims(
             store, self.key, context, rank, world_size, mine, self.proof_wait_s
         )
-        for index, claim in enumerate(claims):  # a claim must name the replica at its place
-            if claim is not None and claim.replica_id != replicas[index]:
-                claims[index] = None
-        if claims[rank] is None:
-            raise RuntimeError("this replica's own claim did not verify in the quorum's store")
-        self._claims = {r: c for r, c in enumerate(claims) if c is not None}
-        self._ranked = replicas
-        self.refused = [
-            f"{self._peer(r)} did not prove it belongs to the run (no claim signed with this "
-            "run's secret: wrong or missing --auth-token-file / $MTDAO_AUTH_TOKEN); it is not "
-            "averaged with nor healed from"
-            for r in range(world_size)
-            if r not in self._claims
+        proven = [  # a claim must name the replica at its place
+            r for r, c in enumerate(claims) if c is not None and c.replica_id == replicas[r]
         ]
-        return sorted(self._claims)
+        if rank not in proven:
+            raise RuntimeError("this replica's own claim did not verify in the quorum's store")
+        return proven
 
     def _peer(self, rank: int) -> str:
         replica = self._ranked[rank] if rank < len(self._ranked) else "?"
@@ -163,7 +179,7 @@ class MembershipGloo(ProcessGroupGloo):
         then checks the step: a replica that was behind sits it out and heals at the next
         quorum, from a proven member)."""
         peer = self._peer(rank)
-        if rank in self._claims:
+        if rank in self._proven:
             return "take", peer
         return "keep", f"{peer}: it did not prove it belongs to the run"
 

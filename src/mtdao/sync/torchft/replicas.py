@@ -21,16 +21,16 @@ from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.sharded_layout import ShardGroupSums
 from mtdao.sync.torchft.auth import NO_TOKEN, RunKey
+from mtdao.sync.torchft.connection import lighthouse_reachable, start_manager, unless_kept
 from mtdao.sync.torchft.plumbing import (
     MembershipGloo,
     QuorumError,
     create_store_client,
     first_line,
     listening_store,
-    manager_bound_to,
 )
 from mtdao.sync.torchft.round_identity import digest_number, exchange_positions, sitting_out
-from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host, keeps_own_state
+from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
 
@@ -163,6 +163,7 @@ class ReplicaGroups(Communicator):
         self._prepared_step: int | None = None  # the step whose round the last quorum opened
         self._stale: str | None = None  # why this replica sits the open round out
         self._sitting_out: list[int] = []  # the replicas that do
+        self._lighthouse_away = False  # since a quorum found it unreachable
 
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
@@ -174,28 +175,53 @@ class ReplicaGroups(Communicator):
         is ready to join, since a live replica that does not join holds up new quorums. In a
         replica of several processes every process calls it; group rank 0 first starts the
         replica's manager server and store, then the others connect to them."""
+        if self.processes.rank == 0:
+            self._store = listening_store(self.settings.bind_host)
+        failure = self._start_managers()
+        if failure is not None:
+            raise QuorumError(failure)
+
+    def _start_managers(self) -> str | None:
+        """A heal transport and this process's manager (group rank 0's first); why not, if so."""
         settings = self.settings
         timeout = timedelta(seconds=settings.collective_timeout)
         judge = self.process_group.judge_heal_source
         self.transport = SignedHealTransport(settings.key, settings.bind_host, timeout, judge)
         store, failure = None, None
+        start = (settings, self.processes, self.process_group, self.transport)
         if self.processes.rank == 0:
-            self._store = listening_store(settings.bind_host)
             store = (advertised_host(settings.bind_host), self._store.port)
-            failure = self._start_manager(*store)
+            self.manager, failure = start_manager(*start, *store)
         store, failure = self.processes.from_first((store, failure))
         if failure is None and self.processes.rank > 0:
-            failure = self._start_manager(*store)
+            self.manager, failure = start_manager(*start, *store)
         if failure is not None:
             self.transport.shutdown(wait=False)
-            raise QuorumError(failure)
+            return failure
         if self.processes.size > 1:
             address = f"{store[0]}:{store[1]}/mtdao"
-            timeout = timedelta(seconds=self.settings.collective_timeout)
             self.process_group.replica_store = create_store_client(address, timeout)
         self.transport.own_progress = self.manager.state_dict
         for key, (state_dict, load_state_dict) in self._tracked.items():
-            self.manager.register_state_dict_fn(key, _unless_kept(load_state_dict), state_dict)
+            self.manager.register_state_dict_fn(key, unless_kept(load_state_dict), state_dict)
+        return None
+
+    def _back_in_touch(self) -> bool:
+        """Whether a quorum can be asked for: the lighthouse accepts connections, and after it
+        was away a new manager has registered with it (see :mod:`.connection`)."""
+        reachable = lighthouse_reachable(self.settings) if self.processes.rank == 0 else None
+        if not self.processes.from_first(reachable):
+            self._lighthouse_away = True
+            return False
+        if not self._lighthouse_away:
+            return True
+        commits = self.manager.state_dict()
+        self.manager.shutdown(wait=False)  # its heal server with it
+        failure = self._start_managers()
+        if failure is None:
+            self.manager.load_state_dict(commits)
+            self._lighthouse_away = False
+        return failure is None
 
     def listeners(self) -> str:
         """Where this process serves (after :meth:`connect`)."""
@@ -205,41 +231,6 @@ class ReplicaGroups(Communicator):
             manager = self.manager._manager.address().split("://")[-1]
             parts = [f"manager {manager}", f"store port {self._store.port}", *parts]
         return ", ".join(parts) + " (collectives on the same address)"
-
-    def _start_manager(self, store_host: str, store_port: int) -> str | None:
-        """This process's torchft manager; the reason it could not start, if so."""
-        settings = self.settings
-        collective = timedelta(seconds=settings.collective_timeout)
-        with manager_bound_to(settings.bind_host):
-            try:
-                self.manager = Manager(
-                    pg=self.process_group,
-                    load_state_dict=None,
-                    state_dict=None,
-                    min_replica_size=1,
-                    use_async_quorum=False,  # heal before the step, not during it
-                    timeout=collective,
-                    quorum_timeout=timedelta(seconds=settings.quorum_timeout),
-                    connect_timeout=timedelta(seconds=settings.connect_timeout),
-                    rank=self.processes.rank,
-                    world_size=self.processes.size,
-                    store_addr=store_host,
-                    store_port=store_port,
-                    lighthouse_addr=settings.lighthouse_url,
-                    replica_id=str(settings.replica_id),
-                    hostname=store_host,
-                    heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
-                    checkpoint_transport=self.transport,
-                )
-            except RuntimeError as error:
-                reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
-                if self.processes.rank > 0:
-                    return f"cannot reach this replica's manager on {store_host} ({reason})"
-                return (
-                    f"cannot reach the lighthouse at {settings.lighthouse_url} within "
-                    f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
-                )
-        return None
 
     # -- membership --------------------------------------------------------------------------
 
@@ -278,7 +269,15 @@ class ReplicaGroups(Communicator):
         self.process_group.training_step = sync.step_count
         if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
             return None
-        start = self.start_round()
+        if self._joined and not self._back_in_touch():  # this round is skipped: train on
+            return None
+        try:
+            start = self.start_round()
+        except QuorumError:
+            if not self._joined:
+                raise
+            self._lighthouse_away = True  # the lighthouse went while this quorum waited
+            return None
         self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
         start.stale = self._check_positions(sync.step_count)
         if not sync.round_due(self._prepared_step):
@@ -429,6 +428,11 @@ class ReplicaGroups(Communicator):
         return first_line(error.original_exception)
 
     def _require_round(self) -> None:
+        if self._lighthouse_away:
+            raise RoundNotCommitted(
+                f"no round: the lighthouse at {self.settings.lighthouse_url} is unreachable; "
+                "training on locally until it is back"
+            )
         if not self._round_open:
             raise RuntimeError(
                 "no round in progress: call start_round() before a step whose round is due "
@@ -444,13 +448,3 @@ class ReplicaGroups(Communicator):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
         self.process_group.abort(errored=False)  # peers in a round with us fail now, not later
-
-
-def _unless_kept(load_state_dict: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``load_state_dict``, doing nothing for a heal that keeps this replica's own state."""
-
-    def load(state: Any) -> None:
-        if not keeps_own_state(state):
-            load_state_dict(state)
-
-    return load
