@@ -190,8 +190,10 @@ class Drill:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def start_lighthouse(self, min_replicas: int = 1) -> None:
+    def start_lighthouse(self, min_replicas: int = 1, bind_host: str = "127.0.0.1") -> None:
+        self.lighthouse = f"{bind_host}:{self.port}"
         argv = [sys.executable, "-m", "mtdao", "lighthouse", "--port", str(self.port)]
+        argv += ["--bind-host", bind_host]
         argv += ["--min-replicas", str(min_replicas), "--heartbeat-timeout"]
         argv += [str(self.heartbeat_timeout), "--join-timeout", str(self.join_timeout)]
         self._spawn("lighthouse", argv)

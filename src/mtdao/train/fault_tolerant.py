@@ -92,6 +92,7 @@ class ReplicaDriver:
         self.heals: list[dict[str, Any]] = []
         self.discarded: list[dict[str, Any]] = []
         self.quorums = 0
+        self.lighthouse_away = False  # rounds are skipped until a quorum forms again
         self.is_main = True
         """The replica's first process: it speaks, and writes the replica's records."""
 
@@ -239,6 +240,9 @@ class ReplicaDriver:
             "quorum_id": start.quorum_id,
             "seconds": start.seconds,
         }
+        if self.lighthouse_away:
+            self.lighthouse_away = False
+            self._say(f"step {run.step}: the lighthouse is back; averaging over replicas {members}")
         if self.quorums == 1:
             self._say(f"joined at step {run.step}; averaging over replicas {members}")
         else:
@@ -264,6 +268,7 @@ class ReplicaDriver:
     def _discarded(self, run: Run, failure: RoundNotCommitted) -> None:
         record = {"event": "discarded", "step": run.step, "reason": str(failure)}
         self.discarded.append({"step": run.step, "reason": str(failure)})
+        self.lighthouse_away = "lighthouse" in str(failure) and "unreachable" in str(failure)
         self.events.write(record)
         self._say(f"step {run.step}: {failure}; every replica keeps its own state")
 
