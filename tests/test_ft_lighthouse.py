@@ -4,7 +4,9 @@ processes on loopback (mtdao lighthouse and mtdao train --fault-tolerant replica
 * every listener of a replica and of the lighthouse is on the --bind-host it was given (read from
   /proc/net/tcp*, by socket inode of the process), and the replica says where it serves;
 * a lighthouse killed with SIGKILL and restarted on the same address 10 s later: the replicas
-  train on locally meanwhile, saying so, rejoin it, and finish with the same state.
+  train on locally meanwhile, saying so, rejoin it, and finish with the same state;
+* torchft's dashboard (``GET /status``, ``POST /replica/<id>/kill``) is not served, over HTTP/1
+  or HTTP/2, and a replica stopped on purpose (SIGTERM) exits with one line, its peer going on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import signal
 import socket
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -116,3 +120,64 @@ def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir
             steps_committed = [e["step"] for e in drill.events(name, "committed")]
             assert steps_committed[-1] == steps and 3 * K not in steps_committed, steps_committed
         assert drill.rounds("r0")[steps] == drill.rounds("r1")[steps], drill.tails()
+
+
+def http2_request(address: str, method: str, path: str) -> bytes:
+    """Send one HTTP/2 request (prior knowledge, as gRPC does) and read until the connection
+    ends: everything the other side sent."""
+    import hpack
+
+    host, port = address.rsplit(":", 1)
+    headers = [(":method", method), (":scheme", "http"), (":path", path), (":authority", host)]
+    block = hpack.Encoder().encode(headers)
+    frames = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(0x4, 0, 0, b"")  # SETTINGS
+    frames += frame(0x1, 0x4 | 0x1, 1, block)  # HEADERS, END_HEADERS | END_STREAM
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(frames)
+        try:
+            while chunk := connection.recv(65536):
+                received += chunk
+        except TimeoutError:
+            pass
+    return received
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+    )
+
+
+def headers_frames(received: bytes) -> int:
+    """HEADERS frames (responses) among the HTTP/2 frames ``received``."""
+    count, offset = 0, 0
+    while offset + 9 <= len(received):
+        length, kind = int.from_bytes(received[offset : offset + 3], "big"), received[offset + 3]
+        count += kind == 0x1
+        offset += 9 + length
+    return count
+
+
+def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(corpus_dir, tmp_path):
+    with Drill(tmp_path / "drill", flags(corpus_dir, 40 * K), join_timeout=10.0) as drill:
+        drill.start_lighthouse(min_replicas=1)
+        drill.start("r0", 0)
+        drill.start("r1", 1)
+        running = lambda: all(drill.status(n)[1] > 2 * K for n in ("r0", "r1"))  # noqa: E731
+        drill.wait_for(running, PHASE_TIMEOUT_S, "both replicas past their first rounds")
+        url = f"http://{drill.lighthouse}"
+        for request in (
+            urllib.request.Request(f"{url}/status"),
+            urllib.request.Request(f"{url}/replica/0/kill", method="POST"),
+        ):
+            with pytest.raises(urllib.error.HTTPError, match="403"):
+                urllib.request.urlopen(request, timeout=10)
+        for path in ("/replica/0/kill", "/status", "/"):  # gRPC's protocol, the dashboard's paths
+            assert headers_frames(http2_request(drill.lighthouse, "POST", path)) == 0
+        time.sleep(1.0)
+        assert drill.returncode("r0") is None and drill.returncode("r1") is None, drill.tails()
+        assert drill.stop("r1") == 130, drill.tails()  # SIGTERM: as Ctrl-C, no crash
+        assert "mtdao: interrupted" in drill.log("r1")
+        assert drill.wait_exit("r0", PHASE_TIMEOUT_S) == 0, drill.tails()
+        assert "replica 1 left" in drill.log("r0"), drill.tails()

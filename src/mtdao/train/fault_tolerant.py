@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,10 +72,13 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
             raise
         raise ValueError(f"--fault-tolerant needs torchft: {INSTALL_HINT}") from None
     driver = ReplicaDriver(config, torchft)
+    previous = stop_on_sigterm()
     try:
         results = trainer.train(config, build=driver.build, run_loop=driver.loop)
     finally:
         driver.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     results["simulated"] = False
     results["fault_tolerance"] = driver.summary()
     if driver.is_main:
@@ -321,3 +326,15 @@ def config_digest(config: TrainConfig) -> str:
     """A digest of the settings every replica must share (all but REPLICA_FIELDS)."""
     shared = {k: v for k, v in config.to_dict().items() if k not in REPLICA_FIELDS}
     return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def stop_on_sigterm():
+    """Make SIGTERM stop this replica as Ctrl-C does (it leaves the quorum, closes its servers and
+    exits with one line); the previous handler, or None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    return signal.signal(signal.SIGTERM, interrupt)
