@@ -362,6 +362,7 @@ def describe_default(name: str) -> str | None:
         "out": "runs/<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed>[/replica-<id>]",
         "replica_id": "required with --fault-tolerant",
         "lighthouse": "required with --fault-tolerant",
+        "auth_token_file": "$MTDAO_AUTH_TOKEN",
     }
     return descriptions.get(name)
 
