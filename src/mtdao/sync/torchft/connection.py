@@ -59,6 +59,17 @@ def start_manager(
     return manager, None
 
 
+def listeners(manager: Manager, transport, store) -> str:
+    """Where a process serves: its heal server; in a replica's first process (``store`` given),
+    its manager's gRPC server and the store too."""
+    heal_host, heal_port = transport.address
+    parts = [f"heal state {heal_host}:{heal_port}"]
+    if store is not None:
+        served = manager._manager.address().split("://")[-1]  # torchft keeps its server here
+        parts = [f"manager {served}", f"store port {store.port}", *parts]
+    return ", ".join(parts) + " (collectives on the same address)"
+
+
 def lighthouse_reachable(settings) -> bool:
     """Whether the lighthouse accepts a connection within the connect timeout."""
     address = urlsplit(settings.lighthouse_url)

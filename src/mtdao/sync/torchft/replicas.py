@@ -20,8 +20,8 @@ from mtdao.sync.dtensors import local_shard
 from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.sharded_layout import ShardGroupSums
+from mtdao.sync.torchft import connection, round_identity
 from mtdao.sync.torchft.auth import NO_TOKEN, RunKey
-from mtdao.sync.torchft.connection import lighthouse_reachable, start_manager, unless_kept
 from mtdao.sync.torchft.plumbing import (
     MembershipGloo,
     QuorumError,
@@ -29,7 +29,6 @@ from mtdao.sync.torchft.plumbing import (
     first_line,
     listening_store,
 )
-from mtdao.sync.torchft.round_identity import digest_number, exchange_positions, sitting_out
 from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
@@ -163,7 +162,7 @@ class ReplicaGroups(Communicator):
         self._prepared_step: int | None = None  # the step whose round the last quorum opened
         self._stale: str | None = None  # why this replica sits the open round out
         self._sitting_out: list[int] = []  # the replicas that do
-        self._lighthouse_away = False  # since a quorum found it unreachable
+        self._lighthouse_away: int | None = None  # the step whose quorum found it away
 
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
@@ -191,10 +190,10 @@ class ReplicaGroups(Communicator):
         start = (settings, self.processes, self.process_group, self.transport)
         if self.processes.rank == 0:
             store = (advertised_host(settings.bind_host), self._store.port)
-            self.manager, failure = start_manager(*start, *store)
+            self.manager, failure = connection.start_manager(*start, *store)
         store, failure = self.processes.from_first((store, failure))
         if failure is None and self.processes.rank > 0:
-            self.manager, failure = start_manager(*start, *store)
+            self.manager, failure = connection.start_manager(*start, *store)
         if failure is not None:
             self.transport.shutdown(wait=False)
             return failure
@@ -203,34 +202,37 @@ class ReplicaGroups(Communicator):
             self.process_group.replica_store = create_store_client(address, timeout)
         self.transport.own_progress = self.manager.state_dict
         for key, (state_dict, load_state_dict) in self._tracked.items():
-            self.manager.register_state_dict_fn(key, unless_kept(load_state_dict), state_dict)
+            self.manager.register_state_dict_fn(
+                key, connection.unless_kept(load_state_dict), state_dict
+            )
         return None
 
-    def _back_in_touch(self) -> bool:
+    def _back_in_touch(self, step: int) -> bool:
         """Whether a quorum can be asked for: the lighthouse accepts connections, and after it
-        was away a new manager has registered with it (see :mod:`.connection`)."""
-        reachable = lighthouse_reachable(self.settings) if self.processes.rank == 0 else None
+        was away a new manager has registered with it (see :mod:`.connection`). A step retried
+        without a round (a gradient round cannot be skipped) asks once a second."""
+        if self._lighthouse_away == step:
+            time.sleep(1.0)
+        reachable = (
+            connection.lighthouse_reachable(self.settings) if self.processes.rank == 0 else None
+        )
         if not self.processes.from_first(reachable):
-            self._lighthouse_away = True
+            self._lighthouse_away = step
             return False
-        if not self._lighthouse_away:
+        if self._lighthouse_away is None:
             return True
         commits = self.manager.state_dict()
         self.manager.shutdown(wait=False)  # its heal server with it
         failure = self._start_managers()
         if failure is None:
             self.manager.load_state_dict(commits)
-            self._lighthouse_away = False
+            self._lighthouse_away = None
         return failure is None
 
     def listeners(self) -> str:
         """Where this process serves (after :meth:`connect`)."""
-        heal_host, heal_port = self.transport.address
-        parts = [f"heal state {heal_host}:{heal_port}"]
-        if self.processes.rank == 0:
-            manager = self.manager._manager.address().split("://")[-1]
-            parts = [f"manager {manager}", f"store port {self._store.port}", *parts]
-        return ", ".join(parts) + " (collectives on the same address)"
+        store = self._store if self.processes.rank == 0 else None
+        return connection.listeners(self.manager, self.transport, store)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -269,32 +271,24 @@ class ReplicaGroups(Communicator):
         self.process_group.training_step = sync.step_count
         if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
             return None
-        if self._joined and not self._back_in_touch():  # this round is skipped: train on
+        if self._joined and not self._back_in_touch(coming):  # this round is skipped: train on
             return None
         try:
             start = self.start_round()
         except QuorumError:
             if not self._joined:
                 raise
-            self._lighthouse_away = True  # the lighthouse went while this quorum waited
+            self._lighthouse_away = coming  # the lighthouse went while this quorum waited
             return None
         self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
-        start.stale = self._check_positions(sync.step_count)
+        self._sitting_out, self._stale = round_identity.check(  # see round_identity
+            self.sum_in_round, self.replicas, self.quorum_rank, sync.step_count, self.settings
+        )
+        start.stale = self._stale
         if not sync.round_due(self._prepared_step):
             self._empty_round()
         self._joined = True  # not before: a joiner whose first quorum failed asks again at once
         return start
-
-    def _check_positions(self, step: int) -> str | None:
-        """Why this replica sits this round out (None: it takes part); see :mod:`.round_identity`."""
-        config = digest_number(self.settings.config_digest)
-        positions = exchange_positions(
-            self.sum_in_round, self.quorum_rank, len(self.replicas), step, config
-        )
-        reasons = sitting_out(positions)
-        self._sitting_out = [self.replicas[rank] for rank in reasons]
-        self._stale = reasons.get(self.quorum_rank)
-        return self._stale
 
     def _empty_round(self) -> None:
         """Commit a quorum that no round follows: the one-element sum completes only once every
@@ -428,7 +422,7 @@ class ReplicaGroups(Communicator):
         return first_line(error.original_exception)
 
     def _require_round(self) -> None:
-        if self._lighthouse_away:
+        if self._lighthouse_away is not None:
             raise RoundNotCommitted(
                 f"no round: the lighthouse at {self.settings.lighthouse_url} is unreachable; "
                 "training on locally until it is back"

@@ -46,3 +46,12 @@ def sitting_out(positions: list[tuple[int, int]]) -> dict[int, str]:
         elif step != reference[0]:
             reasons[rank] = f"it is at step {step}, the quorum at step {reference[0]}"
     return reasons
+
+
+def check(
+    sum_in_round: Callable[[Tensor], Tensor], replicas: list[int], rank: int, step: int, settings
+) -> tuple[list[int], str | None]:
+    """(the replicas that sit this round out, why this one does: None when it takes part)."""
+    config = digest_number(settings.config_digest)
+    reasons = sitting_out(exchange_positions(sum_in_round, rank, len(replicas), step, config))
+    return [replicas[r] for r in reasons], reasons.get(rank)
