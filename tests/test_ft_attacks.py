@@ -20,6 +20,8 @@ from mtdao.train.fault_drill import Drill
 
 pytest.importorskip("torchft")
 
+pytestmark = pytest.mark.slow
+
 ROGUE = Path(__file__).with_name("rogue_peer.py")
 TOKEN_ENV = "MTDAO_AUTH_TOKEN"  # spelled out: the test also runs against versions without it
 SECRET = "a-secret-of-this-test-run-0123456789"
