@@ -145,7 +145,7 @@ class MembershipGloo(ProcessGroupGloo):
             proven = json.loads(self.replica_store.get(verdict_key))
         self._proven = set(proven)
         self.refused = [
-            f"{self._peer(r)} did not prove it belongs to the run (no claim signed with this "
+            f"{self._peer(r)}: it did not prove it belongs to the run (no claim signed with this "
             "run's secret: wrong or missing --auth-token-file / $MTDAO_AUTH_TOKEN); it is not "
             "averaged with nor healed from"
             for r in range(world_size)
