@@ -98,6 +98,7 @@ class ReplicaDriver:
         self.discarded: list[dict[str, Any]] = []
         self.quorums = 0
         self.lighthouse_away = False  # rounds are skipped until a quorum forms again
+        self.refused: set[str] = set()  # the unproven peers of the last quorum
         self.is_main = True
         """The replica's first process: it speaks, and writes the replica's records."""
 
@@ -232,8 +233,10 @@ class ReplicaDriver:
 
     def _report_quorum(self, run: Run, start) -> None:
         members = _ids(start.replicas)
-        for refused in start.refused:
-            self._say(f"step {run.step}: refused {refused}")
+        for refused in start.refused:  # once while it stays in the quorum
+            if refused not in self.refused:
+                self._say(f"step {run.step}: refused {refused}")
+        self.refused = set(start.refused)
         if start.stale is not None:
             self._say(f"step {run.step}: sitting this round out ({start.stale}); healing next")
         record = {
