@@ -12,6 +12,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from mtdao.sync import (
+    LocalUpdateSync,
+    OuterOptimizerConfig,
+    desloc,
+    explicit,
+    gradient_averaging,
+    unified,
+)
+from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.torchft.auth import TOKEN_ENV, RunKey, read_token, run_key
 from mtdao.sync.torchft.proofs import Claim, exchange_claims
 from mtdao.sync.torchft.round_identity import exchange_positions, sitting_out
@@ -194,3 +203,35 @@ def test_a_source_the_judge_rejects_is_never_contacted():
         receiver.shutdown()
     assert kept["torchft"] == {"step": 0, "batches_committed": 0}
     assert kept["user"]["engine"] is kept["user"]
+
+
+ENGINES = {
+    "unified": lambda: dict(policy=unified(2)),
+    "diloco, nesterov": lambda: dict(policy=explicit(2, outer=OuterOptimizerConfig())),
+    "desloc": lambda: dict(policy=desloc(2)),
+    "ddp": lambda: dict(policy=gradient_averaging()),
+    "int8 with error feedback": lambda: dict(
+        policy=unified(2), codecs=SyncCodecs.parse(["int8"], error_feedback=True)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_every_engines_heal_state_loads_with_the_safe_loader(name):
+    """What a healing replica receives is tensors and plain data only, for every policy."""
+    from mtdao import MTAdam
+    from mtdao.sync.torchft import engine_state
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4, generator=gen)) for _ in range(2)]
+    sync = LocalUpdateSync(MTAdam(params, lr=1e-2), **ENGINES[name]())
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        sync.step()
+    state = engine_state(sync)[0]()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    engine_state(sync)[1](loaded)  # and it loads back
+    assert loaded["sync"]["step"] == 3
