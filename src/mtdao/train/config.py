@@ -43,7 +43,7 @@ RESUMABLE_FIELDS = frozenset(
     {"steps", "tokens", "out", "resume", "eval_every", "checkpoint_every", "log_every", "progress"}
     | {"keep_checkpoints", "extend", "overwrite", "collective_timeout"}
     | {"shards"}  # a sharded checkpoint loads into any number of shards per worker
-    | {"lighthouse", "connect_timeout", "quorum_timeout"}
+    | {"lighthouse", "connect_timeout", "quorum_timeout", "bind_host", "auth_token_file"}
 )
 
 
@@ -221,6 +221,14 @@ class TrainConfig:
     """Seconds to reach the lighthouse or a peer before giving up (with --fault-tolerant)."""
     quorum_timeout: float = 600.0
     """Seconds to wait for a quorum; keep it above the time between syncs (--fault-tolerant)."""
+    bind_host: str = "127.0.0.1"
+    """The address this replica's listeners serve on (manager, store, collectives, heal state;
+    with --fault-tolerant): loopback for replicas on one machine, this machine's address on the
+    network the replicas share for several (see docs/security.md)."""
+    auth_token_file: str | None = None
+    """A file holding the run's secret, the same for every replica (else $MTDAO_AUTH_TOKEN): a
+    peer without it is neither averaged with nor healed from. Required unless --bind-host is
+    loopback (with --fault-tolerant; see docs/security.md)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -354,6 +362,7 @@ def describe_default(name: str) -> str | None:
         "out": "runs/<method>-<optimizer>-M<workers>[-S<shards>][-K<K>]-seed<seed>[/replica-<id>]",
         "replica_id": "required with --fault-tolerant",
         "lighthouse": "required with --fault-tolerant",
+        "auth_token_file": "$MTDAO_AUTH_TOKEN",
     }
     return descriptions.get(name)
 
@@ -446,8 +455,10 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
         value = getattr(config, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"--{_flag(name)} must be a number of seconds > 0, got {value!r}")
+    if not config.bind_host or not config.bind_host.strip():
+        raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
     if not config.fault_tolerant:
-        for name in ("replica_id", "lighthouse"):
+        for name in ("replica_id", "lighthouse", "auth_token_file"):
             if getattr(config, name) is not None:
                 raise ValueError(f"--{_flag(name)} needs --fault-tolerant")
         return

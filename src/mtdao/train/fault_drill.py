@@ -7,6 +7,9 @@
 * ``gate``: a step count; no replica takes a step beyond it until it moves;
 * ``NAME.hold-S``: while it exists, the replica waits inside its round at step S, just before it
   all-reduces (``NAME.entered-S`` says it got there);
+* ``NAME.rewind`` holding ``S T``: the replica keeps a copy of its state after its round at
+  step S and goes back to it once it has taken step T, its commit count unchanged (as a replica
+  that lost steps in a stuck collective comes back);
 * the replica writes its step to ``NAME.status`` and, after every committed round, a digest of
   its whole state (parameters, optimizer state, engine state) to ``NAME.rounds``.
 
@@ -53,7 +56,13 @@ def install_hooks(control: Path, name: str) -> None:
         _write(control / f"{label}.status", "held 0")
         _wait_while(lambda: (control / f"{name}.hold").exists())
 
+    rewind = _read_ints(control / f"{name}.rewind")
+
     def before_step(run) -> None:
+        if rewind and run.step == rewind[1] and "saved" in current:
+            torchft.engine_state(run.sync)[1](current.pop("saved"))
+            run.sync.communicator._prepared_step = None  # its next due step needs a quorum again
+            print(f"fault drill: rewound to step {run.step}", flush=True)
         if _read_int(control / "gate", run.step + 1) <= run.step:
             _write(control / f"{label}.status", f"waiting {run.step}")
             _wait_while(lambda: _read_int(control / "gate", run.step + 1) <= run.step)
@@ -62,6 +71,8 @@ def install_hooks(control: Path, name: str) -> None:
     def after_round(run) -> None:
         with open(control / f"{label}.rounds", "a") as handle:
             handle.write(f"{run.step} {state_digest(run)}\n")
+        if rewind and run.step == rewind[0] and "saved" not in current:
+            current["saved"] = torchft.engine_state(run.sync)[0]()
 
     all_reduce = torchft.ReplicaGroups.sum_in_round
 
@@ -115,6 +126,10 @@ def _read_int(path: Path, default: int) -> int:
         return default
 
 
+def _read_ints(path: Path) -> list[int]:
+    return [int(word) for word in path.read_text().split()] if path.exists() else []
+
+
 def _write(path: Path, text: str) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(text)
@@ -166,7 +181,7 @@ class Drill:
         self.killed_at: dict[str, float] = {}
         self.started_at: dict[str, float] = {}
         self.port = unused_port()
-        self.lighthouse = f"localhost:{self.port}"
+        self.lighthouse = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
     def __enter__(self) -> Drill:
@@ -175,8 +190,10 @@ class Drill:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def start_lighthouse(self, min_replicas: int = 1) -> None:
-        argv = [sys.executable, "-m", "mtdao", "lighthouse", "--bind", f"[::]:{self.port}"]
+    def start_lighthouse(self, min_replicas: int = 1, bind_host: str = "127.0.0.1") -> None:
+        self.lighthouse = f"{bind_host}:{self.port}"
+        argv = [sys.executable, "-m", "mtdao", "lighthouse", "--port", str(self.port)]
+        argv += ["--bind-host", bind_host]
         argv += ["--min-replicas", str(min_replicas), "--heartbeat-timeout"]
         argv += [str(self.heartbeat_timeout), "--join-timeout", str(self.join_timeout)]
         self._spawn("lighthouse", argv)

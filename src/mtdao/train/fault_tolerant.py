@@ -18,8 +18,11 @@ was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON li
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +45,7 @@ from mtdao.train.snapshot import save
 REPLICA_FIELDS = frozenset(
     {"replica_id", "lighthouse", "out", "resume", "progress", "log_every", "eval_every"}
     | {"eval_tokens", "checkpoint_every", "device", "connect_timeout", "quorum_timeout"}
-    | {"collective_timeout"}
+    | {"collective_timeout", "bind_host", "auth_token_file"}
 )
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
@@ -69,10 +72,13 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
             raise
         raise ValueError(f"--fault-tolerant needs torchft: {INSTALL_HINT}") from None
     driver = ReplicaDriver(config, torchft)
+    previous = stop_on_sigterm()
     try:
         results = trainer.train(config, build=driver.build, run_loop=driver.loop)
     finally:
         driver.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     results["simulated"] = False
     results["fault_tolerance"] = driver.summary()
     if driver.is_main:
@@ -91,16 +97,24 @@ class ReplicaDriver:
         self.heals: list[dict[str, Any]] = []
         self.discarded: list[dict[str, Any]] = []
         self.quorums = 0
+        self.lighthouse_away = False  # rounds are skipped until a quorum forms again
+        self.refused: set[str] = set()  # the unproven peers of the last quorum
         self.is_main = True
         """The replica's first process: it speaks, and writes the replica's records."""
 
     def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
+        from mtdao.sync.torchft.auth import read_token, run_key
+
+        key = run_key(read_token(config.auth_token_file), config.bind_host)
         settings = self.torchft.ReplicaSettings(
             replica_id=config.replica_id,
             lighthouse=config.lighthouse,
             connect_timeout=config.connect_timeout,
             quorum_timeout=config.quorum_timeout,
             collective_timeout=config.collective_timeout,
+            bind_host=config.bind_host,
+            key=key,
+            config_digest=config_digest(config),
         )
         self.replicas = self.torchft.ReplicaGroups(settings)
         self.is_main = process.rank == 0
@@ -112,6 +126,12 @@ class ReplicaDriver:
         before_connect(run)
         self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
+        self._say(f"serving on {config.bind_host}: {self.replicas.listeners()}")
+        if not key.is_secret:
+            self._say(
+                "no --auth-token-file or $MTDAO_AUTH_TOKEN: any process on this machine can join "
+                "this run (see docs/security.md)"
+            )
         return run
 
     def close(self) -> None:
@@ -213,6 +233,12 @@ class ReplicaDriver:
 
     def _report_quorum(self, run: Run, start) -> None:
         members = _ids(start.replicas)
+        for refused in start.refused:  # once while it stays in the quorum
+            if refused not in self.refused:
+                self._say(f"step {run.step}: refused {refused}")
+        self.refused = set(start.refused)
+        if start.stale is not None:
+            self._say(f"step {run.step}: sitting this round out ({start.stale}); healing next")
         record = {
             "event": "quorum",
             "step": run.step,
@@ -222,6 +248,9 @@ class ReplicaDriver:
             "quorum_id": start.quorum_id,
             "seconds": start.seconds,
         }
+        if self.lighthouse_away:
+            self.lighthouse_away = False
+            self._say(f"step {run.step}: the lighthouse is back; averaging over replicas {members}")
         if self.quorums == 1:
             self._say(f"joined at step {run.step}; averaging over replicas {members}")
         else:
@@ -247,13 +276,14 @@ class ReplicaDriver:
     def _discarded(self, run: Run, failure: RoundNotCommitted) -> None:
         record = {"event": "discarded", "step": run.step, "reason": str(failure)}
         self.discarded.append({"step": run.step, "reason": str(failure)})
+        self.lighthouse_away = "lighthouse" in str(failure) and "unreachable" in str(failure)
         self.events.write(record)
         self._say(f"step {run.step}: {failure}; every replica keeps its own state")
 
     def _committed(self, run: Run) -> None:
         event = run.sync.events[-1]
         record = {"event": "committed", "step": event.step, "kinds": event.kinds}
-        self.events.write({**record, "replicas": list(self.replicas.replicas)})
+        self.events.write({**record, "replicas": self.replicas.contributors})
         after_round(run)
 
     def _say(self, line: str) -> None:
@@ -293,3 +323,21 @@ def say(replica_id: int, line: str) -> None:
 
 def _ids(replicas) -> str:
     return ", ".join(str(r) for r in replicas)
+
+
+def config_digest(config: TrainConfig) -> str:
+    """A digest of the settings every replica must share (all but REPLICA_FIELDS)."""
+    shared = {k: v for k, v in config.to_dict().items() if k not in REPLICA_FIELDS}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def stop_on_sigterm():
+    """Make SIGTERM stop this replica as Ctrl-C does (it leaves the quorum, closes its servers and
+    exits with one line); the previous handler, or None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    return signal.signal(signal.SIGTERM, interrupt)

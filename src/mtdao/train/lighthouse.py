@@ -2,7 +2,10 @@
 
 Replicas (``mtdao train --fault-tolerant --lighthouse HOST:PORT``) report to it with heartbeats
 and ask it for a quorum at every sync; it answers with the replicas alive at that moment. It holds
-no training state: if it restarts, the replicas' next quorum simply waits for it.
+no training state: while it is away the replicas skip their rounds and train on locally, and they
+register again once it is back on the same address. It serves on ``--bind-host`` through
+:mod:`mtdao.train.grpc_front`: torchft's gRPC service only, not torchft's unauthenticated web
+dashboard (which lists replica addresses and can stop a replica).
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ def add_parser(subparsers) -> None:
         "quorums. Runs until interrupted.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--bind", default="[::]:29510", help="address:port to serve on (port 0: any free port)")  # fmt: skip
+    parser.add_argument(
+        "--bind-host",
+        default="127.0.0.1",
+        help="address to serve on: loopback for replicas on this machine, this machine's address "
+        "on the replicas' network for several (see docs/security.md)",
+    )
+    parser.add_argument("--port", type=int, default=29510, help="port to serve on (0: any free)")
     parser.add_argument(
         "--min-replicas", type=int, default=1, help="replicas a quorum needs to form"
     )
@@ -62,15 +71,34 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         if error.name != "torchft":
             raise
         raise ValueError(f"the lighthouse needs torchft: {INSTALL_HINT}") from None
+    host = args.bind_host.strip("[]")
+    if not host:
+        raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
+    from mtdao.sync.torchft.safe_transport import advertised_host
+    from mtdao.train.grpc_front import GrpcFront
+
+    # torchft's lighthouse on a loopback port of its own; the replicas reach it through the
+    # front, which lets its gRPC service through and not its dashboard (see grpc_front)
     server = start_lighthouse(
-        args.bind, args.min_replicas, args.join_timeout, args.heartbeat_timeout, args.quorum_tick
-    )
+        "127.0.0.1:0", args.min_replicas, args.join_timeout, args.heartbeat_timeout,
+        args.quorum_tick,
+    )  # fmt: skip
+    internal = int(server.address().rsplit(":", 1)[1])
+    try:
+        front = GrpcFront(host, args.port, ("127.0.0.1", internal))
+    except OSError as error:
+        server.shutdown()
+        reason = error.strerror
+        raise ValueError(f"cannot serve the lighthouse on {host}:{args.port}: {reason}") from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    address = server.address()
+    address = f"http://{advertised_host(host)}:{front.port}"
     print(
         f"lighthouse: serving at {address} (min replicas {args.min_replicas}, heartbeat timeout "
-        f"{args.heartbeat_timeout:g} s, join timeout {args.join_timeout:g} s); start replicas "
+        f"{args.heartbeat_timeout:g} s, join timeout {args.join_timeout:g} s; no dashboard); "
+        "start replicas "
         f"with mtdao train --fault-tolerant --lighthouse {address.split('://')[-1]} ...",
         flush=True,
     )
@@ -78,6 +106,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
     finally:
+        front.shutdown()
         server.shutdown()
     print("lighthouse: stopped", file=sys.stderr, flush=True)
     return 0

@@ -23,13 +23,17 @@ the dead one. Between rounds nothing is coordinated. A replica healed at this ro
 not run the round's local steps, so it adds nothing to a parameter or state average (it receives
 it); its gradient, computed on the healed state, does count in a gradient round (DDP).
 
-This module is the only one that imports torchft (an optional dependency: ``pip install
-mtdao[ft]``). Healed state travels over torchft's HTTP transport as a pickle: peers must trust
-each other.
+This package is the only one that imports torchft (an optional dependency: ``pip install
+mtdao[ft]``). Only members that prove they belong to the run (a shared secret: :mod:`.auth`,
+:mod:`.proofs`) form a round's process group; every round checks that its members stand at one
+step with one config (:mod:`.round_identity`); healed state travels signed and without pickle
+(:mod:`.safe_transport`); every listener is on the replica's ``bind_host``. See
+docs/security.md.
 
-Modules: :mod:`.replicas` (the communicator and its layout), :mod:`.healing` (the state a healing
-replica receives), :mod:`.shards` (replicas of several processes), :mod:`.plumbing` (what is added
-to torchft's process group and state transport, and the lighthouse).
+Modules: :mod:`.replicas` (the communicator and its layout), :mod:`.connection` (its manager, and
+the lighthouse going and coming back), :mod:`.healing` (the state a healing replica receives),
+:mod:`.shards` (replicas of several processes), :mod:`.plumbing` (what is added to torchft's
+process group and listeners, and the lighthouse).
 """
 
 from mtdao.sync.torchft.healing import engine_state

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -12,13 +12,11 @@ from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.torchft.plumbing import ReplicaRefused
 
-
-class LocalShard(NamedTuple):
-    """An optimizer state that is sharded (a DTensor) where it was sent, as its sender's local
-    shard: the receiver, the same process of another replica of the same shape, makes it a
-    DTensor like its own parameter again."""
-
-    tensor: Tensor
+LOCAL_SHARD = "mtdao.local_shard"
+"""An optimizer state that is sharded (a DTensor) where it was sent travels as
+``{LOCAL_SHARD: its sender's local shard}`` (plain data: see :mod:`.safe_transport`): the receiver,
+the same process of another replica of the same shape, makes it a DTensor like its own parameter
+again."""
 
 
 def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[dict], None]]:
@@ -53,8 +51,9 @@ def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[d
         for index, param_state in optimizer["state"].items():
             param = sync.params[index]
             for key, value in param_state.items():
-                if isinstance(value, LocalShard):
-                    param_state[key] = shard_like(param, value.tensor.to(local_shard(param).device))
+                if isinstance(value, dict) and LOCAL_SHARD in value:
+                    shard = value[LOCAL_SHARD].to(local_shard(param).device)
+                    param_state[key] = shard_like(param, shard)
         sync.optimizer.load_state_dict(optimizer)
         sync.load_state_dict(state["sync"])
 
@@ -67,7 +66,7 @@ def _portable(value: Any) -> Any:
     if isinstance(value, Tensor):
         shard = local_shard(value)
         copy = shard.detach().to("cpu", copy=True)
-        return LocalShard(copy) if shard is not value else copy
+        return {LOCAL_SHARD: copy} if shard is not value else copy
     if isinstance(value, dict):
         return {key: _portable(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

@@ -1,28 +1,37 @@
-"""What mtdao adds to torchft's pieces: a process group that knows who is in each quorum, a state
-transport that counts and frees what it sends, quiet logs, and the lighthouse.
+"""What mtdao adds to torchft's pieces: a process group that knows who is in each quorum and
+forms only with the members that prove they belong to the run (:mod:`.proofs`), listeners on the
+replica's ``--bind-host``, quiet logs, and the lighthouse. Heal state travels over
+:mod:`.safe_transport`.
 
 This package is the only place that imports torchft.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
-import warnings
+import socket
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 # torchft's native side logs every quorum at INFO; keep the terminal for progress lines
 os.environ.setdefault("RUST_LOG", "warn")
 
+import torchft.manager  # noqa: E402
 from torchft import ProcessGroupGloo  # noqa: E402
-from torchft.checkpointing import HTTPTransport  # noqa: E402
 from torchft.process_group import create_store_client  # noqa: E402
+
+from mtdao.sync.torchft.auth import NO_TOKEN, RunKey  # noqa: E402
+from mtdao.sync.torchft.proofs import Claim, exchange_claims  # noqa: E402
 
 # torchft reports what went wrong to its manager, which hands it to us; its own log lines
 # (tracebacks of every failed collective) would bury the one line that matters.
@@ -46,22 +55,39 @@ class QuorumView:
 
 
 class MembershipGloo(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group, remembering who each configuration holds. A joining
-    replica (torchft ``step`` 0) refuses a quorum in which its replica id is taken twice, or whose
-    replicas shard differently from it (process s of each replica averages with process s of
-    every other, so every replica needs the same number of processes); a replica already running
-    discards that round instead."""
+    """torchft's reconfigurable gloo group, formed only with the members of each quorum that
+    prove they belong to the run (see :mod:`.proofs`), and remembering who each configuration
+    holds. A joining replica (torchft ``step`` 0) refuses a quorum in which its replica id is
+    taken twice, or whose replicas shard differently from it (process s of each replica averages
+    with process s of every other, so every replica needs the same number of processes); a
+    replica already running discards that round instead. Gloo serves on ``bind_host``."""
 
-    def __init__(self, replica_id: int, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        replica_id: int,
+        timeout: timedelta,
+        key: RunKey | None = None,
+        bind_host: str = "127.0.0.1",
+        proof_wait_s: float = 30.0,
+    ) -> None:
         super().__init__(timeout=timeout)
         self.replica_id = replica_id
+        self.key = key or RunKey(NO_TOKEN)
+        self.bind_host, self.proof_wait_s = bind_host, proof_wait_s
         self.quorum = QuorumView()
         self.group_rank = 0  # this process's rank in its replica
         self.replica_store: Any = None
         """The store this replica's processes share (set before a replica of several joins)."""
         self.step = 0
         """torchft's step of this replica at the quorum being formed (0: it is joining)."""
+        self.training_step = 0
+        """The training step this replica has taken, at the quorum being formed."""
+        self.config_digest = ""
         self.refusal: ReplicaRefused | None = None
+        self.refused: list[str] = []
+        """The members of the last quorum that did not prove they belong to the run."""
+        self._proven: set[int] = set()  # torchft quorum ranks of the proven members
+        self._ranked: list[int] = []  # torchft quorum rank -> replica id
 
     def configure(
         self,
@@ -76,27 +102,106 @@ class MembershipGloo(ProcessGroupGloo):
     ):
         shards, self.group_rank = group_world_size or 1, group_rank or 0
         # torchft numbers the processes of a quorum replica_id * shards + group_rank
-        replicas = [(g - self.group_rank) // shards for g in global_ranks or []]
-        view = QuorumView(replicas, rank, quorum_id if quorum_id is not None else -1)
-        self._check_shard_counts(store_addr, view, world_size, shards)
+        global_ranks = list(global_ranks or [])
+        replicas = [(g - self.group_rank) // shards for g in global_ranks]
+        quorum_id = quorum_id if quorum_id is not None else -1
+        proven = self._prove(store_addr, replicas, rank, world_size, quorum_id)
+        view = QuorumView([replicas[r] for r in proven], proven.index(rank), quorum_id)
+        self._check_shard_counts(store_addr, view, len(proven), shards)
         # join the group even when refusing: the others then see this replica leave at once,
         # instead of waiting for it until their collective timeout
         super().configure(
-            store_addr,
+            f"{store_addr}/proven",
             replica_id,
-            rank,
-            world_size,
+            view.rank,
+            len(proven),
             quorum_id,
             group_rank,
             group_world_size,
-            global_ranks,
+            [global_ranks[r] for r in proven],
         )
         self.quorum = view
-        if self.step == 0 and replicas.count(self.replica_id) > 1:
+        if self.step == 0 and view.replicas.count(self.replica_id) > 1:
             self.refusal = ReplicaRefused(
                 f"replica id {self.replica_id} is already taken in the quorum (replicas "
-                f"{', '.join(map(str, sorted(replicas)))}); give each replica its own --replica-id"
+                f"{', '.join(map(str, sorted(view.replicas)))}); give each replica its own "
+                "--replica-id"
             )
+
+    def _prove(
+        self, store_addr: str, replicas: list[int], rank: int, world_size: int, quorum_id: int
+    ) -> list[int]:
+        """The torchft ranks of the quorum members that prove they belong to the run. The first
+        process of each replica exchanges signed claims (every replica has one), and hands the
+        verdict to the replica's other processes through the replica's store."""
+        self._ranked = replicas
+        verdict_key = f"proven/{quorum_id}"
+        if self.group_rank == 0:
+            proven = self._exchange_claims(store_addr, replicas, rank, world_size, quorum_id)
+            if self.replica_store is not None:
+                self.replica_store.set(verdict_key, json.dumps(proven))
+        else:
+            self.replica_store.wait([verdict_key], self._timeout)
+            proven = json.loads(self.replica_store.get(verdict_key))
+        self._proven = set(proven)
+        self.refused = [
+            f"{self._peer(r)}: it did not prove it belongs to the run (no claim signed with this "
+            "run's secret: wrong or missing --auth-token-file / $MTDAO_AUTH_TOKEN); it is not "
+            "averaged with nor healed from"
+            for r in range(world_size)
+            if r not in self._proven
+        ]
+        return proven
+
+    def _exchange_claims(
+        self, store_addr: str, replicas: list[int], rank: int, world_size: int, quorum_id: int
+    ) -> list[int]:
+        mine = Claim(self.replica_id, self.step, self.training_step, self.config_digest)
+        store = create_store_client(f"{store_addr}/claims", self._timeout)
+        context = f"{quorum_id}|{store_addr}|{','.join(map(str, replicas))}"
+        claims = exchange_claims(
+            store, self.key, context, rank, world_size, mine, self.proof_wait_s
+        )
+        proven = [  # a claim must name the replica at its place
+            r for r, c in enumerate(claims) if c is not None and c.replica_id == replicas[r]
+        ]
+        if rank not in proven:
+            raise RuntimeError("this replica's own claim did not verify in the quorum's store")
+        return proven
+
+    def _peer(self, rank: int) -> str:
+        replica = self._ranked[rank] if rank < len(self._ranked) else "?"
+        return f"the peer claiming replica id {replica} (quorum rank {rank})"
+
+    def judge_heal_source(self, rank: int) -> tuple[str, str]:
+        """Whether to take the state of torchft's heal source ``rank`` (see :mod:`.safe_transport`):
+        ``take`` it from a proven member; from any other, ``keep`` this replica's own (its round
+        then checks the step: a replica that was behind sits it out and heals at the next
+        quorum, from a proven member)."""
+        peer = self._peer(rank)
+        if rank in self._proven:
+            return "take", peer
+        return "keep", f"{peer}: it did not prove it belongs to the run"
+
+    def _create_pg(self, store, rank: int, world_size: int):
+        """torchft's gloo group, its sockets on ``bind_host``."""
+        from torchft.process_group import BaseProcessGroup, BaseProcessGroupGloo
+
+        options = BaseProcessGroupGloo._Options()
+        options._timeout = self._timeout
+        host = self.bind_host.strip("[]")
+        every_interface = host in ("0.0.0.0", "::", "")
+        gloo = BaseProcessGroupGloo
+        device = gloo.create_default_device() if every_interface else gloo.create_device(host)
+        options._devices = [device]
+        pg = BaseProcessGroup(store, rank, world_size)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        backend = BaseProcessGroupGloo(store, rank, world_size, options)
+        backend._set_sequence_number_for_group()
+        if self._global_ranks:
+            backend.options.global_ranks_in_group = self._global_ranks
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        return pg
 
     def _check_shard_counts(
         self, store_addr: str, quorum: QuorumView, world_size: int, shards: int
@@ -157,32 +262,37 @@ def reference_shard_count(posted: list[list[str]]) -> int | None:
     return common if 2 * counts.count(common) > len(counts) else None
 
 
-class HealTransport(HTTPTransport):
-    """torchft's HTTP state transfer, counting bytes and dropping a sent state once the round it
-    healed is over (it is a full copy: see :func:`engine_state`)."""
-
-    def __init__(self, timeout: timedelta) -> None:
-        super().__init__(timeout=timeout, num_chunks=0)
-        self.received_bytes = 0
-        handler = self._server.RequestHandlerClass  # one access-log line per transfer otherwise
-        self._server.RequestHandlerClass = type("QuietHandler", (handler,), {"log_message": quiet})
-
-    def disallow_checkpoint(self) -> None:
-        super().disallow_checkpoint()
-        self._state_dict = self._chunks = None  # the healed peers have it by now
-
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
-        with (
-            warnings.catch_warnings()
-        ):  # torch reads the stream into a read-only buffer, then copies
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            state = super().recv_checkpoint(src_rank, metadata, step, timeout)
-        self.received_bytes = sum(t.numel() * t.element_size() for t in tensors_in(state))
-        return state
+def listening_store(bind_host: str) -> dist.TCPStore:
+    """This replica's store (a TCPStore server), listening on ``bind_host`` only: torch's own
+    server would listen on every interface, so it is handed a socket bound here."""
+    host = bind_host.strip("[]")
+    if host in ("0.0.0.0", "::", ""):
+        return dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family, backlog=128)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
 
 
-def quiet(*args: Any) -> None:
-    pass
+@contextmanager
+def manager_bound_to(bind_host: str) -> Iterator[None]:
+    """torchft's Manager starts its gRPC server on ``[::]`` (every interface) with no way to say
+    otherwise; while this is open, the server it starts binds ``bind_host``."""
+    original = torchft.manager.ManagerServer
+    host = bind_host.strip("[]")
+    host = f"[{host}]" if ":" in host else host
+
+    def bound(**kwargs: Any):
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"{host}:{port}"})
+
+    torchft.manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = original
 
 
 def first_line(error: BaseException) -> str:

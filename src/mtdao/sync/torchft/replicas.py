@@ -3,10 +3,9 @@ the round protocol)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,13 +20,16 @@ from mtdao.sync.dtensors import local_shard
 from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.sharded_layout import ShardGroupSums
+from mtdao.sync.torchft import connection, round_identity
+from mtdao.sync.torchft.auth import NO_TOKEN, RunKey
 from mtdao.sync.torchft.plumbing import (
-    HealTransport,
     MembershipGloo,
     QuorumError,
     create_store_client,
     first_line,
+    listening_store,
 )
+from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
 
@@ -46,6 +48,12 @@ class ReplicaSettings:
     """One collective or heal transfer; a peer slower than this counts as failed."""
     heartbeat_interval: float = 0.1
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bind_host: str = "127.0.0.1"
+    """The address every listener of this replica serves on (manager, store, gloo, heal)."""
+    key: RunKey = field(default_factory=lambda: RunKey(NO_TOKEN), repr=False)
+    """The run's secret: what a peer proves it belongs to the run with (see :mod:`.auth`)."""
+    config_digest: str = ""
+    """Digest of the settings every replica must share: a member with another sits out."""
 
     @property
     def lighthouse_url(self) -> str:
@@ -73,6 +81,10 @@ class RoundStart:
     quorum_id: int
     seconds: float
     heal: Heal | None = None
+    refused: list[str] = field(default_factory=list)
+    """Peers of the quorum that did not prove they belong to the run (left out)."""
+    stale: str | None = None
+    """Why this replica sits out this round and heals at the next (None: it takes part)."""
 
 
 class ReplicaLayout(WorkerLayout):
@@ -133,8 +145,13 @@ class ReplicaGroups(Communicator):
         self.settings = settings
         self.replica_id = settings.replica_id
         self.process_group = MembershipGloo(
-            settings.replica_id, timedelta(seconds=settings.collective_timeout)
+            settings.replica_id,
+            timedelta(seconds=settings.collective_timeout),
+            settings.key,
+            settings.bind_host,
+            proof_wait_s=settings.connect_timeout,
         )
+        self.process_group.config_digest = settings.config_digest
         self.manager: Manager | None = None
         self._tracked: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self.track_state("replica", self._identity, self._note_source)
@@ -143,6 +160,9 @@ class ReplicaGroups(Communicator):
         self._heal: Heal | None = None
         self._joined = False
         self._prepared_step: int | None = None  # the step whose round the last quorum opened
+        self._stale: str | None = None  # why this replica sits the open round out
+        self._sitting_out: list[int] = []  # the replicas that do
+        self._lighthouse_away: int | None = None  # the step whose quorum found it away
 
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
@@ -154,59 +174,65 @@ class ReplicaGroups(Communicator):
         is ready to join, since a live replica that does not join holds up new quorums. In a
         replica of several processes every process calls it; group rank 0 first starts the
         replica's manager server and store, then the others connect to them."""
-        self.transport = HealTransport(timedelta(seconds=self.settings.collective_timeout))
-        store, failure = None, None
         if self.processes.rank == 0:
-            host = socket.gethostname()
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            store = (host, self._store.port)
-            failure = self._start_manager(*store)
+            self._store = listening_store(self.settings.bind_host)
+        failure = self._start_managers()
+        if failure is not None:
+            raise QuorumError(failure)
+
+    def _start_managers(self) -> str | None:
+        """A heal transport and this process's manager (group rank 0's first); why not, if so."""
+        settings = self.settings
+        timeout = timedelta(seconds=settings.collective_timeout)
+        judge = self.process_group.judge_heal_source
+        self.transport = SignedHealTransport(settings.key, settings.bind_host, timeout, judge)
+        store, failure = None, None
+        start = (settings, self.processes, self.process_group, self.transport)
+        if self.processes.rank == 0:
+            store = (advertised_host(settings.bind_host), self._store.port)
+            self.manager, failure = connection.start_manager(*start, *store)
         store, failure = self.processes.from_first((store, failure))
         if failure is None and self.processes.rank > 0:
-            failure = self._start_manager(*store)
+            self.manager, failure = connection.start_manager(*start, *store)
         if failure is not None:
             self.transport.shutdown(wait=False)
-            raise QuorumError(failure)
+            return failure
         if self.processes.size > 1:
             address = f"{store[0]}:{store[1]}/mtdao"
-            timeout = timedelta(seconds=self.settings.collective_timeout)
             self.process_group.replica_store = create_store_client(address, timeout)
+        self.transport.own_progress = self.manager.state_dict
         for key, (state_dict, load_state_dict) in self._tracked.items():
-            self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
-
-    def _start_manager(self, store_host: str, store_port: int) -> str | None:
-        """This process's torchft manager; the reason it could not start, if so."""
-        settings = self.settings
-        collective = timedelta(seconds=settings.collective_timeout)
-        try:
-            self.manager = Manager(
-                pg=self.process_group,
-                load_state_dict=None,
-                state_dict=None,
-                min_replica_size=1,
-                use_async_quorum=False,  # heal before the step, not during it
-                timeout=collective,
-                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
-                connect_timeout=timedelta(seconds=settings.connect_timeout),
-                rank=self.processes.rank,
-                world_size=self.processes.size,
-                store_addr=store_host,
-                store_port=store_port,
-                lighthouse_addr=settings.lighthouse_url,
-                replica_id=str(settings.replica_id),
-                hostname=store_host,
-                heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
-                checkpoint_transport=self.transport,
-            )
-        except RuntimeError as error:
-            reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
-            if self.processes.rank > 0:
-                return f"cannot reach this replica's manager on {store_host} ({reason})"
-            return (
-                f"cannot reach the lighthouse at {settings.lighthouse_url} within "
-                f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
+            self.manager.register_state_dict_fn(
+                key, connection.unless_kept(load_state_dict), state_dict
             )
         return None
+
+    def _back_in_touch(self, step: int) -> bool:
+        """Whether a quorum can be asked for: the lighthouse accepts connections, and after it
+        was away a new manager has registered with it (see :mod:`.connection`). A step retried
+        without a round (a gradient round cannot be skipped) asks once a second."""
+        if self._lighthouse_away == step:
+            time.sleep(1.0)
+        reachable = (
+            connection.lighthouse_reachable(self.settings) if self.processes.rank == 0 else None
+        )
+        if not self.processes.from_first(reachable):
+            self._lighthouse_away = step
+            return False
+        if self._lighthouse_away is None:
+            return True
+        commits = self.manager.state_dict()
+        self.manager.shutdown(wait=False)  # its heal server with it
+        failure = self._start_managers()
+        if failure is None:
+            self.manager.load_state_dict(commits)
+            self._lighthouse_away = None
+        return failure is None
+
+    def listeners(self) -> str:
+        """Where this process serves (after :meth:`connect`)."""
+        store = self._store if self.processes.rank == 0 else None
+        return connection.listeners(self.manager, self.transport, store)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -214,6 +240,11 @@ class ReplicaGroups(Communicator):
     def replicas(self) -> list[int]:
         """The replica ids of the current quorum, in rank order."""
         return self.process_group.quorum.replicas
+
+    @property
+    def contributors(self) -> list[int]:
+        """The replicas of the current quorum whose state goes into its round (not the stale)."""
+        return [r for r in self.replicas if r not in self._sitting_out]
 
     @property
     def quorum_rank(self) -> int:
@@ -237,10 +268,23 @@ class ReplicaGroups(Communicator):
         """Call before each step's forward pass: a quorum when this replica has not joined yet or
         a round is due at the coming step (None otherwise: no coordination between rounds)."""
         coming = sync.step_count + 1
+        self.process_group.training_step = sync.step_count
         if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
             return None
-        start = self.start_round()
+        if self._joined and not self._back_in_touch(coming):  # this round is skipped: train on
+            return None
+        try:
+            start = self.start_round()
+        except QuorumError:
+            if not self._joined:
+                raise
+            self._lighthouse_away = coming  # the lighthouse went while this quorum waited
+            return None
         self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
+        self._sitting_out, self._stale = round_identity.check(  # see round_identity
+            self.sum_in_round, self.replicas, self.quorum_rank, sync.step_count, self.settings
+        )
+        start.stale = self._stale
         if not sync.round_due(self._prepared_step):
             self._empty_round()
         self._joined = True  # not before: a joiner whose first quorum failed asks again at once
@@ -257,6 +301,7 @@ class ReplicaGroups(Communicator):
         before = list(self.replicas)
         self.process_group.step = self.manager.current_step()
         self._heal, self._fresh = None, False
+        self._stale, self._sitting_out = None, []
         started = time.perf_counter()
         try:
             self.manager.start_quorum()
@@ -284,6 +329,7 @@ class ReplicaGroups(Communicator):
             quorum_id=self.process_group.quorum.quorum_id,
             seconds=seconds,
             heal=self._heal,
+            refused=list(self.process_group.refused),
         )
 
     def _identity(self) -> dict[str, int]:
@@ -303,6 +349,7 @@ class ReplicaGroups(Communicator):
         contributes = self.quorum_rank not in excluded and not (
             self._fresh and any(kind != "grads" for kind in kinds)
         )
+        contributes = contributes and self._stale is None
         values, collectives = self.mean_in_round(tensors, contributes)
         num_bytes, collectives = self._account(tensors, kinds, collectives)
         return Averages(values, num_bytes, collectives)
@@ -313,6 +360,8 @@ class ReplicaGroups(Communicator):
 
     def commit(self) -> None:
         self._require_round()
+        if self._stale is not None:  # it added nothing; it heals at the next quorum
+            self._fail(f"this replica sat the round out: {self._stale}")
         self._round_open = False
         if not self.manager.should_commit():
             self._prepared_step = None
@@ -373,6 +422,11 @@ class ReplicaGroups(Communicator):
         return first_line(error.original_exception)
 
     def _require_round(self) -> None:
+        if self._lighthouse_away is not None:
+            raise RoundNotCommitted(
+                f"no round: the lighthouse at {self.settings.lighthouse_url} is unreachable; "
+                "training on locally until it is back"
+            )
         if not self._round_open:
             raise RuntimeError(
                 "no round in progress: call start_round() before a step whose round is due "

@@ -1,0 +1,92 @@
+"""A replica's line to the run: its torchft manager, started on the replica's ``--bind-host``, and
+the lighthouse, checked before each quorum.
+
+torchft's manager does not find its way back to a lighthouse that restarted (its quorum waits out
+``--quorum-timeout``). So before each quorum the replica checks that the lighthouse accepts
+connections; while it does not, rounds are skipped and the replica trains on locally, and once it
+does again the replica starts a new manager (its commit count carried over), which registers with
+the restarted lighthouse.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from torchft import Manager
+
+from mtdao.sync.torchft.plumbing import first_line, manager_bound_to
+from mtdao.sync.torchft.safe_transport import keeps_own_state
+
+
+def start_manager(
+    settings, processes, process_group, transport, store_host: str, store_port: int
+) -> tuple[Manager | None, str | None]:
+    """This process's torchft manager, or the reason it could not start."""
+    collective = timedelta(seconds=settings.collective_timeout)
+    with manager_bound_to(settings.bind_host):
+        try:
+            manager = Manager(
+                pg=process_group,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=1,
+                use_async_quorum=False,  # heal before the step, not during it
+                timeout=collective,
+                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+                connect_timeout=timedelta(seconds=settings.connect_timeout),
+                rank=processes.rank,
+                world_size=processes.size,
+                store_addr=store_host,
+                store_port=store_port,
+                lighthouse_addr=settings.lighthouse_url,
+                replica_id=str(settings.replica_id),
+                hostname=store_host,
+                heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
+                checkpoint_transport=transport,
+            )
+        except RuntimeError as error:
+            reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
+            if processes.rank > 0:
+                return None, f"cannot reach this replica's manager on {store_host} ({reason})"
+            return None, (
+                f"cannot reach the lighthouse at {settings.lighthouse_url} within "
+                f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
+            )
+    return manager, None
+
+
+def listeners(manager: Manager, transport, store) -> str:
+    """Where a process serves: its heal server; in a replica's first process (``store`` given),
+    its manager's gRPC server and the store too."""
+    heal_host, heal_port = transport.address
+    parts = [f"heal state {heal_host}:{heal_port}"]
+    if store is not None:
+        served = manager._manager.address().split("://")[-1]  # torchft keeps its server here
+        parts = [f"manager {served}", f"store port {store.port}", *parts]
+    return ", ".join(parts) + " (collectives on the same address)"
+
+
+def lighthouse_reachable(settings) -> bool:
+    """Whether the lighthouse accepts a connection within the connect timeout."""
+    address = urlsplit(settings.lighthouse_url)
+    try:
+        with socket.create_connection(
+            (address.hostname, address.port or 80), timeout=settings.connect_timeout
+        ):
+            return True
+    except OSError:
+        return False
+
+
+def unless_kept(load_state_dict: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``load_state_dict``, doing nothing for a heal that keeps this replica's own state."""
+
+    def load(state: Any) -> None:
+        if not keeps_own_state(state):
+            load_state_dict(state)
+
+    return load

@@ -1,0 +1,57 @@
+"""Every round carries its step and config: members that differ sit it out, never averaged.
+
+torchft decides who heals by commit count alone, and the process group is only rebuilt when the
+membership changes. A replica can come back at another training step with a matching commit count
+(one stuck in a collective while the others went on, then failing the same rounds they did): torchft
+would neither heal it nor keep it out, and its parameters would be averaged with states of another
+step. So each round opens with one small all-reduce in which every member puts its training step
+and the digest of its shared settings in its own row. The most common (step, config) is the
+round's reference (a tie goes to the later step); a member elsewhere contributes nothing to the
+round, fails its own commit, and so is behind on commits at the next quorum, where torchft heals it
+from a member that was at the reference.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def digest_number(config_digest: str) -> int:
+    """A hex digest as a number that fits an int64 (its first 60 bits)."""
+    return int(config_digest[:15], 16) if config_digest else 0
+
+
+def exchange_positions(
+    sum_in_round: Callable[[Tensor], Tensor], rank: int, members: int, step: int, config: int
+) -> list[tuple[int, int]]:
+    """(step, config digest) of every member of the round, in quorum rank order."""
+    table = torch.zeros(members, 2, dtype=torch.int64)
+    table[rank, 0], table[rank, 1] = step, config
+    table = sum_in_round(table.reshape(-1)).reshape(members, 2)
+    return [(int(s), int(c)) for s, c in table.tolist()]
+
+
+def sitting_out(positions: list[tuple[int, int]]) -> dict[int, str]:
+    """{quorum rank: why it sits the round out} for the members away from the reference."""
+    counts = Counter(positions)
+    reference = max(counts, key=lambda position: (counts[position], position[0]))
+    reasons = {}
+    for rank, (step, config) in enumerate(positions):
+        if config != reference[1]:
+            reasons[rank] = "its config differs from the quorum's"
+        elif step != reference[0]:
+            reasons[rank] = f"it is at step {step}, the quorum at step {reference[0]}"
+    return reasons
+
+
+def check(
+    sum_in_round: Callable[[Tensor], Tensor], replicas: list[int], rank: int, step: int, settings
+) -> tuple[list[int], str | None]:
+    """(the replicas that sit this round out, why this one does: None when it takes part)."""
+    config = digest_number(settings.config_digest)
+    reasons = sitting_out(exchange_positions(sum_in_round, rank, len(replicas), step, config))
+    return [replicas[r] for r in reasons], reasons.get(rank)

@@ -1,0 +1,94 @@
+"""A peer that does not belong to the run, as an attacker who reaches the lighthouse would run it.
+
+``python tests/rogue_peer.py LIGHTHOUSE MARKER REPLICA_ID`` registers a stock torchft Manager with
+the lighthouse, claims a far-ahead step (so torchft picks it as everyone's heal source) and serves,
+as its heal state, a pickle that creates the file MARKER when it is unpickled. It posts what an
+mtdao replica posts to a quorum's store when it would be waited for (its shard count) and joins
+every quorum it can until it is killed. Used by tests/test_ft_attacks.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+from torchft import Manager, ProcessGroupGloo
+from torchft.checkpointing import HTTPTransport
+from torchft.process_group import create_store_client
+
+CLAIMED_STEP = 10**6
+
+
+class Payload:
+    """Unpickling it calls open(MARKER, "w"): the file appearing proves code ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+class PosingGroup(ProcessGroupGloo):
+    """Posts this peer's shard count and step where mtdao's replicas compare them, then joins
+    the quorum's gloo group like any member."""
+
+    def configure(self, store_addr, replica_id, rank, world_size, *rest, **named) -> None:
+        shards = create_store_client(f"{store_addr.rsplit('/', 1)[0]}/shards", self._timeout)
+        shards.set(str(rank), f"{replica_id} 1 {CLAIMED_STEP}")
+        super().configure(store_addr, replica_id, rank, world_size, *rest, **named)
+
+
+class PoisonedTransport(HTTPTransport):
+    """torchft's own HTTP transport, always serving the payload at the claimed step."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__(timeout=timedelta(seconds=5), num_chunks=0)
+        self.send_checkpoint(
+            [], CLAIMED_STEP, {"user": Payload(marker), "torchft": Payload(marker)}, None
+        )
+
+    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+        if step == CLAIMED_STEP and isinstance(state_dict.get("user"), Payload):
+            super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def disallow_checkpoint(self) -> None:
+        pass  # keep serving the payload
+
+
+def main(lighthouse: str, marker: str, replica_id: str) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=PosingGroup(timeout=timedelta(seconds=5)),
+        load_state_dict=lambda state: None,
+        state_dict=lambda: {},
+        min_replica_size=1,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=2),
+        quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=10),
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=f"http://{lighthouse}",
+        replica_id=replica_id,
+        hostname=socket.gethostname(),
+        checkpoint_transport=PoisonedTransport(marker),
+    )
+    manager._step = CLAIMED_STEP
+    print("rogue: registered", flush=True)
+    while True:
+        try:
+            manager.start_quorum()
+        except Exception as error:  # noqa: BLE001 - a rogue keeps trying
+            print(f"rogue: {type(error).__name__}", flush=True)
+        manager._step = CLAIMED_STEP
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,93 @@
+"""A fault-tolerant run on an open network: peers that do not belong to it, and members that
+drifted. Real processes on loopback (mtdao lighthouse, mtdao train --fault-tolerant replicas, and
+tests/rogue_peer.py, a stock torchft Manager run as an attacker would run it).
+
+* a rogue that registers with the lighthouse claiming a far-ahead step and serving a pickle: no
+  code runs in any replica, nobody heals from it or averages with it, the replicas finish;
+* a replica with another secret: refused in one line naming it, never averaged with;
+* a replica rewound 4 steps with its commit count unchanged (what a replica stuck in a
+  collective came back as): it sits the round out and heals, and no round mixes steps.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtdao.train.fault_drill import Drill
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.slow
+
+ROGUE = Path(__file__).with_name("rogue_peer.py")
+TOKEN_ENV = "MTDAO_AUTH_TOKEN"  # spelled out: the test also runs against versions without it
+SECRET = "a-secret-of-this-test-run-0123456789"
+K = 4
+FLAGS = dict(model="micro", batch_size=2, seq_len=16, eval_tokens=256, sync_period=K)
+TIMEOUTS = ["--collective-timeout", "10", "--connect-timeout", "3", "--quorum-timeout", "60"]
+EXIT_TIMEOUT_S = 150.0
+
+
+def flags(corpus, workers: int, steps: int) -> list[str]:
+    argv = ["--data", str(corpus), "--no-progress", "--workers", str(workers), *TIMEOUTS]
+    argv += ["--steps", str(steps)]
+    for name, value in FLAGS.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def committed(drill: Drill, name: str) -> list[dict]:
+    return drill.events(name, "committed")
+
+
+def test_a_rogue_peer_runs_no_code_and_a_peer_with_another_secret_is_refused(corpus_dir, tmp_path):
+    marker = tmp_path / "payload-ran"
+    with Drill(tmp_path / "drill", flags(corpus_dir, 3, 12), join_timeout=10.0) as drill:
+        drill.env[TOKEN_ENV] = SECRET
+        drill.start_lighthouse(min_replicas=2)
+        drill._spawn("rogue", [sys.executable, str(ROGUE), drill.lighthouse, str(marker), "7"])
+        drill.wait_for(lambda: "registered" in drill.log("rogue"), 60, "the rogue to register")
+        drill.start("r0", 0)
+        drill.start("r1", 1)
+        drill.env[TOKEN_ENV] = "another-secret-than-the-runs-0123"
+        drill.start("outsider", 2)
+        exits = {name: drill.wait_exit(name, EXIT_TIMEOUT_S) for name in ("r0", "r1", "outsider")}
+        assert not marker.exists(), f"the rogue's payload ran\n{drill.tails()}"
+        assert exits == {"r0": 0, "r1": 0, "outsider": 0}, drill.tails()
+        for name in ("r0", "r1", "outsider"):
+            assert "refused the peer claiming replica id 7" in drill.log(name), drill.tails()
+        real = drill.log("r0") + drill.log("r1")
+        assert "refused the peer claiming replica id 2" in real, drill.tails()
+        # the two real replicas averaged with each other only, round by round
+        assert drill.rounds("r0") == drill.rounds("r1") and len(drill.rounds("r0")) == 3
+        for name in ("r0", "r1"):
+            assert {tuple(e["replicas"]) for e in committed(drill, name)} == {(0, 1)}
+        assert {tuple(e["replicas"]) for e in committed(drill, "outsider")} <= {(2,)}
+
+
+def test_a_replica_at_another_step_sits_the_round_out_and_heals(corpus_dir, tmp_path):
+    """r2 goes back to its state after the round at step 4 once it has committed the round at
+    8: its commit count matches the others', its step is 4 behind."""
+    steps = 6 * K
+    with Drill(tmp_path / "drill", flags(corpus_dir, 3, steps), join_timeout=20.0) as drill:
+        drill.start_lighthouse(min_replicas=3)
+        (drill.root / "r2.rewind").write_text(f"{K} {2 * K}")
+        for replica in range(3):
+            drill.start(f"r{replica}", replica)
+        for name in ("r0", "r1"):
+            assert drill.wait_exit(name, EXIT_TIMEOUT_S) == 0, drill.tails()
+        assert "rewound to step 4" in drill.log("r2"), drill.tails()
+        # every round r2 took part in, it took at the step the others took it at
+        steps_of_r2 = [e["step"] for e in committed(drill, "r2")]
+        for event in committed(drill, "r0"):
+            if 2 in event["replicas"]:
+                assert event["step"] in steps_of_r2, (event, steps_of_r2, drill.tails())
+        assert steps_of_r2 == sorted(set(steps_of_r2)), steps_of_r2  # no step committed twice
+        assert drill.wait_exit("r2", EXIT_TIMEOUT_S) == 0, drill.tails()
+        assert "sitting this round out (it is at step" in drill.log("r2"), drill.tails()
+        assert any(e.get("heal") for e in drill.events("r2", "quorum")[1:]), drill.tails()
+        finals = {drill.rounds(f"r{r}")[steps] for r in range(3)}
+        assert len(finals) == 1, drill.tails()

@@ -1,0 +1,185 @@
+"""Where a fault-tolerant run listens, and what it does when its lighthouse goes away: real
+processes on loopback (mtdao lighthouse and mtdao train --fault-tolerant replicas).
+
+* every listener of a replica and of the lighthouse is on the --bind-host it was given (read from
+  /proc/net/tcp*, by socket inode of the process), and the replica says where it serves;
+* a lighthouse killed with SIGKILL and restarted on the same address 10 s later: the replicas
+  train on locally meanwhile, saying so, rejoin it, and finish with the same state;
+* torchft's dashboard (``GET /status``, ``POST /replica/<id>/kill``) is not served, over HTTP/1
+  or HTTP/2, and a replica stopped on purpose (SIGTERM) exits with one line, its peer going on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mtdao.train.fault_drill import Drill
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.slow
+
+K = 4
+FLAGS = dict(model="micro", batch_size=2, seq_len=16, eval_tokens=256, sync_period=K, workers=2)
+TIMEOUTS = ["--collective-timeout", "10", "--connect-timeout", "3", "--quorum-timeout", "60"]
+PHASE_TIMEOUT_S = 90.0
+LIGHTHOUSE_AWAY_S = 10.0  # the shortest outage the issue reproduced
+
+
+def flags(corpus, steps: int) -> list[str]:
+    argv = ["--data", str(corpus), "--no-progress", "--steps", str(steps), *TIMEOUTS]
+    for name, value in FLAGS.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def listening(pid: int) -> set[str]:
+    """The local addresses (host:port) of the TCP sockets process ``pid`` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(decode_address(fields[1], family))
+    return found
+
+
+def decode_address(text: str, family: int) -> str:
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    # /proc/net writes each 32-bit word in host (little-endian) order
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = socket.inet_ntop(family, raw).removeprefix("::ffff:")
+    return f"{address}:{int(port, 16)}"
+
+
+def hosts(addresses: set[str]) -> set[str]:
+    return {address.rsplit(":", 1)[0] for address in addresses}
+
+
+def test_every_listener_is_on_the_bind_host_and_is_printed(corpus_dir, tmp_path):
+    with Drill(tmp_path / "drill", flags(corpus_dir, 3 * K), join_timeout=10.0) as drill:
+        drill.start_lighthouse(min_replicas=2, bind_host="127.0.0.4")
+        drill.gate(K)  # both wait after the first round: gloo's sockets are open then
+        drill.start("r0", 0, ["--bind-host", "127.0.0.2"])
+        drill.start("r1", 1, ["--bind-host", "127.0.0.3"])
+        ready = lambda: all(drill.status(n) == ("waiting", K) for n in ("r0", "r1"))  # noqa: E731
+        drill.wait_for(ready, PHASE_TIMEOUT_S, "both replicas after their first round")
+        seen = {name: listening(drill.processes[name].pid) for name in ("lighthouse", "r0", "r1")}
+        drill.gate(None)
+        for name in ("r0", "r1"):
+            assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
+    # the lighthouse: its front on the bind host, torchft's own server behind it on loopback
+    front = {a for a in seen["lighthouse"] if not a.startswith("127.0.0.1:")}
+    assert front == {f"127.0.0.4:{drill.port}"} and len(seen["lighthouse"]) == 2, seen
+    assert hosts(seen["r0"]) == {"127.0.0.2"} and hosts(seen["r1"]) == {"127.0.0.3"}, seen
+    assert len(seen["r0"]) >= 4, seen  # manager, store, heal server, gloo
+    assert "serving on 127.0.0.2: manager 127.0.0.2:" in drill.log("r0")
+    assert "serving at http://127.0.0.4:" in drill.log("lighthouse")
+
+
+def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir, tmp_path):
+    steps = 8 * K
+    with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
+        drill.start_lighthouse(min_replicas=2)
+        drill.gate(2 * K)
+        drill.start("r0", 0)
+        drill.start("r1", 1)
+        at = lambda step: all(drill.status(n) == ("waiting", step) for n in ("r0", "r1"))  # noqa: E731
+        drill.wait_for(lambda: at(2 * K), PHASE_TIMEOUT_S, "both replicas at the gate")
+        drill.processes["lighthouse"].send_signal(signal.SIGKILL)
+        drill.processes["lighthouse"].wait(timeout=30)
+        away_since = time.time()
+        drill.gate(4 * K)  # two rounds without a lighthouse
+        drill.wait_for(lambda: at(4 * K), PHASE_TIMEOUT_S, "both replicas past the outage")
+        time.sleep(max(0.0, LIGHTHOUSE_AWAY_S - (time.time() - away_since)))
+        drill.start_lighthouse(min_replicas=2)  # the same address
+        serving = lambda: "serving at" in drill.log("lighthouse")  # noqa: E731
+        drill.wait_for(serving, PHASE_TIMEOUT_S, "the restarted lighthouse")
+        drill.gate(None)
+        for name in ("r0", "r1"):
+            assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
+        for name in ("r0", "r1"):
+            log = drill.log(name)
+            assert "unreachable; training on locally until it is back" in log, drill.tails()
+            assert "the lighthouse is back; averaging over replicas 0, 1" in log, drill.tails()
+            steps_committed = [e["step"] for e in drill.events(name, "committed")]
+            assert steps_committed[-1] == steps and 3 * K not in steps_committed, steps_committed
+        assert drill.rounds("r0")[steps] == drill.rounds("r1")[steps], drill.tails()
+
+
+def http2_request(address: str, method: str, path: str) -> bytes:
+    """Send one HTTP/2 request (prior knowledge, as gRPC does) and read until the connection
+    ends: everything the other side sent."""
+    import hpack
+
+    host, port = address.rsplit(":", 1)
+    headers = [(":method", method), (":scheme", "http"), (":path", path), (":authority", host)]
+    block = hpack.Encoder().encode(headers)
+    frames = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(0x4, 0, 0, b"")  # SETTINGS
+    frames += frame(0x1, 0x4 | 0x1, 1, block)  # HEADERS, END_HEADERS | END_STREAM
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(frames)
+        try:
+            while chunk := connection.recv(65536):
+                received += chunk
+        except TimeoutError:
+            pass
+    return received
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+    )
+
+
+def headers_frames(received: bytes) -> int:
+    """HEADERS frames (responses) among the HTTP/2 frames ``received``."""
+    count, offset = 0, 0
+    while offset + 9 <= len(received):
+        length, kind = int.from_bytes(received[offset : offset + 3], "big"), received[offset + 3]
+        count += kind == 0x1
+        offset += 9 + length
+    return count
+
+
+def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(corpus_dir, tmp_path):
+    with Drill(tmp_path / "drill", flags(corpus_dir, 40 * K), join_timeout=10.0) as drill:
+        drill.start_lighthouse(min_replicas=1)
+        drill.start("r0", 0)
+        drill.start("r1", 1)
+        running = lambda: all(drill.status(n)[1] > 2 * K for n in ("r0", "r1"))  # noqa: E731
+        drill.wait_for(running, PHASE_TIMEOUT_S, "both replicas past their first rounds")
+        url = f"http://{drill.lighthouse}"
+        for request in (
+            urllib.request.Request(f"{url}/status"),
+            urllib.request.Request(f"{url}/replica/0/kill", method="POST"),
+        ):
+            with pytest.raises(urllib.error.HTTPError, match="403"):
+                urllib.request.urlopen(request, timeout=10)
+        for path in ("/replica/0/kill", "/status", "/"):  # gRPC's protocol, the dashboard's paths
+            assert headers_frames(http2_request(drill.lighthouse, "POST", path)) == 0
+        time.sleep(1.0)
+        assert drill.returncode("r0") is None and drill.returncode("r1") is None, drill.tails()
+        assert drill.stop("r1") == 130, drill.tails()  # SIGTERM: as Ctrl-C, no crash
+        assert "mtdao: interrupted" in drill.log("r1")
+        assert drill.wait_exit("r0", PHASE_TIMEOUT_S) == 0, drill.tails()
+        assert "replica 1 left" in drill.log("r0"), drill.tails()
