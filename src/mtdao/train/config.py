@@ -65,6 +65,8 @@ class OptimizerDefaults:
     """Denominator epsilon (None: the optimizer has none)."""
     mtdao_beta_warmup: float = 0.0
     """Beta warm-up fraction of the multi-timescale methods' default momenta."""
+    mtdao_beta_ramp: float = 0.0
+    """Step-counted beta ramp C of the multi-timescale methods' default momenta."""
 
 
 # MT-DAO-Adam's default is the paper's slow momentum (0.99, omega 0.9) whose decay rises from 0.9
@@ -130,6 +132,9 @@ class TrainConfig:
     beta_warmup: float | None = None
     """Fraction of the run over which each momentum decay above 0.9 rises from 0.9 to its value,
     its half-life growing linearly (AdEMAMix's schedule for its slow momentum)."""
+    beta_ramp: float | None = None
+    """C: each momentum decay above 0.9 is at most 1 - C / t at step t, so its half-life (about
+    0.69 t / C) grows with the steps taken, not with --steps (0: off)."""
     outer_step: str = _choice("average", OUTER_STEPS)
     """local-adam, desloc, mtdao: at each parameter sync take the plain worker average, or
     DiLoCo's Nesterov outer step on it (--outer-lr, --outer-momentum); diloco always takes it."""
@@ -250,6 +255,8 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config field(s) {unknown}")
         values = dict(values)
+        if "beta_ramp" not in values and values.get("beta_warmup") is not None:
+            values["beta_ramp"] = 0.0  # resolved before the ramp existed: it had none
         for name in ("betas", "omegas", "sync_dtype"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
@@ -287,9 +294,13 @@ def resolve(config: TrainConfig) -> TrainConfig:
     except ValueError as error:
         raise ValueError(f"--betas/--omegas: {error}") from None
     beta_warmup = config.beta_warmup
-    if beta_warmup is None:  # the default warm-up belongs to the default momenta, not a user's
-        default_momenta = method.multi_timescale and config.betas is None
+    # the default warm-ups belong to the default momenta, not a user's
+    default_momenta = method.multi_timescale and config.betas is None
+    if beta_warmup is None:
         beta_warmup = table.mtdao_beta_warmup if default_momenta else 0.0
+    beta_ramp = config.beta_ramp
+    if beta_ramp is None:
+        beta_ramp = table.mtdao_beta_ramp if default_momenta else 0.0
     steps = config.total_steps()
     return dataclasses.replace(
         config,
@@ -297,6 +308,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
         betas=betas,
         omegas=omegas,
         beta_warmup=beta_warmup,
+        beta_ramp=beta_ramp,
         beta2=config.beta2 if config.beta2 is not None else table.beta2,
         eps=config.eps if config.eps is not None else table.eps,
         sync_policy=config.sync_policy or method.period_rule,
@@ -344,6 +356,8 @@ def describe_default(name: str) -> str | None:
         "or 0.9 shared equally among the user's own --betas",
         "beta_warmup": "0; mtdao and qh-ddp with the default --betas: "
         + _per_optimizer("mtdao_beta_warmup"),
+        "beta_ramp": "0; mtdao and qh-ddp with the default --betas: "
+        + _per_optimizer("mtdao_beta_ramp"),
         "beta2": _per_optimizer("beta2"),
         "eps": _per_optimizer("eps"),
         "lr": _per_optimizer("lr"),
@@ -433,6 +447,10 @@ def _validate(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and not 0.0 <= value <= 1.0:
             raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
+    if config.beta_ramp is not None and not (
+        math.isfinite(config.beta_ramp) and config.beta_ramp >= 0
+    ):
+        raise ValueError(f"--beta-ramp must be a finite number >= 0, got {config.beta_ramp}")
     _validate_fault_tolerance(config)
 
 
