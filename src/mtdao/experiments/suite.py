@@ -31,7 +31,7 @@ from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.command import config_to_argv
-from mtdao.train.config import DEFAULT_LR, SCHEDULES, TrainConfig, resolve
+from mtdao.train.config import SCHEDULES, TrainConfig, describe_default, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
 
 RUNS_DIR = "runs"
@@ -277,7 +277,7 @@ def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: li
         default=[],
         metavar="[METHOD=]VALUE",
         help="pin learning rates: METHOD=VALUE per method, or a bare VALUE for every method "
-        f"(default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_LR.items())})",
+        f"(default: each method's own: {describe_default('lr')})",
     )
     add("--jobs", type=int, default=1, help="runs trained at once in subprocesses (default: 1)")
     add(

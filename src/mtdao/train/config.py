@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class OptimizerDefaults:
     """The defaults that depend on the base optimizer (and on the method family)."""
 
     lr: float
-    """Peak learning rate: the best of the sweeps in BENCHMARKS.md (tiny preset)."""
+    """Peak learning rate of every method not in ``method_lrs``."""
     betas: tuple[float, ...]
     """First-momentum decays of the baselines (ddp, local-adam, diloco, desloc)."""
     mtdao_betas: tuple[float, ...]
@@ -67,6 +68,11 @@ class OptimizerDefaults:
     """Beta warm-up fraction of the multi-timescale methods' default momenta."""
     mtdao_beta_ramp: float = 0.0
     """Step-counted beta ramp C of the multi-timescale methods' default momenta."""
+    method_lrs: Mapping[str, float] = field(default_factory=dict)
+    """Peak learning rates of the methods whose own sweeps found another best."""
+
+    def lr_of(self, method: str) -> float:
+        return self.method_lrs.get(method, self.lr)
 
 
 # MT-DAO-Adam's default is the paper's slow momentum (0.99, omega 0.9) whose decay rises from 0.9
@@ -81,7 +87,11 @@ OPTIMIZER_DEFAULTS = {
     "adopt": OptimizerDefaults(4e-3, (0.9,), (0.999,), (0.9,), beta2=0.9999, eps=1e-6),
     "sgdm": OptimizerDefaults(0.3, (0.9,), (0.99,), (0.9,), beta2=None, eps=None),
 }
-DEFAULT_LR = {name: defaults.lr for name, defaults in OPTIMIZER_DEFAULTS.items()}
+
+
+def default_lr(method: str, optimizer: str) -> float:
+    """The peak learning rate ``method`` runs with when --lr is not given."""
+    return OPTIMIZER_DEFAULTS[optimizer].lr_of(method)
 
 
 def _choice(default: str, choices: tuple[str, ...]):
@@ -304,7 +314,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
     steps = config.total_steps()
     return dataclasses.replace(
         config,
-        lr=config.lr if config.lr is not None else table.lr,
+        lr=config.lr if config.lr is not None else table.lr_of(config.method),
         betas=betas,
         omegas=omegas,
         beta_warmup=beta_warmup,
@@ -360,7 +370,7 @@ def describe_default(name: str) -> str | None:
         + _per_optimizer("mtdao_beta_ramp"),
         "beta2": _per_optimizer("beta2"),
         "eps": _per_optimizer("eps"),
-        "lr": _per_optimizer("lr"),
+        "lr": _per_optimizer("lr") + _method_lrs(),
         "steps": str(DEFAULT_STEPS),
         "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
         "checkpoint_every": "only at the end",
@@ -376,6 +386,14 @@ def _per_optimizer(attribute: str) -> str:
     values = {name: getattr(row, attribute) for name, row in OPTIMIZER_DEFAULTS.items()}
     shown = [f"{name} {_text(value)}" for name, value in values.items() if value is not None]
     return ", ".join(shown)
+
+
+def _method_lrs() -> str:
+    """'; with adam: mtdao 0.011, ...' for the methods whose default LR is their own."""
+    rows = [(name, row.method_lrs) for name, row in OPTIMIZER_DEFAULTS.items() if row.method_lrs]
+    return "".join(
+        f"; with {name}: " + ", ".join(f"{m} {lr:g}" for m, lr in lrs.items()) for name, lrs in rows
+    )
 
 
 def _text(value) -> str:
