@@ -35,6 +35,7 @@ examples:
   mtdao compare --lr-sweep 8e-3 1.6e-2 --jobs 2 --threads 1     # the reported comparison
   mtdao compare --methods ddp local-adam mtdao --lr mtdao=8e-3 --betas 0.95 --omegas 0.7
   mtdao compare --preset paper-16m --out runs/paper-16m          # the paper's 16M setting (GPU)
+  mtdao compare --preset defaults-card --quick --jobs 2 --threads 1  # the defaults card's subset
 """
 
 
@@ -126,6 +127,13 @@ def run_compare(args: argparse.Namespace) -> int:
     from mtdao.experiments.compare_summary import summarize_compare
     from mtdao.train.metrics import write_json
 
+    if args.preset == "defaults-card":
+        from mtdao.experiments.defaults_card import run_defaults_card
+
+        apply_preset(args)
+        return run_defaults_card(args)
+    if args.quick:
+        raise ValueError("--quick belongs to --preset defaults-card")
     apply_preset(args)
     methods = list(dict.fromkeys(args.methods))
     seeds = list(dict.fromkeys(args.seeds))
