@@ -110,10 +110,16 @@ def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch):
     entries = summary["cells"][0]["entries"]
     assert all(entries[name]["stats"]["n"] == 1 for name in tiny.entries)
     assert (out / "card.png").exists() and "MT-DAO − Local Adam" in (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    (out / "runs" / "builtin-4-ddp-s0" / "results.json").unlink()
+    argv = ["compare", "--preset", "defaults-card", "--quick", "--collect", "--out", str(out)]
+    assert main(argv) == 0  # a report on what finished; nothing trained
+    assert not (out / "runs" / "builtin-4-ddp-s0" / "results.json").exists()
+    assert json.loads((out / "results.json").read_text())["runs_finished"] == 2
     config = json.loads((out / "runs" / "builtin-4-K2-mtdao-s0" / "config.json").read_text())
     assert config["lr"] == default_lr("mtdao", "adam")  # no LR chosen by the card
 
 
 def test_quick_needs_the_card(capsys):
     assert main(["compare", "--quick", "--steps", "2"]) == 2
-    assert "--quick belongs to --preset defaults-card" in capsys.readouterr().err
+    assert "--quick and --collect belong to --preset defaults-card" in capsys.readouterr().err

@@ -142,17 +142,14 @@ def run_defaults_card(args: argparse.Namespace) -> int:
     for corpus, reason in missing.items():
         print(f"defaults card: corpus {corpus} left out: {reason}")
     runs = card_runs(grid, data)
-    for _, config in runs[:1]:
-        resolve(config)  # bad settings fail before training
-    evaluations = sum(
-        resolve(config).total_steps() // resolve(config).eval_every for _, config in runs
-    )
+    resolved = [resolve(config) for _, config in runs]  # bad settings fail before training
+    evaluations = sum(config.total_steps() // config.eval_every for config in resolved)
     print(
         f"defaults card{' (quick)' if args.quick else ''}: {len(runs)} runs "
         f"({len(grid.cells())} cells x {len(grid.entries)} entries x {len(grid.seeds)} seeds, "
         f"DDP once per corpus, length and seed), {evaluations} evaluations, in {out}"
     )
-    suite = run_suite(runs, out, jobs=args.jobs, threads=args.threads)
+    suite = run_suite(runs, out, jobs=args.jobs, threads=args.threads, train=not args.collect)
     summary = summarize_card(grid, data, missing, suite.results, suite.failures)
     write_json(out / "results.json", summary)
     report = write_card_report(out, summary)

@@ -54,6 +54,11 @@ def add_preset_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="with --preset defaults-card: its quick subset"
     )
+    parser.add_argument(
+        "--collect",
+        action="store_true",
+        help="with --preset defaults-card: report on the runs finished in --out, train none",
+    )
 
 
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:

@@ -134,8 +134,10 @@ def run_suite(
     cores: int | None = None,
     threads: int | None = None,
     log: Callable[[str], None] = print,
+    train: bool = True,
 ) -> SuiteResult:
-    """Train every run not finished yet; return all results, finished earlier or now.
+    """Train every run not finished yet (none with ``train`` False, to report on a suite still
+    running elsewhere); return all results, finished earlier or now.
 
     Each run gets ``threads`` torch threads (default ``max(1, cores // jobs)``).
 
@@ -168,6 +170,8 @@ def run_suite(
     total, counter = len(runs), iter(range(len(suite.results) + 1, len(runs) + 1))
     if suite.results:
         log(f"{len(suite.results)}/{total} runs already finished in {out}; {len(pending)} to go")
+    if not train:
+        return suite
 
     def finished(name: str, results: dict[str, Any] | None, error: str | None) -> None:
         if results is not None:
