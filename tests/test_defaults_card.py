@@ -42,6 +42,13 @@ def test_the_card_runs_short_cells_and_first_seeds_first():
     assert tiers == sorted(tiers)
     first = [config.seed for _, config in card_runs(FULL, DATA) if config.steps <= 1000]
     assert first[: first.index(1)] == [0] * first.index(1) and 0 not in first[first.index(1) :]
+    seed_0 = [name for name, config in card_runs(FULL, DATA) if config.steps <= 1000][
+        : first.index(1)
+    ]
+    earlier = [
+        i for i, name in enumerate(seed_0) if "-mtdao-warmup" in name or "-mtdao-0.95" in name
+    ]
+    assert earlier == list(range(earlier[0], len(seed_0)))  # earlier defaults last
 
 
 def test_a_missing_corpus_leaves_its_cells_out():

@@ -259,13 +259,15 @@ def test_a_longer_warmup_is_not_exact_even_without_a_jump():
     assert change.consequence().startswith("the learning rate continues at 0.008, but")
 
 
-def test_the_default_beta_warmup_makes_a_replan_inexact():
-    """mtdao's default beta warm-up is a fraction of --steps: 300 of 1000 steps, 600 of 2000."""
-    change = steps_change(
-        planned(1000, schedule="wsd", warmup=0.0), planned(2000, schedule="wsd", warmup=0.0), 700
-    )
+def test_the_default_beta_ramp_keeps_a_replan_exact():
+    """mtdao's default beta ramp counts the steps taken, not --steps: a wsd run extended in its
+    stable phase is the longer run from the start (the former 30% warm-up made it inexact)."""
+    flat = dict(schedule="wsd", warmup=0.0)
+    change = steps_change(planned(1000, **flat), planned(2000, **flat), 700)
+    assert change.exact and change.lr_new == change.lr_planned == 8e-3
+    former = dict(beta_warmup=0.3, beta_ramp=0.0, **flat)
+    change = steps_change(planned(1000, **former), planned(2000, **former), 700)
     assert not change.exact and change.first_difference == 1
-    assert change.lr_new == change.lr_planned == 8e-3
 
 
 def test_a_beta_warmup_of_another_length_is_not_exact():

@@ -59,6 +59,7 @@ ENTRIES = (
     ),
 )
 ENTRY_NAMES = tuple(entry.name for entry in ENTRIES)
+CURRENT_ENTRIES = ("ddp", "local-adam", "mtdao")
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ QUICK = Grid(
     steps=(300,),
     sync_periods=(32,),
     seeds=(0,),
-    entries=("ddp", "local-adam", "mtdao"),
+    entries=CURRENT_ENTRIES,
 )
 MODEL = "micro"
 
@@ -101,23 +102,36 @@ def run_name(corpus: str, steps: int, sync_period: int, entry: str, seed: int) -
 
 def card_runs(grid: Grid, data: dict[str, str]) -> list[tuple[str, TrainConfig]]:
     """Every run of ``grid`` on the corpora found (``data``: corpus -> --data), in the order an
-    interrupted card shows the most: the runs of up to 1000 steps (first seed, then the others),
-    then those of 3000 (likewise), then the longer ones."""
+    interrupted card shows the most: runs of up to 1000 steps, then of 3000, then longer ones;
+    within each, the first seed before the others, the current entries before MT-DAO's earlier
+    defaults, the first sync period before the others, short runs first."""
     entries = [entry for entry in ENTRIES if entry.name in grid.entries]
 
-    def order(cell_and_seed):
-        (corpus, steps, sync_period), seed = cell_and_seed
+    def order(planned):
+        (corpus, steps, sync_period), seed, entry = planned
         tier = 0 if steps <= 1000 else 1 if steps <= 3000 else 2
-        return tier, seed != grid.seeds[0], steps
+        earlier_default = entry.name not in CURRENT_ENTRIES
+        return (
+            tier,
+            seed != grid.seeds[0],
+            earlier_default,
+            sync_period != grid.sync_periods[0],
+            steps,
+        )
 
-    planned = sorted(((cell, seed) for seed in grid.seeds for cell in grid.cells()), key=order)
+    planned = [
+        (cell, seed, entry)
+        for seed in grid.seeds
+        for cell in grid.cells()
+        for entry in entries
+        if cell[0] in data
+    ]
     runs: dict[str, TrainConfig] = {}
-    for (corpus, steps, sync_period), seed in planned:
-        if corpus not in data:
-            continue
-        for entry in entries:
-            name = run_name(corpus, steps, sync_period, entry.name, seed)
-            runs[name] = TrainConfig(
+    for (corpus, steps, sync_period), seed, entry in sorted(planned, key=order):
+        name = run_name(corpus, steps, sync_period, entry.name, seed)
+        runs.setdefault(
+            name,
+            TrainConfig(
                 method=entry.method,
                 model=MODEL,
                 steps=steps,
@@ -126,7 +140,8 @@ def card_runs(grid: Grid, data: dict[str, str]) -> list[tuple[str, TrainConfig]]
                 seed=seed,
                 progress=False,
                 **entry.settings,
-            )
+            ),
+        )
     return list(runs.items())
 
 
