@@ -175,12 +175,24 @@ def test_resolve_cross_field_rules():
 
 def test_a_sync_period_longer_than_the_run_is_warned():
     """Allowed (M independent runs, averaged only for evaluation) but rarely meant: one line."""
-    assert config_warnings(resolve(TrainConfig(steps=64, sync_period=64))) == []
-    (warning,) = config_warnings(resolve(TrainConfig(steps=64, sync_period=65)))
+    no_ramp = dict(beta_ramp=0.0)  # its own warning for runs this short: see below
+    assert config_warnings(resolve(TrainConfig(steps=64, sync_period=64, **no_ramp))) == []
+    (warning,) = config_warnings(resolve(TrainConfig(steps=64, sync_period=65, **no_ramp)))
     assert "--sync-period 65 is larger than --steps 64" in warning and "never average" in warning
     assert config_warnings(resolve(TrainConfig(method="ddp", steps=8, sync_period=32))) == []
-    (warning,) = config_warnings(resolve(TrainConfig(steps=8, sync_period=4, state_sync_period=9)))
+    short = TrainConfig(steps=8, sync_period=4, state_sync_period=9, **no_ramp)
+    (warning,) = config_warnings(resolve(short))
     assert "--state-sync-period 9 is larger than --steps 8" in warning
+
+
+def test_a_run_that_ends_before_the_slow_momentum_is_ramped_up_is_warned():
+    """The default ramp reaches 0.99 at step 9 / (1 - 0.99) = 900: a shorter run says so."""
+    (warning,) = config_warnings(resolve(TrainConfig(steps=300)))
+    assert "--steps 300 ends before the slow momentum reaches its decay 0.99 (step 900" in warning
+    assert "this run ends at 0.970" in warning
+    assert config_warnings(resolve(TrainConfig(steps=900))) == []
+    assert config_warnings(resolve(TrainConfig(steps=300, method="local-adam"))) == []
+    assert config_warnings(resolve(TrainConfig(steps=300, beta_ramp=0.0))) == []
 
 
 def test_step_budget_from_tokens():

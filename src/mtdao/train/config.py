@@ -344,6 +344,15 @@ def config_warnings(config: TrainConfig) -> list[str]:
             f"--sync-period {config.sync_period} is larger than --steps {steps}: the workers never "
             "average their parameters in this run (evaluation still averages them)"
         )
+    slowest = max(config.betas or (0.0,))
+    if config.beta_ramp and slowest > 0.9 and round(config.beta_ramp / (1 - slowest)) > steps:
+        reached = round(config.beta_ramp / (1 - slowest))
+        final = min(slowest, max(0.9, 1 - config.beta_ramp / steps))
+        found.append(
+            f"--steps {steps} ends before the slow momentum reaches its decay {slowest:g} (step "
+            f"{reached} with --beta-ramp {config.beta_ramp:g}): this run ends at {final:.3f}, "
+            "closer to Adam's momentum; BENCHMARKS.md (the defaults card) has runs this short"
+        )
     if config.state_sync_period is not None and config.state_sync_period > steps:
         found.append(
             f"--state-sync-period {config.state_sync_period} is larger than --steps {steps}: the "
