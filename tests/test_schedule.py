@@ -15,6 +15,7 @@ from mtdao.train.schedule import (
     OmegaWarmup,
     lr_multiplier,
     ramp,
+    step_capped_beta,
     steps_change,
     warmed_beta,
 )
@@ -114,6 +115,37 @@ def test_warmed_beta_grows_the_half_life_linearly(target):
 @pytest.mark.parametrize("target", [0.0, 0.5, 0.9])
 def test_warmed_beta_leaves_fast_momenta_alone(target):
     assert [warmed_beta(target, p) for p in (0.0, 0.5, 1.0)] == [target] * 3
+
+
+def test_the_step_capped_beta_remembers_a_fixed_fraction_of_the_steps_taken():
+    ramp_c = 9.0
+    for steps_taken in (100, 300, 600):  # where 1 - C / t lies between the floor and the target
+        beta = step_capped_beta(0.99, steps_taken, ramp_c)
+        assert beta == pytest.approx(1 - ramp_c / steps_taken, rel=1e-15)
+        assert half_life(beta) == pytest.approx(math.log(2) * steps_taken / ramp_c, rel=0.05)
+    assert step_capped_beta(0.99, 1, ramp_c) == 0.9  # the floor: Adam's fast decay
+    assert step_capped_beta(0.99, 900, ramp_c) == pytest.approx(0.99, abs=1e-15)
+    assert step_capped_beta(0.99, 10_000, ramp_c) == 0.99  # the target once reached
+    assert step_capped_beta(0.99, 50, 0.0) == 0.99  # off
+    assert [step_capped_beta(0.9, t, ramp_c) for t in (1, 1000)] == [0.9, 0.9]  # fast: untouched
+
+
+def test_the_step_ramp_does_not_depend_on_the_planned_length():
+    """A short run and the start of a long one use the same decays (unlike --beta-warmup)."""
+    short = BetaWarmup((0.9, 0.99), 0, 9.0)
+    long = BetaWarmup((0.9, 0.99), 0, 9.0)
+    assert [short(step) for step in range(300)] == [long(step) for step in range(300)]
+    flat = dict(schedule="constant", warmup=0.0)
+    ramped = [
+        resolve(TrainConfig(steps=n, beta_warmup=0.0, beta_ramp=9.0, **flat)) for n in (300, 3000)
+    ]
+    assert steps_change(*ramped, step=200).exact  # extending a ramped run is exact
+    warmed = [
+        resolve(TrainConfig(steps=n, beta_warmup=0.3, beta_ramp=0.0, **flat)) for n in (300, 3000)
+    ]
+    assert not steps_change(*warmed, step=200).exact  # a fraction of --steps is not
+    both = BetaWarmup((0.99,), ramp_steps=100, step_ramp=9.0)  # with a warm-up too: the slower
+    assert both(49)[0] == min(warmed_beta(0.99, 0.5), step_capped_beta(0.99, 50, 9.0))
 
 
 # -- applied by the trainer -----------------------------------------------------------------------
@@ -227,13 +259,15 @@ def test_a_longer_warmup_is_not_exact_even_without_a_jump():
     assert change.consequence().startswith("the learning rate continues at 0.008, but")
 
 
-def test_the_default_beta_warmup_makes_a_replan_inexact():
-    """mtdao's default beta warm-up is a fraction of --steps: 300 of 1000 steps, 600 of 2000."""
-    change = steps_change(
-        planned(1000, schedule="wsd", warmup=0.0), planned(2000, schedule="wsd", warmup=0.0), 700
-    )
+def test_the_default_beta_ramp_keeps_a_replan_exact():
+    """mtdao's default beta ramp counts the steps taken, not --steps: a wsd run extended in its
+    stable phase is the longer run from the start (the former 30% warm-up made it inexact)."""
+    flat = dict(schedule="wsd", warmup=0.0)
+    change = steps_change(planned(1000, **flat), planned(2000, **flat), 700)
+    assert change.exact and change.lr_new == change.lr_planned == 8e-3
+    former = dict(beta_warmup=0.3, beta_ramp=0.0, **flat)
+    change = steps_change(planned(1000, **former), planned(2000, **former), 700)
     assert not change.exact and change.first_difference == 1
-    assert change.lr_new == change.lr_planned == 8e-3
 
 
 def test_a_beta_warmup_of_another_length_is_not_exact():

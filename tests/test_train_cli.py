@@ -223,11 +223,10 @@ def test_divergence_between_syncs_stops_the_run(tmp_path, corpus_dir, capsys):
 
 def test_divergence_at_a_sync(tmp_path, corpus_dir, capsys):
     """DDP averages gradients before each step: the engine's guard stops the run (the loop's
-    guard on the training loss would only see it after the step)."""
+    guard on the training loss would only see it after the step). Which step first overflows
+    (2 or 3) depends on the processor's float kernels; that it is a gradient does not."""
     args = tiny_args(tmp_path, corpus_dir, "--lr", "1e6", "--method", "ddp")
-    assert_one_line_error(
-        capsys, args, "Non-finite value (NaN/inf) at step 2 in worker 0: gradient"
-    )
+    assert_one_line_error(capsys, args, "in worker 0: gradient of")
 
 
 def test_divergence_of_every_worker_cannot_be_skipped(tmp_path, corpus_dir, capsys):

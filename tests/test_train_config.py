@@ -49,11 +49,13 @@ def test_resolved_configs_are_complete_and_resolve_to_themselves(method, optimiz
         config.lr = 1.0  # type: ignore[misc]
 
 
-def test_mtdao_adam_defaults_to_the_paper_momentum_with_a_beta_warmup():
+def test_mtdao_adam_defaults_to_the_paper_momentum_with_a_step_counted_ramp():
     config = resolve(TrainConfig())
     assert (config.betas, config.omegas) == ((0.99,), (0.9,))
-    assert (config.beta_warmup, config.omega_warmup) == (0.3, 0.0)
-    assert resolve(TrainConfig(method="qh-ddp")).beta_warmup == 0.3  # the same optimizer
+    assert (config.beta_ramp, config.beta_warmup, config.omega_warmup) == (9.0, 0.0, 0.0)
+    assert resolve(TrainConfig(method="qh-ddp")).beta_ramp == 9.0  # the same optimizer
+    # every method's default learning rate is the same, each one's own best at 1000 steps
+    assert {resolve(TrainConfig(method=m)).lr for m in ("ddp", "local-adam", "mtdao")} == {8e-3}
 
 
 @pytest.mark.parametrize(
@@ -64,13 +66,23 @@ def test_mtdao_adam_defaults_to_the_paper_momentum_with_a_beta_warmup():
         dict(betas=(0.95,), omegas=(0.7,)),  # the user's own momenta get exactly what was asked
     ],
 )
-def test_the_default_beta_warmup_applies_to_the_default_adam_momenta_only(given):
-    assert resolve(TrainConfig(**given)).beta_warmup == 0.0
+def test_the_default_beta_ramp_applies_to_the_default_adam_momenta_only(given):
+    assert resolve(TrainConfig(**given)).beta_ramp == 0.0
 
 
-def test_a_given_beta_warmup_survives_resolution():
+def test_a_given_beta_warmup_or_ramp_survives_resolution():
     assert resolve(TrainConfig(beta_warmup=0.0)).beta_warmup == 0.0
     assert resolve(TrainConfig(betas=(0.9, 0.99), beta_warmup=0.2)).beta_warmup == 0.2
+    assert resolve(TrainConfig(beta_ramp=0.0)).beta_ramp == 0.0
+    assert resolve(TrainConfig(betas=(0.9, 0.99), beta_ramp=4.0)).beta_ramp == 4.0
+
+
+def test_a_config_saved_before_the_ramp_keeps_its_warmup_and_no_ramp():
+    """A run resumed from a config.json of the 2026-12-01 default (warm-up 0.3) stays so."""
+    old = resolve(TrainConfig(beta_warmup=0.3, beta_ramp=0.0)).to_dict()
+    del old["beta_ramp"]  # written before the field existed
+    config = resolve(TrainConfig.from_dict(old))
+    assert (config.beta_warmup, config.beta_ramp) == (0.3, 0.0)
 
 
 def test_given_values_survive_resolution():
@@ -129,6 +141,8 @@ def test_given_values_survive_resolution():
         ("decay_fraction", -0.1, "--decay-fraction must lie in [0, 1]"),
         ("omega_warmup", math.nan, "--omega-warmup must lie in [0, 1]"),
         ("beta_warmup", 1.5, "--beta-warmup must lie in [0, 1]"),
+        ("beta_ramp", -1.0, "--beta-ramp must be a finite number >= 0"),
+        ("beta_ramp", math.inf, "--beta-ramp must be a finite number >= 0"),
         ("outer_step", "sgd", "--outer-step: unknown value 'sgd'"),
     ],
 )
@@ -161,12 +175,24 @@ def test_resolve_cross_field_rules():
 
 def test_a_sync_period_longer_than_the_run_is_warned():
     """Allowed (M independent runs, averaged only for evaluation) but rarely meant: one line."""
-    assert config_warnings(resolve(TrainConfig(steps=64, sync_period=64))) == []
-    (warning,) = config_warnings(resolve(TrainConfig(steps=64, sync_period=65)))
+    no_ramp = dict(beta_ramp=0.0)  # its own warning for runs this short: see below
+    assert config_warnings(resolve(TrainConfig(steps=64, sync_period=64, **no_ramp))) == []
+    (warning,) = config_warnings(resolve(TrainConfig(steps=64, sync_period=65, **no_ramp)))
     assert "--sync-period 65 is larger than --steps 64" in warning and "never average" in warning
     assert config_warnings(resolve(TrainConfig(method="ddp", steps=8, sync_period=32))) == []
-    (warning,) = config_warnings(resolve(TrainConfig(steps=8, sync_period=4, state_sync_period=9)))
+    short = TrainConfig(steps=8, sync_period=4, state_sync_period=9, **no_ramp)
+    (warning,) = config_warnings(resolve(short))
     assert "--state-sync-period 9 is larger than --steps 8" in warning
+
+
+def test_a_run_that_ends_before_the_slow_momentum_is_ramped_up_is_warned():
+    """The default ramp reaches 0.99 at step 9 / (1 - 0.99) = 900: a shorter run says so."""
+    (warning,) = config_warnings(resolve(TrainConfig(steps=300)))
+    assert "--steps 300 ends before the slow momentum reaches its decay 0.99 (step 900" in warning
+    assert "this run ends at 0.970" in warning
+    assert config_warnings(resolve(TrainConfig(steps=900))) == []
+    assert config_warnings(resolve(TrainConfig(steps=300, method="local-adam"))) == []
+    assert config_warnings(resolve(TrainConfig(steps=300, beta_ramp=0.0))) == []
 
 
 def test_step_budget_from_tokens():

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
-from mtdao.train.config import DEFAULT_LR, TrainConfig
+from mtdao.train.config import TrainConfig, default_lr
 from mtdao.train.methods import SYNC_POLICIES
 
 EPILOG = """
@@ -176,7 +176,7 @@ def run_ablation(args: argparse.Namespace) -> int:
         raise ValueError(f"--periods must be positive, got {periods}")
     variants = build_variants(args.slow_betas, args.omega, list(dict.fromkeys(args.policies)))
     pins = parse_lr_pins(args.lr, LR_METHODS)
-    lrs = {m: pins.get(m, DEFAULT_LR[args.optimizer]) for m in LR_METHODS}
+    lrs = {m: pins.get(m, default_lr(m, args.optimizer)) for m in LR_METHODS}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

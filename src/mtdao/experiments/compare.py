@@ -26,7 +26,7 @@ from mtdao.experiments.formatting import format_lr
 from mtdao.experiments.presets import add_preset_argument, apply_preset
 from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
 from mtdao.flags import argv_from_namespace
-from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
+from mtdao.train.config import TrainConfig, default_lr, resolve
 from mtdao.train.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
 
 EPILOG = """
@@ -35,6 +35,7 @@ examples:
   mtdao compare --lr-sweep 8e-3 1.6e-2 --jobs 2 --threads 1     # the reported comparison
   mtdao compare --methods ddp local-adam mtdao --lr mtdao=8e-3 --betas 0.95 --omegas 0.7
   mtdao compare --preset paper-16m --out runs/paper-16m          # the paper's 16M setting (GPU)
+  mtdao compare --preset defaults-card --quick --jobs 2 --threads 1  # the defaults card's subset
 """
 
 
@@ -126,6 +127,13 @@ def run_compare(args: argparse.Namespace) -> int:
     from mtdao.experiments.compare_summary import summarize_compare
     from mtdao.train.metrics import write_json
 
+    if args.preset == "defaults-card":
+        from mtdao.experiments.defaults_card import run_defaults_card
+
+        apply_preset(args)
+        return run_defaults_card(args)
+    if args.quick or args.collect:
+        raise ValueError("--quick and --collect belong to --preset defaults-card")
     apply_preset(args)
     methods = list(dict.fromkeys(args.methods))
     seeds = list(dict.fromkeys(args.seeds))
@@ -189,7 +197,7 @@ def choose_learning_rates(args, methods, pins, out: Path) -> tuple[dict, Any, di
             else:
                 print(f"{method}: no LR of the sweep finished; it is left out of the comparison")
     elif swept:
-        chosen.update({m: DEFAULT_LR[args.optimizer] for m in swept})
+        chosen.update({m: default_lr(m, args.optimizer) for m in swept})
     return chosen, sweep, all_results, failures
 
 
@@ -203,7 +211,7 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
             f"{', '.join(format_lr(lr) for lr in sweep['lrs'])} per method"
         )
     else:
-        selection = f"default {format_lr(DEFAULT_LR[args.optimizer])} for {args.optimizer}"
+        selection = "each method's default for " + args.optimizer
     if pins:
         selection += "; pinned: " + ", ".join(f"{m} {format_lr(v)}" for m, v in pins.items())
     return {

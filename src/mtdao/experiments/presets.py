@@ -29,6 +29,12 @@ COMPARE_PRESETS: dict[str, dict[str, Any]] = {
         seeds=[0],
     ),
 }
+# Not a comparison of its own but a grid of them (mtdao.experiments.defaults_card): the run
+# lengths, sync periods and corpora are the card's; --quick runs a subset in minutes.
+GRID_PRESETS = {
+    "defaults-card": "every method at its defaults, 300 .. 10000 steps, K = 32 and 128, "
+    "three corpora, 3 seeds (--quick: 300 steps, K = 32, built-in corpus, 1 seed)"
+}
 PRESET_FLAGS = tuple(sorted({name for preset in COMPARE_PRESETS.values() for name in preset}))
 
 
@@ -39,15 +45,25 @@ def add_preset_argument(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(plain_defaults=plain, **{name: None for name in PRESET_FLAGS})
     parser.add_argument(
         "--preset",
-        choices=sorted(COMPARE_PRESETS),
+        choices=sorted([*COMPARE_PRESETS, *GRID_PRESETS]),
         help="named settings (flags given as well override them); paper-16m: "
-        + describe(COMPARE_PRESETS["paper-16m"]),
+        + describe(COMPARE_PRESETS["paper-16m"])
+        + "; defaults-card: "
+        + GRID_PRESETS["defaults-card"],
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="with --preset defaults-card: its quick subset"
+    )
+    parser.add_argument(
+        "--collect",
+        action="store_true",
+        help="with --preset defaults-card: report on the runs finished in --out, train none",
     )
 
 
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every unset preset flag of ``args`` (in place) from the preset, else its default."""
-    preset = COMPARE_PRESETS[args.preset] if args.preset else {}
+    preset = COMPARE_PRESETS.get(args.preset, {}) if args.preset else {}
     for name in PRESET_FLAGS:
         if getattr(args, name) is None:
             setattr(args, name, preset.get(name, args.plain_defaults[name]))

@@ -31,7 +31,7 @@ from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.command import config_to_argv
-from mtdao.train.config import DEFAULT_LR, SCHEDULES, TrainConfig, resolve
+from mtdao.train.config import SCHEDULES, TrainConfig, describe_default, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
 
 RUNS_DIR = "runs"
@@ -134,8 +134,10 @@ def run_suite(
     cores: int | None = None,
     threads: int | None = None,
     log: Callable[[str], None] = print,
+    train: bool = True,
 ) -> SuiteResult:
-    """Train every run not finished yet; return all results, finished earlier or now.
+    """Train every run not finished yet (none with ``train`` False, to report on a suite still
+    running elsewhere); return all results, finished earlier or now.
 
     Each run gets ``threads`` torch threads (default ``max(1, cores // jobs)``).
 
@@ -168,6 +170,8 @@ def run_suite(
     total, counter = len(runs), iter(range(len(suite.results) + 1, len(runs) + 1))
     if suite.results:
         log(f"{len(suite.results)}/{total} runs already finished in {out}; {len(pending)} to go")
+    if not train:
+        return suite
 
     def finished(name: str, results: dict[str, Any] | None, error: str | None) -> None:
         if results is not None:
@@ -277,7 +281,7 @@ def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: li
         default=[],
         metavar="[METHOD=]VALUE",
         help="pin learning rates: METHOD=VALUE per method, or a bare VALUE for every method "
-        f"(default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_LR.items())})",
+        f"(default: each method's own: {describe_default('lr')})",
     )
     add("--jobs", type=int, default=1, help="runs trained at once in subprocesses (default: 1)")
     add(

@@ -42,13 +42,13 @@ def epilog() -> str:
     lines = ["methods:"]
     lines += [f"  {name:<11} {spec.summary}" for name, spec in METHOD_TABLE.items()]
     lines += ["", "defaults per base optimizer (mtdao and qh-ddp use the slow betas/omegas, and"]
-    lines += ["the beta warm-up, a fraction of the run, unless --betas is given):"]
-    header = ("", "lr", "betas", "slow betas", "omegas", "beta2", "eps", "beta warm-up")
-    widths = (6, 6, 6, 11, 7, 7, 6, 13)
+    lines += ["the beta ramp C, slow decay <= 1 - C / step, unless --betas is given):"]
+    header = ("", "lr", "betas", "slow betas", "omegas", "beta2", "eps", "beta ramp")
+    widths = (6, 6, 6, 11, 7, 7, 6, 10)
     lines.append("  " + " ".join(f"{h:>{w}}" for h, w in zip(header, widths)).rstrip())
     for name, row in OPTIMIZER_DEFAULTS.items():
         values = (row.lr, row.betas, row.mtdao_betas, row.mtdao_omegas, row.beta2, row.eps)
-        values += (row.mtdao_beta_warmup,)
+        values += (row.mtdao_beta_ramp,)
         cells = ["-" if v is None else " ".join(f"{x:g}" for x in _tuple(v)) for v in values]
         lines.append(f"  {name:<6} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths[1:])))
     return "\n".join(lines) + "\n" + EXAMPLES

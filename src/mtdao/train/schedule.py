@@ -71,6 +71,21 @@ def warmed_beta(target: float, progress: float, start: float = BETA_WARMUP_START
     return math.exp(1.0 / inverse_log)
 
 
+def step_capped_beta(
+    target: float, steps_taken: int, ramp: float, floor: float = BETA_WARMUP_START
+) -> float:
+    """``min(target, max(floor, 1 - ramp / t))`` at step ``t`` (counted from 1).
+
+    The half-life of ``1 - ramp / t`` is about ln 2 * t / ramp: a slow momentum never remembers
+    more than a fixed fraction of the steps taken, whatever the planned length of the run, so a
+    short run and the start of a long one use the same decays. A target no slower than ``floor``
+    and ``ramp`` 0 leave ``target`` unchanged.
+    """
+    if ramp <= 0.0 or target <= floor:
+        return target
+    return min(target, max(floor, 1.0 - ramp / max(1, steps_taken)))
+
+
 class _Definition:
     """``state_dict`` / ``load_state_dict`` of a schedule: its defining fields."""
 
@@ -134,16 +149,21 @@ class OmegaWarmup(_Definition):
 @dataclass
 class BetaWarmup(_Definition):
     """Each momentum decay above 0.9 rises from 0.9 to its target over ``ramp_steps``
-    (:func:`warmed_beta`); the optimizer uses the current decay in its averages and its bias
-    correction."""
+    (:func:`warmed_beta`) and, with ``step_ramp`` C, never exceeds 1 - C / t at step t
+    (:func:`step_capped_beta`); the optimizer uses the current decay in its averages and its
+    bias correction."""
 
     target_betas: tuple[float, ...]
     ramp_steps: int = 0
+    step_ramp: float = 0.0
 
     def __call__(self, step: int) -> tuple[float, ...]:
         """The betas of 0-based ``step``."""
         progress = ramp(step, self.ramp_steps)
-        return tuple(warmed_beta(beta, progress) for beta in self.target_betas)
+        return tuple(
+            min(warmed_beta(beta, progress), step_capped_beta(beta, step + 1, self.step_ramp))
+            for beta in self.target_betas
+        )
 
     def apply(self, optimizer: Optimizer, step: int) -> None:
         betas = self(step)
@@ -169,7 +189,8 @@ def omega_warmup_of(config: TrainConfig) -> OmegaWarmup:
 
 
 def beta_warmup_of(config: TrainConfig) -> BetaWarmup:
-    return BetaWarmup(config.betas, round(config.beta_warmup * config.total_steps()))
+    steps = round(config.beta_warmup * config.total_steps())
+    return BetaWarmup(config.betas, steps, config.beta_ramp)
 
 
 # -- re-planning a run for other --steps (``--resume --extend``) --------------------------------

@@ -1,0 +1,177 @@
+"""The defaults card (``mtdao compare --preset defaults-card``): every method at its own defaults,
+across run lengths, sync periods and corpora.
+
+A user runs ``mtdao train --method M`` on their data for as many steps as they can afford; the
+card asks whether MT-DAO's default holds there. Each run differs from ``mtdao train``'s defaults
+only in ``--method``, ``--steps``, ``--sync-period``, ``--data``, ``--seed`` and the model size
+(micro, so that the grid fits a CPU): no learning rate is tuned per cell. Beside the baselines it
+runs MT-DAO's earlier defaults, so that a change of default is judged on the same runs.
+
+Corpora: the built-in one (the Python standard library's sources, where the defaults were tuned)
+and two natural-language corpora never tuned on, when the machine has them: the vim
+documentation and the GNU info manuals (made into text files by :mod:`.corpora`). A cell whose
+corpus is missing is reported as such. DDP does not depend on the sync period: one DDP run per
+corpus, length and seed serves both periods.
+
+Running is here; the numbers are computed in :mod:`.defaults_card_summary`, the report and plot
+drawn in :mod:`.defaults_card_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtdao.experiments.corpora import corpus_paths
+from mtdao.experiments.suite import run_suite
+from mtdao.train.config import TrainConfig, resolve
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of the card: a method and the flags that make it what it is."""
+
+    name: str
+    method: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    """TrainConfig fields beside the defaults (empty: the method exactly as it ships)."""
+    note: str = ""
+
+
+ENTRIES = (
+    Entry("ddp", "ddp"),
+    Entry("local-adam", "local-adam"),
+    Entry("mtdao", "mtdao", note="the current default"),
+    Entry(
+        "mtdao-warmup-0.3",
+        "mtdao",
+        dict(beta_warmup=0.3, beta_ramp=0.0, lr=8e-3),
+        "the default of 2026-12-01 (0.99 / 0.9, beta warm-up over 30% of --steps, lr 8e-3)",
+    ),
+    Entry(
+        "mtdao-0.95-0.7",
+        "mtdao",
+        dict(betas=(0.95,), omegas=(0.7,), lr=8e-3),
+        "the default before 2026-12-01 (0.95 / 0.7, no warm-up, lr 8e-3)",
+    ),
+)
+ENTRY_NAMES = tuple(entry.name for entry in ENTRIES)
+CURRENT_ENTRIES = ("ddp", "local-adam", "mtdao")
+
+
+@dataclass(frozen=True)
+class Grid:
+    corpora: tuple[str, ...]
+    steps: tuple[int, ...]
+    sync_periods: tuple[int, ...]
+    seeds: tuple[int, ...]
+    entries: tuple[str, ...] = ENTRY_NAMES
+    long_steps: tuple[int, ...] = ()
+    """Extra lengths run on the first corpus and the first sync period only."""
+
+    def cells(self) -> list[tuple[str, int, int]]:
+        """(corpus, steps, K), the long lengths last."""
+        cells = [(c, n, k) for c in self.corpora for n in self.steps for k in self.sync_periods]
+        return cells + [(self.corpora[0], n, self.sync_periods[0]) for n in self.long_steps]
+
+
+FULL = Grid(
+    corpora=("builtin", "vim", "gnu-info"),
+    steps=(300, 1000, 3000),
+    sync_periods=(32, 128),
+    seeds=(0, 1, 2),
+    long_steps=(10000,),
+)
+QUICK = Grid(
+    corpora=("builtin",),
+    steps=(300,),
+    sync_periods=(32,),
+    seeds=(0,),
+    entries=CURRENT_ENTRIES,
+)
+MODEL = "micro"
+
+
+def run_name(corpus: str, steps: int, sync_period: int, entry: str, seed: int) -> str:
+    period = "" if entry == "ddp" else f"-K{sync_period}"
+    return f"{corpus}-{steps}{period}-{entry}-s{seed}"
+
+
+def card_runs(grid: Grid, data: dict[str, str]) -> list[tuple[str, TrainConfig]]:
+    """Every run of ``grid`` on the corpora found (``data``: corpus -> --data), in the order an
+    interrupted card shows the most: runs of up to 1000 steps, then of 3000, then longer ones;
+    within each, the first seed before the others, the current entries before MT-DAO's earlier
+    defaults, the first sync period before the others, short runs first."""
+    entries = [entry for entry in ENTRIES if entry.name in grid.entries]
+
+    def order(planned):
+        (corpus, steps, sync_period), seed, entry = planned
+        tier = 0 if steps <= 1000 else 1 if steps <= 3000 else 2
+        earlier_default = entry.name not in CURRENT_ENTRIES
+        return (
+            tier,
+            seed != grid.seeds[0],
+            earlier_default,
+            sync_period != grid.sync_periods[0],
+            steps,
+        )
+
+    planned = [
+        (cell, seed, entry)
+        for seed in grid.seeds
+        for cell in grid.cells()
+        for entry in entries
+        if cell[0] in data
+    ]
+    runs: dict[str, TrainConfig] = {}
+    for (corpus, steps, sync_period), seed, entry in sorted(planned, key=order):
+        name = run_name(corpus, steps, sync_period, entry.name, seed)
+        runs.setdefault(
+            name,
+            TrainConfig(
+                method=entry.method,
+                model=MODEL,
+                steps=steps,
+                sync_period=sync_period,
+                data=data[corpus],
+                seed=seed,
+                progress=False,
+                **entry.settings,
+            ),
+        )
+    return list(runs.items())
+
+
+def run_defaults_card(args: argparse.Namespace) -> int:
+    """``mtdao compare --preset defaults-card [--quick]``: train the card's runs, then report."""
+    from mtdao.experiments.defaults_card_report import write_card_report
+    from mtdao.experiments.defaults_card_summary import summarize_card
+    from mtdao.train.metrics import write_json
+
+    grid = QUICK if args.quick else FULL
+    out = Path(args.out)
+    data, missing = corpus_paths(grid.corpora, out / "corpora")
+    for corpus, reason in missing.items():
+        print(f"defaults card: corpus {corpus} left out: {reason}")
+    runs = card_runs(grid, data)
+    resolved = [resolve(config) for _, config in runs]  # bad settings fail before training
+    evaluations = sum(config.total_steps() // config.eval_every for config in resolved)
+    print(
+        f"defaults card{' (quick)' if args.quick else ''}: {len(runs)} runs "
+        f"({len(grid.cells())} cells x {len(grid.entries)} entries x {len(grid.seeds)} seeds, "
+        f"DDP once per corpus, length and seed), {evaluations} evaluations, in {out}"
+    )
+    suite = run_suite(runs, out, jobs=args.jobs, threads=args.threads, train=not args.collect)
+    summary = summarize_card(grid, data, missing, suite.results, suite.failures)
+    write_json(out / "results.json", summary)
+    report = write_card_report(out, summary)
+    print(f"report: {report}  results: {out / 'results.json'}")
+    return 1 if suite.failures else 0
+
+
+def grid_of(summary_grid: dict[str, Any]) -> Grid:
+    """The :class:`Grid` a summary was made from."""
+    return Grid(**{f.name: tuple(summary_grid[f.name]) for f in dataclasses.fields(Grid)})

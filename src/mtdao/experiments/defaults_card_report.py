@@ -1,0 +1,154 @@
+"""The defaults card as report.md and card.png, from its summary
+(:mod:`.defaults_card_summary`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mtdao.experiments.figures import STYLE, pyplot, save
+from mtdao.experiments.formatting import MISSING, failures_section, pm, signed, table
+
+ENTRY_COLORS = {
+    "ddp": "#222222",
+    "local-adam": "#ff7f0e",
+    "mtdao": "#d62728",
+    "mtdao-warmup-0.3": "#9467bd",
+    "mtdao-0.95-0.7": "#1f77b4",
+}
+PERIOD_STYLES = ("-", "--", ":")
+
+
+def write_card_report(out: Path, summary: dict[str, Any]) -> Path:
+    plotted = plot_card(summary, out / "card.png")
+    path = out / "report.md"
+    path.write_text("\n".join(card_report_lines(summary, plotted)) + "\n")
+    return path
+
+
+def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str]:
+    entries = summary["entries"]
+    grid = summary["grid"]
+    lines = [
+        "# The defaults card: every method at its own defaults",
+        "",
+        "Each run is `mtdao train --model micro --method M --steps N --sync-period K --data D "
+        "--seed S` and nothing else: every other flag, the learning rate included, at its "
+        "default. Final validation loss, mean ± sample std over seeds "
+        f"{', '.join(map(str, grid['seeds']))}; {summary['significance_rule']}.",
+        "",
+        "Entries: "
+        + "; ".join(f"`{e['name']}`" + (f" ({e['note']})" if e["note"] else "") for e in entries)
+        + ".",
+        "",
+        "Corpora: "
+        + ", ".join(f"{name} (`{path}`)" for name, path in summary["data"].items())
+        + "".join(f"; {name} missing: {why}" for name, why in summary["missing"].items())
+        + ".",
+        "",
+    ]
+    if plotted:
+        lines += ["![MT-DAO against DDP and Local Adam, per corpus](card.png)", ""]
+    header = ["corpus", "steps", "K", *(f"`{e['name']}`" for e in entries)]
+    header += ["MT-DAO − Local Adam", "MT-DAO − DDP"]
+    rows = []
+    for cell in summary["cells"]:
+        values = [pm(cell["entries"][e["name"]]["stats"]) for e in entries]
+        gaps = cell["gaps"].get("mtdao", {})
+        rows.append(
+            [
+                cell["corpus"],
+                str(cell["steps"]),
+                str(cell["sync_period"]),
+                *values,
+                _gap(gaps.get("local-adam")),
+                _gap(gaps.get("ddp")),
+            ]
+        )
+    lines += table(header, rows) + [""]
+    lines += [
+        "Gap: difference of means (relative), the verdict of the significance rule, and on how "
+        "many seeds MT-DAO is lower. `one seed`: not enough seeds for a verdict yet.",
+        "",
+        f"{summary['runs_finished']} runs finished.",
+        "",
+    ]
+    return lines + failures_section(summary["failures"])
+
+
+def _gap(gap: dict[str, Any] | None) -> str:
+    if gap is None:
+        return MISSING
+    relative = f" ({gap['relative'] * 100:+.1f}%)" if gap["relative"] is not None else ""
+    return (
+        f"{signed(gap['difference'])}{relative} {gap['verdict']}, "
+        f"lower on {gap['lower_on']}/{gap['shared_seeds']}"
+    )
+
+
+def plot_card(summary: dict[str, Any], path: Path) -> bool:
+    """One panel per corpus: each entry's loss relative to DDP's against the run length, one
+    line style per sync period. False when there is nothing to draw."""
+    corpora = list(dict.fromkeys(cell["corpus"] for cell in summary["cells"]))
+    periods = sorted({cell["sync_period"] for cell in summary["cells"]})
+    names = [e["name"] for e in summary["entries"] if e["name"] != "ddp"]
+    drawn = False
+    plt = pyplot()
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(
+            1,
+            max(1, len(corpora)),
+            figsize=(4.2 * max(1, len(corpora)), 3.6),
+            squeeze=False,
+            sharey=True,
+        )
+        for axis, corpus in zip(axes[0], corpora):
+            for p_index, period in enumerate(periods):
+                cells = sorted(
+                    (
+                        c
+                        for c in summary["cells"]
+                        if c["corpus"] == corpus and c["sync_period"] == period
+                    ),
+                    key=lambda c: c["steps"],
+                )
+                for name in names:
+                    points = [
+                        (c["steps"], 100 * (s["mean"] / d["mean"] - 1))
+                        for c in cells
+                        if (s := c["entries"][name]["stats"])
+                        and (d := c["entries"]["ddp"]["stats"])
+                    ]
+                    if not points:
+                        continue
+                    drawn = True
+                    steps, relative = zip(*points)
+                    axis.plot(
+                        steps,
+                        relative,
+                        PERIOD_STYLES[p_index % 3],
+                        marker="o",
+                        markersize=3,
+                        color=ENTRY_COLORS.get(name, "#1f77b4"),
+                        label=f"{name}, K = {period}",
+                    )
+            axis.axhline(0, color=ENTRY_COLORS["ddp"], linewidth=0.8)
+            axis.set_xscale("log")
+            axis.set_title(corpus)
+            axis.set_xlabel("steps (run length)")
+        axes[0][0].set_ylabel("final val loss vs DDP (%)")
+        if drawn:
+            handles, labels = axes[0][0].get_legend_handles_labels()
+            fig.legend(
+                handles,
+                labels,
+                loc="lower center",
+                ncol=min(4, len(labels)),
+                fontsize=8,
+                bbox_to_anchor=(0.5, -0.02),
+            )
+            fig.tight_layout(rect=(0, 0.12, 1, 1))
+            save(fig, path)
+        else:
+            plt.close(fig)
+    return drawn

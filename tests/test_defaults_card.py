@@ -1,0 +1,132 @@
+"""The defaults card: its runs are the defaults a user gets, its corpora are made right, its gaps
+follow the significance rule, and the whole command runs end to end on a tiny grid."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from mtdao.cli import main
+from mtdao.experiments import defaults_card
+from mtdao.experiments.corpora import write_gnu_info_corpus
+from mtdao.experiments.defaults_card import FULL, Grid, card_runs, run_name
+from mtdao.experiments.defaults_card_report import card_report_lines
+from mtdao.experiments.defaults_card_summary import summarize_card
+from mtdao.train.config import TrainConfig, default_lr
+
+DATA = {"builtin": "builtin", "vim": "/vim", "gnu-info": "/info"}
+PER_RUN = {"method", "model", "steps", "sync_period", "data", "seed", "progress"}
+
+
+def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
+    runs = card_runs(FULL, DATA)
+    defaults = TrainConfig().to_dict()
+    entry_settings = {entry.name: set(entry.settings) for entry in defaults_card.ENTRIES}
+    for name, config in runs:
+        entry = next(e for e in entry_settings if f"-{e}-s" in name)
+        changed = {k for k, v in config.to_dict().items() if v != defaults[k]}
+        assert changed <= PER_RUN | entry_settings[entry], name
+    names = [name for name, _ in runs]
+    assert len(names) == len(set(names))
+    # DDP does not depend on K: one run per corpus, length and seed
+    ddp = [name for name in names if "-ddp-" in name]
+    assert len(ddp) == (3 * 3 + 1) * 3
+    assert "builtin-10000-K32-mtdao-s0" in names and "vim-10000-K32-mtdao-s0" not in names
+
+
+def test_the_card_runs_short_cells_and_first_seeds_first():
+    steps = [config.steps for _, config in card_runs(FULL, DATA)]
+    tiers = [0 if n <= 1000 else 1 if n <= 3000 else 2 for n in steps]
+    assert tiers == sorted(tiers)
+    first = [config.seed for _, config in card_runs(FULL, DATA) if config.steps <= 1000]
+    assert first[: first.index(1)] == [0] * first.index(1) and 0 not in first[first.index(1) :]
+    seed_0 = [name for name, config in card_runs(FULL, DATA) if config.steps <= 1000][
+        : first.index(1)
+    ]
+    earlier = [
+        i for i, name in enumerate(seed_0) if "-mtdao-warmup" in name or "-mtdao-0.95" in name
+    ]
+    assert earlier == list(range(earlier[0], len(seed_0)))  # earlier defaults last
+
+
+def test_a_missing_corpus_leaves_its_cells_out():
+    runs = card_runs(FULL, {"builtin": "builtin"})
+    assert runs and all(config.data == "builtin" for _, config in runs)
+
+
+def test_the_gnu_info_corpus_is_whole_nodes_without_control_characters(tmp_path):
+    source = tmp_path / "info"
+    source.mkdir()
+    nodes = ["\x1f\nFile: a.info, Node: Top\n" + "word " * 3000 for _ in range(10)]
+    (source / "sed.info.gz").write_bytes(gzip.compress(("preamble" + "".join(nodes)).encode()))
+    (source / "ed.info.gz").write_bytes(gzip.compress(b"\x1f\nTag Table:\nx\x7f1\n"))
+    target = tmp_path / "corpus"
+    count = write_gnu_info_corpus(target, source)
+    files = sorted(target.iterdir())
+    assert count == len(files) > 1 and all(f.name.startswith("sed-") for f in files)
+    text = "".join(f.read_text() for f in files)
+    assert "\x1f" not in text and "\x7f" not in text and text.count("Node: Top") == 10
+    assert all(len(f.read_text()) > 15_000 * 0.9 for f in files[:-1])  # over CHUNK_CHARS each
+    (target / files[0].name).write_text("kept")  # written once: an existing corpus is kept
+    assert write_gnu_info_corpus(target, source) == count and files[0].read_text() == "kept"
+    assert write_gnu_info_corpus(tmp_path / "none", tmp_path / "no-info") == 0
+
+
+def _results(loss: float) -> dict:
+    return {"final_val_loss": loss}
+
+
+def test_the_gaps_follow_the_significance_rule():
+    grid = Grid(("builtin",), (300,), (32,), (0, 1, 2), ("ddp", "local-adam", "mtdao"))
+    losses = {
+        "ddp": [1.00, 1.01, 1.02],
+        "local-adam": [1.20, 1.21, 1.22],
+        "mtdao": [1.01, 1.0, 1.03],
+    }
+    results = {
+        run_name("builtin", 300, 32, entry, seed): _results(values[seed])
+        for entry, values in losses.items()
+        for seed in grid.seeds
+    }
+    summary = summarize_card(grid, {"builtin": "builtin"}, {}, results, {})
+    gaps = summary["cells"][0]["gaps"]["mtdao"]
+    assert gaps["local-adam"]["verdict"] == "better" and gaps["local-adam"]["lower_on"] == 3
+    assert gaps["ddp"]["verdict"] == "tie"
+    assert gaps["ddp"]["difference"] == pytest.approx(sum(losses["mtdao"]) / 3 - 1.01)
+    one_seed = {k: v for k, v in results.items() if k.endswith("-s0")}
+    summary = summarize_card(grid, {"builtin": "builtin"}, {}, one_seed, {})
+    assert summary["cells"][0]["gaps"]["mtdao"]["ddp"]["verdict"] == "one seed"
+    lines = "\n".join(card_report_lines(summary, plotted=False))
+    assert "| builtin | 300 | 32 | 1.0000 | 1.2000 | 1.0100 |" in lines
+    assert "+0.0100 (+1.0%) one seed, lower on 0/1" in lines
+
+
+@pytest.mark.slow
+def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch):
+    tiny = Grid(("builtin",), (4,), (2,), (0,), ("ddp", "local-adam", "mtdao"))
+    monkeypatch.setattr(defaults_card, "QUICK", tiny)
+    monkeypatch.setattr(
+        defaults_card, "corpus_paths", lambda names, cache: ({"builtin": str(corpus_dir)}, {})
+    )
+    out = tmp_path / "card"
+    assert main(["compare", "--preset", "defaults-card", "--quick", "--out", str(out)]) == 0
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["runs_finished"] == 3
+    entries = summary["cells"][0]["entries"]
+    assert all(entries[name]["stats"]["n"] == 1 for name in tiny.entries)
+    assert (out / "card.png").exists() and "MT-DAO − Local Adam" in (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    (out / "runs" / "builtin-4-ddp-s0" / "results.json").unlink()
+    argv = ["compare", "--preset", "defaults-card", "--quick", "--collect", "--out", str(out)]
+    assert main(argv) == 0  # a report on what finished; nothing trained
+    assert not (out / "runs" / "builtin-4-ddp-s0" / "results.json").exists()
+    assert json.loads((out / "results.json").read_text())["runs_finished"] == 2
+    config = json.loads((out / "runs" / "builtin-4-K2-mtdao-s0" / "config.json").read_text())
+    assert config["lr"] == default_lr("mtdao", "adam")  # no LR chosen by the card
+
+
+def test_quick_needs_the_card(capsys):
+    assert main(["compare", "--quick", "--steps", "2"]) == 2
+    assert "--quick and --collect belong to --preset defaults-card" in capsys.readouterr().err
