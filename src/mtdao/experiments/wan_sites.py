@@ -171,7 +171,10 @@ class WanSites:
         # netem's recipe: delay at the root, the rate limiter as its child. A frame from site i
         # to site j leaves i's link0 and j's port: each end carries its own link's full delay.
         netem = netem_arguments(link, partitioned)
-        return [[*tc, "root", "handle", "1:", *netem], [*tc, "parent", "1:1", "handle", "10:", *tbf]]
+        return [
+            [*tc, "root", "handle", "1:", *netem],
+            [*tc, "parent", "1:1", "handle", "10:", *tbf],
+        ]
 
     def _start_relay(self) -> None:
         ports = [
@@ -180,7 +183,15 @@ class WanSites:
             for i, link in enumerate(self.links.values())
         ]  # fmt: skip
         config = json.dumps({"ports": ports, "seed": self.seed})
-        argv = ["ip", "netns", "exec", self.hub, sys.executable, "-m", "mtdao.experiments.wan_relay"]
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            self.hub,
+            sys.executable,
+            "-m",
+            "mtdao.experiments.wan_relay",
+        ]
         self._relay = subprocess.Popen(
             [*argv, config], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
