@@ -38,7 +38,11 @@ def check_exits(record: dict[str, Any]) -> Check:
         if last["returncode"] != 0:
             tail = [line for line in last["log_tail"].splitlines() if line.strip()]
             said = tail[-1] if tail else "(no output)"
-            bad.append(f"{last['key']} exited with {last['returncode']}: {said}")
+            restarts = [e for e in record["events"] if e["kind"] == "lighthouse_restart"
+                        and last["ended"] is not None and e["began"] < last["ended"]]  # fmt: skip
+            after = (f" (after the lighthouse restart at {restarts[0]['at_s']:g} s)"
+                     if restarts else "")  # fmt: skip
+            bad.append(f"{last['key']} exited with {last['returncode']}{after}: {said}")
     if bad:
         return Check("every replica finished", False, "; ".join(bad))
     return Check("every replica finished", True, f"{len(record['replicas'])} replicas exited 0")

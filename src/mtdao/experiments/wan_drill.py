@@ -28,7 +28,13 @@ from typing import Any
 
 from mtdao.experiments.netem import LinkUnavailable
 from mtdao.experiments.wan_checks import run_checks
-from mtdao.experiments.wan_report import plot_bytes, plot_loss, plot_timeline, render_report
+from mtdao.experiments.wan_report import (
+    baseline_summary,
+    plot_bytes,
+    plot_loss,
+    plot_timeline,
+    render_report,
+)
 from mtdao.experiments.wan_run import DrillSettings, run_drill
 from mtdao.experiments.wan_scenario import Scenario, load_scenario
 from mtdao.experiments.wan_sites import WanSites, cleanup_stale
@@ -153,7 +159,7 @@ def run_wan_drill(args: argparse.Namespace) -> int:
     except LinkUnavailable as error:
         print(f"skipped: {error}")
         return 0
-    losses = [b["replicas"]["r0"]["final_val_loss"] for b in baselines]
+    losses = [b["replicas"]["r0"].get("final_val_loss") for b in baselines]
     losses = [x for x in losses if x is not None]
     want_loss = bool(args.baseline or args.baseline_seeds)
     checks = run_checks(record, losses if want_loss else None, args.loss_slack)
@@ -168,13 +174,18 @@ def run_wan_drill(args: argparse.Namespace) -> int:
 
 
 def write_outputs(out: Path, record, checks, baselines, ddp, command: str) -> None:
-    summary: dict[str, Any] = {
+    """``results.json`` (everything the report is drawn from), the plots and ``report.md``."""
+    summaries = [baseline_summary(b) for b in baselines]
+    results: dict[str, Any] = {
+        "kind": "wan-drill",
+        "command": command,
         "checks": [vars(c) for c in checks],
-        "baseline_final_losses": [b["replicas"]["r0"]["final_val_loss"] for b in baselines],
+        "baselines": summaries,
         "ddp": ddp,
+        "record": record,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_timeline(out, record)
-    plot_loss(out, record, baselines, ddp)
+    plot_loss(out, record, summaries, ddp)
     plot_bytes(out, record)
-    (out / "report.md").write_text(render_report(record, checks, baselines, ddp, command))
+    (out / "report.md").write_text(render_report(record, checks, summaries, ddp, command))

@@ -68,6 +68,8 @@ def collect(drill) -> dict[str, Any]:
             "final_val_loss": results["final_val_loss"] if results else None,
             "results_steps": results["steps"] if results else None,
             "bytes_per_worker": results.get("bytes_per_worker") if results else None,
+            "compute_s_per_step": results.get("compute_s_per_worker_step") if results else None,
+            "parameters": results.get("parameters") if results else None,
             "checkpoints": checkpoint_steps(run_dir),
             "incarnations": incarnations,
         }

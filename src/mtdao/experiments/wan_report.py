@@ -94,6 +94,15 @@ def ddp_losses(ddp: dict[str, Any]) -> list[tuple[float, float]]:
     return [(e["wall_time_s"], e["val_loss"]) for e in ddp["evals"]]
 
 
+def baseline_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """What the report shows of a drill without events: its seed, final loss and loss curve."""
+    return {
+        "seed": record["settings"].get("seed"),
+        "final_val_loss": record["replicas"]["r0"]["final_val_loss"],
+        "curve": drill_losses(record, "r0"),
+    }
+
+
 def plot_loss(out: Path, record, baselines: list[dict], ddp: dict | None) -> Path:
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(8, 4.8))
@@ -102,10 +111,9 @@ def plot_loss(out: Path, record, baselines: list[dict], ddp: dict | None) -> Pat
         if points:
             axis.plot(*zip(*points), marker="o", ms=3, lw=1.2, label=f"drill {site}")
     for base in baselines:
-        points = drill_losses(base, "r0")
-        if points:
-            seed = base["settings"]["seed"]
-            axis.plot(*zip(*points), ls="--", color="gray", lw=1, label=f"no events, seed {seed}")
+        if base["curve"]:
+            axis.plot(*zip(*base["curve"]), ls="--", color="gray", lw=1,
+                      label=f"no events, seed {base['seed']}")  # fmt: skip
     if ddp is not None:
         axis.plot(*zip(*ddp_losses(ddp)), color="black", marker="s", ms=3, label="DDP, same links")
     shade_events(axis, record)
@@ -195,8 +203,8 @@ def render_report(
         lines.append(f"| {site} | {counts['sent'] / 1e6:.1f} | {counts['received'] / 1e6:.1f} |")
     lines += ["", "![bytes](bytes.png)", "", "## Loss against wall time", ""]
     if baselines:
-        finals = ", ".join(f"{b['replicas']['r0']['final_val_loss']:.4f}" for b in baselines)
-        lines.append(f"Drills without events (seeds {[b['settings']['seed'] for b in baselines]}): "
+        finals = ", ".join(f"{b['final_val_loss']:.4f}" for b in baselines)
+        lines.append(f"Drills without events (seeds {[b['seed'] for b in baselines]}): "
                      f"final val loss {finals}.")  # fmt: skip
     if ddp is not None:
         lines.append(
