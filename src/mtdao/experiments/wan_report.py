@@ -19,6 +19,33 @@ EVENT_COLOURS = {"kill": "tab:red", "partition": "tab:purple", "slow_link": "tab
                  "straggler": "tab:brown", "lighthouse_restart": "tab:gray"}  # fmt: skip
 
 
+EMULATION = {
+    "relay": (
+        "- sites: a network namespace each (the lighthouse's too), a veth pair to a hub namespace;"
+        " every process has the site's own hostname, resolved by every site to the site's address,"
+        " so torchft's manager, store and heal transport and gloo's pairs all dial across the links",
+        "- rate: a kernel token bucket on both ends of each veth (upload and download)",
+        "- delay, jitter, loss: this kernel has no netem qdisc, so the hub runs a userspace switch"
+        " (`mtdao.experiments.wan_relay`) that holds each Ethernet frame for both links' delays plus"
+        " a Gaussian jitter (never reordering a path) and drops it with the links' loss; frames are"
+        " the veths' offloaded TCP super-segments, so a loss is a burst of up to 64 KiB",
+        "- partition: the switch drops every frame to and from the site; TCP stalls and retransmits"
+        " as across a cut link",
+        "- slow link: both token buckets changed to the new rate; straggler: a CPU cgroup quota on"
+        " the replica's process (a SIGSTOP/SIGCONT duty cycle where there is no CPU cgroup)",
+        "- kill: SIGKILL; the replica restarts with the same command line (`--resume`); lighthouse"
+        " restart: SIGKILL, the same command after the pause",
+    ),
+    "netem": (
+        "- sites: a network namespace each on a kernel bridge; every process has the site's own"
+        " hostname, resolved by every site to the site's address",
+        "- rate, delay, jitter, loss: netem at the root of both ends of each veth, a token bucket"
+        " as its child; partition: netem loss 100 % on both ends",
+        "- slow link: the token buckets changed; straggler: a CPU cgroup quota; kill: SIGKILL",
+    ),
+}
+
+
 def _pyplot():
     import matplotlib
 
@@ -179,6 +206,7 @@ def render_report(
         lines.append(f"| {site} | {link['rate_mbit']:g} | {link['delay_ms']:g} | "
                      f"{link['jitter_ms']:g} | {link['loss']:g} |")  # fmt: skip
     lines += ["", "A path between two sites crosses both sites' links (delays add).", ""]
+    lines += ["How it is emulated:", "", *EMULATION[record["emulation"]], ""]
     lines += ["## Events", "", "| event | at (s) | lasted (s) | time to heal (s) | group steps lost | "
               "replica's absent steps | rounds discarded |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for effect in event_effects(record):
