@@ -94,22 +94,30 @@ def shade_events(axis, record: dict[str, Any]) -> None:
 
 
 def plot_timeline(out: Path, record: dict[str, Any]) -> Path:
+    """One row per replica: its step against wall time, its rounds, the events shaded."""
     plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(10, 4.8))
-    for site in record["replicas"]:
+    sites = list(record["replicas"])
+    figure, axes = plt.subplots(len(sites), 1, figsize=(10, 1.2 + 1.9 * len(sites)), sharex=True,
+                                squeeze=False)  # fmt: skip
+    for row, (axis, site) in enumerate(zip(axes[:, 0], sites)):
         times, steps = step_times(record, site)
-        (line,) = axis.plot(times, steps, lw=1.2, label=site)
+        colour = f"C{row}"
+        axis.plot(times, steps, lw=1.2, color=colour)
         for kind, marker in (("committed", "o"), ("discarded", "x")):
             points = [(e["time"] - record["t0"], e["step"]) for e in rounds(record, site, kind)]
             if points:
                 xs, ys = zip(*points)
-                axis.scatter(xs, ys, marker=marker, s=12 if kind == "committed" else 40,
-                             color=line.get_color() if kind == "committed" else "red", zorder=3)  # fmt: skip
-    shade_events(axis, record)
-    axis.set_xlabel("wall time since every replica's first step (s)")
-    axis.set_ylabel("step")
-    axis.set_title("replicas across the WAN: dots committed rounds, red crosses discarded")
-    axis.legend(loc="lower right")
+                axis.scatter(xs, ys, marker=marker, s=10 if kind == "committed" else 50,
+                             color=colour if kind == "committed" else "red", zorder=3,
+                             label=kind)  # fmt: skip
+        for incarnation in record["replicas"][site]["incarnations"][1:]:
+            axis.axvline(incarnation["started"] - record["t0"], color="black", ls=":", lw=1)
+        shade_events(axis, record)
+        axis.set_ylabel(f"{site}: step")
+        if row == 0:
+            axis.legend(loc="lower right", fontsize=8)
+    axes[-1, 0].set_xlabel("wall time since every replica's first step (s); dotted: a restart")
+    figure.suptitle("replicas across the WAN: dots committed rounds, red crosses discarded")
     figure.tight_layout()
     path = out / "timeline.png"
     figure.savefig(path, dpi=110)
