@@ -37,7 +37,7 @@ from mtdao.experiments.wan_report import (
 )
 from mtdao.experiments.wan_run import DrillSettings, run_drill
 from mtdao.experiments.wan_scenario import Scenario, load_scenario
-from mtdao.experiments.wan_sites import WanSites, cleanup_stale
+from mtdao.experiments.wan_sites import WanSites, cleanup_stale, exit_on_sigterm
 from mtdao.experiments.wan_straggler import cleanup_stale_cgroups
 
 PREFIX = "mtdaowan"
@@ -71,6 +71,9 @@ def run_ddp(scenario: Scenario, settings: DrillSettings, out: Path, prefix: str)
         codes = [p.poll() for p in processes]
     finally:
         sites.close()
+    if None in codes:
+        raise RuntimeError(f"DDP over the links did not finish within --deadline "
+                           f"{settings.deadline_s:g} s (exit codes {codes})")  # fmt: skip
     if codes != [0] * len(codes):
         tail = (out / "ddp-rank0.log").read_text(errors="replace").splitlines()[-5:]
         raise RuntimeError(f"DDP over the links failed (exit codes {codes}): " + " | ".join(tail))
@@ -123,6 +126,11 @@ def settings_from_args(args: argparse.Namespace) -> DrillSettings:
 
 
 def run_wan_drill(args: argparse.Namespace) -> int:
+    with exit_on_sigterm():  # every phase tears its sites down on SIGTERM
+        return _run_wan_drill(args)
+
+
+def _run_wan_drill(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     scenario = replace(
         scenario,

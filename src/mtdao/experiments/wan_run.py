@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.wan_scenario import LIGHTHOUSE, Event, Scenario
-from mtdao.experiments.wan_sites import SITE_IFACE, WanSites
+from mtdao.experiments.wan_sites import SITE_IFACE, WanSites, exit_on_sigterm
 from mtdao.experiments.wan_straggler import CpuQuota
 from mtdao.train.checkpoint_index import CHECKPOINTS_DIR, COMPLETE_NAME
 
@@ -310,22 +310,21 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for m in names if m)
 
 
-def _exit_143(signum, frame) -> None:
-    raise SystemExit(143)
-
-
 def run_drill(scenario: Scenario, settings: DrillSettings, out: Path, prefix: str) -> dict:
     """Run one drill; its record (see :func:`mtdao.experiments.wan_record.collect`)."""
-    from mtdao.experiments.wan_record import collect
-
     scenario.check_sites(settings.replicas)
     out.mkdir(parents=True, exist_ok=True)
     names = [LIGHTHOUSE, *(f"r{i}" for i in range(settings.replicas))]
     sites = WanSites(
         {n: scenario.link(n) for n in names}, prefix, settings.emulation, settings.seed
     )
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _exit_143)  # so that `finally` tears the sites down
+    with exit_on_sigterm():
+        return _run_in(sites, scenario, settings, out)
+
+
+def _run_in(sites: WanSites, scenario: Scenario, settings: DrillSettings, out: Path) -> dict:
+    from mtdao.experiments.wan_record import collect
+
     try:
         sites.build()
         drill = Drill(sites, scenario, settings, out)
@@ -338,6 +337,5 @@ def run_drill(scenario: Scenario, settings: DrillSettings, out: Path, prefix: st
         record = collect(drill)
     finally:
         sites.close()
-        signal.signal(signal.SIGTERM, previous)
     (out / "drill.json").write_text(json.dumps(record, indent=1))
     return record

@@ -21,6 +21,7 @@ replica's peers dial its site's address, through the shaped links.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -283,10 +284,35 @@ class WanSites:
                 signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
 
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """While active, SIGTERM raises SystemExit(143), so that ``finally`` blocks tear sites down
+    (signal handlers can only be set from the main thread; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def delete_namespaces(names: list[str]) -> list[str]:
-    """Delete namespaces and their ``/etc/netns`` files; the failures, as messages."""
+    """Kill what still runs in the namespaces, delete them and their ``/etc/netns`` files; the
+    failures, as messages (a namespace outlives its deletion while a process holds it)."""
     failures = []
     for ns in names:
+        try:
+            for pid in _sh("ip", "netns", "pids", ns).split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        except LinkCommandError:
+            pass  # already gone
         try:
             _sh("ip", "netns", "delete", ns)
         except LinkCommandError as error:
