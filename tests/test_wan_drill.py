@@ -38,7 +38,8 @@ def test_a_yaml_scenario_sets_per_site_links_on_top_of_the_default(tmp_path):
     assert scenario.name == "far"
     assert scenario.link("r2").delay_ms == 60 and scenario.link("r2").rate_mbit == 50
     assert scenario.link("r0").rate_mbit == 50 and scenario.link("r0").delay_ms == 20
-    assert [e.kind for e in scenario.events] == ["kill", "partition"]  # in time order
+    assert [e.kind for e in scenario.events] == ["partition", "kill"]
+    assert scenario.events[1].when == "1 s"
     assert scenario.replica_flags == ("--sync-delay", "2")
 
 
@@ -48,6 +49,7 @@ def test_a_yaml_scenario_sets_per_site_links_on_top_of_the_default(tmp_path):
         ({"events": [{"at_s": 1, "kind": "explode", "site": "r0"}]}, "event kind must be one of"),
         ({"events": [{"at_s": 1, "kind": "kill", "site": "r0", "when": 3}]}, "unknown keys"),
         ({"events": [{"at_s": 1, "kind": "kill"}]}, "needs a replica site"),
+        ({"events": [{"kind": "kill", "site": "r0"}]}, "exactly one of at_s and at_step"),
         ({"events": [{"at_s": 1, "kind": "lighthouse_restart", "site": "r1"}]}, "not 'r1'"),
         ({"links": {"default": {"loss": 1.5}}}, "loss must be in [0, 1)"),
         ({"event": []}, "unknown keys ['event']"),
@@ -187,11 +189,11 @@ def drill_command(out: Path, scenario: Path, steps: int = 256, extra=()) -> list
 @pytest.mark.slow
 def test_a_short_drill_survives_its_events_checks_them_and_cleans_up(can_emulate, tmp_path):
     scenario = tmp_path / "short.json"
-    # the restarted replica needs its start-up (up to ~30 s on a loaded machine) and a heal
-    # before the partition, and the run must outlast both, or it ends with two models
-    events = [{"at_s": 3, "kind": "kill", "site": "r1", "for_s": 1},
-              {"at_s": 45, "kind": "partition", "site": "r1", "for_s": 8},
-              {"at_s": 60, "kind": "straggler", "site": "r0", "for_s": 4}]  # fmt: skip
+    # at steps, not seconds: the machine's speed varies; the kill comes last, with steps enough
+    # left for the restarted replica's start-up (or the run ends with two models, rightly failed)
+    events = [{"at_step": 160, "kind": "partition", "site": "r1", "for_s": 5},
+              {"at_step": 320, "kind": "straggler", "site": "r0", "for_s": 3},
+              {"at_step": 480, "kind": "kill", "site": "r1", "for_s": 1}]  # fmt: skip
     scenario.write_text(json.dumps({"events": events}))
     # no-event drills far from any real loss: the loss check must fail, and only it
     fakes = []
@@ -201,7 +203,7 @@ def test_a_short_drill_survives_its_events_checks_them_and_cleans_up(can_emulate
         fake = {"settings": {"seed": seed}, "t0": 0, "samples": [], "replicas": {"r0": replica}}
         fakes[-1].write_text(json.dumps(fake))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = drill_command(tmp_path / "out", scenario, 800, ["--baseline", *map(str, fakes)])
+    command = drill_command(tmp_path / "out", scenario, 1600, ["--baseline", *map(str, fakes)])
     done = subprocess.run(command, capture_output=True, text=True, timeout=500, env=env)
     lines = done.stdout.splitlines()
     assert done.returncode == 1, done.stdout + done.stderr

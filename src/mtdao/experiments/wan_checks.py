@@ -40,7 +40,8 @@ def check_exits(record: dict[str, Any]) -> Check:
             said = tail[-1] if tail else "(no output)"
             restarts = [e for e in record["events"] if e["kind"] == "lighthouse_restart"
                         and last["ended"] is not None and e["began"] < last["ended"]]  # fmt: skip
-            after = (f" (after the lighthouse restart at {restarts[0]['at_s']:g} s)"
+            at = restarts[0]["began"] - record["t0"] if restarts else 0.0
+            after = (f" (after the lighthouse restart at {at:.0f} s)"
                      if restarts else "")  # fmt: skip
             bad.append(f"{last['key']} exited with {last['returncode']}{after}: {said}")
     if bad:

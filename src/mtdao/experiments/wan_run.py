@@ -208,8 +208,9 @@ class Drill:
         last_move: dict[str, tuple[int, float]] = {}
         while True:
             now = time.time()
-            while pending and now >= self.t0 + pending[0].at_s:
-                record = self.begin(pending.pop(0))
+            for event in [e for e in pending if self._due(e, now)]:
+                pending.remove(event)
+                record = self.begin(event)
                 self.applied.append(record)
                 active.append(record)
             for record in [r for r in active if now >= r["until"]]:
@@ -228,10 +229,16 @@ class Drill:
                 break
             time.sleep(0.2)
         for event in pending:
-            self.failures.append(f"event {event.label} at {event.at_s:g} s never ran: the run "
+            self.failures.append(f"event {event.label} at {event.when} never ran: the run "
                                  "ended first (a scenario longer than the run)")  # fmt: skip
         for record in active:
             self.end(record)
+
+    def _due(self, event: Event, now: float) -> bool:
+        if event.at_s is not None:
+            return now >= self.t0 + event.at_s
+        frontier = max(self.step_of(self.current(s)["key"]) for s in self.replica_sites())
+        return frontier >= event.at_step
 
     def _wait_for_first_steps(self, deadline: float) -> None:
         released = False

@@ -5,7 +5,8 @@
       r2: {delay_ms: 60}        # a far site
     replica_flags: []           # extra `mtdao train` flags of every replica
     lighthouse_flags: []        # extra `mtdao lighthouse` flags
-    events:                     # seconds after every replica has taken its first step
+    events:                     # at_s: seconds after every replica's first step, or at_step:
+                                # when the most advanced replica reaches that step
       - {at_s: 20, kind: kill, site: r1, for_s: 5}           # SIGKILL, restart (--resume) after 5 s
       - {at_s: 40, kind: partition, site: r2, for_s: 10}     # every frame dropped, then healed
       - {at_s: 60, kind: slow_link, site: r0, for_s: 10, rate_factor: 0.1}
@@ -32,10 +33,12 @@ LIGHTHOUSE = "lighthouse"
 
 @dataclass(frozen=True)
 class Event:
-    at_s: float
-    """Seconds after every replica has taken its first step."""
     kind: str
     """One of :data:`EVENT_KINDS`."""
+    at_s: float | None = None
+    """Seconds after every replica has taken its first step; or"""
+    at_step: int | None = None
+    """when the most advanced replica reaches this step (robust to the machine's speed)."""
     site: str = LIGHTHOUSE
     """The replica site it strikes (``lighthouse`` for a lighthouse restart)."""
     for_s: float = 10.0
@@ -49,8 +52,10 @@ class Event:
     def __post_init__(self) -> None:
         if self.kind not in EVENT_KINDS:
             raise ValueError(f"event kind must be one of {', '.join(EVENT_KINDS)}: {self.kind!r}")
-        if not self.at_s >= 0 or not self.for_s >= 0:
-            raise ValueError(f"event {self.kind}: at_s and for_s must be >= 0")
+        if (self.at_s is None) == (self.at_step is None):
+            raise ValueError(f"event {self.kind}: give exactly one of at_s and at_step")
+        if not (self.at_s or 0) >= 0 or not (self.at_step or 0) >= 0 or not self.for_s >= 0:
+            raise ValueError(f"event {self.kind}: at_s, at_step and for_s must be >= 0")
         if self.kind == "lighthouse_restart" and self.site != LIGHTHOUSE:
             raise ValueError(f"lighthouse_restart strikes the lighthouse, not {self.site!r}")
         if self.kind != "lighthouse_restart" and self.site == LIGHTHOUSE:
@@ -59,6 +64,10 @@ class Event:
             raise ValueError(f"rate_factor must be in (0, 1], got {self.rate_factor}")
         if not 0 < self.cpu_share <= 1:
             raise ValueError(f"cpu_share must be in (0, 1], got {self.cpu_share}")
+
+    @property
+    def when(self) -> str:
+        return f"{self.at_s:g} s" if self.at_s is not None else f"step {self.at_step}"
 
     @property
     def label(self) -> str:
@@ -116,7 +125,7 @@ def scenario_from_dict(data: dict[str, Any], name: str) -> Scenario:
     )
     return Scenario(
         name=str(data.get("name", name)),
-        events=tuple(sorted(events, key=lambda event: event.at_s)),
+        events=events,
         links=links,
         replica_flags=tuple(str(flag) for flag in data.get("replica_flags") or ()),
         lighthouse_flags=tuple(str(flag) for flag in data.get("lighthouse_flags") or ()),
@@ -159,12 +168,13 @@ def load_scenario(path: str) -> Scenario:
     return scenario_from_dict(data, file.stem)
 
 
-_DEFAULT_EVENTS = [  # apart by more than a heal takes, so that each event's cost is its own
-    {"at_s": 15, "kind": "kill", "site": "r1", "for_s": 4},
-    {"at_s": 45, "kind": "partition", "site": "r2", "for_s": 15},
-    {"at_s": 100, "kind": "slow_link", "site": "r0", "for_s": 10, "rate_factor": 0.1},
+_DEFAULT_EVENTS = [  # at steps of the default 1280 (a machine's speed varies), apart by more
+    # than a heal takes, so that each event's cost is its own
+    {"at_step": 96, "kind": "kill", "site": "r1", "for_s": 4},
+    {"at_step": 352, "kind": "partition", "site": "r2", "for_s": 15},
+    {"at_step": 640, "kind": "slow_link", "site": "r0", "for_s": 10, "rate_factor": 0.1},
     # a share below what a process gets on a busy machine anyway (two cores, several runs)
-    {"at_s": 130, "kind": "straggler", "site": "r1", "for_s": 15, "cpu_share": 0.05},
+    {"at_step": 864, "kind": "straggler", "site": "r1", "for_s": 15, "cpu_share": 0.05},
 ]
 DEFAULT_SCENARIO = scenario_from_dict({"name": "default", "events": _DEFAULT_EVENTS}, "default")
 FULL_SCENARIO = scenario_from_dict(
@@ -172,7 +182,7 @@ FULL_SCENARIO = scenario_from_dict(
         "name": "full",
         "events": [
             *_DEFAULT_EVENTS,
-            {"at_s": 160, "kind": "lighthouse_restart", "for_s": 3},
+            {"at_step": 1056, "kind": "lighthouse_restart", "for_s": 3},
         ],
     },
     "full",
