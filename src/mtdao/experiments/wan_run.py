@@ -222,7 +222,7 @@ class Drill:
                 break
             running = [k for k, p in self.processes.items() if not k.startswith(LIGHTHOUSE)
                        and p.poll() is None]  # fmt: skip
-            if not running and not active and not any(e.kind == "kill" for e in pending):
+            if not running and not active:
                 break
             if now > deadline:
                 self.failures.append(f"the drill passed its deadline of {s.deadline_s:g} s")
@@ -231,8 +231,9 @@ class Drill:
         for event in pending:
             self.failures.append(f"event {event.label} at {event.when} never ran: the run "
                                  "ended first (a scenario longer than the run)")  # fmt: skip
-        for record in active:
-            self.end(record)
+        for record in active:  # give back what was taken; nothing is restarted any more
+            if record["kind"] not in ("kill", "lighthouse_restart"):
+                self.end(record)
 
     def _due(self, event: Event, now: float) -> bool:
         if event.at_s is not None:
