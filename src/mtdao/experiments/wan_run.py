@@ -104,7 +104,8 @@ class Drill:
         s = self.settings
         argv = [sys.executable, "-m", "mtdao", "lighthouse", "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
         argv += ["--min-replicas", "1", "--heartbeat-timeout", str(s.heartbeat_timeout_s)]
-        argv += ["--join-timeout", str(s.join_timeout_s), *self.scenario.lighthouse_flags]
+        argv += ["--join-timeout", str(s.join_timeout_s)]
+        argv += self.site_flags(LIGHTHOUSE, self.scenario.lighthouse_flags)
         count = len(self.incarnations.get(LIGHTHOUSE, []))
         key = f"lighthouse-{count}"
         self._spawn(key, LIGHTHOUSE, argv)
@@ -122,7 +123,14 @@ class Drill:
         argv += ["--connect-timeout", str(s.connect_timeout_s)]
         argv += ["--quorum-timeout", str(s.quorum_timeout_s)]
         argv += ["--collective-timeout", str(s.collective_timeout_s)]
-        return argv + s.train_flags() + list(self.scenario.replica_flags)
+        return argv + s.train_flags() + self.site_flags(site, self.scenario.replica_flags)
+
+    def site_flags(self, site: str, flags) -> list[str]:
+        """Extra flags with ``{site}``, ``{address}`` and ``{hostname}`` filled in for ``site``
+        (e.g. ``--bind-host {address}``)."""
+        values = {"site": site, "address": self.sites.addresses[site],
+                  "hostname": self.sites.hostnames[site]}  # fmt: skip
+        return [flag.format(**values) for flag in flags]
 
     def start_replica(self, site: str, hold: bool = False) -> None:
         """Start ``site``'s next incarnation (held before it connects when ``hold``)."""
