@@ -58,13 +58,13 @@ def render(record: dict, predictions_table: str, heals: str) -> str:
     lines += ["## Calibration", ""]
     lines += [
         f"Fitted on {len(record['measurements'])} drills without events (3 replicas, K = 16): "
-        f"round overhead = {c['fixed_s']:.3f} s + {c['rtts_per_round']:.2f} RTT + ring bytes at "
+        f"round time (quorum request to commit) = {c['fixed_s']:.3f} s + {c['rtts_per_round']:.2f} RTT + ring bytes at "
         f"{c['efficiency'] * 100:.0f} % of the link rate ({c['quorum_rtts']:.2f} RTT of it besides "
         f"the ring's M - 1); heal = {c['heal_fixed_s']:.2f} s + state bytes at "
         f"{c['heal_efficiency'] * 100:.1f} % of the link rate.",
         "",
         "| drill | params | RTT (ms) | Mbit/s | compute / step (ms) | bytes / round | "
-        "round overhead (s) | rounds timed | heals |",
+        "round time (s) | rounds timed | heals |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for m in record["measurements"]:
@@ -74,14 +74,16 @@ def render(record: dict, predictions_table: str, heals: str) -> str:
             f"{m['round_overhead_s']:.3f} | {m['rounds_measured']} | {len(m['heals'])} |"
         )
     lines += ["", "## Held out: prediction against measurement", ""]
-    lines += ["| drill | | round interval (s) | training (s) | heal (s) |", "|---|---|---|---|---|"]
+    lines += ["| drill | | round time (s) | round interval (s) | training (s) | heal (s) |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     for entry in record["held_out"]:
         name, p = entry["measurement"]["name"], entry["prediction"]
         heal = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-        lines.append(f"| {name} | predicted | {p['round_interval_s']:.3f} | {p['train_s']:.1f} | "
-                     f"{heal(p['heal_s'])} |")  # fmt: skip
-        lines.append(f"| | measured | {p['measured_round_interval_s']:.3f} | "
-                     f"{p['measured_train_s']:.1f} | {heal(p['measured_heal_s'])} |")  # fmt: skip
+        lines.append(f"| {name} | predicted | {p['round_s']:.3f} | {p['round_interval_s']:.3f} | "
+                     f"{p['train_s']:.1f} | {heal(p['heal_s'])} |")  # fmt: skip
+        lines.append(f"| | measured | {p['measured_round_s']:.3f} | "
+                     f"{p['measured_round_interval_s']:.3f} | {p['measured_train_s']:.1f} | "
+                     f"{heal(p['measured_heal_s'])} |")  # fmt: skip
     lines += ["", "## Time to the target loss at scale", "", "Assumptions:", "", *ASSUMPTIONS, ""]
     lines += [
         "DDP / X: how many times faster X is than DDP, which is also how many times more steps "

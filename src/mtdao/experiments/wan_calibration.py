@@ -3,9 +3,10 @@
 From each drill without events (its ``drill.json``):
 
 * compute per step: the replicas' measured ``compute_s_per_worker_step``;
-* round overhead: the median time between two rounds every replica committed together, minus K
-  steps of compute: the quorum at the lighthouse, the all-reduce, the commit and the replicas'
-  wait for the slowest of them;
+* round time: from a replica's quorum request to its commit (the quorum at the lighthouse, the
+  all-reduce, the commit), for every round all replicas committed together, outside events; the
+  least over the replicas, so that a replica's wait for a slower one (a compute effect) is left
+  out; the median over rounds;
 * heals: every state transfer a joining replica received (bytes, seconds).
 
 Fitted by least squares (:func:`fit`):
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mtdao.experiments.wan_summary import round_intervals, rounds
+from mtdao.experiments.wan_summary import rounds
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,26 @@ def _results(path: Path, site: str) -> dict[str, Any]:
     return json.loads((path.parent / "replicas" / site / "results.json").read_text())
 
 
+def round_times(record: dict[str, Any]) -> list[float]:
+    """Per round every replica committed together (outside events): the least, over replicas,
+    of the seconds from its quorum request to its commit."""
+    everyone = len(record["replicas"])
+    windows = [(e["began"] - 5, (e.get("ended") or e["until"]) + 5) for e in record["events"]]
+    per_round: dict[int, list[float]] = {}
+    for site in record["replicas"]:
+        events = record["replicas"][site]["events"]
+        for quorum, committed in zip(events, events[1:]):
+            if quorum["event"] != "quorum" or committed["event"] != "committed":
+                continue
+            if len(committed["replicas"]) != everyone or quorum.get("heal"):
+                continue
+            start = quorum["time"] - quorum["seconds"]
+            if any(a <= committed["time"] and start <= b for a, b in windows):
+                continue
+            per_round.setdefault(committed["step"], []).append(committed["time"] - start)
+    return [min(values) for values in per_round.values() if len(values) == everyone]
+
+
 def measure(path: Path) -> DrillMeasurement:
     """What one drill without events measured (``path``: its ``drill.json``)."""
     record = json.loads(Path(path).read_text())
@@ -69,9 +90,9 @@ def measure(path: Path) -> DrillMeasurement:
     round_count = settings["steps"] // period
     bytes_per_round = statistics.median(r["bytes_per_worker"] for r in results.values())
     bytes_per_round /= round_count
-    intervals = round_intervals(record)
-    if not intervals:
-        raise ValueError(f"{path}: no two consecutive rounds of every replica to time")
+    times = round_times(record)
+    if not times:
+        raise ValueError(f"{path}: no round of every replica to time")
     a, b = links[sites[0]], links[sites[1]]
     heals = tuple(
         (e["heal"]["bytes"], e["heal"]["seconds"])
@@ -90,8 +111,8 @@ def measure(path: Path) -> DrillMeasurement:
         rate_mbit=min(a["rate_mbit"], b["rate_mbit"]),
         compute_s_per_step=compute,
         bytes_per_round=bytes_per_round,
-        round_overhead_s=statistics.median(intervals) - period * compute,
-        rounds_measured=len(intervals),
+        round_overhead_s=statistics.median(times),
+        rounds_measured=len(times),
         train_s=max(committed) - record["t0"],
         heals=heals,
     )
@@ -175,6 +196,8 @@ def predict_drill(calibration: Calibration, m: DrillMeasurement) -> dict[str, fl
     return {
         "round_interval_s": m.sync_period * m.compute_s_per_step + overhead,
         "measured_round_interval_s": m.sync_period * m.compute_s_per_step + m.round_overhead_s,
+        "round_s": overhead,
+        "measured_round_s": m.round_overhead_s,
         "train_s": m.steps * m.compute_s_per_step + rounds_run * overhead,
         "measured_train_s": m.train_s,
         "heal_s": heal_seconds(calibration, heal_bytes, m.rate_mbit / 1000) if m.heals else None,
