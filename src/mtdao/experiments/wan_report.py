@@ -77,7 +77,9 @@ def drill_losses(record: dict[str, Any], site: str) -> list[tuple[float, float]]
     out = []
     for line in record["replicas"][site]["metrics"]:
         if "val_loss" in line:
-            when = time_of_step(record, site, line["step"])
+            # a replica's status names the step it is about to take: the last one it names is
+            # the run's last step minus one
+            when = time_of_step(record, site, line["step"] - 1)
             if when is not None:
                 out.append((when, line["val_loss"]))
     return out
@@ -245,7 +247,9 @@ def render_report(
     if ddp is not None:
         lines.append(
             f"DDP over the same links ({ddp['steps']} steps): final val loss "
-            f"{ddp['final_val_loss']:.4f} after {ddp['train_time_s']:.0f} s of training."
+            f"{ddp['final_val_loss']:.4f} after {ddp['train_time_s']:.0f} s of training (its "
+            "time: training steps with every wait on a collective, evaluation excluded; the "
+            "drill's: wall time since every replica's first step)."
         )
     lines += ["", "![loss](loss.png)", ""]
     return "\n".join(lines)
