@@ -54,7 +54,9 @@ def run_config(name: str, model: str, link: LinkSpec, work: Path, steps: int) ->
 
 def render(record: dict, predictions_table: str, heals: str) -> str:
     c = record["calibration"]
+    command = "python benchmarks/wan_beyond.py " + " ".join(sys.argv[1:])
     lines = ["# Beyond the box: the wall-clock model calibrated on WAN drills", ""]
+    lines += [f"    {command}", ""]
     lines += ["## Calibration", ""]
     lines += [
         f"Fitted on {len(record['measurements'])} drills without events (3 replicas, K = 16): "
@@ -84,6 +86,20 @@ def render(record: dict, predictions_table: str, heals: str) -> str:
         lines.append(f"| | measured | {p['measured_round_s']:.3f} | "
                      f"{p['measured_round_interval_s']:.3f} | {p['measured_train_s']:.1f} | "
                      f"{heal(p['measured_heal_s'])} |")  # fmt: skip
+    for entry in record["held_out"]:
+        p = entry["prediction"]
+        errors = [(what, p[key], p[f"measured_{key}"]) for what, key in
+                  (("round time", "round_s"), ("round interval", "round_interval_s"),
+                   ("training", "train_s"), ("heal", "heal_s"))]  # fmt: skip
+        said = ", ".join(f"{what} {(a - b) / b * 100:+.0f} %" for what, a, b in errors
+                         if a is not None and b)  # fmt: skip
+        lines += ["", f"Prediction against measurement: {said}. The measured training time "
+                  "includes the evaluations, which the model leaves out."]  # fmt: skip
+    compute = [m["compute_s_per_step"] for m in record["measurements"] if m["parameters"] < 2e5]
+    lines += ["", "The drills ran on a shared 2-core machine: compute per step of the same model "
+              f"ranged {min(compute) * 1e3:.0f} - {max(compute) * 1e3:.0f} ms between drills "
+              "(other runs share the cores), which is why rounds are timed from quorum request to "
+              "commit, leaving compute out."]  # fmt: skip
     lines += ["", "## Time to the target loss at scale", "", "Assumptions:", "", *ASSUMPTIONS, ""]
     lines += [
         "DDP / X: how many times faster X is than DDP, which is also how many times more steps "
