@@ -44,6 +44,28 @@ PREFIX = "mtdaowan"
 DDP_PORT = 29500  # inside the DDP workers' own namespaces
 
 
+SETTING_HELP = {
+    "replicas": "fault-tolerant replicas, one site each",
+    "model": "model preset",
+    "steps": "steps per replica (a multiple of --sync-period)",
+    "sync_period": "K, steps between rounds",
+    "batch_size": "sequences per replica per step",
+    "seq_len": "tokens per sequence",
+    "eval_tokens": "held-out tokens per evaluation",
+    "seed": "seed of the drill with events",
+    "data": "training text (default: the harness's built-in sources)",
+    "checkpoint_every": "steps between a replica's checkpoints (a restart resumes from one)",
+    "heartbeat_timeout_s": "lighthouse: seconds of silence after which a replica is dead",
+    "join_timeout_s": "lighthouse: seconds a new quorum waits for live replicas to join",
+    "connect_timeout_s": "replica: seconds to reach the lighthouse",
+    "quorum_timeout_s": "replica: seconds to wait for a quorum",
+    "collective_timeout_s": "replica: seconds an all-reduce or a heal may take",
+    "hang_limit_s": "a live replica whose step stays put this long is a hang (a failure)",
+    "start_timeout_s": "seconds the replicas may take to take their first step",
+    "deadline_s": "seconds one drill (or the DDP run) may take in all",
+}
+
+
 def run_ddp(scenario: Scenario, settings: DrillSettings, out: Path, prefix: str) -> dict:
     """DDP over the same links, one gloo worker per replica site; rank 0's results."""
     from mtdao.experiments.slow_link import worker_env
@@ -99,7 +121,8 @@ def add_parser(subparsers) -> None:
             continue
         flag = "--" + field.name.removesuffix("_s").replace("_", "-")
         kind = type(getattr(defaults, field.name)) if field.name != "data" else str
-        add(flag, dest=field.name, type=kind, default=getattr(defaults, field.name))
+        add(flag, dest=field.name, type=kind, default=getattr(defaults, field.name),
+            help=SETTING_HELP[field.name])  # fmt: skip
     add("--emulation", choices=("auto", "netem", "relay"), default="auto",
         help="how delay, jitter, loss and partitions are made (auto: netem where the kernel has it)")  # fmt: skip
     add("--baseline-seeds", type=int, nargs="*", default=[0, 1],
