@@ -156,7 +156,8 @@ def plot_loss(out: Path, record, baselines: list[dict], ddp: dict | None) -> Pat
     shade_events(axis, record)
     axis.set_xlabel("wall time since the first step (s)")
     axis.set_ylabel("validation loss")
-    axis.legend(fontsize=8)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=8)
     figure.tight_layout()
     path = out / "loss.png"
     figure.savefig(path, dpi=110)
