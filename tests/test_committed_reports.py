@@ -19,6 +19,8 @@ from mtdao.experiments.horizon_report import render_horizon_report
 from mtdao.experiments.rosenbrock_report import report_markdown
 from mtdao.experiments.slow_link_report import render_report
 from mtdao.experiments.sync_options_report import render_report as render_sync_options
+from mtdao.experiments.wan_checks import Check
+from mtdao.experiments.wan_report import render_report as render_wan_drill
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
@@ -29,8 +31,8 @@ def kind(results) -> str | None:
         return "slow-link"
     if "experiments" in results and "protocol" in results:
         return "horizon"
-    if results.get("kind") == "sync-options":
-        return "sync-options"
+    if results.get("kind") in ("sync-options", "wan-drill"):
+        return results["kind"]
     if "variants" in results:
         return "ablation"
     if "target_val_loss" in results:
@@ -58,6 +60,13 @@ def rendered(report_dir: Path) -> str:
         "rosenbrock": lambda: report_markdown(results["config"], results["summary"]),
         "slow-link": lambda: render_slow_link(report_dir, results),
         "sync-options": lambda: render_sync_options(results),
+        "wan-drill": lambda: render_wan_drill(
+            results["record"],
+            [Check(**check) for check in results["checks"]],
+            results["baselines"],
+            results["ddp"],
+            results["command"],
+        ),
     }
     return renderers[kind(results)]()
 
@@ -69,7 +78,8 @@ def known_reports() -> list[Path]:
 
 def test_every_experiment_has_a_committed_report():
     kinds = {kind(json.loads((d / "results.json").read_text())) for d in known_reports()}
-    assert kinds == {"compare", "ablation", "rosenbrock", "slow-link", "sync-options", "horizon"}
+    expected = {"compare", "ablation", "rosenbrock", "slow-link", "sync-options", "horizon"}
+    assert kinds == expected | {"wan-drill"}
 
 
 @pytest.mark.parametrize("report_dir", known_reports(), ids=lambda d: d.name)

@@ -1,0 +1,49 @@
+"""The drill-calibrated wall-clock model: the fit recovers a known round model, extrapolates in
+the number of workers as documented, and the predictions at scale are ordered as the traffic is."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtdao.experiments.wan_calibration import Calibration, DrillMeasurement, fit, round_seconds
+from mtdao.experiments.wan_predict import grid, predict, prediction_table
+
+TRUE = Calibration(fixed_s=0.2, rtts_per_round=3.5, efficiency=0.6, heal_fixed_s=1.0,
+                   heal_efficiency=0.05, calibrated_workers=3)  # fmt: skip
+
+
+def measurement(rtt_s: float, rate_mbit: float, bytes_per_round: float) -> DrillMeasurement:
+    overhead = round_seconds(TRUE, bytes_per_round, 3, rtt_s, rate_mbit / 1000)
+    heal_bytes = 4 * bytes_per_round / 3
+    heal_s = TRUE.heal_fixed_s + heal_bytes * 8 / (TRUE.heal_efficiency * rate_mbit * 1e6)
+    return DrillMeasurement("m", 3, 1000, 16, 320, rtt_s, rate_mbit, 0.01, bytes_per_round,
+                            overhead, 10, 60.0, ((heal_bytes, heal_s),))  # fmt: skip
+
+
+def test_the_fit_recovers_the_round_and_heal_model_it_was_made_from():
+    drills = [measurement(0.02, 100, 1.3e6), measurement(0.08, 100, 1.3e6),
+              measurement(0.08, 100, 1.0e7), measurement(0.04, 20, 1.3e6)]  # fmt: skip
+    fitted = fit(drills)
+    for name in ("fixed_s", "rtts_per_round", "efficiency", "heal_fixed_s", "heal_efficiency"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-6)
+    assert fitted.quorum_rtts == pytest.approx(1.5)
+
+
+def test_too_few_distinct_drills_are_refused():
+    with pytest.raises(ValueError, match="3 or more"):
+        fit([measurement(0.08, 100, 1.3e6)] * 4)
+
+
+def test_the_ring_latency_grows_with_the_workers_and_ddp_pays_no_quorum():
+    small = round_seconds(TRUE, 0, 3, 0.08, 10)
+    large = round_seconds(TRUE, 0, 1024, 0.08, 10)
+    assert large - small == pytest.approx((1023 - 2) * 0.08)
+    assert round_seconds(TRUE, 0, 3, 0.08, 10, quorum=False) == pytest.approx(2 * 0.08)
+
+
+def test_local_methods_send_less_and_finish_sooner_on_slow_links():
+    ddp, diloco, mtdao = (predict(TRUE, m, 64, 1.3e9, 1.0) for m in ("ddp", "diloco", "mtdao"))
+    assert ddp.compute_s == diloco.compute_s == mtdao.compute_s
+    assert diloco.communication_s < mtdao.communication_s < ddp.communication_s
+    predictions = grid(TRUE)
+    assert len(prediction_table(predictions).splitlines()) == 2 + len(predictions) // 3

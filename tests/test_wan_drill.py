@@ -1,0 +1,251 @@
+"""``mtdao wan-drill``: scenarios, the relay's timing, the checks, and a short real drill that must
+clean up after itself (normally and on SIGTERM).
+
+The real drills need root, network namespaces and torchft; they skip with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mtdao.experiments.netem import LinkUnavailable, _check_available, _sh
+from mtdao.experiments.wan_checks import check_loss, loss_band, run_checks
+from mtdao.experiments.wan_relay import Port, Switch
+from mtdao.experiments.wan_scenario import DEFAULT_SCENARIO, load_scenario, scenario_from_dict
+from mtdao.experiments.wan_sites import NETNS_ETC, cleanup_stale, live_namespaces
+from mtdao.experiments.wan_straggler import cpu_cgroup_root
+
+# -- scenarios ----------------------------------------------------------------------------------
+
+
+def test_a_yaml_scenario_sets_per_site_links_on_top_of_the_default(tmp_path):
+    path = tmp_path / "far.yaml"
+    path.write_text(
+        "links:\n  default: {rate_mbit: 50}\n  r2: {delay_ms: 60}\n"
+        "events:\n  - {at_s: 9, kind: partition, site: r2, for_s: 3}\n"
+        "  - {at_s: 1, kind: kill, site: r0}\n"
+        "replica_flags: [--sync-delay, '2']\n"
+    )
+    scenario = load_scenario(str(path))
+    assert scenario.name == "far"
+    assert scenario.link("r2").delay_ms == 60 and scenario.link("r2").rate_mbit == 50
+    assert scenario.link("r0").rate_mbit == 50 and scenario.link("r0").delay_ms == 20
+    assert [e.kind for e in scenario.events] == ["partition", "kill"]
+    assert scenario.events[1].when == "1 s"
+    assert scenario.replica_flags == ("--sync-delay", "2")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"events": [{"at_s": 1, "kind": "explode", "site": "r0"}]}, "event kind must be one of"),
+        ({"events": [{"at_s": 1, "kind": "kill", "site": "r0", "when": 3}]}, "unknown keys"),
+        ({"events": [{"at_s": 1, "kind": "kill"}]}, "needs a replica site"),
+        ({"events": [{"kind": "kill", "site": "r0"}]}, "exactly one of at_s and at_step"),
+        ({"events": [{"at_s": 1, "kind": "lighthouse_restart", "site": "r1"}]}, "not 'r1'"),
+        ({"links": {"default": {"loss": 1.5}}}, "loss must be in [0, 1)"),
+        ({"event": []}, "unknown keys ['event']"),
+    ],
+)
+def test_a_bad_scenario_is_refused_in_one_line(data, message):
+    with pytest.raises(ValueError, match=None) as error:
+        scenario_from_dict(data, "bad")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_scenario_naming_a_site_the_drill_lacks_is_refused():
+    with pytest.raises(ValueError, match="site 'r2' is not one of a 2-replica drill's"):
+        DEFAULT_SCENARIO.check_sites(2)
+    DEFAULT_SCENARIO.check_sites(3)
+
+
+def test_the_default_scenario_exercises_every_event_replicas_survive_today():
+    kinds = {event.kind for event in DEFAULT_SCENARIO.events}
+    assert kinds == {"kill", "partition", "slow_link", "straggler"}
+    assert "lighthouse_restart" in {e.kind for e in load_scenario("full").events}
+
+
+# -- the relay's timing, without sockets ---------------------------------------------------------
+
+
+def test_the_relay_adds_both_links_delays_and_drops_a_partitioned_sites_frames():
+    switch = Switch([Port("a", delay_ms=20), Port("b", delay_ms=60), Port("c")])
+    switch.schedule(0, 1, b"x", now=100.0)
+    assert switch.queue[0][0] == pytest.approx(100.08)
+    switch.ports[2].partitioned = True
+    switch.schedule(0, 2, b"x", now=100.0)
+    switch.schedule(2, 1, b"x", now=100.0)
+    assert len(switch.queue) == 1
+    assert switch.ports[0].counters["partition_dropped"] == 1
+
+
+def test_jitter_never_reorders_a_path_and_loss_drops_about_its_share():
+    switch = Switch([Port("a", jitter_ms=30, loss=0.1), Port("b", jitter_ms=30)], seed=3)
+    for i in range(2000):
+        switch.schedule(0, 1, b"x", now=i * 0.001)
+    releases = [entry[0] for entry in sorted(switch.queue, key=lambda e: e[1])]
+    assert releases == sorted(releases)
+    assert 100 < switch.ports[0].counters["dropped"] < 300  # 10 % of 2000, give or take
+
+
+# -- the checks, on made-up records --------------------------------------------------------------
+
+
+def made_up_record(digests=("d", "d"), metric_steps=(16, 32, 48), heals=(), checkpoints=(48,)):
+    def replica(digest):
+        metrics = [{"step": s, "train_loss": 3.0} for s in metric_steps]
+        events = [{"event": "quorum", "time": 0, "step": h - 1, "heal": {"step": h}} for h in heals]
+        return {
+            "metrics": metrics,
+            "metrics_damaged_lines": [],
+            "events": events,
+            "final_val_loss": 2.5,
+            "checkpoints": list(checkpoints),
+            "incarnations": [{"key": "r", "returncode": 0, "rounds": {48: digest}, "log_tail": ""}],
+        }
+
+    return {
+        "settings": {"steps": 48, "sync_period": 16},
+        "failures": [],
+        "events": [],
+        "replicas": {f"r{i}": replica(d) for i, d in enumerate(digests)},
+    }
+
+
+def test_the_checks_pass_a_clean_record_and_name_what_a_bad_one_lost():
+    assert all(check.passed for check in run_checks(made_up_record(), None))
+    by_name = {c.name: c for c in run_checks(made_up_record(digests=("a", "b")), None)}
+    assert not by_name["same model everywhere"].passed
+    gap = {c.name: c for c in run_checks(made_up_record(metric_steps=(16, 48)), None)}
+    assert "steps 16 .. 48 missing" in gap["metrics continuous"].detail
+    healed = run_checks(made_up_record(metric_steps=(16, 48), heals=(40,)), None)
+    assert all(check.passed for check in healed)
+    wiped = {c.name: c for c in run_checks(made_up_record(checkpoints=()), None)}
+    assert not wiped["no checkpoint wiped"].passed
+
+
+def test_the_loss_band_is_the_no_event_range_widened_by_its_width():
+    assert loss_band([2.0, 2.1], slack=1.0) == pytest.approx((1.9, 2.2))
+    assert check_loss(made_up_record(), [2.45, 2.55], 1.0).passed
+    assert not check_loss(made_up_record(), [2.0, 2.1], 1.0).passed
+    assert "at least 2 drills" in check_loss(made_up_record(), [2.5], 1.0).detail
+
+
+# -- real drills ---------------------------------------------------------------------------------
+
+PREFIX = f"wantest{os.getpid() % 10000}"
+
+
+@pytest.fixture
+def can_emulate():
+    pytest.importorskip("torchft")
+    try:
+        _check_available()
+    except LinkUnavailable as error:
+        pytest.skip(str(error))
+
+
+def leftovers(prefix: str) -> list[str]:
+    found = live_namespaces(prefix)
+    if NETNS_ETC.is_dir():
+        found += [p.name for p in NETNS_ETC.iterdir() if p.name.startswith(f"{prefix}-")]
+    root = cpu_cgroup_root()
+    if root is not None:
+        found += [p.name for p in root[0].iterdir() if p.name.startswith(f"{prefix}-")]
+    return found
+
+
+def test_namespaces_of_a_dead_drill_are_removed_and_a_live_ones_kept(can_emulate):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = f"{PREFIX}-{dead.pid}-0-hub", f"{PREFIX}-{os.getpid()}-0-hub"
+    for name in (stale, live):
+        _sh("ip", "netns", "add", name)
+        (NETNS_ETC / name).mkdir(parents=True, exist_ok=True)
+    try:
+        assert cleanup_stale(PREFIX) == [stale]
+        assert leftovers(PREFIX) == [live, live]
+    finally:
+        cleanup_stale(PREFIX)
+        _sh("ip", "netns", "delete", live)
+        (NETNS_ETC / live).rmdir()
+
+
+def drill_command(out: Path, scenario: Path, steps: int = 256, extra=()) -> list[str]:
+    argv = [sys.executable, "-m", "mtdao", "wan-drill", "--scenario", str(scenario)]
+    argv += ["--replicas", "2", "--steps", str(steps), "--sync-period", "16", "--out", str(out)]
+    argv += ["--prefix", PREFIX, "--heartbeat-timeout", "1", "--collective-timeout", "6"]
+    return [*argv, "--hang-limit", "60", "--deadline", "400", *extra]
+
+
+@pytest.mark.slow
+def test_a_short_drill_survives_its_events_checks_them_and_cleans_up(can_emulate, tmp_path):
+    scenario = tmp_path / "short.json"
+    # at steps, not seconds: the machine's speed varies; the kill comes last, with steps enough
+    # left for the restarted replica's start-up (or the run ends with two models, rightly failed)
+    events = [{"at_step": 160, "kind": "partition", "site": "r1", "for_s": 5},
+              {"at_step": 320, "kind": "straggler", "site": "r0", "for_s": 3},
+              {"at_step": 480, "kind": "kill", "site": "r1", "for_s": 1}]  # fmt: skip
+    scenario.write_text(json.dumps({"events": events}))
+    # no-event drills far from any real loss: the loss check must fail, and only it
+    fakes = []
+    for seed, loss in ((7, 0.5), (8, 0.51)):
+        fakes.append(tmp_path / f"fake-{seed}.json")
+        replica = {"final_val_loss": loss, "metrics": []}
+        fake = {"settings": {"seed": seed}, "t0": 0, "samples": [], "replicas": {"r0": replica}}
+        fakes[-1].write_text(json.dumps(fake))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = drill_command(tmp_path / "out", scenario, 1600, ["--baseline", *map(str, fakes)])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=500, env=env)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert [line for line in lines if line.startswith("FAIL")] == [
+        next(line for line in lines if "final loss within the no-event spread" in line)
+    ], done.stdout
+    for name in ("every replica finished", "same model everywhere", "metrics continuous"):
+        assert any(line.startswith(f"pass  {name}") for line in lines), done.stdout
+    record = json.loads((tmp_path / "out" / "drill" / "drill.json").read_text())
+    assert len(record["replicas"]["r1"]["incarnations"]) == 2  # killed and restarted
+    assert (tmp_path / "out" / "report.md").exists() and (
+        tmp_path / "out" / "timeline.png"
+    ).exists()
+    assert leftovers(PREFIX) == []
+
+
+def test_sigterm_mid_drill_leaves_no_namespace_and_no_process(can_emulate, tmp_path):
+    scenario = tmp_path / "none.json"
+    scenario.write_text("{}")
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    drill = subprocess.Popen(drill_command(out, scenario, extra=["--baseline-seeds"]), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not list((out / "drill").glob("r1.log")) and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # replicas starting inside their sites
+        assert leftovers(PREFIX), "the drill built no namespaces"
+        drill.send_signal(signal.SIGTERM)
+        assert drill.wait(timeout=60) != 0
+    finally:
+        if drill.poll() is None:
+            drill.kill()
+            drill.wait()
+    assert leftovers(PREFIX) == []
+    mine = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(str(out))]
+    assert mine == []
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
