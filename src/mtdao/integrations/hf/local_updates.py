@@ -65,6 +65,8 @@ class LocalUpdates:
     """Fraction of the run over which the omegas ramp from 0."""
     beta_warmup: float | None = None
     """Fraction of the run over which each decay above 0.9 rises from 0.9 (default: the method's)."""
+    beta_ramp: float | None = None
+    """C: each decay above 0.9 is at most 1 - C / t at step t (default: the method's)."""
     outer_step: str = "average"
     """average, or nesterov: DiLoCo's outer step on each parameter average."""
     outer_lr: float = 0.7
