@@ -297,7 +297,9 @@ def test_help_shows_every_default():
     helps = {action.dest: action.help for action in parser._actions if action.dest != "help"}
     assert set(helps) == {f.name for f in dataclasses.fields(TrainConfig)}
     without = [name for name, text in helps.items() if "(default: " not in text]
-    assert without == ["tokens"]  # the alternative to --steps, whose default is shown
+    # the alternative to --steps, whose default is shown; and the --no- switches, whose help says
+    # what giving them does (tests/test_cli_help.py)
+    assert sorted(without) == ["bf16", "progress", "tokens", "track_alignment"]
     for name, default in [
         ("batch_size", "16"),
         ("seq_len", "64"),
@@ -305,7 +307,7 @@ def test_help_shows_every_default():
         ("eval_tokens", "65536"),
         ("lr", "adam 0.008, adopt 0.004, sgdm 0.3"),
         ("steps", "1200"),
-        ("progress", "on"),
+        ("fault_tolerant", "off"),
     ]:
         assert helps[name].endswith(f"(default: {default})"), name
     assert helps["seq_len"].startswith("Tokens per sequence.")  # the field's docstring

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
+from mtdao.sync.communicator import format_bytes
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import DEFAULT_LR, SCHEDULES, TrainConfig, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
@@ -111,9 +112,9 @@ def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
 
 def _describe(results: dict[str, Any]) -> str:
     loss, ppl = results.get("final_val_loss"), results.get("val_ppl")
-    sent = results.get("bytes_per_worker", 0) / 1e6
+    sent = format_bytes(results.get("bytes_per_worker", 0))
     text = f"val {loss:.4f} (ppl {ppl:.2f})" if loss is not None else "no evaluation"
-    return f"{text}  sent {sent:.2f} MB/worker  {results.get('wall_time_s', 0):.0f}s"
+    return f"{text}  sent {sent}/worker  {results.get('wall_time_s', 0):.0f}s"
 
 
 # -- the suite ------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from mtdao.data import stacked_batches
+from mtdao.sync.communicator import format_bytes
 from mtdao.sync.engine import NonFiniteError
 from mtdao.train.checkpoint import CheckpointStore
 from mtdao.train.config import TrainConfig, config_warnings, resolve
@@ -264,9 +265,7 @@ def log_training(run: Run, log: MetricsLog, progress: tqdm, loss: float, tokens_
             "wall_time_s": run.clock.wall_s(),
         }
     )
-    progress.set_postfix(
-        loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}", sent=f"{sent / 2**20:.1f}MB"
-    )
+    progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}", sent=format_bytes(sent))
 
 
 def check_finite_losses(
