@@ -157,7 +157,9 @@ def test_one_worker_sends_nothing(tmp_path, corpus_dir, capsys, shape):
     assert traffic == "traffic: 0 B sent per worker (nothing to average with one worker)"
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["bytes_per_worker"] == 0 and results["collectives"] == 0
-    assert results["comm_reduction_vs_ddp"] is None and results["bytes_by_kind"].get("params", 0) == 0
+    assert (
+        results["comm_reduction_vs_ddp"] is None and results["bytes_by_kind"].get("params", 0) == 0
+    )
 
 
 def test_ddp_is_the_same_as_ddp(tmp_path, corpus_dir, capsys):
