@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
+from pathlib import Path
 
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args, dataclass_to_argv
 from mtdao.train.config import OPTIMIZER_DEFAULTS, TrainConfig, describe_default
@@ -66,7 +68,7 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_dataclass_arguments(parser, TrainConfig, describe_default)
-    parser.set_defaults(func=run_train)
+    parser.set_defaults(func=run_train, on_interrupt=interrupted_train)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -95,3 +97,29 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"results: {out}/results.json  plot: {out}/loss.png  metrics: {out}/metrics.jsonl")
         print(traffic_line(results))
     return 0
+
+
+def interrupted_train(args: argparse.Namespace, argv: list[str]) -> str | None:
+    """What to say after Ctrl-C: the newest checkpoint and the command that continues the run
+    (``argv``: this command's arguments). None on processes other than rank 0 of a job."""
+    from mtdao.train.checkpoint_index import latest_checkpoint
+    from mtdao.train.config import resolve
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    try:
+        config = resolve(config_from_args(args))
+    except ValueError:  # a config that never started: nothing to continue
+        return "mtdao train: interrupted"
+    run_dir = Path(config.out)
+    words = [word for word in argv if word != "--overwrite"]  # --resume keeps what is there
+    words += [] if "--resume" in words else ["--resume"]
+    command = shlex.join(["mtdao", *words])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        command = f"the same torchrun command with -m {command}"
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        saved = f"no checkpoint in {run_dir} yet (--checkpoint-every N saves them)"
+        return f"mtdao train: interrupted; {saved}; start it again with: {command}"
+    where = f"{latest.path} (step {latest.step} of {config.steps})"
+    return f"mtdao train: interrupted; last checkpoint: {where}; continue with: {command}"

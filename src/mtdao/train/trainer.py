@@ -146,7 +146,8 @@ def train_run(run: Run, store: CheckpointStore, start: Start, run_loop=None) -> 
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run.run_dir / "config.json", run.config.to_dict())
-        say(run.data_summary)
+        if run.data_summary:  # empty where a caller has said it already (a suite's later runs)
+            say(run.data_summary)
         if loaded is not None:
             say(f"resumed from step {run.step} of {run.total_steps} ({loaded.path})")
     log = MetricsLog(run.run_dir, enabled=run.is_main, append=loaded is not None)
