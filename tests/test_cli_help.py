@@ -148,3 +148,11 @@ def test_hub_probe_on_loopback(monkeypatch):
         server.listen()
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
         assert hub_reachable(timeout=5.0)
+
+
+def test_no_help_shows_markup():
+    """Docstrings feed some help texts: none may show RST markup (``x``, :mod:) on a terminal."""
+    for prog, parser in every_parser(build_parser()):
+        text = parser.format_help()
+        for markup in ("``", ":mod:", ":func:", ":class:"):
+            assert markup not in text, (prog, markup)

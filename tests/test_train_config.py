@@ -311,3 +311,19 @@ def test_help_shows_every_default():
     ]:
         assert helps[name].endswith(f"(default: {default})"), name
     assert helps["seq_len"].startswith("Tokens per sequence.")  # the field's docstring
+
+
+@pytest.mark.parametrize(
+    "world_size, flags, workers",
+    [
+        ("1", [], 4),  # simulated: the default
+        ("3", [], 3),  # torchrun --nproc-per-node 3: one worker per process
+        ("8", ["--shards", "2"], 4),
+        ("8", ["--workers", "2"], 2),  # given: kept (check_topology refuses the mismatch)
+        ("2", ["--fault-tolerant", "--shards", "2"], 4),  # a replica's processes are one worker
+    ],
+)
+def test_workers_default_to_torchruns_processes(monkeypatch, world_size, flags, workers):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    args = build_parser("train").parse_args(["train", *flags])
+    assert config_from_args(args).workers == workers

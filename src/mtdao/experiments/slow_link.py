@@ -383,8 +383,7 @@ def run_slow_link(args: argparse.Namespace) -> int:
             rows, command=command or "mtdao slow-link", workers=args.workers, **environment()
         )
     )
-    plot = plot_time_to_loss(out, rows)
-    plot_time_to_target(out, rows)
+    plots = [plot_time_to_loss(out, rows), plot_time_to_target(out, rows)]
     print(report_table(rows))
-    print(f"report: {report}  plot: {plot}  rows: {out / 'results.json'}")
+    print(f"report: {report}  plots: {' '.join(map(str, plots))}  rows: {out / 'results.json'}")
     return 0

@@ -68,12 +68,26 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_dataclass_arguments(parser, TrainConfig, describe_default)
-    parser.set_defaults(func=run_train, on_interrupt=interrupted_train)
+    # None: --workers not given, taken from torchrun's processes (see default_workers)
+    parser.set_defaults(func=run_train, on_interrupt=interrupted_train, workers=None)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The config the flags describe, as given (unresolved: see config.resolve)."""
-    return dataclass_from_args(TrainConfig, args)
+    values = vars(args).copy()
+    if values.get("workers") is None:
+        values["workers"] = default_workers(values["shards"], values["fault_tolerant"])
+    return dataclass_from_args(TrainConfig, argparse.Namespace(**values))
+
+
+def default_workers(shards: int, fault_tolerant: bool) -> int:
+    """--workers when not given: under torchrun, its processes / --shards (when they divide);
+    otherwise TrainConfig's default. A fault-tolerant replica's processes are one worker of
+    many, so it keeps the default."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not fault_tolerant and shards >= 1 and world_size % shards == 0:
+        return world_size // shards
+    return TrainConfig.workers
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:

@@ -93,7 +93,8 @@ class TrainConfig:
     optimizer: str = _choice("adam", BASE_OPTIMIZERS)
     """Base optimizer."""
     workers: int = 4
-    """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
+    """Data-parallel workers M, simulated in one process unless launched by torchrun (there the
+    default is the number of processes / --shards)."""
     shards: int = 1
     """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S; for a
     fault-tolerant replica, S)."""
