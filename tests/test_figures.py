@@ -45,6 +45,7 @@ def test_narrow_log_axes_get_several_plain_labels():
         200.0,
         500.0,
     ]
+    assert log_tick_values(2.93, 3.25) == [3.0, 3.1, 3.2]  # a 40-step smoke run's range
     assert log_tick_values(2.0, 2.0) == []
 
 

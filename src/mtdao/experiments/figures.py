@@ -53,14 +53,26 @@ LOG_MANTISSAS = (
 
 def log_tick_values(low: float, high: float) -> list[float]:
     """Plain-number ticks between ``low`` and ``high`` (> 0) of a log axis, denser the narrower
-    the range, at least two wherever the range allows."""
+    the range: at least three."""
     if not 0 < low < high:
         return []
     span = math.log10(high / low)
     mantissas = next(m for minimum, m in LOG_MANTISSAS if span >= minimum)
     decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
     values = [round(m * 10.0**d, 12) for d in decades for m in mantissas]
-    return [v for v in values if low <= v <= high]
+    values = [v for v in values if low <= v <= high]
+    if len(values) >= 3:
+        return values
+    # narrower than any mantissa grid (2.93 to 3.25): evenly spaced round numbers
+    step = nice_step((high - low) / 4)
+    first = math.ceil(low / step)
+    return [round(k * step, 12) for k in range(first, math.floor(high / step) + 1)]
+
+
+def nice_step(rough: float) -> float:
+    """The 1, 2 or 5 times a power of ten nearest above ``rough``."""
+    power = 10.0 ** math.floor(math.log10(rough))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= rough - 1e-12)
 
 
 def plain_log_ticks(axis) -> None:

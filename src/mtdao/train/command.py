@@ -108,7 +108,10 @@ def run_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         out = results["config"]["out"]
         print(json.dumps({k: results[k] for k in SUMMARY_KEYS}), file=sys.stdout)
-        print(f"results: {out}/results.json  plot: {out}/loss.png  metrics: {out}/metrics.jsonl")
+        where = f"results: {out}/results.json  plot: {out}/loss.png  metrics: {out}/metrics.jsonl"
+        if (Path(out) / "tensorboard").is_dir():
+            where += f"  tensorboard: {out}/tensorboard"
+        print(where)
         print(traffic_line(results))
     return 0
 
