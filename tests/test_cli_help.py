@@ -156,3 +156,27 @@ def test_no_help_shows_markup():
         text = parser.format_help()
         for markup in ("``", ":mod:", ":func:", ":class:"):
             assert markup not in text, (prog, markup)
+
+
+@pytest.mark.parametrize("load, omp, expected", [(5.0, None, 1), (0.1, None, 2), (5.0, "2", 2)])
+def test_a_busy_machine_trains_with_one_thread(monkeypatch, load, omp, expected):
+    import torch
+
+    from mtdao.train import threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, load, load))
+        monkeypatch.setattr(threads, "available_cores", lambda: 2)
+        if omp is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", omp)
+        note = threads.one_thread_if_busy()
+        assert torch.get_num_threads() == expected
+        assert (note is not None) == (expected == 1)
+        if note:
+            assert note.startswith("the machine is busy (load 5.0 on 2 cores): training with 1 ")
+    finally:
+        torch.set_num_threads(before)

@@ -35,6 +35,7 @@ from mtdao.sync.communicator import format_bytes
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import DEFAULT_LR, SCHEDULES, TrainConfig, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
+from mtdao.train.threads import available_cores
 
 RUNS_DIR = "runs"
 RESULTS_FILE = "results.json"
@@ -120,13 +121,6 @@ def _describe(results: dict[str, Any]) -> str:
 
 
 # -- the suite ------------------------------------------------------------------------------------
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def run_suite(
