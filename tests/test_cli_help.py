@@ -180,3 +180,25 @@ def test_a_busy_machine_trains_with_one_thread(monkeypatch, load, omp, expected)
             assert note.startswith("the machine is busy (load 5.0 on 2 cores): training with 1 ")
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_suite_says_its_data_line_once(monkeypatch, tmp_path):
+    """The runs of a suite share their data: the `data:` line is said for the first only."""
+    from types import SimpleNamespace
+
+    from mtdao.experiments import suite
+    from mtdao.train import setup, trainer
+    from mtdao.train.config import TrainConfig
+
+    monkeypatch.setattr(setup, "build_run", lambda c, p: SimpleNamespace(data_summary="data: x"))
+    shown = []
+
+    def fake_train(config, *, build):
+        shown.append(build(config, None).data_summary)
+        return {}
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    said: set[str] = set()
+    for name in ("a", "b", "c"):
+        suite._train_in_process(name, TrainConfig(steps=2), tmp_path, lambda *_: None, said)
+    assert shown == ["data: x", "", ""]
