@@ -202,3 +202,25 @@ def test_a_suite_says_its_data_line_once(monkeypatch, tmp_path):
     for name in ("a", "b", "c"):
         suite._train_in_process(name, TrainConfig(steps=2), tmp_path, lambda *_: None, said)
     assert shown == ["data: x", "", ""]
+
+
+def test_the_progress_bar_counts_bytes_as_the_summary_does():
+    """One unit convention: the progress bar's sent= is format_bytes (decimal MB), as in every
+    summary and report."""
+    from types import SimpleNamespace
+
+    from mtdao.sync.communicator import format_bytes
+    from mtdao.train.trainer import log_training
+
+    sent = 371_500_000
+    run = SimpleNamespace(
+        sync=SimpleNamespace(traffic=SimpleNamespace(bytes=sent)),
+        step=10,
+        config=SimpleNamespace(tokens_per_step=4096),
+        optimizer=SimpleNamespace(param_groups=[{"lr": 1e-3}]),
+        clock=SimpleNamespace(train_s=1.0, wall_s=lambda: 2.0),
+    )
+    postfix = {}
+    progress = SimpleNamespace(set_postfix=lambda **values: postfix.update(values))
+    log_training(run, SimpleNamespace(write=lambda record: None), progress, 1.5, 100.0)
+    assert postfix["sent"] == format_bytes(sent) == "371.5 MB"
