@@ -144,7 +144,7 @@ def plot_loss_vs_tokens(summary: Mapping[str, Any], path: Path) -> Path:
         plain_log_ticks(full.yaxis)
         full.set_title("Validation loss vs tokens")
         zoom.set_title("Second half, zoomed (dashed: DDP's final loss)")
-        if means:
+        if means and len(tokens) > 1:  # one evaluation (a tiny budget): nothing to zoom into
             zoom.set_xlim(tokens[len(tokens) // 2] if len(tokens) > 2 else tokens[0], tokens[-1])
             _focus_ylim(zoom, means, summary.get("target_val_loss"), 0.5)
         full.legend(loc="upper right")
