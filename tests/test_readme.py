@@ -1,4 +1,4 @@
-"""Every Python snippet of README.md runs as written, each in a fresh interpreter.
+"""Every Python snippet of README.md and docs/*.md runs as written, each in a fresh interpreter.
 
 A snippet that joins a process group (it says it is launched by torchrun) gets what torchrun would
 set for a one-process job: RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT. Nothing else is
@@ -18,13 +18,20 @@ import pytest
 
 from mtdao.train.ports import unused_port
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+SNIPPETS = [
+    snippet
+    for page in DOCS
+    for snippet in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
+]
 ONE_PROCESS_SNIPPETS = [s for s in SNIPPETS if "--nproc-per-node" not in s]
 
 
 def test_the_readme_has_python_snippets():
-    assert len(SNIPPETS) >= 2
+    assert re.search(r"```python\n", README.read_text())  # the plain PyTorch loop
+    assert len(SNIPPETS) >= 4  # with docs/library.md's
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """``mtdao train --workers 2 --shards 2`` in 4 real gloo processes: the simulated 2-worker run,
-checkpoints that survive a kill -9 bit for bit, resharding on resume, and the README's recipe.
+checkpoints that survive a kill -9 bit for bit, resharding on resume, and the recipe of docs/library.md.
 
 Processes are forked from one server that has torch and mtdao imported (a torchrun job would
 import them in every process); each sets what torchrun sets (RANK, WORLD_SIZE, MASTER_*) and calls
@@ -48,8 +48,9 @@ FORKSERVER_PRELOAD = [
     "matplotlib.pyplot",
     "mtdao.train.trainer",
 ]
-README = Path(__file__).resolve().parents[1] / "README.md"
-SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+# the library page's recipe for workers bigger than one device
+LIBRARY = Path(__file__).resolve().parents[1] / "docs" / "library.md"
+SNIPPETS = re.findall(r"```python\n(.*?)```", LIBRARY.read_text(), flags=re.DOTALL)
 RECIPE = next(s for s in SNIPPETS if "--nproc-per-node 4" in s)
 # checkpoints at steps 3 and 6, between the syncs at 4 and 8: the workers differ there
 FLAGS = dict(workers=2, shards=2, steps=8, sync_period=4, checkpoint_every=3, model="micro")
@@ -64,7 +65,7 @@ OPTIONS = dict(sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedb
 
 
 def _process(rank: int, world: int, ports: list, jobs: list, out: str) -> None:
-    """Train each job in turn; "recipe" runs the README's recipe, "die" makes process 1 kill -9
+    """Train each job in turn; "recipe" runs docs/library.md's recipe, "die" makes process 1 kill -9
     itself once the next run's first checkpoint is committed (its last job: the others are then
     stuck in a collective with it, and are killed as torchrun would kill them)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -75,7 +76,7 @@ def _process(rank: int, world: int, ports: list, jobs: list, out: str) -> None:
             if job == "recipe":  # on a process group of its own
                 dist.destroy_process_group()
                 os.environ["MASTER_PORT"] = str(ports.pop())
-                exec(compile(RECIPE, "README.md", "exec"), {"__name__": "__main__"})
+                exec(compile(RECIPE, "docs/library.md", "exec"), {"__name__": "__main__"})
                 os.environ["MASTER_PORT"] = str(ports.pop())  # the recipe ends its group
             elif job == "die":
                 save = trainer.save
@@ -295,7 +296,7 @@ def test_resharded_resume_continues_the_run(runs):
             assert_close(tensor, expected[name], msg=name)
 
 
-def test_the_readme_recipe_runs_in_four_processes(runs):
+def test_the_library_recipe_runs_in_four_processes(runs):
     pass  # launched with the first runs; a failure there fails the fixture
 
 

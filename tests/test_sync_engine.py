@@ -146,6 +146,19 @@ def test_recording_communicator_pins_which_states_are_due_at_each_step():
     assert [(e.step, e.kinds) for e in sync.events] == [(step, DUE[step]) for step in DUE]
 
 
+def test_one_simulated_worker_sends_nothing():
+    """A simulation of one worker has no one to send to: its rounds count, their bytes do not."""
+    params = init_params(1)
+    optimizer = MTAdam(params, lr=1e-2, betas=(0.9,), omegas=(1.0,))
+    sync = LocalUpdateSync(optimizer, explicit(**EXPLICIT_PERIODS), SimulatedWorkers(1))
+    for step in range(12):
+        backward(params, [0], step, optimizer)
+        sync.step()
+    traffic = sync.communicator.traffic
+    assert traffic.rounds == 8 and traffic.bytes == traffic.collectives == 0
+    assert traffic.reduction_vs_ddp() is None and str(traffic).startswith("0 B sent per worker")
+
+
 @pytest.mark.parametrize("bias_dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("simulated", [True, False])
 def test_traffic_counts_collectives_and_bytes_per_kind(simulated, bias_dtype):

@@ -138,7 +138,7 @@ def test_what_the_terminal_shows(tmp_path, corpus_dir, capsys, monkeypatch):
     # over whole cycles (4 steps) that is 4 / 3
     assert json.loads(summary)["comm_reduction_vs_ddp"] == pytest.approx(2.0)
     assert json.loads(summary)["comm_reduction_steady_state"] == pytest.approx(4 / 3)
-    assert "2.0x less than DDP (1.3x in steady state" in traffic and "last 2 steps" in traffic
+    assert "2.0x less than DDP (1.3x less in steady state" in traffic and "last 2 steps" in traffic
     results = json.loads((tmp_path / run_dir / "results.json").read_text())
     assert results["wall_time_s"] > results["train_time_s"] + results["eval_time_s"] > 0
     assert results["config"]["lr"] == 8e-3 and results["config"]["betas"] == [0.99]
@@ -188,6 +188,28 @@ def test_out_of_memory_is_one_line_naming_the_batch_size(tmp_path, corpus_dir, c
         args = tiny_args(tmp_path / "run", corpus_dir, "--overwrite")
         assert_one_line_error(capsys, args, "out of memory on cpu (it tried to allocate ")
         assert_one_line_error(capsys, args, "lower --batch-size (now 2 sequences of --seq-len 32")
+
+
+@pytest.mark.parametrize("shape", [("--workers", "1"), ("--workers", "1", "--method", "ddp")])
+def test_one_worker_sends_nothing(tmp_path, corpus_dir, capsys, shape):
+    """One worker has no one to average with: 0 B, and no claim of a reduction against DDP."""
+    args = tiny_args(tmp_path, corpus_dir, "--eval-every", "100")
+    args[args.index("--workers") : args.index("--workers") + 2] = []
+    assert main([*args, *shape]) == 0, capsys.readouterr().err
+    traffic = capsys.readouterr().out.splitlines()[-1]
+    assert traffic == "traffic: 0 B sent per worker (nothing to average with one worker)"
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["bytes_per_worker"] == 0 and results["collectives"] == 0
+    assert (
+        results["comm_reduction_vs_ddp"] is None and results["bytes_by_kind"].get("params", 0) == 0
+    )
+
+
+def test_ddp_is_the_same_as_ddp(tmp_path, corpus_dir, capsys):
+    assert main(tiny_args(tmp_path, corpus_dir, "--method", "ddp", "--eval-every", "100")) == 0
+    traffic = capsys.readouterr().out.splitlines()[-1]
+    assert traffic.endswith("sent per worker, the same as DDP"), traffic
+    assert "1.0x" not in traffic
 
 
 def test_version(capsys):

@@ -323,7 +323,9 @@ def test_help_shows_every_default():
     helps = {action.dest: action.help for action in parser._actions if action.dest != "help"}
     assert set(helps) == {f.name for f in dataclasses.fields(TrainConfig)}
     without = [name for name, text in helps.items() if "(default: " not in text]
-    assert without == ["tokens"]  # the alternative to --steps, whose default is shown
+    # the alternative to --steps, whose default is shown; and the --no- switches, whose help says
+    # what giving them does (tests/test_cli_help.py)
+    assert sorted(without) == ["bf16", "progress", "tokens", "track_alignment"]
     for name, default in [
         ("batch_size", "16"),
         ("seq_len", "64"),
@@ -331,7 +333,23 @@ def test_help_shows_every_default():
         ("eval_tokens", "65536"),
         ("lr", "adam 0.008, adopt 0.004, sgdm 0.3"),
         ("steps", "1200"),
-        ("progress", "on"),
+        ("fault_tolerant", "off"),
     ]:
         assert helps[name].endswith(f"(default: {default})"), name
     assert helps["seq_len"].startswith("Tokens per sequence.")  # the field's docstring
+
+
+@pytest.mark.parametrize(
+    "world_size, flags, workers",
+    [
+        ("1", [], 4),  # simulated: the default
+        ("3", [], 3),  # torchrun --nproc-per-node 3: one worker per process
+        ("8", ["--shards", "2"], 4),
+        ("8", ["--workers", "2"], 2),  # given: kept (check_topology refuses the mismatch)
+        ("2", ["--fault-tolerant", "--shards", "2"], 4),  # a replica's processes are one worker
+    ],
+)
+def test_workers_default_to_torchruns_processes(monkeypatch, world_size, flags, workers):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    args = build_parser("train").parse_args(["train", *flags])
+    assert config_from_args(args).workers == workers

@@ -78,7 +78,23 @@ def test_figure_marks_each_round_on_both_panels_and_draws_the_reference(tmp_path
     labels = [line.get_label() for line in sent_ax.lines]
     assert labels[:2] == ["ddp, reference (averages every step)", "mtdao"]
     assert "sync rounds (2)" in [t.get_text() for t in loss_ax.get_legend().get_texts()]
-    assert loss_ax.get_title() == "mtdao vs ddp"
+    assert loss_ax.get_title() == "mtdao\nvs ddp"
+    pyplot().close(fig)
+
+
+def test_the_title_says_method_workers_and_sync_period(tmp_path):
+    run = write_run(tmp_path / "x", 10, [[4, 300], [8, 300]])
+    config = {"method": "mtdao", "optimizer": "adam", "workers": 4, "shards": 1, "sync_period": 32}
+    (run / "config.json").write_text(json.dumps(config))
+    ddp = write_run(tmp_path / "y", 10, [[s, 100] for s in range(1, 11)])
+    (ddp / "config.json").write_text(json.dumps({**config, "method": "ddp", "shards": 2}))
+    fig = figure(run_curves(run), run_curves(ddp))
+    title = fig.axes[0].get_title()
+    assert title == "x: mtdao (adam), 4 workers, K = 32\nvs y: ddp (adam), 4 workers x 2 shards"
+    # bytes in the one decimal unit of every summary
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in fig.axes[1].get_yticklabels() if t.get_text()]
+    assert ticks and all(t.endswith(("B", "kB")) and "KiB" not in t for t in ticks), ticks
     pyplot().close(fig)
 
 

@@ -9,16 +9,48 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import importlib
+import os
 import sys
 import traceback
 
-# Modules that each define add_parser(subparsers); listed in the order `mtdao --help` shows them.
-COMMAND_MODULES = (
-    "mtdao.train.command",
-    "mtdao.train.lighthouse",
-    "mtdao.train.plot_command",
-    "mtdao.experiments.commands",
-)
+# Each command: the module whose add_parser(subparsers) defines it, and the one line `mtdao --help`
+# shows (tests/test_cli_help.py checks it against the module's own). Only the module of the
+# command being run is imported, so `mtdao --help` and `mtdao --version` start without torch.
+COMMANDS = {
+    "train": (
+        "mtdao.train.command",
+        "pre-train a language model with any method (simulated or torchrun workers)",
+    ),
+    "lighthouse": (
+        "mtdao.train.lighthouse",
+        "start the lighthouse of a fault-tolerant run (mtdao train --fault-tolerant)",
+    ),
+    "plot": (
+        "mtdao.train.plot_command",
+        "redraw a run's loss.png, optionally beside a reference run",
+    ),
+    "toy": ("mtdao.experiments.rosenbrock", "toy problems (mtdao toy rosenbrock)"),
+    "compare": (
+        "mtdao.experiments.compare",
+        "run every method on the same budget and seeds; write report.md and plots",
+    ),
+    "ablation": (
+        "mtdao.experiments.ablation",
+        "loss degradation vs sync period K: Local Adam vs MT-DAO's slow momenta",
+    ),
+    "slow-link": (
+        "mtdao.experiments.slow_link",
+        "DDP vs MT-DAO with real gloo workers across an emulated slow link (root)",
+    ),
+    "sync-options": (
+        "mtdao.experiments.sync_options",
+        "loss and traffic of overlapped, fragmented and quantized rounds vs float32 rounds",
+    ),
+    "wan-drill": (
+        "mtdao.experiments.wan_drill",
+        "fault-tolerant replicas across emulated WAN sites that fail, checked (root)",
+    ),
+}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -28,7 +60,14 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_of(argv: list[str]) -> str | None:
+    """The command named on the command line (its first word that is not an option)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``mtdao`` parser: every command in full, or only ``command`` in full (the others, or
+    all of them for ``""``, as their one help line: enough for ``mtdao --help``)."""
     from mtdao import __version__
 
     parser = OneLineErrorParser(
@@ -40,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", metavar="COMMAND", parser_class=OneLineErrorParser
     )
     subparsers.required = True
-    for module_name in COMMAND_MODULES:
+    for name, (module_name, summary) in COMMANDS.items():
+        if command is not None and name != command:
+            subparsers.add_parser(name, help=summary, add_help=False)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
@@ -75,12 +117,17 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(command_of(argv) or "")  # "": no command, so none is built in full
     args = parser.parse_args(argv)
     try:
         result = args.func(args)
     except KeyboardInterrupt:
-        print("mtdao: interrupted", file=sys.stderr)
+        # a command may say how to continue (set_defaults(on_interrupt=...): (args, argv) -> text)
+        on_interrupt = getattr(args, "on_interrupt", None)
+        message = on_interrupt(args, argv) if on_interrupt else f"mtdao {args.command}: interrupted"
+        if message:
+            print(message, file=sys.stderr, flush=True)
         return 130
     except expected_errors() as error:
         print(f"mtdao {args.command}: error: {error}", file=sys.stderr)
@@ -94,6 +141,9 @@ def entry_point() -> int:
     process that joins process groups (under torchrun, a fault-tolerant replica) ends without
     interpreter teardown (see :func:`mtdao.train.distributed.end_worker_process`)."""
     faulthandler.enable()
+    # torchrun sets WORLD_SIZE: checked here without importing torch, for a fast --help
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and "--fault-tolerant" not in sys.argv[1:]:
+        return main()
     from mtdao.train.distributed import end_worker_process, joins_process_groups
 
     if not joins_process_groups(sys.argv[1:]):

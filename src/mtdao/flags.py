@@ -3,7 +3,9 @@
 :func:`add_dataclass_arguments` gives every field a flag (``--sync-period`` for ``sync_period``);
 the help text is the docstring written under the field, followed by its default. A field's
 ``metadata`` may name ``choices``, a switch spelling (``flag``: ``--no-bf16`` for a field that
-defaults to True) and a mutually ``exclusive`` group. :func:`argv_from_namespace` is the inverse of
+defaults to True) and a mutually ``exclusive`` group. A switch that turns a default-on field off
+says what the *flag* does in ``metadata["off"]`` ("Hide the progress bar."): the field's docstring
+describes the field, which is the opposite of what its ``--no-`` flag does. :func:`argv_from_namespace` is the inverse of
 any parser's options: the argv that parses back to the same namespace; :func:`dataclass_to_argv`
 applies it to a config, so that whatever launches ``mtdao train`` in a subprocess reproduces a
 config exactly.
@@ -73,9 +75,12 @@ def add_dataclass_arguments(
         target = groups[exclusive] if exclusive else parser
         help_text = docs.get(field.name, "").replace("%", "%%")
         options: dict[str, Any] = dict(dest=field.name, default=field.default)
-        if kind is bool:
-            options["action"] = "store_false" if field.default else "store_true"
-            help_text += f" (default: {'on' if field.default else 'off'})"
+        if kind is bool and field.default:
+            options["action"] = "store_false"
+            help_text = _off_help(cls, field)
+        elif kind is bool:
+            options["action"] = "store_true"
+            help_text += " (default: off)"
         else:
             shown = field.default if field.default is not None else describe_default(field.name)
             if shown is not None:
@@ -84,6 +89,17 @@ def add_dataclass_arguments(
             if is_tuple:
                 options["nargs"] = "+"
         target.add_argument(flag_name(field), help=help_text, **options)
+
+
+def _off_help(cls: type, field: dataclasses.Field) -> str:
+    """The help of a switch that turns a default-on field off: its ``metadata["off"]``."""
+    off = field.metadata.get("off")
+    if not off:
+        raise TypeError(
+            f"{cls.__name__}.{field.name} defaults to True: its switch {flag_name(field)} turns it "
+            'off, so give metadata["off"], a help text saying what the switch does'
+        )
+    return off.replace("%", "%%")  # no "(default: ...)": the flag itself is the non-default
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace):

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
+import socket
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import xxhash
 
@@ -174,6 +178,8 @@ def _hf_corpus(target: str, val_fraction: float, max_chars: int) -> Corpus:
     dataset_name, _, config = target.partition(":")
     if not dataset_name:
         raise DataError("hf: corpus spec needs a dataset name, as in hf:NAME[:CONFIG]")
+    if not _is_saved_dataset(Path(dataset_name).expanduser()):
+        go_offline_if_the_hub_is_unreachable(f"hf:{target}")
     try:
         import datasets
     except ImportError:
@@ -205,8 +211,7 @@ def _hf_corpus(target: str, val_fraction: float, max_chars: int) -> Corpus:
 def _open_hf_dataset(datasets, name: str, config: str | None):
     """A saved dataset directory is read with load_from_disk, anything else with load_dataset."""
     path = Path(name).expanduser()
-    is_saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-    if not is_saved:
+    if not _is_saved_dataset(path):
         # Streaming reads only the documents needed to reach max_chars.
         return datasets.load_dataset(name, config, split="train", streaming=True)
     dataset = datasets.load_from_disk(str(path))
@@ -215,6 +220,50 @@ def _open_hf_dataset(datasets, name: str, config: str | None):
             raise DataError(f"saved dataset {path} has no 'train' split: {list(dataset)}")
         dataset = dataset["train"]
     return dataset
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the Hugging Face hub (``HF_ENDPOINT``) opens within
+    ``timeout`` seconds."""
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname or "", port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def go_offline_if_the_hub_is_unreachable(source: str) -> None:
+    """Without a hub to reach, ``datasets`` retries for half a minute before it reads its cache
+    (or fails): set HF_HUB_OFFLINE / HF_DATASETS_OFFLINE instead, and say so. A setting the user
+    made is left alone."""
+    if any(os.environ.get(name) for name in OFFLINE_VARIABLES) or hub_reachable():
+        return
+    for name in OFFLINE_VARIABLES:
+        os.environ[name] = "1"
+    # the libraries read these variables when imported: tell one imported already
+    for module, names in (
+        ("datasets.config", OFFLINE_VARIABLES),
+        ("huggingface_hub.constants", OFFLINE_VARIABLES[:1]),
+    ):
+        if module in sys.modules:
+            for name in names:
+                setattr(sys.modules[module], name, True)
+    print(
+        f"{source}: the Hugging Face hub is unreachable; reading the local cache only "
+        "(HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _read_hf_texts(dataset, max_chars: int, source: str) -> list[str]:

@@ -28,9 +28,13 @@ from mtdao.train.methods import SYNC_POLICIES
 
 EPILOG = """
 examples:
-  mtdao ablation --steps 40 --periods 8 32 --eval-tokens 4096     # a quick smoke run
+  mtdao ablation --steps 40 --periods 8 32 --slow-betas 0.99 --policies unified --eval-tokens 4096
+                                   # a smoke run: 5 runs of 40 steps, 4 evaluations each
   mtdao ablation --jobs 2                                          # K = 8 32 128 512
   mtdao ablation --slow-betas 0.95 0.99 0.995 --policies unified --seeds 0 1
+
+It prints how many runs, steps and evaluations are coming before it trains; rerun the same
+command after an interruption: finished runs in --out are kept, not trained again.
 """
 LR_METHODS = ("ddp", "local-adam", "mtdao")
 # One hue per slow momentum (the first is MT-DAO's red in every figure); line style per policy.

@@ -8,7 +8,7 @@ MT-DAO's own knobs (``--betas``, ``--omegas``, the warm-ups) apply to mtdao and 
 whole comparison (:mod:`.presets`; paper-16m: the paper's smallest setting), flags beside it win.
 
 Output in ``--out``: runs/<method>-lr<LR>-seed<S>/ (one training run each; finished runs are
-reused, so an interrupted comparison resumes), results.json, report.md and four plots. Running is
+reused, so rerunning an interrupted comparison trains only what is missing), results.json, report.md and four plots. Running is
 here; the numbers are computed in :mod:`.compare_summary`, report.md drawn in
 :mod:`.compare_report`, the figures in :mod:`.compare_plots`.
 """
@@ -31,11 +31,15 @@ from mtdao.train.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
 
 EPILOG = """
 examples:
-  mtdao compare --steps 40 --eval-tokens 4096 --seeds 0          # a quick smoke run
+  mtdao compare --methods ddp local-adam mtdao --steps 40 --eval-tokens 4096 --seeds 0
+                                   # a smoke run: 3 runs of 40 steps, 4 evaluations each
   mtdao compare --lr-sweep 8e-3 1.6e-2 --jobs 2 --threads 1     # the reported comparison
   mtdao compare --methods ddp local-adam mtdao --lr mtdao=8e-3 --betas 0.95 --omegas 0.7
   mtdao compare --preset paper-16m --out runs/paper-16m          # the paper's 16M setting (GPU)
   mtdao compare --preset defaults-card --quick --jobs 2 --threads 1  # the defaults card's subset
+
+It prints how many runs, steps and evaluations are coming before it trains; rerun the same
+command after an interruption: finished runs in --out are kept, not trained again.
 """
 
 

@@ -144,7 +144,7 @@ def plot_loss_vs_tokens(summary: Mapping[str, Any], path: Path) -> Path:
         plain_log_ticks(full.yaxis)
         full.set_title("Validation loss vs tokens")
         zoom.set_title("Second half, zoomed (dashed: DDP's final loss)")
-        if means:
+        if means and len(tokens) > 1:  # one evaluation (a tiny budget): nothing to zoom into
             zoom.set_xlim(tokens[len(tokens) // 2] if len(tokens) > 2 else tokens[0], tokens[-1])
             _focus_ylim(zoom, means, summary.get("target_val_loss"), 0.5)
         full.legend(loc="upper right")
@@ -200,13 +200,17 @@ def plot_loss_vs_time(summary: Mapping[str, Any], path: Path) -> Path:
 
 
 def plot_alignment(summary: Mapping[str, Any], path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
     plt = pyplot()
     methods = [m for m in _order(summary) if all(r.get("alignment") for r in summary["runs"][m])]
     with plt.rc_context(STYLE):
         fig, (cos_ax, drift_ax) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=130)
+        sync_steps: set[int] = set()
         for method in methods:
             for ax, key in ((cos_ax, "cosine"), (drift_ax, "drift")):
                 steps, values = _alignment_matrix(summary["runs"][method], key)
+                sync_steps.update(int(step) for step in steps)
                 if len(steps):
                     _mean_and_band(
                         ax, steps, values, method, marker="o", ms=3, label=_name(summary, method)
@@ -222,13 +226,19 @@ def plot_alignment(summary: Mapping[str, Any], path: Path) -> Path:
         drift_ax.set_ylabel("L2 distance, mean over workers")
         for ax in (cos_ax, drift_ax):
             ax.set_xlabel("step (parameter syncs)")
-        if methods:
-            cos_ax.legend(loc="best")
+            if 0 < len(sync_steps) <= 12:  # few syncs: a tick at each
+                ax.set_xticks(sorted(sync_steps))
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 31.5
+        if methods:  # below the panels: with few syncs any corner of a panel holds data
+            handles, labels = cos_ax.get_legend_handles_labels()
+            fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4))
+            fig.tight_layout(rect=(0, 0.08 * math.ceil(len(labels) / 4), 1, 1))
         else:
             cos_ax.text(
                 0.5, 0.5, "no parameter syncs logged", ha="center", transform=cos_ax.transAxes
             )
-        fig.tight_layout()
+            fig.tight_layout()
         save(fig, path)
     return Path(path)
 

@@ -42,17 +42,54 @@ def eng_formatter(unit: str = ""):
     return EngFormatter(unit=unit, sep="" if not unit else " ")
 
 
+# Mantissas labelled on a log axis, by how many decades it spans: a loss axis from 1.4 to 3 gets
+# 1.4, 1.6, 1.8, 2, 2.5, 3 rather than only 2 and 3.
+LOG_MANTISSAS = (
+    (1.5, (1.0, 2.0, 5.0)),
+    (0.6, (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)),
+    (0.0, (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)),
+)
+
+
+def log_tick_values(low: float, high: float) -> list[float]:
+    """Plain-number ticks between ``low`` and ``high`` (> 0) of a log axis, denser the narrower
+    the range: at least three."""
+    if not 0 < low < high:
+        return []
+    span = math.log10(high / low)
+    mantissas = next(m for minimum, m in LOG_MANTISSAS if span >= minimum)
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+    values = [round(m * 10.0**d, 12) for d in decades for m in mantissas]
+    values = [v for v in values if low <= v <= high]
+    if len(values) >= 3:
+        return values
+    # narrower than any mantissa grid (2.93 to 3.25): evenly spaced round numbers
+    step = nice_step((high - low) / 4)
+    first = math.ceil(low / step)
+    return [round(k * step, 12) for k in range(first, math.floor(high / step) + 1)]
+
+
+def nice_step(rough: float) -> float:
+    """The 1, 2 or 5 times a power of ten nearest above ``rough``."""
+    power = 10.0 ** math.floor(math.log10(rough))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= rough - 1e-12)
+
+
 def plain_log_ticks(axis) -> None:
-    """Log axis labelled 0.7, 1, 2, 3, 5 instead of 7x10^-1, 10^0, ..."""
-    from matplotlib.ticker import FuncFormatter, LogLocator
+    """Log axis labelled 1.4, 1.6, 2, 3 instead of 10^0 or two lonely labels; the ticks follow the
+    axis' range when the figure is drawn."""
+    from matplotlib.ticker import FuncFormatter, Locator, NullLocator
 
-    def text(value, _):
-        mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9) if value > 0 else 0
-        return f"{value:g}" if round(mantissa, 6) in (1, 2, 3, 5) else ""
+    class PlainLogLocator(Locator):
+        def __call__(self):
+            return self.tick_values(*self.axis.get_view_interval())
 
-    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(text))
-    axis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
+        def tick_values(self, vmin, vmax):
+            return log_tick_values(min(vmin, vmax), max(vmin, vmax))
+
+    axis.set_major_locator(PlainLogLocator())
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_locator(NullLocator())
 
 
 def save(fig, path) -> None:

@@ -13,8 +13,10 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-# Re-exported: the reports and the training summary share one byte format.
+# Re-exported: the reports and the training summary share one byte format and one way of saying
+# how traffic compares.
 from mtdao.sync.communicator import format_bytes as format_bytes
+from mtdao.sync.communicator import format_traffic as format_traffic
 
 SIGNIFICANCE_RULE = (
     "a difference between two methods counts only if it exceeds the sum of their standard "
@@ -99,17 +101,6 @@ def format_relative(value: float, reference: float) -> str:
     if not reference:
         return "n/a"
     return f"{(value - reference) / reference * 100:+.1f}%"
-
-
-def format_traffic(ratio: float, versus: str = "") -> str:
-    """A traffic ratio (reference bytes / these bytes): 'the same', '3.3x less', '1.2x more' or
-    'nothing sent'; ``versus`` names the reference ('DDP' -> '3.3x less than DDP')."""
-    if math.isinf(ratio):
-        return "nothing sent"
-    if abs(ratio - 1) < 1e-9:
-        return f"the same as {versus}" if versus else "the same"
-    text = f"{ratio:.1f}x less" if ratio > 1 else f"{1 / ratio:.1f}x more"
-    return f"{text} than {versus}" if versus else text
 
 
 def format_seconds(seconds: float | None) -> str:

@@ -233,7 +233,7 @@ def add_parser(subparsers) -> None:
     parser = toys.add_parser(
         "rosenbrock",
         help="Local Adam vs MT-DAO on a noisy Rosenbrock function",
-        description=__doc__.split("\n", 1)[0],
+        description=__doc__.split("\n", 1)[0].replace("``", ""),  # no RST markup on a terminal
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtdao.experiments.formatting import format_bytes
 from mtdao.experiments.netem import HOST_IFACE, EmulatedLink, LinkUnavailable, emulated_link
 from mtdao.experiments.netem import measure_throughput_mbit as measure_link_mbit
 from mtdao.experiments.slow_link_report import (
@@ -256,7 +257,7 @@ def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: 
             print(
                 f"  {spec.name:>10}: val {row['final_val_loss']:.4f}, {row['wall_time_s']:.1f} s "
                 f"({row['compute_s_per_step']:.3f} s compute + {row['comm_s_per_step']:.3f} s "
-                f"comm per step), {row['wire_bytes_per_worker'] / 1e6:.1f} MB sent per worker"
+                f"comm per step), {format_bytes(row['wire_bytes_per_worker'])} sent per worker"
             )
     return rows
 
@@ -382,8 +383,7 @@ def run_slow_link(args: argparse.Namespace) -> int:
             rows, command=command or "mtdao slow-link", workers=args.workers, **environment()
         )
     )
-    plot = plot_time_to_loss(out, rows)
-    plot_time_to_target(out, rows)
+    plots = [plot_time_to_loss(out, rows), plot_time_to_target(out, rows)]
     print(report_table(rows))
-    print(f"report: {report}  plot: {plot}  rows: {out / 'results.json'}")
+    print(f"report: {report}  plots: {' '.join(map(str, plots))}  rows: {out / 'results.json'}")
     return 0

@@ -1,9 +1,10 @@
 """Run a list of named training configs, each in its own directory, and collect their results.
 
 A suite is data: ``[(name, TrainConfig), ...]``. Each run lives in ``<out>/runs/<name>``; a run
-whose ``results.json`` exists is not trained again, so an interrupted suite resumes where it
-stopped. A run directory without results is resumed from its checkpoint when it holds one for the
-same config, otherwise wiped and restarted.
+whose ``results.json`` exists is not trained again, so rerunning the same command after an
+interruption (or with more seeds) trains only what is missing. A run directory without results
+is resumed from its checkpoint when it holds one for the same config, otherwise wiped and
+restarted. Before training, the suite says how many runs, steps and evaluations are coming.
 
 ``jobs == 1`` trains in this process, one run after another. ``jobs > 1`` launches that many
 ``python -m mtdao train ...`` subprocesses at a time, each with ``max(1, cores // jobs)`` threads;
@@ -30,13 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
+from mtdao.sync.communicator import format_bytes
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import SCHEDULES, TrainConfig, describe_default, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
+from mtdao.train.threads import available_cores
 
 RUNS_DIR = "runs"
 RESULTS_FILE = "results.json"
 LOG_FILE = "train.log"
+MIN_EVAL_EVERY = 10
 
 # TrainConfig fields that do not change what a run computes: a finished run with other values
 # of these is still the same run.
@@ -111,19 +115,12 @@ def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
 
 def _describe(results: dict[str, Any]) -> str:
     loss, ppl = results.get("final_val_loss"), results.get("val_ppl")
-    sent = results.get("bytes_per_worker", 0) / 1e6
+    sent = format_bytes(results.get("bytes_per_worker", 0))
     text = f"val {loss:.4f} (ppl {ppl:.2f})" if loss is not None else "no evaluation"
-    return f"{text}  sent {sent:.2f} MB/worker  {results.get('wall_time_s', 0):.0f}s"
+    return f"{text}  sent {sent}/worker  {results.get('wall_time_s', 0):.0f}s"
 
 
 # -- the suite ------------------------------------------------------------------------------------
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def run_suite(
@@ -172,6 +169,8 @@ def run_suite(
         log(f"{len(suite.results)}/{total} runs already finished in {out}; {len(pending)} to go")
     if not train:
         return suite
+    if pending:
+        log(workload([config for _, config in pending]))
 
     def finished(name: str, results: dict[str, Any] | None, error: str | None) -> None:
         if results is not None:
@@ -189,24 +188,53 @@ def run_suite(
     return suite
 
 
+def evaluations(config: TrainConfig) -> int:
+    """How many times a run evaluates: every ``eval_every`` steps and at its last step."""
+    resolved = resolve(config)
+    steps, every = resolved.steps, resolved.eval_every
+    return steps // every + (1 if steps % every else 0)
+
+
+def workload(configs: Sequence[TrainConfig]) -> str:
+    """The line said before a suite trains: runs, steps and evaluations to come."""
+    resolved = [resolve(config) for config in configs]
+    steps = sum(config.steps for config in resolved)
+    evals = sum(evaluations(config) for config in configs)
+    tokens = {config.eval_tokens for config in resolved}
+    each = f"{tokens.pop():,} held-out tokens each" if len(tokens) == 1 else "held-out tokens"
+    return (
+        f"to train: {len(configs)} run(s), {steps:,} steps in all, {evals} evaluations ({each}); "
+        "a rerun of this command skips the runs that finished"
+    )
+
+
 def _train_one_after_another(pending, out: Path, threads: int, finished) -> None:
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    said: set[str] = set()  # data lines already shown: the runs of a suite share their data
     try:
         for name, config in pending:
-            _train_in_process(name, config, out, finished)
+            _train_in_process(name, config, out, finished, said)
     finally:
         torch.set_num_threads(previous)
 
 
-def _train_in_process(name: str, config: TrainConfig, out: Path, finished) -> None:
+def _train_in_process(name: str, config: TrainConfig, out: Path, finished, said) -> None:
+    from mtdao.train.setup import build_run
     from mtdao.train.trainer import train
+
+    def build_saying_data_once(config, process):
+        run = build_run(config, process)
+        if run.data_summary in said:
+            run.data_summary = ""
+        said.add(run.data_summary)
+        return run
 
     run_dir = run_dir_of(out, name)
     try:
-        results = train(_prepare(run_dir, config))
+        results = train(_prepare(run_dir, config), build=build_saying_data_once)
     except Exception as error:  # a diverged or broken run must not stop the others
         (run_dir / LOG_FILE).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / LOG_FILE).write_text(traceback.format_exc())
@@ -263,7 +291,11 @@ def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: li
     add("--steps", type=int, default=1000, help="optimizer steps per worker (default: 1000)")
     add("--batch-size", type=int, default=16, help="sequences per worker per step (default: 16)")
     add("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
-    add("--eval-every", type=int, help="steps between evaluations (default: steps / 30)")
+    add(
+        "--eval-every",
+        type=int,
+        help=f"steps between evaluations (default: steps / 30, at least {MIN_EVAL_EVERY})",
+    )
     add("--eval-tokens", type=int, default=32768, help="held-out tokens per eval (default: 32768)")
     add("--data", help="text file/dir or hf:NAME[:CONFIG] (default: built-in sources)")
     add("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:NAME (default: byte)")
@@ -291,6 +323,22 @@ def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: li
         "models on a busy machine)",
     )
     add("--out", default=out, help=f"output directory (default: {out})")
+    parser.set_defaults(on_interrupt=interrupted_suite)
+
+
+def interrupted_suite(args: argparse.Namespace, argv: list[str]) -> str:
+    """What to say after Ctrl-C: what is kept, and that the same command continues."""
+    command = shlex.join(["mtdao", *argv])
+    return (
+        f"mtdao {args.command}: interrupted; the finished runs in {Path(args.out) / RUNS_DIR} are "
+        f"kept (an unfinished one resumes from its last checkpoint); continue with: {command}"
+    )
+
+
+def default_eval_every(steps: int) -> int:
+    """About 30 evaluations per run, but none more often than every MIN_EVAL_EVERY steps: a short
+    smoke run would otherwise spend a third of its time evaluating after every step."""
+    return max(MIN_EVAL_EVERY, steps // 30)
 
 
 def base_config(args: argparse.Namespace, seed: int) -> TrainConfig:
@@ -305,7 +353,7 @@ def base_config(args: argparse.Namespace, seed: int) -> TrainConfig:
         data=args.data,
         tokenizer=args.tokenizer,
         schedule=args.schedule,
-        eval_every=args.eval_every or max(1, args.steps // 30),
+        eval_every=args.eval_every or default_eval_every(args.steps),
         eval_tokens=args.eval_tokens,
         seed=seed,
         progress=False,

@@ -97,26 +97,47 @@ def render_report(summary: Mapping[str, Any]) -> str:
 
 
 def plot_options(out: Path, summary: Mapping[str, Any]) -> Path:
-    """Final loss (mean, std bars) per option, one panel per setting, the reference dashed."""
+    """Final loss per option, one panel per setting: a dot at the mean over seeds with its std as
+    a line, the reference dashed, each dot labelled with its difference from the reference.
+
+    Dots, not bars: the axis spans only the spread of the losses, and a bar's length from such an
+    axis' edge would draw a difference of 0.01 as a tenfold one. Ticks are plain losses (no
+    offset), and an option keeps its colour in every panel."""
+    from matplotlib.ticker import ScalarFormatter
+
     plt = pyplot()
     settings = [s for s in summary["settings"] if summary["table"][s]]
     count = max(len(settings), 1)
+    every_option = list(dict.fromkeys(n for s in settings for n in summary["table"][s]))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(every_option)}
     fig, axes = plt.subplots(1, count, figsize=(5.5 * count, 4.2), squeeze=False)
     for ax, setting in zip(axes[0], settings):
         rows = summary["table"][setting]
         names = list(rows)
         means = [rows[n]["val_loss"]["mean"] for n in names]
-        stds = [rows[n]["val_loss"]["std"] for n in names]
-        ax.barh(names, means, xerr=stds, color=[f"C{i}" for i in range(len(names))], alpha=0.8)
+        stds = [rows[n]["val_loss"]["std"] or 0.0 for n in names]
         reference = rows.get(summary["reference"])
+        for y, (name, mean, std) in enumerate(zip(names, means, stds)):
+            ax.errorbar(mean, y, xerr=std, fmt="o", color=colors[name], capsize=3, ms=6)
+            if reference is not None and name != summary["reference"]:
+                change = mean - reference["val_loss"]["mean"]
+                ax.annotate(
+                    f"{change:+.4f}", (mean, y), xytext=(0, 7), textcoords="offset points",
+                    ha="center", fontsize=8, color="0.25",
+                )  # fmt: skip
         if reference is not None:
             ax.axvline(reference["val_loss"]["mean"], color="0.3", ls="--", lw=1)
+        ax.set_yticks(range(len(names)), names)
+        ax.set_ylim(len(names) - 0.5, -0.8)  # first option on top, room for its label
         low = min(m - s for m, s in zip(means, stds))
         high = max(m + s for m, s in zip(means, stds))
-        ax.set_xlim(low - 0.05 * (high - low + 1e-9), high + 0.05 * (high - low + 1e-9))
-        ax.invert_yaxis()
+        margin = 0.08 * (high - low) or 0.01
+        ax.set_xlim(low - margin, high + margin)
+        ax.xaxis.set_major_formatter(ScalarFormatter(useOffset=False))
         ax.set_title(SETTING_TITLES.get(setting, setting), fontsize=10)
-        ax.set_xlabel("final validation loss (mean ± std over seeds)")
+        ax.set_xlabel(
+            f"final validation loss (mean ± std over seeds; dashed: {summary['reference']})"
+        )
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     path = Path(out) / "options.png"

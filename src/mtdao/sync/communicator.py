@@ -26,6 +26,7 @@ tensor (:mod:`mtdao.sync.quantize`); quantized tensors travel as in :mod:`mtdao.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,11 +38,26 @@ from mtdao.sync.quantize import Codec
 
 
 def format_bytes(num_bytes: float) -> str:
-    """1536 -> '1.5 kB', 2.5e9 -> '2.5 GB' (decimal units, as links are rated)."""
+    """1536 -> '1.5 kB', 2.5e9 -> '2.5 GB': decimal units, as links are rated. Every byte count
+    mtdao prints (progress bar, summaries, reports) goes through here."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if num_bytes >= size:
             return f"{num_bytes / size:.1f} {unit}"
     return f"{num_bytes:.0f} B"
+
+
+def format_traffic(ratio: float, versus: str = "") -> str:
+    """A traffic ratio (reference bytes / these bytes): 'the same', '3.3x less', '1.2x more' or
+    'nothing sent'; ``versus`` names the reference ('DDP' -> '3.3x less than DDP'). A ratio near
+    but not at 1 gets a second decimal, so that nothing reads '1.0x less'."""
+    if math.isinf(ratio):
+        return "nothing sent"
+    if abs(ratio - 1) < 1e-9:
+        return f"the same as {versus}" if versus else "the same"
+    factor = ratio if ratio > 1 else 1 / ratio
+    digits = 1 if f"{factor:.1f}" != "1.0" else 2
+    text = f"{factor:.{digits}f}x {'less' if ratio > 1 else 'more'}"
+    return f"{text} than {versus}" if versus else text
 
 
 @dataclass
@@ -192,6 +208,12 @@ class Communicator:
     def rank(self) -> int:
         return self.layout.rank
 
+    @property
+    def alone(self) -> bool:
+        """True where there is no other worker to send to (a transport of one worker), so a
+        round sends nothing. A test double standing in for one process of many keeps False."""
+        return False
+
     def average(
         self,
         tensors: Sequence[Tensor],
@@ -233,7 +255,12 @@ class Communicator:
         process_bytes: int | None = None,
     ):
         """Record (kind, bytes per worker) of everything one averaging call sent (and this
-        process's part, when a worker is several processes)."""
+        process's part, when a worker is several processes). Where :attr:`alone`, nothing
+        crossed a link, whatever the call did locally: the round counts, no bytes nor
+        collectives."""
+        if self.alone:
+            sizes = [(kind, 0) for kind, _ in sizes]
+            collectives, process_bytes = 0, 0 if process_bytes is not None else None
         self.traffic.record_round(sizes, collectives, process_bytes)
         return sum(size for _, size in sizes), collectives
 

@@ -51,6 +51,10 @@ class ProcessGroupWorkers(Communicator):
         self.group = group
         self.bucket_bytes = bucket_bytes
 
+    @property
+    def alone(self) -> bool:
+        return self.num_workers == 1
+
     def average(
         self,
         tensors: Sequence[Tensor],

@@ -32,6 +32,10 @@ class SimulatedWorkers(Communicator):
     def __init__(self, num_workers: int) -> None:
         super().__init__(StackedLayout(num_workers))
 
+    @property
+    def alone(self) -> bool:
+        return self.num_workers == 1
+
     def average(
         self,
         tensors: Sequence[Tensor],

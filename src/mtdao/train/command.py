@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -67,12 +68,26 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_dataclass_arguments(parser, TrainConfig, describe_default)
-    parser.set_defaults(func=run_train)
+    # None: --workers not given, taken from torchrun's processes (see default_workers)
+    parser.set_defaults(func=run_train, on_interrupt=interrupted_train, workers=None)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The config the flags describe, as given (unresolved: see config.resolve)."""
-    return dataclass_from_args(TrainConfig, args)
+    values = vars(args).copy()
+    if values.get("workers") is None:
+        values["workers"] = default_workers(values["shards"], values["fault_tolerant"])
+    return dataclass_from_args(TrainConfig, argparse.Namespace(**values))
+
+
+def default_workers(shards: int, fault_tolerant: bool) -> int:
+    """--workers when not given: under torchrun, its processes / --shards (when they divide);
+    otherwise TrainConfig's default. A fault-tolerant replica's processes are one worker of
+    many, so it keeps the default."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not fault_tolerant and shards >= 1 and world_size % shards == 0:
+        return world_size // shards
+    return TrainConfig.workers
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
@@ -83,8 +98,11 @@ def config_to_argv(config: TrainConfig) -> list[str]:
 def run_train(args: argparse.Namespace) -> int:
     from mtdao.train.distributed import leave_process_group
     from mtdao.train.results import traffic_line
-    from mtdao.train.trainer import train
+    from mtdao.train.threads import one_thread_if_busy
+    from mtdao.train.trainer import say, train
 
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and (note := one_thread_if_busy()):
+        say(note)  # torchrun sets OMP_NUM_THREADS itself
     try:
         results = train(config_from_args(args))
     finally:
@@ -93,7 +111,38 @@ def run_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         out = results["config"]["out"]
         print(json.dumps({k: results[k] for k in SUMMARY_KEYS}), file=sys.stdout)
-        plot = f"  plot: {out}/loss.png" if (Path(out) / "loss.png").is_file() else ""
-        print(f"results: {out}/results.json{plot}  metrics: {out}/metrics.jsonl")
+        where = f"results: {out}/results.json"
+        if (Path(out) / "loss.png").is_file():
+            where += f"  plot: {out}/loss.png"
+        where += f"  metrics: {out}/metrics.jsonl"
+        if (Path(out) / "tensorboard").is_dir():
+            where += f"  tensorboard: {out}/tensorboard"
+        print(where)
         print(traffic_line(results))
     return 0
+
+
+def interrupted_train(args: argparse.Namespace, argv: list[str]) -> str | None:
+    """What to say after Ctrl-C: the newest checkpoint and the command that continues the run
+    (``argv``: this command's arguments). None on processes other than rank 0 of a job."""
+    from mtdao.train.checkpoint_index import latest_checkpoint
+    from mtdao.train.config import resolve
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    try:
+        config = resolve(config_from_args(args))
+    except ValueError:  # a config that never started: nothing to continue
+        return "mtdao train: interrupted"
+    run_dir = Path(config.out)
+    words = [word for word in argv if word != "--overwrite"]  # --resume keeps what is there
+    words += [] if "--resume" in words else ["--resume"]
+    command = shlex.join(["mtdao", *words])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        command = f"the same torchrun command with -m {command}"
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        saved = f"no checkpoint in {run_dir} yet (--checkpoint-every N saves them)"
+        return f"mtdao train: interrupted; {saved}; start it again with: {command}"
+    where = f"{latest.path} (step {latest.step} of {config.steps})"
+    return f"mtdao train: interrupted; last checkpoint: {where}; continue with: {command}"

@@ -96,6 +96,11 @@ def _choice(default: str, choices: tuple[str, ...]):
     return field(default=default, metadata={"choices": choices})
 
 
+def _switch_off(flag: str, off: str):
+    """A field that defaults to True, turned off by ``flag``, whose help says ``off``."""
+    return field(default=True, metadata={"flag": flag, "off": off})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     method: str = _choice("mtdao", METHODS)
@@ -103,7 +108,8 @@ class TrainConfig:
     optimizer: str = _choice("adam", BASE_OPTIMIZERS)
     """Base optimizer."""
     workers: int = 4
-    """Data-parallel workers M (simulated in one process unless launched by torchrun)."""
+    """Data-parallel workers M, simulated in one process unless launched by torchrun (there the
+    default is the number of processes / --shards)."""
     shards: int = 1
     """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S; for a
     fault-tolerant replica, S)."""
@@ -214,15 +220,17 @@ class TrainConfig:
     for large models on slow links."""
     device: str = _choice("auto", DEVICES)
     """Device (auto: CUDA when available)."""
-    bf16: bool = field(default=True, metadata={"flag": "--no-bf16"})
+    bf16: bool = _switch_off("--no-bf16", "Do not autocast to bf16 on GPU: run float32.")
     """bf16 autocast on GPU (CPU always runs float32)."""
     on_non_finite: str = _choice("raise", NON_FINITE_ACTIONS)
     """NaN/inf in a worker at a sync: stop (raise), or leave that worker out and heal it with the
     others' average of everything it holds (skip; evaluation and checkpoints meanwhile leave it
     out or heal it first). Large finite values are averaged like any other (docs/design.md)."""
-    track_alignment: bool = field(default=True, metadata={"flag": "--no-alignment"})
+    track_alignment: bool = _switch_off(
+        "--no-alignment", "Do not log the worker/global pseudo-gradient cosine and drift at syncs."
+    )
     """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
-    progress: bool = field(default=True, metadata={"flag": "--no-progress"})
+    progress: bool = _switch_off("--no-progress", "Hide the progress bar.")
     """Show a progress bar."""
     fault_tolerant: bool = False
     """Run one replica of a fault-tolerant run (torchft): replicas may die, rejoin and heal."""

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
         "lighthouse",
         help="start the lighthouse of a fault-tolerant run (mtdao train --fault-tolerant)",
         description="Keep track of the live replicas of a fault-tolerant run and form their "
-        "quorums. Runs until interrupted.",
+        "quorums. Runs until interrupted (Ctrl-C or SIGTERM stop it cleanly).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
@@ -65,6 +65,11 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             flag = name.replace("_", "-")
             raise ValueError(f"--{flag} must be a number of seconds > 0, got {getattr(args, name)}")
+    # Ctrl-C and SIGTERM both end the wait below: no KeyboardInterrupt can land in a thread
+    # or in the middle of shutting the server down
+    stop = threading.Event()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, lambda *_: stop.set())
     try:
         from mtdao.sync.torchft import start_lighthouse
     except ModuleNotFoundError as error:
@@ -92,8 +97,6 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         server.shutdown()
         reason = error.strerror
         raise ValueError(f"cannot serve the lighthouse on {host}:{args.port}: {reason}") from None
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     address = f"http://{advertised_host(host)}:{front.port}"
     print(
         f"lighthouse: serving at {address} (min replicas {args.min_replicas}, heartbeat timeout "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtdao.sync.communicator import format_bytes
 from mtdao.train.metrics import read_metrics
 
 # More rounds than this are not drawn one by one (DDP's every-step all-reduce would fill the plot).
@@ -44,6 +45,12 @@ class RunCurves:
     """Where a sync round (any averaging at all) ended."""
     every_step: bool = False
     """It communicated at every step (gradient averaging): no rounds to mark."""
+    settings: str = ""
+    """Method, workers and sync period, from the run's config.json ('' when it has none)."""
+
+    @property
+    def title(self) -> str:
+        return f"{self.name}: {self.settings}" if self.settings else self.name
 
 
 def _step_and_bytes(event: Sequence[Any] | Mapping[str, Any]) -> tuple[int, float]:
@@ -67,8 +74,11 @@ def run_curves(run_dir: Path) -> RunCurves:
     records = read_metrics(run_dir)
     results_path = run_dir / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    config_path = run_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     curves = RunCurves(
         name=run_dir.name,
+        settings=describe_settings(config),
         train=[(r["tokens"], r["train_loss"]) for r in records if "train_loss" in r],
         val=[(r["tokens"], r["val_loss"]) for r in records if "val_loss" in r],
     )
@@ -89,6 +99,21 @@ def run_curves(run_dir: Path) -> RunCurves:
     curves.every_step = bool(steps) and steps >= set(range(1, max(steps) + 1))
     curves.rounds = [] if curves.every_step else [step * per_step for step in sorted(steps)]
     return curves
+
+
+def describe_settings(config: Mapping[str, Any]) -> str:
+    """'mtdao (adam), 4 workers, K = 32' from a run's config ('' without a method)."""
+    from mtdao.train.methods import METHOD_TABLE
+
+    method = config.get("method")
+    if method not in METHOD_TABLE:
+        return ""
+    text = f"{method} ({config.get('optimizer', 'adam')}), {config.get('workers')} workers"
+    if (config.get("shards") or 1) > 1:
+        text += f" x {config['shards']} shards"
+    if not METHOD_TABLE[method].averages_gradients:
+        text += f", K = {config.get('sync_period')}"
+    return text
 
 
 def _mark_rounds(axes, curves: RunCurves) -> None:
@@ -122,17 +147,20 @@ def _draw(loss_ax, sent_ax, curves: RunCurves, reference: bool) -> None:
 
 
 def _label_total(ax, last: tuple[float, float], color: str) -> None:
-    from matplotlib.ticker import EngFormatter
-
-    text = EngFormatter(unit="B", places=1)(last[1])
     ax.annotate(
-        text, last, xytext=(0, 4), textcoords="offset points", ha="right", va="bottom", color=color
+        format_bytes(last[1]),
+        last,
+        xytext=(0, 4),
+        textcoords="offset points",
+        ha="right",
+        va="bottom",
+        color=color,
     )
 
 
 def figure(curves: RunCurves, reference: RunCurves | None = None):
     """The figure of ``loss.png``: loss on top, cumulative bytes sent below, tokens across."""
-    from matplotlib.ticker import EngFormatter
+    from matplotlib.ticker import EngFormatter, FuncFormatter
 
     plt = pyplot()
     fig, (loss_ax, sent_ax) = plt.subplots(
@@ -143,10 +171,11 @@ def figure(curves: RunCurves, reference: RunCurves | None = None):
     _draw(loss_ax, sent_ax, curves, reference=False)
     _mark_rounds((loss_ax, sent_ax), curves)
     loss_ax.set_ylabel("loss (nats/token)")
-    loss_ax.set_title(curves.name + (f" vs {reference.name}" if reference else ""))
+    title = curves.title + (f"\nvs {reference.title}" if reference else "")
+    loss_ax.set_title(title, fontsize=10)
     sent_ax.set_ylabel("bytes sent per worker")
     sent_ax.set_xlabel("tokens")
-    sent_ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    sent_ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(value)))
     sent_ax.xaxis.set_major_formatter(EngFormatter())
     for ax in (loss_ax, sent_ax):
         ax.grid(alpha=0.3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtdao.sync.communicator import format_bytes
+from mtdao.sync.communicator import format_bytes, format_traffic
 from mtdao.sync.engine import SyncEvent
 from mtdao.sync.policy import communication_per_step, full_cycle
 from mtdao.train.setup import Run
@@ -108,11 +108,11 @@ def traffic_line(results: dict[str, Any]) -> str:
                 f"{results['sync_period']})"
             )
         return text
-    text += f", {measured:.1f}x less than DDP"
-    if steady is not None and f"{steady:.1f}" != f"{measured:.1f}":
+    text += ", " + format_traffic(measured, "DDP")
+    if steady is not None and format_traffic(steady) != format_traffic(measured):
         tail = results["steps"] - results["steady_state_steps"]
         text += (
-            f" ({steady:.1f}x in steady state, over whole sync cycles: the last {tail} steps are "
-            "a partial cycle whose syncs have not all come due)"
+            f" ({format_traffic(steady)} in steady state, over whole sync cycles: the last {tail} "
+            "steps are a partial cycle whose syncs have not all come due)"
         )
     return text

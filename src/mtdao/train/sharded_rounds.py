@@ -123,7 +123,9 @@ def gather_process_bytes(sync: LocalUpdateSync) -> list[int | None]:
     mine = sync.traffic.process_bytes
     value = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=device)
     gathered = torch.empty(layout.num_shards, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, value, group=layout.shard_group)
+    # all_gather_into_tensor warns (FutureWarning) in this torch; its successor where it exists
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, value, group=layout.shard_group)
     return [None if b < 0 else int(b) for b in gathered.tolist()]
 
 

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from mtdao.data import stacked_batches
+from mtdao.sync.communicator import format_bytes
 from mtdao.sync.engine import NonFiniteError
 from mtdao.train.checkpoint import CheckpointStore
 from mtdao.train.config import TrainConfig, config_warnings, resolve
@@ -156,7 +157,8 @@ def train_run(run: Run, store: CheckpointStore, start: Start, run_loop=None) -> 
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run.run_dir / "config.json", run.config.to_dict())
-        say(run.data_summary)
+        if run.data_summary:  # empty where a caller has said it already (a suite's later runs)
+            say(run.data_summary)
         if loaded is not None:
             say(f"resumed from step {run.step} of {run.total_steps} ({loaded.path})")
     log = MetricsLog(run.run_dir, enabled=run.is_main, append=loaded is not None)
@@ -278,9 +280,7 @@ def log_training(run: Run, log: MetricsLog, progress: tqdm, loss: float, tokens_
             "wall_time_s": run.clock.wall_s(),
         }
     )
-    progress.set_postfix(
-        loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}", sent=f"{sent / 2**20:.1f}MB"
-    )
+    progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}", sent=format_bytes(sent))
 
 
 def check_finite_losses(

@@ -1,0 +1,105 @@
+"""The experiment figures read true: no offset ticks or truncated bars for small differences,
+enough labels on a narrow log axis, whole steps on a step axis, legends off the data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mtdao.experiments import compare_plots, sync_options_report
+from mtdao.experiments.figures import log_tick_values
+
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures a plot function saves, drawn and kept open for inspection."""
+    figures = []
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        figures.append(fig)
+
+    for module in (compare_plots, sync_options_report):
+        monkeypatch.setattr(module, "save", keep)
+    yield figures
+    for fig in figures:
+        compare_plots.pyplot().close(fig)
+
+
+def test_narrow_log_axes_get_several_plain_labels():
+    assert log_tick_values(1.35, 3.0) == [1.4, 1.6, 1.8, 2.0, 2.5, 3.0]
+    assert log_tick_values(1.0, 10.0) == [1.0, 1.5, 2.0, 3.0, 5.0, 7.0, 10.0]
+    assert log_tick_values(0.5, 500.0) == [
+        0.5,
+        1.0,
+        2.0,
+        5.0,
+        10.0,
+        20.0,
+        50.0,
+        100.0,
+        200.0,
+        500.0,
+    ]
+    assert log_tick_values(2.93, 3.25) == [3.0, 3.1, 3.2]  # a 40-step smoke run's range
+    assert log_tick_values(2.0, 2.0) == []
+
+
+def test_options_plot_draws_tiny_differences_as_they_are(tmp_path, drawn):
+    summary = json.loads((REPORTS / "sync-options" / "results.json").read_text())
+    for rows in summary["table"].values():
+        for index, row in enumerate(rows.values()):
+            row["val_loss"].update(mean=3.0551 + 1e-4 * index, std=5e-5)
+    sync_options_report.plot_options(tmp_path, summary)
+    (fig,) = drawn
+    for ax in fig.axes:
+        assert ax.xaxis.get_major_formatter().get_offset() == ""  # no "+3.055" beside the ticks
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert all(label.startswith("3.05") for label in labels), labels
+        assert not ax.patches  # dots with error bars, no bars from a truncated axis' edge
+    # an option keeps its colour in both panels
+    first, second = (
+        {
+            label.get_text(): container.lines[0].get_color()
+            for label, container in zip(ax.get_yticklabels(), ax.containers)
+        }
+        for ax in fig.axes
+    )
+    assert len(first) > 2 and all(second[name] == first[name] for name in second if name in first)
+
+
+def one_sync_summary() -> dict:
+    summary = json.loads((REPORTS / "compare" / "results.json").read_text())
+    for runs in summary["runs"].values():
+        for run in runs:
+            run["alignment"] = (run.get("alignment") or [])[:1]
+    return summary
+
+
+def test_alignment_with_one_sync_ticks_whole_steps_and_keeps_the_legend_off_the_data(
+    tmp_path, drawn
+):
+    compare_plots.plot_alignment(one_sync_summary(), tmp_path / "alignment.png")
+    (fig,) = drawn
+    cosine, drift = fig.axes[:2]
+    for ax in (cosine, drift):
+        assert [tick for tick in ax.get_xticks()] == [32]
+        assert ax.get_legend() is None
+    assert fig.legends  # one legend for the figure, below the panels
+    legend_top = fig.legends[0].get_window_extent().y1
+    assert legend_top <= min(ax.get_window_extent().y0 for ax in (cosine, drift))
+
+
+def test_loss_vs_tokens_labels_its_log_axis(tmp_path, drawn):
+    summary = json.loads((REPORTS / "compare" / "results.json").read_text())
+    compare_plots.plot_loss_vs_tokens(summary, tmp_path / "loss_vs_tokens.png")
+    (fig,) = drawn
+    full = fig.axes[0]
+    low, high = full.get_ylim()
+    labels = [t.get_text() for t in full.get_yticklabels() if t.get_text()]
+    shown = [t for t in full.get_yticks() if low <= t <= high]
+    assert len(labels) >= 4 and len(set(labels)) == len(labels) == len(shown), labels
