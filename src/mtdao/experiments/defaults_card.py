@@ -49,13 +49,13 @@ ENTRIES = (
         "mtdao-warmup-0.3",
         "mtdao",
         dict(beta_warmup=0.3, beta_ramp=0.0, lr=8e-3),
-        "the default of 2026-12-01 (0.99 / 0.9, beta warm-up over 30% of --steps, lr 8e-3)",
+        "default from 2026-12-01 to this card: 0.99 / 0.9, beta warm-up over 30% of --steps, lr 8e-3",
     ),
     Entry(
         "mtdao-0.95-0.7",
         "mtdao",
         dict(betas=(0.95,), omegas=(0.7,), lr=8e-3),
-        "the default before 2026-12-01 (0.95 / 0.7, no warm-up, lr 8e-3)",
+        "default before 2026-12-01: 0.95 / 0.7, no warm-up, lr 8e-3",
     ),
 )
 ENTRY_NAMES = tuple(entry.name for entry in ENTRIES)

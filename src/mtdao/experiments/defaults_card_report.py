@@ -134,9 +134,12 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
                     )
             axis.axhline(0, color=ENTRY_COLORS["ddp"], linewidth=0.8)
             axis.set_xscale("log")
+            lengths = sorted({c["steps"] for c in summary["cells"]})
+            axis.set_xticks(lengths, [f"{n:g}" for n in lengths])
+            axis.minorticks_off()
             axis.set_title(corpus)
             axis.set_xlabel("steps (run length)")
-        axes[0][0].set_ylabel("final val loss vs DDP (%)")
+        axes[0][0].set_ylabel("final val loss above DDP's (%)")
         if drawn:
             handles, labels = axes[0][0].get_legend_handles_labels()
             fig.legend(
@@ -147,7 +150,7 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
                 fontsize=8,
                 bbox_to_anchor=(0.5, -0.02),
             )
-            fig.tight_layout(rect=(0, 0.12, 1, 1))
+            fig.tight_layout(rect=(0, 0.08, 1, 1))
             save(fig, path)
         else:
             plt.close(fig)
