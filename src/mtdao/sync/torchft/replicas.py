@@ -8,17 +8,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torchft import Manager
 
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, dtype_buckets, size_chunks
-from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, InFlightMean
+from mtdao.sync.communicator import Communicator, RoundNotCommitted
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.sharded_layout import ShardGroupSums
 from mtdao.sync.torchft.plumbing import (
@@ -29,6 +28,10 @@ from mtdao.sync.torchft.plumbing import (
     first_line,
 )
 from mtdao.sync.torchft.shards import ReplicaProcesses
+from mtdao.sync.torchft.transport import ManagerTransport
+
+if TYPE_CHECKING:
+    from mtdao.sync.engine import LocalUpdateSync
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class ReplicaLayout(WorkerLayout):
         return self.communicator.sum_in_round(slots) if in_round else slots
 
     def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return self.communicator.mean_in_round(tensors, contributes=True)[0]
+        return InFlightMean(tensors, self.communicator.transport).wait()
 
 
 class ShardedReplicaLayout(ShardGroupSums, ReplicaLayout):
@@ -121,12 +124,13 @@ class ReplicaGroups(Communicator):
     """
 
     layout: ReplicaLayout
-    plain_rounds_only = True  # a round must be whole and blocking to be committed or discarded
+    transport: ManagerTransport
 
     def __init__(
         self, settings: ReplicaSettings, shard_group: dist.ProcessGroup | None = None
     ) -> None:
         super().__init__(ReplicaLayout(self))
+        self.transport = ManagerTransport(self)
         self.processes = ReplicaProcesses()
         if shard_group is not None:
             self.shard_over(shard_group)
@@ -154,7 +158,7 @@ class ReplicaGroups(Communicator):
         is ready to join, since a live replica that does not join holds up new quorums. In a
         replica of several processes every process calls it; group rank 0 first starts the
         replica's manager server and store, then the others connect to them."""
-        self.transport = HealTransport(timedelta(seconds=self.settings.collective_timeout))
+        self.heal_transport = HealTransport(timedelta(seconds=self.settings.collective_timeout))
         store, failure = None, None
         if self.processes.rank == 0:
             host = socket.gethostname()
@@ -165,7 +169,7 @@ class ReplicaGroups(Communicator):
         if failure is None and self.processes.rank > 0:
             failure = self._start_manager(*store)
         if failure is not None:
-            self.transport.shutdown(wait=False)
+            self.heal_transport.shutdown(wait=False)
             raise QuorumError(failure)
         if self.processes.size > 1:
             address = f"{store[0]}:{store[1]}/mtdao"
@@ -196,7 +200,7 @@ class ReplicaGroups(Communicator):
                 replica_id=str(settings.replica_id),
                 hostname=store_host,
                 heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
-                checkpoint_transport=self.transport,
+                checkpoint_transport=self.heal_transport,
             )
         except RuntimeError as error:
             reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
@@ -235,10 +239,13 @@ class ReplicaGroups(Communicator):
 
     def before_step(self, sync: LocalUpdateSync) -> RoundStart | None:
         """Call before each step's forward pass: a quorum when this replica has not joined yet or
-        a round is due at the coming step (None otherwise: no coordination between rounds)."""
+        a round opens at the coming step (None otherwise: no coordination between rounds). A
+        round still in flight (delayed) is settled first: the manager runs one quorum at a
+        time; it is still applied at its own step."""
         coming = sync.step_count + 1
         if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
             return None
+        sync.settle_in_flight()
         start = self.start_round()
         self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
         if not sync.round_due(self._prepared_step):
@@ -271,7 +278,7 @@ class ReplicaGroups(Communicator):
             raise self.process_group.refusal
         self._round_open = True
         seconds = time.perf_counter() - started
-        received = self.transport.received_bytes if self._heal is not None else 0
+        received = self.heal_transport.received_bytes if self._heal is not None else 0
         received = self.processes.sum(received)  # a sharded replica: over its processes
         if self._heal is not None:
             self._heal.bytes, self._heal.seconds = received, seconds
@@ -296,83 +303,40 @@ class ReplicaGroups(Communicator):
 
     # -- the round ---------------------------------------------------------------------------
 
-    def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
-    ) -> Averages:
+    def _contributes(self, kinds: Sequence[str]) -> bool:
         # a healed replica's gradient is its own, its parameters and states its source's
-        contributes = self.quorum_rank not in excluded and not (
-            self._fresh and any(kind != "grads" for kind in kinds)
-        )
-        values, collectives = self.mean_in_round(tensors, contributes)
-        num_bytes, collectives = self._account(tensors, kinds, collectives)
-        return Averages(values, num_bytes, collectives)
+        return not (self._fresh and any(kind != "grads" for kind in kinds))
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         for tensor, value in zip(tensors, values):
             local_shard(tensor).copy_(value)  # a sharded tensor's average is its shard's
 
     def commit(self) -> None:
-        self._require_round()
+        self.require_round()
         self._round_open = False
         if not self.manager.should_commit():
             self._prepared_step = None
-            raise RoundNotCommitted(f"round discarded ({self._failure()})")
+            raise RoundNotCommitted(f"round discarded ({self.failure()})")
         self._fresh = False
-
-    def mean_in_round(
-        self, tensors: Sequence[Tensor], contributes: bool
-    ) -> tuple[list[Tensor], int]:
-        """(means over the replicas that contribute, collectives): one SUM all-reduce per bucket,
-        each carrying its contributor count in one extra element. A sharded tensor is averaged
-        as this process's shard."""
-        tensors = [local_shard(t) for t in tensors]
-        averages: list[Tensor | None] = [None] * len(tensors)
-        collectives = 0
-        for indices in dtype_buckets(tensors).values():
-            for chunk in size_chunks(indices, tensors, self.settings.bucket_bytes):
-                parts = [tensors[i].reshape(-1) for i in chunk]
-                marker = torch.ones(1, dtype=parts[0].dtype, device=parts[0].device)
-                flat = torch.cat([*parts, marker])
-                if not contributes:
-                    flat.zero_()
-                flat = self.sum_in_round(flat)
-                contributors = flat[-1].item()
-                if contributors < 0.5:
-                    self._fail("no replica contributed to the average")
-                flat = flat[:-1].div_(contributors)
-                collectives += 1
-                offset = 0
-                for i in chunk:
-                    numel = tensors[i].numel()
-                    averages[i] = flat[offset : offset + numel].view_as(tensors[i])
-                    offset += numel
-        return averages, collectives  # type: ignore[return-value]
 
     def sum_in_round(self, flat: Tensor) -> Tensor:
         """``flat`` summed over the quorum, through the manager; a failure discards the round."""
-        self._require_round()
-        work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
-        work.wait()
-        failure = self._failure() if self.manager.errored() is not None else None
-        failure = self.processes.first_failure(failure)  # every process of the replica stops
-        if failure is not None:
-            self._fail(failure)
-        return flat
+        return self.transport.sum(flat)
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
         """Tell torchft the round failed (the next quorum rebuilds the group), then raise."""
         self.manager.report_error(RuntimeError(reason))
         self._round_open, self._prepared_step = False, None  # a retried step needs a new quorum
         self.manager.should_commit()
         raise RoundNotCommitted(f"round discarded ({reason})")
 
-    def _failure(self) -> str:
+    def failure(self) -> str:
         error = self.manager.errored()
         if error is None:
             return "too few replicas"
         return first_line(error.original_exception)
 
-    def _require_round(self) -> None:
+    def require_round(self) -> None:
         if not self._round_open:
             raise RuntimeError(
                 "no round in progress: call start_round() before a step whose round is due "
