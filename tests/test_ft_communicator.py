@@ -23,6 +23,7 @@ from mtdao.sync import (
     unified,
 )
 from mtdao.sync.communicator import RoundNotCommitted
+from mtdao.sync.compression import SyncCodecs
 
 torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
 
@@ -159,11 +160,12 @@ def assert_equal_states(a: dict, b: dict, optimizer_states: bool = True) -> None
     torch.testing.assert_close(a["engine"]["outer"], b["engine"]["outer"], rtol=0, atol=0)
 
 
-def simulated(policy, steps: int) -> list[torch.Tensor]:
-    """The same run with 3 simulated workers, all starting from replica 0's initial values."""
+def simulated(policy, steps: int, workers: bool = False, **engine) -> list[torch.Tensor]:
+    """The same run with 3 simulated workers, all starting from replica 0's initial values:
+    worker 0's parameters (``workers``: every worker's, stacked)."""
     params = [torch.nn.Parameter(t.expand(3, *t.shape).clone()) for t in initial(0)]
     optimizer = optimizer_for(params)
-    sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(3))
+    sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(3), **engine)
     for step in range(steps):
         pairs = [data(w, step) for w in range(3)]
         inputs = torch.stack([p[0] for p in pairs])
@@ -171,7 +173,7 @@ def simulated(policy, steps: int) -> list[torch.Tensor]:
         loss(*params, inputs, targets).backward()
         sync.step()
         optimizer.zero_grad(set_to_none=True)
-    return [p.detach()[0] for p in params]
+    return [p.detach() if workers else p.detach()[0] for p in params]
 
 
 @pytest.mark.parametrize("lighthouse", [3], indirect=True)
@@ -188,6 +190,40 @@ def test_three_replicas_are_three_simulated_workers(name, lighthouse):
     expected = simulated(POLICIES[name](), steps)
     torch.testing.assert_close(final[0]["params"], expected)
     assert [len(r.sync.events) for r in replicas] == [len(replicas[0].sync.events)] * 3
+
+
+INT8 = SyncCodecs.parse(["int8"], error_feedback=True)
+OPTION_POLICIES = {  # every round option at once, rounds overlapping in flight or not
+    "mtdao (unified)": (lambda: unified(4), dict(delay=2, fragments=2, codecs=INT8)),
+    "desloc (per-state periods)": (lambda: desloc(2), dict(delay=1, fragments=2, codecs=INT8)),
+    "diloco (outer step)": (
+        lambda: explicit(4, outer=OuterOptimizerConfig()),
+        dict(delay=3, fragments=2, codecs=SyncCodecs.parse(["params=int8"])),
+    ),
+}
+
+
+@pytest.mark.parametrize("lighthouse", [3], indirect=True)
+@pytest.mark.parametrize("name", OPTION_POLICIES)
+def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(name, lighthouse):
+    policy, options = OPTION_POLICIES[name]
+    steps = 13  # ends with a round in flight
+    replicas = [
+        Replica(r, lighthouse, policy(), steps, track_alignment=True, **options)
+        for r in range(3)
+    ]
+    run_threads(replicas)
+    for replica in replicas:
+        assert replica.error is None, repr(replica.error)
+        assert not replica.discarded
+    expected = simulated(policy(), steps, workers=True, track_alignment=True, **options)
+    for w, replica in enumerate(replicas):  # every replica is its simulated worker, exactly
+        for param, worker in zip(replica.params, expected):
+            assert torch.equal(param.detach(), worker[w])
+        assert replica.sync.events == replicas[0].sync.events
+        assert len(replica.sync.pending) >= 1  # settled early or not, applied at its step
+    cosines = [[a["cosine"] for a in r.sync.alignment] for r in replicas]
+    assert cosines[1:] == cosines[:1] * 2 and cosines[0]
 
 
 LATE_POLICIES = {"unified": (lambda: unified(4), 4), "desloc": (lambda: desloc(2), 12)}

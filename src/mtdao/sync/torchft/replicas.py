@@ -247,6 +247,8 @@ class ReplicaGroups(Communicator):
             return None
         sync.settle_in_flight()
         start = self.start_round()
+        if sync.step_count == 0:  # healed to the first step: no local step missed, it counts
+            self._fresh = False
         self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
         if not sync.round_due(self._prepared_step):
             self._empty_round()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from mtdao.sync.transport import Transport, Work, contributors, flat_copy, split
 
@@ -73,14 +74,14 @@ class ManagerTransport(Transport):
     def all_to_all(self, buffer: Tensor) -> Work:
         received = torch.zeros_like(buffer[0])
         group = self.replicas.process_group
-        launch = lambda: group.alltoall_base(received, buffer[0], [], [], dist.AllToAllOptions())  # noqa: E731
+        launch = lambda: group.alltoall_base(received, buffer[0], [], [], AllToAllOptions())  # noqa: E731
         return self._launch(launch, [received.unsqueeze(0)])
 
     def all_gather(self, buffer: Tensor) -> Work:
         gathered = buffer.new_zeros((self.num_workers, *buffer.shape[1:]))
         group = self.replicas.process_group
         outputs = [list(gathered.unbind(0))]
-        launch = lambda: group.allgather(outputs, [buffer[0]], dist.AllgatherOptions())  # noqa: E731
+        launch = lambda: group.allgather(outputs, [buffer[0]], AllgatherOptions())  # noqa: E731
         return self._launch(launch, [gathered])
 
     def _launch(self, launch, outputs: list[Tensor]) -> Work:
