@@ -78,9 +78,11 @@ class Replica:
         self.sync = LocalUpdateSync(self.optimizer, policy, self.communicator, **engine)
         self.communicator.track_state("engine", *torchft.engine_state(self.sync))
         self.rounds: dict[int, dict] = {}  # step -> the whole state after that committed round
+        self.at_quorum: dict[int, dict] = {}  # step -> the whole state once its quorum formed
         self.starts: list = []
         self.discarded: list = []
         self.error: BaseException | None = None
+        self.final: dict = {}
         self.before_step: Callable[[Replica], None] = lambda replica: None
 
     def run(self) -> None:
@@ -93,6 +95,7 @@ class Replica:
                 except RoundNotCommitted as failure:  # as the harness does: go on locally
                     self.optimizer.zero_grad(set_to_none=True)
                     self.discarded.append((self.sync.step_count, failure))
+            self.final = self.sync.state_dict()  # rounds in flight complete, in the quorum
         except BaseException as error:  # handed to the test thread
             self.error = error
         finally:
@@ -102,6 +105,7 @@ class Replica:
         start = self.communicator.before_step(self.sync)
         if start is not None:
             self.starts.append((self.sync.step_count, start))
+            self.at_quorum[self.sync.step_count] = self.state()
         inputs, targets = data(self.replica_id, self.sync.step_count)
         loss(*self.params, inputs, targets).backward()
         rounds = len(self.sync.events)
@@ -120,6 +124,22 @@ class Replica:
             },
             "engine": self.sync.state_dict(),
         }
+
+
+def assert_same(a, b, where: str = "state") -> None:
+    """Bitwise equal, through nested dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
 
 
 def run_threads(replicas: list[Replica], delays: dict[int, float] | None = None) -> None:
@@ -224,6 +244,45 @@ def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(
         assert len(replica.sync.pending) >= 1  # settled early or not, applied at its step
     cosines = [[a["cosine"] for a in r.sync.alignment] for r in replicas]
     assert cosines[1:] == cosines[:1] * 2 and cosines[0]
+
+
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+def test_a_late_replica_heals_every_state_and_the_rounds_in_flight(lighthouse):
+    """Delayed (D = 2), fragmented, int8 rounds with error feedback: the joiner becomes its
+    source's exact copy, a round already committed but still to be applied included, together
+    with the source's error-feedback residuals; afterwards every replica keeps the same global
+    state (anchors, rounds and their averages)."""
+    policy, options = OPTION_POLICIES["mtdao (unified)"]
+    steps = 30
+    replicas = [Replica(r, lighthouse, policy(), steps, **options) for r in range(3)]
+    started = threading.Event()
+
+    def wait_for_the_late_one(replica: Replica) -> None:
+        if replica.sync.step_count == 10:
+            assert started.wait(THREAD_TIMEOUT_S)
+
+    late = replicas[2]
+    late.before_step = lambda replica: started.set()
+    for replica in replicas[:2]:
+        replica.before_step = wait_for_the_late_one
+    run_threads(replicas, delays={2: 0.5})
+    for replica in replicas:
+        assert replica.error is None, repr(replica.error)
+        assert not replica.discarded
+
+    joined_at, start = late.starts[0]
+    assert joined_at > 10 and start.heal is not None and start.heal.source in (0, 1)
+    healed = late.at_quorum[joined_at]
+    assert healed["engine"]["pending"], "no round in flight at the heal"
+    assert healed["engine"]["pending"][0]["committed"]  # settled before the quorum
+    assert healed["engine"]["pseudo_gradients"]["residuals"]
+    assert_same(replicas[start.heal.source].at_quorum[joined_at], healed)
+    final = [r.final for r in replicas]
+    for other in final[1:]:
+        for key in ("step", "anchors", "events", "traffic"):
+            assert_same(final[0][key], other[key], key)
+        averages = [[r["averages"] for r in state["pending"]] for state in (final[0], other)]
+        assert_same(*averages)
 
 
 LATE_POLICIES = {"unified": (lambda: unified(4), 4), "desloc": (lambda: desloc(2), 12)}

@@ -53,7 +53,8 @@ class ManagerTransport(Transport):
         flags = torch.zeros(self.num_workers, dtype=torch.float64)
         if contributes and self.rank not in set(excluded):
             flags[self.rank] = 1.0
-        counted = [w for w, flag in enumerate(self.sum(flags).tolist()) if flag > 0.5]
+        summed = self.replicas.sum_in_round(flags)  # a round's first collective
+        counted = [w for w, flag in enumerate(summed.tolist()) if flag > 0.5]
         if not counted:
             self.replicas.fail("no replica contributed to the average")
         left_out = [w for w in range(self.num_workers) if w not in counted]
