@@ -24,6 +24,8 @@ from mtdao.sync import (
 )
 from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.sync.testing import run_on_gloo
 
 torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
 
@@ -223,11 +225,43 @@ OPTION_POLICIES = {  # every round option at once, rounds overlapping in flight 
 }
 
 
+OPTION_STEPS = 13  # ends with a round in flight
+
+
+def gloo_rank_runs() -> dict[str, list[torch.Tensor]]:
+    """Each option policy's run as one process of a gloo group (what torchrun runs)."""
+    import torch.distributed as dist
+
+    runs = {}
+    for name, (policy, options) in OPTION_POLICIES.items():
+        rank = dist.get_rank()
+        params = [torch.nn.Parameter(t) for t in initial(rank)]
+        optimizer = optimizer_for(params)
+        engine = dict(track_alignment=True, **options)
+        sync = LocalUpdateSync(optimizer, policy(), ProcessGroupWorkers(), **engine)
+        for step in range(OPTION_STEPS):
+            loss(*params, *data(rank, step)).backward()
+            sync.step()
+            optimizer.zero_grad(set_to_none=True)
+        runs[name] = [p.detach().clone() for p in params]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("gloo-options")
+    return run_on_gloo(gloo_rank_runs, 3, root, preload=[__name__], timeout_s=THREAD_TIMEOUT_S)
+
+
 @pytest.mark.parametrize("lighthouse", [3], indirect=True)
 @pytest.mark.parametrize("name", OPTION_POLICIES)
-def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(name, lighthouse):
+def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(
+    name, lighthouse, gloo_runs
+):
+    """Fault-tolerant replicas, processes of a gloo group (as under torchrun) and simulated
+    workers: the same parameters on every worker, exactly, with every round option on."""
     policy, options = OPTION_POLICIES[name]
-    steps = 13  # ends with a round in flight
+    steps = OPTION_STEPS
     replicas = [
         Replica(r, lighthouse, policy(), steps, track_alignment=True, **options)
         for r in range(3)
@@ -238,8 +272,9 @@ def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(
         assert not replica.discarded
     expected = simulated(policy(), steps, workers=True, track_alignment=True, **options)
     for w, replica in enumerate(replicas):  # every replica is its simulated worker, exactly
-        for param, worker in zip(replica.params, expected):
+        for param, worker, process in zip(replica.params, expected, gloo_runs[w][name]):
             assert torch.equal(param.detach(), worker[w])
+            assert torch.equal(param.detach(), process)
         assert replica.sync.events == replicas[0].sync.events
         assert len(replica.sync.pending) >= 1  # settled early or not, applied at its step
     cosines = [[a["cosine"] for a in r.sync.alignment] for r in replicas]

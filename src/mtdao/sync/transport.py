@@ -145,10 +145,11 @@ class GroupTransport(Transport):
         return Launched(work, [received.unsqueeze(0)])
 
     def all_gather(self, buffer: Tensor) -> Work:
-        gathered = buffer.new_empty((self.num_workers, *buffer.shape[1:]))
+        part = buffer[0]
+        gathered = part.new_empty((self.num_workers * part.shape[0], *part.shape[1:]))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(gathered, buffer[0], group=self.group, async_op=True)
-        return Launched(work, [gathered])
+        work = gather(gathered, part, group=self.group, async_op=True)
+        return Launched(work, [gathered.view(self.num_workers, *part.shape)])
 
 
 def flat_copy(buffers: Sequence[Tensor], contributes: bool) -> Tensor:
