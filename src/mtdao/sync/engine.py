@@ -213,7 +213,12 @@ class LocalUpdateSync(NonFiniteWorkers):
                     self._land(landing)
                 except RoundNotCommitted as failure:
                     discarded = failure
-            self.pending.advance(self.step_count)
+            for in_flight in self.pending.to_advance(self.step_count):
+                try:  # the exchange's second stage; a peer lost in the first discards it
+                    in_flight.result.advance()
+                except RoundNotCommitted as failure:
+                    self._discard(in_flight)
+                    discarded = discarded or failure
             due = self.plan.collect(self.step_count)
             if due.tensors:
                 opened = self._open(due)

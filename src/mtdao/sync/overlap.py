@@ -112,11 +112,9 @@ class DelayedRounds:
     def remove(self, discarded: Round) -> None:
         self.rounds = [r for r in self.rounds if r is not discarded]
 
-    def advance(self, step: int) -> None:
-        """Launch the second stage of the rounds whose time for it has come."""
-        for pending in self.rounds:
-            if pending.advance_step == step:
-                pending.result.advance()
+    def to_advance(self, step: int) -> list[Round]:
+        """The rounds whose exchange launches its second stage at ``step``."""
+        return [pending for pending in self.rounds if pending.advance_step == step]
 
     def __len__(self) -> int:
         return len(self.rounds)
