@@ -20,6 +20,7 @@ from mtdao.sync import (
     desloc,
     explicit,
     gradient_averaging,
+    half_life_policy,
     unified,
 )
 from mtdao.sync.communicator import RoundNotCommitted
@@ -218,6 +219,10 @@ INT8 = SyncCodecs.parse(["int8"], error_feedback=True)
 OPTION_POLICIES = {  # every round option at once, rounds overlapping in flight or not
     "mtdao (unified)": (lambda: unified(4), dict(delay=2, fragments=2, codecs=INT8)),
     "desloc (per-state periods)": (lambda: desloc(2), dict(delay=1, fragments=2, codecs=INT8)),
+    "half-life (per-state periods)": (  # exp_avg_0 every 8 steps, exp_avg_sq every 12
+        lambda: half_life_policy(4, {"exp_avg_0": 0.9, "exp_avg_sq": 0.95}),
+        dict(delay=3, fragments=2, codecs=INT8),
+    ),
     "diloco (outer step)": (
         lambda: explicit(4, outer=OuterOptimizerConfig()),
         dict(delay=3, fragments=2, codecs=SyncCodecs.parse(["params=int8"])),
