@@ -268,8 +268,7 @@ def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(
     policy, options = OPTION_POLICIES[name]
     steps = OPTION_STEPS
     replicas = [
-        Replica(r, lighthouse, policy(), steps, track_alignment=True, **options)
-        for r in range(3)
+        Replica(r, lighthouse, policy(), steps, track_alignment=True, **options) for r in range(3)
     ]
     run_threads(replicas)
     for replica in replicas:

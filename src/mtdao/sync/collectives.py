@@ -54,7 +54,10 @@ class InFlightMean:
     rows along dim 0 when there are several (the simulator)."""
 
     def __init__(
-        self, tensors: Sequence[Tensor], transport: Transport, excluded: Sequence[int] = (),
+        self,
+        tensors: Sequence[Tensor],
+        transport: Transport,
+        excluded: Sequence[int] = (),
         contributes: bool = True,
     ) -> None:
         tensors = [local_shard(tensor) for tensor in tensors]

@@ -294,7 +294,9 @@ class LocalUpdateSync(NonFiniteWorkers):
             due, num_params = landing.due, len(landing.due.param_indices)
             if num_params and self.track_alignment and self.anchors:
                 # the per-worker gathers are part of the round: a peer lost in them discards it
-                means = self.plan.global_params(landing, checked.averages[:num_params], self.anchors)
+                means = self.plan.global_params(
+                    landing, checked.averages[:num_params], self.anchors
+                )
                 local = landing.snapshots[:num_params] if landing.snapshots else due.tensors
                 anchors = [self.anchors[i] for i in due.param_indices]
                 checked.alignment = alignment(self.layout, local, anchors, means, landing.step)
@@ -390,11 +392,22 @@ class LocalUpdateSync(NonFiniteWorkers):
             "events": [asdict(event) for event in self.events],
             "skipped_rounds": list(self.skipped_rounds),
             "alignment": list(self.alignment),
-            "pending": [pending.state_dict() for pending in self.pending.rounds],
+            "pending": self._rounds_in_flight(),
             "pseudo_gradients": self.plan.pseudo_gradients.state_dict()
             if self.plan.pseudo_gradients
             else None,
         }
+
+    def _rounds_in_flight(self) -> list[dict[str, Any]]:
+        """Each round in flight with its averages; one whose transport failed meanwhile is
+        discarded (undone) and left out, as it would be when it lands."""
+        saved = []
+        for in_flight in list(self.pending.rounds):
+            try:
+                saved.append(in_flight.state_dict())
+            except RoundNotCommitted:
+                self._discard(in_flight)
+        return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_count = int(state["step"])

@@ -179,7 +179,11 @@ class RoundPlan:
         )
         result = Averages(averages, saved["bytes"], saved["collectives"])
         return Round(
-            due, sent, snapshots, result, saved["finish_step"], saved["advance_step"],
+            due,
+            sent,
+            snapshots,
+            result,
+            saved["finish_step"],
+            saved["advance_step"],
             excluded=list(saved.get("excluded", [])),
         )
-

@@ -314,7 +314,8 @@ class ReplicaGroups(Communicator):
             local_shard(tensor).copy_(value)  # a sharded tensor's average is its shard's
 
     def commit(self) -> None:
-        self.require_round()
+        if not self._round_open:  # a round restored from a checkpoint: its quorum is gone
+            raise RoundNotCommitted("round discarded (its quorum ended before it committed)")
         self._round_open = False
         if not self.manager.should_commit():
             self._prepared_step = None

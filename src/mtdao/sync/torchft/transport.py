@@ -129,4 +129,3 @@ class ManagerWork:
         if self.after is not None:
             self.outputs, self.after = self.after(self.outputs), None
         return self.outputs
-
