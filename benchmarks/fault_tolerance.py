@@ -10,9 +10,14 @@ Three replicas of one run, each a process, and a lighthouse, driven by mtdao.tra
   the heal (bytes and seconds) and its first committed round.
 * loss: final validation loss when replica 2 is killed at round 6 and comes back after R rounds
   (0: never killed; "never": it does not come back), against the same run with simulated
-  workers, for two seeds.
+  workers, for two seeds, with what each replica sent.
+
+``--round-options`` runs every part with delayed, fragmented, int8 rounds and error feedback
+(``ROUND_OPTIONS``); the replica killed inside a round is then killed inside the first
+collective of a round in flight, D steps before it lands.
 
     python benchmarks/fault_tolerance.py --part all --out /tmp/ft-bench
+    python benchmarks/fault_tolerance.py --part all --round-options --out /tmp/ft-bench-options
 """
 
 from __future__ import annotations
@@ -29,12 +34,16 @@ from mtdao.train.fault_drill import Drill
 
 SHARED = ["--workers", "3", "--no-progress", "--collective-timeout", "60", "--quorum-timeout"]
 SHARED += ["300", "--connect-timeout", "30"]
+DELAY = 4
+ROUND_OPTIONS = ["--sync-delay", str(DELAY), "--sync-fragments", "2", "--sync-dtype", "int8"]
+ROUND_OPTIONS += ["--error-feedback"]
+EXTRA: list[str] = []  # the round options, when benchmarked with them
 
 
 def flags(model: str, steps: int, period: int, seed: int = 0, extra=()) -> list[str]:
     return [*SHARED, "--model", model, "--steps", str(steps), "--sync-period", str(period),
             "--seed", str(seed), "--batch-size", "8", "--seq-len", "64", "--eval-tokens",
-            "8192", *extra]  # fmt: skip
+            "8192", *EXTRA, *extra]  # fmt: skip
 
 
 def wait_at(drill: Drill, names, gate: int, timeout=300.0) -> None:
@@ -95,7 +104,7 @@ def detect_and_rejoin(root: Path, heartbeat: float, model: str, cycles: int) -> 
 
 
 def kill_inside_a_round(drill: Drill, gate: int, period: int, victim: str, heartbeat) -> dict:
-    step = gate + period
+    step = gate + period - (DELAY if EXTRA else 0)  # where the round landing at gate + K opens
     drill.hold_round("r0", step)
     drill.gate(gate + 2 * period)
     drill.wait_for(lambda: drill.entered_round(victim, step), 300, "victim inside the round")
@@ -104,7 +113,7 @@ def kill_inside_a_round(drill: Drill, gate: int, period: int, victim: str, heart
     killed = drill.killed_at[victim]
     drill.release_round("r0", step)
     wait_at(drill, ["r0", "r1"], gate + 2 * period)
-    discarded = [e for e in drill.events("r1", "discarded") if e["step"] == step][0]
+    discarded = [e for e in drill.events("r1", "discarded") if e["step"] >= step][0]
     after = [e for e in drill.events("r1", "committed") if e["step"] > step][0]
     return {
         "heartbeat_timeout_s": heartbeat,
@@ -156,6 +165,8 @@ def loss_run(root: Path, seed: int, absent_rounds: int | str, steps: int, period
         "rounds_missed": missed if joined else (0 if absent_rounds == 0 else "all"),
         "final_val_loss": results["final_val_loss"],
         "heal_bytes": joined[0]["heal"]["bytes"] if joined else None,
+        "bytes_per_worker": results["bytes_per_worker"],
+        "comm_reduction_vs_ddp": results["comm_reduction_vs_ddp"],
     }
 
 
@@ -163,9 +174,15 @@ def simulated_loss(root: Path, seed: int, steps: int, period: int) -> float:
     from mtdao.train.config import TrainConfig
     from mtdao.train.trainer import train
 
+    options = {}
+    if EXTRA:
+        options = dict(
+            sync_delay=DELAY, sync_fragments=2, sync_dtype=("int8",), error_feedback=True
+        )
     config = TrainConfig(
         workers=3, model="micro", steps=steps, sync_period=period, seed=seed, batch_size=8,
         seq_len=64, eval_tokens=8192, progress=False, out=str(root / f"simulated-{seed}"),
+        **options,
     )  # fmt: skip
     return train(config)["final_val_loss"]
 
@@ -213,7 +230,10 @@ def main(argv=None) -> int:
     parser.add_argument("--heartbeats", type=float, nargs="+", default=[1.0, 5.0])
     parser.add_argument("--models", nargs="+", default=["micro", "tiny"])
     parser.add_argument("--absent", nargs="+", default=["0", "2", "8", "never"])
+    parser.add_argument("--round-options", action="store_true", help=" ".join(ROUND_OPTIONS))
     args = parser.parse_args(argv)
+    if args.round_options:
+        EXTRA.extend(ROUND_OPTIONS)
     records: list[dict] = []
     if args.part in ("detect", "all"):
         for heartbeat in args.heartbeats:

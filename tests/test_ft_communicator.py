@@ -20,9 +20,13 @@ from mtdao.sync import (
     desloc,
     explicit,
     gradient_averaging,
+    half_life_policy,
     unified,
 )
 from mtdao.sync.communicator import RoundNotCommitted
+from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.sync.testing import run_on_gloo
 
 torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
 
@@ -77,9 +81,11 @@ class Replica:
         self.sync = LocalUpdateSync(self.optimizer, policy, self.communicator, **engine)
         self.communicator.track_state("engine", *torchft.engine_state(self.sync))
         self.rounds: dict[int, dict] = {}  # step -> the whole state after that committed round
+        self.at_quorum: dict[int, dict] = {}  # step -> the whole state once its quorum formed
         self.starts: list = []
         self.discarded: list = []
         self.error: BaseException | None = None
+        self.final: dict = {}
         self.before_step: Callable[[Replica], None] = lambda replica: None
 
     def run(self) -> None:
@@ -92,6 +98,7 @@ class Replica:
                 except RoundNotCommitted as failure:  # as the harness does: go on locally
                     self.optimizer.zero_grad(set_to_none=True)
                     self.discarded.append((self.sync.step_count, failure))
+            self.final = self.sync.state_dict()  # rounds in flight complete, in the quorum
         except BaseException as error:  # handed to the test thread
             self.error = error
         finally:
@@ -101,6 +108,7 @@ class Replica:
         start = self.communicator.before_step(self.sync)
         if start is not None:
             self.starts.append((self.sync.step_count, start))
+            self.at_quorum[self.sync.step_count] = self.state()
         inputs, targets = data(self.replica_id, self.sync.step_count)
         loss(*self.params, inputs, targets).backward()
         rounds = len(self.sync.events)
@@ -119,6 +127,22 @@ class Replica:
             },
             "engine": self.sync.state_dict(),
         }
+
+
+def assert_same(a, b, where: str = "state") -> None:
+    """Bitwise equal, through nested dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
 
 
 def run_threads(replicas: list[Replica], delays: dict[int, float] | None = None) -> None:
@@ -159,11 +183,12 @@ def assert_equal_states(a: dict, b: dict, optimizer_states: bool = True) -> None
     torch.testing.assert_close(a["engine"]["outer"], b["engine"]["outer"], rtol=0, atol=0)
 
 
-def simulated(policy, steps: int) -> list[torch.Tensor]:
-    """The same run with 3 simulated workers, all starting from replica 0's initial values."""
+def simulated(policy, steps: int, workers: bool = False, **engine) -> list[torch.Tensor]:
+    """The same run with 3 simulated workers, all starting from replica 0's initial values:
+    worker 0's parameters (``workers``: every worker's, stacked)."""
     params = [torch.nn.Parameter(t.expand(3, *t.shape).clone()) for t in initial(0)]
     optimizer = optimizer_for(params)
-    sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(3))
+    sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(3), **engine)
     for step in range(steps):
         pairs = [data(w, step) for w in range(3)]
         inputs = torch.stack([p[0] for p in pairs])
@@ -171,7 +196,7 @@ def simulated(policy, steps: int) -> list[torch.Tensor]:
         loss(*params, inputs, targets).backward()
         sync.step()
         optimizer.zero_grad(set_to_none=True)
-    return [p.detach()[0] for p in params]
+    return [p.detach() if workers else p.detach()[0] for p in params]
 
 
 @pytest.mark.parametrize("lighthouse", [3], indirect=True)
@@ -188,6 +213,115 @@ def test_three_replicas_are_three_simulated_workers(name, lighthouse):
     expected = simulated(POLICIES[name](), steps)
     torch.testing.assert_close(final[0]["params"], expected)
     assert [len(r.sync.events) for r in replicas] == [len(replicas[0].sync.events)] * 3
+
+
+INT8 = SyncCodecs.parse(["int8"], error_feedback=True)
+OPTION_POLICIES = {  # every round option at once, rounds overlapping in flight or not
+    "mtdao (unified)": (lambda: unified(4), dict(delay=2, fragments=2, codecs=INT8)),
+    "desloc (per-state periods)": (lambda: desloc(2), dict(delay=1, fragments=2, codecs=INT8)),
+    "half-life (per-state periods)": (  # exp_avg_0 every 8 steps, exp_avg_sq every 12
+        lambda: half_life_policy(4, {"exp_avg_0": 0.9, "exp_avg_sq": 0.95}),
+        dict(delay=3, fragments=2, codecs=INT8),
+    ),
+    "diloco (outer step)": (
+        lambda: explicit(4, outer=OuterOptimizerConfig()),
+        dict(delay=3, fragments=2, codecs=SyncCodecs.parse(["params=int8"])),
+    ),
+}
+
+
+OPTION_STEPS = 13  # ends with a round in flight
+
+
+def gloo_rank_runs() -> dict[str, list[torch.Tensor]]:
+    """Each option policy's run as one process of a gloo group (what torchrun runs)."""
+    import torch.distributed as dist
+
+    runs = {}
+    for name, (policy, options) in OPTION_POLICIES.items():
+        rank = dist.get_rank()
+        params = [torch.nn.Parameter(t) for t in initial(rank)]
+        optimizer = optimizer_for(params)
+        engine = dict(track_alignment=True, **options)
+        sync = LocalUpdateSync(optimizer, policy(), ProcessGroupWorkers(), **engine)
+        for step in range(OPTION_STEPS):
+            loss(*params, *data(rank, step)).backward()
+            sync.step()
+            optimizer.zero_grad(set_to_none=True)
+        runs[name] = [p.detach().clone() for p in params]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("gloo-options")
+    return run_on_gloo(gloo_rank_runs, 3, root, preload=[__name__], timeout_s=THREAD_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("lighthouse", [3], indirect=True)
+@pytest.mark.parametrize("name", OPTION_POLICIES)
+def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(
+    name, lighthouse, gloo_runs
+):
+    """Fault-tolerant replicas, processes of a gloo group (as under torchrun) and simulated
+    workers: the same parameters on every worker, exactly, with every round option on."""
+    policy, options = OPTION_POLICIES[name]
+    steps = OPTION_STEPS
+    replicas = [
+        Replica(r, lighthouse, policy(), steps, track_alignment=True, **options) for r in range(3)
+    ]
+    run_threads(replicas)
+    for replica in replicas:
+        assert replica.error is None, repr(replica.error)
+        assert not replica.discarded
+    expected = simulated(policy(), steps, workers=True, track_alignment=True, **options)
+    for w, replica in enumerate(replicas):  # every replica is its simulated worker, exactly
+        for param, worker, process in zip(replica.params, expected, gloo_runs[w][name]):
+            assert torch.equal(param.detach(), worker[w])
+            assert torch.equal(param.detach(), process)
+        assert replica.sync.events == replicas[0].sync.events
+        assert len(replica.sync.pending) >= 1  # settled early or not, applied at its step
+    cosines = [[a["cosine"] for a in r.sync.alignment] for r in replicas]
+    assert cosines[1:] == cosines[:1] * 2 and cosines[0]
+
+
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+def test_a_late_replica_heals_every_state_and_the_rounds_in_flight(lighthouse):
+    """Delayed (D = 2), fragmented, int8 rounds with error feedback: the joiner becomes its
+    source's exact copy, a round already committed but still to be applied included, together
+    with the source's error-feedback residuals; afterwards every replica keeps the same global
+    state (anchors, rounds and their averages)."""
+    policy, options = OPTION_POLICIES["mtdao (unified)"]
+    steps = 30
+    replicas = [Replica(r, lighthouse, policy(), steps, **options) for r in range(3)]
+    started = threading.Event()
+
+    def wait_for_the_late_one(replica: Replica) -> None:
+        if replica.sync.step_count == 10:
+            assert started.wait(THREAD_TIMEOUT_S)
+
+    late = replicas[2]
+    late.before_step = lambda replica: started.set()
+    for replica in replicas[:2]:
+        replica.before_step = wait_for_the_late_one
+    run_threads(replicas, delays={2: 0.5})
+    for replica in replicas:
+        assert replica.error is None, repr(replica.error)
+        assert not replica.discarded
+
+    joined_at, start = late.starts[0]
+    assert joined_at > 10 and start.heal is not None and start.heal.source in (0, 1)
+    healed = late.at_quorum[joined_at]
+    assert healed["engine"]["pending"], "no round in flight at the heal"
+    assert healed["engine"]["pending"][0]["committed"]  # settled before the quorum
+    assert healed["engine"]["pseudo_gradients"]["residuals"]
+    assert_same(replicas[start.heal.source].at_quorum[joined_at], healed)
+    final = [r.final for r in replicas]
+    for other in final[1:]:
+        for key in ("step", "anchors", "events", "traffic"):
+            assert_same(final[0][key], other[key], key)
+        averages = [[r["averages"] for r in state["pending"]] for state in (final[0], other)]
+        assert_same(*averages)
 
 
 LATE_POLICIES = {"unified": (lambda: unified(4), 4), "desloc": (lambda: desloc(2), 12)}

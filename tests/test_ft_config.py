@@ -42,14 +42,18 @@ def test_each_replica_gets_its_own_run_directory():
         (dict(quorum_timeout=0.0), "--quorum-timeout must be a number of seconds > 0"),
         (dict(collective_timeout=float("inf")), "--collective-timeout must be a finite number > 0"),
         (dict(fault_tolerant=False), "--replica-id needs --fault-tolerant"),
-        (dict(sync_delay=4), "--sync-delay: fault-tolerant replicas sync in plain blocking"),
-        (dict(sync_fragments=2), "--sync-fragments: fault-tolerant replicas sync in plain"),
-        (dict(sync_dtype=("int8",)), "--sync-dtype: fault-tolerant replicas sync in plain"),
     ],
 )
 def test_bad_settings_are_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         resolve(TrainConfig(**{**FT, **changes}))
+
+
+def test_every_round_option_is_taken_by_a_fault_tolerant_replica():
+    options = dict(sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedback=True)
+    resolved = resolve(TrainConfig(**{**FT, **options}))
+    assert (resolved.sync_delay, resolved.sync_fragments) == (2, 2)
+    assert resolved.sync_dtype == ("int8",) and resolved.error_feedback
 
 
 def test_a_bad_setting_is_one_line_on_the_command_line(capsys):

@@ -115,13 +115,10 @@ def test_an_unsharded_process_holds_and_sends_every_tensor_whole():
 @pytest.mark.parametrize(
     "changes", [dict(sync_delay=2), dict(sync_fragments=2), dict(sync_dtype=("int8",))]
 )
-def test_sync_options_are_accepted_with_shards_but_not_fault_tolerant(changes):
+def test_sync_options_are_accepted_with_shards_and_by_fault_tolerant_replicas(changes):
+    expected = (changes.get("sync_delay", 0), changes.get("sync_fragments", 1))
     config = resolve(TrainConfig(shards=2, batch_size=4, **changes))
-    assert (config.sync_delay, config.sync_fragments) == (
-        changes.get("sync_delay", 0),
-        changes.get("sync_fragments", 1),
-    )
+    assert (config.sync_delay, config.sync_fragments) == expected
     ft = TrainConfig(shards=2, batch_size=4, workers=2, fault_tolerant=True, **changes)
-    ft = replace(ft, replica_id=0, lighthouse="localhost:29510")
-    with pytest.raises(ValueError, match=r"fault-tolerant replicas sync in plain blocking"):
-        resolve(ft)
+    ft = resolve(replace(ft, replica_id=0, lighthouse="localhost:29510"))
+    assert (ft.sync_delay, ft.sync_fragments) == expected

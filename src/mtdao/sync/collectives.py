@@ -1,23 +1,23 @@
-"""The one collective real workers average with: a bucketed all-reduce over a process group.
+"""The float32 mean of a round: a bucketed all-reduce over a transport.
 
-Tensors are flattened into one buffer per (device, dtype), split at ``bucket_bytes``, and summed
-with ``all_reduce``; gloo has no AVG reduction, so the sum is divided by the number of contributing
-workers. A worker left out of the average contributes zeros. The all-reduces are launched without
-blocking (:class:`InFlightMean`), so a caller may compute while they run and wait later. A sharded
-tensor (a ``DTensor``, as FSDP2 makes parameters) travels as its local shard: the group averages
-shard with shard.
+Tensors are grouped into one bucket per (device, dtype), split at the transport's
+``bucket_bytes``, and summed (:meth:`~mtdao.sync.transport.Transport.all_reduce_sum`: a process
+group flattens a bucket into one buffer and all-reduces it); there is no AVG reduction in gloo,
+so the sum is divided by the number of contributing workers. A worker left out of the average
+contributes zeros. The all-reduces are launched without blocking (:class:`InFlightMean`), so a
+caller may compute while they run and wait later. A sharded tensor (a ``DTensor``, as FSDP2
+makes parameters) travels as its local shard: the group averages shard with shard.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from mtdao.sync.dtensors import local_shard
+from mtdao.sync.transport import GroupTransport, Transport, Work
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -31,7 +31,7 @@ def dtype_buckets(tensors: Sequence[Tensor]) -> dict[tuple, list[int]]:
 
 
 def size_chunks(
-    indices: list[int], tensors: Sequence[Tensor], bucket_bytes: int
+    indices: list[int], tensors: Sequence[Tensor], bucket_bytes: float
 ) -> list[list[int]]:
     """``indices`` cut into consecutive runs of at most ``bucket_bytes`` (one tensor at least)."""
     chunks: list[list[int]] = [[]]
@@ -47,29 +47,28 @@ def size_chunks(
 
 
 class InFlightMean:
-    """Bucketed all-reduces launched without blocking; :meth:`wait` completes them."""
+    """The float32 mean of a round's tensors, one all-reduce per bucket launched over a
+    :class:`~mtdao.sync.transport.Transport` at once; :meth:`wait` completes it.
+
+    ``tensors`` are this process's values (local shards), each with ``transport.local_workers``
+    rows along dim 0 when there are several (the simulator)."""
 
     def __init__(
         self,
         tensors: Sequence[Tensor],
-        group: dist.ProcessGroup | None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transport: Transport,
         excluded: Sequence[int] = (),
+        contributes: bool = True,
     ) -> None:
-        rank = dist.get_rank(group)
-        self.contributors = dist.get_world_size(group) - len(set(excluded))
-        if self.contributors < 1:
-            raise RuntimeError("Every worker was excluded from the average")
         tensors = [local_shard(tensor) for tensor in tensors]
-        self.shapes = [t.shape for t in tensors]
-        self.launched: list[tuple[list[int], Tensor, dist.Work]] = []
+        rows = transport.local_workers
+        self.counted = transport.contributors(excluded, contributes)
+        self.shapes = [t.shape[1:] if transport.stacked else t.shape for t in tensors]
+        self.launched: list[tuple[list[int], Work]] = []
         for indices in dtype_buckets(tensors).values():
-            for chunk in size_chunks(indices, tensors, bucket_bytes):
-                flat = torch.cat([tensors[i].reshape(-1) for i in chunk])  # a copy: inputs free
-                if rank in set(excluded):
-                    flat.zero_()
-                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-                self.launched.append((chunk, flat, work))
+            for chunk in size_chunks(indices, tensors, transport.bucket_bytes):
+                buffers = [tensors[i].reshape(rows, -1) for i in chunk]
+                self.launched.append((chunk, transport.all_reduce_sum(buffers, self.counted)))
 
     @property
     def collectives(self) -> int:
@@ -80,14 +79,9 @@ class InFlightMean:
 
     def wait(self) -> list[Tensor]:
         averages: list[Tensor | None] = [None] * len(self.shapes)
-        for chunk, flat, work in self.launched:
-            work.wait()
-            flat.div_(self.contributors)
-            offset = 0
-            for i in chunk:
-                numel = math.prod(self.shapes[i])
-                averages[i] = flat[offset : offset + numel].view(self.shapes[i])
-                offset += numel
+        for chunk, work in self.launched:
+            for i, total in zip(chunk, work.wait()):
+                averages[i] = total.div_(len(self.counted)).view(self.shapes[i])
         return averages  # type: ignore[return-value]
 
 
@@ -98,5 +92,5 @@ def all_reduce_mean(
     excluded: Sequence[int] = (),
 ) -> tuple[list[Tensor], int]:
     """Averages over the group's ranks not in ``excluded``; returns (averages, collectives)."""
-    in_flight = InFlightMean(tensors, group, bucket_bytes, excluded)
+    in_flight = InFlightMean(tensors, GroupTransport(group, bucket_bytes), excluded)
     return in_flight.wait(), in_flight.collectives

@@ -4,7 +4,9 @@ A communicator does four things: average a list of tensors over the workers (opt
 some workers out), assign averaged values back to every worker's copy, broadcast worker 0's values
 at start-up, and keep the account of what averaging costs (:class:`Traffic`). A communicator whose
 rounds can fail part-way (a peer dies mid-round) also says, in :meth:`Communicator.commit`, whether
-the round the engine has checked may be applied. Where each worker's
+the round the engine has checked may be applied. The bytes move over its
+:class:`~mtdao.sync.transport.Transport` (a process group, the simulator's stacked rows, a
+torchft manager); how each kind is encoded on the way does not depend on which. Where each worker's
 copy of a tensor lives (stacked along a leading dimension in one process, or one per process) is
 the communicator's :class:`~mtdao.sync.layout.WorkerLayout`; everything else that depends on it
 (per-worker norms, locating a NaN, gathering per-worker scalars) lives there.
@@ -33,8 +35,12 @@ from typing import Protocol
 
 from torch import Tensor
 
+from mtdao.sync.collectives import InFlightMean
+from mtdao.sync.dtensors import local_shard
+from mtdao.sync.exchange import InFlightQuantizedMean, payload_sizes
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.quantize import Codec
+from mtdao.sync.transport import Transport
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -188,17 +194,18 @@ class Averages:
 class Communicator:
     """Averages tensors over workers and counts what that costs each worker.
 
-    A "global" tensor is one value shared by all workers: the shape of one worker's copy.
+    A "global" tensor is one value shared by all workers: the shape of one worker's copy. The
+    collectives run over the communicator's :class:`~mtdao.sync.transport.Transport`; the
+    encoding of each kind (float32, or a codec) is the same over every transport.
     """
 
     layout: WorkerLayout
-    plain_rounds_only = False
-    """True for a communicator that takes neither codecs nor rounds left in flight across steps
-    (one that may discard a round): the engine refuses delayed, fragmented and quantized rounds."""
+    transport: Transport
 
     def __init__(self, layout: WorkerLayout) -> None:
         self.layout = layout
         self.traffic = Traffic()
+        self.transport = Transport()  # world size 1; each communicator sets its own
 
     @property
     def num_workers(self) -> int:
@@ -214,6 +221,11 @@ class Communicator:
         round sends nothing. A test double standing in for one process of many keeps False."""
         return False
 
+    @property
+    def rounds_overlap(self) -> bool:
+        """Whether a round may open while another is in flight (see the transport)."""
+        return self.transport.rounds_overlap
+
     def average(
         self,
         tensors: Sequence[Tensor],
@@ -227,8 +239,41 @@ class Communicator:
         ``kinds`` labels each tensor for the traffic account (``params``, ``exp_avg_0``, ...).
         ``codecs`` gives each tensor's :class:`~mtdao.sync.quantize.Codec` on the link (None:
         float32, averaged exactly); every worker receives bit-identical averages either way.
+        The collectives are launched here and complete in :meth:`Averages.wait`.
         """
-        raise NotImplementedError
+        in_flight: list[tuple[list[int], InFlight]] = []
+        sizes: list[tuple[str, int]] = []
+        process_bytes = 0  # this process's part of what its worker sends
+        contributes = self._contributes(kinds)
+        for codec, indices in codec_groups(len(tensors), codecs):
+            group, group_kinds = [tensors[i] for i in indices], [kinds[i] for i in indices]
+            part: InFlight
+            if codec is None:
+                part = InFlightMean(group, self.transport, excluded, contributes)
+                sizes += [
+                    (kind, self.layout.worker_bytes(t)) for t, kind in zip(group, group_kinds)
+                ]
+                process_bytes += sum(local_shard(t).numel() * t.element_size() for t in group)
+            else:
+                part = InFlightQuantizedMean(group, codec, self.transport, excluded, contributes)
+                parts = [self.layout.worker_parts(t) for t in group]
+                group_sizes, sent = payload_sizes(
+                    parts, group_kinds, codec, self.num_workers, self.layout.shard_rank
+                )
+                sizes += group_sizes
+                process_bytes += sent
+            in_flight.append((indices, part))
+        collectives = sum(part.collectives for _, part in in_flight)
+        sharded = self.layout.num_shards > 1
+        num_bytes, collectives = self._account_sizes(
+            sizes, collectives, process_bytes if sharded else None
+        )
+        return Averages(None, num_bytes, collectives, in_flight)
+
+    def _contributes(self, kinds: Sequence[str]) -> bool:
+        """Whether this process's workers' values count in an average of ``kinds`` (besides
+        ``excluded``): always, but on a fault-tolerant replica healed for this round."""
+        return True
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         """Set every worker's copy of each tensor to the matching global value."""

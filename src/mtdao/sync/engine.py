@@ -18,10 +18,12 @@ or keep a plain loop and let optimizer step hooks call it::
         for batch in data: ...; optimizer.step()
 
 Step t counts optimizer steps from 1 and is the same on every worker. Each averaging is one
-*round*: the tensors due are collected, averaged in one communicator call, checked for NaN/inf,
-committed (the communicator may still discard it, raising ``RoundNotCommitted``), then applied;
-every committed round leaves a :class:`SyncEvent` in ``events``. Three options change how a round
-travels, each in its own module the engine composes:
+*round* (:class:`~mtdao.sync.rounds.Round`), with one lifecycle on every communicator: opened
+(the tensors due collected and encoded), in flight (the transport's work), landed (averages
+waited for, decoded, checked for NaN/inf), committed (the communicator may still discard it,
+raising ``RoundNotCommitted``: the round is then undone, as if never sent), then applied; every
+committed round leaves a :class:`SyncEvent` in ``events``, recorded at its commit. Three options
+change how a round travels, each in its own module the engine composes:
 
 * ``fragments=P`` (:mod:`.fragments`): the layers fall into P fragments due at staggered steps;
 * ``delay=D`` (:mod:`.overlap`): a round is sent D steps before it is applied (at the policy's
@@ -30,8 +32,10 @@ travels, each in its own module the engine composes:
 * ``codecs`` (:mod:`.compression`, :mod:`.quantize`): a dtype on the link per kind, parameters
   sent as pseudo-gradients.
 
-A delayed round cannot be discarded after it was sent (its record is made when it is sent): the
-fault-tolerant communicator is used with blocking rounds only.
+They work on every communicator. One whose transport runs a single round at a time (a torchft
+manager: one quorum, one commit) settles the rounds in flight, landed and committed, before it
+opens the next (:meth:`LocalUpdateSync.settle_in_flight`); they are still applied at their own
+steps.
 """
 
 from __future__ import annotations
@@ -48,15 +52,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from mtdao.sync.communicator import Communicator, SingleWorker, Traffic
+from mtdao.sync.communicator import Communicator, RoundNotCommitted, SingleWorker, Traffic
 from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError, NonFiniteWorkers
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
-from mtdao.sync.overlap import DelayedRounds, PendingRound
+from mtdao.sync.overlap import DelayedRounds
 from mtdao.sync.policy import SyncPolicy
 from mtdao.sync.round_plan import RoundPlan
-from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound, alignment
+from mtdao.sync.rounds import CheckedRound, Round, SyncEvent, SyncRound, alignment
 
 __all__ = ["LocalUpdateSync", "NonFiniteError", "NON_FINITE_ACTIONS", "SyncEvent"]
 
@@ -183,8 +187,7 @@ class LocalUpdateSync(NonFiniteWorkers):
                 names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
                 grads = [p.grad for p in owners]
                 due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
-                checked = self._check(self._send(due))
-                self._commit(checked)
+                checked = self._settle(self._open(due))
                 self.communicator.assign(grads, checked.averages)
         finally:
             self.seconds_syncing += time.perf_counter() - started
@@ -193,30 +196,44 @@ class LocalUpdateSync(NonFiniteWorkers):
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
-        """Count the step; apply the delayed rounds that land now; start the rounds due now."""
+        """Count the step; apply the delayed rounds that land now; open the round due now.
+
+        A landing round that is discarded is undone and the step goes on (the round due now is
+        still opened); the discard is raised at the end, as a blocking round's is."""
         started = time.perf_counter()
         self.step_count += 1
         self.traffic.steps = self.step_count
         if not self._state_keys_checked:
             self.policy.check_state_keys(self._state_keys())
             self._state_keys_checked = True
+        discarded: RoundNotCommitted | None = None
         try:
-            for pending in self.pending.pop_due(self.step_count):
-                self._finish(pending)
-            self.pending.advance(self.step_count)
+            for landing in self.pending.pop_due(self.step_count):
+                try:
+                    self._land(landing)
+                except RoundNotCommitted as failure:
+                    discarded = failure
+            for in_flight in self.pending.to_advance(self.step_count):
+                try:  # the exchange's second stage; a peer lost in the first discards it
+                    in_flight.result.advance()
+                except RoundNotCommitted as failure:
+                    self._discard(in_flight)
+                    discarded = discarded or failure
             due = self.plan.collect(self.step_count)
             if due.tensors:
-                pending = self._send(due)
+                opened = self._open(due)
                 if self.plan.delay:
-                    self.pending.add(pending)
+                    self.pending.add(opened)
                 else:
-                    self._finish(pending)
+                    self._land(opened)
         finally:
             self.seconds_syncing += time.perf_counter() - started
+        if discarded is not None:
+            raise discarded
 
     def round_due(self, step: int) -> bool:
-        """Whether step ``step`` (counted from 1) has a round: gradients averaged before it, or
-        parameters or states sent after it. For a communicator that prepares each round (a
+        """Whether step ``step`` (counted from 1) opens a round: gradients averaged before it,
+        or parameters or states sent after it. For a communicator that prepares each round (a
         quorum) before the step's forward pass; before the optimizer keeps any state, a state
         rule due at ``step`` counts."""
         if self.policy.average_gradients or self.plan.collect(step).tensors:
@@ -225,6 +242,26 @@ class LocalUpdateSync(NonFiniteWorkers):
             return False
         rules = [self.policy.other_states, *self.policy.states.values()]
         return any(rule.is_due(step + self.plan.delay) for rule in rules)
+
+    @torch.no_grad()
+    def settle_in_flight(self) -> None:
+        """Land and commit (or discard) every round in flight now; each is still applied at its
+        own step. A communicator that runs one round at a time calls it before it opens the
+        next; the first discard is raised once every round is settled."""
+        if self.communicator.rounds_overlap:
+            return
+        started = time.perf_counter()
+        discarded: RoundNotCommitted | None = None
+        try:
+            for in_flight in list(self.pending.rounds):
+                try:
+                    self._settle(in_flight)
+                except RoundNotCommitted as failure:
+                    discarded = discarded or failure
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
+        if discarded is not None:
+            raise discarded
 
     def complete_transfers(self) -> None:
         """Wait until the collectives of every delayed round have completed; the rounds are
@@ -236,40 +273,61 @@ class LocalUpdateSync(NonFiniteWorkers):
     def flush(self) -> None:
         """Apply every delayed round now (e.g. before using the model once training ends)."""
         for pending in self.pending.pop_due(None):
-            self._finish(pending)
+            self._land(pending)
 
-    # -- one round ----------------------------------------------------------------------------
+    # -- one round: opened, in flight, landed, committed or discarded, applied -----------------
 
-    def _send(self, due: SyncRound) -> PendingRound:
-        """Start the round. A delayed round is recorded now (what it sent, when); a blocking one
-        when it commits."""
-        pending = self.plan.send(due, self.anchors)
-        result, kinds = pending.result, list(dict.fromkeys(due.kinds))
-        pending.event = SyncEvent(due.step, kinds, result.bytes, result.collectives)
-        if self.plan.delay:
-            self.events.append(pending.event)
-        return pending
+    def _open(self, due: SyncRound) -> Round:
+        """Open the round: encode what is due and launch its collectives."""
+        opened = self.plan.open(due, self.anchors)
+        result, kinds = opened.result, list(dict.fromkeys(due.kinds))
+        opened.event = SyncEvent(due.step, kinds, result.bytes, result.collectives)
+        return opened
 
-    def _finish(self, pending: PendingRound) -> None:
-        """Check, commit, apply (assign, or merge a delayed round): nothing is written before
-        the communicator commits."""
-        checked = self._check(pending, heal=True)
-        due = pending.due
+    def _settle(self, landing: Round) -> CheckedRound:
+        """Land the round (wait, decode, check), then commit and record it; a round the
+        communicator discards is undone and ``RoundNotCommitted`` raised."""
+        if landing.checked is not None:
+            return landing.checked
+        try:
+            checked = self._check(landing, heal=landing.due.kinds[0] != "grads")
+            due, num_params = landing.due, len(landing.due.param_indices)
+            if num_params and self.track_alignment and self.anchors:
+                # the per-worker gathers are part of the round: a peer lost in them discards it
+                means = self.plan.global_params(
+                    landing, checked.averages[:num_params], self.anchors
+                )
+                local = landing.snapshots[:num_params] if landing.snapshots else due.tensors
+                anchors = [self.anchors[i] for i in due.param_indices]
+                checked.alignment = alignment(self.layout, local, anchors, means, landing.step)
+            self.communicator.commit()
+        except RoundNotCommitted:
+            self._discard(landing)
+            raise
+        if landing.recorded:  # a round from a checkpoint of before records at commit
+            checked.events = checked.events[1:]
+        self._record(checked)
+        landing.checked = checked
+        return checked
+
+    def _discard(self, discarded: Round) -> None:
+        """Undo what opening the round changed (nothing else was written): its residuals."""
+        self.plan.discard(discarded)
+        self.pending.remove(discarded)
+
+    def _land(self, landing: Round) -> None:
+        """Settle the round (unless it was settled early), then apply it: nothing is written
+        before the communicator commits."""
+        checked = self._settle(landing)
+        due = landing.due
         num_params = len(due.param_indices)
-        means = self.plan.global_params(pending, checked.averages[:num_params], self.anchors)
-        if num_params and self.track_alignment and self.anchors:
-            # the per-worker gathers are part of the round: a peer lost in them discards it
-            indices = due.param_indices
-            local = pending.snapshots[:num_params] if pending.snapshots else due.tensors
-            anchors = [self.anchors[i] for i in indices]
-            checked.alignment = alignment(self.layout, local, anchors, means, pending.step)
-        self._commit(checked)
         if num_params:
-            self._finish_parameter_sync(means, pending)
+            means = self.plan.global_params(landing, checked.averages[:num_params], self.anchors)
+            self._finish_parameter_sync(means, landing)
         if len(due.tensors) > num_params:
-            self.plan.apply(pending, num_params, checked.averages[num_params:])
+            self.plan.apply(landing, num_params, checked.averages[num_params:])
 
-    def _check(self, pending: PendingRound, heal: bool = False) -> CheckedRound:
+    def _check(self, pending: Round, heal: bool = False) -> CheckedRound:
         """The round's averages, checked; a worker holding NaN/inf is either reported (nothing
         averaged) or left out of a second call (``on_non_finite='skip'``).
 
@@ -277,7 +335,7 @@ class LocalUpdateSync(NonFiniteWorkers):
         due or not, is left out, then healed with the others' average of everything else."""
         due, event = pending.due, pending.event
         averages = pending.result.wait()
-        checked = CheckedRound(averages, [] if self.plan.delay else [event])
+        checked = CheckedRound(averages, [event])
         if self.layout.all_finite(averages):
             return checked
         healing = heal and self.on_non_finite == "skip" and not self.plan.delay
@@ -297,12 +355,6 @@ class LocalUpdateSync(NonFiniteWorkers):
             self._heal(checked, excluded, due.step, skip={id(t) for t in due.tensors})
         return checked
 
-    def _commit(self, checked: CheckedRound) -> None:
-        """The communicator's last word on a checked round; only a committed round is recorded
-        and written."""
-        self.communicator.commit()
-        self._record(checked)
-
     def _record(self, checked: CheckedRound) -> None:
         self.events += checked.events
         if checked.skipped is not None:
@@ -314,7 +366,7 @@ class LocalUpdateSync(NonFiniteWorkers):
             if self.plan.pseudo_gradients is not None:  # and forget what they had not sent
                 self.plan.pseudo_gradients.forget(self.layout, checked.heal[2])
 
-    def _finish_parameter_sync(self, averages: list[Tensor], pending: PendingRound) -> None:
+    def _finish_parameter_sync(self, averages: list[Tensor], pending: Round) -> None:
         indices = pending.due.param_indices
         anchors = [self.anchors[i] for i in indices] if self.anchors else []
         if self.outer is not None:
@@ -342,11 +394,22 @@ class LocalUpdateSync(NonFiniteWorkers):
             "events": [asdict(event) for event in self.events],
             "skipped_rounds": list(self.skipped_rounds),
             "alignment": list(self.alignment),
-            "pending": [pending.state_dict() for pending in self.pending.rounds],
+            "pending": self._rounds_in_flight(),
             "pseudo_gradients": self.plan.pseudo_gradients.state_dict()
             if self.plan.pseudo_gradients
             else None,
         }
+
+    def _rounds_in_flight(self) -> list[dict[str, Any]]:
+        """Each round in flight with its averages; one whose transport failed meanwhile is
+        discarded (undone) and left out, as it would be when it lands."""
+        saved = []
+        for in_flight in list(self.pending.rounds):
+            try:
+                saved.append(in_flight.state_dict())
+            except RoundNotCommitted:
+                self._discard(in_flight)
+        return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_count = int(state["step"])
@@ -360,9 +423,14 @@ class LocalUpdateSync(NonFiniteWorkers):
         self.alignment = list(state["alignment"])
         self.pending = DelayedRounds()
         for saved in state.get("pending", []):
-            pending = self.plan.restore(saved)
-            pending.event = next(e for e in reversed(self.events) if e.step == pending.step)
-            self.pending.add(pending)
+            restored = self.plan.restore(saved)
+            kinds = list(dict.fromkeys(restored.due.kinds))
+            restored.event = SyncEvent(restored.step, kinds, saved["bytes"], saved["collectives"])
+            if "committed" not in saved:  # saved when rounds were recorded as they opened
+                restored.recorded = True
+            elif saved["committed"]:  # settled early (one round at a time): only to apply
+                restored.checked = CheckedRound(restored.result.wait(), [])
+            self.pending.add(restored)
         if self.plan.pseudo_gradients is not None and state.get("pseudo_gradients"):
             self.plan.pseudo_gradients.load_state_dict(state["pseudo_gradients"])
 

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.quantize import Codec
+from mtdao.sync.transport import StackedTransport, Transport
 
 
 @dataclass(frozen=True)
@@ -103,73 +103,68 @@ def unpack(blocks: Tensor, layout: BlockLayout) -> list[Tensor]:
 
 
 def reduce_chunks(received: Tensor, codec: Codec, contributors: Sequence[int]) -> Tensor:
-    """The encoded mean over ``contributors`` of encoded chunks ``[workers, ..., bytes]``: decoded,
-    summed in worker order, divided, encoded (the same operations wherever it runs)."""
+    """The encoded means over ``contributors`` of encoded chunks ``[R, workers, ..., bytes]``
+    (each local worker's chunk from every worker): decoded, summed in worker order, divided,
+    encoded (the same operations wherever it runs): ``[R, ..., bytes]``."""
     decoded = codec.decode(received)
-    total = decoded[contributors[0]].clone()
+    total = decoded[:, contributors[0]].clone()
     for worker in contributors[1:]:
-        total += decoded[worker]
+        total += decoded[:, worker]
     return codec.encode(total / len(contributors))
-
-
-def contributors(num_workers: int, excluded: Sequence[int]) -> list[int]:
-    kept = [w for w in range(num_workers) if w not in set(excluded)]
-    if not kept:
-        raise RuntimeError("Every worker was excluded from the average")
-    return kept
 
 
 def simulated_mean(
     rows: Sequence[Tensor], codec: Codec, excluded: Sequence[int] = ()
 ) -> tuple[list[Tensor], BlockLayout]:
     """The quantized mean of stacked tensors (rows ``[M, numel]``), as M real workers compute it."""
-    num_workers = rows[0].shape[0]
-    layout = BlockLayout(tuple(row.shape[1] for row in rows), codec.block, num_workers)
-    payloads = codec.encode(pack(rows, layout))  # [M workers, blocks, bytes]
-    chunks = payloads.view(num_workers, num_workers, layout.chunk_blocks, -1)
-    means = reduce_chunks(chunks, codec, contributors(num_workers, excluded))  # [M chunks, ...]
-    decoded = codec.decode(means).view(layout.total_blocks, layout.block)
-    return unpack(decoded, layout), layout
+    exchange = InFlightQuantizedMean(rows, codec, StackedTransport(rows[0].shape[0]), excluded)
+    return exchange.flat_means(), exchange.layout
 
 
 class InFlightQuantizedMean:
-    """The quantized mean over a process group, in two stages: the all-to-all is launched at once;
-    :meth:`advance` reduces this worker's chunk and launches the all-gather; :meth:`wait`
-    finishes (running whatever stage has not run yet)."""
+    """The quantized mean over a transport, in two stages: the all-to-all is launched at once;
+    :meth:`advance` reduces this process's chunks and launches the all-gather; :meth:`wait`
+    finishes (running whatever stage has not run yet). ``tensors`` are this process's values
+    (local shards: a sharded worker's processes each encode their own), with the transport's
+    local workers along dim 0 when it holds several (the simulator)."""
 
     def __init__(
         self,
         tensors: Sequence[Tensor],
         codec: Codec,
-        group: dist.ProcessGroup | None,
+        transport: Transport,
         excluded: Sequence[int] = (),
+        contributes: bool = True,
     ) -> None:
-        self.codec, self.group = codec, group
-        tensors = [local_shard(t) for t in tensors]  # a sharded worker: each process its shards
-        self.shapes = [(t.shape, t.dtype) for t in tensors]
-        self.num_workers = dist.get_world_size(group)
-        self.contributors = contributors(self.num_workers, excluded)
-        self.layout = BlockLayout(tuple(t.numel() for t in tensors), codec.block, self.num_workers)
-        rows = [t.reshape(1, -1) for t in tensors]
-        payload = codec.encode(pack(rows, self.layout))[0]  # [blocks, bytes]
-        self.received = torch.empty_like(payload)
-        self.work = dist.all_to_all_single(self.received, payload, group=group, async_op=True)
-        self.gathered: Tensor | None = None
+        self.codec, self.transport = codec, transport
+        tensors = [local_shard(t) for t in tensors]
+        rows = transport.local_workers
+        self.shapes = [(t.shape[1:] if transport.stacked else t.shape, t.dtype) for t in tensors]
+        self.num_workers = transport.num_workers
+        self.contributors = transport.contributors(excluded, contributes)
+        flat = [t.reshape(rows, -1) for t in tensors]
+        self.layout = BlockLayout(tuple(t.shape[1] for t in flat), codec.block, self.num_workers)
+        payload = codec.encode(pack(flat, self.layout))  # [R, blocks, bytes]
+        chunks = payload.view(rows, self.num_workers, self.layout.chunk_blocks, -1)
+        self.work = transport.all_to_all(chunks)
+        self.gathering = False
         self.collectives = 2
 
     def advance(self) -> None:
-        if self.gathered is not None:
+        if self.gathering:
             return
-        self.work.wait()
-        chunks = self.received.view(self.num_workers, self.layout.chunk_blocks, -1)
-        mean = reduce_chunks(chunks, self.codec, self.contributors)
-        self.gathered = torch.empty_like(self.received)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self.work = gather(self.gathered, mean, group=self.group, async_op=True)
+        received = self.work.wait()[0]  # [R, M workers, chunk blocks, bytes]
+        mean = reduce_chunks(received, self.codec, self.contributors)
+        self.work = self.transport.all_gather(mean)
+        self.gathering = True
+
+    def flat_means(self) -> list[Tensor]:
+        """Each tensor's mean, flat."""
+        self.advance()
+        gathered = self.work.wait()[0]  # [M chunks, chunk blocks, bytes]
+        decoded = self.codec.decode(gathered).view(self.layout.total_blocks, -1)
+        return unpack(decoded, self.layout)
 
     def wait(self) -> list[Tensor]:
-        self.advance()
-        self.work.wait()
-        decoded = self.codec.decode(self.gathered).view(self.layout.total_blocks, -1)
-        values = unpack(decoded, self.layout)
+        values = self.flat_means()
         return [v.view(shape).to(dtype) for v, (shape, dtype) in zip(values, self.shapes)]

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from mtdao.sync.communicator import Averages
 from mtdao.sync.policy import SyncPolicy
-from mtdao.sync.rounds import SyncRound
+from mtdao.sync.rounds import Round
 
 POSITIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
 """States that are averages of squares, kept non-negative by the merge."""
@@ -97,63 +95,26 @@ def merge(
 
 
 @dataclass
-class PendingRound:
-    """A round whose average is in flight: applied at ``finish_step``."""
-
-    due: SyncRound
-    sent: list[Tensor]
-    """What was averaged (copies, for a delayed round): kept for a retry without a NaN worker."""
-    snapshots: list[Tensor] | None
-    """Each tensor's local value at the start (delayed rounds only)."""
-    result: Averages
-    finish_step: int
-    advance_step: int
-    """When the exchange's second stage is launched (quantized rounds have two)."""
-    excluded: list[int] = field(default_factory=list)
-    """Workers left out of the average (NaN/inf): they take the average without a merge."""
-    event: Any = None
-    """The engine's record of the round (made when it is sent)."""
-
-    @property
-    def step(self) -> int:
-        """The step it started at."""
-        return self.due.step
-
-    def state_dict(self) -> dict[str, Any]:
-        """The round with its averages complete (waiting for them here changes no value)."""
-        values = self.result.wait()
-        return {
-            "step": self.step,
-            "sent": self.sent,
-            "snapshots": self.snapshots,
-            "averages": values,
-            "bytes": self.result.bytes,
-            "collectives": self.result.collectives,
-            "finish_step": self.finish_step,
-            "advance_step": self.advance_step,
-        }
-
-
-@dataclass
 class DelayedRounds:
     """The rounds in flight, oldest first."""
 
-    rounds: list[PendingRound] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
 
-    def add(self, pending: PendingRound) -> None:
+    def add(self, pending: Round) -> None:
         self.rounds.append(pending)
 
-    def pop_due(self, step: int | None) -> list[PendingRound]:
+    def pop_due(self, step: int | None) -> list[Round]:
         """The rounds to apply at ``step`` (every round, with ``step`` None), removed."""
-        due = [r for r in self.rounds if step is None or r.finish_step <= step]
-        self.rounds = [r for r in self.rounds if not (step is None or r.finish_step <= step)]
+        due = [r for r in self.rounds if step is None or r.land_step <= step]
+        self.rounds = [r for r in self.rounds if not (step is None or r.land_step <= step)]
         return due
 
-    def advance(self, step: int) -> None:
-        """Launch the second stage of the rounds whose time for it has come."""
-        for pending in self.rounds:
-            if pending.advance_step == step:
-                pending.result.advance()
+    def remove(self, discarded: Round) -> None:
+        self.rounds = [r for r in self.rounds if r is not discarded]
+
+    def to_advance(self, step: int) -> list[Round]:
+        """The rounds whose exchange launches its second stage at ``step``."""
+        return [pending for pending in self.rounds if pending.advance_step == step]
 
     def __len__(self) -> int:
         return len(self.rounds)

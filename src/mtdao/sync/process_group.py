@@ -16,13 +16,12 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, InFlightMean
-from mtdao.sync.communicator import Averages, Communicator, InFlight, codec_groups
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
+from mtdao.sync.communicator import Communicator
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.exchange import InFlightQuantizedMean, payload_sizes
 from mtdao.sync.layout import ProcessGroupLayout
-from mtdao.sync.quantize import Codec
 from mtdao.sync.sharded_layout import ShardedLayout
+from mtdao.sync.transport import GroupTransport
 
 
 class ProcessGroupWorkers(Communicator):
@@ -50,45 +49,11 @@ class ProcessGroupWorkers(Communicator):
         super().__init__(layout)
         self.group = group
         self.bucket_bytes = bucket_bytes
+        self.transport = GroupTransport(group, bucket_bytes)
 
     @property
     def alone(self) -> bool:
         return self.num_workers == 1
-
-    def average(
-        self,
-        tensors: Sequence[Tensor],
-        kinds: Sequence[str],
-        excluded: Sequence[int] = (),
-        codecs: Sequence[Codec | None] | None = None,
-    ) -> Averages:
-        in_flight: list[tuple[list[int], InFlight]] = []
-        sizes: list[tuple[str, int]] = []
-        process_bytes = 0  # this process's part of what its worker sends
-        for codec, indices in codec_groups(len(tensors), codecs):
-            group, group_kinds = [tensors[i] for i in indices], [kinds[i] for i in indices]
-            part: InFlight
-            if codec is None:
-                part = InFlightMean(group, self.group, self.bucket_bytes, excluded)
-                sizes += [
-                    (kind, self.layout.worker_bytes(t)) for t, kind in zip(group, group_kinds)
-                ]
-                process_bytes += sum(local_shard(t).numel() * t.element_size() for t in group)
-            else:
-                part = InFlightQuantizedMean(group, codec, self.group, excluded)
-                parts = [self.layout.worker_parts(t) for t in group]
-                group_sizes, sent = payload_sizes(
-                    parts, group_kinds, codec, self.num_workers, self.layout.shard_rank
-                )
-                sizes += group_sizes
-                process_bytes += sent
-            in_flight.append((indices, part))
-        collectives = sum(part.collectives for _, part in in_flight)
-        sharded = self.layout.num_shards > 1
-        num_bytes, collectives = self._account_sizes(
-            sizes, collectives, process_bytes if sharded else None
-        )
-        return Averages(None, num_bytes, collectives, in_flight)
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         for tensor, value in zip(tensors, values):

@@ -5,7 +5,7 @@ change a round without changing the policy, and does the parts of a round that d
 
 * :meth:`RoundPlan.collect`: the tensors whose round is sent at a step (the fragments due,
   :mod:`.fragments`; D steps before the policy's step when rounds are delayed);
-* :meth:`RoundPlan.send`: a copy when the round is delayed, parameters as pseudo-gradients when
+* :meth:`RoundPlan.open`: a copy when the round is delayed, parameters as pseudo-gradients when
   they are quantized (:mod:`.compression`), one communicator call with a codec per tensor;
 * :meth:`RoundPlan.apply`: assign the averages, or merge them into a delayed round's tensors
   (:mod:`.overlap`).
@@ -25,14 +25,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mtdao.sync.communicator import Averages, Communicator
+from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
 from mtdao.sync.compression import PseudoGradients, SyncCodecs
 from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.fragments import FragmentSchedule
-from mtdao.sync.overlap import POSITIVE_STATE_KEYS, PendingRound, check_delay, merge, merge_factor
+from mtdao.sync.overlap import POSITIVE_STATE_KEYS, check_delay, merge, merge_factor
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy, state_decays
 from mtdao.sync.quantize import check_supported
-from mtdao.sync.rounds import SyncRound
+from mtdao.sync.rounds import Round, SyncRound
 
 
 class RoundPlan:
@@ -56,8 +56,6 @@ class RoundPlan:
                 "fragments and quantized sync apply to parameter and state rounds; gradient "
                 "averaging (DDP) sends float32 gradients every step"
             )
-        if fragments != 1 or delay or codecs.quantizes_anything:
-            _check_options_supported(communicator)
         self.policy, self.optimizer = policy, optimizer
         self.communicator, self.layout = communicator, communicator.layout
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -107,18 +105,36 @@ class RoundPlan:
                     due.names.append(f"{key} of {self.names[index]}")
         return due
 
-    def send(self, due: SyncRound, anchors: Sequence[Tensor]) -> PendingRound:
-        """Start the round: one communicator call over what each tensor sends (of a sharded
-        tensor, this process's shard: every value a round keeps is a local shard)."""
+    def open(self, due: SyncRound, anchors: Sequence[Tensor]) -> Round:
+        """Open the round: encode what each tensor sends (of a sharded tensor, this process's
+        shard: every value a round keeps is a local shard) and launch one communicator call.
+        The error-feedback residuals it advances are kept in it, to put back if discarded."""
         tensors = [local_shard(t) for t in due.tensors]
         snapshots = [t.clone() for t in tensors] if self.delay else None
         sent = list(snapshots or tensors)
+        residuals_before: dict[int, Tensor | None] = {}
         if self.pseudo_gradients is not None:
             for j, index in enumerate(due.param_indices):
+                residuals_before[index] = self.pseudo_gradients.residuals.get(index)
                 sent[j] = self.pseudo_gradients.payload(index, anchors[index], sent[j])
-        result = self.average(due, sent)
-        finish, advance = due.step + self.delay, due.step + max(1, self.delay // 2)
-        return PendingRound(due, sent, snapshots, result, finish, advance)
+        land, advance = due.step + self.delay, due.step + max(1, self.delay // 2)
+        opened = Round(due, sent, snapshots, Averages(), land, advance, residuals_before)
+        try:
+            opened.result = self.average(due, sent)
+        except RoundNotCommitted:  # a peer lost as it opened: as if it had not been sent
+            self.discard(opened)
+            raise
+        return opened
+
+    def discard(self, round_: Round) -> None:
+        """Put back what opening ``round_`` changed: its parameters' error-feedback residuals."""
+        if self.pseudo_gradients is None:
+            return
+        for index, residual in round_.residuals_before.items():
+            if residual is None:
+                self.pseudo_gradients.residuals.pop(index, None)
+            else:
+                self.pseudo_gradients.residuals[index] = residual
 
     def average(self, due: SyncRound, sent: Sequence[Tensor], excluded=()) -> Averages:
         # a local shard sent goes as a DTensor again: its worker's traffic counts the whole tensor
@@ -128,14 +144,14 @@ class RoundPlan:
         codecs = [self.codecs.codec(kind) for kind in due.kinds]
         return self.communicator.average(sent, due.kinds, excluded, codecs)
 
-    def global_params(self, pending: PendingRound, means: list[Tensor], anchors) -> list[Tensor]:
+    def global_params(self, pending: Round, means: list[Tensor], anchors) -> list[Tensor]:
         """The new global parameters from the averages of what the parameters sent."""
         if self.pseudo_gradients is None:
             return means
         anchors = [anchors[i] for i in pending.due.param_indices]
         return [PseudoGradients.global_value(a, m) for a, m in zip(anchors, means)]
 
-    def apply(self, pending: PendingRound, first: int, values: Sequence[Tensor]) -> None:
+    def apply(self, pending: Round, first: int, values: Sequence[Tensor]) -> None:
         """Give the round's tensors from position ``first`` on their new global ``values``: one
         assignment, or (a delayed round) a merge into each."""
         tensors = pending.due.tensors[first : first + len(values)]
@@ -153,24 +169,21 @@ class RoundPlan:
             positive = kind in POSITIVE_STATE_KEYS
             merge(tensor, value, pending.snapshots[j], factor, positive, healed)
 
-    def restore(self, saved: dict[str, Any]) -> PendingRound:
-        """A delayed round from a checkpoint: its tensors found again by the step it started."""
+    def restore(self, saved: dict[str, Any]) -> Round:
+        """A delayed round from a checkpoint or a heal: its tensors found again by the step it
+        opened at (its residuals are in the saved ones already)."""
         due = self.collect(saved["step"])
         device = local_shard(due.tensors[0]).device
         sent, snapshots, averages = (
             [t.to(device) for t in saved[key]] for key in ("sent", "snapshots", "averages")
         )
         result = Averages(averages, saved["bytes"], saved["collectives"])
-        return PendingRound(
-            due, sent, snapshots, result, saved["finish_step"], saved["advance_step"]
-        )
-
-
-def _check_options_supported(communicator: Communicator) -> None:
-    """Delayed, fragmented and quantized rounds need a communicator that keeps rounds in flight
-    and takes codecs."""
-    if communicator.plain_rounds_only:
-        raise ValueError(
-            f"{type(communicator).__name__} syncs in plain blocking float32 rounds only: "
-            "no delay, fragments or quantized sync"
+        return Round(
+            due,
+            sent,
+            snapshots,
+            result,
+            saved["finish_step"],
+            saved["advance_step"],
+            excluded=list(saved.get("excluded", [])),
         )

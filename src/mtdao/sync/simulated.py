@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from mtdao.sync.communicator import Averages, Communicator, codec_groups
-from mtdao.sync.exchange import simulated_mean
+from mtdao.sync.communicator import Averages, Communicator
 from mtdao.sync.layout import StackedLayout, check_num_workers
 from mtdao.sync.quantize import Codec
+from mtdao.sync.transport import StackedTransport
 
 
 class SimulatedWorkers(Communicator):
@@ -31,6 +31,7 @@ class SimulatedWorkers(Communicator):
 
     def __init__(self, num_workers: int) -> None:
         super().__init__(StackedLayout(num_workers))
+        self.transport = StackedTransport(num_workers)
 
     @property
     def alone(self) -> bool:
@@ -45,34 +46,9 @@ class SimulatedWorkers(Communicator):
     ) -> Averages:
         for tensor in tensors:
             self.layout.check(tensor)
-        values: list[Tensor | None] = [None] * len(tensors)
-        sizes: list[tuple[str, int]] = []
-        collectives = 0
-        for codec, indices in codec_groups(len(tensors), codecs):
-            group = [tensors[i] for i in indices]
-            if codec is None:
-                means = self._float_means(group, excluded)
-                sizes += [(kinds[i], self.layout.worker_bytes(tensors[i])) for i in indices]
-                collectives += len(_dtypes(group))
-            else:
-                rows = [t.reshape(self.num_workers, -1) for t in group]
-                flat, layout = simulated_mean(rows, codec, excluded)
-                means = [mean.view(t.shape[1:]).to(t.dtype) for mean, t in zip(flat, group)]
-                sizes += layout.kind_bytes([kinds[i] for i in indices], codec)
-                collectives += 2  # all-to-all, all-gather
-            for index, mean in zip(indices, means):
-                values[index] = mean
-        num_bytes, collectives = self._account_sizes(sizes, collectives)
-        return Averages(values, num_bytes, collectives)  # type: ignore[arg-type]
-
-    def _float_means(self, tensors: list[Tensor], excluded: Sequence[int]) -> list[Tensor]:
-        if not excluded:
-            return [tensor.mean(dim=0) for tensor in tensors]
-        keep = [w for w in range(self.num_workers) if w not in set(excluded)]
-        if not keep:
-            raise RuntimeError("Every worker was excluded from the average")
-        index = torch.tensor(keep, device=tensors[0].device)
-        return [tensor.index_select(0, index).mean(dim=0) for tensor in tensors]
+        averages = super().average(tensors, kinds, excluded, codecs)
+        averages.wait()  # nothing travels: complete at once
+        return averages
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         for tensor, value in zip(tensors, values):
@@ -82,11 +58,6 @@ class SimulatedWorkers(Communicator):
         for tensor in tensors:
             self.layout.check(tensor)
             tensor.copy_(tensor[:1].expand_as(tensor))
-
-
-def _dtypes(tensors: Sequence[Tensor]) -> set[tuple]:
-    """One collective per (device, dtype), as a real communicator would send them."""
-    return {(tensor.device, tensor.dtype) for tensor in tensors}
 
 
 class StackedWorkers(nn.Module):

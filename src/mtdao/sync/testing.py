@@ -68,7 +68,7 @@ class RecordingCommunicator(Communicator):
         super().__init__(inner.layout if inner is not None else WorkerLayout())
         self.inner = inner
         if inner is not None:
-            self.traffic = inner.traffic
+            self.traffic, self.transport = inner.traffic, inner.transport
         self.calls: list[Call] = []
 
     def average(

@@ -539,11 +539,6 @@ def _validate_sync_options(config: TrainConfig) -> None:
             f"{changed[0]}: {config.method} averages gradients every step; it has no sync "
             "rounds to delay, split or quantize"
         )
-    if changed and config.fault_tolerant:
-        raise ValueError(
-            f"{changed[0]}: fault-tolerant replicas sync in plain blocking float32 rounds for now; "
-            "drop the flag or --fault-tolerant"
-        )
     periods = [config.sync_period, config.state_sync_period]
     shortest = min(p for p in periods if p is not None)
     if delay >= shortest:

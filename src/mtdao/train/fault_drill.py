@@ -11,7 +11,8 @@
   step S and goes back to it once it has taken step T, its commit count unchanged (as a replica
   that lost steps in a stuck collective comes back);
 * the replica writes its step to ``NAME.status`` and, after every committed round, a digest of
-  its whole state (parameters, optimizer state, engine state) to ``NAME.rounds``.
+  its whole state (parameters, optimizer state, engine state) to ``NAME.rounds`` and one of the
+  state every replica shares even with delayed rounds to ``NAME.globals``.
 
 A replica of several processes (``--shards``, under torchrun) is steered by the same files; each
 process writes its own status, digests (of its shards) and pid, process r > 0 as ``NAME.rR``.
@@ -71,6 +72,8 @@ def install_hooks(control: Path, name: str) -> None:
     def after_round(run) -> None:
         with open(control / f"{label}.rounds", "a") as handle:
             handle.write(f"{run.step} {state_digest(run)}\n")
+        with open(control / f"{label}.globals", "a") as handle:
+            handle.write(f"{run.step} {global_digest(run)}\n")
         if rewind and run.step == rewind[0] and "saved" not in current:
             current["saved"] = torchft.engine_state(run.sync)[0]()
 
@@ -111,6 +114,31 @@ def state_digest(run) -> str:
     for tensor in tensors:
         shard = local_shard(tensor).detach().cpu().contiguous()
         digest.update(shard.reshape(-1).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def global_digest(run) -> str:
+    """A checksum of what every replica holds alike after a round even when rounds are delayed
+    (each then keeps its own local progress): the engine's step, anchors, outer momentum and
+    record, and the averages of the committed rounds still to apply."""
+    import torch
+    import xxhash
+
+    from mtdao.sync.dtensors import local_shard
+
+    digest = xxhash.xxh3_64()
+    engine = run.sync
+    digest.update(str([engine.step_count, *map(str, engine.events)]).encode())
+    tensors = list(engine.anchors)
+    if engine.outer is not None:
+        tensors += engine.outer.state_dict()["momentum_buffers"]
+    for pending in engine.pending.rounds:
+        if pending.checked is not None:
+            digest.update(str(pending.step).encode())
+            tensors += pending.checked.averages
+    for tensor in tensors:
+        shard = local_shard(tensor).detach().cpu().contiguous()
+        digest.update(shard.reshape(-1).to(torch.float64).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -276,6 +304,14 @@ class Drill:
         except (FileNotFoundError, ValueError):
             return "starting", -1
         return state, int(step)
+
+    def global_rounds(self, name: str) -> dict[int, str]:
+        """{step: global digest} of every round the replica committed (:func:`global_digest`)."""
+        path = self.root / f"{name}.globals"
+        if not path.exists():
+            return {}
+        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        return {int(step): digest for step, digest in lines}
 
     def rounds(self, name: str) -> dict[int, str]:
         """{step: state digest} of every round the replica committed."""

@@ -12,10 +12,13 @@ per process). A round runs in three parts:
    with :meth:`track_state`) and continues as that peer's copy from before the step, so its own
    step is a real one. A quorum with no round behind it (the first one, when nothing is due at
    step 1) is closed by an empty round, once every healing replica holds its state;
-2. :meth:`ReplicaGroups.average`: the due tensors, one SUM all-reduce per dtype bucket through the
-   manager, each bucket carrying the number of replicas that contributed to it;
+2. :meth:`ReplicaGroups.average`: the due tensors, encoded as on any communicator (float32
+   buckets, or a codec's exchange) and moved by :class:`~.transport.ManagerTransport` through the
+   manager (the replicas first agree on who contributes); delayed, fragmented and quantized
+   rounds are the same rounds, a delayed one in flight for D steps in its quorum;
 3. :meth:`ReplicaGroups.commit`: torchft's ``should_commit``; the round stands only when no
-   collective of it failed.
+   collective of it failed. A round still in flight when the next one opens is settled (landed
+   and committed) first, since the manager runs one quorum at a time.
 
 A round a peer's death breaks raises :class:`~mtdao.sync.communicator.RoundNotCommitted` and the
 engine applies none of it: every replica keeps its local state and the next quorum goes on without
@@ -26,14 +29,16 @@ it); its gradient, computed on the healed state, does count in a gradient round 
 This package is the only one that imports torchft (an optional dependency: ``pip install
 mtdao[ft]``). Only members that prove they belong to the run (a shared secret: :mod:`.auth`,
 :mod:`.proofs`) form a round's process group; every round checks that its members stand at one
-step with one config (:mod:`.round_identity`); healed state travels signed and without pickle
+step with one config (:mod:`.round_identity`; delayed, fragmented and quantized rounds
+alike, since each opens at a quorum); healed state travels signed and without pickle
 (:mod:`.safe_transport`); every listener is on the replica's ``bind_host``. See
 docs/security.md.
 
-Modules: :mod:`.replicas` (the communicator and its layout), :mod:`.connection` (its manager, and
-the lighthouse going and coming back), :mod:`.healing` (the state a healing replica receives),
-:mod:`.shards` (replicas of several processes), :mod:`.plumbing` (what is added to torchft's
-process group and listeners, and the lighthouse).
+Modules: :mod:`.replicas` (the communicator and its layout), :mod:`.transport` (the round's
+collectives through the manager), :mod:`.connection` (its manager, and the lighthouse going and
+coming back), :mod:`.healing` (the state a healing replica receives), :mod:`.shards` (replicas of
+several processes), :mod:`.plumbing` (what is added to torchft's process group and listeners, and
+the lighthouse).
 """
 
 from mtdao.sync.torchft.healing import engine_state

@@ -7,17 +7,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torchft import Manager
 
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, dtype_buckets, size_chunks
-from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, InFlightMean
+from mtdao.sync.communicator import Communicator, RoundNotCommitted
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.sharded_layout import ShardGroupSums
 from mtdao.sync.torchft import connection, round_identity
@@ -31,6 +30,10 @@ from mtdao.sync.torchft.plumbing import (
 )
 from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host
 from mtdao.sync.torchft.shards import ReplicaProcesses
+from mtdao.sync.torchft.transport import ManagerTransport
+
+if TYPE_CHECKING:
+    from mtdao.sync.engine import LocalUpdateSync
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ class ReplicaLayout(WorkerLayout):
         return self.communicator.sum_in_round(slots) if in_round else slots
 
     def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return self.communicator.mean_in_round(tensors, contributes=True)[0]
+        return InFlightMean(tensors, self.communicator.transport).wait()
 
 
 class ShardedReplicaLayout(ShardGroupSums, ReplicaLayout):
@@ -133,12 +136,13 @@ class ReplicaGroups(Communicator):
     """
 
     layout: ReplicaLayout
-    plain_rounds_only = True  # a round must be whole and blocking to be committed or discarded
+    transport: ManagerTransport
 
     def __init__(
         self, settings: ReplicaSettings, shard_group: dist.ProcessGroup | None = None
     ) -> None:
         super().__init__(ReplicaLayout(self))
+        self.transport = ManagerTransport(self)
         self.processes = ReplicaProcesses()
         if shard_group is not None:
             self.shard_over(shard_group)
@@ -185,9 +189,9 @@ class ReplicaGroups(Communicator):
         settings = self.settings
         timeout = timedelta(seconds=settings.collective_timeout)
         judge = self.process_group.judge_heal_source
-        self.transport = SignedHealTransport(settings.key, settings.bind_host, timeout, judge)
+        self.heal_transport = SignedHealTransport(settings.key, settings.bind_host, timeout, judge)
         store, failure = None, None
-        start = (settings, self.processes, self.process_group, self.transport)
+        start = (settings, self.processes, self.process_group, self.heal_transport)
         if self.processes.rank == 0:
             store = (advertised_host(settings.bind_host), self._store.port)
             self.manager, failure = connection.start_manager(*start, *store)
@@ -195,12 +199,12 @@ class ReplicaGroups(Communicator):
         if failure is None and self.processes.rank > 0:
             self.manager, failure = connection.start_manager(*start, *store)
         if failure is not None:
-            self.transport.shutdown(wait=False)
+            self.heal_transport.shutdown(wait=False)
             return failure
         if self.processes.size > 1:
             address = f"{store[0]}:{store[1]}/mtdao"
             self.process_group.replica_store = create_store_client(address, timeout)
-        self.transport.own_progress = self.manager.state_dict
+        self.heal_transport.own_progress = self.manager.state_dict
         for key, (state_dict, load_state_dict) in self._tracked.items():
             self.manager.register_state_dict_fn(
                 key, connection.unless_kept(load_state_dict), state_dict
@@ -223,6 +227,8 @@ class ReplicaGroups(Communicator):
             return True
         commits = self.manager.state_dict()
         self.manager.shutdown(wait=False)  # its heal server with it
+        if self.processes.rank == 0:  # a new store: the restarted lighthouse counts quorum ids
+            self._store = listening_store(self.settings.bind_host)  # anew, old keys would match
         failure = self._start_managers()
         if failure is None:
             self.manager.load_state_dict(commits)
@@ -232,7 +238,7 @@ class ReplicaGroups(Communicator):
     def listeners(self) -> str:
         """Where this process serves (after :meth:`connect`)."""
         store = self._store if self.processes.rank == 0 else None
-        return connection.listeners(self.manager, self.transport, store)
+        return connection.listeners(self.manager, self.heal_transport, store)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -266,11 +272,14 @@ class ReplicaGroups(Communicator):
 
     def before_step(self, sync: LocalUpdateSync) -> RoundStart | None:
         """Call before each step's forward pass: a quorum when this replica has not joined yet or
-        a round is due at the coming step (None otherwise: no coordination between rounds)."""
+        a round opens at the coming step (None otherwise: no coordination between rounds). A
+        round still in flight (delayed) is settled first: the manager runs one quorum at a
+        time; it is still applied at its own step."""
         coming = sync.step_count + 1
         self.process_group.training_step = sync.step_count
         if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
             return None
+        sync.settle_in_flight()  # the manager runs one quorum at a time: commit the last first
         if self._joined and not self._back_in_touch(coming):  # this round is skipped: train on
             return None
         try:
@@ -280,7 +289,10 @@ class ReplicaGroups(Communicator):
                 raise
             self._lighthouse_away = coming  # the lighthouse went while this quorum waited
             return None
+        if sync.step_count == 0:  # healed to the first step: no local step missed, it counts
+            self._fresh = False
         self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
+        self.transport.check()  # a group that did not form (a peer's gloo timed out): discarded
         self._sitting_out, self._stale = round_identity.check(  # see round_identity
             self.sum_in_round, self.replicas, self.quorum_rank, sync.step_count, self.settings
         )
@@ -316,7 +328,7 @@ class ReplicaGroups(Communicator):
             raise self.process_group.refusal
         self._round_open = True
         seconds = time.perf_counter() - started
-        received = self.transport.received_bytes if self._heal is not None else 0
+        received = self.heal_transport.received_bytes if self._heal is not None else 0
         received = self.processes.sum(received)  # a sharded replica: over its processes
         if self._heal is not None:
             self._heal.bytes, self._heal.seconds = received, seconds
@@ -342,86 +354,45 @@ class ReplicaGroups(Communicator):
 
     # -- the round ---------------------------------------------------------------------------
 
-    def average(
-        self, tensors: Sequence[Tensor], kinds: Sequence[str], excluded: Sequence[int] = ()
-    ) -> Averages:
-        # a healed replica's gradient is its own, its parameters and states its source's
-        contributes = self.quorum_rank not in excluded and not (
-            self._fresh and any(kind != "grads" for kind in kinds)
-        )
-        contributes = contributes and self._stale is None
-        values, collectives = self.mean_in_round(tensors, contributes)
-        num_bytes, collectives = self._account(tensors, kinds, collectives)
-        return Averages(values, num_bytes, collectives)
+    def _contributes(self, kinds: Sequence[str]) -> bool:
+        # a healed replica's gradient is its own, its parameters and states its source's; a
+        # replica at another step or config adds nothing (see round_identity)
+        fresh = self._fresh and any(kind != "grads" for kind in kinds)
+        return self._stale is None and not fresh
 
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         for tensor, value in zip(tensors, values):
             local_shard(tensor).copy_(value)  # a sharded tensor's average is its shard's
 
     def commit(self) -> None:
-        self._require_round()
+        if not self._round_open:  # a round restored from a checkpoint: its quorum is gone
+            raise RoundNotCommitted("round discarded (its quorum ended before it committed)")
         if self._stale is not None:  # it added nothing; it heals at the next quorum
-            self._fail(f"this replica sat the round out: {self._stale}")
+            self.fail(f"this replica sat the round out: {self._stale}")
         self._round_open = False
         if not self.manager.should_commit():
             self._prepared_step = None
-            raise RoundNotCommitted(f"round discarded ({self._failure()})")
+            raise RoundNotCommitted(f"round discarded ({self.failure()})")
         self._fresh = False
-
-    def mean_in_round(
-        self, tensors: Sequence[Tensor], contributes: bool
-    ) -> tuple[list[Tensor], int]:
-        """(means over the replicas that contribute, collectives): one SUM all-reduce per bucket,
-        each carrying its contributor count in one extra element. A sharded tensor is averaged
-        as this process's shard."""
-        tensors = [local_shard(t) for t in tensors]
-        averages: list[Tensor | None] = [None] * len(tensors)
-        collectives = 0
-        for indices in dtype_buckets(tensors).values():
-            for chunk in size_chunks(indices, tensors, self.settings.bucket_bytes):
-                parts = [tensors[i].reshape(-1) for i in chunk]
-                marker = torch.ones(1, dtype=parts[0].dtype, device=parts[0].device)
-                flat = torch.cat([*parts, marker])
-                if not contributes:
-                    flat.zero_()
-                flat = self.sum_in_round(flat)
-                contributors = flat[-1].item()
-                if contributors < 0.5:
-                    self._fail("no replica contributed to the average")
-                flat = flat[:-1].div_(contributors)
-                collectives += 1
-                offset = 0
-                for i in chunk:
-                    numel = tensors[i].numel()
-                    averages[i] = flat[offset : offset + numel].view_as(tensors[i])
-                    offset += numel
-        return averages, collectives  # type: ignore[return-value]
 
     def sum_in_round(self, flat: Tensor) -> Tensor:
         """``flat`` summed over the quorum, through the manager; a failure discards the round."""
-        self._require_round()
-        work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
-        work.wait()
-        failure = self._failure() if self.manager.errored() is not None else None
-        failure = self.processes.first_failure(failure)  # every process of the replica stops
-        if failure is not None:
-            self._fail(failure)
-        return flat
+        return self.transport.sum(flat)
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
         """Tell torchft the round failed (the next quorum rebuilds the group), then raise."""
         self.manager.report_error(RuntimeError(reason))
         self._round_open, self._prepared_step = False, None  # a retried step needs a new quorum
         self.manager.should_commit()
         raise RoundNotCommitted(f"round discarded ({reason})")
 
-    def _failure(self) -> str:
+    def failure(self) -> str:
         error = self.manager.errored()
         if error is None:
             return "too few replicas"
         return first_line(error.original_exception)
 
-    def _require_round(self) -> None:
+    def require_round(self) -> None:
         if self._lighthouse_away is not None:
             raise RoundNotCommitted(
                 f"no round: the lighthouse at {self.settings.lighthouse_url} is unreachable; "

@@ -1,0 +1,90 @@
+"""A fault-tolerant run with no failure is the torchrun run, bit for bit, with every round option on:
+two ``mtdao train --fault-tolerant`` replicas and ``torchrun --nproc-per-node 2 -m mtdao train``
+with delayed, fragmented, int8 rounds and error feedback end with the same parameters, optimizer
+states, anchors, residuals and rounds in flight on every worker. (Both are the simulated workers
+bit for bit in what the rounds compute: tests/test_ft_communicator.py; a whole simulated run
+differs from real processes in the model's own arithmetic, to float tolerance:
+tests/test_train_torchrun.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtdao.train.command import config_to_argv
+from mtdao.train.config import TrainConfig
+from mtdao.train.fault_drill import Drill
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+FLAGS = dict(workers=2, model="micro", steps=STEPS, sync_period=4, batch_size=2, seq_len=32)
+FLAGS.update(eval_every=8, eval_tokens=512, log_every=4, device="cpu", progress=False)
+FLAGS.update(sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedback=True)
+TIMEOUT_S = 300.0
+
+
+def final_state(run_dir: Path, rank: int) -> dict:
+    step_dir = run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    return torch.load(step_dir / f"rank{rank}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus_dir, tmp_path_factory) -> dict[str, list[dict]]:
+    root = tmp_path_factory.mktemp("ft-torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    config = TrainConfig(data=str(corpus_dir), out=str(root / "torchrun"), **FLAGS)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    argv += ["2", "-m", "mtdao", "train", *config_to_argv(config)]
+    job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    flags = config_to_argv(TrainConfig(data=str(corpus_dir), **FLAGS))
+    with Drill(root / "ft", flags) as drill:
+        drill.start_lighthouse(min_replicas=2)
+        for replica in range(2):
+            drill.start(f"r{replica}", replica)
+        exits = [drill.wait_exit(f"r{replica}", TIMEOUT_S) for replica in range(2)]
+        assert exits == [0, 0], drill.tails()
+        drill.stop("lighthouse")
+    output, _ = job.communicate(timeout=TIMEOUT_S)
+    assert job.returncode == 0, output.decode()[-4000:]
+    return {
+        "torchrun": [final_state(root / "torchrun", rank) for rank in range(2)],
+        "fault-tolerant": [final_state(root / "ft" / f"r{replica}", 0) for replica in range(2)],
+    }
+
+
+def assert_same(a, b, where: str) -> None:
+    """Bitwise equal, through nested dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
+def test_fault_tolerant_replicas_are_the_torchrun_workers_bit_for_bit(runs):
+    for worker, (real, replica) in enumerate(zip(runs["torchrun"], runs["fault-tolerant"])):
+        assert real["step"] == replica["step"] == STEPS
+        assert_same(real["params"], replica["params"], f"worker {worker} params")
+        assert_same(real["optimizer"]["state"], replica["optimizer"]["state"], "optimizer")
+        for key in ("step", "anchors", "pending", "pseudo_gradients", "alignment"):
+            assert_same(real["sync"][key], replica["sync"][key], f"worker {worker} {key}")
+        assert real["sync"]["pending"], "the runs end with a round in flight"
+        assert real["sync"]["traffic"]["bytes"] == replica["sync"]["traffic"]["bytes"]
+    first, second = (state["params"]["embed.weight"] for state in runs["torchrun"])
+    assert not torch.equal(first, second)  # each worker keeps its own last D steps
