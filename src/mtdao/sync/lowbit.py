@@ -109,15 +109,14 @@ def _log_step(lo: Tensor, hi: Tensor, steps: int) -> Tensor:
 
 def _pack(codes: Tensor, bits: int) -> Tensor:
     """uint8 codes below 2^bits ``[..., n]`` -> ``[..., n * bits / 8]``, code i of a byte in its
-    bits ``bits * i`` and up."""
-    per_byte = 8 // bits
-    grouped = codes.view(*codes.shape[:-1], -1, per_byte).to(torch.int32)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
-    return (grouped << shifts).sum(dim=-1).to(torch.uint8)
+    bits ``bits * i`` and up (byte-wide shifts and ors: no wider integers needed)."""
+    grouped = codes.view(*codes.shape[:-1], -1, 8 // bits)
+    packed = grouped[..., 0].clone()
+    for i in range(1, 8 // bits):
+        packed |= grouped[..., i] << (bits * i)
+    return packed
 
 
 def _unpack(packed: Tensor, bits: int) -> Tensor:
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return codes.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+    parts = [(packed >> (bits * i)) & (2**bits - 1) for i in range(8 // bits)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
