@@ -19,19 +19,21 @@ BLOCK = 64
 NEW_SIGNED = ["int4", "int2", "top8", "top1"]
 
 
-def test_signed_low_bit_codes_are_within_one_unit_of_the_value():
+def test_signed_low_bit_codes_are_within_half_a_unit_of_the_value():
     x = random_blocks(0)
+    x[0, :3] = 0.0
     absmax = x.abs().amax(dim=-1, keepdim=True)
-    for dtype, levels in (("int4", 16), ("int2", 4)):
+    for dtype, top in (("int4", 7), ("int2", 1)):
         codec = Codec(dtype, block=BLOCK)
         decoded = codec.roundtrip(x.reshape(1, -1)).view_as(x)
-        unit = absmax / (levels - 1)
-        assert ((decoded - x).abs() <= unit * (1 + 1e-6)).all(), dtype
-        # the levels are the odd multiples of the unit, within the block's range
+        unit = absmax / top
+        assert ((decoded - x).abs() <= unit / 2 * (1 + 1e-6)).all(), dtype
+        # the levels are the integer multiples -top .. top of the unit; zero stays zero
         multiples = decoded / unit
         assert_close(multiples, multiples.round(), rtol=0, atol=1e-4)
-        assert (multiples.round().remainder(2) == 1).all()
-        assert (decoded.abs() <= absmax * (1 + 1e-6)).all()
+        assert (multiples.round().abs() <= top).all() and (decoded[0, :3] == 0).all()
+        # a value below half a unit falls to zero rather than being raised to a level
+        assert (decoded[x.abs() < unit / 2 * (1 - 1e-6)] == 0).all()
 
 
 def test_low_bit_second_moment_stays_positive_within_its_log_step():

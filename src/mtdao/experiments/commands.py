@@ -14,6 +14,7 @@ EXPERIMENT_MODULES = (
     "mtdao.experiments.ablation",  # mtdao ablation
     "mtdao.experiments.slow_link",  # mtdao slow-link
     "mtdao.experiments.sync_options",  # mtdao sync-options
+    "mtdao.experiments.frontier",  # mtdao frontier
 )
 
 

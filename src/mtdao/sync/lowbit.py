@@ -2,11 +2,13 @@
 
 Two domains, as for int8 (:mod:`mtdao.sync.quantize`):
 
-* ``signed``: ``L = 2^bits`` levels spread evenly over the block's ``[-absmax, absmax]`` at the
-  odd multiples of ``unit = absmax / (L - 1)`` (no zero level: with 2 bits that gives four levels
-  ``±unit, ±3 unit`` rather than a ternary ``-1, 0, 1``). A value is at most ``unit`` from its
-  level. The unit travels as one float32 per block (0 for an all-zero block, which so decodes to
-  zeros).
+* ``signed``: int8's scheme with fewer levels: the integers ``-Q .. Q`` (``Q = 2^(bits-1) - 1``:
+  7 for 4 bits, 1 for 2 bits, a ternary code) times ``unit = absmax / Q``, so a value is at most
+  ``unit / 2`` from its level and zero stays zero. A zero level matters for optimizer states: a
+  grid without one (four levels ``±unit, ±3 unit``) would raise every small momentum to a third of
+  the block's largest, which a measured run did not survive; with one, small values fall to zero,
+  and error feedback (for the parameters) carries them into the next round. The unit travels as
+  one float32 per block (0 for an all-zero block, which so decodes to zeros).
 * ``positive`` (the second moment): the float32 bit pattern (a piecewise-linear log2) quantized
   between the block's smallest and largest positive value, as int8 does, with ``2^bits - 2``
   steps: code 0 is exact zero, codes 1 .. 2^bits - 1 are log-spaced. Nothing positive becomes
@@ -43,7 +45,7 @@ def encode(blocks: Tensor, bits: int, domain: str) -> Tensor:
     if domain == "positive":
         codes, scale = log_codes(blocks, 2**bits - 2)
     else:
-        codes, scale = _signed_codes(blocks, 2**bits)
+        codes, scale = _signed_codes(blocks, 2 ** (bits - 1) - 1)
     return torch.cat([_pack(codes, bits), scale.contiguous().view(torch.uint8)], dim=-1)
 
 
@@ -54,19 +56,19 @@ def decode(payload: Tensor, bits: int, domain: str, block: int) -> Tensor:
     scale = payload[..., packed_bytes:].contiguous().view(torch.float32)
     if domain == "positive":
         return log_values(codes, scale, 2**bits - 2)
-    levels = 2**bits
-    return (codes.float() * 2 - (levels - 1)) * scale
+    top = 2 ** (bits - 1) - 1
+    return (codes.float() - top) * scale
 
 
-# -- signed: odd multiples of a unit --------------------------------------------------------------
+# -- signed: integer multiples of a unit ----------------------------------------------------------
 
 
-def _signed_codes(blocks: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+def _signed_codes(blocks: Tensor, top: int) -> tuple[Tensor, Tensor]:
+    """Code ``c`` in ``0 .. 2 top`` stands for ``(c - top) * unit``."""
     absmax = blocks.abs().amax(dim=-1, keepdim=True)
-    unit = absmax / (levels - 1)
+    unit = absmax / top
     divisor = torch.where(absmax == 0, torch.ones_like(unit), unit)
-    # level index c in 0 .. L-1 stands for (2c - (L-1)) * unit
-    codes = (blocks / divisor + (levels - 1)).div_(2).round_().clamp_(0, levels - 1)
+    codes = (blocks / divisor).round_().clamp_(-top, top).add_(top)
     return codes.to(torch.uint8), unit  # unit 0 (all-zero block) decodes every code to 0
 
 
