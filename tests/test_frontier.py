@@ -9,6 +9,7 @@ import json
 import pytest
 
 from mtdao.cli import build_parser, main
+from mtdao.experiments.formatting import stats
 from mtdao.experiments.frontier import point_config, run_name
 from mtdao.experiments.frontier_grid import (
     GRIDS,
@@ -24,7 +25,6 @@ from mtdao.experiments.frontier_summary import (
     goal_points,
     pareto_front,
 )
-from mtdao.experiments.formatting import stats
 from mtdao.train.command import config_from_args
 from mtdao.train.config import TrainConfig, resolve
 
