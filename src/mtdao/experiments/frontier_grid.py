@@ -16,15 +16,21 @@ from dataclasses import dataclass
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import TrainConfig
 
-# recipe -> (parameter codec, codec of the states); None: float32
-RECIPES: dict[str, tuple[str | None, str | None]] = {
-    "fp32": (None, None),
-    "int8": ("int8", "int8"),  # INTELLECT-1: int8 pseudo-gradients
-    "int4": ("int4", "int8"),
-    "int2": ("int2", "int8"),  # MuLoCo-style 2-bit pseudo-gradients with error feedback
-    "top8": ("top8", "int8"),  # SparseLoCo-style: 3% top-k with error feedback
-    "top8-s4": ("top8", "int4"),  # ... and 4-bit states
+# recipe -> codecs of (parameters, momenta, second moment); None: float32
+RECIPES: dict[str, tuple[str | None, str | None, str | None]] = {
+    "fp32": (None, None, None),
+    "int8": ("int8", "int8", "int8"),  # INTELLECT-1: int8 pseudo-gradients
+    "int2": ("int2", "int8", "int8"),  # MuLoCo-style 2-bit pseudo-gradients, error feedback
+    "top8": ("top8", "int8", "int8"),  # SparseLoCo-style: 3% top-k with error feedback
+    "top8-s4": ("top8", "int4", "int4"),  # ... and 4-bit states
 }
+# the tolerance screens: one kind quantized, the others float32
+SCREENS = {
+    **{f"p-{c}": (c, None, None) for c in ("int8", "int4", "int2", "top8")},
+    **{f"m-{c}": (None, c, None) for c in ("int4", "int2", "top8")},
+    **{f"v-{c}": (None, None, c) for c in ("int4", "int2")},
+}
+RECIPES.update(SCREENS)
 METHODS_WITH_STATE_ROUNDS = ("local-adam", "desloc", "mtdao")
 # fields of a run that are not part of its point: its seed and where it is written
 NOT_POINT_FIELDS = frozenset({"seed", "out", "progress", "resume"})
@@ -50,13 +56,12 @@ class FrontierPoint:
         """The TrainConfig fields this point sets."""
         if self.method == "ddp":
             return {"method": "ddp"}
-        params, states = RECIPES[self.recipe]
+        params, momenta, second_moment = RECIPES[self.recipe]
         sends_states = self.method in METHODS_WITH_STATE_ROUNDS
-        spec = []
-        if params:
-            spec.append(f"params={params}")
-        if states and sends_states:
-            spec += [f"momenta={states}", f"second-moment={states}"]
+        spec = [f"params={params}"] if params else []
+        if sends_states:
+            spec += [f"momenta={momenta}"] if momenta else []
+            spec += [f"second-moment={second_moment}"] if second_moment else []
         return {
             "method": self.method,
             "sync_period": self.sync_period,
@@ -89,6 +94,8 @@ def full_grid() -> list[FrontierPoint]:
         points += [FrontierPoint("mtdao", k), FrontierPoint("mtdao", k, "int8")]
         for recipe in ("int8", "int2", "top8", "top8-s4"):
             points += [FrontierPoint("mtdao", k, recipe, states=4 * k)]
+        if k == 32:  # what each kind tolerates, one at a time
+            points += [FrontierPoint("mtdao", k, screen) for screen in SCREENS]
     return points
 
 
@@ -96,14 +103,15 @@ GRIDS = {"quick": quick_grid, "full": full_grid}
 
 
 def select(points: Sequence[FrontierPoint], names: Sequence[str] | None) -> list[FrontierPoint]:
-    """The points named (in the grid's order); every point when ``names`` is empty."""
+    """The points named, in the order named (the order they train in); every point of the grid
+    when ``names`` is empty."""
     if not names:
         return list(points)
     known = {p.name: p for p in points}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"--points: unknown point(s) {', '.join(unknown)}; see --list")
-    return [p for p in points if p.name in set(names)]
+    return [known[name] for name in dict.fromkeys(names)]
 
 
 def changed_flags(config: TrainConfig) -> list[str]:
