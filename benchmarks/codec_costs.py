@@ -5,8 +5,9 @@ payload (parameters as pseudo-gradients, momentum, second moment: three model-si
 MT-DAO's unified round sends), decode the M chunks it owns, sum and encode their mean, and decode
 the gathered means. With error feedback the pseudo-gradient is also encoded and decoded once more
 (the residual). The step is one worker's forward, backward and MT-DAO-Adam step on the same model
-and batch, in the same process. Every setup is timed in every round, in a rotating order, and the
-median over rounds is printed (the machine is shared).
+and batch, in the same process. Times are this process's CPU time (one thread), so that other
+jobs on a shared machine slow neither side; every setup is timed in every round, in a rotating
+order, and the median over rounds is printed.
 
     OMP_NUM_THREADS=1 python benchmarks/codec_costs.py --model tiny --workers 4 --rounds 7
 """
@@ -42,11 +43,11 @@ def worker_setup(model_name: str, batch_size: int, seq_len: int):
 
 def time_step(setup) -> float:
     model, optimizer, inputs, targets = setup
-    started = time.perf_counter()
+    started = time.process_time()
     optimizer.zero_grad()
     language_model_loss(model(inputs), targets).backward()
     optimizer.step()
-    return time.perf_counter() - started
+    return time.process_time() - started
 
 
 def round_tensors(setup) -> dict[str, list[torch.Tensor]]:
@@ -62,7 +63,7 @@ def round_tensors(setup) -> dict[str, list[torch.Tensor]]:
 
 def time_round(tensors: dict[str, list[torch.Tensor]], dtype: str, workers: int, ef: bool):
     """Seconds of one worker's encode / reduce / decode of a round, and its payload bytes."""
-    started, payload_bytes = time.perf_counter(), 0
+    started, payload_bytes = time.process_time(), 0
     for kind, values in tensors.items():
         domain = "positive" if kind == "exp_avg_sq" else "signed"
         codec = Codec("int4" if dtype.startswith("top") and domain == "positive" else dtype, domain)
@@ -81,7 +82,7 @@ def time_round(tensors: dict[str, list[torch.Tensor]], dtype: str, workers: int,
         mean = reduce_chunks(chunk.unsqueeze(0).expand(workers, -1, -1), codec, range(workers))
         gathered = mean.repeat(workers, 1)
         unpack(codec.decode(gathered).view(layout.total_blocks, -1), layout)
-    return time.perf_counter() - started, payload_bytes
+    return time.process_time() - started, payload_bytes
 
 
 def main() -> None:

@@ -9,8 +9,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from mtdao import MTAdam
+from mtdao.sync import LocalUpdateSync, SimulatedWorkers
 from mtdao.sync.compression import PseudoGradients, SyncCodecs
 from mtdao.sync.exchange import simulated_mean
+from mtdao.sync.policy import unified, with_state_period
 from mtdao.sync.quantize import Codec
 from mtdao.train.config import TrainConfig, resolve
 from tests.test_sync_quantize import quadratic_run, random_blocks, second_moments
@@ -179,3 +182,27 @@ def test_per_kind_low_bit_codecs_round_trip_through_the_config():
     assert codecs.codec("params") == Codec("top8")
     assert codecs.codec("exp_avg_0") == Codec("int2")
     assert codecs.codec("exp_avg_sq") == Codec("int4", "positive")
+
+
+def test_low_bit_codecs_combine_with_longer_state_periods():
+    """Parameters every 4 steps as top-k, the states every 8 (DES-LOC-style) at 2 and 4 bits:
+    each kind is sent as often as its period says, in its own codec's bytes, and after a round of
+    all three every worker holds the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    targets = torch.randn(4, 40, 30, generator=gen)
+    weight = torch.nn.Parameter(torch.zeros(4, 40, 30))
+    optimizer = MTAdam([weight], lr=0.05, betas=(0.9,), omegas=(0.9,))
+    codecs = SyncCodecs.parse(["params=top8", "momenta=int2", "second-moment=int4"], True)
+    policy = with_state_period(unified(4), 8)
+    sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(4), codecs=codecs)
+    for _ in range(16):
+        optimizer.zero_grad()
+        (weight - targets).square().sum().backward()
+        sync.step()
+    by_kind = sync.traffic.bytes_by_kind
+    blocks = 8  # 1200 values: 5 blocks of 256, padded to 4 equal chunks
+    assert by_kind["params"] == 4 * blocks * Codec("top8").block_bytes  # steps 4, 8, 12, 16
+    assert by_kind["exp_avg_0"] == 2 * blocks * Codec("int2").block_bytes  # steps 8, 16
+    assert by_kind["exp_avg_sq"] == 2 * blocks * Codec("int4", "positive").block_bytes
+    for tensor in (weight, *(v for v in optimizer.state[weight].values() if v.dim() > 0)):
+        assert all(torch.equal(tensor[0], tensor[w]) for w in range(1, 4))
