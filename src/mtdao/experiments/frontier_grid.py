@@ -23,6 +23,7 @@ RECIPES: dict[str, tuple[str | None, str | None, str | None]] = {
     "int2": ("int2", "int8", "int8"),  # MuLoCo-style 2-bit pseudo-gradients, error feedback
     "top8": ("top8", "int8", "int8"),  # SparseLoCo-style: 3% top-k with error feedback
     "top8-s4": ("top8", "int4", "int4"),  # ... and 4-bit states
+    "top8-s2": ("top8", "int2", "int2"),  # ... and 2-bit states
 }
 # the tolerance screens: one kind quantized, the others float32
 SCREENS = {
@@ -92,8 +93,8 @@ def full_grid() -> list[FrontierPoint]:
         points += [FrontierPoint("diloco", k, r) for r in ("fp32", "int8", "int2", "top8")]
         points += [FrontierPoint("desloc", k), FrontierPoint("desloc", k, "int8")]
         points += [FrontierPoint("mtdao", k), FrontierPoint("mtdao", k, "int8")]
-        for recipe in ("int8", "int2", "top8", "top8-s4"):
-            points += [FrontierPoint("mtdao", k, recipe, states=4 * k)]
+        for recipe in ("int8", "int2", "top8", "top8-s4", "top8-s2"):
+            points += [FrontierPoint("mtdao", k, recipe, states=m * k) for m in (2, 4)]
         if k == 32:  # what each kind tolerates, one at a time
             points += [FrontierPoint("mtdao", k, screen) for screen in SCREENS]
     return points
