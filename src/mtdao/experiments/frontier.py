@@ -1,9 +1,9 @@
 """``mtdao frontier``: at each traffic budget, which method gives the best model?
 
 Every point of a grid (:mod:`.frontier_grid`: DDP, Local Adam, DiLoCo, DES-LOC and MT-DAO over K,
-codec recipes and state periods) trains at equal tokens; the report plots final validation loss
-against bytes per worker with each method's Pareto frontier, and tabulates the best method at 10x
-to 1000x less traffic than DDP.
+codec recipes and state periods) trains at equal tokens (by default 3000 steps of the micro model,
+4 workers); the report plots final validation loss against bytes per worker with each method's
+Pareto frontier, and tabulates the best method at 10x to 1000x less traffic than DDP.
 
 Learning rates: each method's first point of the grid (its reference) is trained on the first
 seed at the method's LR times each ``--lr-factors``; the best becomes that method's LR for all
@@ -41,7 +41,7 @@ def add_parser(subparsers) -> None:
         help="final loss against traffic for every method, codec and K; Pareto frontiers",
         description=__doc__.splitlines()[0],
     )
-    add_budget_arguments(parser, out="runs/frontier", seeds=[0])
+    add_budget_arguments(parser, out="runs/frontier", seeds=[0], steps=3000)
     add = parser.add_argument
     add("--quick", action="store_true", help="the quick grid, 300 steps, no LR sweep")
     add("--points", nargs="+", help="train only these points of the grid (see --list)")
