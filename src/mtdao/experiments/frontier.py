@@ -119,7 +119,8 @@ class Study:
         return value if value is not None and math.isfinite(value) else math.inf
 
     def choose_lrs(self, pins: dict[str, float]) -> dict[str, dict]:
-        """Sweep each method's reference point on the first seed; the best LR per method."""
+        """Sweep each method's reference point on the first seed; the best LR per method. A
+        method with one candidate LR needs no sweep: its reference trains with the other points."""
         seed, references = self.args.seeds[0], {}
         for point in self.points:
             references.setdefault(point.method, point)
@@ -128,14 +129,15 @@ class Study:
             base = pins.get(method, DEFAULT_LR[self.args.optimizer])
             lrs = sorted({round(base * f, 10) for f in self.args.lr_factors})
             sweeps[method] = {"point": point.name, "lrs": lrs}
-            runs += [
-                (run_name(point, lr, seed), point_config(self.args, point, lr, seed)) for lr in lrs
-            ]
+            if len(lrs) > 1:
+                runs += [
+                    (run_name(point, lr, seed), point_config(self.args, point, lr, seed))
+                    for lr in lrs
+                ]
         self.train(runs)
         for method, sweep in sweeps.items():
             point = references[method]
             losses = {lr: self.loss(run_name(point, lr, seed)) for lr in sweep["lrs"]}
-            sweep["losses"] = {format_lr(lr): loss for lr, loss in losses.items()}
             sweep["best"] = min(losses, key=losses.get)
         return sweeps
 
@@ -185,6 +187,12 @@ class Study:
             )
             for p in chosen:
                 seeds_of[p.name] = seeds + extra
+        # every sweep's losses, those that needed no runs of their own included
+        for sweep in sweeps.values():
+            point = next(p for p in self.points if p.name == sweep["point"])
+            sweep["losses"] = {
+                format_lr(lr): self.loss(run_name(point, lr, seeds[0])) for lr in sweep["lrs"]
+            }
         return {"sweeps": sweeps, "rows": self.rows(lrs, seeds_of)}
 
 
