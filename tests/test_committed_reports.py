@@ -15,6 +15,7 @@ import pytest
 from mtdao.experiments.ablation_report import render_ablation_report
 from mtdao.experiments.ablation_summary import load_summary
 from mtdao.experiments.compare_report import render_compare_report
+from mtdao.experiments.frontier_report import render_results as render_frontier
 from mtdao.experiments.horizon_report import render_horizon_report
 from mtdao.experiments.rosenbrock_report import report_markdown
 from mtdao.experiments.slow_link_report import render_report
@@ -29,8 +30,8 @@ def kind(results) -> str | None:
         return "slow-link"
     if "experiments" in results and "protocol" in results:
         return "horizon"
-    if results.get("kind") == "sync-options":
-        return "sync-options"
+    if results.get("kind") in ("sync-options", "frontier"):
+        return results["kind"]
     if "variants" in results:
         return "ablation"
     if "target_val_loss" in results:
@@ -58,6 +59,7 @@ def rendered(report_dir: Path) -> str:
         "rosenbrock": lambda: report_markdown(results["config"], results["summary"]),
         "slow-link": lambda: render_slow_link(report_dir, results),
         "sync-options": lambda: render_sync_options(results),
+        "frontier": lambda: render_frontier(results),
     }
     return renderers[kind(results)]()
 
@@ -69,7 +71,15 @@ def known_reports() -> list[Path]:
 
 def test_every_experiment_has_a_committed_report():
     kinds = {kind(json.loads((d / "results.json").read_text())) for d in known_reports()}
-    assert kinds == {"compare", "ablation", "rosenbrock", "slow-link", "sync-options", "horizon"}
+    assert kinds == {
+        "compare",
+        "ablation",
+        "rosenbrock",
+        "slow-link",
+        "sync-options",
+        "horizon",
+        "frontier",
+    }
 
 
 @pytest.mark.parametrize("report_dir", known_reports(), ids=lambda d: d.name)

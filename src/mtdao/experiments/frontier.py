@@ -12,7 +12,8 @@ its points (``--lr METHOD=VALUE`` sets the base). Seeds: every point runs on the
 ``--betas``/``--omegas`` set MT-DAO's momenta (its defaults suit runs of 3000 steps or more).
 
 Output in ``--report``: frontier.png, report.md, frontier.json (the issue's schema: every point's
-exact ``mtdao train`` argument list, losses over seeds, bytes per worker, steady-state reduction).
+exact ``mtdao train`` argument list, losses over seeds, bytes per worker, steady-state reduction)
+and results.json (everything report.md is rendered from).
 Runs live in ``--out``/runs/<point>-lr<LR>-seed<S>; finished runs are reused.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import shlex
 import sys
@@ -211,7 +211,9 @@ def run_frontier(args: argparse.Namespace) -> int:
         resolve(point_config(args, point, 1e-3, args.seeds[0]))
     study = Study(args, points)
     outcome = study.run(pins)
-    command = shlex.join(["mtdao", *sys.argv[1:]]) if sys.argv[1:2] == ["frontier"] else ""
+    # the study's command: a --no-train re-render reports the runs the same command trains
+    argv = [a for a in sys.argv[1:] if a != "--no-train"]
+    command = shlex.join(["mtdao", *argv]) if argv[:1] == ["frontier"] else ""
     settings = {
         "command": command or "mtdao frontier",
         "model": args.model,
@@ -226,8 +228,5 @@ def run_frontier(args: argparse.Namespace) -> int:
     }
     report = Path(args.report)
     write_frontier_report(report, settings, outcome, study.failures)
-    (Path(args.out) / "frontier-results.json").write_text(
-        json.dumps({"settings": settings, **outcome, "failures": study.failures}, indent=2)
-    )
     print(f"report: {report / 'report.md'}  plot: {report / 'frontier.png'}")
     return 0 if not study.failures else 1

@@ -1,5 +1,6 @@
-"""``mtdao frontier``'s outputs: frontier.png, report.md and frontier.json, from the rows of
-:mod:`.frontier_summary` (numbers through :mod:`.formatting` only)."""
+"""``mtdao frontier``'s outputs: frontier.png, report.md, frontier.json (every point, for tools)
+and results.json (what report.md re-renders from), from the rows of :mod:`.frontier_summary`
+(numbers through :mod:`.formatting` only)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,21 @@ def write_frontier_report(
 ) -> None:
     report.mkdir(parents=True, exist_ok=True)
     rows = outcome["rows"]
+    results = {"kind": "frontier", "settings": dict(settings), **outcome, "failures": failures}
+    (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (report / "frontier.json").write_text(json.dumps(frontier_json(rows), indent=2) + "\n")
-    (report / "report.md").write_text(render_report(settings, outcome, failures))
+    (report / "report.md").write_text(render_results(results))
     if any(finite(r) for r in rows):
         plot_frontier(report / "frontier.png", rows)
 
 
 def ddp_row(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     return next((r for r in rows if r["method"] == "ddp" and finite(r)), None)
+
+
+def render_results(results: Mapping[str, Any]) -> str:
+    """report.md from a results.json."""
+    return render_report(results["settings"], results, results["failures"])
 
 
 def render_report(settings, outcome, failures) -> str:
