@@ -25,6 +25,8 @@ def point_row(
     """One point from its finished runs (``runs[i]`` of seed ``seeds[i]``)."""
     loss = stats(r.get("final_val_loss") for r in runs)
     first = runs[0] if runs else {}
+    # a run shorter than its policy's full cycle has no steady state: its measured reduction
+    steady = first.get("comm_reduction_steady_state")
     return {
         "name": point["name"],
         "method": point["method"],
@@ -33,7 +35,10 @@ def point_row(
         "val_loss": loss,
         "seeds": list(seeds),
         "bytes_per_worker": first.get("bytes_per_worker"),
-        "comm_reduction_steady_state": first.get("comm_reduction_steady_state"),
+        "comm_reduction_steady_state": steady
+        if steady is not None
+        else first.get("comm_reduction_vs_ddp"),
+        "no_steady_state": bool(runs) and steady is None,
     }
 
 
