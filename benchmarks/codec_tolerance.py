@@ -65,11 +65,15 @@ def main() -> None:
     optimizer, params = trained_states(args.model, args.workers, args.steps, tuple(args.betas))
     eps = 1e-8
     keys = [f"exp_avg_{j}" for j in range(len(args.betas))] + ["exp_avg_sq"]
-    rows = {key: [optimizer.state[p][key].reshape(args.workers, -1) for p in params] for key in keys}
+    rows = {
+        key: [optimizer.state[p][key].reshape(args.workers, -1) for p in params] for key in keys
+    }
     exact = {key: [r.mean(dim=0) for r in rows[key]] for key in keys}
 
     results: dict = {}
-    print(f"{args.model}, {args.workers} workers after {args.steps} local steps, betas {args.betas}")
+    print(
+        f"{args.model}, {args.workers} workers after {args.steps} local steps, betas {args.betas}"
+    )
     print("| state | codec | average: rel. L2 error | update u/(sqrt(v)+eps): rel. L2 error |")
     print("|---|---|---|---|")
     for key in keys:
