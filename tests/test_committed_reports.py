@@ -15,6 +15,8 @@ import pytest
 from mtdao.experiments.ablation_report import render_ablation_report
 from mtdao.experiments.ablation_summary import load_summary
 from mtdao.experiments.compare_report import render_compare_report
+from mtdao.experiments.defaults_card_report import card_report_lines
+from mtdao.experiments.frontier_report import render_results as render_frontier
 from mtdao.experiments.horizon_report import render_horizon_report
 from mtdao.experiments.rosenbrock_report import report_markdown
 from mtdao.experiments.slow_link_report import render_report
@@ -31,7 +33,7 @@ def kind(results) -> str | None:
         return "slow-link"
     if "experiments" in results and "protocol" in results:
         return "horizon"
-    if results.get("kind") in ("sync-options", "wan-drill"):
+    if results.get("kind") in ("sync-options", "wan-drill", "frontier", "defaults-card"):
         return results["kind"]
     if "variants" in results:
         return "ablation"
@@ -67,6 +69,8 @@ def rendered(report_dir: Path) -> str:
             results["ddp"],
             results["command"],
         ),
+        "frontier": lambda: render_frontier(results),
+        "defaults-card": lambda: "\n".join(card_report_lines(results)) + "\n",
     }
     return renderers[kind(results)]()
 
@@ -79,7 +83,7 @@ def known_reports() -> list[Path]:
 def test_every_experiment_has_a_committed_report():
     kinds = {kind(json.loads((d / "results.json").read_text())) for d in known_reports()}
     expected = {"compare", "ablation", "rosenbrock", "slow-link", "sync-options", "horizon"}
-    assert kinds == expected | {"wan-drill"}
+    assert kinds == expected | {"wan-drill", "frontier", "defaults-card"}
 
 
 @pytest.mark.parametrize("report_dir", known_reports(), ids=lambda d: d.name)

@@ -229,7 +229,7 @@ def test_a_delay_must_land_before_the_next_round():
         (("--sync-delay", "4"), "--sync-delay 4 must be below --sync-period 4"),
         (("--sync-delay", "2", "--method", "ddp"), "--sync-delay: ddp averages gradients"),
         (("--sync-fragments", "99"), "--sync-fragments 99: the model has only 30 layers"),
-        (("--sync-dtype", "int4"), "--sync-dtype: unknown dtype 'int4' for params"),
+        (("--sync-dtype", "int3"), "--sync-dtype: unknown dtype 'int3' for params"),
         (("--sync-dtype", "moments=int8"), "--sync-dtype: unknown kind 'moments'"),
         (("--error-feedback",), "--error-feedback corrects quantized parameters"),
     ],

@@ -46,6 +46,10 @@ COMMANDS = {
         "mtdao.experiments.sync_options",
         "loss and traffic of overlapped, fragmented and quantized rounds vs float32 rounds",
     ),
+    "frontier": (
+        "mtdao.experiments.frontier",
+        "final loss against traffic for every method, codec and K; Pareto frontiers",
+    ),
     "wan-drill": (
         "mtdao.experiments.wan_drill",
         "fault-tolerant replicas across emulated WAN sites that fail, checked (root)",

@@ -45,6 +45,7 @@ def summarize_card(
             }
         )
     return {
+        "kind": "defaults-card",
         "grid": dataclasses.asdict(grid),
         "data": data,
         "missing": missing,

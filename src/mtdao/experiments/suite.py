@@ -282,13 +282,15 @@ def _last_error(run_dir: Path, returncode: int) -> str:
 # -- flags shared by the experiment commands ----------------------------------------------------
 
 
-def add_budget_arguments(parser: argparse.ArgumentParser, *, out: str, seeds: list[int]) -> None:
+def add_budget_arguments(
+    parser: argparse.ArgumentParser, *, out: str, seeds: list[int], steps: int = 1000
+) -> None:
     """Model, data and budget flags common to ``mtdao compare`` and ``mtdao ablation``."""
     add = parser.add_argument
     add("--model", default="micro", choices=MODEL_PRESETS, help="model preset (default: micro)")
     add("--optimizer", default="adam", choices=BASE_OPTIMIZERS, help="base optimizer (adam)")
     add("--workers", type=int, default=4, help="workers M (default: 4)")
-    add("--steps", type=int, default=1000, help="optimizer steps per worker (default: 1000)")
+    add("--steps", type=int, default=steps, help=f"optimizer steps per worker (default: {steps})")
     add("--batch-size", type=int, default=16, help="sequences per worker per step (default: 16)")
     add("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
     add(

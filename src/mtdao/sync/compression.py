@@ -1,6 +1,7 @@
 """What each kind of tensor crosses the link as: a dtype per kind, parameters as pseudo-gradients.
 
-Three groups of kinds, each with its own dtype (``fp32``, ``bf16``, ``fp8`` or ``int8``):
+Three groups of kinds, each with its own dtype (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
+``int2`` or ``top<k>``, :mod:`mtdao.sync.quantize`):
 
 * ``params``, sent as the pseudo-gradient ``anchor - x``, where the anchor is the global value
   the parameter took at its last sync (identical on every worker). A pseudo-gradient is small and
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtdao.sync.quantize import DEFAULT_BLOCK, SYNC_DTYPES, Codec
+from mtdao.sync.quantize import DEFAULT_BLOCK, SYNC_DTYPES, Codec, is_sync_dtype
 
 KIND_GROUPS = ("params", "momenta", "second-moment")
 SECOND_MOMENT_KEY = "exp_avg_sq"
@@ -49,15 +50,20 @@ class SyncCodecs:
 
     def __post_init__(self) -> None:
         for group, dtype in zip(KIND_GROUPS, (self.params, self.momenta, self.second_moment)):
-            if dtype not in SYNC_DTYPES:
+            if not is_sync_dtype(dtype):
                 raise ValueError(
                     f"--sync-dtype: unknown dtype {dtype!r} for {group}; "
                     f"choose from {', '.join(SYNC_DTYPES)}"
                 )
+        for kind in ("params", "exp_avg", SECOND_MOMENT_KEY):
+            try:
+                self.codec(kind)
+            except ValueError as error:
+                raise ValueError(f"--sync-dtype {kind_group(kind)}: {error}") from None
         if self.error_feedback and self.params == "fp32":
             raise ValueError(
                 "--error-feedback corrects quantized parameters: give --sync-dtype params=bf16, "
-                "fp8 or int8"
+                "fp8, int8, int4, int2 or top<k>"
             )
 
     @classmethod

@@ -1,4 +1,5 @@
-"""Codecs for what crosses the link: bf16, fp8 and int8 payloads with blockwise scales.
+"""Codecs for what crosses the link: bf16, fp8, int8, int4 and int2 payloads with blockwise
+scales, and top-k sparsification (:mod:`.lowbit` and :mod:`.topk` hold the last three).
 
 A codec turns blocks of float32 values, shape ``[..., block]``, into bytes, shape
 ``[..., block_bytes]`` (the codes of the block followed by its scale), and back. Every operation
@@ -31,14 +32,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SYNC_DTYPES = ("fp32", "bf16", "fp8", "int8")
+from mtdao.sync import lowbit, topk
+
+SYNC_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4", "int2", "top<k>")
+"""``top<k>`` stands for any ``top8``, ``top4``, ...: k kept values per block."""
 DOMAINS = ("signed", "positive")
 DEFAULT_BLOCK = 256
 FP8_MAX = 448.0  # largest float8_e4m3fn
 FP8_TINY = 2.0**-9  # its smallest subnormal
 INT8_MAX = 127
 LOG_LEVELS = 254  # int8 codes 1..255 for positive values; 0 is exact zero
-INF_BITS = float(0x7F800000)  # the bit pattern of +inf, as a float
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,24 @@ class Codec:
     block: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
-        if self.dtype not in SYNC_DTYPES or self.dtype == "fp32":
-            raise ValueError(f"Invalid codec dtype {self.dtype!r}; choose from bf16, fp8, int8")
+        if not is_sync_dtype(self.dtype) or self.dtype == "fp32":
+            raise ValueError(
+                f"Invalid codec dtype {self.dtype!r}; choose from bf16, fp8, int8, int4, int2, "
+                "top<k> (e.g. top8)"
+            )
         if self.domain not in DOMAINS:
             raise ValueError(f"Invalid codec domain {self.domain!r}; choose from {DOMAINS}")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"Invalid block size {self.block!r} (must be an integer >= 1)")
+        if self.dtype in lowbit.LOW_BITS:
+            lowbit.check_block(lowbit.LOW_BITS[self.dtype], self.block)
+        if self.kept is not None:
+            topk.check(self.kept, self.domain, self.block)
+
+    @property
+    def kept(self) -> int | None:
+        """k of a top-k codec (values kept per block), None for a dense one."""
+        return topk.parse_topk(self.dtype)
 
     @property
     def name(self) -> str:
@@ -74,11 +89,20 @@ class Codec:
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one encoded block: codes (and a top-k codec's positions) and scales."""
+        if self.dtype in lowbit.LOW_BITS:
+            return lowbit.block_bytes(lowbit.LOW_BITS[self.dtype], self.domain, self.block)
+        if self.kept is not None:
+            return topk.block_bytes(self.kept)
         return self.block * self.code_bytes + self.scale_bytes
 
     def encode(self, blocks: Tensor) -> Tensor:
         """float32 ``[..., block]`` -> uint8 ``[..., block_bytes]``."""
         blocks = blocks.float()
+        if self.dtype in lowbit.LOW_BITS:
+            return lowbit.encode(blocks, lowbit.LOW_BITS[self.dtype], self.domain)
+        if self.kept is not None:
+            return topk.encode(blocks, self.kept)
         if self.dtype == "bf16":
             return _bytes(blocks.to(torch.bfloat16))
         if self.dtype == "fp8":
@@ -89,6 +113,10 @@ class Codec:
 
     def decode(self, payload: Tensor) -> Tensor:
         """uint8 ``[..., block_bytes]`` -> float32 ``[..., block]``."""
+        if self.dtype in lowbit.LOW_BITS:
+            return lowbit.decode(payload, lowbit.LOW_BITS[self.dtype], self.domain, self.block)
+        if self.kept is not None:
+            return topk.decode(payload, self.kept, self.block)
         if self.dtype == "bf16":
             return payload.contiguous().view(torch.bfloat16).float()
         codes, scale = payload[..., : self.block], payload[..., self.block :]
@@ -106,6 +134,11 @@ class Codec:
         padded = (n + self.block - 1) // self.block * self.block
         blocks = torch.nn.functional.pad(rows.float(), (0, padded - n)).view(count, -1, self.block)
         return self.decode(self.encode(blocks)).view(count, padded)[:, :n]
+
+
+def is_sync_dtype(dtype: str) -> bool:
+    """A dtype the link can carry: one of SYNC_DTYPES, or ``top<k>`` with a whole k >= 1."""
+    return dtype in SYNC_DTYPES[:-1] or topk.parse_topk(dtype) is not None
 
 
 def check_supported(codec: Codec | None, device: torch.device) -> None:
@@ -158,31 +191,11 @@ def _encode_fp8(blocks: Tensor, sqrt: bool) -> Tensor:
 
 
 def _encode_log_int8(blocks: Tensor) -> Tensor:
-    """Codes 1..255 spread between the block's smallest and largest positive bit pattern, taken
-    as float32 (it rounds the pattern to 24 significant bits: 2^-16 relative, far below a code's
-    step); 0 for zero. The bounds travel as two float32 patterns, NaN for a corrupt block."""
-    bits = blocks.view(torch.int32).float()  # monotone in the value for values >= 0
-    positive = blocks > 0
-    lo = torch.where(positive, bits, torch.inf).amin(dim=-1, keepdim=True)
-    hi = torch.where(positive, bits, 0.0).amax(dim=-1, keepdim=True)
-    corrupt = ~(blocks >= 0).all(dim=-1, keepdim=True) | (hi >= INF_BITS)  # NaN, < 0, inf
-    lo = torch.minimum(lo, hi)  # a block without positive values: lo = hi = 0
-    step = _log_step(lo, hi)
-    levels = ((bits - lo) / step).round_().clamp_(0, LOG_LEVELS)
-    codes = torch.where(positive, levels + 1, 0.0).to(torch.uint8)
-    bounds = torch.where(corrupt, torch.nan, torch.cat([lo, hi], dim=-1))
+    """Codes 1..255 log-spaced between the block's positive bounds, 0 for zero; the bounds travel
+    as two float32 bit patterns, NaN for a corrupt block (:func:`mtdao.sync.lowbit.log_codes`)."""
+    codes, bounds = lowbit.log_codes(blocks, LOG_LEVELS)
     return torch.cat([codes, _bytes(bounds)], dim=-1)
 
 
-def _log_step(lo: Tensor, hi: Tensor) -> Tensor:
-    step = (hi - lo) / LOG_LEVELS
-    return torch.where(step > 0, step, torch.ones_like(step))
-
-
 def _decode_log_int8(codes: Tensor, bound_bytes: Tensor) -> Tensor:
-    bounds = _floats(bound_bytes)
-    lo, hi = bounds[..., :1], bounds[..., 1:]
-    bits = (codes.float() - 1).mul_(_log_step(lo, hi)).add_(lo).round_()
-    values = torch.minimum(bits, hi).to(torch.int32).view(torch.float32)
-    values = torch.where(codes > 0, values, 0.0)
-    return torch.where(torch.isnan(lo), torch.nan, values)
+    return lowbit.log_values(codes, _floats(bound_bytes), LOG_LEVELS)

@@ -126,7 +126,8 @@ class TrainConfig:
     """P: split the layers and their states into P fragments synced at staggered steps."""
     sync_dtype: tuple[str, ...] | None = None
     """What crosses the link: one dtype for every kind, or KIND=DTYPE per kind (params, momenta,
-    second-moment); dtypes fp32, bf16, fp8, int8 (parameters go as pseudo-gradients)."""
+    second-moment); dtypes fp32, bf16, fp8, int8, int4, int2, top<k> (k of every 256 values kept,
+    e.g. top8; not for the second moment); parameters go as pseudo-gradients."""
     error_feedback: bool = False
     """Carry each worker's quantization error of the parameters into its next round."""
     betas: tuple[float, ...] | None = None

@@ -1,0 +1,232 @@
+"""``mtdao frontier``: at each traffic budget, which method gives the best model?
+
+Every point of a grid (:mod:`.frontier_grid`: DDP, Local Adam, DiLoCo, DES-LOC and MT-DAO over K,
+codec recipes and state periods) trains at equal tokens (by default 3000 steps of the micro model,
+4 workers); the report plots final validation loss against bytes per worker with each method's
+Pareto frontier, and tabulates the best method at 10x to 1000x less traffic than DDP.
+
+Learning rates: each method's first point of the grid (its reference) is trained on the first
+seed at the method's LR times each ``--lr-factors``; the best becomes that method's LR for all
+its points (``--lr METHOD=VALUE`` sets the base). Seeds: every point runs on the first seed;
+``--frontier-seeds`` are then added to the points on a method's Pareto frontier.
+``--betas``/``--omegas`` set MT-DAO's momenta (its defaults suit runs of 3000 steps or more).
+
+Output in ``--report``: frontier.png, report.md, frontier.json (the issue's schema: every point's
+exact ``mtdao train`` argument list, losses over seeds, bytes per worker, steady-state reduction)
+and results.json (everything report.md is rendered from).
+Runs live in ``--out``/runs/<point>-lr<LR>-seed<S>; finished runs are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import shlex
+import sys
+from pathlib import Path
+
+from mtdao.experiments.formatting import format_lr
+from mtdao.experiments.frontier_grid import GRIDS, FrontierPoint, changed_flags, select
+from mtdao.experiments.frontier_summary import fronts_by_method, point_row
+from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
+from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
+
+QUICK = dict(steps=300, eval_tokens=16384, lr_factors=[1.0])
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "frontier",
+        help="final loss against traffic for every method, codec and K; Pareto frontiers",
+        description=__doc__.splitlines()[0],
+    )
+    add_budget_arguments(parser, out="runs/frontier", seeds=[0], steps=3000)
+    add = parser.add_argument
+    add("--quick", action="store_true", help="the quick grid, 300 steps, no LR sweep")
+    add("--points", nargs="+", help="train only these points of the grid (see --list)")
+    add("--list", action="store_true", help="print the grid's points and exit")
+    add(
+        "--lr-factors",
+        type=float,
+        nargs="+",
+        default=[1 / math.sqrt(2), 1.0, math.sqrt(2)],
+        help="each method's reference point is swept at its LR times these (default: 0.71 1 1.41)",
+    )
+    add(
+        "--frontier-seeds",
+        type=int,
+        nargs="*",
+        default=[1, 2],
+        help="seeds added to the points on a method's Pareto frontier (default: 1 2)",
+    )
+    add("--betas", type=float, nargs="+", help="MT-DAO's momentum decays")
+    add("--omegas", type=float, nargs="+", help="MT-DAO's mixing weights")
+    add("--report", default="reports/frontier", help="report directory (reports/frontier)")
+    add("--no-train", action="store_true", help="train nothing; report the finished runs")
+    parser.set_defaults(func=run_frontier, frontier_parser=parser)
+
+
+def point_config(args, point: FrontierPoint, lr: float, seed: int) -> TrainConfig:
+    config = dataclasses.replace(base_config(args, seed), lr=lr, **point.fields())
+    if point.method == "mtdao":
+        config = dataclasses.replace(
+            config,
+            betas=tuple(args.betas) if args.betas else None,
+            omegas=tuple(args.omegas) if args.omegas else None,
+        )
+    return config
+
+
+def run_name(point: FrontierPoint, lr: float, seed: int) -> str:
+    return f"{point.name}-lr{format_lr(lr)}-seed{seed}"
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    """--quick: the quick budget for every flag left at its default."""
+    parser = args.frontier_parser
+    for name, value in QUICK.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+    if args.eval_every is None:
+        args.eval_every = max(1, args.steps // 6)
+    if args.frontier_seeds == parser.get_default("frontier_seeds"):
+        args.frontier_seeds = []
+
+
+class Study:
+    """The runs of one frontier study: trains them in phases and remembers their results."""
+
+    def __init__(self, args: argparse.Namespace, points: list[FrontierPoint]) -> None:
+        self.args, self.points = args, points
+        self.out = Path(args.out)
+        self.results: dict[str, dict] = {}
+        self.failures: dict[str, str] = {}
+
+    def train(self, runs: list[tuple[str, TrainConfig]]) -> None:
+        runs = [(name, config) for name, config in runs if name not in self.results]
+        if self.args.no_train:
+            from mtdao.experiments.sync_options import finished_runs
+
+            suite = finished_runs(runs, self.out)
+        else:
+            suite = run_suite(runs, self.out, jobs=self.args.jobs, threads=self.args.threads)
+        self.results.update(suite.results)
+        self.failures.update(suite.failures)
+
+    def loss(self, name: str) -> float:
+        value = self.results.get(name, {}).get("final_val_loss")
+        return value if value is not None and math.isfinite(value) else math.inf
+
+    def choose_lrs(self, pins: dict[str, float]) -> dict[str, dict]:
+        """Sweep each method's reference point on the first seed; the best LR per method. A
+        method with one candidate LR needs no sweep: its reference trains with the other points."""
+        seed, references = self.args.seeds[0], {}
+        for point in self.points:
+            references.setdefault(point.method, point)
+        sweeps, runs = {}, []
+        for method, point in references.items():
+            base = pins.get(method, DEFAULT_LR[self.args.optimizer])
+            lrs = sorted({round(base * f, 10) for f in self.args.lr_factors})
+            sweeps[method] = {"point": point.name, "lrs": lrs}
+            if len(lrs) > 1:
+                runs += [
+                    (run_name(point, lr, seed), point_config(self.args, point, lr, seed))
+                    for lr in lrs
+                ]
+        self.train(runs)
+        for method, sweep in sweeps.items():
+            point = references[method]
+            losses = {lr: self.loss(run_name(point, lr, seed)) for lr in sweep["lrs"]}
+            sweep["best"] = min(losses, key=losses.get)
+        return sweeps
+
+    def rows(self, lrs: dict[str, float], seeds_of: dict[str, list[int]]) -> list[dict]:
+        rows = []
+        for point in self.points:
+            lr = lrs[point.method]
+            seeds = [
+                s
+                for s in seeds_of.get(point.name, [self.args.seeds[0]])
+                if run_name(point, lr, s) in self.results
+            ]
+            runs = [self.results[run_name(point, lr, s)] for s in seeds]
+            config = point_config(self.args, point, lr, self.args.seeds[0])
+            entry = {
+                "name": point.name,
+                "method": point.method,
+                "lr": lr,
+                "argv": changed_flags(config),
+            }
+            rows.append(point_row(entry, runs, seeds))
+        return rows
+
+    def run(self, pins: dict[str, float]) -> dict:
+        sweeps = self.choose_lrs(pins)
+        lrs = {method: sweep["best"] for method, sweep in sweeps.items()}
+        seeds = list(self.args.seeds)
+        self.train(
+            [
+                (run_name(p, lrs[p.method], s), point_config(self.args, p, lrs[p.method], s))
+                for p in self.points
+                for s in seeds
+            ]
+        )
+        seeds_of = {p.name: seeds for p in self.points}
+        extra = [s for s in self.args.frontier_seeds if s not in seeds]
+        if extra:
+            fronts = fronts_by_method(self.rows(lrs, seeds_of))
+            on_front = {row["name"] for front in fronts.values() for row in front}
+            chosen = [p for p in self.points if p.name in on_front]
+            self.train(
+                [
+                    (run_name(p, lrs[p.method], s), point_config(self.args, p, lrs[p.method], s))
+                    for p in chosen
+                    for s in extra
+                ]
+            )
+            for p in chosen:
+                seeds_of[p.name] = seeds + extra
+        # every sweep's losses, those that needed no runs of their own included
+        for sweep in sweeps.values():
+            point = next(p for p in self.points if p.name == sweep["point"])
+            sweep["losses"] = {
+                format_lr(lr): self.loss(run_name(point, lr, seeds[0])) for lr in sweep["lrs"]
+            }
+        return {"sweeps": sweeps, "rows": self.rows(lrs, seeds_of)}
+
+
+def run_frontier(args: argparse.Namespace) -> int:
+    from mtdao.experiments.frontier_report import write_frontier_report
+
+    if args.quick:
+        apply_quick(args)
+    points = select(GRIDS["quick" if args.quick else "full"](), args.points)
+    if args.list:
+        for point in points:
+            print(point.name)
+        return 0
+    pins = parse_lr_pins(args.lr, list(dict.fromkeys(p.method for p in points)))
+    for point in points:  # bad flags fail before anything trains
+        resolve(point_config(args, point, 1e-3, args.seeds[0]))
+    study = Study(args, points)
+    outcome = study.run(pins)
+    # the study's command: a --no-train re-render reports the runs the same command trains
+    argv = [a for a in sys.argv[1:] if a != "--no-train"]
+    command = shlex.join(["mtdao", *argv]) if argv[:1] == ["frontier"] else ""
+    settings = {
+        "command": command or "mtdao frontier",
+        "model": args.model,
+        "workers": args.workers,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "seeds": list(args.seeds),
+        "frontier_seeds": list(args.frontier_seeds),
+        "grid": "quick" if args.quick else "full",
+        "lr_factors": list(args.lr_factors),
+    }
+    report = Path(args.report)
+    write_frontier_report(report, settings, outcome, study.failures)
+    print(f"report: {report / 'report.md'}  plot: {report / 'frontier.png'}")
+    return 0 if not study.failures else 1

@@ -1,0 +1,212 @@
+"""``mtdao frontier``'s outputs: frontier.png, report.md, frontier.json (every point, for tools)
+and results.json (what report.md re-renders from), from the rows of :mod:`.frontier_summary`
+(numbers through :mod:`.formatting` only)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mtdao.experiments import figures
+from mtdao.experiments.formatting import (
+    MISSING,
+    SIGNIFICANCE_RULE,
+    failures_section,
+    format_bytes,
+    format_lr,
+    label,
+    pm,
+    table,
+)
+from mtdao.experiments.frontier_summary import (
+    BUDGET_FACTORS,
+    budget_rows,
+    finite,
+    frontier_json,
+    fronts_by_method,
+    goal_points,
+)
+
+
+def write_frontier_report(
+    report: Path, settings: Mapping[str, Any], outcome: Mapping[str, Any], failures
+) -> None:
+    report.mkdir(parents=True, exist_ok=True)
+    rows = outcome["rows"]
+    results = {"kind": "frontier", "settings": dict(settings), **outcome, "failures": failures}
+    (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (report / "frontier.json").write_text(json.dumps(frontier_json(rows), indent=2) + "\n")
+    (report / "report.md").write_text(render_results(results))
+    if any(finite(r) for r in rows):
+        plot_frontier(report / "frontier.png", rows)
+
+
+def ddp_row(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    return next((r for r in rows if r["method"] == "ddp" and finite(r)), None)
+
+
+def render_results(results: Mapping[str, Any]) -> str:
+    """report.md from a results.json."""
+    return render_report(results["settings"], results, results["failures"])
+
+
+def render_report(settings, outcome, failures) -> str:
+    rows = outcome["rows"]
+    s = settings
+    lines = [
+        f"# Loss against traffic: {s['model']} model, M = {s['workers']}, {s['steps']} steps",
+        "",
+        f"Command: `{s['command']}`",
+        "",
+        f"- {s['workers']} workers x {s['batch_size']} sequences x {s['seq_len']} tokens per step, "
+        f"{s['steps']} steps: equal tokens for every point; grid `{s['grid']}`",
+        f"- seeds {', '.join(map(str, s['seeds']))} for every point, plus "
+        f"{', '.join(map(str, s['frontier_seeds'])) or 'none'} for the points on a method's "
+        "Pareto frontier",
+        "- bytes per worker: what the harness's traffic account counts (codes, top-k positions, "
+        "scales, padding), 2(M-1)/M of it on a ring",
+        f"- {SIGNIFICANCE_RULE}; a single seed gives no noise estimate",
+        "",
+        "![final loss against bytes per worker](frontier.png)",
+        "",
+    ]
+    ddp = ddp_row(rows)
+    if ddp is not None:
+        lines += budget_section(rows, ddp) + goals_section(rows, ddp)
+    lines += ["## Every point", ""]
+    lines += table(
+        ["point", "LR", "final val loss", "seeds", "bytes / worker", "vs DDP (steady)", "front"],
+        point_lines(rows),
+    )
+    lines += [
+        "",
+        "\\* shorter than one full sync cycle (a state period beyond the run): the reduction "
+        "measured over the run.",
+        "",
+        "## Learning-rate sweeps (first seed)",
+        "",
+    ]
+    for method, sweep in outcome["sweeps"].items():
+        losses = ", ".join(f"{lr}: {loss:.4f}" for lr, loss in sweep["losses"].items())
+        lines.append(
+            f"- {label(method)} on `{sweep['point']}`: {losses}; best {format_lr(sweep['best'])}"
+        )
+    lines += ["", "Each point's exact `mtdao train` flags are in frontier.json (`argv`).", ""]
+    lines += failures_section(failures)
+    return "\n".join(lines) + "\n"
+
+
+def budget_section(rows, ddp) -> list[str]:
+    lines = ["## The best method at each budget", ""]
+    body = []
+    for entry in budget_rows(rows, ddp["bytes_per_worker"], BUDGET_FACTORS):
+        named = {r["name"]: r for r in rows}
+        winner = named.get(entry["winner"])
+        if winner is None:
+            body.append(
+                [f"{entry['factor']}x", format_bytes(entry["budget_bytes"]), "no point"]
+                + [MISSING] * 3
+            )
+            continue
+        runner = named.get(entry.get("runner_up"))
+        verdict = {True: "yes", False: "no (tie)", None: "no noise estimate"}[
+            entry.get("beyond_noise")
+        ]
+        body.append(
+            [
+                f"{entry['factor']}x",
+                format_bytes(entry["budget_bytes"]),
+                f"{label(winner['method'])} `{winner['name']}` {pm(winner['val_loss'])}",
+                f"{label(runner['method'])} `{runner['name']}` {pm(runner['val_loss'])}"
+                if runner
+                else MISSING,
+                f"{entry['margin']:.4f}" if runner else MISSING,
+                verdict if runner else MISSING,
+            ]
+        )
+    lines += table(
+        ["less than DDP", "budget", "best", "runner-up method", "margin", "beyond noise"], body
+    )
+    return lines + [
+        "",
+        f"DDP: {pm(ddp['val_loss'])}, {format_bytes(ddp['bytes_per_worker'])} per worker.",
+        "",
+    ]
+
+
+def goals_section(rows, ddp) -> list[str]:
+    lines = ["## MT-DAO against the goals", ""]
+    for goal in goal_points(rows, ddp["val_loss"]["mean"]):
+        within = f"within {goal['within']:.0%} of DDP's loss at >= {goal['wanted_reduction']}x"
+        if goal["point"] is None:
+            lines.append(f"- {within}: no MT-DAO point is that close")
+        else:
+            state = "met" if goal["met"] else "not met"
+            lines.append(
+                f"- {within}: {state}: cheapest such point `{goal['point']}`, "
+                f"{goal['reduction']:.0f}x less than DDP"
+            )
+    return lines + [""]
+
+
+def point_lines(rows) -> list[list[str]]:
+    on_front = {r["name"] for front in fronts_by_method(rows).values() for r in front}
+    ordered = sorted(rows, key=lambda r: (r["method"], r["bytes_per_worker"] or 0))
+    return [
+        [
+            f"`{r['name']}`",
+            format_lr(r["lr"]),
+            pm(r["val_loss"]),
+            ", ".join(map(str, r["seeds"])) or MISSING,
+            format_bytes(r["bytes_per_worker"]) if r["bytes_per_worker"] else MISSING,
+            reduction_text(r),
+            "yes" if r["name"] in on_front else "",
+        ]
+        for r in ordered
+    ]
+
+
+def reduction_text(row) -> str:
+    """The steady-state reduction; * where the run was shorter than one full sync cycle."""
+    reduction = row["comm_reduction_steady_state"]
+    if not reduction:
+        return MISSING
+    return f"{reduction:.1f}x" + ("*" if row.get("no_steady_state") else "")
+
+
+def plot_frontier(path: Path, rows) -> None:
+    plt = figures.pyplot()
+    with plt.rc_context(figures.STYLE):
+        fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
+        ddp = ddp_row(rows)
+        for method, front in fronts_by_method(rows).items():
+            points = [r for r in rows if r["method"] == method and finite(r)]
+            colour = figures.color(method)
+            ax.scatter(
+                [r["bytes_per_worker"] for r in points],
+                [r["val_loss"]["mean"] for r in points],
+                color=colour,
+                alpha=0.35,
+                s=18,
+            )
+            ax.plot(
+                [r["bytes_per_worker"] for r in front],
+                [r["val_loss"]["mean"] for r in front],
+                color=colour,
+                marker="o",
+                drawstyle="steps-post",
+                label=label(method),
+            )
+        if ddp is not None:
+            for factor in BUDGET_FACTORS:
+                ax.axvline(ddp["bytes_per_worker"] / factor, color="#999999", lw=0.6, ls=":")
+            ax.axhline(ddp["val_loss"]["mean"], color=figures.color("ddp"), lw=0.6, ls="--")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(figures.eng_formatter("B"))
+        ax.set_xlabel("bytes sent per worker (log; dotted: 10x .. 1000x less than DDP)")
+        ax.set_ylabel("final validation loss")
+        ax.set_title("Loss against traffic, each method's Pareto frontier")
+        ax.legend()
+        figures.save(fig, path)

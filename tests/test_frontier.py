@@ -1,0 +1,170 @@
+"""``mtdao frontier``: the grid as configs, the argv of a point, Pareto frontiers, the budget table
+and frontier.json, and the whole command over finished runs (nothing trained)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from mtdao.cli import build_parser, main
+from mtdao.experiments.formatting import stats
+from mtdao.experiments.frontier import point_config, run_name
+from mtdao.experiments.frontier_grid import (
+    GRIDS,
+    FrontierPoint,
+    changed_flags,
+    full_grid,
+    quick_grid,
+)
+from mtdao.experiments.frontier_summary import (
+    budget_rows,
+    frontier_json,
+    fronts_by_method,
+    goal_points,
+    pareto_front,
+)
+from mtdao.train.command import config_from_args
+from mtdao.train.config import TrainConfig, resolve
+
+
+def row(name, method, loss, num_bytes, std=0.0, n=1):
+    values = [loss] if n == 1 else [loss - std, loss + std][:n]
+    loss_stats = stats(values)
+    loss_stats["std"] = std
+    return {
+        "name": name,
+        "method": method,
+        "argv": ["--method", method],
+        "lr": 1e-3,
+        "val_loss": loss_stats,
+        "seeds": list(range(n)),
+        "bytes_per_worker": num_bytes,
+        "comm_reduction_steady_state": 1000.0 / num_bytes,
+    }
+
+
+def test_every_point_of_both_grids_resolves_and_names_itself_uniquely():
+    for grid in GRIDS.values():
+        points = grid()
+        assert len({p.name for p in points}) == len(points)
+        for point in points:
+            resolve(dataclasses.replace(TrainConfig(model="micro", steps=64), **point.fields()))
+    assert {p.method for p in quick_grid()} == {"ddp", "local-adam", "diloco", "desloc", "mtdao"}
+    assert {p.sync_period for p in full_grid() if p.sync_period} == {32, 128, 512}
+
+
+def test_a_recipe_sends_state_codecs_only_where_the_method_sends_states():
+    diloco = FrontierPoint("diloco", 128, "top8", states=512).fields()
+    assert diloco["sync_dtype"] == ("params=top8",) and diloco["error_feedback"]
+    assert diloco["state_sync_period"] is None  # DiLoCo keeps its states local
+    mtdao = FrontierPoint("mtdao", 128, "top8-s4", states=512).fields()
+    assert mtdao["sync_dtype"] == ("params=top8", "momenta=int4", "second-moment=int4")
+    assert mtdao["state_sync_period"] == 512
+    assert FrontierPoint("local-adam", 32).fields()["sync_dtype"] is None
+
+
+def test_a_points_argv_is_every_changed_flag_and_rebuilds_its_run():
+    args = build_parser().parse_args(["frontier", "--model", "micro", "--steps", "400"])
+    point = FrontierPoint("mtdao", 128, "int2", states=512)
+    config = point_config(args, point, 4e-3, seed=2)
+    argv = changed_flags(config)
+    assert argv[:2] == ["--method", "mtdao"] and "--steps" in argv and "--seed" not in argv
+    assert "--out" not in argv and "--workers" not in argv  # 4 workers is the default
+    parsed = build_parser().parse_args(["train", *argv, "--seed", "2", "--no-progress"])
+    rebuilt = config_from_args(parsed)
+    assert resolve(rebuilt) == resolve(dataclasses.replace(config, out=None, progress=False))
+
+
+def test_pareto_front_keeps_what_no_cheaper_point_beats():
+    rows = [
+        row("a", "m", 2.0, 10),
+        row("b", "m", 1.5, 100),
+        row("c", "m", 1.7, 200),  # beaten by the cheaper b
+        row("d", "m", 1.2, 1000),
+        row("e", "m", float("inf"), 5),  # diverged: on no frontier
+    ]
+    assert [r["name"] for r in pareto_front(rows)] == ["a", "b", "d"]
+
+
+def test_budget_table_names_the_best_method_and_whether_its_lead_is_beyond_noise():
+    rows = [
+        row("ddp", "ddp", 1.0, 10_000, std=0.01, n=2),
+        row("mt-cheap", "mtdao", 1.10, 90, std=0.01, n=2),
+        row("mt-mid", "mtdao", 1.05, 900, std=0.01, n=2),
+        row("dl-cheap", "diloco", 1.12, 50, std=0.015, n=2),
+        row("dl-mid", "diloco", 1.06, 800),
+    ]
+    table = {e["factor"]: e for e in budget_rows(rows, 10_000, (10, 100, 1000))}
+    assert table[10]["winner"] == "mt-mid" and table[10]["runner_up"] == "dl-mid"
+    assert table[10]["margin"] == pytest.approx(0.01)
+    assert table[10]["beyond_noise"] is None  # dl-mid has one seed: no noise estimate
+    assert (
+        table[100]["winner"] == "mt-cheap" and table[100]["beyond_noise"] is False
+    )  # 0.02 < 0.025
+    assert table[1000]["winner"] is None  # nothing sent 10 bytes or fewer
+    goals = goal_points(rows, 1.0)
+    assert [g["point"] for g in goals] == [None, None]  # nothing within 3% of DDP
+    goals = goal_points(rows, 1.03)
+    assert goals[1]["point"] == "mt-mid" and goals[1]["met"] is False  # 1.1x < 500x
+    assert fronts_by_method(rows)["diloco"][0]["name"] == "dl-cheap"
+
+
+def test_frontier_json_has_the_issue_schema():
+    (point,) = frontier_json([row("x", "diloco", 1.25, 1234, std=0.01, n=2)])["points"]
+    assert set(point) == {
+        "method",
+        "argv",
+        "final_val_loss_mean",
+        "final_val_loss_std",
+        "seeds",
+        "bytes_per_worker",
+        "comm_reduction_steady_state",
+    }
+    assert isinstance(point["bytes_per_worker"], int) and point["argv"][0] == "--method"
+
+
+def fake_results(config: TrainConfig, loss: float, num_bytes: int) -> dict:
+    return {
+        "config": resolve(config).to_dict(),
+        "final_val_loss": loss,
+        "bytes_per_worker": num_bytes,
+        "comm_reduction_steady_state": 1e9 / num_bytes,
+    }
+
+
+def test_the_command_sweeps_references_adds_seeds_to_the_fronts_and_writes_the_report(tmp_path):
+    """Every run the quick grid asks for is written as finished; --no-train reports them."""
+    out, report = tmp_path / "runs", tmp_path / "report"
+    argv = ["frontier", "--quick", "--lr-factors", "1", "2", "--frontier-seeds", "1"]
+    argv += ["--out", str(out), "--report", str(report), "--no-train"]
+    args = build_parser().parse_args(argv)
+    from mtdao.experiments.frontier import apply_quick
+
+    apply_quick(args)
+    base = 8e-3
+    for index, point in enumerate(quick_grid()):
+        for lr in (base, 2 * base):
+            for seed in (0, 1):
+                # the doubled LR is better for every method but DDP
+                better = lr > base and point.method != "ddp"
+                loss = 1.5 + 0.01 * index - (0.05 if better else 0) + 0.001 * seed
+                name = run_name(point, lr, seed)
+                (out / "runs" / name).mkdir(parents=True)
+                results = fake_results(
+                    point_config(args, point, lr, seed), loss, 10**9 // (index + 1)
+                )
+                (out / "runs" / name / "results.json").write_text(json.dumps(results))
+    assert main(argv) == 0
+    saved = json.loads((report / "frontier.json").read_text())
+    by_method = {}
+    for point in saved["points"]:
+        by_method.setdefault(point["method"], []).append(point)
+        lr = float(point["argv"][point["argv"].index("--lr") + 1])
+        assert lr == (base if point["method"] == "ddp" else 2 * base)
+    assert len(saved["points"]) == len(quick_grid())
+    # each point cheaper and better than the last within a method: all on its front, 2 seeds
+    assert all(p["seeds"] == [0, 1] for p in saved["points"])
+    text = (report / "report.md").read_text()
+    assert "## The best method at each budget" in text and (report / "frontier.png").is_file()
