@@ -30,7 +30,7 @@ from mtdao.experiments.formatting import format_lr
 from mtdao.experiments.frontier_grid import GRIDS, FrontierPoint, changed_flags, select
 from mtdao.experiments.frontier_summary import fronts_by_method, point_row
 from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
-from mtdao.train.config import DEFAULT_LR, TrainConfig, resolve
+from mtdao.train.config import TrainConfig, default_lr, resolve
 
 QUICK = dict(steps=300, eval_tokens=16384, lr_factors=[1.0])
 
@@ -126,7 +126,7 @@ class Study:
             references.setdefault(point.method, point)
         sweeps, runs = {}, []
         for method, point in references.items():
-            base = pins.get(method, DEFAULT_LR[self.args.optimizer])
+            base = pins.get(method, default_lr(method, self.args.optimizer))
             lrs = sorted({round(base * f, 10) for f in self.args.lr_factors})
             sweeps[method] = {"point": point.name, "lrs": lrs}
             if len(lrs) > 1:
