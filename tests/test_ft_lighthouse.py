@@ -180,6 +180,6 @@ def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(cor
         time.sleep(1.0)
         assert drill.returncode("r0") is None and drill.returncode("r1") is None, drill.tails()
         assert drill.stop("r1") == 130, drill.tails()  # SIGTERM: as Ctrl-C, no crash
-        assert "mtdao: interrupted" in drill.log("r1")
+        assert "mtdao train: interrupted" in drill.log("r1")
         assert drill.wait_exit("r0", PHASE_TIMEOUT_S) == 0, drill.tails()
         assert "replica 1 left" in drill.log("r0"), drill.tails()

@@ -97,7 +97,7 @@ def test_ctrl_c_before_any_checkpoint_says_how_to_start_again(tmp_path, corpus_d
 def test_ctrl_c_stops_the_lighthouse_without_a_traceback(after):
     pytest.importorskip("torchft")
     process = subprocess.Popen(
-        [sys.executable, "-m", "mtdao", "lighthouse", "--bind", "127.0.0.1:0"],
+        [sys.executable, "-m", "mtdao", "lighthouse", "--bind-host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -185,14 +185,15 @@ def test_a_sync_period_longer_than_the_run_is_warned():
     assert "--state-sync-period 9 is larger than --steps 8" in warning
 
 
-def test_a_run_that_ends_before_the_slow_momentum_is_ramped_up_is_warned():
-    """The default ramp reaches 0.99 at step 9 / (1 - 0.99) = 900: a shorter run says so."""
-    (warning,) = config_warnings(resolve(TrainConfig(steps=300)))
-    assert "--steps 300 ends before the slow momentum reaches its decay 0.99 (step 900" in warning
-    assert "this run ends at 0.970" in warning
-    assert config_warnings(resolve(TrainConfig(steps=900))) == []
-    assert config_warnings(resolve(TrainConfig(steps=300, method="local-adam"))) == []
-    assert config_warnings(resolve(TrainConfig(steps=300, beta_ramp=0.0))) == []
+def test_a_run_shorter_than_the_default_was_measured_at_is_warned():
+    """The defaults card's shortest runs are 300 steps: a shorter one says so, and where its
+    slow momentum's ramp (min(0.99, 1 - 9 / t), 0.99 from step 900) leaves it."""
+    (warning,) = config_warnings(resolve(TrainConfig(steps=200)))
+    assert "--steps 200 is shorter than any run MT-DAO's default was measured at" in warning
+    assert "ends this run at decay 0.955 (target 0.99 from step 900)" in warning
+    assert config_warnings(resolve(TrainConfig(steps=300))) == []
+    assert config_warnings(resolve(TrainConfig(steps=200, method="local-adam"))) == []
+    assert config_warnings(resolve(TrainConfig(steps=200, beta_ramp=0.0))) == []
 
 
 def test_step_budget_from_tokens():

@@ -39,7 +39,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "frontier",
         help="final loss against traffic for every method, codec and K; Pareto frontiers",
-        description=__doc__.splitlines()[0],
+        description=__doc__.splitlines()[0].replace("``", ""),  # no RST markup on a terminal
     )
     add_budget_arguments(parser, out="runs/frontier", seeds=[0], steps=3000)
     add = parser.add_argument

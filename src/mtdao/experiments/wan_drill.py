@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -110,7 +111,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "wan-drill",
         help="fault-tolerant replicas across emulated WAN sites that fail, checked (root)",
-        description=__doc__.split("\n\n")[1],
+        description=re.sub(r":mod:`[^`]*`|``", "", __doc__.split("\n\n")[1]).replace(" ()", ""),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
