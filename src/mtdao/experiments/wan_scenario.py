@@ -4,7 +4,7 @@
       default: {rate_mbit: 100, delay_ms: 20, jitter_ms: 1, loss: 0.0005}
       r2: {delay_ms: 60}        # a far site
     replica_flags: []           # extra `mtdao train` flags of every replica; {site}, {address}
-    lighthouse_flags: []        # and {hostname} become the process's own (--bind-host {address})
+    lighthouse_flags: []        # and {hostname} become the process's own (e.g. --sync-delay 2)
     events:                     # at_s: seconds after every replica's first step, or at_step:
                                 # when the most advanced replica reaches that step
       - {at_s: 20, kind: kill, site: r1, for_s: 5}           # SIGKILL, restart (--resume) after 5 s
