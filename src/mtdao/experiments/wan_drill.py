@@ -114,7 +114,8 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--scenario", default="default", help="default, full, none, or a JSON/YAML file")
+    add("--scenario", default="default",
+        help="default (each event once; full: the same), none, or a JSON/YAML file")  # fmt: skip
     defaults = DrillSettings()
     for field in fields(DrillSettings):
         if field.name == "emulation":
