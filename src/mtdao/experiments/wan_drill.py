@@ -115,7 +115,8 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--scenario", default="default", help="default, full, none, or a JSON/YAML file")
+    add("--scenario", default="default",
+        help="default (each event once; full: the same), none, or a JSON/YAML file")  # fmt: skip
     defaults = DrillSettings()
     for field in fields(DrillSettings):
         if field.name == "emulation":
@@ -139,8 +140,9 @@ def add_parser(subparsers) -> None:
         help="the loss band is the no-event range widened by this many times its width")  # fmt: skip
     add("--ddp", action="store_true", help="also run DDP over the same links (for the plot)")
     add("--replica-flags", default="",
-        help="extra `mtdao train` flags of every replica; {site}, {address} and {hostname} are "
-        "replaced by the replica's own, e.g. '--bind-host {address} --auth-token-file F'")  # fmt: skip
+        help="extra `mtdao train` flags of every replica (after the drill's own: each replica "
+        "binds its site's address and gets the drill's secret); {site}, {address} and {hostname} "
+        "are replaced by the replica's own, e.g. '--sync-delay 2 --sync-fragments 4'")  # fmt: skip
     add("--lighthouse-flags", default="", help="extra `mtdao lighthouse` flags (same replacements)")
     add("--out", default="runs/wan-drill", help="output directory")
     add("--prefix", default=PREFIX, help="name prefix of the namespaces and CPU groups")

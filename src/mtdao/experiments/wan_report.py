@@ -18,6 +18,11 @@ from mtdao.experiments.wan_summary import event_effects, round_counts, rounds, s
 EVENT_COLOURS = {"kill": "tab:red", "partition": "tab:purple", "slow_link": "tab:orange",
                  "straggler": "tab:brown", "lighthouse_restart": "tab:gray"}  # fmt: skip
 
+SECURED = (
+    "- as across real sites: every listener serves on its site's address (`--bind-host`; the"
+    " lighthouse's front on `--port`), and the replicas prove membership with a random secret"
+    " made for this drill (`--auth-token-file`, mode 0600, deleted when the drill ends)"
+)
 
 EMULATION = {
     "relay": (
@@ -217,7 +222,7 @@ def render_report(
         lines.append(f"| {site} | {link['rate_mbit']:g} | {link['delay_ms']:g} | "
                      f"{link['jitter_ms']:g} | {link['loss']:g} |")  # fmt: skip
     lines += ["", "A path between two sites crosses both sites' links (delays add).", ""]
-    lines += ["How it is emulated:", "", *EMULATION[record["emulation"]], ""]
+    lines += ["How it is emulated:", "", *EMULATION[record["emulation"]], SECURED, ""]
     lines += ["## Events", "", "| event | at (s) | lasted (s) | time to heal (s) | group steps lost | "
               "replica's absent steps | rounds discarded |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for effect in event_effects(record):

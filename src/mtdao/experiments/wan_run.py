@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from mtdao.train.checkpoint_index import CHECKPOINTS_DIR, COMPLETE_NAME
 
 LIGHTHOUSE_PORT = 29510  # inside the lighthouse's own namespace: nothing else listens there
 SAMPLE_S = 0.5
+AUTH_TOKEN_NAME = "auth.token"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class Drill:
         self.sites, self.scenario, self.settings, self.out = sites, scenario, settings, out
         self.control = out / "control"
         self.control.mkdir(parents=True, exist_ok=True)
+        self.auth_token = write_auth_token(out / AUTH_TOKEN_NAME)
         self.processes: dict[str, subprocess.Popen] = {}
         self.incarnations: dict[str, list[dict[str, Any]]] = {}  # site -> its processes
         self.samples: list[dict[str, Any]] = []
@@ -102,7 +105,8 @@ class Drill:
 
     def start_lighthouse(self) -> None:
         s = self.settings
-        argv = [sys.executable, "-m", "mtdao", "lighthouse", "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
+        argv = [sys.executable, "-m", "mtdao", "lighthouse", "--port", str(LIGHTHOUSE_PORT)]
+        argv += ["--bind-host", self.sites.addresses[LIGHTHOUSE]]
         argv += ["--min-replicas", "1", "--heartbeat-timeout", str(s.heartbeat_timeout_s)]
         argv += ["--join-timeout", str(s.join_timeout_s)]
         argv += self.site_flags(LIGHTHOUSE, self.scenario.lighthouse_flags)
@@ -123,11 +127,14 @@ class Drill:
         argv += ["--connect-timeout", str(s.connect_timeout_s)]
         argv += ["--quorum-timeout", str(s.quorum_timeout_s)]
         argv += ["--collective-timeout", str(s.collective_timeout_s)]
+        # off loopback, as across real sites: the site's own address and the drill's secret
+        argv += ["--bind-host", self.sites.addresses[site]]
+        argv += ["--auth-token-file", str(self.auth_token)]
         return argv + s.train_flags() + self.site_flags(site, self.scenario.replica_flags)
 
     def site_flags(self, site: str, flags) -> list[str]:
         """Extra flags with ``{site}``, ``{address}`` and ``{hostname}`` filled in for ``site``
-        (e.g. ``--bind-host {address}``)."""
+        (e.g. ``--out runs/{site}``); they come last, so they override the drill's own."""
         values = {"site": site, "address": self.sites.addresses[site],
                   "hostname": self.sites.hostnames[site]}  # fmt: skip
         return [flag.format(**values) for flag in flags]
@@ -316,6 +323,16 @@ class Drill:
                 process.kill()
                 process.wait()
         self._note_exits()
+        self.auth_token.unlink(missing_ok=True)  # a secret outlives no drill
+
+
+def write_auth_token(path: Path) -> Path:
+    """A fresh random secret for one drill, readable by its owner only (mode 0600)."""
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_hex(32) + "\n")
+    return path
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
