@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_ft_communicator import assert_same
 
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import TrainConfig
@@ -59,22 +60,6 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, list[dict]]:
         "torchrun": [final_state(root / "torchrun", rank) for rank in range(2)],
         "fault-tolerant": [final_state(root / "ft" / f"r{replica}", 0) for replica in range(2)],
     }
-
-
-def assert_same(a, b, where: str) -> None:
-    """Bitwise equal, through nested dicts and lists."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
 
 
 def test_fault_tolerant_replicas_are_the_torchrun_workers_bit_for_bit(runs):
