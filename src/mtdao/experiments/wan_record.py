@@ -81,6 +81,7 @@ def collect(drill) -> dict[str, Any]:
         "scenario": drill.scenario.to_dict(),
         "settings": vars(drill.settings),
         "emulation": drill.sites.emulation,
+        "secured": True,  # listeners on the sites' addresses, a per-drill secret (wan_run)
         "links": {site: vars(link) for site, link in drill.sites.links.items()},
         "started": drill.started,
         "t0": drill.t0,

@@ -222,7 +222,9 @@ def render_report(
         lines.append(f"| {site} | {link['rate_mbit']:g} | {link['delay_ms']:g} | "
                      f"{link['jitter_ms']:g} | {link['loss']:g} |")  # fmt: skip
     lines += ["", "A path between two sites crosses both sites' links (delays add).", ""]
-    lines += ["How it is emulated:", "", *EMULATION[record["emulation"]], SECURED, ""]
+    # a record from before the drill bound its sites' addresses and shared a secret says nothing
+    secured = [SECURED] if record.get("secured") else []
+    lines += ["How it is emulated:", "", *EMULATION[record["emulation"]], *secured, ""]
     lines += ["## Events", "", "| event | at (s) | lasted (s) | time to heal (s) | group steps lost | "
               "replica's absent steps | rounds discarded |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for effect in event_effects(record):
