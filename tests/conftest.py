@@ -1,10 +1,16 @@
 """Fixtures shared by the tests: one copy each."""
 
 import inspect
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch is imported: the tests and every mtdao process they start run one thread unless
+# told otherwise, so results do not depend on the machine's load (mtdao train picks one thread
+# on a busy machine, and says so, when OMP_NUM_THREADS is unset).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Small, real, human-written text: a few standard-library modules' source (~200 KB).
 CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder", "string")

@@ -27,7 +27,9 @@ TOKEN_ENV = "MTDAO_AUTH_TOKEN"  # spelled out: the test also runs against versio
 SECRET = "a-secret-of-this-test-run-0123456789"
 K = 4
 FLAGS = dict(model="micro", batch_size=2, seq_len=16, eval_tokens=256, sync_period=K)
-TIMEOUTS = ["--collective-timeout", "10", "--connect-timeout", "3", "--quorum-timeout", "60"]
+# connect: gloo pairs of a busy 2-core machine take seconds to form; a shorter limit splits the
+# first quorum
+TIMEOUTS = ["--collective-timeout", "20", "--connect-timeout", "10", "--quorum-timeout", "60"]
 EXIT_TIMEOUT_S = 150.0
 
 
