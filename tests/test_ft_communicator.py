@@ -285,6 +285,23 @@ def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(
     assert cosines[1:] == cosines[:1] * 2 and cosines[0]
 
 
+def run_with_a_late_joiner(replicas: list[Replica]) -> Replica:
+    """Run the replicas, the last one starting late: the others wait at step 10 until it has
+    started, so it joins a run in progress. Returns the late one."""
+    started = threading.Event()
+
+    def wait_for_the_late_one(replica: Replica) -> None:
+        if replica.sync.step_count == 10:
+            assert started.wait(THREAD_TIMEOUT_S)
+
+    late = replicas[-1]
+    late.before_step = lambda replica: started.set()
+    for replica in replicas[:-1]:
+        replica.before_step = wait_for_the_late_one
+    run_threads(replicas, delays={len(replicas) - 1: 0.5})
+    return late
+
+
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)
 def test_a_late_replica_heals_every_state_and_the_rounds_in_flight(lighthouse):
     """Delayed (D = 2), fragmented, int8 rounds with error feedback: the joiner becomes its
@@ -294,17 +311,7 @@ def test_a_late_replica_heals_every_state_and_the_rounds_in_flight(lighthouse):
     policy, options = OPTION_POLICIES["mtdao (unified)"]
     steps = 30
     replicas = [Replica(r, lighthouse, policy(), steps, **options) for r in range(3)]
-    started = threading.Event()
-
-    def wait_for_the_late_one(replica: Replica) -> None:
-        if replica.sync.step_count == 10:
-            assert started.wait(THREAD_TIMEOUT_S)
-
-    late = replicas[2]
-    late.before_step = lambda replica: started.set()
-    for replica in replicas[:2]:
-        replica.before_step = wait_for_the_late_one
-    run_threads(replicas, delays={2: 0.5})
+    late = run_with_a_late_joiner(replicas)
     for replica in replicas:
         assert replica.error is None, repr(replica.error)
         assert not replica.discarded
@@ -335,17 +342,7 @@ def test_a_late_replica_heals_to_the_groups_exact_state(name, lighthouse):
     policy, full_cycle = LATE_POLICIES[name]
     steps = 36  # a whole cycle: every state is averaged at the end
     replicas = [Replica(r, lighthouse, policy(), steps) for r in range(3)]
-    started = threading.Event()
-
-    def wait_for_the_late_one(replica: Replica) -> None:
-        if replica.sync.step_count == 10:
-            assert started.wait(THREAD_TIMEOUT_S)
-
-    late = replicas[2]
-    late.before_step = lambda replica: started.set()
-    for replica in replicas[:2]:
-        replica.before_step = wait_for_the_late_one
-    run_threads(replicas, delays={2: 0.5})
+    late = run_with_a_late_joiner(replicas)
     for replica in replicas:
         assert replica.error is None, repr(replica.error)
 
