@@ -150,11 +150,7 @@ class EmulatedLink:
         """Kill processes started by :meth:`run`, delete the namespaces. Safe to call repeatedly."""
         if self._closed:
             return
-        # A second Ctrl-C must not leave a half-deleted link: hold SIGINT/SIGTERM until done.
-        held = {signal.SIGINT, signal.SIGTERM}
-        in_main = threading.current_thread() is threading.main_thread()
-        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held) if in_main else None
-        try:
+        with termination_signals_held():
             self._closed = True
             for process in self._processes:
                 if process.poll() is None:
@@ -170,9 +166,20 @@ class EmulatedLink:
             self._created.clear()
             if failures:
                 raise LinkCommandError("teardown incomplete: " + "; ".join(failures))
-        finally:
-            if previous_mask is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+
+
+@contextlib.contextmanager
+def termination_signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends (in the main thread; elsewhere nothing
+    changes): a second Ctrl-C must not leave a half-deleted link."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    in_main = threading.current_thread() is threading.main_thread()
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held) if in_main else None
+    try:
+        yield
+    finally:
+        if previous_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
 
 @contextlib.contextmanager

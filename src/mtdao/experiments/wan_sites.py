@@ -33,7 +33,13 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mtdao.experiments.netem import LinkCommandError, LinkUnavailable, _check_available, _sh
+from mtdao.experiments.netem import (
+    LinkCommandError,
+    LinkUnavailable,
+    _check_available,
+    _sh,
+    termination_signals_held,
+)
 
 SUBNET = "10.214.0"
 SITE_IFACE = "link0"
@@ -266,10 +272,7 @@ class WanSites:
     def close(self) -> None:
         if self._closed:
             return
-        held = {signal.SIGINT, signal.SIGTERM}
-        in_main = threading.current_thread() is threading.main_thread()
-        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held) if in_main else None
-        try:
+        with termination_signals_held():
             self._closed = True
             for process in [*self._processes, *([self._relay] if self._relay else [])]:
                 if process.poll() is None:
@@ -279,9 +282,6 @@ class WanSites:
             self._created.clear()
             if failures:
                 raise LinkCommandError("teardown incomplete: " + "; ".join(failures))
-        finally:
-            if previous_mask is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
 
 @contextlib.contextmanager
