@@ -36,19 +36,21 @@ def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
     assert "builtin-10000-K32-mtdao-s0" in names and "vim-10000-K32-mtdao-s0" not in names
 
 
-def test_the_card_runs_short_cells_and_first_seeds_first():
-    steps = [config.steps for _, config in card_runs(FULL, DATA)]
-    tiers = [0 if n <= 1000 else 1 if n <= 3000 else 2 for n in steps]
-    assert tiers == sorted(tiers)
-    first = [config.seed for _, config in card_runs(FULL, DATA) if config.steps <= 1000]
-    assert first[: first.index(1)] == [0] * first.index(1) and 0 not in first[first.index(1) :]
-    seed_0 = [name for name, config in card_runs(FULL, DATA) if config.steps <= 1000][
-        : first.index(1)
-    ]
+def test_the_card_runs_every_cell_at_the_first_seed_first_current_entries_first():
+    runs = card_runs(FULL, DATA)
+    seeds = [config.seed for _, config in runs]
+    first_other = seeds.index(1)
+    assert set(seeds[:first_other]) == {0} and 0 not in seeds[first_other:]
+    seed_0 = runs[:first_other]
     earlier = [
-        i for i, name in enumerate(seed_0) if "-mtdao-warmup" in name or "-mtdao-0.95" in name
+        i for i, (name, _) in enumerate(seed_0) if "-mtdao-warmup" in name or "-mtdao-0.95" in name
     ]
     assert earlier == list(range(earlier[0], len(seed_0)))  # earlier defaults last
+    current = seed_0[: earlier[0]]
+    assert {config.steps for _, config in current} == {300, 1000, 3000, 10000}
+    steps = [config.steps for _, config in current]
+    tiers = [0 if n <= 1000 else 1 if n <= 3000 else 2 for n in steps]
+    assert tiers == sorted(tiers)  # short runs first within an entry group
 
 
 def test_a_missing_corpus_leaves_its_cells_out():

@@ -102,9 +102,10 @@ def run_name(corpus: str, steps: int, sync_period: int, entry: str, seed: int) -
 
 def card_runs(grid: Grid, data: dict[str, str]) -> list[tuple[str, TrainConfig]]:
     """Every run of ``grid`` on the corpora found (``data``: corpus -> --data), in the order an
-    interrupted card shows the most: runs of up to 1000 steps, then of 3000, then longer ones;
-    within each, the first seed before the others, the current entries before MT-DAO's earlier
-    defaults, the first sync period before the others, short runs first."""
+    interrupted card shows the most: the first seed of every cell before any other seed, and
+    within a seed the current entries before MT-DAO's earlier defaults; then runs of up to 1000
+    steps before those of 3000 and the longer ones, the first sync period before the others,
+    short runs first. So a card stopped early still answers every horizon at one seed."""
     entries = [entry for entry in ENTRIES if entry.name in grid.entries]
 
     def order(planned):
@@ -112,9 +113,9 @@ def card_runs(grid: Grid, data: dict[str, str]) -> list[tuple[str, TrainConfig]]
         tier = 0 if steps <= 1000 else 1 if steps <= 3000 else 2
         earlier_default = entry.name not in CURRENT_ENTRIES
         return (
-            tier,
             seed != grid.seeds[0],
             earlier_default,
+            tier,
             sync_period != grid.sync_periods[0],
             steps,
         )
