@@ -1,6 +1,6 @@
 """What a failure costs a fault-tolerant run (mtdao train --fault-tolerant), measured on loopback.
 
-Three replicas of one run, each a process, and a lighthouse, driven by mtdao.train.fault_drill:
+Three replicas of one run, each a process, and a lighthouse, driven by mtdao.testing.fault_drill:
 
 * detect: a replica killed (SIGKILL) between syncs, as the others are about to sync: seconds
   until they have a quorum without it; and one killed inside an all-reduce: seconds until the
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from mtdao.train.fault_drill import Drill
+from mtdao.testing.fault_drill import Drill
 
 SHARED = ["--workers", "3", "--no-progress", "--collective-timeout", "60", "--quorum-timeout"]
 SHARED += ["300", "--connect-timeout", "30"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.train.fault_drill import Drill
+from mtdao.testing.fault_drill import Drill
 
 pytest.importorskip("torchft")
 

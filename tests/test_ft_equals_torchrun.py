@@ -18,9 +18,9 @@ import pytest
 import torch
 from test_ft_communicator import assert_same
 
+from mtdao.testing.fault_drill import Drill
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import TrainConfig
-from mtdao.train.fault_drill import Drill
 
 pytest.importorskip("torchft")
 

@@ -11,6 +11,7 @@ processes on loopback (mtdao lighthouse and mtdao train --fault-tolerant replica
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.train.fault_drill import Drill
+from mtdao.testing.fault_drill import Drill
 
 pytest.importorskip("torchft")
 
@@ -122,6 +123,30 @@ def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir
             steps_committed = [e["step"] for e in drill.events(name, "committed")]
             assert steps_committed[-1] == steps and 3 * K not in steps_committed, steps_committed
         assert drill.rounds("r0")[steps] == drill.rounds("r1")[steps], drill.tails()
+
+
+def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(
+    corpus_dir, tmp_path
+):
+    steps = 3 * K
+    with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
+        drill.start_lighthouse(min_replicas=2)
+        drill.gate(2 * K)
+        drill.start("r0", 0)
+        drill.start("r1", 1)
+        at = lambda step: all(drill.status(n) == ("waiting", step) for n in ("r0", "r1"))  # noqa: E731
+        drill.wait_for(lambda: at(2 * K), PHASE_TIMEOUT_S, "both replicas at the gate")
+        drill.processes["lighthouse"].send_signal(signal.SIGKILL)  # gone for the last round
+        drill.processes["lighthouse"].wait(timeout=30)
+        drill.gate(None)
+        for name in ("r0", "r1"):
+            assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
+            assert [e["step"] for e in drill.events(name, "discarded")] == [steps], drill.tails()
+            records = [json.loads(line) for line in (drill.root / name / "metrics.jsonl").open()]
+            evaluations = [r for r in records if "val_loss" in r]
+            results = json.loads((drill.root / name / "results.json").read_text())
+            assert evaluations[-1]["step"] == steps, evaluations
+            assert results["final_val_loss"] == evaluations[-1]["val_loss"]
 
 
 def http2_request(address: str, method: str, path: str) -> bytes:

@@ -1,7 +1,7 @@
 """A fault-tolerant run as it happens on real machines: ``mtdao lighthouse`` and ``mtdao train
 --fault-tolerant`` replicas as processes on loopback, killed with SIGKILL between syncs and during
 one, restarted, joined late, and joined by a replica with another config and one with no
-lighthouse to reach. One drill (mtdao.train.fault_drill) runs it all; the tests read its record.
+lighthouse to reach. One drill (mtdao.testing.fault_drill) runs it all; the tests read its record.
 
 The drill holds the replicas at gates so that each failure lands where it should (between two
 syncs, or inside an all-reduce); what happens after a failure is not steered.
@@ -14,9 +14,9 @@ import re
 
 import pytest
 
+from mtdao.testing.fault_drill import Drill
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
-from mtdao.train.fault_drill import Drill
 from mtdao.train.ports import unused_port
 
 pytest.importorskip("torchft")

@@ -5,14 +5,14 @@ step, its exchange's second stage still to come), then started again: the surviv
 that round, the new one heals from a live peer, and every replica then holds the same global
 state (step, anchors, rounds and their averages) after every round, to the end. (With a delay,
 each replica also keeps its own progress of the last D steps: the delay rule, not a
-difference.) One drill (mtdao.train.fault_drill) per layout; the tests read its record.
+difference.) One drill (mtdao.testing.fault_drill) per layout; the tests read its record.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mtdao.train.fault_drill import Drill, process_label
+from mtdao.testing.fault_drill import Drill, process_label
 
 pytest.importorskip("torchft")
 

@@ -1,14 +1,14 @@
 """The security of a fault-tolerant run and the round options together: two replicas sharing a
 secret (signed claims, signed heals, the step and config check at every quorum) with delayed,
 int8 rounds with error feedback finish, every round averaged between the two of them, and hold
-the same global state after every round. Real processes on loopback (mtdao.train.fault_drill).
+the same global state after every round. Real processes on loopback (mtdao.testing.fault_drill).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mtdao.train.fault_drill import Drill
+from mtdao.testing.fault_drill import Drill
 
 pytest.importorskip("torchft")
 

@@ -2,7 +2,7 @@
 launched with torchrun, on loopback. Replica 1's processes are killed with SIGKILL between two
 syncs; torchrun (``--max-restarts 1``) starts them again, and they heal shard by shard from
 replica 0. A replica of another --shards then tries to join and is refused. One drill
-(mtdao.train.fault_drill) runs it all; the tests read its record.
+(mtdao.testing.fault_drill) runs it all; the tests read its record.
 
 ``OMP_NUM_THREADS=1 python -m pytest -s tests/test_ft_sharded.py`` prints the timings that
 BENCHMARKS.md section 10 quotes.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.train.fault_drill import Drill, process_label
+from mtdao.testing.fault_drill import Drill, process_label
 
 pytest.importorskip("torchft")
 

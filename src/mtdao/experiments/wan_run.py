@@ -1,7 +1,7 @@
 """One drill across WAN sites: a lighthouse, fault-tolerant replicas, a scenario's timed events.
 
 The lighthouse runs in site ``lighthouse``, replica i (``mtdao train --fault-tolerant --resume``
-under :mod:`mtdao.train.fault_drill`, which records a digest of its whole state after every
+under :mod:`mtdao.testing.fault_drill`, which records a digest of its whole state after every
 committed round) in site ``r<i>``. The clock of the scenario starts once every replica has taken
 its first step. Every half second the drill samples each replica's step and each site's bytes;
 a replica alive whose step has not moved for ``hang_limit_s`` is a hang, and ends the drill.
@@ -120,7 +120,7 @@ class Drill:
     def replica_argv(self, site: str, key: str) -> list[str]:
         s = self.settings
         lighthouse = f"{self.sites.hostnames[LIGHTHOUSE]}:{LIGHTHOUSE_PORT}"
-        argv = [sys.executable, "-m", "mtdao.train.fault_drill", str(self.control), key, "--"]
+        argv = [sys.executable, "-m", "mtdao.testing.fault_drill", str(self.control), key, "--"]
         argv += ["--fault-tolerant", "--resume", "--replica-id", site[1:], "--lighthouse"]
         argv += [lighthouse, "--out", str(self.out / "replicas" / site)]
         argv += ["--checkpoint-every", str(s.checkpoint_every)]

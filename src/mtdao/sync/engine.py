@@ -265,7 +265,11 @@ class LocalUpdateSync(NonFiniteWorkers):
 
     def complete_transfers(self) -> None:
         """Wait until the collectives of every delayed round have completed; the rounds are
-        still applied at their own steps (nothing changes but when the waiting happens)."""
+        still applied at their own steps (nothing changes but when the waiting happens). A
+        communicator that runs one round at a time (a torchft manager) waits only inside the
+        round's lifecycle, where a failure the wait sees can discard the round."""
+        if not self.communicator.rounds_overlap:
+            return
         for pending in self.pending.rounds:
             pending.result.wait()
 

@@ -97,9 +97,10 @@ def config_to_argv(config: TrainConfig) -> list[str]:
 
 def run_train(args: argparse.Namespace) -> int:
     from mtdao.train.distributed import leave_process_group
+    from mtdao.train.launch import train
     from mtdao.train.results import traffic_line
     from mtdao.train.threads import one_thread_if_busy
-    from mtdao.train.trainer import say, train
+    from mtdao.train.trainer import say
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and (note := one_thread_if_busy()):
         say(note)  # torchrun sets OMP_NUM_THREADS itself

@@ -11,6 +11,9 @@ restarts heals from a live peer: parameters, every optimizer state and the engin
 averaged state is the same on all replicas after a sync, so the healed replica carries on with the
 group's global states, not only its parameters. Its data position stays its own.
 
+The replica trains in the one training loop (:func:`mtdao.train.trainer.loop`); this module
+builds its run and gives the loop its hooks (:class:`ReplicaDriver`).
+
 Progress lines (stderr, from the replica's first process) say when replicas join or leave, when this replica healed and when a round
 was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON line each (events
 ``connect``, ``quorum``, ``discarded``, ``committed``, each with its time and step).
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import signal
 import threading
 import time
@@ -28,17 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.sync.engine import NonFiniteError
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
-from mtdao.train.evaluate import run_evaluation
+from mtdao.train.loop_hooks import LoopHooks
 from mtdao.train.metrics import write_json
 from mtdao.train.setup import Run, build_run
-from mtdao.train.snapshot import save
 
 # Settings that may differ between the replicas of one run; every other field must match the
 # quorum's, or the replica is refused when it first heals.
@@ -51,16 +51,26 @@ REPLICA_FIELDS = frozenset(
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
 
 
-def before_connect(run: Run) -> None:
-    """Called once the run is built, before the replica announces itself to the lighthouse."""
+class ReplicaObserver:
+    """What a fault drill (:mod:`mtdao.testing.fault_drill`) watches and steers in a replica;
+    every method a no-op here. Added to a process with :func:`observe_replicas`."""
+
+    def before_connect(self, run: Run, replicas) -> None:
+        """Once the run is built, before the replica announces itself to the lighthouse."""
+
+    def before_step(self, run: Run) -> None:
+        """Before every step (a drill may pause the replica here)."""
+
+    def after_round(self, run: Run) -> None:
+        """After every committed round (a drill may record the state here)."""
 
 
-def before_step(run: Run) -> None:
-    """Called before every step; a fault drill may pause this replica here (see fault_drill)."""
+OBSERVERS: list[ReplicaObserver] = []
 
 
-def after_round(run: Run) -> None:
-    """Called after every committed round; a fault drill may record the state here."""
+def observe_replicas(observer: ReplicaObserver) -> None:
+    """Let ``observer`` watch every replica trained in this process from now on."""
+    OBSERVERS.append(observer)
 
 
 def train_replica(config: TrainConfig) -> dict[str, Any]:
@@ -74,7 +84,7 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
     driver = ReplicaDriver(config, torchft)
     previous = stop_on_sigterm()
     try:
-        results = trainer.train(config, build=driver.build, run_loop=driver.loop)
+        results = trainer.train(config, build=driver.build, hooks=driver)
     finally:
         driver.close()
         if previous is not None:
@@ -86,8 +96,8 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
     return results
 
 
-class ReplicaDriver:
-    """Builds the replica's run around a torchft communicator and drives its steps."""
+class ReplicaDriver(LoopHooks):
+    """Builds the replica's run around a torchft communicator; the training loop's hooks."""
 
     def __init__(self, config: TrainConfig, torchft) -> None:
         self.config = config
@@ -123,7 +133,8 @@ class ReplicaDriver:
         self.replicas.track_state("config", self._config_state, self._check_config)
         self.replicas.track_state("engine", *self.torchft.engine_state(run.sync))
         self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id, self.is_main)
-        before_connect(run)
+        for observer in OBSERVERS:
+            observer.before_connect(run, self.replicas)
         self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
         self._say(f"serving on {config.bind_host}: {self.replicas.listeners()}")
@@ -165,59 +176,46 @@ class ReplicaDriver:
                 f"{state['replica_id']}): " + "; ".join(differences)
             )
 
-    # -- the loop ------------------------------------------------------------------------------
+    # -- the training loop's hooks -------------------------------------------------------------
 
-    def loop(self, run: Run, outputs: trainer.Outputs) -> None:
-        progress = tqdm(
-            total=run.total_steps,
-            initial=run.step,
-            disable=not (run.config.progress and self.is_main),
-            desc=f"{run.config.method} replica {run.config.replica_id}",
-            unit="step",
-            dynamic_ncols=True,
-        )
-        throughput = trainer.Throughput()
-        try:
-            while run.step < run.total_steps:
-                before_step(run)
-                self._step(run, outputs, progress, throughput)
-        finally:
-            progress.close()
+    def describe(self, run: Run) -> str:
+        return f"{run.config.method} replica {run.config.replica_id}"
 
-    def _step(self, run: Run, outputs: trainer.Outputs, progress: tqdm, throughput) -> None:
-        config = run.config
-        rounds = len(run.sync.events)
-        try:
-            self._prepare(run)
-            losses, elapsed = trainer.timed_step(run)
-        except RoundNotCommitted as failure:
-            run.optimizer.zero_grad(set_to_none=True)
-            self._discarded(run, failure)
+    def tokens_per_step(self, run: Run) -> int:
+        return run.config.batch_size * run.config.seq_len  # this replica's worker
+
+    def before_step(self, run: Run) -> None:
+        for observer in OBSERVERS:
+            observer.before_step(run)
+        self._prepare(run)
+
+    def after_round(self, run: Run) -> None:
+        self._committed(run)
+
+    def on_discarded(self, run: Run, failure: RoundNotCommitted) -> None:
+        self._discarded(run, failure)
+
+    def check_losses(self, run: Run, worker_losses: torch.Tensor, resumed) -> None:
+        """This replica's own loss: with --on-non-finite skip a diverged replica goes on and
+        takes the others' average at the next sync."""
+        if bool(torch.isfinite(worker_losses).all()) or run.config.on_non_finite != "raise":
             return
-        if len(run.sync.events) > rounds:
-            self._committed(run)
-        throughput.add(config.batch_size * config.seq_len, elapsed)
-        loss = run.workers.layout.gather(losses.float()).item()  # over a sharded replica's rows
-        self._check_loss(run, loss)
-        if run.step % config.log_every == 0 or run.step == run.total_steps:
-            trainer.log_training(run, outputs.log, progress, loss, throughput.take())
-        progress.update(run.step - progress.n)
-        if run.step % config.eval_every == 0 or run.step == run.total_steps:
-            run_evaluation(run, outputs.log)
-        if config.checkpoint_every and run.step % config.checkpoint_every == 0:
-            self._checkpoint(run, outputs)
+        raise NonFiniteError(
+            f"training loss is NaN/inf at step {run.step} on replica {run.config.replica_id}; "
+            "lower --lr, or pass --on-non-finite skip to leave it out of the next sync (it "
+            "then takes the others' average)"
+        )
 
-    def _checkpoint(self, run: Run, outputs: trainer.Outputs) -> None:
+    def may_checkpoint(self, run: Run) -> bool:
         """This replica's own checkpoint; one holding NaN/inf (left out of a round with
         --on-non-finite skip) waits for the next sync to heal it: nothing coordinates between
         syncs, so no peer can heal it now."""
         held = [p for p in run.sync.params]
         held += [v for p in run.sync.params for v in run.optimizer.state.get(p, {}).values()]
-        if not run.workers.layout.all_finite([t for t in held if torch.is_tensor(t)]):
-            self._say(f"step {run.step}: checkpoint skipped (NaN/inf until the next sync)")
-            return
-        save(run, outputs.store)
-        outputs.last_saved = run.step
+        if run.workers.layout.all_finite([t for t in held if torch.is_tensor(t)]):
+            return True
+        self._say(f"step {run.step}: checkpoint skipped (NaN/inf until the next sync)")
+        return False
 
     def _prepare(self, run: Run) -> None:
         """A quorum when joining or when the coming step has a round (counted as sync time)."""
@@ -284,21 +282,12 @@ class ReplicaDriver:
         event = run.sync.events[-1]
         record = {"event": "committed", "step": event.step, "kinds": event.kinds}
         self.events.write({**record, "replicas": self.replicas.contributors})
-        after_round(run)
+        for observer in OBSERVERS:
+            observer.after_round(run)
 
     def _say(self, line: str) -> None:
         if self.is_main:
             say(self.config.replica_id, line)
-
-    def _check_loss(self, run: Run, loss: float) -> None:
-        if math.isfinite(loss):
-            return
-        if run.config.on_non_finite == "raise":
-            raise NonFiniteError(
-                f"training loss is NaN/inf at step {run.step} on replica {run.config.replica_id}; "
-                "lower --lr, or pass --on-non-finite skip to leave it out of the next sync (it "
-                "then takes the others' average)"
-            )
 
 
 class ReplicaEvents:

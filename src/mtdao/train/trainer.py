@@ -22,8 +22,7 @@ import torch
 from tqdm import tqdm
 
 from mtdao.data import stacked_batches
-from mtdao.sync.communicator import format_bytes
-from mtdao.sync.engine import NonFiniteError
+from mtdao.sync.communicator import RoundNotCommitted, format_bytes
 from mtdao.train.checkpoint import CheckpointStore
 from mtdao.train.config import TrainConfig, config_warnings, resolve
 from mtdao.train.distributed import (
@@ -33,6 +32,7 @@ from mtdao.train.distributed import (
     pick_device,
 )
 from mtdao.train.evaluate import run_evaluation
+from mtdao.train.loop_hooks import LoopHooks
 from mtdao.train.memory import out_of_memory_errors
 from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
@@ -92,18 +92,21 @@ def timed_step(run: Run) -> tuple[torch.Tensor, float]:
 # -- the loop -----------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, *, build=build_run, run_loop=None) -> dict[str, Any]:
+def train(
+    config: TrainConfig, *, build=build_run, hooks: LoopHooks | None = None
+) -> dict[str, Any]:
     """Train as configured (resolved first); returns (and writes) the results of the run.
 
-    A replica of a fault-tolerant run is built and driven by :mod:`mtdao.train.fault_tolerant`,
-    through ``build`` ((config, process) -> Run) and ``run_loop`` ((run, outputs) -> None).
+    ``build`` ((config, process) -> Run) and ``hooks`` are how a replica of a fault-tolerant run
+    (:mod:`mtdao.train.fault_tolerant`, started by :func:`mtdao.train.train`) plugs in.
     """
     started = time.perf_counter()
     config = resolve(config)
-    if config.fault_tolerant and run_loop is None:
-        from mtdao.train.fault_tolerant import train_replica  # the only path to torchft
-
-        return train_replica(config)
+    if config.fault_tolerant and hooks is None:
+        raise ValueError(
+            "a fault-tolerant replica is trained by mtdao.train.train (or mtdao train), which "
+            "connects it to the lighthouse"
+        )
     device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
     launched = ProcessInfo(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     with collective_errors(launched, config.collective_timeout):
@@ -122,7 +125,7 @@ def train(config: TrainConfig, *, build=build_run, run_loop=None) -> dict[str, A
             with out_of_memory_errors(config, device, simulated=not process.distributed):
                 run = build(config, process)
                 run.clock.started = started
-                return train_run(run, store, start, run_loop)
+                return train_run(run, store, start, hooks or LoopHooks())
         finally:
             lock.release()
 
@@ -139,7 +142,7 @@ class Outputs:
     """(step, checkpoint directory) when the run was resumed."""
 
 
-def train_run(run: Run, store: CheckpointStore, start: Start, run_loop=None) -> dict[str, Any]:
+def train_run(run: Run, store: CheckpointStore, start: Start, hooks: LoopHooks) -> dict[str, Any]:
     """Restore the run if it resumes, train it to the end, and write its results."""
     loaded = start.checkpoint
     while loaded is not None:  # a checkpoint that verified may still not fit the built run
@@ -168,7 +171,7 @@ def train_run(run: Run, store: CheckpointStore, start: Start, run_loop=None) -> 
         outputs.last_saved = run.step
         outputs.resumed = (run.step, loaded.path)
     try:
-        (run_loop or loop)(run, outputs)
+        loop(run, outputs, hooks)
     finally:
         log.close()
     if outputs.last_saved != run.step:  # unless the loop (or the resume) just saved this step
@@ -199,38 +202,55 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def loop(run: Run, outputs: Outputs) -> None:
+def loop(run: Run, outputs: Outputs, hooks: LoopHooks) -> None:
+    """Train from ``run.step`` to the end: every run, plain or a fault-tolerant replica (the
+    ``hooks`` tell them apart)."""
     config = run.config
     progress = tqdm(
         total=run.total_steps,
         initial=run.step,
         disable=not (config.progress and run.is_main),
-        desc=f"{config.method}",
+        desc=hooks.describe(run),
         unit="step",
         dynamic_ncols=True,
     )
     throughput = Throughput()
     try:
         while run.step < run.total_steps:
-            losses, elapsed = timed_step(run)
-            throughput.add(config.tokens_per_step, elapsed)
-            should_log = run.step % config.log_every == 0 or run.step == run.total_steps
-            if should_log or not run.process.distributed:
-                # every worker's loss (a tiny uncounted gather on real workers: log steps only)
-                worker_losses = run.workers.layout.gather(losses.float())
-                check_finite_losses(run, worker_losses, outputs.resumed)
-            if should_log:
-                loss = finite_mean(worker_losses)
-                log_training(run, outputs.log, progress, loss, throughput.take())
-            progress.update(1)
+            rounds = len(run.sync.events)
+            try:
+                hooks.before_step(run)
+                losses, elapsed = timed_step(run)
+            except RoundNotCommitted as failure:  # undone; the step's local progress is kept
+                run.optimizer.zero_grad(set_to_none=True)
+                hooks.on_discarded(run, failure)
+            else:
+                if len(run.sync.events) > rounds:
+                    hooks.after_round(run)
+                throughput.add(hooks.tokens_per_step(run), elapsed)
+                record_losses(run, outputs, hooks, progress, losses, throughput)
+            progress.update(run.step - progress.n)
             if run.step % config.eval_every == 0 or run.step == run.total_steps:
                 complete_transfers(run)
                 run_evaluation(run, outputs.log)
-            if config.checkpoint_every and run.step % config.checkpoint_every == 0:
+            due = config.checkpoint_every and run.step % config.checkpoint_every == 0
+            if due and hooks.may_checkpoint(run):
                 save(run, outputs.store)
                 outputs.last_saved = run.step
     finally:
         progress.close()
+
+
+def record_losses(run: Run, outputs: Outputs, hooks: LoopHooks, progress, losses, throughput):
+    """Check the step's losses and log them when a log line is due."""
+    should_log = run.step % run.config.log_every == 0 or run.step == run.total_steps
+    if should_log or not run.process.distributed:
+        # every worker's loss (a tiny uncounted gather on real workers: log steps only)
+        worker_losses = run.workers.layout.gather(losses.float())
+        hooks.check_losses(run, worker_losses, outputs.resumed)
+    if should_log:
+        loss = finite_mean(worker_losses)
+        log_training(run, outputs.log, progress, loss, throughput.take())
 
 
 def complete_transfers(run: Run) -> None:
@@ -281,33 +301,3 @@ def log_training(run: Run, log: MetricsLog, progress: tqdm, loss: float, tokens_
         }
     )
     progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}", sent=format_bytes(sent))
-
-
-def check_finite_losses(
-    run: Run, worker_losses: torch.Tensor, resumed: tuple[int, Path] | None = None
-) -> None:
-    """Stop on a diverged worker (on_non_finite 'raise'), or when none is left to skip.
-
-    The message names the likely cause: at the first step after a resume, the checkpoint's state
-    (it was finite, or it would not have been saved, but it may be bad); otherwise the run itself
-    diverged (the learning rate)."""
-    finite = torch.isfinite(worker_losses)
-    if bool(finite.all()):
-        return
-    diverged = torch.nonzero(~finite).flatten().tolist()
-    every = len(diverged) == len(worker_losses)
-    if run.config.on_non_finite == "skip" and not every:
-        return
-    where = f"worker(s) {diverged}" if not every else "every worker"
-    text = f"training loss is NaN/inf at step {run.step} on {where}"
-    if resumed is not None and run.step == resumed[0] + 1:
-        text += (
-            f", the first step after resuming from {resumed[1]}: that checkpoint's state may be "
-            f"bad (rename it to {resumed[1].name}.damaged to resume from the one before it), or "
-            "the run diverged right there (lower --lr)"
-        )
-    elif every and run.config.on_non_finite == "skip":
-        text += "; none is left to average (lower --lr)"
-    else:
-        text += "; lower --lr, or pass --on-non-finite skip to leave diverged workers out"
-    raise NonFiniteError(text)

@@ -167,6 +167,8 @@ class ReplicaGroups(Communicator):
         self._stale: str | None = None  # why this replica sits the open round out
         self._sitting_out: list[int] = []  # the replicas that do
         self._lighthouse_away: int | None = None  # the step whose quorum found it away
+        self.before_collective: Callable[[], None] | None = None
+        """Called before each blocking sum of a round (a fault drill holds a replica there)."""
 
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
@@ -377,7 +379,13 @@ class ReplicaGroups(Communicator):
 
     def sum_in_round(self, flat: Tensor) -> Tensor:
         """``flat`` summed over the quorum, through the manager; a failure discards the round."""
+        if self.before_collective is not None:
+            self.before_collective()
         return self.transport.sum(flat)
+
+    def forget_prepared_round(self) -> None:
+        """The coming due step needs a quorum again (a replica whose state went back in time)."""
+        self._prepared_step = None
 
     def fail(self, reason: str) -> None:
         """Tell torchft the round failed (the next quorum rebuilds the group), then raise."""

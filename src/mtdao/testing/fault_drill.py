@@ -1,6 +1,6 @@
 """Fault drills: replicas of a fault-tolerant run under remote control, to rehearse failures.
 
-``python -m mtdao.train.fault_drill CONTROL_DIR NAME -- <mtdao train flags>`` runs one replica
+``python -m mtdao.testing.fault_drill CONTROL_DIR NAME -- <mtdao train flags>`` runs one replica
 (``mtdao train``) with hooks that a controller steers through files in CONTROL_DIR:
 
 * ``NAME.hold``: while it exists, the replica waits before announcing itself to the lighthouse;
@@ -42,53 +42,49 @@ POLL_S = 0.02
 # -- inside a replica ---------------------------------------------------------------------------
 
 
-def install_hooks(control: Path, name: str) -> None:
-    """Steer this process's replica through the files in ``control`` (see the module docstring)."""
-    from mtdao.sync import torchft
-    from mtdao.train import fault_tolerant
+class DrillObserver:
+    """Steers one process of a replica through the files in ``control`` (see the module
+    docstring): a :class:`~mtdao.train.fault_tolerant.ReplicaObserver`."""
 
-    rank = int(os.environ.get("RANK", "0"))
-    label = process_label(name, rank)
-    _write(control / f"{label}.pid", str(os.getpid()))
-    current: dict = {}
+    def __init__(self, control: Path, name: str) -> None:
+        self.control, self.name = control, name
+        self.label = process_label(name, int(os.environ.get("RANK", "0")))
+        self.rewind = _read_ints(control / f"{name}.rewind")
+        self.saved = None  # the state after the round at the rewind's first step
+        _write(control / f"{self.label}.pid", str(os.getpid()))
 
-    def before_connect(run) -> None:
-        current["run"] = run
-        _write(control / f"{label}.status", "held 0")
-        _wait_while(lambda: (control / f"{name}.hold").exists())
+    def before_connect(self, run, replicas) -> None:
+        replicas.before_collective = lambda: self._hold_in_round(run.step)
+        _write(self.control / f"{self.label}.status", "held 0")
+        _wait_while(lambda: (self.control / f"{self.name}.hold").exists())
 
-    rewind = _read_ints(control / f"{name}.rewind")
+    def before_step(self, run) -> None:
+        from mtdao.sync import torchft
 
-    def before_step(run) -> None:
-        if rewind and run.step == rewind[1] and "saved" in current:
-            torchft.engine_state(run.sync)[1](current.pop("saved"))
-            run.sync.communicator._prepared_step = None  # its next due step needs a quorum again
+        if self.rewind and run.step == self.rewind[1] and self.saved is not None:
+            torchft.engine_state(run.sync)[1](self.saved)
+            self.saved = None
+            run.sync.communicator.forget_prepared_round()
             print(f"fault drill: rewound to step {run.step}", flush=True)
-        if _read_int(control / "gate", run.step + 1) <= run.step:
-            _write(control / f"{label}.status", f"waiting {run.step}")
-            _wait_while(lambda: _read_int(control / "gate", run.step + 1) <= run.step)
-        _write(control / f"{label}.status", f"running {run.step}")
+        gate = self.control / "gate"
+        if _read_int(gate, run.step + 1) <= run.step:
+            _write(self.control / f"{self.label}.status", f"waiting {run.step}")
+            _wait_while(lambda: _read_int(gate, run.step + 1) <= run.step)
+        _write(self.control / f"{self.label}.status", f"running {run.step}")
 
-    def after_round(run) -> None:
-        with open(control / f"{label}.rounds", "a") as handle:
+    def after_round(self, run) -> None:
+        from mtdao.sync import torchft
+
+        with open(self.control / f"{self.label}.rounds", "a") as handle:
             handle.write(f"{run.step} {state_digest(run)}\n")
-        with open(control / f"{label}.globals", "a") as handle:
+        with open(self.control / f"{self.label}.globals", "a") as handle:
             handle.write(f"{run.step} {global_digest(run)}\n")
-        if rewind and run.step == rewind[0] and "saved" not in current:
-            current["saved"] = torchft.engine_state(run.sync)[0]()
+        if self.rewind and run.step == self.rewind[0] and self.saved is None:
+            self.saved = torchft.engine_state(run.sync)[0]()
 
-    all_reduce = torchft.ReplicaGroups.sum_in_round
-
-    def sum_in_round(self, flat):
-        step = current["run"].step
-        _write(control / f"{label}.entered-{step}", "")
-        _wait_while(lambda: (control / f"{name}.hold-{step}").exists())
-        return all_reduce(self, flat)
-
-    fault_tolerant.before_connect = before_connect
-    fault_tolerant.before_step = before_step
-    fault_tolerant.after_round = after_round
-    torchft.ReplicaGroups.sum_in_round = sum_in_round
+    def _hold_in_round(self, step: int) -> None:
+        _write(self.control / f"{self.label}.entered-{step}", "")
+        _wait_while(lambda: (self.control / f"{self.name}.hold-{step}").exists())
 
 
 def state_digest(run) -> str:
@@ -172,10 +168,12 @@ def _wait_while(condition: Callable[[], bool]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 3 or argv[2] != "--":
-        print("usage: python -m mtdao.train.fault_drill CONTROL_DIR NAME -- <train flags>")
+        print("usage: python -m mtdao.testing.fault_drill CONTROL_DIR NAME -- <train flags>")
         return 2
-    install_hooks(Path(argv[0]), argv[1])
     from mtdao.cli import main as cli_main
+    from mtdao.train.fault_tolerant import observe_replicas
+
+    observe_replicas(DrillObserver(Path(argv[0]), argv[1]))
 
     return cli_main(["train", *argv[3:]])
 
@@ -240,7 +238,7 @@ class Drill:
         times when one of them dies (with --resume, the replica's same command line)."""
         if hold:
             (self.root / f"{name}.hold").touch()
-        drill = ["-m", "mtdao.train.fault_drill", str(self.root), name, "--"]
+        drill = ["-m", "mtdao.testing.fault_drill", str(self.root), name, "--"]
         argv = [sys.executable, *drill]
         if max_restarts is not None:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

@@ -1,0 +1,2 @@
+"""Tools for rehearsing what can go wrong: :mod:`.fault_drill` steers the replicas of a
+fault-tolerant run from outside (pauses, kills, held rounds) and records their state."""
