@@ -216,3 +216,12 @@ def test_the_sharded_checkpoint_does_not_import_the_plain_one():
     """snapshot.py hands sharded runs to sharded_snapshot.py; nothing goes the other way."""
     imported = imported_modules(SRC / "train" / "sharded_snapshot.py")
     assert not {"mtdao.train.snapshot", "mtdao.train.sharded_rounds"} & imported
+
+
+def test_parameters_that_share_a_name_are_refused():
+    """Keyed by name, one would silently take the other's values in a checkpoint or a heal."""
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.ones(2))]
+    groups = [{"params": [p], "names": ["weight"]} for p in params]
+    sync = LocalUpdateSync(MTAdam(groups, lr=1e-2), unified(4))
+    with pytest.raises(ValueError, match="share the name 'weight'"):
+        TrainedState(sync)

@@ -33,6 +33,10 @@ class TrainedState:
         self.sync = sync
         if named_params is None:
             named_params = [(sync.param_names[id(p)], p) for p in sync.params]
+        names = [name for name, _ in named_params]
+        shared = sorted({name for name in names if names.count(name) > 1})
+        if shared:  # keyed by name, one would overwrite the other
+            raise ValueError(f"parameters share the name {shared[0]!r}: name each one apart")
         self.named_params = named_params
         self.module = module
 
