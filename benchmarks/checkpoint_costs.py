@@ -31,6 +31,7 @@ import xxhash
 from mtdao.data import load_corpus
 from mtdao.train import checkpoint, snapshot
 from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.run_state import RunState
 from mtdao.train.setup import build_run
 from mtdao.train.trainer import train_step
 
@@ -52,7 +53,7 @@ def build_tiny_run(model: str, work: Path):
 
 
 def run_state(run) -> tuple[dict, dict]:
-    return snapshot.run_state(run), {"step": run.step, "config": run.config.to_dict()}
+    return RunState(run).state_dict(), {"step": run.step, "config": run.config.to_dict()}
 
 
 def time_harness_save(run, rounds: int) -> None:

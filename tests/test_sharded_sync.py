@@ -19,14 +19,14 @@ from torch.testing import assert_close
 
 from mtdao.model import Llama, ModelConfig, split_weight_decay
 from mtdao.sync import NonFiniteError, SimulatedWorkers
-from mtdao.sync.dtensors import local_shard
+from mtdao.sync.dtensors import local_shard, process_share
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.evaluate import evaluate
 from mtdao.train.methods import build_optimizer
 from mtdao.train.setup import build_sync
-from mtdao.train.sharding import process_share, shard_model
+from mtdao.train.sharding import shard_model
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet
 
 pytestmark = [

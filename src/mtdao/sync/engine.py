@@ -61,11 +61,12 @@ from mtdao.sync.overlap import DelayedRounds
 from mtdao.sync.policy import SyncPolicy
 from mtdao.sync.round_plan import RoundPlan
 from mtdao.sync.rounds import CheckedRound, Round, SyncEvent, SyncRound, alignment
+from mtdao.sync.sharded_state import ShardedEngineState
 
 __all__ = ["LocalUpdateSync", "NonFiniteError", "NON_FINITE_ACTIONS", "SyncEvent"]
 
 
-class LocalUpdateSync(NonFiniteWorkers):
+class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
     """Carries out a :class:`SyncPolicy` for one optimizer over one communicator.
 
     ``on_non_finite``: ``"raise"`` stops with an error naming worker, tensor and step before
@@ -389,7 +390,8 @@ class LocalUpdateSync(NonFiniteWorkers):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the engine carries between steps: the step, the anchors and the outer
-        momentum (global tensors), the traffic account and the record of every round."""
+        momentum (global tensors), the traffic account and the record of every round. A sharded
+        worker's engine gives it as DTensors and the rest: :meth:`sharded_state_dict`."""
         return {
             "step": self.step_count,
             "anchors": [a.clone() for a in self.anchors],

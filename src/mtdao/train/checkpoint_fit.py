@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 
+from mtdao.train.run_state import RunState
 from mtdao.train.setup import Run
 
 
 def unfit(run: Run, state: Any) -> str | None:
     """Why the unsharded checkpoint ``state`` cannot be restored into ``run``; None if it fits."""
-    from mtdao.train.snapshot import run_state
-
-    template = run_state(run)
+    template = RunState(run).state_dict()
     problem = _missing(state, [key for key in template if key != "extensions"], "it")
     if problem:
         return problem
@@ -51,9 +50,7 @@ def unfit(run: Run, state: Any) -> str | None:
 
 def worker_file_unfit(run: Run, worker: Any) -> str | None:
     """Why a sharded checkpoint's worker file cannot be restored into ``run``."""
-    from mtdao.train.sharded_snapshot import worker_state
-
-    template = worker_state(run, {})
+    template = RunState(run).worker_state_dict({})
     problem = _missing(worker, [key for key in template if key not in ("extensions", "sync")], "it")
     if problem or not isinstance(worker.get("sync"), Mapping):
         return problem or "it holds no sync state"

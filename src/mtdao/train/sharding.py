@@ -245,13 +245,3 @@ def process_memory(params: list[Tensor], optimizer: torch.optim.Optimizer) -> di
         "parameter_bytes": sum(nbytes(p) for p in params),
         "optimizer_state_bytes": sum(nbytes(v) for v in states),
     }
-
-
-def process_share(params: list[Tensor]) -> float:
-    """The fraction of each averaged tensor this process holds and sends: its shard's bytes over
-    the whole parameters' (1 unsharded; 1/S when the rows divide evenly). Every state is sharded
-    like its parameter and every round carries a kind for all parameters, so the fraction of the
-    parameters is the fraction of every round."""
-    whole = sum(p.numel() * p.element_size() for p in params)
-    mine = sum(local_shard(p).numel() * local_shard(p).element_size() for p in params)
-    return mine / whole if whole else 1.0

@@ -1,10 +1,12 @@
 """Saving a whole run to a checkpoint and restoring it exactly (``--resume``).
 
-A checkpoint holds, per process: the workers' parameters, the optimizer and sync-engine state
-(anchors, outer momentum, traffic account, every round), the data positions, the RNG state, the
-clock, the evaluations so far and the record of extensions. The store (:mod:`checkpoint`) writes
-it atomically, keeps the newest ``--keep-checkpoints``, and refuses a state holding NaN/inf, so
-that a diverged run never replaces its last good checkpoint.
+A checkpoint holds, per process, the run's state as :class:`~mtdao.train.run_state.RunState`
+defines it: the workers' parameters, the optimizer and sync-engine state (anchors, outer
+momentum, traffic account, every round), the data positions, the RNG state, the clock, the
+evaluations so far and the record of extensions. The store (:mod:`checkpoint`) writes it
+atomically, keeps the newest ``--keep-checkpoints``, and refuses a state holding NaN/inf, so that
+a diverged run never replaces its last good checkpoint. A run of sharded workers (``--shards`` >
+1) writes DCP checkpoints instead: each function here hands it to :mod:`.sharded_snapshot`.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from pathlib import Path
 import torch
 
 from mtdao.train import checkpoint as ckpt
-from mtdao.train import checkpoint_fit
+from mtdao.train import checkpoint_fit, sharded_snapshot
 from mtdao.train.checkpoint_state import ProcessGroupCollective
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.distributed import ProcessInfo
+from mtdao.train.run_state import RunState
 from mtdao.train.setup import Run
 
 
@@ -25,8 +28,6 @@ def checkpoint_store(config: TrainConfig, process: ProcessInfo, device: torch.de
     """The store of a run's checkpoints, on every process (they agree through the process
     group: a failure on one process fails the save or load on all of them together)."""
     if config.shards > 1:  # DCP files, see sharded_snapshot.py
-        from mtdao.train import sharded_snapshot
-
         return sharded_snapshot.checkpoint_store(config, process, device, config.keep_checkpoints)
     collective = None
     if process.distributed:
@@ -40,20 +41,6 @@ def checkpoint_store(config: TrainConfig, process: ProcessInfo, device: torch.de
     )
 
 
-def run_state(run: Run) -> dict:
-    return {
-        "step": run.step,
-        "params": {name: p.detach() for name, p in run.workers.named_parameters()},
-        "optimizer": run.optimizer.state_dict(),
-        "sync": run.sync.state_dict(),
-        "shards": [shard.state_dict() for shard in run.shards],
-        "torch_rng": torch.get_rng_state(),
-        "clock": run.clock.state_dict(),
-        "evals": run.evals,
-        "extensions": run.extensions,
-    }
-
-
 def save(run: Run, store: ckpt.CheckpointStore) -> Path | None:
     """Checkpoint the run (every process together); returns the directory on process 0.
 
@@ -65,10 +52,8 @@ def save(run: Run, store: ckpt.CheckpointStore) -> Path | None:
     if run.config.on_non_finite == "skip":
         run.sync.heal_non_finite_workers()
     if run.config.shards > 1:
-        from mtdao.train import sharded_snapshot
-
         return sharded_snapshot.save(run, store)
-    return store.save(run.step, run_state(run), {"config": run.config.to_dict()})
+    return store.save(run.step, RunState(run).state_dict(), {"config": run.config.to_dict()})
 
 
 def saved_config(meta: dict) -> TrainConfig:
@@ -86,8 +71,6 @@ def unfit(run: Run, loaded: ckpt.LoadedCheckpoint) -> str | None:
     """Why ``loaded`` (its files verified and read) cannot be restored into the built ``run``:
     edited or forged, or not this model's; None if it fits (see checkpoint_fit.py)."""
     if run.config.shards > 1:
-        from mtdao.train import sharded_snapshot
-
         return sharded_snapshot.unfit(run, loaded)
     return checkpoint_fit.unfit(run, loaded.state)
 
@@ -96,26 +79,8 @@ def unfit(run: Run, loaded: ckpt.LoadedCheckpoint) -> str | None:
 def restore(run: Run, loaded: ckpt.LoadedCheckpoint) -> None:
     """Put the run back in the state of ``loaded`` (its config was checked when it was chosen)."""
     if run.config.shards > 1:
-        from mtdao.train import sharded_snapshot
-
         return sharded_snapshot.restore(run, loaded)
-    state = loaded.state
     problem = unfit(run, loaded)
     if problem:  # the harness checked (and fell back); a caller that did not is refused here
         raise ckpt.CheckpointError(f"--resume: {loaded.path} does not fit this run: {problem}")
-    params = dict(run.workers.named_parameters())
-    for name, p in params.items():
-        p.copy_(state["params"][name])
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.sync.load_state_dict(state["sync"])
-    restore_progress(run, state)
-
-
-def restore_progress(run: Run, state: dict) -> None:
-    """The data positions, RNG, clock, evaluations and extensions a checkpoint holds."""
-    for shard, saved in zip(run.shards, state["shards"], strict=True):
-        shard.load_state_dict(saved)
-    torch.set_rng_state(state["torch_rng"])
-    run.clock.load_state_dict(state["clock"])
-    run.evals = list(state["evals"])
-    run.extensions = list(state.get("extensions", []))
+    RunState(run).load_state_dict(loaded.state)

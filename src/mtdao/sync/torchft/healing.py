@@ -1,4 +1,9 @@
-"""The state a healing replica receives from a live peer: what makes it that peer's copy."""
+"""The state a healing replica receives from a live peer: what makes it that peer's copy.
+
+It is the trained state a checkpoint saves too (:class:`~mtdao.sync.trained_state.TrainedState`),
+so that what a replica heals and what a run resumes cannot drift apart; what is added here is how
+it travels: a CPU copy, DTensors as their local shards (bound to the sender's processes), and the
+check that the peer's parameters are this replica's before anything is overwritten."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from torch import Tensor
 from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.torchft.plumbing import ReplicaRefused
+from mtdao.sync.trained_state import TrainedState
 
 LOCAL_SHARD = "mtdao.local_shard"
 """An optimizer state that is sharded (a DTensor) where it was sent travels as
@@ -20,42 +26,36 @@ again."""
 
 
 def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[dict], None]]:
-    """What a healing replica needs from a live peer to carry on as its copy: the parameters,
-    every optimizer state and the engine's state (step, anchors, outer momentum, rounds).
+    """What a healing replica needs from a live peer to carry on as its copy: the trained state
+    (:class:`~mtdao.sync.trained_state.TrainedState`: the parameters, every optimizer state and
+    the engine's state: step, anchors, outer momentum, rounds), as the sender's process holds it.
 
     The state is copied to CPU when a peer asks for it: the sender goes on training while the
     receiver fetches it. A process of a sharded replica sends its shards, to the process holding
     the same shards in the healing replica.
     """
+    trained = TrainedState(sync)
 
     def state_dict() -> dict:
-        return _portable(
-            {
-                "params": [local_shard(p).detach() for p in sync.params],
-                "optimizer": sync.optimizer.state_dict(),
-                "sync": sync.state_dict(),
-            }
-        )
+        return _portable(trained.state_dict())
 
     @torch.no_grad()
     def load_state_dict(state: dict) -> None:
-        shapes = [tuple(local_shard(p).shape) for p in sync.params]
-        received = [tuple(p.shape) for p in state["params"]]
-        if shapes != received:
+        shapes, params = trained.shapes(), state["params"]
+        received = (
+            {n: tuple(p.shape) for n, p in params.items()} if isinstance(params, dict) else {}
+        )
+        if received != shapes:
             raise ReplicaRefused(
                 f"the peer's model has parameter shapes {received}, this replica's {shapes}"
             )
-        for param, value in zip(sync.params, state["params"]):
-            local_shard(param).copy_(value)
-        optimizer = state["optimizer"]
-        for index, param_state in optimizer["state"].items():
+        for index, param_state in state["optimizer"]["state"].items():
             param = sync.params[index]
             for key, value in param_state.items():
                 if isinstance(value, dict) and LOCAL_SHARD in value:
                     shard = value[LOCAL_SHARD].to(local_shard(param).device)
                     param_state[key] = shard_like(param, shard)
-        sync.optimizer.load_state_dict(optimizer)
-        sync.load_state_dict(state["sync"])
+        trained.load_state_dict(state)
 
     return state_dict, load_state_dict
 
