@@ -1,8 +1,8 @@
 """The local-update sync engine: policies (what and when), the engine (carries them out),
 communicators (how bytes move) and worker layouts (where each worker's copy lives).
 
-Depends on torch only (and :mod:`mtdao.timescales` for half-lives); knows no model and no
-optimizer beyond the state keys its policies name. Test doubles: :mod:`mtdao.sync.testing`.
+Depends on torch only (and :mod:`mtdao.timescales` for half-lives, :mod:`mtdao.units` for byte
+counts); knows no model and no optimizer beyond the state keys its policies name. Test doubles: :mod:`mtdao.sync.testing`.
 """
 
 from mtdao.sync.communicator import Averages, Communicator, SingleWorker, Traffic

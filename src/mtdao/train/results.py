@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtdao.sync.communicator import format_bytes, format_traffic
 from mtdao.sync.engine import SyncEvent
 from mtdao.sync.policy import communication_per_step, full_cycle
 from mtdao.train.setup import Run
 from mtdao.train.sharding import process_memory, process_share
+from mtdao.units import format_bytes, format_traffic
 
 
 def summarize(run: Run) -> dict[str, Any]:
