@@ -6,7 +6,8 @@ LR, seed, the exact command) next to the run's ``results.json``. The plan (a Pyt
 EXPERIMENTS: id, flags, steps, seeds, and COMMON, the flags every run shares) says which runs
 exist or are still to come. This script reads both, keeps what a report needs (seed-0 LR sweeps,
 final losses of every seed at the best LR, mean evaluation curves, worker alignment), and renders
-the report with :mod:`mtdao.experiments.horizon_report`:
+the report with :mod:`mtdao.experiments.horizon_report` (numbers: ``horizon_summary``, figures:
+``horizon_plots``):
 
     python benchmarks/horizon_study.py --runs STUDY/runs --plan STUDY/plan.py --out reports/horizon
 """
@@ -21,13 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from mtdao.experiments.horizon_report import (
-    nan_free,
-    plot_horizon,
-    plot_screen,
-    plot_traffic,
-    render_horizon_report,
-)
+from mtdao.experiments.horizon_plots import plot_horizon, plot_screen, plot_traffic
+from mtdao.experiments.horizon_report import render_horizon_report
+from mtdao.experiments.horizon_summary import nan_free
 
 # Kept out of the shown flags: what differs per run of one experiment.
 PER_RUN_FLAGS = {"--lr", "--seed", "--out", "--eval-every", "--steps", "--checkpoint-every"}

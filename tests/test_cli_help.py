@@ -209,8 +209,8 @@ def test_the_progress_bar_counts_bytes_as_the_summary_does():
     summary and report."""
     from types import SimpleNamespace
 
-    from mtdao.sync.communicator import format_bytes
     from mtdao.train.trainer import log_training
+    from mtdao.units import format_bytes
 
     sent = 371_500_000
     run = SimpleNamespace(

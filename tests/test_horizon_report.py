@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from mtdao.experiments import horizon_plots as plots
 from mtdao.experiments import horizon_report as hr
+from mtdao.experiments import horizon_summary as hs
 
 
 def experiment(eid, values, sweep=((4e-3, 1.5), (5.657e-3, 1.4), (8e-3, 1.45)), curve=(), **extra):
@@ -28,44 +30,44 @@ def experiment(eid, values, sweep=((4e-3, 1.5), (5.657e-3, 1.4), (8e-3, 1.45)), 
 
 
 def test_state_names_what_is_missing():
-    assert hr.state(experiment("p1/ddp/1000", [1.0, 1.1, 1.2])) == "final"
-    assert hr.state(experiment("p1/ddp/1000", [1.0])) == "provisional: 1/3 seeds"
+    assert hs.state(experiment("p1/ddp/1000", [1.0, 1.1, 1.2])) == "final"
+    assert hs.state(experiment("p1/ddp/1000", [1.0])) == "provisional: 1/3 seeds"
     unbracketed = experiment("p1/ddp/1000", [1.0], bracketed=False)
-    assert hr.state(unbracketed) == "provisional: sweep not bracketed yet, 1/3 seeds"
-    assert hr.state({"id": "p1/ddp/1000", "sweep": [], "planned_seeds": [0]}) == "not started"
+    assert hs.state(unbracketed) == "provisional: sweep not bracketed yet, 1/3 seeds"
+    assert hs.state({"id": "p1/ddp/1000", "sweep": [], "planned_seeds": [0]}) == "not started"
     # at another experiment's LR (the held-out corpus): one LR, no sweep to bracket
     one_lr = dict(sweep=((8e-3, 1.7),), bracketed=False, refined=False)
     held_out = experiment("p6/vim-ddp/3000", [1.7, 1.8, 1.75], **one_lr, lr_from="p1/ddp/3000")
-    assert hr.state(held_out) == "final"
-    assert hr.state({**held_out, "values": [1.7]}) == "provisional: 1/3 seeds"
+    assert hs.state(held_out) == "final"
+    assert hs.state({**held_out, "values": [1.7]}) == "provisional: 1/3 seeds"
 
 
 def test_gap_counts_only_beyond_the_summed_stds():
     base = experiment("p1/local-adam/1000", [1.00, 1.01, 1.02])  # std 0.01
-    assert hr.gap(experiment("p1/mtdao/1000", [0.95, 0.96, 0.97]), base)["verdict"] == "better"
-    assert hr.gap(experiment("p1/mtdao/1000", [1.10, 1.11, 1.12]), base)["verdict"] == "worse"
-    tie = hr.gap(experiment("p1/mtdao/1000", [0.995, 1.005, 1.015]), base)
+    assert hs.gap(experiment("p1/mtdao/1000", [0.95, 0.96, 0.97]), base)["verdict"] == "better"
+    assert hs.gap(experiment("p1/mtdao/1000", [1.10, 1.11, 1.12]), base)["verdict"] == "worse"
+    tie = hs.gap(experiment("p1/mtdao/1000", [0.995, 1.005, 1.015]), base)
     assert tie["verdict"] == "tie" and tie["diff"] == pytest.approx(-0.005)
-    single = hr.gap(experiment("p1/mtdao/1000", [0.5]), base)
+    single = hs.gap(experiment("p1/mtdao/1000", [0.5]), base)
     assert single["verdict"] == "no noise estimate"
-    assert hr.gap(experiment("p1/mtdao/1000", []), base) is None
+    assert hs.gap(experiment("p1/mtdao/1000", []), base) is None
 
 
 def test_paired_differences_follow_the_seeds():
     base = experiment("p1/local-adam/1000", [1.00, 1.01, 1.02], seeds=[0, 1, 2])
     other = experiment("p1/mtdao/1000", [0.99, 1.02], seeds=[0, 2])
-    assert hr.paired(other, base) == {"diff": pytest.approx(-0.005), "lower": 1, "n": 2}
-    assert hr.paired(experiment("p1/mtdao/1000", [], seeds=[]), base) is None
+    assert hs.paired(other, base) == {"diff": pytest.approx(-0.005), "lower": 1, "n": 2}
+    assert hs.paired(experiment("p1/mtdao/1000", [], seeds=[]), base) is None
 
 
 def test_crossing_first_and_lasting():
     base = experiment("p1/local-adam/1000", [1.0], curve=[(40, 3.0), (80, 2.0), (120, 1.5)])
     stays = experiment("p1/mtdao/1000", [1.0], curve=[(40, 3.1), (80, 1.9), (120, 1.4)])
-    assert hr.crossing(stays, base) == "step 80, below from 80 on"
+    assert hs.crossing(stays, base) == "step 80, below from 80 on"
     back = experiment("p1/mtdao/1000", [1.0], curve=[(40, 2.9), (80, 2.1), (120, 1.6)])
-    assert hr.crossing(back, base) == "step 40, not at the end"
+    assert hs.crossing(back, base) == "step 40, not at the end"
     never = experiment("p1/mtdao/1000", [1.0], curve=[(40, 3.1), (80, 2.1), (120, 1.6)])
-    assert hr.crossing(never, base) == "never"
+    assert hs.crossing(never, base) == "never"
 
 
 def test_report_tables():
@@ -105,13 +107,13 @@ def test_a_variant_joins_the_horizon_curve_from_the_variants_screen():
     }
     text = hr.render_horizon_report(summary)
     assert "| both-wu | 1.3100 ± 0.0100 (3/3) @ 0.00566 | 1.0100 ± 0.0100 (3/3) @ 0.00566 |" in text
-    ids = [e["id"] for e in hr._horizon_experiments(summary, "both-wu")]
+    ids = [e["id"] for e in hs.horizon_experiments(summary, "both-wu")]
     assert ids == ["p1/both-wu/1000", "p3/both-wu/3000"]
 
 
 def test_each_experiment_is_compared_with_the_baselines_of_its_setting():
     def baselines(eid):
-        return hr._baselines({"id": eid})
+        return hs.baselines({"id": eid})
 
     assert baselines("p1/mtdao-default/3000") == ("p1/local-adam/3000", "p1/ddp/3000")
     assert baselines("p4/k128-mtdao-default/3000") == ("p4/k128-local-adam/3000", "p1/ddp/3000")
@@ -122,7 +124,7 @@ def test_each_experiment_is_compared_with_the_baselines_of_its_setting():
 
 def test_other_periods_and_batches_are_compared_within_their_setting():
     def baselines(eid):
-        return hr._baselines({"id": eid})
+        return hs.baselines({"id": eid})
 
     assert baselines("p4/k512-mtdao-default-state16/3000") == (
         "p4/k512-local-adam/3000",
@@ -164,8 +166,8 @@ def test_seed0_screen_pairs_each_configuration_with_its_setting():
             experiment("p4/k128-mtdao-default-state16/3000", [], sweep=sweep(1.3375, 1.34, 1.35)),
         ],
     }
-    by_id = hr._by_id(summary)
-    rows = {e["id"]: (loss, a, b) for e, loss, a, b in hr._screen_rows(summary, by_id)}
+    by_id = hs.experiments_by_id(summary)
+    rows = {e["id"]: (loss, a, b) for e, loss, a, b in hs.screen_rows(summary, by_id)}
     assert rows["p3/outer-nesterov/3000"] == pytest.approx((1.2848, -0.01, -0.0278))
     # no MT-DAO default at K = 128 yet: only the Local Adam difference
     loss, vs_default, vs_local = rows["p4/k128-mtdao-default-state16/3000"]
@@ -187,12 +189,12 @@ def test_screen_plot_draws_one_panel_per_setting(tmp_path):
             experiment("p4/k512-local-adam/3000", [], sweep=((4e-3, 1.4),), bracketed=False),
         ]
     }
-    hr.plot_screen(summary, tmp_path / "screen.png")
+    plots.plot_screen(summary, tmp_path / "screen.png")
     assert (tmp_path / "screen.png").stat().st_size > 1000
-    hr.plot_traffic(
+    plots.plot_traffic(
         {"experiments": [experiment("p1/ddp/3000", [1.2, 1.21], reduction=1.0)]},
         tmp_path / "traffic.png",
     )
     assert (tmp_path / "traffic.png").stat().st_size > 1000
-    hr.plot_screen({"experiments": []}, tmp_path / "none.png")
+    plots.plot_screen({"experiments": []}, tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()

@@ -16,9 +16,10 @@ from torch.testing import assert_close
 
 from mtdao import MTAdam
 from mtdao.cli import main
-from mtdao.sync import LocalUpdateSync, SimulatedWorkers, gradient_averaging, unified
-from mtdao.sync.overlap import check_delay, merge
+from mtdao.sync import LocalUpdateSync, SimulatedWorkers, SyncCodecs, gradient_averaging, unified
+from mtdao.sync.overlap import merge
 from mtdao.sync.policy import with_state_period
+from mtdao.sync.round_options import check_round_options
 from mtdao.sync.testing import RecordingCommunicator
 
 M, SHAPE = 4, (5, 3)
@@ -212,15 +213,34 @@ def test_flush_applies_what_is_in_flight():
 
 
 def test_a_delay_must_land_before_the_next_round():
-    assert check_delay(31, unified(32)) == 31
+    assert check_round_options(unified(32), delay=31) == 31
     with pytest.raises(ValueError, match="^--sync-delay 32 must be below every sync period"):
-        check_delay(32, unified(32))
+        check_round_options(unified(32), delay=32)
     with pytest.raises(ValueError, match=r"the shortest is 16"):
-        check_delay(16, with_state_period(unified(32), 16))
+        check_round_options(with_state_period(unified(32), 16), delay=16)
     with pytest.raises(ValueError, match="gradient averaging"):
-        check_delay(1, gradient_averaging())
+        check_round_options(gradient_averaging(), delay=1)
     with pytest.raises(ValueError, match="Invalid sync delay"):
-        check_delay(-1, unified(4))
+        check_round_options(unified(4), delay=-1)
+
+
+@pytest.mark.parametrize(
+    "options, flag",
+    [
+        (dict(fragments=2), "--sync-fragments"),
+        (dict(codecs=SyncCodecs.parse(("int8",))), "--sync-dtype"),
+        (dict(delay=1, fragments=2), "--sync-delay"),
+    ],
+)
+def test_gradient_averaging_refuses_every_round_option_in_the_flags_words(options, flag):
+    """The engine refuses with the config's rule and message (mtdao.sync.round_options)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, 3))], lr=0.1)
+    with pytest.raises(
+        ValueError, match=f"^{flag}: policy 'gradient-averaging' averages gradients"
+    ):
+        LocalUpdateSync(optimizer, gradient_averaging(), SimulatedWorkers(2), **options)
+    with pytest.raises(ValueError, match="^--sync-fragments must be a positive integer, got 0$"):
+        check_round_options(unified(4), fragments=0)
 
 
 @pytest.mark.parametrize(

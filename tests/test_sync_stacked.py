@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -107,6 +109,26 @@ def test_an_unstacked_tensor_is_refused_with_the_way_out():
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(64, 16))], lr=0.1)
     with pytest.raises(ValueError, match="leading worker dimension of 4.*stack_workers"):
         LocalUpdateSync(optimizer, unified(2), SimulatedWorkers(4))
+
+
+@pytest.mark.parametrize("count", [0, -1, True, 2.0])
+def test_a_bad_number_of_workers_is_refused_as_the_simulator_refuses_it(count):
+    for build in (lambda: stack_workers(nn.Linear(2, 2), count), lambda: SimulatedWorkers(count)):
+        with pytest.raises(
+            ValueError, match=rf"^Invalid number of workers: {count} \(must be >= 1\)$"
+        ):
+            build()
+
+
+def test_stacking_a_model_imports_nothing_of_the_sync_package():
+    """The model side of simulated workers lives with the models; only mtdao.sync re-exports it."""
+    code = (
+        "import sys; import mtdao.model.stacked_workers; "
+        "print([m for m in sys.modules if m.startswith('mtdao.sync')])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 # -- the test doubles -----------------------------------------------------------------------------

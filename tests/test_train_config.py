@@ -9,9 +9,12 @@ import json
 import math
 
 import pytest
+import torch
 
 from mtdao.cli import build_parser
 from mtdao.flags import add_dataclass_arguments
+from mtdao.sync import SyncCodecs
+from mtdao.sync.round_options import check_round_options
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import (
     RESUMABLE_FIELDS,
@@ -20,7 +23,7 @@ from mtdao.train.config import (
     describe_default,
     resolve,
 )
-from mtdao.train.methods import BASE_OPTIMIZERS, METHODS
+from mtdao.train.methods import BASE_OPTIMIZERS, METHODS, build_policy
 
 
 def test_defaults_resolve():
@@ -171,6 +174,39 @@ def test_resolve_cross_field_rules():
         resolve(TrainConfig(resume=True, overwrite=True))
     with pytest.raises(ValueError, match="--extend re-plans a resumed run: it needs --resume"):
         resolve(TrainConfig(extend=True))
+
+
+@pytest.mark.parametrize(
+    "fields, engine, config_says, engine_says",
+    [
+        (dict(sync_fragments=0), dict(fragments=0), "", ""),
+        (dict(sync_delay=-1), dict(delay=-1), "", ""),
+        (dict(sync_delay=2.0), dict(delay=2.0), "", ""),
+        (
+            dict(method="ddp", sync_dtype=("int8",)),
+            dict(codecs=SyncCodecs.parse(("int8",))),
+            "--sync-dtype: ddp",
+            "--sync-dtype: policy 'ddp'",
+        ),
+        (
+            dict(sync_delay=8, sync_period=8),
+            dict(delay=8),
+            "--sync-delay 8 must be below --sync-period 8",
+            "--sync-delay 8 must be below every sync period (the shortest is 8)",
+        ),
+    ],
+)
+def test_the_round_option_rules_are_the_sync_packages(fields, engine, config_says, engine_says):
+    """The config refuses a bad delay, fragment count or dtype by the rule the engine applies, in
+    the same words: only the subject (the method's flag, the policy) differs."""
+    with pytest.raises(ValueError) as by_config:
+        resolve(TrainConfig(**fields))
+    method = fields.get("method", "mtdao")
+    policy = build_policy(method, fields.get("sync_period", 8), torch.optim.SGD([torch.zeros(1)]))
+    with pytest.raises(ValueError) as by_engine:
+        check_round_options(policy, **engine)
+    said_by_config, said_by_engine = str(by_config.value), str(by_engine.value)
+    assert said_by_config.replace(config_says, engine_says, 1) == said_by_engine
 
 
 def test_a_sync_period_longer_than_the_run_is_warned():

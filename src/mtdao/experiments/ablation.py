@@ -9,8 +9,9 @@ The paper's ablation holds the momentum and second-moment periods at 16 while th
 period grows: ``--state-period 16`` does that; without it every state follows the chosen rule, so "unified"
 moves all periods together with K.
 
-Output in ``--out``: runs/, results.json, report.md, degradation_vs_k.png. The numbers are
-computed in :mod:`.ablation_summary`, the report and plot drawn in :mod:`.ablation_report`.
+Output in ``--out``: runs/, results.json, report.md, degradation_vs_k.png. The variants are
+built in :mod:`.ablation_variants`, the numbers computed in :mod:`.ablation_summary`, the report
+and plot drawn in :mod:`.ablation_report`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtdao.experiments.ablation_variants import Variant, build_variants
 from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
 from mtdao.train.config import TrainConfig, default_lr
 from mtdao.train.methods import SYNC_POLICIES
@@ -37,45 +38,6 @@ It prints how many runs, steps and evaluations are coming before it trains; reru
 command after an interruption: finished runs in --out are kept, not trained again.
 """
 LR_METHODS = ("ddp", "local-adam", "mtdao")
-# One hue per slow momentum (the first is MT-DAO's red in every figure); line style per policy.
-SLOW_BETA_COLORS = ("#d62728", "#7b1fa2", "#1f77b4", "#8c564b", "#17becf")
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One line of the ablation plot: a method and its momentum / period settings."""
-
-    name: str
-    slug: str
-    method: str
-    betas: tuple[float, ...] | None = None
-    omegas: tuple[float, ...] | None = None
-    sync_policy: str | None = None
-    color: str = "#ff7f0e"
-    linestyle: str = "-"
-
-
-def build_variants(
-    slow_betas: Sequence[float], omega: float, policies: Sequence[str]
-) -> list[Variant]:
-    variants = [Variant("Local Adam", "local-adam", "local-adam")]
-    styles = {"unified": "-", "half-life": "--", "desloc": ":"}
-    shades = [SLOW_BETA_COLORS[i % len(SLOW_BETA_COLORS)] for i in range(len(slow_betas))]
-    for beta, shade in zip(slow_betas, shades):
-        for policy in policies:
-            variants.append(
-                Variant(
-                    name=f"MT-DAO beta {beta:g}, {policy}",
-                    slug=f"mtdao-b{beta:g}-w{omega:g}-{policy}",
-                    method="mtdao",
-                    betas=(beta,),
-                    omegas=(omega,),
-                    sync_policy=policy,
-                    color=shade,
-                    linestyle=styles.get(policy, "-."),
-                )
-            )
-    return variants
 
 
 def add_parser(subparsers) -> None:

@@ -12,14 +12,12 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from mtdao.experiments.ablation_variants import Variant
 from mtdao.experiments.formatting import SIGNIFICANCE_RULE, compare_losses, stats
-
-if TYPE_CHECKING:
-    from mtdao.experiments.ablation import Variant
 
 
 def degradation_slope(periods: Sequence[int], degradation: Sequence[float]) -> float | None:

@@ -15,8 +15,8 @@ from typing import Any
 
 # Re-exported: the reports and the training summary share one byte format and one way of saying
 # how traffic compares.
-from mtdao.sync.communicator import format_bytes as format_bytes
-from mtdao.sync.communicator import format_traffic as format_traffic
+from mtdao.units import format_bytes as format_bytes
+from mtdao.units import format_traffic as format_traffic
 
 SIGNIFICANCE_RULE = (
     "a difference between two methods counts only if it exceeds the sum of their standard "

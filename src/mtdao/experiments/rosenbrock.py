@@ -13,8 +13,9 @@ project's own optimizer and sync engine:
 
 What is evaluated is the global point, the mean of the workers' points (equal to every worker's
 right after a parameter sync). The defaults are the paper's setting; the measured outcome is in
-reports/rosenbrock/report.md. The report's numbers: :mod:`.rosenbrock_summary`; report.md and the
-plots: :mod:`.rosenbrock_report`.
+reports/rosenbrock/report.md. The function and the methods compared: :mod:`.rosenbrock_problem`;
+the report's numbers: :mod:`.rosenbrock_summary`; report.md and the plots:
+:mod:`.rosenbrock_report`.
 """
 
 from __future__ import annotations
@@ -27,16 +28,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
+from mtdao.experiments.rosenbrock_problem import (
+    CONVERGED_DISTANCE,
+    METHODS,
+    OPTIMUM,
+    rosenbrock,
+    rosenbrock_grad,
+)
 from mtdao.optim import MTAdam
 from mtdao.sync import LocalUpdateSync, NonFiniteError, SimulatedWorkers
 from mtdao.train.methods import build_policy
 
-METHODS = ("local-adam", "mtdao", "ddp")
-OPTIMUM = (1.0, 1.0)
 DDP_BETA = 0.9  # the reference's first momentum: plain synchronous Adam
-CONVERGED_DISTANCE = 0.25  # a run "converged" if the global point ends this close to (1, 1)
 CURVE_POINTS = 400  # loss curve and trajectory are kept at about this many steps
 
 
@@ -86,22 +90,6 @@ class RosenbrockConfig:
         if not 0.0 <= self.omega <= 1.0:
             raise ValueError(f"Invalid --omega: {self.omega} (must lie in [0, 1])")
         return self
-
-
-# -- the function -----------------------------------------------------------------------------
-
-
-def rosenbrock(x: Tensor) -> Tensor:
-    """f(x1, x2) = (1 - x1)^2 + 100 (x2 - x1^2)^2 over the last dimension of ``x``."""
-    x1, x2 = x[..., 0], x[..., 1]
-    return (1 - x1) ** 2 + 100 * (x2 - x1**2) ** 2
-
-
-def rosenbrock_grad(x: Tensor) -> Tensor:
-    """df/dx1 = -2 (1 - x1) - 400 x1 (x2 - x1^2),  df/dx2 = 200 (x2 - x1^2)."""
-    x1, x2 = x[..., 0], x[..., 1]
-    valley = x2 - x1**2
-    return torch.stack([-2 * (1 - x1) - 400 * x1 * valley, 200 * valley], dim=-1)
 
 
 # -- one run ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import numpy as np
 
 from mtdao.experiments.figures import pyplot, save
 from mtdao.experiments.formatting import plus_minus, table
-from mtdao.experiments.rosenbrock import CONVERGED_DISTANCE, METHODS, OPTIMUM
+from mtdao.experiments.rosenbrock_problem import CONVERGED_DISTANCE, METHODS, OPTIMUM, rosenbrock
 
 STYLE = {  # method -> (colour, label)
     "local-adam": ("tab:red", "Local Adam"),
@@ -50,7 +50,7 @@ def plot_trajectories(results: list[dict[str, Any]], path: Path, settings: str) 
     margin = np.maximum(0.12 * (high - low), 0.25)
     low, high = np.maximum(low - margin, -10.0), np.minimum(high + margin, 10.0)
     x1, x2 = np.meshgrid(np.linspace(low[0], high[0], 400), np.linspace(low[1], high[1], 400))
-    f = (1 - x1) ** 2 + 100 * (x2 - x1**2) ** 2
+    f = rosenbrock(np.stack([x1, x2], axis=-1))
 
     fig, ax = plt.subplots(figsize=(7.0, 5.6), dpi=120)
     filled = ax.contourf(x1, x2, np.log10(f + 1e-3), levels=30, cmap="Greys_r", alpha=0.45)

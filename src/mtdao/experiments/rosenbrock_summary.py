@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mtdao.experiments.rosenbrock import METHODS
+from mtdao.experiments.rosenbrock_problem import METHODS
 
 
 def _spread(values: Sequence[float]) -> float:

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.sync.communicator import format_bytes
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import SCHEDULES, TrainConfig, describe_default, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
 from mtdao.train.threads import available_cores
+from mtdao.units import format_bytes
 
 RUNS_DIR = "runs"
 RESULTS_FILE = "results.json"

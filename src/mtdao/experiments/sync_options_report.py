@@ -15,7 +15,7 @@ from mtdao.experiments.formatting import (
     signed,
     table,
 )
-from mtdao.sync.communicator import format_bytes
+from mtdao.units import format_bytes
 
 SETTING_TITLES = {
     "k32": "states on the period rule (every K)",

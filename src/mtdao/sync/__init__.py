@@ -1,10 +1,13 @@
 """The local-update sync engine: policies (what and when), the engine (carries them out),
 communicators (how bytes move) and worker layouts (where each worker's copy lives).
 
-Depends on torch only (and :mod:`mtdao.timescales` for half-lives); knows no model and no
-optimizer beyond the state keys its policies name. Test doubles: :mod:`mtdao.sync.testing`.
+Depends on torch only (and :mod:`mtdao.timescales` for half-lives, :mod:`mtdao.units` for byte
+counts); knows no model and no optimizer beyond the state keys its policies name. Test doubles:
+:mod:`mtdao.sync.testing`. :func:`stack_workers`, the model side of simulated workers, lives in
+:mod:`mtdao.model.stacked_workers` (which imports nothing of this package) and is re-exported here.
 """
 
+from mtdao.model.stacked_workers import StackedWorkers, stack_workers
 from mtdao.sync.communicator import Averages, Communicator, SingleWorker, Traffic
 from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.engine import LocalUpdateSync, NonFiniteError, SyncEvent
@@ -21,7 +24,7 @@ from mtdao.sync.policy import (
     state_decays,
     unified,
 )
-from mtdao.sync.simulated import SimulatedWorkers, StackedWorkers, stack_workers
+from mtdao.sync.simulated import SimulatedWorkers
 
 __all__ = [
     "Averages",

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mtdao.sync.policy import SyncRule
+from mtdao.sync.round_options import check_fragments
 
 
 def layer_of(name: str) -> str:
@@ -28,12 +29,7 @@ class FragmentSchedule:
     """Which fragment each parameter belongs to, and when a fragment is due under a rule."""
 
     def __init__(self, names: Sequence[str], sizes: Sequence[int], num_fragments: int = 1) -> None:
-        if (
-            isinstance(num_fragments, bool)
-            or not isinstance(num_fragments, int)
-            or num_fragments < 1
-        ):
-            raise ValueError(f"Invalid number of fragments: {num_fragments!r} (must be >= 1)")
+        check_fragments(num_fragments)
         layers: dict[str, list[int]] = {}
         for index, name in enumerate(names):
             layers.setdefault(layer_of(name), []).append(index)

@@ -35,29 +35,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mtdao.sync.policy import SyncPolicy
 from mtdao.sync.rounds import Round
 
 POSITIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
 """States that are averages of squares, kept non-negative by the merge."""
-
-
-def check_delay(delay: int, policy: SyncPolicy) -> int:
-    """Refuse a delay that is not below every period of ``policy`` (a round must land before the
-    next round of the same tensors starts) or that a gradient-averaging policy cannot have."""
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-        raise ValueError(f"Invalid sync delay: {delay!r} (must be an integer >= 0)")
-    if delay and policy.average_gradients:
-        raise ValueError("a sync delay needs local steps; gradient averaging (DDP) has none")
-    periods = [policy.params.period, policy.other_states.period]
-    periods += [rule.period for rule in policy.states.values()]
-    shortest = min((p for p in periods if p is not None), default=None)
-    if shortest is not None and delay >= shortest:
-        raise ValueError(
-            f"--sync-delay {delay} must be below every sync period (the shortest is {shortest}): "
-            "a round has to land before the next round of the same tensors starts"
-        )
-    return delay
 
 
 def merge_factor(kind: str, delay: int, decays: Mapping[str, float]) -> float:

@@ -29,9 +29,10 @@ from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
 from mtdao.sync.compression import PseudoGradients, SyncCodecs
 from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.fragments import FragmentSchedule
-from mtdao.sync.overlap import POSITIVE_STATE_KEYS, check_delay, merge, merge_factor
+from mtdao.sync.overlap import POSITIVE_STATE_KEYS, merge, merge_factor
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy, state_decays
 from mtdao.sync.quantize import check_supported
+from mtdao.sync.round_options import check_round_options
 from mtdao.sync.rounds import Round, SyncRound
 
 
@@ -51,16 +52,12 @@ class RoundPlan:
         decays: dict[str, float] | None = None,
     ) -> None:
         codecs = codecs or SyncCodecs()
-        if policy.average_gradients and (fragments != 1 or codecs.quantizes_anything):
-            raise ValueError(
-                "fragments and quantized sync apply to parameter and state rounds; gradient "
-                "averaging (DDP) sends float32 gradients every step"
-            )
+        delay = check_round_options(policy, delay=delay, fragments=fragments, codecs=codecs)
         self.policy, self.optimizer = policy, optimizer
         self.communicator, self.layout = communicator, communicator.layout
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.names = list(names)
-        self.delay = check_delay(delay, policy)
+        self.delay = delay
         sizes = [self.layout.worker_numel(p) for p in self.params]
         self.fragments = FragmentSchedule(self.names, sizes, fragments)
         self.codecs = codecs

@@ -1,12 +1,13 @@
 """The training configuration: one dataclass, a docstring per field, every default in one place.
 
 A :class:`TrainConfig` holds what the user asked for; fields left ``None`` take a default that
-depends on the method and the base optimizer (:data:`OPTIMIZER_DEFAULTS`, the method table in
-:mod:`mtdao.train.methods`). :func:`resolve` validates a config once and fills in every default;
-the resolved config is what a run uses, what ``config.json`` and ``results.json`` hold, and what a
-resume is compared with. Resolving is idempotent, so a saved resolved config resolves to itself,
-and a ``config.json`` written with unset (null) fields, as older versions wrote it, resolves to the
-values those fields take today.
+depends on the method and the base optimizer (:data:`OPTIMIZER_DEFAULTS`, in
+:mod:`mtdao.train.optimizer_defaults`; the method table in :mod:`mtdao.train.methods`).
+:func:`resolve` validates a config once (:mod:`mtdao.train.config_checks`) and fills in every
+default; the resolved config is what a run uses, what ``config.json`` and ``results.json`` hold,
+and what a resume is compared with. Resolving is idempotent, so a saved resolved config resolves
+to itself, and a ``config.json`` written with unset (null) fields, as older versions wrote it,
+resolves to the values those fields take today.
 
 The ``mtdao train`` flags are generated from the fields (:mod:`mtdao.train.command`): the help
 text is the field's docstring, ``metadata`` names choices and the spelling of boolean switches.
@@ -22,13 +23,11 @@ from pathlib import Path
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.optim.base import check_momenta
 from mtdao.sync.compression import SyncCodecs
-from mtdao.train.methods import (
-    BASE_OPTIMIZERS,
-    METHOD_TABLE,
-    METHODS,
-    STATE_AVERAGING_METHODS,
-    SYNC_POLICIES,
-)
+from mtdao.train.config_checks import check_config
+from mtdao.train.config_checks import config_warnings as config_warnings
+from mtdao.train.methods import BASE_OPTIMIZERS, METHOD_TABLE, METHODS, SYNC_POLICIES
+from mtdao.train.optimizer_defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
+from mtdao.train.optimizer_defaults import default_lr as default_lr
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -45,51 +44,6 @@ RESUMABLE_FIELDS = frozenset(
     | {"shards"}  # a sharded checkpoint loads into any number of shards per worker
     | {"lighthouse", "connect_timeout", "quorum_timeout", "bind_host", "auth_token_file"}
 )
-
-
-@dataclass(frozen=True)
-class OptimizerDefaults:
-    """The defaults that depend on the base optimizer (and on the method family)."""
-
-    lr: float
-    """Peak learning rate of every method: each one's own best at 1000 steps (micro model)."""
-    betas: tuple[float, ...]
-    """First-momentum decays of the baselines (ddp, local-adam, diloco, desloc)."""
-    mtdao_betas: tuple[float, ...]
-    """Slow momenta of the multi-timescale methods (mtdao, qh-ddp)."""
-    mtdao_omegas: tuple[float, ...]
-    """Their mixing weights; the raw gradient gets 1 - sum."""
-    beta2: float | None
-    """Second-moment decay (None: the optimizer keeps no second moment)."""
-    eps: float | None
-    """Denominator epsilon (None: the optimizer has none)."""
-    mtdao_beta_warmup: float = 0.0
-    """Beta warm-up fraction of the multi-timescale methods' default momenta."""
-    mtdao_beta_ramp: float = 0.0
-    """Step-counted beta ramp C of the multi-timescale methods' default momenta."""
-
-
-# MT-DAO-Adam's default is the paper's slow momentum (0.99, omega 0.9) whose decay follows
-# min(0.99, 1 - 9 / t) at step t: its half-life grows with the steps taken (about t / 13, reaching
-# 0.99 at step 900) whatever --steps is, so a short run gets the start of a long one's optimizer.
-# The former warm-up over 30% of --steps gave short runs a fast ramp and lost to Local Adam at
-# 1000 steps; at 3000 steps the two schedules nearly agree (both reach 0.99 near step 900).
-# BENCHMARKS.md, the defaults card, has the measurements.
-# Every method's default LR, 8e-3, is its own best at 1000 steps of the micro model.
-# MT-DAO-ADOPT keeps the paper's code defaults (0.999, 0.9), not measured with the ramp here.
-OPTIMIZER_DEFAULTS = {
-    "adam": OptimizerDefaults(
-        8e-3, (0.9,), (0.99,), (0.9,), beta2=0.95, eps=1e-8, mtdao_beta_ramp=9.0
-    ),
-    "adopt": OptimizerDefaults(4e-3, (0.9,), (0.999,), (0.9,), beta2=0.9999, eps=1e-6),
-    "sgdm": OptimizerDefaults(0.3, (0.9,), (0.99,), (0.9,), beta2=None, eps=None),
-}
-
-
-def default_lr(method: str, optimizer: str) -> float:
-    """The peak learning rate ``method`` runs with when --lr is not given: one per base optimizer
-    today, since the sweeps found every method's best at the same value."""
-    return OPTIMIZER_DEFAULTS[optimizer].lr
 
 
 def _choice(default: str, choices: tuple[str, ...]):
@@ -302,7 +256,7 @@ class TrainConfig:
 
 def resolve(config: TrainConfig) -> TrainConfig:
     """``config`` validated, with every default filled in; raises ValueError naming a bad flag."""
-    _validate(config)
+    check_config(config)
     table = OPTIMIZER_DEFAULTS[config.optimizer]
     method = METHOD_TABLE[config.method]
     betas = config.betas
@@ -352,36 +306,6 @@ def default_out(config: TrainConfig) -> str:
     return str(out / f"replica-{config.replica_id}" if config.fault_tolerant else out)
 
 
-# The shortest run of the defaults card (BENCHMARKS.md): below it, MT-DAO's default is unmeasured.
-SHORTEST_MEASURED_RUN = 300
-
-
-def config_warnings(config: TrainConfig) -> list[str]:
-    """Settings of a resolved ``config`` that are allowed but probably not what was meant."""
-    found = []
-    steps = config.total_steps()
-    if not METHOD_TABLE[config.method].averages_gradients and config.sync_period > steps:
-        found.append(
-            f"--sync-period {config.sync_period} is larger than --steps {steps}: the workers never "
-            "average their parameters in this run (evaluation still averages them)"
-        )
-    slowest = max(config.betas or (0.0,))
-    if config.beta_ramp and slowest > 0.9 and steps < SHORTEST_MEASURED_RUN:
-        final = min(slowest, max(0.9, 1 - config.beta_ramp / steps))
-        found.append(
-            f"--steps {steps} is shorter than any run MT-DAO's default was measured at "
-            f"({SHORTEST_MEASURED_RUN} steps and up: BENCHMARKS.md, the defaults card); its slow "
-            f"momentum is still ramping up and ends this run at decay {final:.3f} (target "
-            f"{slowest:g} from step {round(config.beta_ramp / (1 - slowest))})"
-        )
-    if config.state_sync_period is not None and config.state_sync_period > steps:
-        found.append(
-            f"--state-sync-period {config.state_sync_period} is larger than --steps {steps}: the "
-            "optimizer states are never averaged in this run"
-        )
-    return found
-
-
 def describe_default(name: str) -> str | None:
     """How an unset (None) field is resolved, for ``--help``; None for fields with a value."""
     rules = [f"{spec.period_rule} for {m}" for m, spec in METHOD_TABLE.items() if spec.period_rule]
@@ -421,156 +345,6 @@ def _text(value) -> str:
     if isinstance(value, tuple):
         return " ".join(f"{v:g}" for v in value)
     return f"{value:g}"
-
-
-# -- validation -------------------------------------------------------------------------------
-
-
-def _validate(config: TrainConfig) -> None:
-    """Raise ValueError naming the first bad field."""
-    for f in dataclasses.fields(config):
-        choices = f.metadata.get("choices")
-        value = getattr(config, f.name)
-        if choices and value is not None and value not in choices:
-            raise ValueError(
-                f"--{_flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
-            )
-    names = ("workers", "shards", "sync_period", "batch_size", "seq_len", "eval_tokens")
-    for name in names + ("log_every", "keep_checkpoints"):
-        _positive_int(name, getattr(config, name))
-    if config.eval_tokens < config.seq_len:
-        raise ValueError(
-            f"--eval-tokens {config.eval_tokens} is less than one window of --seq-len "
-            f"{config.seq_len}: raise --eval-tokens or lower --seq-len"
-        )
-    if config.batch_size % config.shards != 0:
-        raise ValueError(
-            f"--batch-size {config.batch_size} does not split over --shards {config.shards} "
-            "(each process of a worker takes batch-size / shards of its sequences)"
-        )
-    for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
-        if getattr(config, name) is not None:
-            _positive_int(name, getattr(config, name))
-    if config.steps is not None and config.tokens is not None:
-        raise ValueError("give --steps or --tokens, not both")
-    if config.state_sync_period is not None and config.method not in STATE_AVERAGING_METHODS:
-        raise ValueError(f"--state-sync-period: {config.method} does not average optimizer states")
-    if config.sync_policy is not None and config.method not in STATE_AVERAGING_METHODS:
-        raise ValueError(
-            f"--sync-policy: {config.method} does not average optimizer states; "
-            "a sync policy does not apply"
-        )
-    _validate_sync_options(config)
-    for name in ("weight_decay", "grad_clip", "min_lr_ratio", "lr", "eps"):
-        if getattr(config, name) is not None:
-            _non_negative(name, getattr(config, name))
-    if config.beta2 is not None and not 0.0 <= config.beta2 < 1.0:
-        raise ValueError(f"--beta2: {config.beta2} is outside [0, 1)")
-    for name in ("beta2", "eps"):
-        if (
-            getattr(config, name) is not None
-            and getattr(OPTIMIZER_DEFAULTS[config.optimizer], name) is None
-        ):
-            raise ValueError(f"--{name}: {config.optimizer} has no {name}")
-    for name in ("outer_lr", "collective_timeout"):
-        _positive(name, getattr(config, name))
-    if not 0.0 <= config.outer_momentum < 1.0:
-        raise ValueError(f"--outer-momentum must lie in [0, 1), got {config.outer_momentum}")
-    if config.min_lr_ratio > 1.0:
-        raise ValueError(
-            f"--min-lr-ratio must lie in [0, 1] (the final learning rate as a fraction of the "
-            f"peak), got {config.min_lr_ratio}"
-        )
-    if config.resume and config.overwrite:
-        raise ValueError("give --resume (continue the run in --out) or --overwrite, not both")
-    if config.extend and not config.resume:
-        raise ValueError("--extend re-plans a resumed run: it needs --resume")
-    if config.outer_step == "nesterov" and METHOD_TABLE[config.method].averages_gradients:
-        raise ValueError(f"--outer-step: {config.method} averages gradients, not parameters")
-    for name in ("warmup", "decay_fraction", "omega_warmup", "beta_warmup"):
-        value = getattr(config, name)
-        if value is not None and not 0.0 <= value <= 1.0:
-            raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
-    if config.beta_ramp is not None and not (
-        math.isfinite(config.beta_ramp) and config.beta_ramp >= 0
-    ):
-        raise ValueError(f"--beta-ramp must be a finite number >= 0, got {config.beta_ramp}")
-    _validate_fault_tolerance(config)
-
-
-def _validate_fault_tolerance(config: TrainConfig) -> None:
-    for name in ("connect_timeout", "quorum_timeout"):
-        value = getattr(config, name)
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"--{_flag(name)} must be a number of seconds > 0, got {value!r}")
-    if not config.bind_host or not config.bind_host.strip():
-        raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
-    if not config.fault_tolerant:
-        for name in ("replica_id", "lighthouse", "auth_token_file"):
-            if getattr(config, name) is not None:
-                raise ValueError(f"--{_flag(name)} needs --fault-tolerant")
-        return
-    if config.replica_id is None or config.lighthouse is None:
-        raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
-    if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
-        raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
-    if not 0 <= config.replica_id < config.workers:
-        raise ValueError(
-            f"--replica-id {config.replica_id} is outside 0 .. {config.workers - 1} "
-            f"(--workers {config.workers} replicas, one data shard each)"
-        )
-    if not config.lighthouse.strip():
-        raise ValueError("--lighthouse is empty; give the lighthouse's host:port")
-
-
-def _validate_sync_options(config: TrainConfig) -> None:
-    """Delay, fragments and dtypes: well formed, and only where a method has sync rounds."""
-    _positive_int("sync_fragments", config.sync_fragments)
-    delay = config.sync_delay
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-        raise ValueError(f"--sync-delay must be an integer >= 0, got {delay!r}")
-    codecs = SyncCodecs.parse(config.sync_dtype or (), config.error_feedback)
-    changed = [
-        flag
-        for flag, on in (
-            ("--sync-delay", delay > 0),
-            ("--sync-fragments", config.sync_fragments > 1),
-            ("--sync-dtype", codecs.quantizes_anything),
-        )
-        if on
-    ]
-    if changed and METHOD_TABLE[config.method].averages_gradients:
-        raise ValueError(
-            f"{changed[0]}: {config.method} averages gradients every step; it has no sync "
-            "rounds to delay, split or quantize"
-        )
-    periods = [config.sync_period, config.state_sync_period]
-    shortest = min(p for p in periods if p is not None)
-    if delay >= shortest:
-        which = "--sync-period" if shortest == config.sync_period else "--state-sync-period"
-        raise ValueError(
-            f"--sync-delay {delay} must be below {which} {shortest}: a round has to land before "
-            "the next round of the same tensors starts"
-        )
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"--{_flag(name)} must be a positive integer, got {value!r}")
-
-
-def _positive(name: str, value) -> None:
-    if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-        raise ValueError(f"--{_flag(name)} must be a finite number > 0, got {value!r}")
-
-
-def _non_negative(name: str, value) -> None:
-    if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
-        raise ValueError(f"--{_flag(name)} must be a finite number >= 0, got {value!r}")
 
 
 def _jsonable(value):

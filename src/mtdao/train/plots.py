@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtdao.sync.communicator import format_bytes
 from mtdao.train.metrics import read_metrics
+from mtdao.units import format_bytes
 
 # More rounds than this are not drawn one by one (DDP's every-step all-reduce would fill the plot).
 MAX_MARKED_ROUNDS = 200

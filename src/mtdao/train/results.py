@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtdao.sync.communicator import format_bytes, format_traffic
 from mtdao.sync.dtensors import process_share
 from mtdao.sync.engine import SyncEvent
 from mtdao.sync.policy import communication_per_step, full_cycle
 from mtdao.train.setup import Run
 from mtdao.train.sharding import process_memory
+from mtdao.units import format_bytes, format_traffic
 
 
 def summarize(run: Run) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from mtdao.data import stacked_batches
-from mtdao.sync.communicator import RoundNotCommitted, format_bytes
+from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.train.checkpoint import CheckpointStore
 from mtdao.train.config import TrainConfig, config_warnings, resolve
 from mtdao.train.distributed import (
@@ -41,6 +41,7 @@ from mtdao.train.sharding import check_topology
 from mtdao.train.snapshot import checkpoint_store, restore, save, unfit
 from mtdao.train.startup import Start, choose_start, fall_back, lock_run_dir
 from mtdao.train.workers import SimulatedWorkerSet
+from mtdao.units import format_bytes
 
 __all__ = ["Run", "build_run", "train", "train_step", "set_hyperparameters"]
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mtdao.model.stacked_workers import stack_workers
 from mtdao.sync.layout import WorkerLayout
-from mtdao.sync.simulated import stack_workers
 
 # On CPU, vmap has no batching rule for the fused attention kernel and falls back to a loop over
 # workers, which measured as fast as an explicit matmul attention; the warning is only noise.

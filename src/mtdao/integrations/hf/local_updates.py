@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtdao.experiments.formatting import format_traffic
 from mtdao.sync import LocalUpdateSync, SingleWorker
-from mtdao.sync.communicator import Traffic, format_bytes
+from mtdao.sync.communicator import Traffic
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.methods import build_optimizer
 from mtdao.train.schedule import BetaWarmup, OmegaWarmup, beta_warmup_of, omega_warmup_of
 from mtdao.train.setup import build_sync
 from mtdao.train.workers import ProcessWorkerSet, WorkerSet
+from mtdao.units import format_bytes, format_traffic
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mtdao.sync.simulated import StackedWorkers, stack_workers
+from mtdao.model.stacked_workers import StackedWorkers, stack_workers
 
 
 def stack_hf_workers(model: nn.Module, num_workers: int) -> StackedWorkers:

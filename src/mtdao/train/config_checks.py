@@ -1,0 +1,187 @@
+"""The checks of a training configuration, apart from the dataclass (:mod:`mtdao.train.config`).
+
+:func:`check_config` refuses a bad config with a one-line ValueError naming the flag (``resolve``
+calls it before filling in any default); :func:`config_warnings` lists the settings of a resolved
+config that are allowed but probably not what was meant. The rules of the round options (delay,
+fragments, dtypes) are the sync package's own (:mod:`mtdao.sync.round_options`), applied here to
+the flags.
+
+The config is taken as it comes (``Any``): this module sits below :mod:`mtdao.train.config`,
+which imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.round_options import (
+    check_delay_lands,
+    check_delay_value,
+    check_fragments,
+    refuse_without_rounds,
+)
+from mtdao.train.methods import METHOD_TABLE, STATE_AVERAGING_METHODS
+from mtdao.train.optimizer_defaults import OPTIMIZER_DEFAULTS
+
+
+def check_config(config: Any) -> None:
+    """Raise ValueError naming the first bad field of a :class:`~mtdao.train.config.TrainConfig`."""
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices and value is not None and value not in choices:
+            raise ValueError(
+                f"--{_flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
+            )
+    names = ("workers", "shards", "sync_period", "batch_size", "seq_len", "eval_tokens")
+    for name in names + ("log_every", "keep_checkpoints"):
+        _positive_int(name, getattr(config, name))
+    if config.eval_tokens < config.seq_len:
+        raise ValueError(
+            f"--eval-tokens {config.eval_tokens} is less than one window of --seq-len "
+            f"{config.seq_len}: raise --eval-tokens or lower --seq-len"
+        )
+    if config.batch_size % config.shards != 0:
+        raise ValueError(
+            f"--batch-size {config.batch_size} does not split over --shards {config.shards} "
+            "(each process of a worker takes batch-size / shards of its sequences)"
+        )
+    for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
+        if getattr(config, name) is not None:
+            _positive_int(name, getattr(config, name))
+    if config.steps is not None and config.tokens is not None:
+        raise ValueError("give --steps or --tokens, not both")
+    if config.state_sync_period is not None and config.method not in STATE_AVERAGING_METHODS:
+        raise ValueError(f"--state-sync-period: {config.method} does not average optimizer states")
+    if config.sync_policy is not None and config.method not in STATE_AVERAGING_METHODS:
+        raise ValueError(
+            f"--sync-policy: {config.method} does not average optimizer states; "
+            "a sync policy does not apply"
+        )
+    _check_round_options(config)
+    for name in ("weight_decay", "grad_clip", "min_lr_ratio", "lr", "eps"):
+        if getattr(config, name) is not None:
+            _non_negative(name, getattr(config, name))
+    if config.beta2 is not None and not 0.0 <= config.beta2 < 1.0:
+        raise ValueError(f"--beta2: {config.beta2} is outside [0, 1)")
+    for name in ("beta2", "eps"):
+        if (
+            getattr(config, name) is not None
+            and getattr(OPTIMIZER_DEFAULTS[config.optimizer], name) is None
+        ):
+            raise ValueError(f"--{name}: {config.optimizer} has no {name}")
+    for name in ("outer_lr", "collective_timeout"):
+        _positive(name, getattr(config, name))
+    if not 0.0 <= config.outer_momentum < 1.0:
+        raise ValueError(f"--outer-momentum must lie in [0, 1), got {config.outer_momentum}")
+    if config.min_lr_ratio > 1.0:
+        raise ValueError(
+            f"--min-lr-ratio must lie in [0, 1] (the final learning rate as a fraction of the "
+            f"peak), got {config.min_lr_ratio}"
+        )
+    if config.resume and config.overwrite:
+        raise ValueError("give --resume (continue the run in --out) or --overwrite, not both")
+    if config.extend and not config.resume:
+        raise ValueError("--extend re-plans a resumed run: it needs --resume")
+    if config.outer_step == "nesterov" and METHOD_TABLE[config.method].averages_gradients:
+        raise ValueError(f"--outer-step: {config.method} averages gradients, not parameters")
+    for name in ("warmup", "decay_fraction", "omega_warmup", "beta_warmup"):
+        value = getattr(config, name)
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
+    if config.beta_ramp is not None and not (
+        math.isfinite(config.beta_ramp) and config.beta_ramp >= 0
+    ):
+        raise ValueError(f"--beta-ramp must be a finite number >= 0, got {config.beta_ramp}")
+    _check_fault_tolerance(config)
+
+
+def _check_fault_tolerance(config: Any) -> None:
+    for name in ("connect_timeout", "quorum_timeout"):
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"--{_flag(name)} must be a number of seconds > 0, got {value!r}")
+    if not config.bind_host or not config.bind_host.strip():
+        raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
+    if not config.fault_tolerant:
+        for name in ("replica_id", "lighthouse", "auth_token_file"):
+            if getattr(config, name) is not None:
+                raise ValueError(f"--{_flag(name)} needs --fault-tolerant")
+        return
+    if config.replica_id is None or config.lighthouse is None:
+        raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
+    if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
+        raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
+    if not 0 <= config.replica_id < config.workers:
+        raise ValueError(
+            f"--replica-id {config.replica_id} is outside 0 .. {config.workers - 1} "
+            f"(--workers {config.workers} replicas, one data shard each)"
+        )
+    if not config.lighthouse.strip():
+        raise ValueError("--lighthouse is empty; give the lighthouse's host:port")
+
+
+def _check_round_options(config: Any) -> None:
+    """Delay, fragments and dtypes: the sync package's own rules (one place, one message each),
+    given what the flags say of the method and its periods, before any policy is built."""
+    fragments = check_fragments(config.sync_fragments)
+    delay = check_delay_value(config.sync_delay)
+    codecs = SyncCodecs.parse(config.sync_dtype or (), config.error_feedback)
+    if METHOD_TABLE[config.method].averages_gradients:
+        refuse_without_rounds(config.method, delay=delay, fragments=fragments, codecs=codecs)
+    periods = [config.sync_period, config.state_sync_period]
+    shortest = min(p for p in periods if p is not None)
+    which = "--sync-period" if shortest == config.sync_period else "--state-sync-period"
+    check_delay_lands(delay, shortest, f"{which} {shortest}")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--{_flag(name)} must be a positive integer, got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+        raise ValueError(f"--{_flag(name)} must be a finite number > 0, got {value!r}")
+
+
+def _non_negative(name: str, value) -> None:
+    if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+        raise ValueError(f"--{_flag(name)} must be a finite number >= 0, got {value!r}")
+
+
+# The shortest run of the defaults card (BENCHMARKS.md): below it, MT-DAO's default is unmeasured.
+SHORTEST_MEASURED_RUN = 300
+
+
+def config_warnings(config: Any) -> list[str]:
+    """Settings of a resolved ``config`` that are allowed but probably not what was meant."""
+    found = []
+    steps = config.total_steps()
+    if not METHOD_TABLE[config.method].averages_gradients and config.sync_period > steps:
+        found.append(
+            f"--sync-period {config.sync_period} is larger than --steps {steps}: the workers never "
+            "average their parameters in this run (evaluation still averages them)"
+        )
+    slowest = max(config.betas or (0.0,))
+    if config.beta_ramp and slowest > 0.9 and steps < SHORTEST_MEASURED_RUN:
+        final = min(slowest, max(0.9, 1 - config.beta_ramp / steps))
+        found.append(
+            f"--steps {steps} is shorter than any run MT-DAO's default was measured at "
+            f"({SHORTEST_MEASURED_RUN} steps and up: BENCHMARKS.md, the defaults card); its slow "
+            f"momentum is still ramping up and ends this run at decay {final:.3f} (target "
+            f"{slowest:g} from step {round(config.beta_ramp / (1 - slowest))})"
+        )
+    if config.state_sync_period is not None and config.state_sync_period > steps:
+        found.append(
+            f"--state-sync-period {config.state_sync_period} is larger than --steps {steps}: the "
+            "optimizer states are never averaged in this run"
+        )
+    return found
