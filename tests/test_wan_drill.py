@@ -29,6 +29,8 @@ from mtdao.experiments.wan_scenario import (
 from mtdao.experiments.wan_sites import NETNS_ETC, cleanup_stale, live_namespaces
 from mtdao.experiments.wan_straggler import cpu_cgroup_root
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # -- scenarios ----------------------------------------------------------------------------------
 
 
@@ -300,3 +302,15 @@ def _cmdline(proc: Path) -> str:
         return (proc / "cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_the_report_names_a_drill_without_events_that_did_not_finish():
+    from mtdao.experiments.wan_checks import Check
+    from mtdao.experiments.wan_report import render_report
+
+    results = json.loads((ROOT / "reports" / "wan-drill" / "results.json").read_text())
+    baselines = [dict(b) for b in results["baselines"]]
+    baselines[-1]["final_val_loss"] = None  # a drill that passed its deadline
+    checks = [Check(**check) for check in results["checks"]]
+    report = render_report(results["record"], checks, baselines, None, results["command"])
+    assert "did not finish" in report

@@ -249,7 +249,10 @@ def render_report(
         lines.append(f"| {site} | {counts['sent'] / 1e6:.1f} | {counts['received'] / 1e6:.1f} |")
     lines += ["", "![bytes](bytes.png)", "", "## Loss against wall time", ""]
     if baselines:
-        finals = ", ".join(f"{b['final_val_loss']:.4f}" for b in baselines)
+        finals = ", ".join(
+            _fmt(b["final_val_loss"], ".4f") if b["final_val_loss"] is not None
+            else "did not finish" for b in baselines
+        )  # fmt: skip
         lines.append(f"Drills without events (seeds {[b['seed'] for b in baselines]}): "
                      f"final val loss {finals}.")  # fmt: skip
     if ddp is not None:
