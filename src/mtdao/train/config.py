@@ -512,6 +512,13 @@ def _validate_fault_tolerance(config: TrainConfig) -> None:
         return
     if config.replica_id is None or config.lighthouse is None:
         raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
+    if _is_ipv6_wildcard(config.bind_host):
+        raise ValueError(
+            f"--bind-host {config.bind_host} serves every address, loopback included, so "
+            "torchft's manager could not be kept behind the front that refuses its Kill call; "
+            "give this machine's address on the replicas' network (or 0.0.0.0 for every IPv4 "
+            "interface)"
+        )
     if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
         raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
     if not 0 <= config.replica_id < config.workers:
@@ -575,3 +582,13 @@ def _non_negative(name: str, value) -> None:
 
 def _jsonable(value):
     return list(value) if isinstance(value, tuple) else value
+
+
+def _is_ipv6_wildcard(host: str) -> bool:
+    import ipaddress
+
+    try:
+        address = ipaddress.ip_address(host.strip().strip("[]"))
+    except ValueError:
+        return False  # a name, or an IPv4 address
+    return address.version == 6 and address.is_unspecified
