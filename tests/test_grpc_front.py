@@ -62,10 +62,15 @@ class Recorder:
             except OSError:
                 return
             self.received.append(b"")
-            threading.Thread(target=self._keep, args=(connection,), daemon=True).start()
+            index = len(self.received) - 1
+            threading.Thread(target=self._keep, args=(connection, index), daemon=True).start()
 
-    def _keep(self, connection: socket.socket) -> None:
-        index = len(self.received) - 1
+    def headers(self) -> int:
+        """The requests that reached this server, once what is in flight has landed."""
+        time.sleep(0.3)
+        return sum(headers_frames(received) for received in self.received)
+
+    def _keep(self, connection: socket.socket, index: int) -> None:
         with connection:
             while chunk := connection.recv(65536):
                 self.received[index] += chunk
@@ -83,6 +88,7 @@ def front():
 def test_an_allowed_call_is_forwarded(front):
     front, recorder, lines, address = front
     http2_request(address, "POST", QUORUM, b"\x08\x01", timeout=1.0)
+    assert recorder.headers() == 1
     forwarded = b"".join(recorder.received)
     assert forwarded.startswith(PREFACE) and headers_frames(forwarded) == 1
     assert forwarded.endswith(b"\x00\x00\x00\x00\x02\x08\x01")  # the call's message after it
@@ -93,11 +99,11 @@ def test_kill_is_refused_before_it_reaches_the_server(front):
     front, recorder, lines, address = front
     received = grpc_call(address, KILL, kill_request())
     assert headers_frames(received) == 0  # no answer: the connection ended
-    assert headers_frames(b"".join(recorder.received)) == 0  # Kill's headers never went on
+    assert recorder.headers() == 0  # Kill's headers never went on
     assert front.refused == 1
     (line,) = lines
     assert line.startswith(f"manager's front: refused a call of {KILL} from 127.0.0.1:")
-    assert line.endswith("only Quorum calls are served (1 refused so far)")
+    assert line.endswith("only Quorum calls are served to it (1 refused so far)")
 
 
 def test_kill_after_an_allowed_call_ends_the_connection_there(front):
@@ -113,8 +119,44 @@ def test_kill_after_an_allowed_call_ends_the_connection_there(front):
         while connection.recv(65536):
             pass
     time.sleep(0.2)
-    assert headers_frames(b"".join(recorder.received)) == 1  # the first Quorum only
+    assert recorder.headers() == 1  # the first Quorum only
     assert front.refused == 1 and KILL in lines[0]
+
+
+def test_calls_for_this_machine_only_are_refused_to_others(monkeypatch):
+    import mtdao.sync.grpc_front as grpc_front
+
+    metadata = "/torchft.ManagerService/CheckpointMetadata"
+    recorder, lines = Recorder(), []
+    allowed = frozenset({QUORUM.encode(), metadata.encode()})
+    front = GrpcFront(
+        "manager", listen("127.0.0.1", 0), recorder.address, allowed, lines.append,
+        local_only=frozenset({QUORUM.encode()}),
+    )  # fmt: skip
+    address = f"127.0.0.1:{front.port}"
+    try:
+        http2_request(address, "POST", QUORUM, b"", timeout=1.0)  # from here: served
+        assert recorder.headers() == 1 and lines == []
+        monkeypatch.setattr(grpc_front, "from_this_machine", lambda *_: False)
+        http2_request(address, "POST", QUORUM, b"", timeout=1.0)
+        http2_request(address, "POST", metadata, b"", timeout=1.0)
+        assert recorder.headers() == 2  # the second Quorum did not go
+        (line,) = lines
+        assert f"refused a call of {QUORUM} (served to this machine's processes only)" in line
+        assert line.endswith("only CheckpointMetadata calls are served to it (1 refused so far)")
+    finally:
+        front.shutdown()
+        recorder.listener.close()
+
+
+def test_a_connection_from_this_machine_is_told_apart():
+    from mtdao.sync.grpc_front import from_this_machine
+
+    listener = listen("127.0.0.1", 0)
+    with socket.create_connection(listener.getsockname()), listener.accept()[0] as accepted:
+        assert from_this_machine(accepted, accepted.getpeername())
+        assert not from_this_machine(accepted, ("192.0.2.7", 1))  # as if from elsewhere
+    listener.close()
 
 
 def test_http1_gets_a_403_and_is_reported(front):
@@ -131,7 +173,7 @@ def test_http1_gets_a_403_and_is_reported(front):
 def test_a_flood_of_refusals_is_reported_in_a_few_lines(front):
     front, recorder, lines, address = front
     for _ in range(120):
-        front._refuse(("127.0.0.1", 1), "a call of /x")
+        front._refuse(("127.0.0.1", 1), "a call of /x", ALLOWED)
     assert front.refused == 120 and len(lines) == 11 and "(100 refused so far)" in lines[-1]
 
 

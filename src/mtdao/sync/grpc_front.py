@@ -7,8 +7,10 @@ lighthouse's port also serves a web dashboard (``GET /status`` lists every repli
 ``torchft.ManagerService/Kill``, which ends the replica's process. So mtdao runs each such server
 on a loopback address and serves the address its peers use through a :class:`GrpcFront`, which
 forwards a connection only when it speaks HTTP/2 (gRPC) and each request on it calls one of the
-allowed methods (its ``:path``, read from the request's headers before they are forwarded).
-An HTTP/1 request gets a 403; a forbidden HTTP/2 request ends its connection. Every refusal is
+allowed methods (its ``:path``, read from the request's headers before they are forwarded);
+some of them may be served only to processes on this machine (``local_only``: a connection
+whose source is a loopback address or the very address it reached). An HTTP/1 request gets a
+403; a forbidden HTTP/2 request ends its connection. Every refusal is
 counted (``refused``) and reported in one line naming the front, the peer and what it asked for
 (the first ten, then every tenfold count, so a flood cannot fill the log).
 
@@ -19,6 +21,7 @@ This module knows nothing of torchft: its users name the calls (``mtdao lighthou
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 import sys
 import threading
@@ -45,8 +48,9 @@ class GrpcFront:
     """Serves ``listener`` and forwards each allowed connection to ``upstream`` (host, port).
 
     ``name`` says whose front it is in refusal lines (``lighthouse``, ``manager``); ``allowed``
-    holds the full gRPC paths that may be called (``/package.Service/Method``); ``report``
-    receives each refusal line (by default, standard error)."""
+    holds the full gRPC paths that may be called (``/package.Service/Method``), ``local_only``
+    those of them served only to connections from this machine; ``report`` receives each
+    refusal line (by default, standard error)."""
 
     def __init__(
         self,
@@ -55,8 +59,10 @@ class GrpcFront:
         upstream: tuple[str, int],
         allowed: frozenset[bytes],
         report: Callable[[str], None] | None = None,
+        local_only: frozenset[bytes] = frozenset(),
     ) -> None:
         self.name, self.listener, self.upstream, self.allowed = name, listener, upstream, allowed
+        self.local_only = local_only & allowed
         self.report = report or _to_stderr
         self.refused = 0
         self._count_lock = threading.Lock()
@@ -89,7 +95,7 @@ class GrpcFront:
             client.settimeout(30.0)
             preface = _read(client, len(PREFACE))
             if preface != PREFACE:
-                self._refuse(peer, "a request that is not HTTP/2 (gRPC)")
+                self._refuse(peer, "a request that is not HTTP/2 (gRPC)", self.allowed)
                 with contextlib.suppress(OSError):
                     client.sendall(self._http1_refusal())
                 return
@@ -103,15 +109,21 @@ class GrpcFront:
                 server.sendall(preface)
                 back = threading.Thread(target=_copy, args=(server, client), daemon=True)
                 back.start()
-                forbidden = self._forward_requests(client, server)
+                local = from_this_machine(client, peer)
+                allowed = self.allowed if local else self.allowed - self.local_only
+                forbidden = self._forward_requests(client, server, allowed)
                 if forbidden is not None:
-                    self._refuse(peer, f"a call of {_shown(forbidden)}")
+                    mine = forbidden in self.local_only
+                    where = " (served to this machine's processes only)" if mine else ""
+                    self._refuse(peer, f"a call of {_shown(forbidden)}{where}", allowed)
                 for end in (client, server):
                     with contextlib.suppress(OSError):
                         end.shutdown(socket.SHUT_RDWR)
                 back.join(timeout=5.0)
 
-    def _forward_requests(self, client: socket.socket, server: socket.socket) -> bytes | None:
+    def _forward_requests(
+        self, client: socket.socket, server: socket.socket, allowed: frozenset[bytes]
+    ) -> bytes | None:
         """Copy HTTP/2 frames from the client, checking each request's path before its headers
         go on; the first forbidden path (None: the client closed its side)."""
         decoder = hpack.Decoder()
@@ -133,13 +145,13 @@ class GrpcFront:
                 if not flags & END_HEADERS:
                     continue
                 path = _path(decoder, block)
-                if path not in self.allowed:
+                if path not in allowed:
                     return path
                 server.sendall(held)
                 continue
             server.sendall(head + payload)
 
-    def _refuse(self, peer, what: str) -> None:
+    def _refuse(self, peer, what: str, allowed: frozenset[bytes]) -> None:
         with self._count_lock:
             self.refused += 1
             count = self.refused
@@ -147,8 +159,8 @@ class GrpcFront:
             where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
             self.report(
                 f"{self.name}'s front: refused {what} from {where}; only "
-                f"{', '.join(sorted(p.decode().rsplit('/', 1)[-1] for p in self.allowed))} "
-                f"calls are served ({count} refused so far)"
+                f"{', '.join(sorted(p.decode().rsplit('/', 1)[-1] for p in allowed))} "
+                f"calls are served to it ({count} refused so far)"
             )
 
     def _http1_refusal(self) -> bytes:
@@ -158,6 +170,18 @@ class GrpcFront:
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
+
+
+def from_this_machine(client: socket.socket, peer) -> bool:
+    """Whether a connection comes from this machine: from a loopback address, or from the
+    address it reached (Linux picks that as the source of a connection to a local address)."""
+    if not isinstance(peer, tuple):
+        return False
+    try:
+        source = ipaddress.ip_address(peer[0].split("%", 1)[0])
+        return source.is_loopback or peer[0] == client.getsockname()[0]
+    except (ValueError, OSError):
+        return False
 
 
 def _to_stderr(line: str) -> None:

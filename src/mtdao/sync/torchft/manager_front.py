@@ -5,7 +5,10 @@ Every replica's first process runs torchft's ``ManagerServer`` (Rust, gRPC servi
 replica's own processes) and ``CheckpointMetadata`` (a healing peer), it answers ``Kill``, which
 ends the process, from anyone who reaches the port, and torchft offers no way to turn it off. So
 the server runs on a loopback address and the replica's ``--bind-host`` is served by a
-:class:`~mtdao.sync.grpc_front.GrpcFront` that forwards those three calls and refuses the rest.
+:class:`~mtdao.sync.grpc_front.GrpcFront` that forwards those three calls and refuses the rest;
+``Quorum`` and ``ShouldCommit`` only from this machine (a replica's processes share one, see
+:mod:`.shards`), since a stranger's could set the step the replica claims, the heal address it
+hands its peers, or its commit votes.
 
 The front must sit on the port torchft advertises: the server's ``address()``, which it hands the
 lighthouse (and so healing peers, in their quorum results) and the replica's other processes
@@ -22,18 +25,19 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torchft.manager
+from torchft._torchft import ManagerServer as TorchftManagerServer
 
 from mtdao.sync.grpc_front import GrpcFront, listen
 
-MANAGER_CALLS = frozenset(
-    b"/torchft.ManagerService/" + method
-    for method in (b"Quorum", b"ShouldCommit", b"CheckpointMetadata")
-)
+SERVICE = b"/torchft.ManagerService/"
+OWN_PROCESS_CALLS = frozenset(SERVICE + method for method in (b"Quorum", b"ShouldCommit"))
+MANAGER_CALLS = OWN_PROCESS_CALLS | {SERVICE + b"CheckpointMetadata"}
 LOOPBACK_CANDIDATES = ("127.0.0.1", "127.0.0.2", "::1")
 PORT_ATTEMPTS = 20
 
@@ -94,7 +98,10 @@ def start_fronted(
                     raise
                 last = f"{bind} is taken"
                 continue
-            front = GrpcFront("manager", listener, (internal, chosen), MANAGER_CALLS)
+            front = GrpcFront(
+                "manager", listener, (internal, chosen), MANAGER_CALLS,
+                local_only=OWN_PROCESS_CALLS,
+            )  # fmt: skip
             return FrontedManagerServer(server, front, bind)
         listener.close()
         if not loopbacks_beside(front_host):
@@ -110,19 +117,30 @@ def start_fronted(
 @contextmanager
 def manager_bound_to(bind_host: str) -> Iterator[None]:
     """torchft's Manager starts its gRPC server on ``[::]`` (every interface) with no way to say
-    otherwise; while this is open, the server it starts is a :class:`FrontedManagerServer` on
-    ``bind_host`` (the port torchft asked for, usually 0: any)."""
-    original = torchft.manager.ManagerServer
-
-    def fronted(**kwargs: Any) -> FrontedManagerServer:
-        port = int(kwargs["bind"].rsplit(":", 1)[1])
-        return start_fronted(lambda bind: original(**{**kwargs, "bind": bind}), bind_host, port)
-
-    torchft.manager.ManagerServer = fronted
+    otherwise; a Manager built in this thread while this is open gets a
+    :class:`FrontedManagerServer` on ``bind_host`` instead (at the port torchft asked for,
+    usually 0: any). Replicas may start in several threads of one process at once (the tests
+    do), so the bind host is the thread's own and torchft's name for the server stays replaced;
+    outside such a block it is torchft's own server."""
+    torchft.manager.ManagerServer = _server_for_this_thread
+    previous = getattr(_bound, "host", None)
+    _bound.host = bind_host
     try:
         yield
     finally:
-        torchft.manager.ManagerServer = original
+        _bound.host = previous
+
+
+_bound = threading.local()
+
+
+def _server_for_this_thread(**kwargs: Any) -> Any:
+    host = getattr(_bound, "host", None)
+    if host is None:
+        return TorchftManagerServer(**kwargs)
+    port = int(kwargs["bind"].rsplit(":", 1)[1])
+    start = lambda bind: TorchftManagerServer(**{**kwargs, "bind": bind})  # noqa: E731
+    return start_fronted(start, host, port)
 
 
 def _bindable(host: str, port: int) -> bool:
