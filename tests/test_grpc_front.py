@@ -171,6 +171,12 @@ def test_http1_gets_a_403_and_is_reported(front):
     assert recorder.received == []
 
 
+def test_a_connection_that_asks_nothing_is_no_refusal(front):
+    front, recorder, lines, address = front
+    socket.create_connection(("127.0.0.1", front.port), timeout=10).close()  # a port check
+    assert recorder.headers() == 0 and front.refused == 0 and lines == []
+
+
 def test_a_flood_of_refusals_is_reported_in_a_few_lines(front):
     front, recorder, lines, address = front
     for _ in range(120):

@@ -94,6 +94,8 @@ class GrpcFront:
         with client:
             client.settimeout(30.0)
             preface = _read(client, len(PREFACE))
+            if not preface:
+                return  # it left without asking anything: a check that the port is open
             if preface != PREFACE:
                 self._refuse(peer, "a request that is not HTTP/2 (gRPC)", self.allowed)
                 with contextlib.suppress(OSError):
