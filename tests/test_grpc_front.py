@@ -292,3 +292,24 @@ def test_where_the_server_behind_a_front_goes():
     assert loopbacks_beside("127.0.0.5") == ["127.0.0.1", "127.0.0.2", "::1"]
     assert loopbacks_beside("10.1.2.3")[0] == loopbacks_beside("::1")[0] == "127.0.0.1"
     assert loopbacks_beside("0.0.0.0") == ["::1"] and loopbacks_beside("::") == []
+
+
+def test_a_manager_that_cannot_sit_behind_its_front_is_not_started():
+    pytest.importorskip("torchft")
+    from mtdao.sync.torchft.manager_front import FrontUnavailable, start_fronted
+
+    tried = []
+
+    def always_taken(bind: str):
+        tried.append(bind)
+        raise RuntimeError("Address already in use (os error 98)")
+
+    with pytest.raises(FrontUnavailable, match="it is not started rather than serve its"):
+        start_fronted(always_taken, "127.0.0.1", 0)
+    assert len({bind.rsplit(":", 1)[1] for bind in tried}) > 1  # other ports were tried
+
+    def lighthouse_away(bind: str):
+        raise RuntimeError("failed to connect to http://127.0.0.1:1 within timeout")
+
+    with pytest.raises(RuntimeError, match="failed to connect"):  # not a port problem: as is
+        start_fronted(lighthouse_away, "127.0.0.1", 0)

@@ -87,8 +87,9 @@ def start_fronted(
         front_host, chosen = listener.getsockname()[:2]
         for internal in loopbacks_beside(front_host):
             bind = f"[{internal}]:{chosen}" if ":" in internal else f"{internal}:{chosen}"
-            if not _bindable(internal, chosen):
-                last = f"{bind} is taken"
+            failure = _bind_failure(internal, chosen)
+            if failure is not None:
+                last = f"{bind}: {failure}"
                 continue
             try:
                 server = start_server(bind)
@@ -96,7 +97,7 @@ def start_fronted(
                 if "os error 98" not in str(error):  # not EADDRINUSE: the lighthouse, say
                     listener.close()
                     raise
-                last = f"{bind} is taken"
+                last = f"{bind}: address already in use"
                 continue
             front = GrpcFront(
                 "manager", listener, (internal, chosen), MANAGER_CALLS,
@@ -109,8 +110,8 @@ def start_fronted(
             break
     raise FrontUnavailable(
         f"cannot keep torchft's manager behind its front on {bind_host}: no loopback address "
-        f"beside it had the front's port free ({last}); it is not started rather than serve "
-        "its unauthenticated Kill call"
+        f"beside it could take the front's port (last: {last}); it is not started rather than "
+        "serve its unauthenticated Kill call"
     )
 
 
@@ -143,12 +144,13 @@ def _server_for_this_thread(**kwargs: Any) -> Any:
     return start_fronted(start, host, port)
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bind_failure(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (None: it can)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
-        return True
-    except OSError:
-        return False
+        return None
+    except OSError as error:
+        return (error.strerror or str(error)).lower()
