@@ -6,15 +6,20 @@ tests/rogue_peer.py, a stock torchft Manager run as an attacker would run it).
   code runs in any replica, nobody heals from it or averages with it, the replicas finish;
 * a replica with another secret: refused in one line naming it, never averaged with;
 * a replica rewound 4 steps with its commit count unchanged (what a replica stuck in a
-  collective came back as): it sits the round out and heals, and no round mixes steps.
+  collective came back as): it sits the round out and heals, and no round mixes steps;
+* a stranger that sends torchft's ``Kill`` call to a replica's manager port (raw HTTP/2, as
+  tests/grpc_calls.py does): the replica says it refused it, goes on, and the run finishes.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from grpc_calls import KILL, grpc_call, headers_frames, kill_request
 
 from mtdao.testing.fault_drill import Drill
 
@@ -93,3 +98,32 @@ def test_a_replica_at_another_step_sits_the_round_out_and_heals(corpus_dir, tmp_
         assert any(e.get("heal") for e in drill.events("r2", "quorum")[1:]), drill.tails()
         finals = {drill.rounds(f"r{r}")[steps] for r in range(3)}
         assert len(finals) == 1, drill.tails()
+
+
+def manager_address(log: str) -> str:
+    """The manager address a replica printed at start-up (``serving on ...: manager H:P ...``)."""
+    found = re.search(r"serving on \S+: manager ([^\s,]+)", log)
+    assert found, log
+    return found.group(1)
+
+
+def test_a_stranger_cannot_stop_a_replica_through_its_manager_port(corpus_dir, tmp_path):
+    steps = 4 * K
+    with Drill(tmp_path / "drill", flags(corpus_dir, 2, steps), join_timeout=10.0) as drill:
+        drill.start_lighthouse(min_replicas=2)
+        drill.gate(K)
+        drill.start("r0", 0)
+        drill.start("r1", 1)
+        at_gate = lambda: all(drill.status(n) == ("waiting", K) for n in ("r0", "r1"))  # noqa: E731
+        drill.wait_for(at_gate, EXIT_TIMEOUT_S, "both replicas after their first round")
+        for name in ("r0", "r1"):
+            answer = grpc_call(manager_address(drill.log(name)), KILL, kill_request())
+            assert headers_frames(answer) == 0, answer  # no gRPC answer: the call was refused
+        time.sleep(1.0)  # a Kill that got through ends the process at once
+        assert drill.returncode("r0") is None and drill.returncode("r1") is None, drill.tails()
+        drill.gate(None)
+        for name in ("r0", "r1"):
+            assert drill.wait_exit(name, EXIT_TIMEOUT_S) == 0, drill.tails()
+            refusal = f"manager's front: refused a call of {KILL} from 127.0.0.1:"
+            assert refusal in drill.log(name), drill.tails()
+        assert drill.rounds("r0") == drill.rounds("r1") and steps in drill.rounds("r0")

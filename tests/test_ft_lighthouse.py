@@ -2,7 +2,8 @@
 processes on loopback (mtdao lighthouse and mtdao train --fault-tolerant replicas).
 
 * every listener of a replica and of the lighthouse is on the --bind-host it was given (read from
-  /proc/net/tcp*, by socket inode of the process), and the replica says where it serves;
+  /proc/net/tcp*, by socket inode of the process), but for torchft's own servers, each on
+  loopback behind its front; the replica says where it serves;
 * a lighthouse killed with SIGKILL and restarted on the same address 10 s later: the replicas
   train on locally meanwhile, saying so, rejoin it, and finish with the same state;
 * torchft's dashboard (``GET /status``, ``POST /replica/<id>/kill``) is not served, over HTTP/1
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -21,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from grpc_calls import headers_frames, http2_request
 
 from mtdao.testing.fault_drill import Drill
 
@@ -89,9 +92,15 @@ def test_every_listener_is_on_the_bind_host_and_is_printed(corpus_dir, tmp_path)
     # the lighthouse: its front on the bind host, torchft's own server behind it on loopback
     front = {a for a in seen["lighthouse"] if not a.startswith("127.0.0.1:")}
     assert front == {f"127.0.0.4:{drill.port}"} and len(seen["lighthouse"]) == 2, seen
-    assert hosts(seen["r0"]) == {"127.0.0.2"} and hosts(seen["r1"]) == {"127.0.0.3"}, seen
-    assert len(seen["r0"]) >= 4, seen  # manager, store, heal server, gloo
-    assert "serving on 127.0.0.2: manager 127.0.0.2:" in drill.log("r0")
+    # a replica: everything on its bind host but torchft's manager server, which sits behind
+    # the manager's front at the front's port, on loopback
+    for name, host in (("r0", "127.0.0.2"), ("r1", "127.0.0.3")):
+        manager = re.search(rf"serving on {host}: manager {host}:(\d+) ", drill.log(name))
+        assert manager, drill.log(name)
+        behind = f"127.0.0.1:{manager.group(1)}"
+        assert behind in seen[name] and hosts(seen[name] - {behind}) == {host}, seen
+        assert f"torchft's server behind it on {behind}" in drill.log(name)
+        assert len(seen[name]) >= 5, seen  # manager and its front, store, heal server, gloo
     assert "serving at http://127.0.0.4:" in drill.log("lighthouse")
 
 
@@ -147,43 +156,6 @@ def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(
             results = json.loads((drill.root / name / "results.json").read_text())
             assert evaluations[-1]["step"] == steps, evaluations
             assert results["final_val_loss"] == evaluations[-1]["val_loss"]
-
-
-def http2_request(address: str, method: str, path: str) -> bytes:
-    """Send one HTTP/2 request (prior knowledge, as gRPC does) and read until the connection
-    ends: everything the other side sent."""
-    import hpack
-
-    host, port = address.rsplit(":", 1)
-    headers = [(":method", method), (":scheme", "http"), (":path", path), (":authority", host)]
-    block = hpack.Encoder().encode(headers)
-    frames = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(0x4, 0, 0, b"")  # SETTINGS
-    frames += frame(0x1, 0x4 | 0x1, 1, block)  # HEADERS, END_HEADERS | END_STREAM
-    received = b""
-    with socket.create_connection((host, int(port)), timeout=10) as connection:
-        connection.sendall(frames)
-        try:
-            while chunk := connection.recv(65536):
-                received += chunk
-        except TimeoutError:
-            pass
-    return received
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
-    )
-
-
-def headers_frames(received: bytes) -> int:
-    """HEADERS frames (responses) among the HTTP/2 frames ``received``."""
-    count, offset = 0, 0
-    while offset + 9 <= len(received):
-        length, kind = int.from_bytes(received[offset : offset + 3], "big"), received[offset + 3]
-        count += kind == 0x1
-        offset += 9 + length
-    return count
 
 
 def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(corpus_dir, tmp_path):

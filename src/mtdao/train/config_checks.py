@@ -113,6 +113,13 @@ def _check_fault_tolerance(config: Any) -> None:
         return
     if config.replica_id is None or config.lighthouse is None:
         raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
+    if _is_ipv6_wildcard(config.bind_host):
+        raise ValueError(
+            f"--bind-host {config.bind_host} serves every address, loopback included, so "
+            "torchft's manager could not be kept behind the front that refuses its Kill call; "
+            "give this machine's address on the replicas' network (or 0.0.0.0 for every IPv4 "
+            "interface)"
+        )
     if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
         raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
     if not 0 <= config.replica_id < config.workers:
@@ -185,3 +192,13 @@ def config_warnings(config: Any) -> list[str]:
             "optimizer states are never averaged in this run"
         )
     return found
+
+
+def _is_ipv6_wildcard(host: str) -> bool:
+    import ipaddress
+
+    try:
+        address = ipaddress.ip_address(host.strip().strip("[]"))
+    except ValueError:
+        return False  # a name, or an IPv4 address
+    return address.version == 6 and address.is_unspecified

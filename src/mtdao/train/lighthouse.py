@@ -4,8 +4,9 @@ Replicas (``mtdao train --fault-tolerant --lighthouse HOST:PORT``) report to it 
 and ask it for a quorum at every sync; it answers with the replicas alive at that moment. It holds
 no training state: while it is away the replicas skip their rounds and train on locally, and they
 register again once it is back on the same address. It serves on ``--bind-host`` through
-:mod:`mtdao.train.grpc_front`: torchft's gRPC service only, not torchft's unauthenticated web
-dashboard (which lists replica addresses and can stop a replica).
+:mod:`mtdao.sync.grpc_front`: the two calls of torchft's lighthouse service the replicas make
+(quorum and heartbeat), not torchft's unauthenticated web dashboard (which lists replica
+addresses and can stop a replica).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import sys
 import threading
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
+LIGHTHOUSE_CALLS = frozenset(
+    b"/torchft.LighthouseService/" + method for method in (b"Quorum", b"Heartbeat")
+)
 
 
 def add_parser(subparsers) -> None:
@@ -81,22 +85,23 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
+    from mtdao.sync.grpc_front import GrpcFront, listen
     from mtdao.sync.torchft.safe_transport import advertised_host
-    from mtdao.train.grpc_front import GrpcFront
 
     # torchft's lighthouse on a loopback port of its own; the replicas reach it through the
-    # front, which lets its gRPC service through and not its dashboard (see grpc_front)
+    # front, which lets the replicas' calls through and not its dashboard (see grpc_front)
     server = start_lighthouse(
         "127.0.0.1:0", args.min_replicas, args.join_timeout, args.heartbeat_timeout,
         args.quorum_tick,
     )  # fmt: skip
     internal = int(server.address().rsplit(":", 1)[1])
     try:
-        front = GrpcFront(host, args.port, ("127.0.0.1", internal))
+        listener = listen(host, args.port)
     except OSError as error:
         server.shutdown()
         reason = error.strerror
         raise ValueError(f"cannot serve the lighthouse on {host}:{args.port}: {reason}") from None
+    front = GrpcFront("lighthouse", listener, ("127.0.0.1", internal), LIGHTHOUSE_CALLS)
     address = f"http://{advertised_host(host)}:{front.port}"
     print(
         f"lighthouse: serving at {address} (min replicas {args.min_replicas}, heartbeat timeout "

@@ -31,14 +31,15 @@ mtdao[ft]``). Only members that prove they belong to the run (a shared secret: :
 :mod:`.proofs`) form a round's process group; every round checks that its members stand at one
 step with one config (:mod:`.round_identity`; delayed, fragmented and quantized rounds
 alike, since each opens at a quorum); healed state travels signed and without pickle
-(:mod:`.safe_transport`); every listener is on the replica's ``bind_host``. See
-docs/security.md.
+(:mod:`.safe_transport`); every listener is on the replica's ``bind_host``, torchft's manager
+server behind a front that refuses its unauthenticated ``Kill`` call (:mod:`.manager_front`).
+See docs/security.md.
 
 Modules: :mod:`.replicas` (the communicator and its layout), :mod:`.transport` (the round's
 collectives through the manager), :mod:`.connection` (its manager, and the lighthouse going and
 coming back), :mod:`.healing` (the state a healing replica receives), :mod:`.shards` (replicas of
-several processes), :mod:`.plumbing` (what is added to torchft's process group and listeners, and
-the lighthouse).
+several processes), :mod:`.manager_front` (the manager server behind its front),
+:mod:`.plumbing` (what is added to torchft's process group and store, and the lighthouse).
 """
 
 from mtdao.sync.torchft.healing import engine_state

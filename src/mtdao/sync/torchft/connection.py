@@ -1,5 +1,6 @@
-"""A replica's line to the run: its torchft manager, started on the replica's ``--bind-host``, and
-the lighthouse, checked before each quorum.
+"""A replica's line to the run: its torchft manager, served on the replica's ``--bind-host``
+behind a front that refuses torchft's ``Kill`` call (:mod:`.manager_front`), and the lighthouse,
+checked before each quorum.
 
 torchft's manager does not find its way back to a lighthouse that restarted (its quorum waits out
 ``--quorum-timeout``). So before each quorum the replica checks that the lighthouse accepts
@@ -18,7 +19,8 @@ from urllib.parse import urlsplit
 
 from torchft import Manager
 
-from mtdao.sync.torchft.plumbing import first_line, manager_bound_to
+from mtdao.sync.torchft.manager_front import FrontUnavailable, manager_bound_to
+from mtdao.sync.torchft.plumbing import first_line
 from mtdao.sync.torchft.safe_transport import keeps_own_state
 
 
@@ -48,6 +50,8 @@ def start_manager(
                 heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
                 checkpoint_transport=transport,
             )
+        except FrontUnavailable as error:
+            return None, str(error)
         except RuntimeError as error:
             reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
             if processes.rank > 0:
@@ -65,8 +69,10 @@ def listeners(manager: Manager, transport, store) -> str:
     heal_host, heal_port = transport.address
     parts = [f"heal state {heal_host}:{heal_port}"]
     if store is not None:
-        served = manager._manager.address().split("://")[-1]  # torchft keeps its server here
-        parts = [f"manager {served}", f"store port {store.port}", *parts]
+        server = manager._manager  # torchft keeps its server here: a FrontedManagerServer
+        served = server.address().split("://")[-1]
+        behind = f"a front refusing Kill, torchft's server behind it on {server.internal}"
+        parts = [f"manager {served} ({behind})", f"store port {store.port}", *parts]
     return ", ".join(parts) + " (collectives on the same address)"
 
 

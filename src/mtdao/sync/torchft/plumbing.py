@@ -1,6 +1,7 @@
 """What mtdao adds to torchft's pieces: a process group that knows who is in each quorum and
-forms only with the members that prove they belong to the run (:mod:`.proofs`), listeners on the
-replica's ``--bind-host``, quiet logs, and the lighthouse. Heal state travels over
+forms only with the members that prove they belong to the run (:mod:`.proofs`), the store and
+gloo on the replica's ``--bind-host`` (its manager server: :mod:`.manager_front`), quiet logs,
+and the lighthouse. Heal state travels over
 :mod:`.safe_transport`.
 
 This package is the only place that imports torchft.
@@ -14,7 +15,6 @@ import os
 import re
 import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -26,7 +26,6 @@ from torch import Tensor
 # torchft's native side logs every quorum at INFO; keep the terminal for progress lines
 os.environ.setdefault("RUST_LOG", "warn")
 
-import torchft.manager  # noqa: E402
 from torchft import ProcessGroupGloo  # noqa: E402
 from torchft.process_group import create_store_client  # noqa: E402
 
@@ -274,25 +273,6 @@ def listening_store(bind_host: str) -> dist.TCPStore:
     return dist.TCPStore(
         host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
     )
-
-
-@contextmanager
-def manager_bound_to(bind_host: str) -> Iterator[None]:
-    """torchft's Manager starts its gRPC server on ``[::]`` (every interface) with no way to say
-    otherwise; while this is open, the server it starts binds ``bind_host``."""
-    original = torchft.manager.ManagerServer
-    host = bind_host.strip("[]")
-    host = f"[{host}]" if ":" in host else host
-
-    def bound(**kwargs: Any):
-        port = kwargs["bind"].rsplit(":", 1)[1]
-        return original(**{**kwargs, "bind": f"{host}:{port}"})
-
-    torchft.manager.ManagerServer = bound
-    try:
-        yield
-    finally:
-        torchft.manager.ManagerServer = original
 
 
 def first_line(error: BaseException) -> str:

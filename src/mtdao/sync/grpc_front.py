@@ -1,0 +1,242 @@
+"""A front for one of torchft's gRPC servers that lets a fixed set of its calls through and
+nothing else.
+
+torchft's servers answer calls nobody authenticates and that mtdao cannot turn off: the
+lighthouse's port also serves a web dashboard (``GET /status`` lists every replica's addresses,
+``POST /replica/<id>/kill`` stops one), and every replica's manager serves the gRPC call
+``torchft.ManagerService/Kill``, which ends the replica's process. So mtdao runs each such server
+on a loopback address and serves the address its peers use through a :class:`GrpcFront`, which
+forwards a connection only when it speaks HTTP/2 (gRPC) and each request on it calls one of the
+allowed methods (its ``:path``, read from the request's headers before they are forwarded);
+some of them may be served only to processes on this machine (``local_only``: a connection
+whose source is a loopback address or the very address it reached). An HTTP/1 request gets a
+403; a forbidden HTTP/2 request ends its connection. Every refusal is
+counted (``refused``) and reported in one line naming the front, the peer and what it asked for
+(the first ten, then every tenfold count, so a flood cannot fill the log).
+
+This module knows nothing of torchft: its users name the calls (``mtdao lighthouse``;
+:mod:`mtdao.sync.torchft.manager_front`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import sys
+import threading
+from collections.abc import Callable
+
+import hpack
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HEADERS, CONTINUATION = 0x1, 0x9
+END_HEADERS, PADDED, PRIORITY = 0x4, 0x8, 0x20
+SHOWN_PATH_CHARS = 80
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host`` (an address or a name; brackets allowed) and ``port``
+    (0: any free one). Raises OSError."""
+    host = host.strip("[]")
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.create_server(address[:2], family=family, backlog=128)
+    return listener
+
+
+class GrpcFront:
+    """Serves ``listener`` and forwards each allowed connection to ``upstream`` (host, port).
+
+    ``name`` says whose front it is in refusal lines (``lighthouse``, ``manager``); ``allowed``
+    holds the full gRPC paths that may be called (``/package.Service/Method``), ``local_only``
+    those of them served only to connections from this machine; ``report`` receives each
+    refusal line (by default, standard error)."""
+
+    def __init__(
+        self,
+        name: str,
+        listener: socket.socket,
+        upstream: tuple[str, int],
+        allowed: frozenset[bytes],
+        report: Callable[[str], None] | None = None,
+        local_only: frozenset[bytes] = frozenset(),
+    ) -> None:
+        self.name, self.listener, self.upstream, self.allowed = name, listener, upstream, allowed
+        self.local_only = local_only & allowed
+        self.report = report or _to_stderr
+        self.refused = 0
+        self._count_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self.listener.getsockname()[1]
+
+    @property
+    def host(self) -> str:
+        return self.listener.getsockname()[0]
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, peer = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client, peer), daemon=True).start()
+
+    def _serve(self, client: socket.socket, peer) -> None:
+        with client:
+            client.settimeout(30.0)
+            preface = _read(client, len(PREFACE))
+            if not preface:
+                return  # it left without asking anything: a check that the port is open
+            if preface != PREFACE:
+                self._refuse(peer, "a request that is not HTTP/2 (gRPC)", self.allowed)
+                with contextlib.suppress(OSError):
+                    client.sendall(self._http1_refusal())
+                return
+            client.settimeout(None)
+            try:
+                server = socket.create_connection(self.upstream, timeout=30.0)
+            except OSError:
+                return  # the server behind is gone: the client sees its connection end
+            with server:
+                server.settimeout(None)
+                # frames are passed on one by one: without this, Nagle's algorithm holds each
+                # small one until the last is acknowledged, 40 ms per call with delayed ACKs
+                for end in (client, server):
+                    end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                server.sendall(preface)
+                back = threading.Thread(target=_copy, args=(server, client), daemon=True)
+                back.start()
+                local = from_this_machine(client, peer)
+                allowed = self.allowed if local else self.allowed - self.local_only
+                forbidden = self._forward_requests(client, server, allowed)
+                if forbidden is not None:
+                    mine = forbidden in self.local_only
+                    where = " (served to this machine's processes only)" if mine else ""
+                    self._refuse(peer, f"a call of {_shown(forbidden)}{where}", allowed)
+                for end in (client, server):
+                    with contextlib.suppress(OSError):
+                        end.shutdown(socket.SHUT_RDWR)
+                back.join(timeout=5.0)
+
+    def _forward_requests(
+        self, client: socket.socket, server: socket.socket, allowed: frozenset[bytes]
+    ) -> bytes | None:
+        """Copy HTTP/2 frames from the client, checking each request's path before its headers
+        go on; the first forbidden path (None: the client closed its side)."""
+        decoder = hpack.Decoder()
+        block, held = b"", b""
+        while True:
+            head = _read(client, 9)
+            if len(head) < 9:
+                return None
+            length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
+            payload = _read(client, length)
+            if len(payload) < length:
+                return None
+            if kind == HEADERS:
+                block, held = _header_fragment(payload, flags), b""
+            elif kind == CONTINUATION:
+                block += payload
+            if kind in (HEADERS, CONTINUATION):
+                held += head + payload
+                if not flags & END_HEADERS:
+                    continue
+                path = _path(decoder, block)
+                if path not in allowed:
+                    return path
+                server.sendall(held)
+                continue
+            server.sendall(head + payload)
+
+    def _refuse(self, peer, what: str, allowed: frozenset[bytes]) -> None:
+        with self._count_lock:
+            self.refused += 1
+            count = self.refused
+        if count <= 10 or str(count).rstrip("0") == "1":
+            where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+            self.report(
+                f"{self.name}'s front: refused {what} from {where}; only "
+                f"{', '.join(sorted(p.decode().rsplit('/', 1)[-1] for p in allowed))} "
+                f"calls are served to it ({count} refused so far)"
+            )
+
+    def _http1_refusal(self) -> bytes:
+        body = f"this {self.name} serves torchft's gRPC calls only\n".encode()
+        return (
+            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+
+def from_this_machine(client: socket.socket, peer) -> bool:
+    """Whether a connection comes from this machine: from a loopback address, or from the
+    address it reached (Linux picks that as the source of a connection to a local address)."""
+    if not isinstance(peer, tuple):
+        return False
+    try:
+        source = ipaddress.ip_address(peer[0].split("%", 1)[0])
+        return source.is_loopback or peer[0] == client.getsockname()[0]
+    except (ValueError, OSError):
+        return False
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _shown(path: bytes) -> str:
+    """A requested path as a refusal line shows it: printable, and short."""
+    text = path.decode("ascii", "backslashreplace")
+    text = "".join(c if c.isprintable() else "?" for c in text) or "(no path)"
+    return text if len(text) <= SHOWN_PATH_CHARS else text[:SHOWN_PATH_CHARS] + "..."
+
+
+def _header_fragment(payload: bytes, flags: int) -> bytes:
+    start, end = 0, len(payload)
+    if flags & PADDED:
+        start, end = 1, len(payload) - payload[0]
+    if flags & PRIORITY:
+        start += 5
+    return payload[start:end]
+
+
+def _path(decoder: hpack.Decoder, block: bytes) -> bytes:
+    """The one ``:path`` of a header block (b'' when it has none, several, or does not
+    decode)."""
+    try:
+        headers = decoder.decode(block, raw=True)
+    except hpack.HPACKError:
+        return b""
+    paths = [value for name, value in headers if name == b":path"]
+    return paths[0] if len(paths) == 1 else b""
+
+
+def _read(connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        try:
+            chunk = connection.recv(size - len(data))
+        except OSError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+    return data
+
+
+def _copy(source: socket.socket, target: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while chunk := source.recv(65536):
+            target.sendall(chunk)
+    with contextlib.suppress(OSError):
+        target.shutdown(socket.SHUT_WR)

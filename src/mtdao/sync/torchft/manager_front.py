@@ -1,0 +1,156 @@
+"""A replica's torchft manager server, behind a front that refuses its ``Kill`` call.
+
+Every replica's first process runs torchft's ``ManagerServer`` (Rust, gRPC service
+``torchft.ManagerService``). Besides the calls a run needs, ``Quorum`` and ``ShouldCommit`` (the
+replica's own processes) and ``CheckpointMetadata`` (a healing peer), it answers ``Kill``, which
+ends the process, from anyone who reaches the port, and torchft offers no way to turn it off. So
+the server runs on a loopback address and the replica's ``--bind-host`` is served by a
+:class:`~mtdao.sync.grpc_front.GrpcFront` that forwards those three calls and refuses the rest;
+``Quorum`` and ``ShouldCommit`` only from this machine (a replica's processes share one, see
+:mod:`.shards`), since a stranger's could set the step the replica claims, the heal address it
+hands its peers, or its commit votes.
+
+The front must sit on the port torchft advertises: the server's ``address()``, which it hands the
+lighthouse (and so healing peers, in their quorum results) and the replica's other processes
+(through the store), is ``http://<hostname>:<port it bound>``. So the front takes a port P on
+the bind host first, and the server then binds the same P on a loopback address the front does
+not cover: 127.0.0.1 for any other host (127.0.0.2 or ::1 when the front is on 127.0.0.1 itself;
+on Linux all of 127.0.0.0/8 is loopback), ::1 when the front serves every IPv4 interface
+(0.0.0.0). A front on ``::`` (every address, loopback included) leaves no such address: the
+configuration refuses it. When no loopback address has P free, the next P is tried, and after
+that the replica stops with one line rather than serve ``Kill``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torchft.manager
+from torchft._torchft import ManagerServer as TorchftManagerServer
+
+from mtdao.sync.grpc_front import GrpcFront, listen
+
+SERVICE = b"/torchft.ManagerService/"
+OWN_PROCESS_CALLS = frozenset(SERVICE + method for method in (b"Quorum", b"ShouldCommit"))
+MANAGER_CALLS = OWN_PROCESS_CALLS | {SERVICE + b"CheckpointMetadata"}
+LOOPBACK_CANDIDATES = ("127.0.0.1", "127.0.0.2", "::1")
+PORT_ATTEMPTS = 20
+
+
+class FrontUnavailable(Exception):
+    """torchft's manager cannot be kept behind its front on this host."""
+
+
+def loopbacks_beside(front_host: str) -> list[str]:
+    """The loopback addresses on which a server can share a port with a front on
+    ``front_host`` (an IP address), best first."""
+    front = ipaddress.ip_address(front_host.split("%", 1)[0])
+    if front.is_unspecified:  # 0.0.0.0 covers all of IPv4, :: everything
+        return ["::1"] if front.version == 4 else []
+    return [h for h in LOOPBACK_CANDIDATES if ipaddress.ip_address(h) != front]
+
+
+class FrontedManagerServer:
+    """torchft's ``ManagerServer`` on loopback and its front on the bind host, at one port; what
+    torchft's ``Manager`` uses of its server (``address``, ``shutdown``)."""
+
+    def __init__(self, server: Any, front: GrpcFront, internal: str) -> None:
+        self.server, self.front, self.internal = server, front, internal
+
+    def address(self) -> str:
+        return self.server.address()
+
+    def shutdown(self) -> None:
+        self.front.shutdown()
+        self.server.shutdown()
+
+
+def start_fronted(
+    start_server: Callable[[str], Any], bind_host: str, port: int
+) -> FrontedManagerServer:
+    """``start_server(bind)`` (torchft's ``ManagerServer`` with the ``bind`` address given)
+    behind a front on ``bind_host``: on ``port``, or any free one when it is 0. Raises
+    FrontUnavailable, or what ``start_server`` raises for another reason than a taken port."""
+    last = "none was usable"
+    for _ in range(1 if port else PORT_ATTEMPTS):
+        try:
+            listener = listen(bind_host, port)
+        except OSError as error:
+            raise FrontUnavailable(
+                f"cannot serve torchft's manager on {bind_host}:{port}: {error.strerror}"
+            ) from None
+        front_host, chosen = listener.getsockname()[:2]
+        for internal in loopbacks_beside(front_host):
+            bind = f"[{internal}]:{chosen}" if ":" in internal else f"{internal}:{chosen}"
+            failure = _bind_failure(internal, chosen)
+            if failure is not None:
+                last = f"{bind}: {failure}"
+                continue
+            try:
+                server = start_server(bind)
+            except RuntimeError as error:
+                if "os error 98" not in str(error):  # not EADDRINUSE: the lighthouse, say
+                    listener.close()
+                    raise
+                last = f"{bind}: address already in use"
+                continue
+            front = GrpcFront(
+                "manager", listener, (internal, chosen), MANAGER_CALLS,
+                local_only=OWN_PROCESS_CALLS,
+            )  # fmt: skip
+            return FrontedManagerServer(server, front, bind)
+        listener.close()
+        if not loopbacks_beside(front_host):
+            last = "it covers every loopback address"
+            break
+    raise FrontUnavailable(
+        f"cannot keep torchft's manager behind its front on {bind_host}: no loopback address "
+        f"beside it could take the front's port (last: {last}); it is not started rather than "
+        "serve its unauthenticated Kill call"
+    )
+
+
+@contextmanager
+def manager_bound_to(bind_host: str) -> Iterator[None]:
+    """torchft's Manager starts its gRPC server on ``[::]`` (every interface) with no way to say
+    otherwise; a Manager built in this thread while this is open gets a
+    :class:`FrontedManagerServer` on ``bind_host`` instead (at the port torchft asked for,
+    usually 0: any). Replicas may start in several threads of one process at once (the tests
+    do), so the bind host is the thread's own and torchft's name for the server stays replaced;
+    outside such a block it is torchft's own server."""
+    torchft.manager.ManagerServer = _server_for_this_thread
+    previous = getattr(_bound, "host", None)
+    _bound.host = bind_host
+    try:
+        yield
+    finally:
+        _bound.host = previous
+
+
+_bound = threading.local()
+
+
+def _server_for_this_thread(**kwargs: Any) -> Any:
+    host = getattr(_bound, "host", None)
+    if host is None:
+        return TorchftManagerServer(**kwargs)
+    port = int(kwargs["bind"].rsplit(":", 1)[1])
+    start = lambda bind: TorchftManagerServer(**{**kwargs, "bind": bind})  # noqa: E731
+    return start_fronted(start, host, port)
+
+
+def _bind_failure(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (None: it can)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+        return None
+    except OSError as error:
+        return (error.strerror or str(error)).lower()
