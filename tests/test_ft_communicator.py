@@ -216,6 +216,7 @@ def test_three_replicas_are_three_simulated_workers(name, lighthouse):
 
 
 INT8 = SyncCodecs.parse(["int8"], error_feedback=True)
+TOP_K = SyncCodecs.parse(["params=top8", "momenta=top8", "second-moment=int4"], True)
 OPTION_POLICIES = {  # every round option at once, rounds overlapping in flight or not
     "mtdao (unified)": (lambda: unified(4), dict(delay=2, fragments=2, codecs=INT8)),
     "desloc (per-state periods)": (lambda: desloc(2), dict(delay=1, fragments=2, codecs=INT8)),
@@ -227,6 +228,7 @@ OPTION_POLICIES = {  # every round option at once, rounds overlapping in flight 
         lambda: explicit(4, outer=OuterOptimizerConfig()),
         dict(delay=3, fragments=2, codecs=SyncCodecs.parse(["params=int8"])),
     ),
+    "mtdao (top-k payloads gathered whole)": (lambda: unified(4), dict(delay=3, codecs=TOP_K)),
 }
 
 
