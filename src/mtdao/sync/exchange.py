@@ -19,8 +19,8 @@ blocks holds up to M k non-zeros, and encoding it to k again would drop most of 
 no worker's error feedback sees). Every worker gathers every worker's payload instead, decodes
 each and sums them in worker order: the exact mean of what was sent, the same bits everywhere.
 That sends (M-1) x the payload, counted as M/2 x the payload (the same at M = 2, twice as much at
-M = 4); sending the mean back at M k values per block would cost more up to M = 12 at top8, and
-quantize it a second time.
+M = 4); sending the mean back from owners at up to M k values per block would quantize it a second
+time, and at top8 cost more up to M = 5 (the same at 6, less from 7 on).
 """
 
 from __future__ import annotations
