@@ -3,7 +3,8 @@
 A worker's part of a quantized round (:mod:`mtdao.sync.exchange`), network aside: encode its
 payload (parameters as pseudo-gradients, momentum, second moment: three model-sized tensors, as
 MT-DAO's unified round sends), decode the M chunks it owns, sum and encode their mean, and decode
-the gathered means. With error feedback the pseudo-gradient is also encoded and decoded once more
+the gathered means; a top-k payload is gathered whole instead, so a worker decodes the M payloads
+and sums them. With error feedback the pseudo-gradient is also encoded and decoded once more
 (the residual). The step is one worker's forward, backward and MT-DAO-Adam step on the same model
 and batch, in the same process. Times are this process's CPU time (one thread), so that other
 jobs on a shared machine slow neither side; every setup is timed in every round, in a rotating
@@ -24,7 +25,14 @@ import torch
 import mtdao
 from mtdao.model import Llama, model_config
 from mtdao.sync.compression import PseudoGradients
-from mtdao.sync.exchange import BlockLayout, pack, reduce_chunks, unpack
+from mtdao.sync.exchange import (
+    block_layout,
+    counted_bytes,
+    decoded_mean,
+    pack,
+    reduce_chunks,
+    unpack,
+)
 from mtdao.sync.quantize import Codec
 from mtdao.train.workers import language_model_loss
 
@@ -62,7 +70,8 @@ def round_tensors(setup) -> dict[str, list[torch.Tensor]]:
 
 
 def time_round(tensors: dict[str, list[torch.Tensor]], dtype: str, workers: int, ef: bool):
-    """Seconds of one worker's encode / reduce / decode of a round, and its payload bytes."""
+    """Seconds of one worker's encode / reduce / decode of a round, and its bytes as the traffic
+    account counts them."""
     started, payload_bytes = time.process_time(), 0
     for kind, values in tensors.items():
         domain = "positive" if kind == "exp_avg_sq" else "signed"
@@ -74,9 +83,13 @@ def time_round(tensors: dict[str, list[torch.Tensor]], dtype: str, workers: int,
                 feedback.payload(i, torch.zeros_like(r), -r).reshape(1, -1)
                 for i, r in enumerate(rows)
             ]
-        layout = BlockLayout(tuple(r.shape[1] for r in rows), codec.block, workers)
+        layout = block_layout([r.shape[1] for r in rows], codec, workers)
         payload = codec.encode(pack(rows, layout))[0]
-        payload_bytes += payload.numel()
+        payload_bytes += counted_bytes(payload.numel(), codec, workers)
+        if codec.gathered:  # every worker's payload, as if each had sent these bytes
+            gathered = payload.unsqueeze(0).expand(workers, -1, -1)
+            unpack(decoded_mean(gathered, codec, range(workers)), layout)
+            continue
         # the chunk this worker owns, as if every worker had sent these bytes
         chunk = payload.view(workers, layout.chunk_blocks, -1)[0]
         mean = reduce_chunks(chunk.unsqueeze(0).expand(workers, -1, -1), codec, range(workers))
@@ -115,7 +128,7 @@ def main() -> None:
     step_ms = statistics.median(times["step"]) * 1e3
     print(f"{args.model}: {numel:,} parameters, {args.workers} workers, torch {torch.__version__}")
     print(f"one worker's step (batch {args.batch_size} x {args.seq_len}): {step_ms:.1f} ms")
-    print("| codec | round ms (3 kinds) | x step | payload bytes | bytes/value | vs fp32 |")
+    print("| codec | round ms (3 kinds) | x step | bytes counted | bytes/value | vs fp32 |")
     print("|---|---|---|---|---|---|")
     results = {"step_ms": step_ms, "parameters": numel, "codecs": {}}
     for name in names[1:]:

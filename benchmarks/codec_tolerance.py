@@ -3,8 +3,8 @@ and into the update the averaged states then give.
 
 Trains M simulated MT-DAO-Adam workers of a model for some local steps (no sync, so they differ as
 they do at the end of a round), then averages each kind of state with each codec exactly as a round
-does (every worker encodes, the owner averages and encodes the mean, everyone decodes) and
-compares with the float32 average: the relative L2 error of the average, and of the update
+does (every worker encodes, the owner averages and encodes the mean, everyone decodes; a top-k
+payload is gathered whole, and every worker decodes and sums the M payloads) and compares with the float32 average: the relative L2 error of the average, and of the update
 direction ``u / (sqrt(v) + eps)`` computed from the averaged states (``u`` the mean of the momenta;
 only that kind quantized). The
 second moment is judged in its log domain (the update divides by its square root), the slow and

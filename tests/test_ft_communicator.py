@@ -216,6 +216,7 @@ def test_three_replicas_are_three_simulated_workers(name, lighthouse):
 
 
 INT8 = SyncCodecs.parse(["int8"], error_feedback=True)
+TOP_K = SyncCodecs.parse(["params=top8", "momenta=top8", "second-moment=int4"], True)
 OPTION_POLICIES = {  # every round option at once, rounds overlapping in flight or not
     "mtdao (unified)": (lambda: unified(4), dict(delay=2, fragments=2, codecs=INT8)),
     "desloc (per-state periods)": (lambda: desloc(2), dict(delay=1, fragments=2, codecs=INT8)),
@@ -227,6 +228,7 @@ OPTION_POLICIES = {  # every round option at once, rounds overlapping in flight 
         lambda: explicit(4, outer=OuterOptimizerConfig()),
         dict(delay=3, fragments=2, codecs=SyncCodecs.parse(["params=int8"])),
     ),
+    "mtdao (top-k payloads gathered whole)": (lambda: unified(4), dict(delay=3, codecs=TOP_K)),
 }
 
 
@@ -303,14 +305,15 @@ def run_with_a_late_joiner(replicas: list[Replica]) -> Replica:
 
 
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)
-def test_a_late_replica_heals_every_state_and_the_rounds_in_flight(lighthouse):
-    """Delayed (D = 2), fragmented, int8 rounds with error feedback: the joiner becomes its
+@pytest.mark.parametrize("codecs", [INT8, TOP_K], ids=["int8", "top-k gathered whole"])
+def test_a_late_replica_heals_every_state_and_the_rounds_in_flight(codecs, lighthouse):
+    """Delayed (D = 2), fragmented, quantized rounds with error feedback: the joiner becomes its
     source's exact copy, a round already committed but still to be applied included, together
     with the source's error-feedback residuals; afterwards every replica keeps the same global
     state (anchors, rounds and their averages)."""
-    policy, options = OPTION_POLICIES["mtdao (unified)"]
+    options = dict(delay=2, fragments=2, codecs=codecs)
     steps = 30
-    replicas = [Replica(r, lighthouse, policy(), steps, **options) for r in range(3)]
+    replicas = [Replica(r, lighthouse, unified(4), steps, **options) for r in range(3)]
     late = run_with_a_late_joiner(replicas)
     for replica in replicas:
         assert replica.error is None, repr(replica.error)

@@ -101,14 +101,15 @@ def test_heal_refuses_when_every_worker_is_non_finite():
         sync.heal_non_finite_workers()
 
 
-def quantized_skip_run(policy=None):
-    """The DES-LOC run above (or ``policy``), its parameters sent as int8 pseudo-gradients with
-    error feedback (each worker keeps a residual of what quantization lost)."""
+def quantized_skip_run(policy=None, dtypes=("int8",)):
+    """The DES-LOC run above (or ``policy``), its parameters sent as int8 (or ``dtypes``)
+    pseudo-gradients with error feedback (each worker keeps a residual of what quantization
+    lost)."""
     from mtdao.sync.compression import SyncCodecs
 
     params = init_params(WORKERS)
     optimizer = MTAdam(named_groups(params), lr=1e-2, betas=(0.9,), omegas=(1.0,))
-    codecs = SyncCodecs.parse(["int8"], error_feedback=True)
+    codecs = SyncCodecs.parse(list(dtypes), error_feedback=True)
     communicator = SimulatedWorkers(WORKERS)
     sync = LocalUpdateSync(
         optimizer, policy or desloc(2), communicator, on_non_finite="skip", codecs=codecs
@@ -127,13 +128,17 @@ CASES = {
 }
 
 
+TOP_K = ("params=top8", "momenta=top8", "second-moment=int8")  # top-k gathered whole
+
+
+@pytest.mark.parametrize("dtypes", [("int8",), TOP_K], ids=["int8", "top-k"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_healed_worker_forgets_its_error_feedback_residual(case):
+def test_a_healed_worker_forgets_its_error_feedback_residual(case, dtypes):
     """A NaN parameter makes the worker's pseudo-gradient, so its residual, NaN; healed, the
     worker holds the others' values, and what it had not yet sent is gone with its own: its
     residual is reset to zero, the others keep theirs, and the next rounds go on."""
     policy, how = CASES[case]
-    params, optimizer, sync = quantized_skip_run(policy)
+    params, optimizer, sync = quantized_skip_run(policy, dtypes)
     for number in range(2):
         step(params, optimizer, sync, number)  # a round at step 2: every worker has a residual
     residuals = sync.plan.pseudo_gradients.residuals

@@ -78,7 +78,9 @@ def test_payload_bytes_count_codes_positions_and_scales():
         SyncCodecs.parse(["params=top8", "momenta=int2", "second-moment=int4"])
     )
     by_kind = sync.traffic.bytes_by_kind
-    assert by_kind["params"] == 2 * 8 * Codec("top8").block_bytes  # 6 blocks padded to 8
+    # top-k is gathered whole, unpadded, and counted at M/2 = 2 x its payload (the others reduced
+    # by owners, padded to M equal chunks)
+    assert by_kind["params"] == 2 * 6 * Codec("top8").block_bytes * 2
     assert by_kind["exp_avg_0"] == 2 * 8 * Codec("int2").block_bytes
     assert by_kind["exp_avg_sq"] == 2 * 8 * Codec("int4", "positive").block_bytes
 
@@ -108,8 +110,12 @@ def test_a_low_bit_round_leaves_every_worker_identical(dtype):
     rows = [torch.randn(4, 300, generator=torch.Generator().manual_seed(9))]
     codec = Codec(dtype, block=BLOCK)
     (mean,), _ = simulated_mean(rows, codec)
-    expected = codec.roundtrip(codec.roundtrip(rows[0]).mean(dim=0, keepdim=True))[0]
-    assert torch.equal(mean, expected)  # the mean of what each sent, encoded again
+    sent = codec.roundtrip(rows[0])
+    if codec.gathered:  # gathered whole: the mean of what each sent, summed in worker order
+        expected = (sent[0] + sent[1] + sent[2] + sent[3]) / 4
+    else:  # reduced by owners: the mean of what each sent, encoded again
+        expected = codec.roundtrip(sent.mean(dim=0, keepdim=True))[0]
+    assert torch.equal(mean, expected)
 
 
 @pytest.mark.parametrize("dtype", ["int4", "int2", "top8", "int4+", "int2+"])
@@ -200,8 +206,9 @@ def test_low_bit_codecs_combine_with_longer_state_periods():
         (weight - targets).square().sum().backward()
         sync.step()
     by_kind = sync.traffic.bytes_by_kind
-    blocks = 8  # 1200 values: 5 blocks of 256, padded to 4 equal chunks
-    assert by_kind["params"] == 4 * blocks * Codec("top8").block_bytes  # steps 4, 8, 12, 16
+    blocks = 8  # 1200 values: 5 blocks of 256, padded to 4 equal chunks (top-k: gathered whole,
+    # unpadded, counted at M/2 = 2 x its payload)
+    assert by_kind["params"] == 4 * 5 * Codec("top8").block_bytes * 2  # steps 4, 8, 12, 16
     assert by_kind["exp_avg_0"] == 2 * blocks * Codec("int2").block_bytes  # steps 8, 16
     assert by_kind["exp_avg_sq"] == 2 * blocks * Codec("int4", "positive").block_bytes
     for tensor in (weight, *(v for v in optimizer.state[weight].values() if v.dim() > 0)):

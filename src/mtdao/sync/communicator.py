@@ -36,7 +36,7 @@ from torch import Tensor
 
 from mtdao.sync.collectives import InFlightMean
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.exchange import InFlightQuantizedMean, payload_sizes
+from mtdao.sync.exchange import payload_sizes, quantized_mean
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.quantize import Codec
 from mtdao.sync.transport import Transport
@@ -232,7 +232,7 @@ class Communicator:
                 ]
                 process_bytes += sum(local_shard(t).numel() * t.element_size() for t in group)
             else:
-                part = InFlightQuantizedMean(group, codec, self.transport, excluded, contributes)
+                part = quantized_mean(group, codec, self.transport, excluded, contributes)
                 parts = [self.layout.worker_parts(t) for t in group]
                 group_sizes, sent = payload_sizes(
                     parts, group_kinds, codec, self.num_workers, self.layout.shard_rank

@@ -1,5 +1,5 @@
 """The quantized average: each worker's encoded chunks reduced by their owner, the encoded means
-gathered by every worker.
+gathered by every worker; or, for a sparse (top-k) payload, every worker's payload gathered whole.
 
 For M workers and one codec, each worker lays its tensors out as blocks (:class:`BlockLayout`:
 each tensor padded to whole blocks, the whole padded to a multiple of M blocks) and encodes them.
@@ -11,9 +11,16 @@ values, and the simulator, which runs the same functions on the same blocks, wit
 
 What it costs each worker on the wire: it sends (M-1)/M of its payload in the all-to-all and
 (M-1)/M in the all-gather, 2 (M-1)/M x the encoded payload, like a ring all-reduce of that payload.
-The traffic account counts the payload (codes, scales and padding), as it counts an all-reduce's.
-Gathering every worker's whole payload and averaging locally would need no second quantization
-but costs (M-1) x the payload: M/2 times more (the same at M = 2, twice as much at M = 4).
+The traffic account counts the payload (codes, scales and padding), as it counts an all-reduce's:
+every exchange is counted at its bytes on the wire x M / (2 (M-1)).
+
+A top-k payload is not reduced by an owner (:class:`InFlightGatheredMean`): the mean of M top-k
+blocks holds up to M k non-zeros, and encoding it to k again would drop most of the mean (a loss
+no worker's error feedback sees). Every worker gathers every worker's payload instead, decodes
+each and sums them in worker order: the exact mean of what was sent, the same bits everywhere.
+That sends (M-1) x the payload, counted as M/2 x the payload (the same at M = 2, twice as much at
+M = 4); sending the mean back from owners at up to M k values per block would quantize it a second
+time, and at top8 cost more up to M = 5 (the same at 6, less from 7 on).
 """
 
 from __future__ import annotations
@@ -60,6 +67,19 @@ class BlockLayout:
         return sizes
 
 
+def block_layout(numels: Sequence[int], codec: Codec, num_workers: int) -> BlockLayout:
+    """How one codec's payload is laid out: in M equal chunks for an owner each, or (a gathered
+    payload) as one run of blocks."""
+    return BlockLayout(tuple(numels), codec.block, 1 if codec.gathered else num_workers)
+
+
+def counted_bytes(payload_bytes: int, codec: Codec, num_workers: int) -> int:
+    """What the traffic account counts for sending a payload of ``payload_bytes``: the payload
+    (reduced by owners: 2 (M-1)/M x it on the wire, an all-reduce's factor), or M/2 x it
+    (gathered whole: (M-1) x it on the wire). A top-k block is 2k + 4 bytes, so exact."""
+    return payload_bytes * num_workers // 2 if codec.gathered else payload_bytes
+
+
 def payload_sizes(
     parts: Sequence[Sequence[int]],
     kinds: Sequence[str],
@@ -67,12 +87,16 @@ def payload_sizes(
     num_workers: int,
     process: int = 0,
 ) -> tuple[list[tuple[str, int]], int]:
-    """What one worker sends in one codec's exchange: (kind, payload bytes) per tensor, summed
-    over the worker's processes, and the payload bytes of its process ``process``. ``parts[i]``
-    holds the elements of tensor i that each process holds: every process encodes its own
-    (a sharded worker's processes their shards, padded to whole blocks and equal chunks each)."""
+    """What one worker sends in one codec's exchange, as the traffic account counts it
+    (:func:`counted_bytes`): (kind, bytes) per tensor, summed over the worker's processes, and
+    the bytes of its process ``process``. ``parts[i]`` holds the elements of tensor i that each
+    process holds: every process encodes its own (a sharded worker's processes their shards,
+    padded to whole blocks, and to equal chunks where owners reduce them, each)."""
     per_process = [
-        BlockLayout(tuple(numels), codec.block, num_workers).kind_bytes(kinds, codec)
+        [
+            (kind, counted_bytes(size, codec, num_workers))
+            for kind, size in block_layout(numels, codec, num_workers).kind_bytes(kinds, codec)
+        ]
         for numels in zip(*parts)
     ]
     sizes = [(kind, sum(sent[i][1] for sent in per_process)) for i, kind in enumerate(kinds)]
@@ -102,23 +126,40 @@ def unpack(blocks: Tensor, layout: BlockLayout) -> list[Tensor]:
     return values
 
 
-def reduce_chunks(received: Tensor, codec: Codec, contributors: Sequence[int]) -> Tensor:
-    """The encoded means over ``contributors`` of encoded chunks ``[R, workers, ..., bytes]``
-    (each local worker's chunk from every worker): decoded, summed in worker order, divided,
-    encoded (the same operations wherever it runs): ``[R, ..., bytes]``."""
-    decoded = codec.decode(received)
-    total = decoded[:, contributors[0]].clone()
+def decoded_mean(payloads: Tensor, codec: Codec, contributors: Sequence[int]) -> Tensor:
+    """The mean over ``contributors`` of encoded payloads ``[..., workers, ..., bytes]`` (the
+    workers along dim ``-3``): each decoded, summed in worker order, divided (the same
+    operations wherever it runs, one worker's payload decoded at a time): ``[..., ..., block]``."""
+    total = codec.decode(payloads.select(-3, contributors[0]))
     for worker in contributors[1:]:
-        total += decoded[:, worker]
-    return codec.encode(total / len(contributors))
+        total += codec.decode(payloads.select(-3, worker))
+    return total / len(contributors)
+
+
+def reduce_chunks(received: Tensor, codec: Codec, contributors: Sequence[int]) -> Tensor:
+    """The encoded means over ``contributors`` of encoded chunks ``[R, workers, blocks, bytes]``
+    (each local worker's chunk from every worker): ``[R, blocks, bytes]``."""
+    return codec.encode(decoded_mean(received, codec, contributors))
 
 
 def simulated_mean(
     rows: Sequence[Tensor], codec: Codec, excluded: Sequence[int] = ()
 ) -> tuple[list[Tensor], BlockLayout]:
     """The quantized mean of stacked tensors (rows ``[M, numel]``), as M real workers compute it."""
-    exchange = InFlightQuantizedMean(rows, codec, StackedTransport(rows[0].shape[0]), excluded)
+    exchange = quantized_mean(rows, codec, StackedTransport(rows[0].shape[0]), excluded)
     return exchange.flat_means(), exchange.layout
+
+
+def quantized_mean(
+    tensors: Sequence[Tensor],
+    codec: Codec,
+    transport: Transport,
+    excluded: Sequence[int] = (),
+    contributes: bool = True,
+) -> InFlightQuantizedMean | InFlightGatheredMean:
+    """The exchange ``codec`` takes, launched (reduced by owners, or gathered whole)."""
+    exchange = InFlightGatheredMean if codec.gathered else InFlightQuantizedMean
+    return exchange(tensors, codec, transport, excluded, contributes)
 
 
 class InFlightQuantizedMean:
@@ -136,19 +177,23 @@ class InFlightQuantizedMean:
         excluded: Sequence[int] = (),
         contributes: bool = True,
     ) -> None:
-        self.codec, self.transport = codec, transport
-        tensors = [local_shard(t) for t in tensors]
+        payload = self._encode(tensors, codec, transport, excluded, contributes)
         rows = transport.local_workers
-        self.shapes = [(t.shape[1:] if transport.stacked else t.shape, t.dtype) for t in tensors]
-        self.num_workers = transport.num_workers
-        self.contributors = transport.contributors(excluded, contributes)
-        flat = [t.reshape(rows, -1) for t in tensors]
-        self.layout = BlockLayout(tuple(t.shape[1] for t in flat), codec.block, self.num_workers)
-        payload = codec.encode(pack(flat, self.layout))  # [R, blocks, bytes]
         chunks = payload.view(rows, self.num_workers, self.layout.chunk_blocks, -1)
         self.work = transport.all_to_all(chunks)
         self.gathering = False
         self.collectives = 2
+
+    def _encode(self, tensors, codec, transport, excluded, contributes) -> Tensor:
+        """This process's payload ``[R, blocks, bytes]``, and what decoding the result needs."""
+        self.codec, self.transport = codec, transport
+        tensors = [local_shard(t) for t in tensors]
+        self.shapes = [(t.shape[1:] if transport.stacked else t.shape, t.dtype) for t in tensors]
+        self.num_workers = transport.num_workers
+        self.contributors = transport.contributors(excluded, contributes)
+        flat = [t.reshape(transport.local_workers, -1) for t in tensors]
+        self.layout = block_layout([t.shape[1] for t in flat], codec, self.num_workers)
+        return codec.encode(pack(flat, self.layout))
 
     def advance(self) -> None:
         if self.gathering:
@@ -168,3 +213,28 @@ class InFlightQuantizedMean:
     def wait(self) -> list[Tensor]:
         values = self.flat_means()
         return [v.view(shape).to(dtype) for v, (shape, dtype) in zip(values, self.shapes)]
+
+
+class InFlightGatheredMean(InFlightQuantizedMean):
+    """The mean of payloads gathered whole (top-k), in one stage: every worker's payload is
+    gathered at once; :meth:`wait` decodes each, sums them in worker order and divides. Nothing
+    is encoded twice, so the mean is exactly the mean of what the workers sent."""
+
+    def __init__(
+        self,
+        tensors: Sequence[Tensor],
+        codec: Codec,
+        transport: Transport,
+        excluded: Sequence[int] = (),
+        contributes: bool = True,
+    ) -> None:
+        payload = self._encode(tensors, codec, transport, excluded, contributes)
+        self.work = transport.all_gather(payload)
+        self.collectives = 1
+
+    def advance(self) -> None:
+        """Nothing to launch later: one stage."""
+
+    def flat_means(self) -> list[Tensor]:
+        gathered = self.work.wait()[0]  # [M workers, blocks, bytes]
+        return unpack(decoded_mean(gathered, self.codec, self.contributors), self.layout)

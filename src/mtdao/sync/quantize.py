@@ -73,6 +73,13 @@ class Codec:
         return topk.parse_topk(self.dtype)
 
     @property
+    def gathered(self) -> bool:
+        """Whether every worker's payload is gathered whole rather than reduced by an owner
+        (:mod:`mtdao.sync.exchange`): top-k, whose mean an owner could not encode to k values
+        per block again without dropping most of it."""
+        return self.kept is not None
+
+    @property
     def name(self) -> str:
         return f"{self.dtype}/{self.domain}"
 

@@ -113,7 +113,7 @@ class RecordingCommunicator(Communicator):
             else:
                 layout = BlockLayout(tuple(t.numel() for t in group), codec.block, 1)
                 sizes += layout.kind_bytes([kinds[i] for i in indices], codec)
-                collectives += 2
+                collectives += 1 if codec.gathered else 2
         num_bytes, collectives = self._account_sizes(sizes, collectives)
         return Averages(values, num_bytes, collectives)
 
