@@ -8,7 +8,7 @@
 2. Checksum throughput of the candidate algorithms on a 100 MB file (read from the page cache).
 3. Fingerprinting the builtin corpus (the key of the token caches) against loading it.
 
-    git show 629e1df:src/mtdao/train/checkpoint.py > /tmp/checkpoint_before.py
+    git show 629e1df:src/mtdao/train/checkpoint/store.py > /tmp/checkpoint_before.py
     OMP_NUM_THREADS=1 python benchmarks/checkpoint_costs.py --baseline /tmp/checkpoint_before.py
 """
 
@@ -29,9 +29,10 @@ import torch
 import xxhash
 
 from mtdao.data import load_corpus
-from mtdao.train import checkpoint, snapshot
+from mtdao.train.checkpoint import snapshot
+from mtdao.train.checkpoint import store as checkpoint
+from mtdao.train.checkpoint.run_state import RunState
 from mtdao.train.config import TrainConfig, resolve
-from mtdao.train.run_state import RunState
 from mtdao.train.setup import build_run
 from mtdao.train.trainer import train_step
 

@@ -26,9 +26,9 @@ import time
 import pytest
 import torch
 
-from mtdao.train import checkpoint as ckpt
 from mtdao.train import durable
-from mtdao.train.checkpoint import CheckpointStore
+from mtdao.train.checkpoint import store as ckpt
+from mtdao.train.checkpoint.store import CheckpointStore
 
 FILE_OPERATIONS = ("replace", "rename", "mkdir", "fsync", "unlink", "rmdir")
 

@@ -17,8 +17,8 @@ import torch
 from test_checkpoint_forged import forge
 from test_train_resume import saved_bytes, tiny_config
 
-from mtdao.train import checkpoint as ckpt
 from mtdao.train import trainer
+from mtdao.train.checkpoint import store as ckpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,8 +85,8 @@ def test_sharded_tensors_must_all_be_there_with_their_global_shapes(tmp_path):
     """A sharded checkpoint's DCP metadata against the built run's DCP state dict."""
     import torch.distributed.checkpoint as dcp
 
-    from mtdao.train.checkpoint_fit import sharded_tensors_unfit
-    from mtdao.train.dcp_metadata import read_metadata
+    from mtdao.train.checkpoint.dcp_metadata import read_metadata
+    from mtdao.train.checkpoint.fit import sharded_tensors_unfit
 
     saved = {"worker0": {"model": {"w": torch.zeros(4, 2), "b": torch.zeros(2)}}}
     dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path, single_file_per_rank=True))

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtdao.train import checkpoint as ckpt
-from mtdao.train.checkpoint_dcp import MODEL_DIR, ShardedCheckpointStore, load_sharded
-from mtdao.train.dcp_metadata import read_metadata
+from mtdao.train.checkpoint import store as ckpt
+from mtdao.train.checkpoint.dcp import MODEL_DIR, ShardedCheckpointStore, load_sharded
+from mtdao.train.checkpoint.dcp_metadata import read_metadata
 from mtdao.train.durable import CHECKSUM, file_checksum
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "no process group"

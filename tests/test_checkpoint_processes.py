@@ -18,8 +18,8 @@ RANK_SCRIPT = textwrap.dedent(
     import datetime, json, os, sys
     import torch
     import torch.distributed as dist
-    from mtdao.train import checkpoint as ckpt
-    from mtdao.train.checkpoint_state import ProcessGroupCollective
+    from mtdao.train.checkpoint import store as ckpt
+    from mtdao.train.checkpoint.agreement import ProcessGroupCollective
 
     rank, run_dir, store_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group(

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from mtdao.train import checkpoint as ckpt
-from mtdao.train.checkpoint import CheckpointStore
-from mtdao.train.checkpoint_state import BarrierOnly, ProcessGroupCollective
+from mtdao.train.checkpoint import store as ckpt
+from mtdao.train.checkpoint.agreement import BarrierOnly, ProcessGroupCollective
+from mtdao.train.checkpoint.store import CheckpointStore
 
 
 def state_at(step: int, rank: int = 0) -> dict:

@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from mtdao.train import checkpoint as ckpt
-from mtdao.train.checkpoint import CheckpointError, CheckpointStore
-from mtdao.train.checkpoint_state import explain_load_error
+from mtdao.train.checkpoint import store as ckpt
+from mtdao.train.checkpoint.agreement import explain_load_error
+from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore
 from mtdao.train.durable import file_checksum
 
 
@@ -174,7 +174,7 @@ def damage_newest(run_dir, how: str) -> str:
 def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, caplog, how):
     save_steps(tmp_path, [10, 20])
     named = damage_newest(tmp_path, how)
-    with caplog.at_level(logging.WARNING, logger="mtdao.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mtdao.train.checkpoint.store"):
         loaded = CheckpointStore(tmp_path).load()
     assert loaded.step == 10 and loaded.state["step"] == 10
     (warning,) = [r.getMessage() for r in caplog.records]
@@ -237,7 +237,7 @@ def test_a_file_the_safe_loader_refuses_never_suggests_weights_only_false(tmp_pa
     meta = json.loads((newest.path / "meta.json").read_text())
     meta["files"]["rank0.pt"] = {"bytes": (newest.path / "rank0.pt").stat().st_size}
     (newest.path / "meta.json").write_text(json.dumps(meta))
-    with caplog.at_level(logging.WARNING, logger="mtdao.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mtdao.train.checkpoint.store"):
         assert CheckpointStore(tmp_path).load().step == 10
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "holds an object the safe loader refuses (Unsupported global" in warning

@@ -12,9 +12,9 @@ import pytest
 
 import mtdao.sync
 from mtdao.cli import build_parser, main
-from mtdao.train import fault_tolerant
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import TrainConfig, resolve
+from mtdao.train.fault_tolerance import replica as fault_tolerant
 
 FT = dict(fault_tolerant=True, replica_id=1, lighthouse="host:29510", workers=3)
 

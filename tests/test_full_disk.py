@@ -19,7 +19,7 @@ from test_train_cli import assert_one_line_error, tiny_args
 from test_train_resume import assert_runs_equal
 
 from mtdao.cli import main
-from mtdao.train import checkpoint as ckpt
+from mtdao.train.checkpoint import store as ckpt
 from mtdao.train.metrics import read_records
 
 pytestmark = pytest.mark.usefixtures("one_thread")

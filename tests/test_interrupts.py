@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.train.checkpoint_index import latest_checkpoint
+from mtdao.train.checkpoint.index import latest_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -162,8 +162,8 @@ def test_healing_refuses_a_peer_of_other_shapes_and_overwrites_nothing():
 
 def test_the_plain_checkpoint_holds_what_older_checkpoints_hold(tmp_path, corpus_dir):
     """Its keys and their order are the on-disk format: a checkpoint of before resumes."""
+    from mtdao.train.checkpoint.run_state import RunState
     from mtdao.train.config import TrainConfig, resolve
-    from mtdao.train.run_state import RunState
     from mtdao.train.setup import build_run
 
     config = TrainConfig(
@@ -214,8 +214,8 @@ def test_the_sync_package_imports_nothing_of_the_harness():
 
 def test_the_sharded_checkpoint_does_not_import_the_plain_one():
     """snapshot.py hands sharded runs to sharded_snapshot.py; nothing goes the other way."""
-    imported = imported_modules(SRC / "train" / "sharded_snapshot.py")
-    assert not {"mtdao.train.snapshot", "mtdao.train.sharded_rounds"} & imported
+    imported = imported_modules(SRC / "train" / "checkpoint" / "sharded_snapshot.py")
+    assert not {"mtdao.train.checkpoint.snapshot", "mtdao.train.sharded_rounds"} & imported
 
 
 def test_parameters_that_share_a_name_are_refused():

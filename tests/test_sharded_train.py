@@ -25,10 +25,10 @@ import torch.multiprocessing as mp
 from test_checkpoint_forged import Payload, forge
 from torch.testing import assert_close
 
-from mtdao.train import checkpoint as ckpt
 from mtdao.train import trainer
-from mtdao.train.checkpoint_dcp import ShardedCheckpointStore
-from mtdao.train.checkpoint_state import SingleProcess
+from mtdao.train.checkpoint import store as ckpt
+from mtdao.train.checkpoint.agreement import SingleProcess
+from mtdao.train.checkpoint.dcp import ShardedCheckpointStore
 from mtdao.train.config import TrainConfig
 from mtdao.train.ports import unused_port
 

@@ -19,7 +19,7 @@ from mtdao.cli import main
 from mtdao.experiments import slow_link
 from mtdao.experiments.netem import LinkUnavailable, emulated_link
 from mtdao.train import trainer
-from mtdao.train.checkpoint import checkpoint_path
+from mtdao.train.checkpoint.store import checkpoint_path
 from mtdao.train.config import TrainConfig
 
 STEPS, SYNC_PERIOD = 4, 2

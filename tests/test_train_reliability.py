@@ -19,7 +19,7 @@ from test_train_resume import assert_runs_equal, tiny_config, train_until_interr
 
 from mtdao.cli import main
 from mtdao.train import trainer
-from mtdao.train.checkpoint_state import first_unsavable
+from mtdao.train.checkpoint.agreement import first_unsavable
 from mtdao.train.metrics import read_metrics
 from mtdao.train.run_lock import RunLock
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtdao.train import checkpoint as ckpt
 from mtdao.train import trainer
+from mtdao.train.checkpoint import store as ckpt
 from mtdao.train.config import TrainConfig
 from mtdao.train.metrics import read_metrics
 

@@ -22,7 +22,7 @@ COMMANDS = {
         "pre-train a language model with any method (simulated or torchrun workers)",
     ),
     "lighthouse": (
-        "mtdao.train.lighthouse",
+        "mtdao.train.fault_tolerance.lighthouse",
         "start the lighthouse of a fault-tolerant run (mtdao train --fault-tolerant)",
     ),
     "plot": (
@@ -101,7 +101,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """Errors caused by the user's input or environment: reported in one line, exit code 2."""
     from mtdao.data.errors import DataError
     from mtdao.sync.engine import NonFiniteError
-    from mtdao.train.checkpoint import CheckpointError
+    from mtdao.train.checkpoint.store import CheckpointError
     from mtdao.train.distributed import CollectiveError
     from mtdao.train.durable import WriteError
     from mtdao.train.memory import OutOfMemory

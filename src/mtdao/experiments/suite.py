@@ -96,7 +96,7 @@ def stale_settings(results: dict[str, Any], config: TrainConfig) -> list[str]:
 
 def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
     """The config to launch: resume a matching checkpoint, otherwise start from an empty dir."""
-    from mtdao.train.checkpoint import latest_checkpoint
+    from mtdao.train.checkpoint.store import latest_checkpoint
 
     latest = latest_checkpoint(run_dir)
     config = dataclasses.replace(config, out=str(run_dir), resume=False, progress=False)

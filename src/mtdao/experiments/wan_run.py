@@ -29,7 +29,7 @@ from typing import Any
 from mtdao.experiments.wan_scenario import LIGHTHOUSE, Event, Scenario
 from mtdao.experiments.wan_sites import SITE_IFACE, WanSites, exit_on_sigterm
 from mtdao.experiments.wan_straggler import CpuQuota
-from mtdao.train.checkpoint_index import CHECKPOINTS_DIR, COMPLETE_NAME
+from mtdao.train.checkpoint.index import CHECKPOINTS_DIR, COMPLETE_NAME
 
 LIGHTHOUSE_PORT = 29510  # inside the lighthouse's own namespace: nothing else listens there
 SAMPLE_S = 0.5

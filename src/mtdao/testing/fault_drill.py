@@ -44,7 +44,7 @@ POLL_S = 0.02
 
 class DrillObserver:
     """Steers one process of a replica through the files in ``control`` (see the module
-    docstring): a :class:`~mtdao.train.fault_tolerant.ReplicaObserver`."""
+    docstring): a :class:`~mtdao.train.fault_tolerance.replica.ReplicaObserver`."""
 
     def __init__(self, control: Path, name: str) -> None:
         self.control, self.name = control, name
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m mtdao.testing.fault_drill CONTROL_DIR NAME -- <train flags>")
         return 2
     from mtdao.cli import main as cli_main
-    from mtdao.train.fault_tolerant import observe_replicas
+    from mtdao.train.fault_tolerance.replica import observe_replicas
 
     observe_replicas(DrillObserver(Path(argv[0]), argv[1]))
 

@@ -126,7 +126,7 @@ def run_train(args: argparse.Namespace) -> int:
 def interrupted_train(args: argparse.Namespace, argv: list[str]) -> str | None:
     """What to say after Ctrl-C: the newest checkpoint and the command that continues the run
     (``argv``: this command's arguments). None on processes other than rank 0 of a job."""
-    from mtdao.train.checkpoint_index import latest_checkpoint
+    from mtdao.train.checkpoint.index import latest_checkpoint
     from mtdao.train.config import resolve
 
     if int(os.environ.get("RANK", "0")) != 0:

@@ -10,9 +10,9 @@ from mtdao.train.config import TrainConfig, resolve
 
 def train(config: TrainConfig) -> dict[str, Any]:
     """Train as configured; returns (and writes) the results. With ``fault_tolerant`` set, this
-    process is one replica (:mod:`mtdao.train.fault_tolerant`, the only path to torchft)."""
+    process is one replica (:mod:`mtdao.train.fault_tolerance.replica`, the only path to torchft)."""
     if config.fault_tolerant:
-        from mtdao.train.fault_tolerant import train_replica
+        from mtdao.train.fault_tolerance.replica import train_replica
 
         return train_replica(resolve(config))
     return trainer.train(config)

@@ -113,7 +113,7 @@ def build_run(
     """The run of a resolved ``config`` (see :func:`mtdao.train.config.resolve`).
 
     With a ``communicator``, this process is one worker that averages through it, reading data
-    shard ``worker_index`` (a fault-tolerant replica: :mod:`mtdao.train.fault_tolerant`).
+    shard ``worker_index`` (a fault-tolerant replica: :mod:`mtdao.train.fault_tolerance.replica`).
     """
     if config.out is None or config.steps is None or config.lr is None or config.omegas is None:
         raise ValueError("build_run needs a resolved config (mtdao.train.config.resolve)")

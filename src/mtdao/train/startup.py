@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtdao.train import checkpoint as ckpt
-from mtdao.train.checkpoint_index import set_aside_checkpoints
-from mtdao.train.checkpoint_state import Collective
+from mtdao.train.checkpoint import store as ckpt
+from mtdao.train.checkpoint.agreement import Collective
+from mtdao.train.checkpoint.index import set_aside_checkpoints
+from mtdao.train.checkpoint.snapshot import saved_config
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.durable import describe_os_error
@@ -38,7 +39,6 @@ from mtdao.train.run_lock import (
     refuse_to_replace_a_run,
 )
 from mtdao.train.schedule import steps_change
-from mtdao.train.snapshot import saved_config
 
 logger = logging.getLogger(__name__)
 

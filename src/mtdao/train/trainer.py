@@ -4,7 +4,7 @@ start   (startup.py) lock --out -> fresh, --overwrite, or --resume from the newe
 setup   (setup.py) resolved config -> data -> model -> workers -> optimizer -> policy -> engine
 loop    schedules -> batch -> per-worker losses -> backward -> sync.step() -> [evaluate, checkpoint]
         sync.step(): [average grads] -> clip (gradient hook) -> optimizer step -> [average due]
-finish  checkpoint (snapshot.py, unless just saved) -> results.json (results.py) -> loss.png
+finish  checkpoint (checkpoint/snapshot.py, unless just saved) -> results.json (results.py) -> loss.png
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from mtdao.data import stacked_batches
 from mtdao.sync.communicator import RoundNotCommitted
-from mtdao.train.checkpoint import CheckpointStore
+from mtdao.train.checkpoint.snapshot import checkpoint_store, restore, save, unfit
+from mtdao.train.checkpoint.store import CheckpointStore
 from mtdao.train.config import TrainConfig, config_warnings, resolve
 from mtdao.train.distributed import (
     ProcessInfo,
@@ -38,7 +39,6 @@ from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
 from mtdao.train.setup import Run, build_run
 from mtdao.train.sharding import check_topology
-from mtdao.train.snapshot import checkpoint_store, restore, save, unfit
 from mtdao.train.startup import Start, choose_start, fall_back, lock_run_dir
 from mtdao.train.workers import SimulatedWorkerSet
 from mtdao.units import format_bytes
@@ -99,7 +99,7 @@ def train(
     """Train as configured (resolved first); returns (and writes) the results of the run.
 
     ``build`` ((config, process) -> Run) and ``hooks`` are how a replica of a fault-tolerant run
-    (:mod:`mtdao.train.fault_tolerant`, started by :func:`mtdao.train.train`) plugs in.
+    (:mod:`mtdao.train.fault_tolerance.replica`, started by :func:`mtdao.train.train`) plugs in.
     """
     started = time.perf_counter()
     config = resolve(config)

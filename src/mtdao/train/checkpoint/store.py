@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-from mtdao.train.checkpoint_index import (
+from mtdao.train.checkpoint.agreement import (
+    BarrierOnly,
+    Collective,
+    SingleProcess,
+    first_unsavable,
+    read_state_file,
+)
+from mtdao.train.checkpoint.index import (
     CHECKPOINTS_DIR,
     FORMAT,
     CheckpointInfo,
@@ -45,13 +52,6 @@ from mtdao.train.checkpoint_index import (
     list_checkpoints,
     scan_checkpoints,
     verify_files,
-)
-from mtdao.train.checkpoint_state import (
-    BarrierOnly,
-    Collective,
-    SingleProcess,
-    first_unsavable,
-    read_state_file,
 )
 from mtdao.train.durable import (
     CHECKSUM,

@@ -1,6 +1,6 @@
 """Checkpoints of sharded workers: torch.distributed.checkpoint (DCP) files inside the store.
 
-The :class:`~mtdao.train.checkpoint.CheckpointStore` sequence is unchanged (refuse NaN/inf before
+The :class:`~mtdao.train.checkpoint.store.CheckpointStore` sequence is unchanged (refuse NaN/inf before
 writing, write into ``step-N.partial``, record every file's checksum in ``meta.json``, commit by
 one rename, keep the newest N, verify on load and fall back); only the files differ::
 
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.sync.dtensors import local_shard
-from mtdao.train.checkpoint import CheckpointError, CheckpointStore
-from mtdao.train.checkpoint_index import FORMAT, CheckpointInfo, read_meta, verify_files
-from mtdao.train.checkpoint_state import read_state_file
-from mtdao.train.dcp_metadata import read_metadata, safe_reader
+from mtdao.train.checkpoint.agreement import read_state_file
+from mtdao.train.checkpoint.dcp_metadata import read_metadata, safe_reader
+from mtdao.train.checkpoint.index import FORMAT, CheckpointInfo, read_meta, verify_files
+from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore
 from mtdao.train.durable import CHECKSUM, file_checksum, write_atomic, write_json_atomic
 
 MODEL_DIR = "model"
@@ -159,7 +159,7 @@ def load_sharded(checkpoint: Path, state_dict: dict[str, Any]) -> None:
     """Read the DCP files of ``checkpoint`` (a directory :meth:`ShardedCheckpointStore.load`
     chose) into ``state_dict`` in place, on every process together; each process reads the
     slices its tensors cover, whatever the number of shards that wrote them. The metadata is
-    read by the safe reader (:mod:`mtdao.train.dcp_metadata`), never by ``pickle.load``."""
+    read by the safe reader (:mod:`mtdao.train.checkpoint.dcp_metadata`), never by ``pickle.load``."""
     import torch.distributed.checkpoint as dcp
 
     data_files = _data_files(checkpoint)

@@ -1,10 +1,10 @@
 """Saving and restoring a run of sharded workers (``--shards`` > 1) through DCP checkpoints.
 
-What the run carries is :class:`~mtdao.train.run_state.RunState`'s; its sharded form puts what is
+What the run carries is :class:`~mtdao.train.checkpoint.run_state.RunState`'s; its sharded form puts what is
 sharded (parameters, optimizer states, the engine's anchors, outer momentum, rounds in flight and
 residuals) in DCP, under each worker's key and the tensors' names, and what belongs to a worker
 (its data position, the RNG, the engine's step and record of rounds, clocks, evaluations) in one
-file per worker. See :mod:`mtdao.train.checkpoint_dcp` for the layout and what may change between
+file per worker. See :mod:`mtdao.train.checkpoint.dcp` for the layout and what may change between
 save and load. The store only reads files, so it chooses the checkpoint before the run is built
 (as the unsharded one does); the sharded tensors are read into the built run by :func:`restore`.
 """
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from mtdao.train import checkpoint as ckpt
-from mtdao.train.checkpoint_dcp import MODEL_DIR, ShardedCheckpointStore, load_sharded
-from mtdao.train.checkpoint_fit import sharded_tensors_unfit, worker_file_unfit
-from mtdao.train.checkpoint_state import ProcessGroupCollective
+from mtdao.train.checkpoint import store as ckpt
+from mtdao.train.checkpoint.agreement import ProcessGroupCollective
+from mtdao.train.checkpoint.dcp import MODEL_DIR, ShardedCheckpointStore, load_sharded
+from mtdao.train.checkpoint.dcp_metadata import read_metadata
+from mtdao.train.checkpoint.fit import sharded_tensors_unfit, worker_file_unfit
+from mtdao.train.checkpoint.run_state import RunState
 from mtdao.train.config import TrainConfig
-from mtdao.train.dcp_metadata import read_metadata
 from mtdao.train.distributed import ProcessInfo
-from mtdao.train.run_state import RunState
 from mtdao.train.setup import Run
 from mtdao.train.sharding import launched_workers
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mtdao.train.run_state import RunState
+from mtdao.train.checkpoint.run_state import RunState
 from mtdao.train.setup import Run
 
 

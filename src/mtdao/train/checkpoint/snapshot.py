@@ -1,6 +1,6 @@
 """Saving a whole run to a checkpoint and restoring it exactly (``--resume``).
 
-A checkpoint holds, per process, the run's state as :class:`~mtdao.train.run_state.RunState`
+A checkpoint holds, per process, the run's state as :class:`~mtdao.train.checkpoint.run_state.RunState`
 defines it: the workers' parameters, the optimizer and sync-engine state (anchors, outer
 momentum, traffic account, every round), the data positions, the RNG state, the clock, the
 evaluations so far and the record of extensions. The store (:mod:`checkpoint`) writes it
@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from mtdao.train import checkpoint as ckpt
-from mtdao.train import checkpoint_fit, sharded_snapshot
-from mtdao.train.checkpoint_state import ProcessGroupCollective
+from mtdao.train.checkpoint import fit as checkpoint_fit
+from mtdao.train.checkpoint import sharded_snapshot
+from mtdao.train.checkpoint import store as ckpt
+from mtdao.train.checkpoint.agreement import ProcessGroupCollective
+from mtdao.train.checkpoint.run_state import RunState
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.distributed import ProcessInfo
-from mtdao.train.run_state import RunState
 from mtdao.train.setup import Run
 
 
@@ -69,7 +70,7 @@ def saved_config(meta: dict) -> TrainConfig:
 
 def unfit(run: Run, loaded: ckpt.LoadedCheckpoint) -> str | None:
     """Why ``loaded`` (its files verified and read) cannot be restored into the built ``run``:
-    edited or forged, or not this model's; None if it fits (see checkpoint_fit.py)."""
+    edited or forged, or not this model's; None if it fits (see fit.py)."""
     if run.config.shards > 1:
         return sharded_snapshot.unfit(run, loaded)
     return checkpoint_fit.unfit(run, loaded.state)

@@ -5,7 +5,7 @@ A run is its trained part (each worker's parameters, optimizer states and sync e
 progress (the step, the data positions, the RNG, the clock, the evaluations so far and the record
 of extensions). The plain checkpoint saves :meth:`RunState.state_dict`; a run of sharded workers
 saves :meth:`RunState.sharded_state_dict` (DCP tensors and one plain file per worker, see
-:mod:`mtdao.train.checkpoint_dcp`); both restore through this object, so that what is saved and
+:mod:`mtdao.train.checkpoint.dcp`); both restore through this object, so that what is saved and
 what is restored cannot drift apart between the two, or from what healing copies.
 """
 
@@ -58,7 +58,7 @@ class RunState:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (checked to fit the run: ``checkpoint_fit.unfit``)."""
+        """Restore a :meth:`state_dict` (checked to fit the run: ``fit.unfit``)."""
         self.trained.load_state_dict(state)
         self.load_progress_state_dict(state)
 

@@ -1,0 +1,1 @@
+"""Fault-tolerant runs: one replica's driver (:mod:`.replica`) and the lighthouse."""
