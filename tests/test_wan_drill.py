@@ -185,6 +185,21 @@ def test_the_checks_pass_a_clean_record_and_name_what_a_bad_one_lost():
     assert not wiped["no checkpoint wiped"].passed
 
 
+def test_with_fragmented_rounds_replicas_must_share_their_global_state():
+    record = made_up_record(digests=("a", "b"))
+    record["scenario"] = {"replica_flags": ["--sync-fragments", "4", "--sync-delay", "2"]}
+    for name, replica in zip(("g", "g"), record["replicas"].values()):
+        replica["incarnations"][-1]["globals"] = {48: name}
+    by_name = {c.name: c for c in run_checks(record, None)}
+    assert by_name["same model everywhere"].passed, by_name["same model everywhere"].detail
+    record["replicas"]["r1"]["incarnations"][-1]["globals"] = {48: "h"}
+    by_name = {c.name: c for c in run_checks(record, None)}
+    assert "global states at step 48 differ" in by_name["same model everywhere"].detail
+    record["scenario"] = {"replica_flags": []}  # blocking rounds: the whole states must agree
+    record["replicas"]["r1"]["incarnations"][-1]["globals"] = {48: "g"}
+    assert not {c.name: c for c in run_checks(record, None)}["same model everywhere"].passed
+
+
 def test_the_loss_band_is_the_no_event_range_widened_by_its_width():
     assert loss_band([2.0, 2.1], slack=1.0) == pytest.approx((1.9, 2.2))
     assert check_loss(made_up_record(), [2.45, 2.55], 1.0).passed

@@ -58,6 +58,7 @@ def collect(drill) -> dict[str, Any]:
                 {
                     **incarnation,
                     "rounds": read_rounds(drill.control / f"{key}.rounds"),
+                    "globals": read_rounds(drill.control / f"{key}.globals"),
                     "log_tail": log_tail(drill.out / f"{key}.log"),
                 }
             )
