@@ -219,3 +219,20 @@ def test_a_kill_at_every_operation_keeps_a_loadable_checkpoint(tmp_path, keep):
         code = crash_in_child(run_dir, keep, k)
         assert code == (0 if k < len(operations) else 3), f"operation {k}: exit code {code}"
         assert_resumable(run_dir, keep, k, committed_at)
+
+
+def test_ctrl_c_inside_a_writer_that_fails_while_unwinding_stays_a_ctrl_c(tmp_path):
+    """torch.save's zip writer, interrupted mid-record, raises its own RuntimeError on the way
+    out; the user pressed Ctrl-C, so that is what the caller sees (and no partial file stays)."""
+
+    def write(handle):
+        try:
+            handle.write(b"half a record")
+            raise KeyboardInterrupt
+        finally:
+            raise RuntimeError("unexpected pos 2540544 vs 2540432")
+
+    target = tmp_path / "state.pt"
+    with pytest.raises(KeyboardInterrupt):
+        durable.write_atomic(target, write)
+    assert not target.exists() and not durable.temporary_path(target).exists()

@@ -114,12 +114,28 @@ def write_atomic(
     except OSError as error:
         _remove_quietly(partial)
         raise WriteError(path, error) from None
-    except Exception:
+    except BaseException as error:
         _remove_quietly(partial)
         if target is not None and target.error is not None:
             raise WriteError(path, target.error) from None
+        interrupt = _interrupt_behind(error)
+        if interrupt is not None and interrupt is not error:
+            # Ctrl-C inside a writer that fails while unwinding (torch.save's zip writer): the
+            # user's interrupt, not the writer's complaint about the half-written file
+            raise interrupt from None
         raise
     return target.size, target.hasher.hexdigest() if target.hasher else None
+
+
+def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt ``error`` is, or was raised while handling, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__context__
+    return None
 
 
 def write_text_atomic(path: Path, text: str, sync: bool = True) -> None:
