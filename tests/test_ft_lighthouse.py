@@ -104,20 +104,31 @@ def test_every_listener_is_on_the_bind_host_and_is_printed(corpus_dir, tmp_path)
     assert "serving at http://127.0.0.4:" in drill.log("lighthouse")
 
 
+def both_at(drill: Drill, step: int) -> bool:
+    return all(drill.status(name) == ("waiting", step) for name in ("r0", "r1"))
+
+
+def kill_the_lighthouse_when_both_replicas_reach(drill: Drill, step: int) -> None:
+    """Start a lighthouse and replicas r0 and r1, hold both at ``step`` and SIGKILL the
+    lighthouse there; the replicas stay held (move the gate to go on)."""
+    drill.start_lighthouse(min_replicas=2)
+    drill.gate(step)
+    drill.start("r0", 0)
+    drill.start("r1", 1)
+    drill.wait_for(lambda: both_at(drill, step), PHASE_TIMEOUT_S, "both replicas at the gate")
+    drill.processes["lighthouse"].send_signal(signal.SIGKILL)
+    drill.processes["lighthouse"].wait(timeout=30)
+
+
 def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir, tmp_path):
     steps = 8 * K
     with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
-        drill.start_lighthouse(min_replicas=2)
-        drill.gate(2 * K)
-        drill.start("r0", 0)
-        drill.start("r1", 1)
-        at = lambda step: all(drill.status(n) == ("waiting", step) for n in ("r0", "r1"))  # noqa: E731
-        drill.wait_for(lambda: at(2 * K), PHASE_TIMEOUT_S, "both replicas at the gate")
-        drill.processes["lighthouse"].send_signal(signal.SIGKILL)
-        drill.processes["lighthouse"].wait(timeout=30)
+        kill_the_lighthouse_when_both_replicas_reach(drill, 2 * K)
         away_since = time.time()
         drill.gate(4 * K)  # two rounds without a lighthouse
-        drill.wait_for(lambda: at(4 * K), PHASE_TIMEOUT_S, "both replicas past the outage")
+        drill.wait_for(
+            lambda: both_at(drill, 4 * K), PHASE_TIMEOUT_S, "both replicas past the outage"
+        )
         time.sleep(max(0.0, LIGHTHOUSE_AWAY_S - (time.time() - away_since)))
         drill.start_lighthouse(min_replicas=2)  # the same address
         serving = lambda: "serving at" in drill.log("lighthouse")  # noqa: E731
@@ -139,14 +150,7 @@ def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(
 ):
     steps = 3 * K
     with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
-        drill.start_lighthouse(min_replicas=2)
-        drill.gate(2 * K)
-        drill.start("r0", 0)
-        drill.start("r1", 1)
-        at = lambda step: all(drill.status(n) == ("waiting", step) for n in ("r0", "r1"))  # noqa: E731
-        drill.wait_for(lambda: at(2 * K), PHASE_TIMEOUT_S, "both replicas at the gate")
-        drill.processes["lighthouse"].send_signal(signal.SIGKILL)  # gone for the last round
-        drill.processes["lighthouse"].wait(timeout=30)
+        kill_the_lighthouse_when_both_replicas_reach(drill, 2 * K)  # gone for the last round
         drill.gate(None)
         for name in ("r0", "r1"):
             assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
