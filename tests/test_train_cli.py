@@ -335,3 +335,12 @@ def test_help_names_every_method(capsys):
     for method in METHODS:
         assert method in text
     assert "--on-non-finite" in text and "--resume" in text
+
+
+def test_flags_parse_back_into_the_config_they_were_written_from():
+    from mtdao.train.command import config_from_argv, config_to_argv
+    from mtdao.train.config import TrainConfig
+
+    config = TrainConfig(method="diloco", sync_delay=2, sync_fragments=4, sync_dtype=("int8",))
+    assert config_from_argv(config_to_argv(config)) == config
+    assert config_from_argv(["--sync-fragments=4"]).sync_fragments == 4

@@ -66,8 +66,9 @@ def check_same_model(record: dict[str, Any]) -> Check:
     if missing:
         return Check("same model everywhere", False, f"{missing} have no digest at step {steps}")
     if len(set(whole.values())) == 1:
-        return Check("same model everywhere", True, f"{len(whole)} replicas: {whole['r0']}"
-                     if "r0" in whole else f"{len(whole)} replicas agree")  # fmt: skip
+        return Check(
+            "same model everywhere", True, f"{len(whole)} replicas: {next(iter(whole.values()))}"
+        )
     if _rounds_keep_local_progress(record) and None not in shared.values():
         if len(set(shared.values())) == 1:
             return Check(
@@ -88,11 +89,10 @@ def _at(digests: dict, step: int) -> str | None:
 
 def _rounds_keep_local_progress(record: dict[str, Any]) -> bool:
     """Whether the replicas' rounds are delayed or fragmented (from their flags)."""
-    flags = list(record.get("scenario", {}).get("replica_flags", []))
-    values = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--")}
-    delay = int(values.get("--sync-delay", 0) or 0)
-    fragments = int(values.get("--sync-fragments", 1) or 1)
-    return delay > 0 or fragments > 1
+    from mtdao.train.command import config_from_argv
+
+    config = config_from_argv(list(record.get("scenario", {}).get("replica_flags", [])))
+    return config.sync_delay > 0 or config.sync_fragments > 1
 
 
 def metrics_gaps(replica: dict[str, Any], log_every: int) -> list[str]:

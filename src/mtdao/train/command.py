@@ -95,6 +95,13 @@ def config_to_argv(config: TrainConfig) -> list[str]:
     return dataclass_to_argv(config, describe_default)
 
 
+def config_from_argv(argv: list[str]) -> TrainConfig:
+    """The config ``mtdao train`` flags describe (unresolved), parsed as the command does."""
+    parser = argparse.ArgumentParser(prog="mtdao", exit_on_error=False)
+    add_parser(parser.add_subparsers())
+    return config_from_args(parser.parse_args(["train", *argv]))
+
+
 def run_train(args: argparse.Namespace) -> int:
     from mtdao.train.distributed import leave_process_group
     from mtdao.train.launch import train
