@@ -177,10 +177,13 @@ class InFlightQuantizedMean:
         excluded: Sequence[int] = (),
         contributes: bool = True,
     ) -> None:
-        payload = self._encode(tensors, codec, transport, excluded, contributes)
-        rows = transport.local_workers
+        self._launch(self._encode(tensors, codec, transport, excluded, contributes))
+
+    def _launch(self, payload: Tensor) -> None:
+        """The first collective: each owner's chunk of every worker's payload."""
+        rows = self.transport.local_workers
         chunks = payload.view(rows, self.num_workers, self.layout.chunk_blocks, -1)
-        self.work = transport.all_to_all(chunks)
+        self.work = self.transport.all_to_all(chunks)
         self.gathering = False
         self.collectives = 2
 
@@ -220,16 +223,9 @@ class InFlightGatheredMean(InFlightQuantizedMean):
     gathered at once; :meth:`wait` decodes each, sums them in worker order and divides. Nothing
     is encoded twice, so the mean is exactly the mean of what the workers sent."""
 
-    def __init__(
-        self,
-        tensors: Sequence[Tensor],
-        codec: Codec,
-        transport: Transport,
-        excluded: Sequence[int] = (),
-        contributes: bool = True,
-    ) -> None:
-        payload = self._encode(tensors, codec, transport, excluded, contributes)
-        self.work = transport.all_gather(payload)
+    def _launch(self, payload: Tensor) -> None:
+        """The only collective: every worker's payload, whole."""
+        self.work = self.transport.all_gather(payload)
         self.collectives = 1
 
     def advance(self) -> None:
