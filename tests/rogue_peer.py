@@ -2,9 +2,8 @@
 
 ``python tests/rogue_peer.py LIGHTHOUSE MARKER REPLICA_ID`` registers a stock torchft Manager with
 the lighthouse, claims a far-ahead step (so torchft picks it as everyone's heal source) and serves,
-as its heal state, a pickle that creates the file MARKER when it is unpickled. It posts what an
-mtdao replica posts to a quorum's store when it would be waited for (its shard count) and joins
-every quorum it can until it is killed. Used by tests/test_ft_attacks.py.
+as its heal state, a pickle that creates the file MARKER when it is unpickled, and joins every
+quorum it can until it is killed. Used by tests/test_ft_attacks.py.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from datetime import timedelta
 import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
 from torchft.checkpointing import HTTPTransport
-from torchft.process_group import create_store_client
 
 CLAIMED_STEP = 10**6
 
@@ -30,16 +28,6 @@ class Payload:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
-
-
-class PosingGroup(ProcessGroupGloo):
-    """Posts this peer's shard count and step where mtdao's replicas compare them, then joins
-    the quorum's gloo group like any member."""
-
-    def configure(self, store_addr, replica_id, rank, world_size, *rest, **named) -> None:
-        shards = create_store_client(f"{store_addr.rsplit('/', 1)[0]}/shards", self._timeout)
-        shards.set(str(rank), f"{replica_id} 1 {CLAIMED_STEP}")
-        super().configure(store_addr, replica_id, rank, world_size, *rest, **named)
 
 
 class PoisonedTransport(HTTPTransport):
@@ -62,7 +50,7 @@ class PoisonedTransport(HTTPTransport):
 def main(lighthouse: str, marker: str, replica_id: str) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=PosingGroup(timeout=timedelta(seconds=5)),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
         load_state_dict=lambda state: None,
         state_dict=lambda: {},
         min_replica_size=1,

@@ -68,10 +68,15 @@ def test_a_rogue_peer_runs_no_code_and_a_peer_with_another_secret_is_refused(cor
             assert "refused the peer claiming replica id 7" in drill.log(name), drill.tails()
         real = drill.log("r0") + drill.log("r1")
         assert "refused the peer claiming replica id 2" in real, drill.tails()
-        # the two real replicas averaged with each other only, round by round
-        assert drill.rounds("r0") == drill.rounds("r1") and len(drill.rounds("r0")) == 3
+        # the real replicas averaged with each other only; the lighthouse counts the rogue and
+        # the outsider as replicas, so a quorum may split them (a round each alone: the cost
+        # the threat model names), but never mixes in a peer that did not prove itself
+        together = 0
         for name in ("r0", "r1"):
-            assert {tuple(e["replicas"]) for e in committed(drill, name)} == {(0, 1)}
+            rounds = {tuple(e["replicas"]) for e in committed(drill, name)}
+            assert rounds <= {(0, 1), (0,), (1,)}, (rounds, drill.tails())
+            together += (0, 1) in rounds
+        assert together == 2, drill.tails()
         assert {tuple(e["replicas"]) for e in committed(drill, "outsider")} <= {(2,)}
 
 

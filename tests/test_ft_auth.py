@@ -4,10 +4,14 @@ no training. The multi-process attacks are in test_ft_attacks.py."""
 from __future__ import annotations
 
 import io
+import json
 import pickle
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +105,18 @@ def test_a_claim_signed_with_another_secret_or_replayed_elsewhere_is_not_proven(
 def test_a_member_that_never_posts_is_not_proven():
     claims = exchange_claims(DictStore(), RunKey(SECRET), "q", 0, 3, claim(0), 0.05)
     assert claims == [claim(0), None, None]
+
+
+def test_members_that_prove_different_sets_form_separate_groups():
+    """Two members with the run's secret and one with another, in one quorum: the two sum over
+    each other only, the third over itself (they used to overwrite each other's gloo addresses
+    in the quorum's store, and no group formed)."""
+    script = Path(__file__).with_name("membership_members.py")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"0": 3.0, "1": 3.0, "2": 10.0}
 
 
 def test_members_away_from_the_common_step_or_config_sit_the_round_out():

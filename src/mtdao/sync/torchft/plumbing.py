@@ -106,11 +106,15 @@ class MembershipGloo(ProcessGroupGloo):
         quorum_id = quorum_id if quorum_id is not None else -1
         proven = self._prove(store_addr, replicas, rank, world_size, quorum_id)
         view = QuorumView([replicas[r] for r in proven], proven.index(rank), quorum_id)
-        self._check_shard_counts(store_addr, view, len(proven), shards)
+        # members that prove different sets (one with another secret proves only itself) meet
+        # under different keys: with one prefix they overwrote each other's gloo addresses and
+        # shard counts, and no group formed
+        members = "-".join(map(str, proven))
+        self._check_shard_counts(store_addr, members, view, len(proven), shards)
         # join the group even when refusing: the others then see this replica leave at once,
         # instead of waiting for it until their collective timeout
         super().configure(
-            f"{store_addr}/proven",
+            f"{store_addr}/proven/{members}",
             replica_id,
             view.rank,
             len(proven),
@@ -203,7 +207,7 @@ class MembershipGloo(ProcessGroupGloo):
         return pg
 
     def _check_shard_counts(
-        self, store_addr: str, quorum: QuorumView, world_size: int, shards: int
+        self, store_addr: str, members: str, quorum: QuorumView, world_size: int, shards: int
     ):
         """Refuse to pair up with replicas that shard differently: a process with no partner
         would wait out its collective timeout. So nobody forms a group and the round fails
@@ -217,7 +221,9 @@ class MembershipGloo(ProcessGroupGloo):
         replica's own store (``replica_store``)."""
         verdict_key = f"shards/{quorum.quorum_id}"
         if self.group_rank == 0:
-            verdict = self._compare_shard_counts(store_addr, quorum.rank, world_size, shards)
+            verdict = self._compare_shard_counts(
+                store_addr, members, quorum.rank, world_size, shards
+            )
             if shards > 1:
                 self.replica_store.set(verdict_key, verdict)
         else:
@@ -235,11 +241,15 @@ class MembershipGloo(ProcessGroupGloo):
             )
         raise RuntimeError(f"{theirs}, this replica {shards}")
 
-    def _compare_shard_counts(self, store_addr: str, rank: int, world_size: int, shards: int):
-        """'' when every replica of the quorum has ``shards`` processes, else ``refuse|fail``
-        and who differs (each replica's first process posts its count and torchft step)."""
+    def _compare_shard_counts(
+        self, store_addr: str, members: str, rank: int, world_size: int, shards: int
+    ):
+        """'' when every proven replica of the quorum has ``shards`` processes, else
+        ``refuse|fail`` and who differs (each replica's first process posts its count and
+        torchft step)."""
         # torchft's address of this group is <store>/torchft/<quorum>/<group rank>
-        store = create_store_client(f"{store_addr.rsplit('/', 1)[0]}/shards", self._timeout)
+        quorum_store = store_addr.rsplit("/", 1)[0]
+        store = create_store_client(f"{quorum_store}/shards/{members}", self._timeout)
         store.set(str(rank), f"{self.replica_id} {shards} {self.step}")
         store.wait([str(r) for r in range(world_size)], self._timeout)
         posted = [store.get(str(r)).decode().split() for r in range(world_size)]

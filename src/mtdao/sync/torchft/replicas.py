@@ -255,6 +255,12 @@ class ReplicaGroups(Communicator):
         return [r for r in self.replicas if r not in self._sitting_out]
 
     @property
+    def refused(self) -> list[str]:
+        """The peers of the last quorum formed that did not prove they belong to the run, also
+        when that quorum's group then failed to form."""
+        return list(self.process_group.refused)
+
+    @property
     def quorum_rank(self) -> int:
         return self.process_group.quorum.rank
 
@@ -343,7 +349,7 @@ class ReplicaGroups(Communicator):
             quorum_id=self.process_group.quorum.quorum_id,
             seconds=seconds,
             heal=self._heal,
-            refused=list(self.process_group.refused),
+            refused=self.refused,
         )
 
     def _identity(self) -> dict[str, int]:

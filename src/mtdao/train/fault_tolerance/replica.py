@@ -231,10 +231,7 @@ class ReplicaDriver(LoopHooks):
 
     def _report_quorum(self, run: Run, start) -> None:
         members = _ids(start.replicas)
-        for refused in start.refused:  # once while it stays in the quorum
-            if refused not in self.refused:
-                self._say(f"step {run.step}: refused {refused}")
-        self.refused = set(start.refused)
+        self._report_refused(run, start.refused)
         if start.stale is not None:
             self._say(f"step {run.step}: sitting this round out ({start.stale}); healing next")
         record = {
@@ -271,7 +268,14 @@ class ReplicaDriver(LoopHooks):
             )
         self.events.write(record)
 
+    def _report_refused(self, run: Run, refused: list[str]) -> None:
+        for peer in refused:  # once while it stays in the quorum
+            if peer not in self.refused:
+                self._say(f"step {run.step}: refused {peer}")
+        self.refused = set(refused)
+
     def _discarded(self, run: Run, failure: RoundNotCommitted) -> None:
+        self._report_refused(run, self.replicas.refused)  # a quorum whose group did not form
         record = {"event": "discarded", "step": run.step, "reason": str(failure)}
         self.discarded.append({"step": run.step, "reason": str(failure)})
         self.lighthouse_away = "lighthouse" in str(failure) and "unreachable" in str(failure)
