@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from mtdao.experiments.netem import LinkUnavailable, _check_available, _sh
-from mtdao.experiments.wan_checks import check_loss, loss_band, run_checks
+from mtdao.experiments.wan_checks import check_loss, loss_band, mean_final_loss, run_checks
 from mtdao.experiments.wan_relay import Port, Switch
+from mtdao.experiments.wan_report import baseline_summary
 from mtdao.experiments.wan_run import LIGHTHOUSE_PORT, Drill, DrillSettings
 from mtdao.experiments.wan_scenario import (
     DEFAULT_SCENARIO,
@@ -205,6 +206,14 @@ def test_the_loss_band_is_the_no_event_range_widened_by_its_width():
     assert check_loss(made_up_record(), [2.45, 2.55], 1.0).passed
     assert not check_loss(made_up_record(), [2.0, 2.1], 1.0).passed
     assert "at least 2 drills" in check_loss(made_up_record(), [2.5], 1.0).detail
+
+
+def test_a_drill_and_its_no_event_drills_are_judged_by_the_same_mean():
+    record = made_up_record(digests=("d", "d", "d"))
+    for site, loss in zip(("r0", "r1", "r2"), (2.0, 2.3, None)):  # r2 did not finish
+        record["replicas"][site]["final_val_loss"] = loss
+    assert mean_final_loss(record) == pytest.approx(2.15)
+    assert baseline_summary(record)["final_val_loss"] == pytest.approx(2.15)  # not r0's 2.0
 
 
 # -- real drills ---------------------------------------------------------------------------------

@@ -153,11 +153,17 @@ def loss_band(baseline_losses: list[float], slack: float) -> tuple[float, float]
     return low - slack * width, high + slack * width
 
 
-def check_loss(record: dict[str, Any], baseline_losses: list[float], slack: float) -> Check:
+def mean_final_loss(record: dict[str, Any]) -> float | None:
+    """A drill's final loss: the mean over its replicas that reported one (the same statistic
+    for a drill and for the drills without events it is judged against)."""
     finals = [r["final_val_loss"] for r in record["replicas"].values() if r["final_val_loss"]]
-    if not finals:
+    return statistics.mean(finals) if finals else None
+
+
+def check_loss(record: dict[str, Any], baseline_losses: list[float], slack: float) -> Check:
+    loss = mean_final_loss(record)
+    if loss is None:
         return Check("final loss within the no-event spread", False, "no final loss")
-    loss = statistics.mean(finals)
     if len(baseline_losses) < 2:
         return Check(
             "final loss within the no-event spread", False,

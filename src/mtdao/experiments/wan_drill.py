@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.netem import LinkUnavailable
-from mtdao.experiments.wan_checks import run_checks
+from mtdao.experiments.wan_checks import mean_final_loss, run_checks
 from mtdao.experiments.wan_report import (
     baseline_summary,
     plot_bytes,
@@ -195,8 +195,7 @@ def _run_wan_drill(args: argparse.Namespace) -> int:
     except LinkUnavailable as error:
         print(f"skipped: {error}")
         return 0
-    losses = [b["replicas"]["r0"].get("final_val_loss") for b in baselines]
-    losses = [x for x in losses if x is not None]
+    losses = [x for x in map(mean_final_loss, baselines) if x is not None]
     want_loss = bool(args.baseline or args.baseline_seeds)
     checks = run_checks(record, losses if want_loss else None, args.loss_slack)
     command = (

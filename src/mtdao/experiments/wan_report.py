@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mtdao.experiments.wan_checks import Check
+from mtdao.experiments.wan_checks import Check, mean_final_loss
 from mtdao.experiments.wan_summary import event_effects, round_counts, rounds, site_bytes
 
 EVENT_COLOURS = {"kill": "tab:red", "partition": "tab:purple", "slow_link": "tab:orange",
@@ -140,7 +140,7 @@ def baseline_summary(record: dict[str, Any]) -> dict[str, Any]:
     """What the report shows of a drill without events: its seed, final loss and loss curve."""
     return {
         "seed": record["settings"].get("seed"),
-        "final_val_loss": record["replicas"]["r0"]["final_val_loss"],
+        "final_val_loss": mean_final_loss(record),  # the statistic the loss check uses
         "curve": drill_losses(record, "r0"),
     }
 
