@@ -62,7 +62,8 @@ def render(record: dict, predictions_table: str, heals: str) -> str:
         f"Fitted on {len(record['measurements'])} drills without events (3 replicas, K = 16): "
         f"round time (quorum request to commit) = {c['fixed_s']:.3f} s + {c['rtts_per_round']:.2f} RTT + ring bytes at "
         f"{c['efficiency'] * 100:.0f} % of the link rate ({c['quorum_rtts']:.2f} RTT of it besides "
-        f"the ring's M - 1); heal = {c['heal_fixed_s']:.2f} s + state bytes at "
+        f"the ring's M - 1); heal = {c['heal_fixed_s']:.2f} s + {c['heal_rtts']:.2f} RTT + "
+        "state bytes at "
         f"{c['heal_efficiency'] * 100:.1f} % of the link rate.",
         "",
         "| drill | params | RTT (ms) | Mbit/s | compute / step (ms) | bytes / round | "
@@ -112,7 +113,7 @@ def render(record: dict, predictions_table: str, heals: str) -> str:
         "## Heal time against model size",
         "",
         "A restarted replica receives parameters, both Adam states and the engine's anchor "
-        "(4 model-sized tensors), at the calibrated heal rate:",
+        "(4 model-sized tensors), at the calibrated heal rate, 80 ms round trip:",
         "",
         heals,
         "",

@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import pytest
 
-from mtdao.experiments.wan_calibration import Calibration, DrillMeasurement, fit, round_seconds
+from mtdao.experiments.wan_calibration import (
+    Calibration,
+    DrillMeasurement,
+    fit,
+    heal_seconds,
+    round_seconds,
+)
 from mtdao.experiments.wan_predict import grid, predict, prediction_table
 
 TRUE = Calibration(fixed_s=0.2, rtts_per_round=3.5, efficiency=0.6, heal_fixed_s=1.0,
-                   heal_efficiency=0.05, calibrated_workers=3)  # fmt: skip
+                   heal_efficiency=0.05, calibrated_workers=3, heal_rtts=12.0)  # fmt: skip
 
 
 def measurement(rtt_s: float, rate_mbit: float, bytes_per_round: float) -> DrillMeasurement:
     overhead = round_seconds(TRUE, bytes_per_round, 3, rtt_s, rate_mbit / 1000)
     heal_bytes = 4 * bytes_per_round / 3
-    heal_s = TRUE.heal_fixed_s + heal_bytes * 8 / (TRUE.heal_efficiency * rate_mbit * 1e6)
+    heal_s = heal_seconds(TRUE, heal_bytes, rate_mbit / 1000, rtt_s)
     return DrillMeasurement("m", 3, 1000, 16, 320, rtt_s, rate_mbit, 0.01, bytes_per_round,
                             overhead, 10, 60.0, ((heal_bytes, heal_s),))  # fmt: skip
 
@@ -24,7 +30,9 @@ def test_the_fit_recovers_the_round_and_heal_model_it_was_made_from():
     drills = [measurement(0.02, 100, 1.3e6), measurement(0.08, 100, 1.3e6),
               measurement(0.08, 100, 1.0e7), measurement(0.04, 20, 1.3e6)]  # fmt: skip
     fitted = fit(drills)
-    for name in ("fixed_s", "rtts_per_round", "efficiency", "heal_fixed_s", "heal_efficiency"):
+    names = ("fixed_s", "rtts_per_round", "efficiency", "heal_fixed_s", "heal_efficiency",
+             "heal_rtts")  # fmt: skip
+    for name in names:
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-6)
     assert fitted.quorum_rtts == pytest.approx(1.5)
 

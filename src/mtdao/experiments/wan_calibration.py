@@ -12,10 +12,12 @@ From each drill without events (its ``drill.json``):
 Fitted by least squares (:func:`fit`):
 
     round overhead = fixed_s + rtts_per_round * RTT + ring_bytes * 8 / (efficiency * rate)
-    heal seconds   = heal_fixed_s + heal_bytes * 8 / (heal_efficiency * rate)
+    heal seconds   = heal_fixed_s + heal_rtts * RTT + heal_bytes * 8 / (heal_efficiency * rate)
 
 with ``ring_bytes = 2 (M - 1) / M * bytes per round`` (a ring all-reduce's traffic per worker)
-and RTT the round trip between two replica sites. A drill has one replica count, so the RTTs per
+and RTT the round trip between two replica sites (a heal is a quorum, the source's metadata call
+and an HTTP transfer: a fixed number of round trips before and besides its bytes; without the RTT
+term the fit under-predicted a held-out drill's heal by half). A drill has one replica count, so the RTTs per
 round cannot be split into the ring's share and the quorum's from drills alone: the split assumes
 the ring's ``2 (M - 1)`` steps each wait one one-way delay (``M - 1`` round trips), the rest being
 the quorum's and the commit's, and that is how :func:`round_seconds` extrapolates in M.
@@ -126,6 +128,7 @@ class Calibration:
     heal_fixed_s: float
     heal_efficiency: float
     calibrated_workers: int
+    heal_rtts: float = 0.0
 
     @property
     def quorum_rtts(self) -> float:
@@ -147,13 +150,17 @@ def fit(measurements: list[DrillMeasurement]) -> Calibration:
     fixed, rtts, inverse_efficiency = _least_squares(
         rows, [m.round_overhead_s for m in measurements]
     )
-    heals = [(b * 8 / (m.rate_mbit * 1e6), s) for m in measurements for b, s in m.heals]
-    if len({x for x, _ in heals}) >= 2:
+    heals = [
+        ([1.0, m.rtt_s, b * 8 / (m.rate_mbit * 1e6)], s) for m in measurements for b, s in m.heals
+    ]
+    heal_fixed, heal_rtts, heal_inverse = float("nan"), float("nan"), float("nan")
+    if len({tuple(row) for row, _ in heals}) >= 3:
+        heal_fixed, heal_rtts, heal_inverse = _least_squares(*map(list, zip(*heals)))
+    elif len({row[2] for row, _ in heals}) >= 2:  # one RTT: no RTT term to tell apart
+        heal_rtts = 0.0
         heal_fixed, heal_inverse = _least_squares(
-            [[1.0, x] for x, _ in heals], [s for _, s in heals]
+            [[1.0, row[2]] for row, _ in heals], [s for _, s in heals]
         )
-    else:
-        heal_fixed, heal_inverse = float("nan"), float("nan")
     return Calibration(
         fixed_s=fixed,
         rtts_per_round=rtts,
@@ -161,6 +168,7 @@ def fit(measurements: list[DrillMeasurement]) -> Calibration:
         heal_fixed_s=heal_fixed,
         heal_efficiency=1 / heal_inverse if heal_inverse > 0 else float("inf"),
         calibrated_workers=measurements[0].workers,
+        heal_rtts=heal_rtts,
     )
 
 
@@ -182,10 +190,11 @@ def round_seconds(
     return fixed + rtts * rtt_s + ring_bits / (calibration.efficiency * rate_gbit * 1e9)
 
 
-def heal_seconds(calibration: Calibration, heal_bytes: float, rate_gbit: float) -> float:
-    return calibration.heal_fixed_s + heal_bytes * 8 / (
-        calibration.heal_efficiency * rate_gbit * 1e9
-    )
+def heal_seconds(
+    calibration: Calibration, heal_bytes: float, rate_gbit: float, rtt_s: float
+) -> float:
+    transfer = heal_bytes * 8 / (calibration.heal_efficiency * rate_gbit * 1e9)
+    return calibration.heal_fixed_s + calibration.heal_rtts * rtt_s + transfer
 
 
 def predict_drill(calibration: Calibration, m: DrillMeasurement) -> dict[str, float]:
@@ -200,7 +209,7 @@ def predict_drill(calibration: Calibration, m: DrillMeasurement) -> dict[str, fl
         "measured_round_s": m.round_overhead_s,
         "train_s": m.steps * m.compute_s_per_step + rounds_run * overhead,
         "measured_train_s": m.train_s,
-        "heal_s": heal_seconds(calibration, heal_bytes, m.rate_mbit / 1000) if m.heals else None,
+        "heal_s": heal_seconds(calibration, heal_bytes, m.rate_mbit / 1000, m.rtt_s) if m.heals else None,
         "measured_heal_s": statistics.median(s for _, s in m.heals) if m.heals else None,
     }
 

@@ -125,7 +125,9 @@ def heal_table(calibration: Calibration) -> str:
              "|---|---|" + "---|" * len(BANDWIDTHS_GBIT)]  # fmt: skip
     for n in PARAMETERS:
         heal_bytes = 16 * n
-        cells = [human_time(heal_seconds(calibration, heal_bytes, b)) for b in BANDWIDTHS_GBIT]
+        cells = [
+            human_time(heal_seconds(calibration, heal_bytes, b, RTT_S)) for b in BANDWIDTHS_GBIT
+        ]
         lines.append(
             f"| {params_label(n)} | {heal_bytes / 1e9:.2f} GB | " + " | ".join(cells) + " |"
         )
