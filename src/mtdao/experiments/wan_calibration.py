@@ -16,11 +16,12 @@ Fitted by least squares (:func:`fit`):
 
 with ``ring_bytes = 2 (M - 1) / M * bytes per round`` (a ring all-reduce's traffic per worker)
 and RTT the round trip between two replica sites (a heal is a quorum, the source's metadata call
-and an HTTP transfer: a fixed number of round trips before and besides its bytes; without the RTT
-term the fit under-predicted a held-out drill's heal by half). A drill has one replica count, so the RTTs per
-round cannot be split into the ring's share and the quorum's from drills alone: the split assumes
-the ring's ``2 (M - 1)`` steps each wait one one-way delay (``M - 1`` round trips), the rest being
-the quorum's and the commit's, and that is how :func:`round_seconds` extrapolates in M.
+and an HTTP transfer: a fixed number of round trips besides its bytes; without the RTT term the
+fit under-predicted a held-out drill's heal by half). A drill has one replica count, so the RTTs
+per round cannot be split into the ring's share and the quorum's from drills alone: the split
+assumes the ring's ``2 (M - 1)`` steps each wait one one-way delay (``M - 1`` round trips), the
+rest being the quorum's and the commit's, and that is how :func:`round_seconds` extrapolates in
+M.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ def predict_drill(calibration: Calibration, m: DrillMeasurement) -> dict[str, fl
     overhead = round_seconds(calibration, m.bytes_per_round, m.workers, m.rtt_s, m.rate_mbit / 1000)
     rounds_run = m.steps // m.sync_period
     heal_bytes = statistics.median(b for b, _ in m.heals) if m.heals else 0.0
+    heal_s = heal_seconds(calibration, heal_bytes, m.rate_mbit / 1000, m.rtt_s)
     return {
         "round_interval_s": m.sync_period * m.compute_s_per_step + overhead,
         "measured_round_interval_s": m.sync_period * m.compute_s_per_step + m.round_overhead_s,
@@ -209,7 +211,7 @@ def predict_drill(calibration: Calibration, m: DrillMeasurement) -> dict[str, fl
         "measured_round_s": m.round_overhead_s,
         "train_s": m.steps * m.compute_s_per_step + rounds_run * overhead,
         "measured_train_s": m.train_s,
-        "heal_s": heal_seconds(calibration, heal_bytes, m.rate_mbit / 1000, m.rtt_s) if m.heals else None,
+        "heal_s": heal_s if m.heals else None,
         "measured_heal_s": statistics.median(s for _, s in m.heals) if m.heals else None,
     }
 
