@@ -58,6 +58,7 @@ def table(args: argparse.Namespace, results: dict[str, dict]) -> str:
         "MT-DAO vs Local Adam |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    per_seed: list[str] = []
     for model in args.models:
         by_method = {}
         for method in METHODS:
@@ -79,7 +80,12 @@ def table(args: argparse.Namespace, results: dict[str, dict]) -> str:
             f"{gap(by_method['mtdao'], by_method['ddp'])} | "
             f"{gap(by_method['mtdao'], by_method['local-adam'])} |"
         )
-    return "\n".join(lines)
+        per_seed.append(f"- {model}: " + "; ".join(
+            f"{LABELS[m]} " + ", ".join(f"{v:.4f}" for v in by_method[m]["values"]) for m in METHODS
+        ))  # fmt: skip
+    return "\n".join(
+        [*lines, "", "Final validation loss of each seed, in seed order:", "", *per_seed]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(f"# MT-DAO's gap to DDP by model size\n\n    {' '.join(sys.argv)}\n\n"
+        args.report.write_text(f"# MT-DAO's gap to DDP by model size\n\n    python {' '.join(sys.argv)}\n\n"
                                f"{text}\n")  # fmt: skip
     return 1 if suite.failures else 0
 
