@@ -3,6 +3,8 @@ the number of workers as documented, and the predictions at scale are ordered as
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mtdao.experiments.wan_calibration import (
@@ -40,6 +42,19 @@ def test_the_fit_recovers_the_round_and_heal_model_it_was_made_from():
 def test_too_few_distinct_drills_are_refused():
     with pytest.raises(ValueError, match="3 or more"):
         fit([measurement(0.08, 100, 1.3e6)] * 4)
+    with pytest.raises(ValueError, match="two RTTs"):  # three points, one RTT: no RTT term
+        fit([measurement(0.08, 100, 1.3e6), measurement(0.08, 100, 1e7),
+             measurement(0.08, 20, 1.3e6)])  # fmt: skip
+
+
+def test_heals_at_one_rtt_fit_no_rtt_term():
+    drills = [measurement(0.02, 100, 1.3e6), measurement(0.08, 100, 1.3e6),
+              measurement(0.08, 100, 1.0e7), measurement(0.08, 20, 1.3e6)]  # fmt: skip
+    drills[0] = dataclasses.replace(drills[0], heals=())  # every heal at 80 ms
+    fitted = fit(drills)
+    assert fitted.heal_rtts == 0.0
+    assert fitted.heal_fixed_s == pytest.approx(TRUE.heal_fixed_s + TRUE.heal_rtts * 0.08)
+    assert fitted.heal_efficiency == pytest.approx(TRUE.heal_efficiency)
 
 
 def test_the_ring_latency_grows_with_the_workers_and_ddp_pays_no_quorum():

@@ -144,24 +144,31 @@ def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float]
     return [float(x) for x in solution]
 
 
+def _rank(rows: list[list[float]]) -> int:
+    import numpy
+
+    return int(numpy.linalg.matrix_rank(numpy.array(rows))) if rows else 0
+
+
 def fit(measurements: list[DrillMeasurement]) -> Calibration:
-    if len({(m.rtt_s, m.ring_bits / (m.rate_mbit * 1e6)) for m in measurements}) < 3:
-        raise ValueError("calibrating needs drills at 3 or more (RTT, bytes / rate) points")
     rows = [[1.0, m.rtt_s, m.ring_bits / (m.rate_mbit * 1e6)] for m in measurements]
+    if _rank(rows) < 3:  # three points in general position, two RTTs among them
+        raise ValueError(
+            "calibrating needs drills at 3 or more (RTT, bytes / rate) points, at two RTTs or more"
+        )
     fixed, rtts, inverse_efficiency = _least_squares(
         rows, [m.round_overhead_s for m in measurements]
     )
-    heals = [
-        ([1.0, m.rtt_s, b * 8 / (m.rate_mbit * 1e6)], s) for m in measurements for b, s in m.heals
+    heal_rows = [
+        [1.0, m.rtt_s, b * 8 / (m.rate_mbit * 1e6)] for m in measurements for b, _ in m.heals
     ]
+    heal_targets = [s for m in measurements for _, s in m.heals]
     heal_fixed, heal_rtts, heal_inverse = float("nan"), float("nan"), float("nan")
-    if len({tuple(row) for row, _ in heals}) >= 3:
-        heal_fixed, heal_rtts, heal_inverse = _least_squares(*map(list, zip(*heals)))
-    elif len({row[2] for row, _ in heals}) >= 2:  # one RTT: no RTT term to tell apart
+    if _rank(heal_rows) == 3:
+        heal_fixed, heal_rtts, heal_inverse = _least_squares(heal_rows, heal_targets)
+    elif _rank([[1.0, x] for _, _, x in heal_rows]) == 2:  # RTT not told apart: no RTT term
         heal_rtts = 0.0
-        heal_fixed, heal_inverse = _least_squares(
-            [[1.0, row[2]] for row, _ in heals], [s for _, s in heals]
-        )
+        heal_fixed, heal_inverse = _least_squares([[1.0, x] for _, _, x in heal_rows], heal_targets)
     return Calibration(
         fixed_s=fixed,
         rtts_per_round=rtts,

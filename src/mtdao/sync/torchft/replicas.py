@@ -84,8 +84,6 @@ class RoundStart:
     quorum_id: int
     seconds: float
     heal: Heal | None = None
-    refused: list[str] = field(default_factory=list)
-    """Peers of the quorum that did not prove they belong to the run (left out)."""
     stale: str | None = None
     """Why this replica sits out this round and heals at the next (None: it takes part)."""
 
@@ -349,7 +347,6 @@ class ReplicaGroups(Communicator):
             quorum_id=self.process_group.quorum.quorum_id,
             seconds=seconds,
             heal=self._heal,
-            refused=self.refused,
         )
 
     def _identity(self) -> dict[str, int]:

@@ -231,7 +231,7 @@ class ReplicaDriver(LoopHooks):
 
     def _report_quorum(self, run: Run, start) -> None:
         members = _ids(start.replicas)
-        self._report_refused(run, start.refused)
+        self._report_refused(run)
         if start.stale is not None:
             self._say(f"step {run.step}: sitting this round out ({start.stale}); healing next")
         record = {
@@ -268,14 +268,16 @@ class ReplicaDriver(LoopHooks):
             )
         self.events.write(record)
 
-    def _report_refused(self, run: Run, refused: list[str]) -> None:
-        for peer in refused:  # once while it stays in the quorum
+    def _report_refused(self, run: Run) -> None:
+        """The unproven peers of the last quorum, each once while it stays in the quorums."""
+        refused = self.replicas.refused
+        for peer in refused:
             if peer not in self.refused:
                 self._say(f"step {run.step}: refused {peer}")
         self.refused = set(refused)
 
     def _discarded(self, run: Run, failure: RoundNotCommitted) -> None:
-        self._report_refused(run, self.replicas.refused)  # a quorum whose group did not form
+        self._report_refused(run)  # also for a quorum whose group did not form
         record = {"event": "discarded", "step": run.step, "reason": str(failure)}
         self.discarded.append({"step": run.step, "reason": str(failure)})
         self.lighthouse_away = "lighthouse" in str(failure) and "unreachable" in str(failure)
