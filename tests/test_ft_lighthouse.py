@@ -6,6 +6,8 @@ processes on loopback (mtdao lighthouse and mtdao train --fault-tolerant replica
   loopback behind its front; the replica says where it serves;
 * a lighthouse killed with SIGKILL and restarted on the same address 10 s later: the replicas
   train on locally meanwhile, saying so, rejoin it, and finish with the same state;
+* a lighthouse killed while a replica's quorum waits in it: the quorum fails within seconds,
+  not after --quorum-timeout;
 * torchft's dashboard (``GET /status``, ``POST /replica/<id>/kill``) is not served, over HTTP/1
   or HTTP/2, and a replica stopped on purpose (SIGTERM) exits with one line, its peer going on.
 """
@@ -143,6 +145,30 @@ def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir
             steps_committed = [e["step"] for e in drill.events(name, "committed")]
             assert steps_committed[-1] == steps and 3 * K not in steps_committed, steps_committed
         assert drill.rounds("r0")[steps] == drill.rounds("r1")[steps], drill.tails()
+
+
+def test_a_quorum_waiting_on_a_lighthouse_that_dies_fails_at_once(corpus_dir, tmp_path):
+    """torchft's manager, its call to a dead lighthouse failed, leaves the replica's quorum
+    waiting out --quorum-timeout (60 s here); the replica's watch ends it within seconds."""
+    steps = 4 * K
+    with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
+        drill.start_lighthouse(min_replicas=2)
+        drill.gate(K)
+        drill.start("r0", 0)
+        drill.start("r1", 1)
+        drill.wait_for(lambda: both_at(drill, K), PHASE_TIMEOUT_S, "both replicas at the gate")
+        drill.kill("r1")  # r0's next quorum waits for a second replica that never comes
+        drill.gate(None)
+        at_round = lambda: drill.status("r0")[1] >= 2 * K - 1  # noqa: E731
+        drill.wait_for(at_round, PHASE_TIMEOUT_S, "r0 at its second round's quorum")
+        time.sleep(3.0)  # the quorum is waiting in the lighthouse
+        drill.processes["lighthouse"].send_signal(signal.SIGKILL)
+        drill.processes["lighthouse"].wait(timeout=30)
+        away = lambda: "unreachable; training on locally" in drill.log("r0")  # noqa: E731
+        waited = drill.wait_for(away, PHASE_TIMEOUT_S, "r0 to give the quorum up")
+        assert waited < 20.0, drill.tails()  # --quorum-timeout is 60 s
+        assert drill.wait_exit("r0", PHASE_TIMEOUT_S) == 0, drill.tails()
+        assert drill.events("r0", "discarded")[-1]["step"] == steps, drill.tails()
 
 
 def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(

@@ -7,6 +7,8 @@
 * torchft's real ManagerServer behind the front: a client's call goes through, at once (no
   Nagle delay), Kill sent to the front leaves the process running, Kill sent to the server itself ends it (the request is
   torchft's real Kill);
+* the front can end every connection it forwards (a call waiting on the server fails at once)
+  and serves new ones after;
 * where the server behind a front on each kind of host goes.
 """
 
@@ -122,6 +124,22 @@ def test_kill_after_an_allowed_call_ends_the_connection_there(front):
     time.sleep(0.2)
     assert recorder.headers() == 1  # the first Quorum only
     assert front.refused == 1 and KILL in lines[0]
+
+
+def test_ending_the_connections_fails_a_waiting_call_and_the_front_serves_on(front):
+    front, recorder, lines, address = front
+    waiting = socket.create_connection(("127.0.0.1", front.port), timeout=10)
+    waiting.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))  # a call the server never answers
+    deadline = time.time() + 10
+    while not front._open and time.time() < deadline:
+        time.sleep(0.01)
+    started = time.perf_counter()
+    assert front.end_connections() == 1
+    with waiting:
+        assert waiting.recv(65536) == b""  # its connection ended, not a timeout
+    assert time.perf_counter() - started < 1.0
+    http2_request(address, "POST", QUORUM, b"\x08\x01", timeout=1.0)  # a new call goes through
+    assert recorder.headers() == 1 and front.refused == 0
 
 
 def test_calls_for_this_machine_only_are_refused_to_others(monkeypatch):

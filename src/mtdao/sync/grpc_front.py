@@ -66,6 +66,8 @@ class GrpcFront:
         self.report = report or _to_stderr
         self.refused = 0
         self._count_lock = threading.Lock()
+        self._open: set[socket.socket] = set()  # both ends of every forwarded connection
+        self._open_lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
@@ -81,6 +83,16 @@ class GrpcFront:
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
+
+    def end_connections(self) -> int:
+        """End every connection forwarded now (a call waiting on one fails at once); the
+        listener stays. How many were open."""
+        with self._open_lock:
+            ends = list(self._open)
+        for end in ends:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+        return len(ends) // 2
 
     def _accept(self) -> None:
         while True:
@@ -106,7 +118,7 @@ class GrpcFront:
                 server = socket.create_connection(self.upstream, timeout=30.0)
             except OSError:
                 return  # the server behind is gone: the client sees its connection end
-            with server:
+            with server, self._forwarding(client, server):
                 server.settimeout(None)
                 # frames are passed on one by one: without this, Nagle's algorithm holds each
                 # small one until the last is acknowledged, 40 ms per call with delayed ACKs
@@ -126,6 +138,16 @@ class GrpcFront:
                     with contextlib.suppress(OSError):
                         end.shutdown(socket.SHUT_RDWR)
                 back.join(timeout=5.0)
+
+    @contextlib.contextmanager
+    def _forwarding(self, client: socket.socket, server: socket.socket):
+        with self._open_lock:
+            self._open |= {client, server}
+        try:
+            yield
+        finally:
+            with self._open_lock:
+                self._open -= {client, server}
 
     def _forward_requests(
         self, client: socket.socket, server: socket.socket, allowed: frozenset[bytes]

@@ -7,12 +7,21 @@ torchft's manager does not find its way back to a lighthouse that restarted (its
 connections; while it does not, rounds are skipped and the replica trains on locally, and once it
 does again the replica starts a new manager (its commit count carried over), which registers with
 the restarted lighthouse.
+
+Nor does torchft's manager answer a quorum it already asked the lighthouse for when the
+lighthouse dies under it: it sees its call to the lighthouse fail, yet leaves the replica's own
+processes waiting for the whole ``--quorum-timeout``. So while a quorum waits, the replica's first
+process probes the lighthouse (:func:`watching_the_lighthouse`); when it stops accepting
+connections, the manager front ends the waiting calls, the quorum fails at once and the replica
+trains on as above.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -76,16 +85,54 @@ def listeners(manager: Manager, transport, store) -> str:
     return ", ".join(parts) + " (collectives on the same address)"
 
 
-def lighthouse_reachable(settings) -> bool:
-    """Whether the lighthouse accepts a connection within the connect timeout."""
+def lighthouse_reachable(settings, timeout: float | None = None) -> bool:
+    """Whether the lighthouse accepts a connection within ``timeout`` (the connect timeout)."""
     address = urlsplit(settings.lighthouse_url)
     try:
         with socket.create_connection(
-            (address.hostname, address.port or 80), timeout=settings.connect_timeout
+            (address.hostname, address.port or 80),
+            timeout=settings.connect_timeout if timeout is None else timeout,
         ):
             return True
     except OSError:
         return False
+
+
+WATCH_GRACE_S = 2.0  # most quorums end sooner: no probe at all
+WATCH_EVERY_S = 1.0
+WATCH_MISSES = 2  # failed probes in a row that mean the lighthouse is gone, not slow
+
+
+@contextmanager
+def watching_the_lighthouse(settings, manager: Manager) -> Iterator[threading.Event]:
+    """While the block waits for a quorum, probe the lighthouse every second (after a grace);
+    after WATCH_MISSES failed probes in a row end the calls waiting on this replica's manager
+    (see the module's docstring) and set the event yielded. In the replica's first process only:
+    its manager's server is the one its processes' quorum calls wait on."""
+    lost, done = threading.Event(), threading.Event()
+    server = getattr(manager, "_manager", None)  # torchft's server: a FrontedManagerServer
+    probe_timeout = min(settings.connect_timeout, 2.0)
+
+    def watch() -> None:
+        misses = 0
+        done.wait(WATCH_GRACE_S)
+        while not done.is_set():
+            misses = 0 if lighthouse_reachable(settings, probe_timeout) else misses + 1
+            if misses >= WATCH_MISSES and not done.is_set():
+                lost.set()
+                server.end_calls()
+                return
+            done.wait(WATCH_EVERY_S)
+
+    thread = threading.Thread(target=watch, name="mtdao-lighthouse-watch", daemon=True)
+    if hasattr(server, "end_calls"):
+        thread.start()
+    try:
+        yield lost
+    finally:
+        done.set()
+        if thread.is_alive():
+            thread.join()
 
 
 def unless_kept(load_state_dict: Callable[[Any], None]) -> Callable[[Any], None]:

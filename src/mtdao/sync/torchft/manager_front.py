@@ -69,6 +69,11 @@ class FrontedManagerServer:
         self.front.shutdown()
         self.server.shutdown()
 
+    def end_calls(self) -> int:
+        """Fail every call waiting on the server now (its own processes' ``Quorum`` among them):
+        torchft's server cannot cancel one. How many connections were ended."""
+        return self.front.end_connections()
+
 
 def start_fronted(
     start_server: Callable[[str], Any], bind_host: str, port: int

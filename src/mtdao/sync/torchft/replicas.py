@@ -322,10 +322,16 @@ class ReplicaGroups(Communicator):
         self._stale, self._sitting_out = None, []
         started = time.perf_counter()
         try:
-            self.manager.start_quorum()
+            with connection.watching_the_lighthouse(self.settings, self.manager) as lost:
+                self.manager.start_quorum()
         except ValueError:  # a refusal, or a peer's state that does not fit
             raise
         except Exception as error:  # the lighthouse is gone, or no quorum in time
+            if lost.is_set():
+                raise QuorumError(
+                    f"no quorum: the lighthouse {self.settings.lighthouse_url} stopped accepting "
+                    f"connections while this quorum waited ({time.perf_counter() - started:.1f} s)"
+                ) from None
             raise QuorumError(
                 f"no quorum (lighthouse {self.settings.lighthouse_url}, --quorum-timeout "
                 f"{self.settings.quorum_timeout:g} s): {first_line(error)}"
