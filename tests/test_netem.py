@@ -18,6 +18,7 @@ from mtdao.experiments.netem import (
     emulated_link,
     measure_throughput_mbit,
 )
+from mtdao.experiments.relay_link import emulation_of, slow_link
 
 PREFIX = "mtdaotest"
 
@@ -139,21 +140,37 @@ def test_cleanup_stale_removes_only_dead_runs():
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
+CONNECT_PROBE = textwrap.dedent("""
+    import socket, sys, time
+    start = time.perf_counter()
+    socket.create_connection((sys.argv[1], 7000), timeout=5).close()
+    print(time.perf_counter() - start)
+""")
+
+
+def connect_seconds(link) -> float:
+    """Seconds host 0 takes to open a TCP connection to host 1 (one round trip)."""
+    pipes = {"stdout": subprocess.PIPE, "text": True}
+    server = link.run(1, [sys.executable, "-c", ECHO_SERVER, link.addresses[1]], **pipes)
+    assert server.stdout.readline().strip() == "ready"
+    client = link.run(0, [sys.executable, "-c", CONNECT_PROBE, link.addresses[1]], **pipes)
+    return float(client.communicate(timeout=60)[0])
+
+
 def test_delay_is_applied():
-    probe = textwrap.dedent("""
-        import socket, sys, time
-        start = time.perf_counter()
-        socket.create_connection((sys.argv[1], 7000), timeout=5).close()
-        print(time.perf_counter() - start)
-    """)
     with contextlib.ExitStack() as stack:
         try:
             link = stack.enter_context(emulated_link(2, 50.0, delay_ms=10.0, prefix=PREFIX))
         except LinkUnavailable as error:
             pytest.skip(str(error))
-        pipes = {"stdout": subprocess.PIPE, "text": True}
-        server = link.run(1, [sys.executable, "-c", ECHO_SERVER, link.addresses[1]], **pipes)
-        assert server.stdout.readline().strip() == "ready"
-        client = link.run(0, [sys.executable, "-c", probe, link.addresses[1]], **pipes)
-        connect_s = float(client.communicate(timeout=60)[0])
-        assert connect_s >= 0.9 * 2 * 0.010  # a handshake crosses the one-way delay twice
+        assert connect_seconds(link) >= 0.9 * 2 * 0.010  # a handshake crosses the delay twice
+
+
+def test_the_slow_link_has_its_delay_with_netem_or_without():
+    """Where the kernel has no netem the slow link's delay comes from the WAN relay; either way a
+    handshake takes the round trip, and nothing is left behind."""
+    with slow_link(2, 50.0, delay_ms=40.0, prefix=PREFIX) as link:
+        names = list(link.hosts)
+        assert emulation_of(link) in ("netem", "relay")
+        assert 0.9 * 2 * 0.040 <= connect_seconds(link) < 2 * 0.040 + 0.5
+    assert leftovers(names) == []

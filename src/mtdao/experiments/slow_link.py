@@ -1,7 +1,8 @@
 """``mtdao slow-link``: DDP against MT-DAO with real gloo workers whose traffic crosses a slow link.
 
 Each of M workers is one ``python -m mtdao train`` process in its own host namespace of
-:func:`mtdao.experiments.netem.emulated_link`. They meet the way torchrun's static rendezvous does,
+:func:`mtdao.experiments.netem.emulated_link` (with ``--delay-ms`` on a kernel without netem, of
+:func:`mtdao.experiments.relay_link.slow_link`, whose switch makes the delay). They meet the way torchrun's static rendezvous does,
 through RANK / WORLD_SIZE / MASTER_ADDR (worker 0's link address) / MASTER_PORT, and
 ``GLOO_SOCKET_IFNAME=link0`` keeps gloo on the shaped interface; a namespace has no other way out.
 
@@ -39,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.formatting import format_bytes
-from mtdao.experiments.netem import HOST_IFACE, EmulatedLink, LinkUnavailable, emulated_link
+from mtdao.experiments.netem import HOST_IFACE, EmulatedLink, LinkUnavailable
 from mtdao.experiments.netem import measure_throughput_mbit as measure_link_mbit
+from mtdao.experiments.relay_link import RelayLink, emulation_of, slow_link
 from mtdao.experiments.slow_link_report import (
     plot_time_to_loss,
     plot_time_to_target,
@@ -161,7 +163,7 @@ def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -
 
 
 def launch_workers(
-    link: EmulatedLink,
+    link: EmulatedLink | RelayLink,
     train_args: list[str],
     port: int,
     log_prefix: Path,
@@ -205,7 +207,7 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def sent_bytes(link: EmulatedLink, host: int) -> int:
+def sent_bytes(link: EmulatedLink | RelayLink, host: int) -> int:
     """Bytes host ``host`` has sent through its link interface so far."""
     out = subprocess.run(
         ["ip", "-j", "-s", "-n", link.hosts[host], "link", "show", "dev", HOST_IFACE],
@@ -220,7 +222,7 @@ def sent_bytes(link: EmulatedLink, host: int) -> int:
 
 
 def run_method(
-    link: EmulatedLink, spec: RunSpec, args: argparse.Namespace, out: Path, port: int
+    link: EmulatedLink | RelayLink, spec: RunSpec, args: argparse.Namespace, out: Path, port: int
 ) -> dict[str, Any]:
     """One run's workers across ``link``: the run's outputs plus what the link and the machine
     measured meanwhile (interface bytes, launch-to-exit seconds, load average)."""
@@ -246,11 +248,14 @@ def run_method(
 def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: int) -> list[dict]:
     """Every method over one freshly built link of ``rate_mbit``; one row per method."""
     rows = []
-    with emulated_link(args.workers, rate_mbit, args.delay_ms, prefix="mtdaoslow") as link:
+    with slow_link(args.workers, rate_mbit, args.delay_ms, prefix="mtdaoslow") as link:
         measured = measure_link_mbit(link, 0, 1) if args.workers > 1 else math.nan
-        print(f"link {rate_mbit:g} Mbit/s: measured {measured:.1f} Mbit/s (one TCP stream)")
+        emulation = emulation_of(link)
+        delay = f", {args.delay_ms:g} ms one way ({emulation})" if args.delay_ms > 0 else ""
+        print(f"link {rate_mbit:g} Mbit/s{delay}: measured {measured:.1f} Mbit/s (one TCP stream)")
         for index, spec in enumerate(args.runs):
             row = {"rate_mbit": rate_mbit, "measured_mbit": measured, "method": spec.name}
+            row.update(delay_ms=args.delay_ms, emulation=emulation)
             row["flags"] = spec.flags
             row.update(run_method(link, spec, args, out, first_port + index))
             rows.append(row)
@@ -350,7 +355,13 @@ def add_parser(subparsers) -> None:
         "mtdao unless they give one), e.g. --variant overlap '--sync-delay 8 --sync-fragments 4'; "
         "repeatable",
     )
-    add("--delay-ms", type=float, default=0.0, help="one-way link delay (needs sch_netem)")
+    add(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay between two workers (the kernel's netem, or where it has none a "
+        "userspace switch between the workers' namespaces)",
+    )
     add("--timeout", type=float, default=1800.0, help="seconds one run may take")
     add("--out", default="runs/slow-link", help="output directory (default: %(default)s)")
     parser.set_defaults(func=run_slow_link)

@@ -77,6 +77,19 @@ def report_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(table(COLUMNS, (_row(r) for r in rows)))
 
 
+def delay_line(row: Mapping[str, Any]) -> str:
+    """How the link's delay was made, for the report's first paragraph ('' without one)."""
+    delay = row.get("delay_ms") or 0
+    if delay <= 0:
+        return ""
+    how = {
+        "netem": "the kernel's netem qdisc",
+        "relay": "a userspace switch between the namespaces (this kernel has no netem), which "
+        "holds every frame for it",
+    }.get(row.get("emulation"), "an unrecorded emulation")
+    return f", {delay:g} ms one way between two workers ({2 * delay:g} ms round trip) from {how}"
+
+
 def render_report(
     rows: Sequence[Mapping[str, Any]], *, command: str, workers: int, torch: str, cores: int
 ) -> str:
@@ -96,7 +109,7 @@ Command: `{command}`
 
 {rows[0]["parameters"]:,} parameters, {workers} gloo worker processes (one thread each), one per
 network namespace; every byte between them crosses a token-bucket link of the given rate (upload and
-download per worker). torch {torch}, {cores} CPU cores.
+download per worker){delay_line(rows[0])}. torch {torch}, {cores} CPU cores.
 
 {report_table(rows)}
 
