@@ -27,8 +27,6 @@ class RelayLink:
     """What the slow link's runner uses of :class:`EmulatedLink` (hosts by index, their
     addresses, ``run``, the rate), on :class:`WanSites` sites ``h0`` .. ``h{n-1}``."""
 
-    emulation = "relay"
-
     def __init__(self, sites: WanSites, rate_mbit: float, delay_ms: float) -> None:
         self.sites, self.rate_mbit, self.delay_ms = sites, float(rate_mbit), float(delay_ms)
         self.hosts = [sites.namespaces[name] for name in sites.names]
