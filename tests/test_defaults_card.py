@@ -105,6 +105,24 @@ def test_the_gaps_follow_the_significance_rule():
     assert "+0.0100 (+1.0%) one seed, lower on 0/1" in lines
 
 
+def test_a_short_run_is_held_to_the_longer_run_at_its_last_step():
+    grid = Grid(("builtin",), (300, 3000), (32,), (0, 1), ("ddp", "mtdao"))
+    evals = [{"step": 200, "val_loss": 2.2}, {"step": 400, "val_loss": 1.8}]  # 2.0 at 300
+    results = {}
+    for entry, short in (("ddp", 1.9), ("mtdao", 2.2)):
+        for seed in (0, 1):
+            results[run_name("builtin", 300, 32, entry, seed)] = _results(short)
+            results[run_name("builtin", 3000, 32, entry, seed)] = {**_results(1.0), "evals": evals}
+    del results[run_name("builtin", 3000, 32, "mtdao", 1)]  # seed 1 has no longer run
+    (check,) = summarize_card(grid, {"builtin": "builtin"}, {}, results, {})["horizons"]
+    assert (check["short"], check["long"]) == (300, 3000)
+    assert check["entries"]["ddp"] == {"mean": pytest.approx(-0.05), "seeds": 2}
+    assert check["entries"]["mtdao"] == {"mean": pytest.approx(0.10), "seeds": 1}
+    summary = summarize_card(grid, {"builtin": "builtin"}, {}, results, {})
+    lines = "\n".join(card_report_lines(summary, plotted=False))
+    assert "| builtin | 32 | 300 / 3000 | -5.0% (2) | +10.0% (1) |" in lines
+
+
 @pytest.mark.slow
 def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch):
     tiny = Grid(("builtin",), (4,), (2,), (0,), ("ddp", "local-adam", "mtdao"))

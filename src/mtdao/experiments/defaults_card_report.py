@@ -73,7 +73,39 @@ def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str
         f"{summary['runs_finished']} runs finished.",
         "",
     ]
+    lines += horizon_lines(summary.get("horizons", []), [e["name"] for e in entries])
     return lines + failures_section(summary["failures"])
+
+
+def horizon_lines(checks: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """Is a short run the start of a long one? One row per corpus, K and pair of lengths."""
+    if not checks:
+        return []
+    header = ["corpus", "K", "short run / longer run", *(f"`{n}`" for n in names)]
+    rows = []
+    for check in checks:
+        cells = []
+        for name in names:
+            value = check["entries"].get(name)
+            cells.append(
+                MISSING if value is None else f"{value['mean'] * 100:+.1f}% ({value['seeds']})"
+            )
+        rows.append(
+            [check["corpus"], str(check["sync_period"]), f"{check['short']} / {check['long']}"]
+            + cells
+        )
+    return [
+        "## Is a short run the start of a long one?",
+        "",
+        "Each short run's final validation loss against the longer run's at the same step "
+        "(interpolated between its evaluations), relative, mean over the seeds that have both "
+        "(their number in brackets). The short run's learning rate has annealed by then and the "
+        "longer one's has not, which moves every method alike; an entry is as horizon-free as "
+        "the baselines where its figure is no higher than theirs.",
+        "",
+        *table(header, rows),
+        "",
+    ]
 
 
 def _gap(gap: dict[str, Any] | None) -> str:

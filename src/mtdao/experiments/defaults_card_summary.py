@@ -1,6 +1,7 @@
 """The defaults card's numbers: per cell (corpus, length, sync period) each entry's final
 validation loss over seeds, and every MT-DAO entry's gap to Local Adam and to DDP under the
-significance rule (:func:`mtdao.experiments.formatting.compare_losses`)."""
+significance rule (:func:`mtdao.experiments.formatting.compare_losses`); and whether a short run
+is the start of a long one (:func:`horizon_checks`)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def summarize_card(
         "entries": [dataclasses.asdict(entry) for entry in entries],
         "cells": cells,
         "significance_rule": SIGNIFICANCE_RULE,
+        "horizons": horizon_checks(grid, data, results, [e.name for e in entries]),
         "runs_finished": len(results),
         "failures": failures,
     }
@@ -91,3 +93,52 @@ def _gaps(by_entry: dict[str, dict], candidates: list[str]) -> dict[str, dict[st
                 "shared_seeds": len(shared),
             }
     return gaps
+
+
+def horizon_checks(
+    grid: Grid, data: dict[str, str], results: dict[str, dict[str, Any]], entries: list[str]
+) -> list[dict[str, Any]]:
+    """For each corpus, sync period, pair of lengths (short, the next longer) and entry: the
+    short run's final loss against the longer run's at the short run's last step (interpolated
+    between its evaluations), relative, mean over the seeds that have both. Every method's
+    learning rate anneals to the short run's end, so a method is as horizon-free as the
+    baselines when its figure is no higher than theirs."""
+    checks = []
+    for corpus, sync_period in dict.fromkeys((c, k) for c, _, k in grid.cells()):
+        if corpus not in data:
+            continue
+        lengths = sorted(n for c, n, k in grid.cells() if (c, k) == (corpus, sync_period))
+        for short, long in zip(lengths, lengths[1:]):
+            by_entry = {}
+            for entry in entries:
+                ratios = []
+                for seed in grid.seeds:
+                    ended = results.get(run_name(corpus, short, sync_period, entry, seed))
+                    longer = results.get(run_name(corpus, long, sync_period, entry, seed))
+                    midway = _loss_at(longer, short)
+                    if ended and ended.get("final_val_loss") and midway:
+                        ratios.append(ended["final_val_loss"] / midway - 1)
+                if ratios:
+                    by_entry[entry] = {"mean": sum(ratios) / len(ratios), "seeds": len(ratios)}
+            if by_entry:
+                checks.append(
+                    {
+                        "corpus": corpus,
+                        "sync_period": sync_period,
+                        "short": short,
+                        "long": long,
+                        "entries": by_entry,
+                    }
+                )
+    return checks
+
+
+def _loss_at(results: dict[str, Any] | None, step: int) -> float | None:
+    """A run's validation loss at ``step``, linear between the evaluations around it."""
+    if not results:
+        return None
+    evals = [(e["step"], e["val_loss"]) for e in results.get("evals", [])]
+    for (s0, l0), (s1, l1) in zip(evals, evals[1:]):
+        if s0 <= step <= s1 and s1 > s0:
+            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    return None
