@@ -2,8 +2,9 @@
 
 Each of M workers is one ``python -m mtdao train`` process in its own host namespace of
 :func:`mtdao.experiments.netem.emulated_link` (with ``--delay-ms`` on a kernel without netem, of
-:func:`mtdao.experiments.relay_link.slow_link`, whose switch makes the delay). They meet the way torchrun's static rendezvous does,
-through RANK / WORLD_SIZE / MASTER_ADDR (worker 0's link address) / MASTER_PORT, and
+:func:`mtdao.experiments.relay_link.slow_link`, whose switch makes the delay). They meet the way
+torchrun's static rendezvous does, through RANK / WORLD_SIZE / MASTER_ADDR (worker 0's link
+address) / MASTER_PORT, and
 ``GLOO_SOCKET_IFNAME=link0`` keeps gloo on the shaped interface; a namespace has no other way out.
 
 What is measured, per link rate and method, from the real runs:
