@@ -164,11 +164,12 @@ def fit(measurements: list[DrillMeasurement]) -> Calibration:
     ]
     heal_targets = [s for m in measurements for _, s in m.heals]
     heal_fixed, heal_rtts, heal_inverse = float("nan"), float("nan"), float("nan")
+    without_rtt = [[1.0, x] for _, _, x in heal_rows]
     if _rank(heal_rows) == 3:
         heal_fixed, heal_rtts, heal_inverse = _least_squares(heal_rows, heal_targets)
-    elif _rank([[1.0, x] for _, _, x in heal_rows]) == 2:  # RTT not told apart: no RTT term
+    elif _rank(without_rtt) == 2:  # RTT not told apart: no RTT term
         heal_rtts = 0.0
-        heal_fixed, heal_inverse = _least_squares([[1.0, x] for _, _, x in heal_rows], heal_targets)
+        heal_fixed, heal_inverse = _least_squares(without_rtt, heal_targets)
     return Calibration(
         fixed_s=fixed,
         rtts_per_round=rtts,
