@@ -7,7 +7,10 @@ held-out one, and writes ``beyond.md``, ``beyond.png`` and ``calibration.json`` 
 Needs root (network namespaces).
 
     python benchmarks/wan_beyond.py --out reports/wan-drill --work /tmp/wan-beyond \
-        --extra runs/wan-drill/baseline-0/drill.json
+        --extra runs/wan-drill/baseline-0/drill.json --frontier reports/frontier-3000/frontier.json
+
+``--frontier`` takes what each local method sends from a frontier's points (its cheapest point
+within half a percent of its best loss); without it, fp32 rounds at K = 32.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from mtdao.experiments.wan_calibration import calibration_record, fit, measure, predict_drill
 from mtdao.experiments.wan_predict import (
-    ASSUMPTIONS,
+    FP32_SETTINGS,
+    assumptions,
+    frontier_settings,
     grid,
     heal_table,
     plot_predictions,
@@ -52,7 +57,7 @@ def run_config(name: str, model: str, link: LinkSpec, work: Path, steps: int) ->
     return path
 
 
-def render(record: dict, predictions_table: str, heals: str) -> str:
+def render(record: dict, predictions_table: str, heals: str, assumed: list[str]) -> str:
     c = record["calibration"]
     command = "python benchmarks/wan_beyond.py " + " ".join(sys.argv[1:])
     lines = ["# Beyond the box: the wall-clock model calibrated on WAN drills", ""]
@@ -101,7 +106,7 @@ def render(record: dict, predictions_table: str, heals: str) -> str:
               f"ranged {min(compute) * 1e3:.0f} - {max(compute) * 1e3:.0f} ms between drills "
               "(other runs share the cores), which is why rounds are timed from quorum request to "
               "commit, leaving compute out."]  # fmt: skip
-    lines += ["", "## Time to the target loss at scale", "", "Assumptions:", "", *ASSUMPTIONS, ""]
+    lines += ["", "## Time to the target loss at scale", "", "Assumptions:", "", *assumed, ""]
     lines += [
         "DDP / X: how many times faster X is than DDP, which is also how many times more steps "
         "X could need and still tie DDP.",
@@ -127,6 +132,9 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/wan-beyond"))
     parser.add_argument("--steps", type=int, default=320)
     parser.add_argument("--extra", nargs="*", default=[], help="drill.json of more no-event drills")
+    parser.add_argument(
+        "--frontier", type=Path, help="frontier.json whose points say what each method sends"
+    )
     args = parser.parse_args(argv)
     cleanup_stale("mtdaowanbeyond")
     calibration_paths = [run_config(n, *c, args.work, args.steps) for n, c in CALIBRATION.items()]
@@ -135,12 +143,18 @@ def main(argv=None) -> int:
     held_out = [measure(p) for p in held_paths]
     calibration = fit(measurements)
     record = calibration_record(calibration, measurements, held_out)
-    predictions = grid(calibration)
+    settings = (
+        frontier_settings(json.loads(args.frontier.read_text())) if args.frontier else FP32_SETTINGS
+    )
+    record["settings"] = {method: asdict(s) for method, s in settings.items()}
+    predictions = grid(calibration, settings)
     record["predictions"] = [{**vars(p), "total_s": p.total_s} for p in predictions]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "calibration.json").write_text(json.dumps(record, indent=1))
     plot_predictions(args.out, predictions)
-    text = render(record, prediction_table(predictions), heal_table(calibration))
+    text = render(
+        record, prediction_table(predictions), heal_table(calibration), assumptions(settings)
+    )
     (args.out / "beyond.md").write_text(text)
     for entry in record["held_out"]:
         print(entry["measurement"]["name"], json.dumps(predict_drill(calibration, held_out[0])))

@@ -14,7 +14,13 @@ from mtdao.experiments.wan_calibration import (
     heal_seconds,
     round_seconds,
 )
-from mtdao.experiments.wan_predict import grid, predict, prediction_table
+from mtdao.experiments.wan_predict import (
+    assumptions,
+    frontier_settings,
+    grid,
+    predict,
+    prediction_table,
+)
 
 TRUE = Calibration(fixed_s=0.2, rtts_per_round=3.5, efficiency=0.6, heal_fixed_s=1.0,
                    heal_efficiency=0.05, calibrated_workers=3, heal_rtts=12.0)  # fmt: skip
@@ -70,3 +76,41 @@ def test_local_methods_send_less_and_finish_sooner_on_slow_links():
     assert diloco.communication_s < mtdao.communication_s < ddp.communication_s
     predictions = grid(TRUE)
     assert len(prediction_table(predictions).splitlines()) == 2 + len(predictions) // 3
+
+
+def frontier_point(method, loss, sent, *flags):
+    argv = ["--method", method, *flags, "--steps", "100", "--model", "micro"]
+    return {"method": method, "argv": argv, "final_val_loss_mean": loss, "bytes_per_worker": sent}
+
+
+def test_each_local_method_sends_what_its_cheapest_good_frontier_point_sent():
+    # 1000 parameters: DDP sends 4 bytes per parameter per step, 400,000 bytes in 100 steps
+    frontier = {"points": [
+        frontier_point("ddp", 1.00, 400_000),
+        frontier_point("diloco", 1.010, 12_500),  # K = 32, fp32: the best loss
+        frontier_point("diloco", 1.014, 3_200, "--sync-dtype", "params=int8"),  # within 0.5 %
+        frontier_point("diloco", 1.020, 800, "--sync-period", "128"),  # cheaper, too far off
+        frontier_point("mtdao", 1.008, 5_000, "--sync-period", "64", "--state-sync-period", "128"),
+        frontier_point("mtdao", 1.030, 1_000, "--sync-period", "512"),
+    ]}  # fmt: skip
+    settings = frontier_settings(frontier)
+    diloco, mtdao = settings["diloco"], settings["mtdao"]
+    assert (diloco.sync_period, diloco.flags) == (32, "--sync-dtype params=int8")
+    assert diloco.bytes_per_parameter_step == pytest.approx(3_200 / 1000 / 100)
+    assert diloco.loss_vs_ddp == pytest.approx(0.014)
+    assert mtdao.sync_period == 64 and mtdao.bytes_per_parameter_step == pytest.approx(0.05)
+    # the traffic ordering carries into the predictions: MT-DAO's point sends more than DiLoCo's
+    diloco_s, mtdao_s = (predict(TRUE, m, 64, 1.3e9, 1.0, settings) for m in ("diloco", "mtdao"))
+    rounds = (diloco_s.steps // 32, mtdao_s.steps // 64)
+    per_round = [round_seconds(TRUE, b * 1.3e9, 64, 0.08, 1.0) for b in (0.032 * 32, 0.05 * 64)]
+    assert diloco_s.communication_s == pytest.approx(rounds[0] * per_round[0])
+    assert mtdao_s.communication_s == pytest.approx(rounds[1] * per_round[1])
+    assert "125x less than DDP" in " ".join(assumptions(settings))
+
+
+def test_a_frontier_without_ddp_or_a_method_is_refused_by_name():
+    with pytest.raises(ValueError, match="no DDP point"):
+        frontier_settings({"points": [frontier_point("diloco", 1.0, 100)]})
+    with pytest.raises(ValueError, match="no mtdao point"):
+        frontier_settings({"points": [frontier_point("ddp", 1.0, 400_000),
+                                      frontier_point("diloco", 1.0, 100)]})  # fmt: skip

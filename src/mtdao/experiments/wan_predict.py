@@ -1,14 +1,18 @@
 """Time to a target loss beyond the box: DDP, DiLoCo and MT-DAO at 8 .. 1024 workers, 16M .. 7B
 parameters, 1 .. 100 Gbit/s, from the drill-calibrated round model (:mod:`.wan_calibration`).
 
-Every assumption is in :data:`ASSUMPTIONS` (printed next to the table): what a worker computes,
-how many steps the target takes, what each method sends per round.
+What each local method sends comes from the loss-vs-traffic frontier (``frontier.json`` of
+``mtdao frontier``): its cheapest point within :data:`LOSS_TOLERANCE` of its own best loss, in
+bytes per parameter per step measured there (relative to DDP's 4), so codecs and state periods
+carry over. Every assumption is in :func:`assumptions` (printed next to the table).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mtdao.experiments.wan_calibration import Calibration, heal_seconds, round_seconds
 
@@ -18,30 +22,116 @@ BANDWIDTHS_GBIT = (1.0, 10.0, 100.0)
 TOKENS_PER_PARAMETER = 20  # the compute-optimal budget (Hoffmann et al. 2022)
 GLOBAL_BATCH_TOKENS = 2**20
 WORKER_FLOPS = 8 * 989e12 * 0.4  # a node of 8 accelerators, 989 TFLOP/s bf16 dense, 40 % MFU
-SYNC_PERIOD = 32
 RTT_S = 0.080
+# a point this close to its method's best loss counts as as good; the cheapest such one is chosen
+LOSS_TOLERANCE = 0.005
+DEFAULT_SYNC_PERIOD = 32  # mtdao train's --sync-period
 
-ASSUMPTIONS = (
-    f"- target: {TOKENS_PER_PARAMETER} tokens per parameter at a global batch of "
-    f"{GLOBAL_BATCH_TOKENS:,} tokens, so steps = {TOKENS_PER_PARAMETER} N / {GLOBAL_BATCH_TOKENS:,} "
-    "for every method: MT-DAO at the frontier's best settings (beta warm-up, K = 32) tied DDP's "
-    "loss at equal steps in the horizon study (micro model, 3000 steps); DiLoCo's steps to a "
-    "common target are not measured here (it never reached DDP's loss), so its row assumes DDP's "
-    "steps and the break-even column says how many times more steps it could take and still tie",
-    f"- a worker is one node: {WORKER_FLOPS / 1e15:.2f} PFLOP/s effective (8 x 989 TFLOP/s bf16 "
-    "at 40 % MFU); compute per step = 6 N x (global batch / M) / that; no compute-communication "
-    "overlap (flatters nobody)",
-    f"- every worker in a site of its own, on a link of the given bandwidth, {RTT_S * 1e3:.0f} ms "
-    "round trip between sites (the drill's)",
-    "- DDP: an fp32 gradient ring all-reduce (4 N bytes) every step, in a static process group "
-    "(no quorum); DiLoCo: one model-sized fp32 tensor (4 N bytes) every K = 32 steps; MT-DAO: "
-    "three (parameters and both Adam states, 12 N bytes) every K = 32 steps, as this repository "
-    "sends them; both local methods pay the drill-calibrated quorum and commit per round",
-    "- latency: the ring's 2 (M - 1) steps each wait one one-way delay; bandwidth at the "
-    "calibrated fraction of the link rate; no failures (heal times in their own table)",
-)
+
+@dataclass(frozen=True)
+class LocalSetting:
+    """What a local method sends: one round every ``sync_period`` steps, of
+    ``sync_period x bytes_per_parameter_step`` bytes per parameter on average."""
+
+    method: str
+    sync_period: int
+    bytes_per_parameter_step: float
+    flags: str
+    loss_vs_ddp: float | None = None  # relative gap of its frontier point, when measured
+
+
+# Without a frontier: fp32 rounds at K = 32, DiLoCo one tensor, MT-DAO three (parameters and
+# both Adam states every round, mtdao train's defaults).
+FP32_SETTINGS = {
+    "diloco": LocalSetting("diloco", 32, 4 / 32, "K = 32, fp32"),
+    "mtdao": LocalSetting("mtdao", 32, 12 / 32, "K = 32, fp32, states every round"),
+}
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def _described(argv: list[str]) -> str:
+    """The point's flags without the ones every point shares."""
+    shared = {"--method", "--steps", "--model", "--eval-every", "--eval-tokens"}
+    words, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in shared:
+            skip = True
+        else:
+            words.append(word)
+    return " ".join(words)
+
+
+def frontier_settings(frontier: Mapping[str, Any]) -> dict[str, LocalSetting]:
+    """DiLoCo's and MT-DAO's settings from a frontier: each one's cheapest point whose loss is
+    within :data:`LOSS_TOLERANCE` of its best; bytes per parameter step relative to DDP's."""
+    points = frontier["points"]
+    ddp = [p for p in points if p["method"] == "ddp"]
+    if not ddp:
+        raise ValueError("the frontier has no DDP point to measure bytes per parameter against")
+    ddp_steps = int(_flag(ddp[0]["argv"], "--steps") or 0)
+    ddp_loss = ddp[0]["final_val_loss_mean"]
+    bytes_per_parameter = ddp[0]["bytes_per_worker"] / (ddp_steps * 4)
+    settings = {}
+    for method in FP32_SETTINGS:
+        own = [p for p in points if p["method"] == method]
+        if not own:
+            raise ValueError(f"the frontier has no {method} point")
+        best = min(p["final_val_loss_mean"] for p in own)
+        good = [p for p in own if p["final_val_loss_mean"] <= best * (1 + LOSS_TOLERANCE)]
+        chosen = min(good, key=lambda p: p["bytes_per_worker"])
+        steps = int(_flag(chosen["argv"], "--steps") or ddp_steps)
+        settings[method] = LocalSetting(
+            method,
+            int(_flag(chosen["argv"], "--sync-period") or DEFAULT_SYNC_PERIOD),
+            chosen["bytes_per_worker"] / (bytes_per_parameter * steps),
+            _described(chosen["argv"]),
+            chosen["final_val_loss_mean"] / ddp_loss - 1,
+        )
+    return settings
+
+
+def assumptions(settings: Mapping[str, LocalSetting]) -> list[str]:
+    sent = "; ".join(
+        f"{NAMES[s.method]}: `{s.flags}`, {s.bytes_per_parameter_step * s.sync_period:.3g} bytes "
+        f"per parameter every {s.sync_period} steps ({4 / s.bytes_per_parameter_step:.0f}x less "
+        "than DDP)" + ("" if s.loss_vs_ddp is None else f", {s.loss_vs_ddp:+.1%} loss vs DDP")
+        for s in settings.values()
+    )
+    gaps = [s.loss_vs_ddp for s in settings.values() if s.loss_vs_ddp is not None]
+    measured = (
+        f"the local methods' points below ended {min(gaps):+.1%} to {max(gaps):+.1%} from DDP's "
+        "loss at equal steps on the frontier"
+        if gaps
+        else "the local methods' steps to DDP's loss are not measured here"
+    )
+    return [
+        f"- target: {TOKENS_PER_PARAMETER} tokens per parameter at a global batch of "
+        f"{GLOBAL_BATCH_TOKENS:,} tokens, so steps = {TOKENS_PER_PARAMETER} N / "
+        f"{GLOBAL_BATCH_TOKENS:,} for every method: {measured}, so every row assumes DDP's "
+        "steps; DDP / X says how many times more steps X could take and still tie",
+        f"- a worker is one node: {WORKER_FLOPS / 1e15:.2f} PFLOP/s effective (8 x 989 TFLOP/s "
+        "bf16 at 40 % MFU); compute per step = 6 N x (global batch / M) / that; no "
+        "compute-communication overlap (flatters nobody)",
+        f"- every worker in a site of its own, on a link of the given bandwidth, {RTT_S * 1e3:.0f} "
+        "ms round trip between sites (the drill's)",
+        "- DDP: an fp32 gradient ring all-reduce (4 N bytes) every step, in a static process "
+        "group (no quorum); each local method as at its cheapest frontier point within "
+        f"{LOSS_TOLERANCE:.1%} of its best loss (bytes as measured there, codes, scales and "
+        f"padding; a round's bytes averaged over the state periods): {sent}; both local methods "
+        "pay the drill-calibrated quorum and commit per round, and their encoded rounds move "
+        "like a ring all-reduce of the payload (owners reduce, then every worker gathers)",
+        "- latency: the ring's 2 (M - 1) steps each wait one one-way delay; bandwidth at the "
+        "calibrated fraction of the link rate; no failures (heal times in their own table)",
+    ]
+
 
 METHODS = ("ddp", "diloco", "mtdao")
+NAMES = {"ddp": "DDP", "diloco": "DiLoCo", "mtdao": "MT-DAO"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +154,12 @@ def target_steps(parameters: float) -> int:
 
 
 def predict(
-    calibration: Calibration, method: str, workers: int, parameters: float, bandwidth_gbit: float
+    calibration: Calibration,
+    method: str,
+    workers: int,
+    parameters: float,
+    bandwidth_gbit: float,
+    settings: Mapping[str, LocalSetting] = FP32_SETTINGS,
 ) -> Prediction:
     steps = target_steps(parameters)
     compute = steps * 6 * parameters * (GLOBAL_BATCH_TOKENS / workers) / WORKER_FLOPS
@@ -74,17 +169,18 @@ def predict(
         )
         communication = steps * per_round
     else:
-        tensors = 1 if method == "diloco" else 3
-        per_round = round_seconds(
-            calibration, 4 * tensors * parameters, workers, RTT_S, bandwidth_gbit
-        )
-        communication = steps // SYNC_PERIOD * per_round
+        setting = settings[method]
+        round_bytes = setting.bytes_per_parameter_step * setting.sync_period * parameters
+        per_round = round_seconds(calibration, round_bytes, workers, RTT_S, bandwidth_gbit)
+        communication = steps // setting.sync_period * per_round
     return Prediction(method, workers, parameters, bandwidth_gbit, steps, compute, communication)
 
 
-def grid(calibration: Calibration) -> list[Prediction]:
+def grid(
+    calibration: Calibration, settings: Mapping[str, LocalSetting] = FP32_SETTINGS
+) -> list[Prediction]:
     return [
-        predict(calibration, method, m, n, b)
+        predict(calibration, method, m, n, b, settings)
         for n in PARAMETERS
         for b in BANDWIDTHS_GBIT
         for m in WORKERS
