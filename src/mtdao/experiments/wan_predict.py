@@ -25,7 +25,6 @@ WORKER_FLOPS = 8 * 989e12 * 0.4  # a node of 8 accelerators, 989 TFLOP/s bf16 de
 RTT_S = 0.080
 # a point this close to its method's best loss counts as as good; the cheapest such one is chosen
 LOSS_TOLERANCE = 0.005
-DEFAULT_SYNC_PERIOD = 32  # mtdao train's --sync-period
 
 
 @dataclass(frozen=True)
@@ -48,10 +47,6 @@ FP32_SETTINGS = {
 }
 
 
-def _flag(argv: list[str], name: str) -> str | None:
-    return argv[argv.index(name) + 1] if name in argv else None
-
-
 def _described(argv: list[str]) -> str:
     """The point's flags without the ones every point shares."""
     shared = {"--method", "--steps", "--model", "--eval-every", "--eval-tokens"}
@@ -69,13 +64,14 @@ def _described(argv: list[str]) -> str:
 def frontier_settings(frontier: Mapping[str, Any]) -> dict[str, LocalSetting]:
     """DiLoCo's and MT-DAO's settings from a frontier: each one's cheapest point whose loss is
     within :data:`LOSS_TOLERANCE` of its best; bytes per parameter step relative to DDP's."""
+    from mtdao.train.command import config_from_argv
+
     points = frontier["points"]
     ddp = [p for p in points if p["method"] == "ddp"]
     if not ddp:
         raise ValueError("the frontier has no DDP point to measure bytes per parameter against")
-    ddp_steps = int(_flag(ddp[0]["argv"], "--steps") or 0)
     ddp_loss = ddp[0]["final_val_loss_mean"]
-    bytes_per_parameter = ddp[0]["bytes_per_worker"] / (ddp_steps * 4)
+    bytes_per_parameter = ddp[0]["bytes_per_worker"] / (config_from_argv(ddp[0]["argv"]).steps * 4)
     settings = {}
     for method in FP32_SETTINGS:
         own = [p for p in points if p["method"] == method]
@@ -84,11 +80,12 @@ def frontier_settings(frontier: Mapping[str, Any]) -> dict[str, LocalSetting]:
         best = min(p["final_val_loss_mean"] for p in own)
         good = [p for p in own if p["final_val_loss_mean"] <= best * (1 + LOSS_TOLERANCE)]
         chosen = min(good, key=lambda p: p["bytes_per_worker"])
-        steps = int(_flag(chosen["argv"], "--steps") or ddp_steps)
+        # the point's flags read as mtdao train reads them: its defaults where a flag is absent
+        config = config_from_argv(chosen["argv"])
         settings[method] = LocalSetting(
             method,
-            int(_flag(chosen["argv"], "--sync-period") or DEFAULT_SYNC_PERIOD),
-            chosen["bytes_per_worker"] / (bytes_per_parameter * steps),
+            config.sync_period,
+            chosen["bytes_per_worker"] / (bytes_per_parameter * config.steps),
             _described(chosen["argv"]),
             chosen["final_val_loss_mean"] / ddp_loss - 1,
         )
