@@ -286,13 +286,60 @@ def test_batches_are_shifted_windows_of_the_shard():
     assert any(stream[i : i + 16] == row for i in range(len(stream) - 15))
 
 
-def test_iid_shards_are_equal_contiguous_cuts_of_the_stream():
+def test_contiguous_shards_are_equal_cuts_of_the_stream_in_corpus_order():
     tokens = byte_tokens()
     stream = np.concatenate(tokens.train)
-    shards = [WorkerShard(tokens, w, 3, 2, 8, seed=0).tokens.numpy() for w in range(3)]
+    shards = [
+        WorkerShard(tokens, w, 3, 2, 8, seed=0, split="contiguous").tokens.numpy() for w in range(3)
+    ]
     length = len(stream) // 3
     for worker, shard in enumerate(shards):
         assert np.array_equal(shard, stream[worker * length : (worker + 1) * length])
+
+
+def sorted_two_kinds() -> TokenizedCorpus:
+    """40 documents listed by kind, as a directory lists its files: 20 of 'a' then 20 of 'b'."""
+    docs = [np.full(50, ord("a") if i < 20 else ord("b"), dtype=np.int32) for i in range(40)]
+    return TokenizedCorpus(train=docs, val=np.full(50, ord("a"), dtype=np.int32))
+
+
+def test_shuffled_shards_mix_a_corpus_listed_by_kind_where_corpus_order_splits_it():
+    tokens = sorted_two_kinds()
+
+    def share_of_a(split: str, seed: int = 0) -> list[float]:
+        shards = [WorkerShard(tokens, w, 4, 2, 8, seed=seed, split=split) for w in range(4)]
+        return [float((shard.tokens == ord("a")).float().mean()) for shard in shards]
+
+    assert share_of_a("contiguous") == [1.0, 1.0, 0.0, 0.0]  # each worker one kind
+    assert share_of_a("by-file") == [1.0, 1.0, 0.0, 0.0]
+    for seed in range(3):
+        assert all(0.2 <= share <= 0.8 for share in share_of_a("shuffled", seed))
+
+
+def test_shuffled_shards_are_equal_cuts_of_one_seeded_order_of_whole_documents():
+    tokens = byte_tokens()
+    total = sum(map(len, tokens.train))
+
+    def shards(seed: int) -> list[np.ndarray]:
+        return [WorkerShard(tokens, w, 3, 2, 8, seed=seed).tokens.numpy() for w in range(3)]
+
+    first = shards(0)
+    assert [len(shard) for shard in first] == [total // 3] * 3
+    joined = np.concatenate(first)  # whole documents one after another, in another order
+    used, position = [], 0
+    while position < len(joined):
+        rest = joined[position:]  # the last document is cut short by total % 3
+        match = next(
+            i
+            for i, doc in enumerate(tokens.train)
+            if i not in used and np.array_equal(rest[: len(doc)], doc[: len(rest)])
+        )
+        used.append(match)
+        position += len(tokens.train[match])
+    assert sorted(used) == list(range(len(tokens.train))) and used != sorted(used)
+    assert all(np.array_equal(a, b) for a, b in zip(first, shards(0), strict=True))
+    assert not np.array_equal(first[0], shards(1)[0])  # the order is the run seed's
+    assert not np.array_equal(first[0], np.concatenate(tokens.train)[: total // 3])
 
 
 def test_by_file_shards_are_contiguous_runs_of_whole_documents():
@@ -313,7 +360,7 @@ def test_seeds_and_workers_give_different_streams():
     assert not torch.equal(first, WorkerShard(tokens, 1, 2, 4, 16, seed=0).next_batch()[0])
 
 
-@pytest.mark.parametrize("split", ["iid", "by-file"])
+@pytest.mark.parametrize("split", ["shuffled", "by-file", "contiguous"])
 def test_a_lone_worker_matches_its_slice_of_the_simulator(split):
     tokens = byte_tokens()
     shards = [WorkerShard(tokens, w, 3, 4, 16, seed=7, split=split) for w in range(3)]
@@ -345,6 +392,20 @@ def test_resumed_shard_continues_bit_identically(tmp_path):
     other_worker = WorkerShard(tokens, 0, 2, 4, 16, seed=5)
     with pytest.raises(DataError, match="shard state has worker=1, this shard has 0"):
         other_worker.load_state_dict(shard.state_dict())
+
+
+def test_a_shard_saved_as_iid_before_the_shuffle_resumes_as_contiguous():
+    tokens = byte_tokens()
+    old = WorkerShard(tokens, 1, 2, 4, 16, seed=5, split="contiguous")
+    old.next_batch()
+    saved = {**old.state_dict(), "split": "iid"}  # what "iid" wrote until 2026-12-02
+    expected = old.next_batch()
+    resumed = WorkerShard(tokens, 1, 2, 4, 16, seed=5, split="contiguous")
+    resumed.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), expected, strict=True))
+    shuffled = WorkerShard(tokens, 1, 2, 4, 16, seed=5)
+    with pytest.raises(DataError, match="split='contiguous', this shard has 'shuffled'"):
+        shuffled.load_state_dict(saved)
 
 
 def test_shard_errors():

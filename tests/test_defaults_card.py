@@ -124,7 +124,7 @@ def test_a_short_run_is_held_to_the_longer_run_at_its_last_step():
 
 
 @pytest.mark.slow
-def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch):
+def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch, capsys):
     tiny = Grid(("builtin",), (4,), (2,), (0,), ("ddp", "local-adam", "mtdao"))
     monkeypatch.setattr(defaults_card, "QUICK", tiny)
     monkeypatch.setattr(
@@ -145,6 +145,10 @@ def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch):
     assert json.loads((out / "results.json").read_text())["runs_finished"] == 2
     config = json.loads((out / "runs" / "builtin-4-K2-mtdao-s0" / "config.json").read_text())
     assert config["lr"] == default_lr("mtdao", "adam")  # no LR chosen by the card
+    assert "Worker shards: `--data-split shuffled` (the default)" in (out / "report.md").read_text()
+    # the cards of before 2026-12-02 (contiguous shards) are other runs, collected by that flag
+    assert main([*argv, "--data-split", "contiguous"]) == 2
+    assert "(data_split: 'shuffled' -> 'contiguous')" in capsys.readouterr().err
 
 
 def test_quick_needs_the_card(capsys):

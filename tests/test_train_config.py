@@ -251,6 +251,20 @@ def test_json_round_trip():
         TrainConfig.from_dict({**config.to_dict(), "colour": "blue"})
 
 
+def test_a_config_saved_with_the_iid_split_of_before_the_shuffle_reads_as_contiguous():
+    from mtdao.experiments.suite import stale_settings
+
+    old = {**TrainConfig(method="mtdao", steps=100).to_dict(), "data_split": "iid"}
+    assert TrainConfig.from_dict(old).data_split == "contiguous"  # what "iid" cut then
+    assert TrainConfig().data_split == "shuffled"
+    # a study's finished run of then is another run's, not reused under today's default
+    stale = stale_settings({"config": old}, TrainConfig(method="mtdao", steps=100))
+    assert stale == ["data_split: 'contiguous' -> 'shuffled'"]
+    assert not stale_settings(
+        {"config": old}, TrainConfig(method="mtdao", steps=100, data_split="contiguous")
+    )
+
+
 def test_differences_ignore_exactly_the_resumable_fields():
     base = TrainConfig()
     changed_values = {

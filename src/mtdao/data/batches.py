@@ -21,7 +21,9 @@ from mtdao.data.errors import DataError
 from mtdao.data.sources import Corpus
 from mtdao.data.tokenizers import ByteTokenizer, Tokenizer, tokenizer_fingerprint
 
-SPLITS = ("iid", "by-file")
+SPLITS = ("shuffled", "by-file", "contiguous")
+# what a shard state written before 2026-12-02 calls a contiguous split
+LEGACY_SPLITS = {"iid": "contiguous"}
 
 logger = logging.getLogger(__name__)
 
@@ -108,30 +110,48 @@ def _encode(corpus: Corpus, tokenizer: Tokenizer) -> TokenizedCorpus:
     )
 
 
-def _shard_tokens(train: list[np.ndarray], worker: int, num_workers: int, split: str) -> np.ndarray:
+def _shard_tokens(
+    train: list[np.ndarray], worker: int, num_workers: int, split: str, seed: int
+) -> np.ndarray:
     """The slice of the training stream that belongs to ``worker``; built without the others'."""
-    lengths = np.array([len(doc) for doc in train], dtype=np.int64)
-    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    total = int(lengths.sum())
-    if split == "iid":
-        # Equal contiguous cuts of the concatenated stream, cut mid-document where they fall.
-        shard_len = total // num_workers
-        begin, end = worker * shard_len, (worker + 1) * shard_len
-        overlapping = np.nonzero((doc_starts < end) & (doc_starts + lengths > begin))[0]
-        if len(overlapping) == 0:
-            return np.zeros(0, dtype=np.int32)
-        first = int(overlapping[0])
-        joined = np.concatenate([train[i] for i in overlapping])
-        offset = begin - int(doc_starts[first])
-        return joined[offset : offset + shard_len]
+    if split == "shuffled":
+        # A corpus lists its documents in path order, so cuts of that order give each worker its
+        # own part of the tree (the stdlib's test/ package alone fills one quarter): the IID
+        # split cuts a seeded random order of the documents instead.
+        order = np.random.default_rng(np.random.SeedSequence([seed, _SHUFFLE_STREAM]))
+        return _equal_cut([train[i] for i in order.permutation(len(train))], worker, num_workers)
+    if split == "contiguous":
+        return _equal_cut(train, worker, num_workers)
     # by-file: whole documents, contiguous runs of them in corpus order (for a directory, sorted
     # paths), so workers see different distributions; a document goes to the worker whose equal
     # share of the token count contains its first token.
-    owner = doc_starts * num_workers // max(total, 1)
+    lengths = np.array([len(doc) for doc in train], dtype=np.int64)
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    owner = doc_starts * num_workers // max(int(lengths.sum()), 1)
     mine = np.nonzero(owner == worker)[0]
     if len(mine) == 0:
         return np.zeros(0, dtype=np.int32)
     return np.concatenate([train[i] for i in mine])
+
+
+def _equal_cut(docs: list[np.ndarray], worker: int, num_workers: int) -> np.ndarray:
+    """Worker's equal contiguous cut of the documents' concatenation, cut mid-document where it
+    falls."""
+    lengths = np.array([len(doc) for doc in docs], dtype=np.int64)
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    shard_len = int(lengths.sum()) // num_workers
+    begin, end = worker * shard_len, (worker + 1) * shard_len
+    overlapping = np.nonzero((doc_starts < end) & (doc_starts + lengths > begin))[0]
+    if len(overlapping) == 0:
+        return np.zeros(0, dtype=np.int32)
+    first = int(overlapping[0])
+    joined = np.concatenate([docs[i] for i in overlapping])
+    offset = begin - int(doc_starts[first])
+    return joined[offset : offset + shard_len]
+
+
+# the document shuffle's stream, apart from every worker's window stream ([seed, worker])
+_SHUFFLE_STREAM = 0x1D5A_F1E5
 
 
 def _generator_seed(seed: int, worker: int) -> int:
@@ -150,7 +170,7 @@ class WorkerShard:
         batch_size: int,
         seq_len: int,
         seed: int,
-        split: str = "iid",
+        split: str = "shuffled",
     ):
         if split not in SPLITS:
             raise DataError(f"unknown data split {split!r}; valid: {', '.join(SPLITS)}")
@@ -160,7 +180,9 @@ class WorkerShard:
             raise DataError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
         self.worker, self.num_workers, self.seed, self.split = worker, num_workers, seed, split
         self.batch_size, self.seq_len = batch_size, seq_len
-        self.tokens = torch.from_numpy(_shard_tokens(tokens.train, worker, num_workers, split))
+        self.tokens = torch.from_numpy(
+            _shard_tokens(tokens.train, worker, num_workers, split, seed)
+        )
         self.num_windows = len(self.tokens) - seq_len  # valid start positions
         if self.num_windows < 1:
             raise DataError(
@@ -199,6 +221,8 @@ class WorkerShard:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where the saved shard stopped; it must describe the same shard."""
+        split = state.get("split")
+        state = {**state, "split": LEGACY_SPLITS.get(split, split)}
         for key, value in self._identity().items():
             if state.get(key) != value:
                 raise DataError(

@@ -128,6 +128,7 @@ def ablation_settings(
         "omega": args.omega,
         "state_period": args.state_period,
         "data": args.data,
+        "data_split": args.data_split,
     }
 
 

@@ -224,6 +224,7 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
         "model": args.model,
         "parameters": example.get("parameters"),
         "data": args.data,
+        "data_split": args.data_split,
         "tokenizer": args.tokenizer,
         "optimizer": args.optimizer,
         "schedule": config.schedule,

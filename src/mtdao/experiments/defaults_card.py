@@ -100,8 +100,11 @@ def run_name(corpus: str, steps: int, sync_period: int, entry: str, seed: int) -
     return f"{corpus}-{steps}{period}-{entry}-s{seed}"
 
 
-def card_runs(grid: Grid, data: dict[str, str]) -> list[tuple[str, TrainConfig]]:
-    """Every run of ``grid`` on the corpora found (``data``: corpus -> --data), in the order an
+def card_runs(
+    grid: Grid, data: dict[str, str], data_split: str = "shuffled"
+) -> list[tuple[str, TrainConfig]]:
+    """Every run of ``grid`` on the corpora found (``data``: corpus -> --data, sharded by
+    ``data_split``), in the order an
     interrupted card shows the most: the first seed of every cell before any other seed, and
     within a seed the current entries before MT-DAO's earlier defaults; then runs of up to 1000
     steps before those of 3000 and the longer ones, the first sync period before the others,
@@ -138,6 +141,7 @@ def card_runs(grid: Grid, data: dict[str, str]) -> list[tuple[str, TrainConfig]]
                 steps=steps,
                 sync_period=sync_period,
                 data=data[corpus],
+                data_split=data_split,
                 seed=seed,
                 progress=False,
                 **entry.settings,
@@ -157,7 +161,7 @@ def run_defaults_card(args: argparse.Namespace) -> int:
     data, missing = corpus_paths(grid.corpora, out / "corpora")
     for corpus, reason in missing.items():
         print(f"defaults card: corpus {corpus} left out: {reason}")
-    runs = card_runs(grid, data)
+    runs = card_runs(grid, data, args.data_split)
     resolved = [resolve(config) for _, config in runs]  # bad settings fail before training
     evaluations = sum(config.total_steps() // config.eval_every for config in resolved)
     print(
@@ -166,7 +170,7 @@ def run_defaults_card(args: argparse.Namespace) -> int:
         f"DDP once per corpus, length and seed), {evaluations} evaluations, in {out}"
     )
     suite = run_suite(runs, out, jobs=args.jobs, threads=args.threads, train=not args.collect)
-    summary = summarize_card(grid, data, missing, suite.results, suite.failures)
+    summary = summarize_card(grid, data, missing, suite.results, suite.failures, args.data_split)
     write_json(out / "results.json", summary)
     report = write_card_report(out, summary)
     print(f"report: {report}  results: {out / 'results.json'}")

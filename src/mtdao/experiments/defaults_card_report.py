@@ -19,6 +19,13 @@ ENTRY_COLORS = {
 PERIOD_STYLES = ("-", "--", ":")
 
 
+SPLIT_NOTES = {
+    "contiguous": "non-IID: equal cuts of the corpus in path order, the split of every card "
+    "before 2026-12-02",
+    "by-file": "non-IID: each worker its own run of files",
+}
+
+
 def write_card_report(out: Path, summary: dict[str, Any]) -> Path:
     plotted = plot_card(summary, out / "card.png")
     path = out / "report.md"
@@ -28,7 +35,7 @@ def write_card_report(out: Path, summary: dict[str, Any]) -> Path:
 
 def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str]:
     entries = summary["entries"]
-    grid = summary["grid"]
+    grid, split = summary["grid"], summary.get("data_split", "shuffled")
     lines = [
         "# The defaults card: every method at its own defaults",
         "",
@@ -45,6 +52,9 @@ def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str
         + ", ".join(f"{name} (`{path}`)" for name, path in summary["data"].items())
         + "".join(f"; {name} missing: {why}" for name, why in summary["missing"].items())
         + ".",
+        "",
+        f"Worker shards: `--data-split {split}`"
+        + (" (the default)." if split == "shuffled" else f" ({SPLIT_NOTES.get(split, '')})."),
         "",
     ]
     if plotted:

@@ -20,6 +20,7 @@ def summarize_card(
     missing: dict[str, str],
     results: dict[str, dict[str, Any]],
     failures: dict[str, str],
+    data_split: str = "shuffled",
 ) -> dict[str, Any]:
     entries = [entry for entry in ENTRIES if entry.name in grid.entries]
     cells = []
@@ -49,6 +50,7 @@ def summarize_card(
         "kind": "defaults-card",
         "grid": dataclasses.asdict(grid),
         "data": data,
+        "data_split": data_split,
         "missing": missing,
         "entries": [dataclasses.asdict(entry) for entry in entries],
         "cells": cells,

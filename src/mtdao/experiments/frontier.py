@@ -221,6 +221,7 @@ def run_frontier(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
+        "data_split": args.data_split,
         "seeds": list(args.seeds),
         "frontier_seeds": list(args.frontier_seeds),
         "grid": "quick" if args.quick else "full",

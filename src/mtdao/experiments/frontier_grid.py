@@ -97,6 +97,9 @@ def full_grid() -> list[FrontierPoint]:
             points += [FrontierPoint("mtdao", k, recipe, states=m * k) for m in (2, 4)]
         if k == 32:  # what each kind tolerates, one at a time
             points += [FrontierPoint("mtdao", k, screen) for screen in SCREENS]
+    # K = 64 int8, where the 100x-300x budgets fall between K = 32 and K = 128
+    points += [FrontierPoint("diloco", 64, "int8")]
+    points += [FrontierPoint("mtdao", 64, "int8", states=m * 64) for m in (4, 8)]
     return points
 
 

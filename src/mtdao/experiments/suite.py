@@ -32,7 +32,7 @@ from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.command import config_to_argv
-from mtdao.train.config import SCHEDULES, TrainConfig, describe_default, resolve
+from mtdao.train.config import DATA_SPLITS, SCHEDULES, TrainConfig, describe_default, resolve
 from mtdao.train.methods import BASE_OPTIMIZERS
 from mtdao.train.threads import available_cores
 from mtdao.units import format_bytes
@@ -301,6 +301,13 @@ def add_budget_arguments(
     add("--eval-tokens", type=int, default=32768, help="held-out tokens per eval (default: 32768)")
     add("--data", help="text file/dir or hf:NAME[:CONFIG] (default: built-in sources)")
     add("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:NAME (default: byte)")
+    add(
+        "--data-split",
+        default="shuffled",
+        choices=DATA_SPLITS,
+        help="worker shards (default: shuffled; contiguous: the split of figures before "
+        "2026-12-02)",
+    )
     add("--schedule", default="cosine", choices=SCHEDULES, help="LR schedule (default: cosine)")
     add(
         "--seeds",
@@ -354,6 +361,7 @@ def base_config(args: argparse.Namespace, seed: int) -> TrainConfig:
         model=args.model,
         data=args.data,
         tokenizer=args.tokenizer,
+        data_split=args.data_split,
         schedule=args.schedule,
         eval_every=args.eval_every or default_eval_every(args.steps),
         eval_tokens=args.eval_tokens,

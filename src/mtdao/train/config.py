@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtdao.data.batches import LEGACY_SPLITS
+from mtdao.data.batches import SPLITS as DATA_SPLITS
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.optim.base import check_momenta
 from mtdao.sync.compression import SyncCodecs
@@ -32,7 +34,6 @@ from mtdao.train.optimizer_defaults import default_lr as default_lr
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 NON_FINITE_ACTIONS = ("raise", "skip")
-DATA_SPLITS = ("iid", "by-file")
 OUTER_STEPS = ("average", "nesterov")
 DEFAULT_STEPS = 1200
 EVALUATIONS_PER_RUN = 10
@@ -125,8 +126,10 @@ class TrainConfig:
     """Training text: builtin, a text file or directory of text files, or hf:NAME[:CONFIG]."""
     tokenizer: str = "byte"
     """byte | bpe:VOCAB | hf:NAME."""
-    data_split: str = _choice("iid", DATA_SPLITS)
-    """Worker shards: iid (random) or by-file (non-IID: each worker its own files)."""
+    data_split: str = _choice("shuffled", DATA_SPLITS)
+    """Worker shards: shuffled (IID: the documents in a seeded random order, cut in equal
+    shares), by-file (non-IID: each worker its own run of files in path order), or contiguous
+    (non-IID: equal cuts of the path order, what "iid" was until 2026-12-02)."""
     schedule: str = _choice("cosine", SCHEDULES)
     """Learning-rate schedule after a linear warmup (wsd: warmup-stable-decay)."""
     warmup: float = 0.05
@@ -236,6 +239,8 @@ class TrainConfig:
         values = dict(values)
         if "beta_ramp" not in values and values.get("beta_warmup") is not None:
             values["beta_ramp"] = 0.0  # resolved before the ramp existed: it had none
+        if values.get("data_split") in LEGACY_SPLITS:  # "iid" until 2026-12-02: the path order
+            values["data_split"] = LEGACY_SPLITS[values["data_split"]]
         for name in ("betas", "omegas", "sync_dtype"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
