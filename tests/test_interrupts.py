@@ -33,7 +33,7 @@ def interrupt_when(process: subprocess.Popen, ready, timeout: float = 120) -> tu
         time.sleep(0.1)
     process.send_signal(signal.SIGINT)
     try:
-        return process.communicate(timeout=60)
+        return process.communicate(timeout=180)  # generous: a heavily loaded machine is slow
     finally:
         process.kill()
 
