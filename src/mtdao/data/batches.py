@@ -125,8 +125,7 @@ def _shard_tokens(
     # by-file: whole documents, contiguous runs of them in corpus order (for a directory, sorted
     # paths), so workers see different distributions; a document goes to the worker whose equal
     # share of the token count contains its first token.
-    lengths = np.array([len(doc) for doc in train], dtype=np.int64)
-    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    lengths, doc_starts = _lengths_and_starts(train)
     owner = doc_starts * num_workers // max(int(lengths.sum()), 1)
     mine = np.nonzero(owner == worker)[0]
     if len(mine) == 0:
@@ -137,8 +136,7 @@ def _shard_tokens(
 def _equal_cut(docs: list[np.ndarray], worker: int, num_workers: int) -> np.ndarray:
     """Worker's equal contiguous cut of the documents' concatenation, cut mid-document where it
     falls."""
-    lengths = np.array([len(doc) for doc in docs], dtype=np.int64)
-    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    lengths, doc_starts = _lengths_and_starts(docs)
     shard_len = int(lengths.sum()) // num_workers
     begin, end = worker * shard_len, (worker + 1) * shard_len
     overlapping = np.nonzero((doc_starts < end) & (doc_starts + lengths > begin))[0]
@@ -148,6 +146,12 @@ def _equal_cut(docs: list[np.ndarray], worker: int, num_workers: int) -> np.ndar
     joined = np.concatenate([docs[i] for i in overlapping])
     offset = begin - int(doc_starts[first])
     return joined[offset : offset + shard_len]
+
+
+def _lengths_and_starts(docs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's token count and the offset of its first token in their concatenation."""
+    lengths = np.array([len(doc) for doc in docs], dtype=np.int64)
+    return lengths, np.concatenate([[0], np.cumsum(lengths)[:-1]])
 
 
 # the document shuffle's stream, apart from every worker's window stream ([seed, worker])
