@@ -101,7 +101,7 @@ def run_name(corpus: str, steps: int, sync_period: int, entry: str, seed: int) -
 
 
 def card_runs(
-    grid: Grid, data: dict[str, str], data_split: str = "shuffled"
+    grid: Grid, data: dict[str, str], data_split: str = TrainConfig.data_split
 ) -> list[tuple[str, TrainConfig]]:
     """Every run of ``grid`` on the corpora found (``data``: corpus -> --data, sharded by
     ``data_split``), in the order an

@@ -8,6 +8,7 @@ from typing import Any
 
 from mtdao.experiments.figures import STYLE, pyplot, save
 from mtdao.experiments.formatting import MISSING, failures_section, pm, signed, table
+from mtdao.train.config import TrainConfig
 
 ENTRY_COLORS = {
     "ddp": "#222222",
@@ -55,7 +56,11 @@ def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str
         + ".",
         "",
         f"Worker shards: `--data-split {split}`"
-        + (" (the default)." if split == "shuffled" else f" ({SPLIT_NOTES.get(split, '')})."),
+        + (
+            " (the default)."
+            if split == TrainConfig.data_split
+            else f" ({SPLIT_NOTES.get(split, '')})."
+        ),
         "",
     ]
     if plotted:

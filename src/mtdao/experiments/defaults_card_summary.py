@@ -10,6 +10,7 @@ from typing import Any
 
 from mtdao.experiments.defaults_card import ENTRIES, Grid, run_name
 from mtdao.experiments.formatting import SIGNIFICANCE_RULE, compare_losses, stats
+from mtdao.train.config import TrainConfig
 
 REFERENCES = ("local-adam", "ddp")
 
@@ -20,7 +21,7 @@ def summarize_card(
     missing: dict[str, str],
     results: dict[str, dict[str, Any]],
     failures: dict[str, str],
-    data_split: str = "shuffled",
+    data_split: str = TrainConfig.data_split,
 ) -> dict[str, Any]:
     entries = [entry for entry in ENTRIES if entry.name in grid.entries]
     cells = []

@@ -303,10 +303,10 @@ def add_budget_arguments(
     add("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:NAME (default: byte)")
     add(
         "--data-split",
-        default="shuffled",
+        default=TrainConfig.data_split,
         choices=DATA_SPLITS,
-        help="worker shards (default: shuffled; contiguous: the split of figures before "
-        "2026-12-02)",
+        help=f"worker shards (default: {TrainConfig.data_split}; contiguous: the split of "
+        "figures before 2026-12-02)",
     )
     add("--schedule", default="cosine", choices=SCHEDULES, help="LR schedule (default: cosine)")
     add(
