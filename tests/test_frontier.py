@@ -168,3 +168,27 @@ def test_the_command_sweeps_references_adds_seeds_to_the_fronts_and_writes_the_r
     assert all(p["seeds"] == [0, 1] for p in saved["points"])
     text = (report / "report.md").read_text()
     assert "## The best method at each budget" in text and (report / "frontier.png").is_file()
+
+
+def test_an_lr_pin_for_a_method_outside_the_chosen_points_is_unused_and_a_typo_refused(
+    tmp_path, capsys
+):
+    """One study command serves every --points slice: ``--lr mtdao=...`` with only DDP chosen
+    trains nothing differently; a name no grid method has is still an error."""
+    out, report = tmp_path / "runs", tmp_path / "report"
+    argv = ["frontier", "--quick", "--lr-factors", "1", "--points", "ddp"]
+    argv += ["--out", str(out), "--report", str(report), "--no-train"]
+    args = build_parser().parse_args(argv)
+    from mtdao.experiments.frontier import apply_quick
+
+    apply_quick(args)
+    ddp = next(point for point in quick_grid() if point.name == "ddp")
+    name = run_name(ddp, 8e-3, 0)
+    (out / "runs" / name).mkdir(parents=True)
+    results = fake_results(point_config(args, ddp, 8e-3, 0), 1.5, 10**9)
+    (out / "runs" / name / "results.json").write_text(json.dumps(results))
+    assert main([*argv, "--lr", "mtdao=1e-2"]) == 0
+    (point,) = json.loads((report / "frontier.json").read_text())["points"]
+    assert float(point["argv"][point["argv"].index("--lr") + 1]) == 8e-3
+    assert main([*argv, "--lr", "adam=1e-2"]) == 2
+    assert "unknown method 'adam'" in capsys.readouterr().err

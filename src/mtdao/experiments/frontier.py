@@ -201,12 +201,14 @@ def run_frontier(args: argparse.Namespace) -> int:
 
     if args.quick:
         apply_quick(args)
-    points = select(GRIDS["quick" if args.quick else "full"](), args.points)
+    grid = GRIDS["quick" if args.quick else "full"]()
+    points = select(grid, args.points)
     if args.list:
         for point in points:
             print(point.name)
         return 0
-    pins = parse_lr_pins(args.lr, list(dict.fromkeys(p.method for p in points)))
+    # a pin may name any method of the grid: the same --lr then serves every --points slice
+    pins = parse_lr_pins(args.lr, list(dict.fromkeys(p.method for p in grid)))
     for point in points:  # bad flags fail before anything trains
         resolve(point_config(args, point, 1e-3, args.seeds[0]))
     study = Study(args, points)
