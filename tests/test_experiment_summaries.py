@@ -19,7 +19,7 @@ from mtdao.experiments.ablation_summary import (
     slope_comparison,
 )
 from mtdao.experiments.compare_summary import claim_checks
-from mtdao.experiments.formatting import stats
+from mtdao.experiments.formatting import NOT_RUN, failures_section, stats
 from mtdao.experiments.rosenbrock import to_json
 from mtdao.experiments.rosenbrock_report import report_markdown
 from mtdao.experiments.rosenbrock_summary import summarize as summarize_rosenbrock
@@ -64,6 +64,15 @@ def test_markdown_table():
 
 
 # -- compare: the paper's claim -------------------------------------------------------------------
+
+
+def test_a_report_tells_runs_that_failed_from_runs_not_run_yet():
+    text = "\n".join(failures_section({"a-seed0": "exit code 1", "b-seed1": NOT_RUN}))
+    assert "## Failed runs" in text and "`a-seed0`: exit code 1" in text
+    assert "## Not run yet" in text and "`b-seed1`" in text.split("## Not run yet")[1]
+    assert "b-seed1" not in text.split("## Not run yet")[0]
+    assert "Failed" not in "\n".join(failures_section({"b-seed1": NOT_RUN}))
+    assert failures_section({}) == [] and failures_section(None) == []
 
 
 def test_claim_checks_apply_the_significance_rule():

@@ -146,8 +146,27 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     return lines
 
 
+NOT_RUN = "not run (--no-train)"
+"""The 'failure' of a run a report was asked for before it was trained."""
+
+
 def failures_section(failures: Mapping[str, str] | None) -> list[str]:
-    """'## Failed runs' with one line per run that did not finish; nothing when all did."""
-    if not failures:
-        return []
-    return ["## Failed runs", "", *(f"- `{name}`: {error}" for name, error in failures.items()), ""]
+    """'## Failed runs', one line per run that failed, then '## Not run yet', the runs a
+    ``--no-train`` report found unfinished (a study still running is not a failure); nothing
+    when all finished."""
+    failures = failures or {}
+    failed = {name: error for name, error in failures.items() if error != NOT_RUN}
+    pending = [name for name, error in failures.items() if error == NOT_RUN]
+    lines = []
+    if failed:
+        lines += ["## Failed runs", "", *(f"- `{name}`: {error}" for name, error in failed.items())]
+        lines.append("")
+    if pending:
+        names = ", ".join(f"`{name}`" for name in pending)
+        lines += [
+            "## Not run yet",
+            "",
+            f"Reported with `--no-train` before they finished: {names}.",
+        ]
+        lines.append("")
+    return lines

@@ -20,6 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from mtdao.experiments.formatting import NOT_RUN
 from mtdao.experiments.suite import (
     SuiteResult,
     add_budget_arguments,
@@ -126,7 +127,7 @@ def finished_runs(runs: list[tuple[str, TrainConfig]], out: Path) -> SuiteResult
     for name, config in runs:
         results = load_results(run_dir_of(out, name))
         if results is None:
-            suite.failures[name] = "not run (--no-train)"
+            suite.failures[name] = NOT_RUN
         elif stale_settings(results, config):
             raise ValueError(
                 f"{run_dir_of(out, name)}: {'; '.join(stale_settings(results, config))}"
