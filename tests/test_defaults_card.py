@@ -123,6 +123,21 @@ def test_a_short_run_is_held_to_the_longer_run_at_its_last_step():
     assert "| builtin | 32 | 300 / 3000 | -5.0% (2) | +10.0% (1) |" in lines
 
 
+def test_a_card_run_in_part_plots_with_nothing_on_its_first_corpus(tmp_path):
+    """Only the vim cells finished: the plot's legend comes from the panel that has lines."""
+    from mtdao.experiments.defaults_card_report import plot_card
+
+    grid = Grid(("builtin", "vim"), (3000,), (32,), (0, 1), ("ddp", "local-adam", "mtdao"))
+    results = {
+        run_name("vim", 3000, 32, entry, seed): _results(loss + 0.01 * seed)
+        for entry, loss in (("ddp", 1.6), ("local-adam", 1.7), ("mtdao", 1.65))
+        for seed in grid.seeds
+    }
+    data = {"builtin": "builtin", "vim": "vim-docs"}
+    summary = summarize_card(grid, data, {}, results, {})
+    assert plot_card(summary, tmp_path / "card.png") and (tmp_path / "card.png").is_file()
+
+
 @pytest.mark.slow
 def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch, capsys):
     tiny = Grid(("builtin",), (4,), (2,), (0,), ("ddp", "local-adam", "mtdao"))

@@ -189,9 +189,14 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
             axis.set_xlabel("steps (run length)")
         axes[0][0].set_ylabel("final val loss above DDP's (%)")
         if drawn:
-            handles, labels = axes[0][0].get_legend_handles_labels()
+            # from every panel: a card run in part may have nothing on the first corpus
+            legend = {}
+            for axis in axes[0]:
+                for handle, label in zip(*axis.get_legend_handles_labels()):
+                    legend.setdefault(label, handle)
+            labels = list(legend)
             fig.legend(
-                handles,
+                list(legend.values()),
                 labels,
                 loc="lower center",
                 ncol=min(4, len(labels)),
