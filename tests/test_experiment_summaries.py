@@ -63,9 +63,6 @@ def test_markdown_table():
     assert formatting.table(["a", "b"], [["1", "2"]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]
 
 
-# -- compare: the paper's claim -------------------------------------------------------------------
-
-
 def test_a_report_tells_runs_that_failed_from_runs_not_run_yet():
     text = "\n".join(failures_section({"a-seed0": "exit code 1", "b-seed1": NOT_RUN}))
     assert "## Failed runs" in text and "`a-seed0`: exit code 1" in text
@@ -73,6 +70,9 @@ def test_a_report_tells_runs_that_failed_from_runs_not_run_yet():
     assert "b-seed1" not in text.split("## Not run yet")[0]
     assert "Failed" not in "\n".join(failures_section({"b-seed1": NOT_RUN}))
     assert failures_section({}) == [] and failures_section(None) == []
+
+
+# -- compare: the paper's claim -------------------------------------------------------------------
 
 
 def test_claim_checks_apply_the_significance_rule():

@@ -157,16 +157,20 @@ def failures_section(failures: Mapping[str, str] | None) -> list[str]:
     failures = failures or {}
     failed = {name: error for name, error in failures.items() if error != NOT_RUN}
     pending = [name for name, error in failures.items() if error == NOT_RUN]
-    lines = []
+    lines: list[str] = []
     if failed:
-        lines += ["## Failed runs", "", *(f"- `{name}`: {error}" for name, error in failed.items())]
-        lines.append("")
+        lines += [
+            "## Failed runs",
+            "",
+            *(f"- `{name}`: {error}" for name, error in failed.items()),
+            "",
+        ]
     if pending:
         names = ", ".join(f"`{name}`" for name in pending)
         lines += [
             "## Not run yet",
             "",
             f"Reported with `--no-train` before they finished: {names}.",
+            "",
         ]
-        lines.append("")
     return lines
