@@ -52,7 +52,7 @@ def test_every_point_of_both_grids_resolves_and_names_itself_uniquely():
         for point in points:
             resolve(dataclasses.replace(TrainConfig(model="micro", steps=64), **point.fields()))
     assert {p.method for p in quick_grid()} == {"ddp", "local-adam", "diloco", "desloc", "mtdao"}
-    assert {p.sync_period for p in full_grid() if p.sync_period} == {32, 64, 128, 512}
+    assert {p.sync_period for p in full_grid() if p.sync_period} == {32, 64, 128, 256, 512}
 
 
 def test_a_recipe_sends_state_codecs_only_where_the_method_sends_states():
@@ -192,3 +192,44 @@ def test_an_lr_pin_for_a_method_outside_the_chosen_points_is_unused_and_a_typo_r
     assert float(point["argv"][point["argv"].index("--lr") + 1]) == 8e-3
     assert main([*argv, "--lr", "adam=1e-2"]) == 2
     assert "unknown method 'adam'" in capsys.readouterr().err
+
+
+def test_reuse_takes_an_earlier_reports_runs_where_out_has_none_and_the_report_says_so(tmp_path):
+    """A report grows by a point after its run directories are gone: the earlier report's runs
+    stand in for the missing ones (same flags, LR and seed); a run --out holds wins over it."""
+    out, first, second = tmp_path / "runs", tmp_path / "first", tmp_path / "second"
+    argv = ["frontier", "--quick", "--lr-factors", "1", "--out", str(out), "--no-train"]
+    args = build_parser().parse_args(argv)
+    from mtdao.experiments.frontier import apply_quick
+
+    apply_quick(args)
+    points = {p.name: p for p in quick_grid()}
+
+    def finish(name, loss):
+        point = points[name]
+        run = out / "runs" / run_name(point, 8e-3, 0)
+        run.mkdir(parents=True, exist_ok=True)
+        config = point_config(args, point, 8e-3, 0)
+        (run / "results.json").write_text(json.dumps(fake_results(config, loss, 10**6)))
+        return run
+
+    ddp_run = finish("ddp", 1.5)
+    assert main([*argv, "--points", "ddp", "--report", str(first)]) == 0
+    for path in (out / "runs").iterdir():  # the run directories are gone
+        for file in path.iterdir():
+            file.unlink()
+        path.rmdir()
+    finish("mtdao-k32-fp32", 1.6)
+    both = ["--points", "ddp", "mtdao-k32-fp32", "--report", str(second)]
+    assert main([*argv, *both]) == 1  # DDP is missing without --reuse
+    assert main([*argv, *both, "--reuse", str(first)]) == 0
+    rows = {r["name"]: r for r in json.loads((second / "results.json").read_text())["rows"]}
+    assert rows["ddp"]["val_loss"]["values"] == [1.5]
+    assert rows["mtdao-k32-fp32"]["val_loss"]["values"] == [1.6]
+    assert "1 run(s) taken from an earlier report" in (second / "report.md").read_text()
+    finish("ddp", 1.4)  # --out holds DDP again: its own run is used
+    assert ddp_run.is_dir()
+    assert main([*argv, *both, "--reuse", str(first)]) == 0
+    rows = {r["name"]: r for r in json.loads((second / "results.json").read_text())["rows"]}
+    assert rows["ddp"]["val_loss"]["values"] == [1.4]
+    assert main([*argv, *both, "--reuse", str(tmp_path / "nowhere")]) == 2

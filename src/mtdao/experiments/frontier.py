@@ -14,13 +14,16 @@ its points (``--lr METHOD=VALUE`` sets the base). Seeds: every point runs on the
 Output in ``--report``: frontier.png, report.md, frontier.json (the issue's schema: every point's
 exact ``mtdao train`` argument list, losses over seeds, bytes per worker, steady-state reduction)
 and results.json (everything report.md is rendered from).
-Runs live in ``--out``/runs/<point>-lr<LR>-seed<S>; finished runs are reused.
+Runs live in ``--out``/runs/<point>-lr<LR>-seed<S>; finished runs are reused. ``--reuse REPORT``
+also takes the runs an earlier report holds (same point flags, LR and seed) where ``--out`` has
+none, so a report grows by new points after its run directories are gone.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import shlex
 import sys
@@ -28,8 +31,15 @@ from pathlib import Path
 
 from mtdao.experiments.formatting import format_lr
 from mtdao.experiments.frontier_grid import GRIDS, FrontierPoint, changed_flags, select
-from mtdao.experiments.frontier_summary import fronts_by_method, point_row
-from mtdao.experiments.suite import add_budget_arguments, base_config, parse_lr_pins, run_suite
+from mtdao.experiments.frontier_summary import fronts_by_method, point_row, runs_of_rows
+from mtdao.experiments.suite import (
+    add_budget_arguments,
+    base_config,
+    load_results,
+    parse_lr_pins,
+    run_dir_of,
+    run_suite,
+)
 from mtdao.train.config import TrainConfig, default_lr, resolve
 
 QUICK = dict(steps=300, eval_tokens=16384, lr_factors=[1.0])
@@ -64,6 +74,12 @@ def add_parser(subparsers) -> None:
     add("--omegas", type=float, nargs="+", help="MT-DAO's mixing weights")
     add("--report", default="reports/frontier", help="report directory (reports/frontier)")
     add("--no-train", action="store_true", help="train nothing; report the finished runs")
+    add(
+        "--reuse",
+        metavar="REPORT",
+        help="take the runs an earlier frontier report holds (its results.json) instead of "
+        "training them, where --out has none",
+    )
     parser.set_defaults(func=run_frontier, frontier_parser=parser)
 
 
@@ -102,9 +118,17 @@ class Study:
         self.out = Path(args.out)
         self.results: dict[str, dict] = {}
         self.failures: dict[str, str] = {}
+        self.earlier = earlier_runs(Path(args.reuse)) if args.reuse else {}
+        self.reused: set[str] = set()
 
     def train(self, runs: list[tuple[str, TrainConfig]]) -> None:
         runs = [(name, config) for name, config in runs if name not in self.results]
+        for name, config in runs:
+            earlier = self.earlier.get((tuple(changed_flags(config)), config.seed))
+            if earlier is not None and load_results(run_dir_of(self.out, name)) is None:
+                self.results[name] = earlier
+                self.reused.add(name)
+        runs = [(name, config) for name, config in runs if name not in self.reused]
         if self.args.no_train:
             from mtdao.experiments.sync_options import finished_runs
 
@@ -196,6 +220,18 @@ class Study:
         return {"sweeps": sweeps, "rows": self.rows(lrs, seeds_of)}
 
 
+def earlier_runs(report: Path) -> dict:
+    path = report / "results.json" if report.is_dir() else report
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        message = f"--reuse {report}: cannot read a frontier report's results ({error})"
+        raise ValueError(message) from None
+    if results.get("kind") != "frontier":
+        raise ValueError(f"--reuse {report}: {path} is not a frontier report's results.json")
+    return runs_of_rows(results["rows"])
+
+
 def run_frontier(args: argparse.Namespace) -> int:
     from mtdao.experiments.frontier_report import write_frontier_report
 
@@ -228,6 +264,7 @@ def run_frontier(args: argparse.Namespace) -> int:
         "frontier_seeds": list(args.frontier_seeds),
         "grid": "quick" if args.quick else "full",
         "lr_factors": list(args.lr_factors),
+        "reused_runs": len(study.reused),
     }
     report = Path(args.report)
     write_frontier_report(report, settings, outcome, study.failures)

@@ -20,6 +20,7 @@ from mtdao.train.config import TrainConfig
 RECIPES: dict[str, tuple[str | None, str | None, str | None]] = {
     "fp32": (None, None, None),
     "int8": ("int8", "int8", "int8"),  # INTELLECT-1: int8 pseudo-gradients
+    "int4": ("int4", "int8", "int8"),  # 4-bit pseudo-gradients, error feedback
     "int2": ("int2", "int8", "int8"),  # MuLoCo-style 2-bit pseudo-gradients, error feedback
     "top8": ("top8", "int8", "int8"),  # SparseLoCo-style: 3% top-k with error feedback
     "top8-s4": ("top8", "int4", "int4"),  # ... and 4-bit states
@@ -97,9 +98,15 @@ def full_grid() -> list[FrontierPoint]:
             points += [FrontierPoint("mtdao", k, recipe, states=m * k) for m in (2, 4)]
         if k == 32:  # what each kind tolerates, one at a time
             points += [FrontierPoint("mtdao", k, screen) for screen in SCREENS]
-    # K = 64 int8, where the 100x-300x budgets fall between K = 32 and K = 128
-    points += [FrontierPoint("diloco", 64, "int8")]
-    points += [FrontierPoint("mtdao", 64, "int8", states=m * 64) for m in (4, 8)]
+    # K = 64, where the 100x-300x budgets fall between K = 32 and K = 128
+    points += [FrontierPoint("diloco", 64, "int8"), FrontierPoint("diloco", 64, "int4")]
+    points += [FrontierPoint("mtdao", 64, "int8", states=m * 64) for m in (4, 8, 16)]
+    points += [FrontierPoint("mtdao", 64, "int4", states=512)]
+    # 500x-1000x, between K = 128 and K = 512: 4-bit pseudo-gradients at K = 128, or K = 256
+    points += [FrontierPoint("diloco", 128, "int4"), FrontierPoint("diloco", 256, "int8")]
+    points += [FrontierPoint("mtdao", 128, "int4", states=1024)]
+    points += [FrontierPoint("mtdao", 256, "int8", states=m * 256) for m in (2, 4)]
+    points += [FrontierPoint("desloc", 256, "int8")]
     return points
 
 

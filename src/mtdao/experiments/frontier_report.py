@@ -69,6 +69,7 @@ def render_report(settings, outcome, failures) -> str:
         "- bytes per worker: what the harness's traffic account counts (codes, top-k positions, "
         "scales, padding), 2(M-1)/M of it on a ring",
         f"- {SIGNIFICANCE_RULE}; a single seed gives no noise estimate",
+        *reused_line(s),
         "",
         "![final loss against bytes per worker](frontier.png)",
         "",
@@ -97,6 +98,16 @@ def render_report(settings, outcome, failures) -> str:
     lines += ["", "Each point's exact `mtdao train` flags are in frontier.json (`argv`).", ""]
     lines += failures_section(failures)
     return "\n".join(lines) + "\n"
+
+
+def reused_line(settings) -> list[str]:
+    count = settings.get("reused_runs")
+    if not count:
+        return []
+    return [
+        f"- {count} run(s) taken from an earlier report (`--reuse`), their run directories gone: "
+        "their final losses and traffic as that report recorded them"
+    ]
 
 
 def budget_section(rows, ddp) -> list[str]:

@@ -42,6 +42,22 @@ def point_row(
     }
 
 
+def runs_of_rows(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[tuple[str, ...], int], dict]:
+    """The inverse of :func:`point_row`: each seed's run of each row, as much of its results as
+    the row kept, keyed by the point's argv and the seed (an earlier report's runs, reused)."""
+    runs = {}
+    for row in rows:
+        for seed, loss in zip(row["seeds"], row["val_loss"]["values"], strict=True):
+            steady = None if row.get("no_steady_state") else row["comm_reduction_steady_state"]
+            runs[tuple(row["argv"]), seed] = {
+                "final_val_loss": loss,
+                "bytes_per_worker": row["bytes_per_worker"],
+                "comm_reduction_steady_state": steady,
+                "comm_reduction_vs_ddp": row["comm_reduction_steady_state"],
+            }
+    return runs
+
+
 def finite(row: Mapping[str, Any]) -> bool:
     loss = row.get("val_loss")
     return loss is not None and math.isfinite(loss["mean"]) and row.get("bytes_per_worker")
