@@ -129,15 +129,16 @@ def changed_flags(config: TrainConfig) -> list[str]:
     """The ``mtdao train`` flags of ``config`` that differ from the defaults (seed and output
     directory aside): the point's exact argument list; add ``--seed S`` for one of its runs."""
     config = dataclasses.replace(config, seed=0, out=None, progress=True, resume=False)
-    default = _flag_groups(config_to_argv(TrainConfig()))
+    default = flag_groups(config_to_argv(TrainConfig()))
     changed = ["--method", config.method]  # always first, default or not
-    for flag, values in _flag_groups(config_to_argv(config)):
+    for flag, values in flag_groups(config_to_argv(config)):
         if (flag, values) not in default and flag != "--method":
             changed += [flag, *values]
     return changed
 
 
-def _flag_groups(argv: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+def flag_groups(argv: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """``argv`` as (flag, its values) pairs, in order."""
     groups: list[tuple[str, list[str]]] = []
     for token in argv:
         if token.startswith("--"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtdao.experiments.frontier_grid import flag_groups
 from mtdao.experiments.wan_calibration import Calibration, heal_seconds, round_seconds
 
 WORKERS = (8, 32, 128, 1024)
@@ -50,15 +51,7 @@ FP32_SETTINGS = {
 def _described(argv: list[str]) -> str:
     """The point's flags without the ones every point shares."""
     shared = {"--method", "--steps", "--model", "--eval-every", "--eval-tokens"}
-    words, skip = [], False
-    for word in argv:
-        if skip:
-            skip = False
-        elif word in shared:
-            skip = True
-        else:
-            words.append(word)
-    return " ".join(words)
+    return " ".join(" ".join([f, *v]) for f, v in flag_groups(argv) if f not in shared)
 
 
 def frontier_settings(frontier: Mapping[str, Any]) -> dict[str, LocalSetting]:
