@@ -105,7 +105,8 @@ def full_grid() -> list[FrontierPoint]:
     # 500x-1000x, between K = 128 and K = 512: 4-bit pseudo-gradients at K = 128, or K = 256
     points += [FrontierPoint("diloco", 128, "int4"), FrontierPoint("diloco", 256, "int8")]
     points += [FrontierPoint("mtdao", 128, "int4", states=1024)]
-    points += [FrontierPoint("mtdao", 256, "int8", states=m * 256) for m in (2, 4)]
+    for recipe in ("int8", "int4"):
+        points += [FrontierPoint("mtdao", 256, recipe, states=m * 256) for m in (2, 4)]
     points += [FrontierPoint("desloc", 256, "int8")]
     return points
 
