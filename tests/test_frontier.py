@@ -233,3 +233,30 @@ def test_reuse_takes_an_earlier_reports_runs_where_out_has_none_and_the_report_s
     rows = {r["name"]: r for r in json.loads((second / "results.json").read_text())["rows"]}
     assert rows["ddp"]["val_loss"]["values"] == [1.4]
     assert main([*argv, *both, "--reuse", str(tmp_path / "nowhere")]) == 2
+
+
+def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_more(tmp_path):
+    """Extra seeds go to the front; a point that left it (a cheaper, better point came) still
+    reports the extra seeds already finished, and is not listed as missing the others."""
+    out, report = tmp_path / "runs", tmp_path / "report"
+    argv = ["frontier", "--lr-factors", "1", "--frontier-seeds", "1", "2"]
+    argv += ["--out", str(out), "--report", str(report), "--no-train"]
+    argv += ["--points", "mtdao-k32-fp32", "mtdao-k32-int2-s128"]
+    args = build_parser().parse_args(argv)
+    points = {p.name: p for p in full_grid()}
+    finished = {
+        ("mtdao-k32-fp32", 0): (1.6, 10**6),
+        ("mtdao-k32-fp32", 1): (1.62, 10**6),  # from when it was on the front
+        ("mtdao-k32-int2-s128", 0): (1.5, 10**5),  # cheaper and better: the front
+        ("mtdao-k32-int2-s128", 1): (1.51, 10**5),
+        ("mtdao-k32-int2-s128", 2): (1.49, 10**5),
+    }
+    for (name, seed), (loss, num_bytes) in finished.items():
+        run = out / "runs" / run_name(points[name], 8e-3, seed)
+        run.mkdir(parents=True)
+        config = point_config(args, points[name], 8e-3, seed)
+        (run / "results.json").write_text(json.dumps(fake_results(config, loss, num_bytes)))
+    assert main(argv) == 0  # nothing missing: the off-front point is not owed seed 2
+    rows = {r["name"]: r for r in json.loads((report / "results.json").read_text())["rows"]}
+    assert rows["mtdao-k32-fp32"]["seeds"] == [0, 1]
+    assert rows["mtdao-k32-int2-s128"]["seeds"] == [0, 1, 2]

@@ -8,7 +8,8 @@ Pareto frontier, and tabulates the best method at 10x to 1000x less traffic than
 Learning rates: each method's first point of the grid (its reference) is trained on the first
 seed at the method's LR times each ``--lr-factors``; the best becomes that method's LR for all
 its points (``--lr METHOD=VALUE`` sets the base). Seeds: every point runs on the first seed;
-``--frontier-seeds`` are then added to the points on a method's Pareto frontier.
+``--frontier-seeds`` are then added to the points on a method's Pareto frontier
+(a point off the front reports the ones it already has).
 ``--betas``/``--omegas`` set MT-DAO's momenta (its defaults suit runs of 3000 steps or more).
 
 Output in ``--report``: frontier.png, report.md, frontier.json (the issue's schema: every point's
@@ -121,7 +122,9 @@ class Study:
         self.earlier = earlier_runs(Path(args.reuse)) if args.reuse else {}
         self.reused: set[str] = set()
 
-    def train(self, runs: list[tuple[str, TrainConfig]]) -> None:
+    def train(self, runs: list[tuple[str, TrainConfig]], only_finished: bool = False) -> None:
+        """Train ``runs`` (or, with ``--no-train``, report them missing); ``only_finished``:
+        take those already finished and neither train nor miss the others."""
         runs = [(name, config) for name, config in runs if name not in self.results]
         for name, config in runs:
             earlier = self.earlier.get((tuple(changed_flags(config)), config.seed))
@@ -129,14 +132,15 @@ class Study:
                 self.results[name] = earlier
                 self.reused.add(name)
         runs = [(name, config) for name, config in runs if name not in self.reused]
-        if self.args.no_train:
+        if self.args.no_train or only_finished:
             from mtdao.experiments.sync_options import finished_runs
 
             suite = finished_runs(runs, self.out)
         else:
             suite = run_suite(runs, self.out, jobs=self.args.jobs, threads=self.args.threads)
         self.results.update(suite.results)
-        self.failures.update(suite.failures)
+        if not only_finished:
+            self.failures.update(suite.failures)
 
     def loss(self, name: str) -> float:
         value = self.results.get(name, {}).get("final_val_loss")
@@ -202,15 +206,19 @@ class Study:
             fronts = fronts_by_method(self.rows(lrs, seeds_of))
             on_front = {row["name"] for front in fronts.values() for row in front}
             chosen = [p for p in self.points if p.name in on_front]
-            self.train(
-                [
+            others = [p for p in self.points if p.name not in on_front]
+
+            def runs_of(points):
+                return [
                     (run_name(p, lrs[p.method], s), point_config(self.args, p, lrs[p.method], s))
-                    for p in chosen
+                    for p in points
                     for s in extra
                 ]
-            )
-            for p in chosen:
-                seeds_of[p.name] = seeds + extra
+
+            self.train(runs_of(chosen))
+            # a point off the front keeps the extra seeds it has (it was on a front before)
+            self.train(runs_of(others), only_finished=True)
+            seeds_of = {p.name: seeds + extra for p in self.points}
         # every sweep's losses, those that needed no runs of their own included
         for sweep in sweeps.values():
             point = next(p for p in self.points if p.name == sweep["point"])
