@@ -105,8 +105,8 @@ def reused_line(settings) -> list[str]:
     if not count:
         return []
     return [
-        f"- {count} run(s) taken from an earlier report (`--reuse`), their run directories gone: "
-        "their final losses and traffic as that report recorded them"
+        f"- {count} run(s) taken from an earlier report (`--reuse`: --out had no run directory "
+        "for them): their final losses and traffic as that report recorded them"
     ]
 
 
