@@ -91,7 +91,7 @@ def full_grid() -> list[FrontierPoint]:
     points = [FrontierPoint("ddp")]
     for k in (32, 128, 512):
         points += [FrontierPoint("local-adam", k), FrontierPoint("local-adam", k, "int8")]
-        points += [FrontierPoint("diloco", k, r) for r in ("fp32", "int8", "int2", "top8")]
+        points += [FrontierPoint("diloco", k, r) for r in ("fp32", "int8", "int4", "int2", "top8")]
         points += [FrontierPoint("desloc", k), FrontierPoint("desloc", k, "int8")]
         points += [FrontierPoint("mtdao", k), FrontierPoint("mtdao", k, "int8")]
         for recipe in ("int8", "int2", "top8", "top8-s4", "top8-s2"):
@@ -103,7 +103,7 @@ def full_grid() -> list[FrontierPoint]:
     points += [FrontierPoint("mtdao", 64, "int8", states=m * 64) for m in (4, 8, 16)]
     points += [FrontierPoint("mtdao", 64, "int4", states=512)]
     # 500x-1000x, between K = 128 and K = 512: 4-bit pseudo-gradients at K = 128, or K = 256
-    points += [FrontierPoint("diloco", 128, "int4"), FrontierPoint("diloco", 256, "int8")]
+    points += [FrontierPoint("diloco", 256, "int8")]
     points += [FrontierPoint("mtdao", 128, "int4", states=1024)]
     for recipe in ("int8", "int4"):
         points += [FrontierPoint("mtdao", 256, recipe, states=m * 256) for m in (2, 4)]
