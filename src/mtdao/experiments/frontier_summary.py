@@ -47,6 +47,8 @@ def runs_of_rows(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[tuple[str, ...
     the row kept, keyed by the point's argv and the seed (an earlier report's runs, reused)."""
     runs = {}
     for row in rows:
+        if not row["seeds"]:  # a point the earlier report had no run of
+            continue
         for seed, loss in zip(row["seeds"], row["val_loss"]["values"], strict=True):
             steady = None if row.get("no_steady_state") else row["comm_reduction_steady_state"]
             runs[tuple(row["argv"]), seed] = {
