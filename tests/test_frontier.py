@@ -234,6 +234,8 @@ def test_reuse_takes_an_earlier_reports_runs_where_out_has_none_and_the_report_s
     rows = {r["name"]: r for r in json.loads((second / "results.json").read_text())["rows"]}
     assert rows["ddp"]["val_loss"]["values"] == [1.4]
     assert main([*argv, *both, "--reuse", str(tmp_path / "nowhere")]) == 2
+    # runs of other settings (here: contiguous shards) are refused, not mixed in
+    assert main([*argv, *both, "--reuse", str(first), "--data-split", "contiguous"]) == 2
 
 
 def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_more(tmp_path):

@@ -119,7 +119,7 @@ class Study:
         self.out = Path(args.out)
         self.results: dict[str, dict] = {}
         self.failures: dict[str, str] = {}
-        self.earlier = earlier_runs(Path(args.reuse)) if args.reuse else {}
+        self.earlier = earlier_runs(Path(args.reuse), args) if args.reuse else {}
         self.reused: set[str] = set()
 
     def train(self, runs: list[tuple[str, TrainConfig]], only_finished: bool = False) -> None:
@@ -228,7 +228,11 @@ class Study:
         return {"sweeps": sweeps, "rows": self.rows(lrs, seeds_of)}
 
 
-def earlier_runs(report: Path) -> dict:
+# settings a run's flags may leave out (at their default) but that a default change would move
+REUSE_SETTINGS = ("model", "workers", "batch_size", "seq_len", "data_split")
+
+
+def earlier_runs(report: Path, args: argparse.Namespace) -> dict:
     path = report / "results.json" if report.is_dir() else report
     try:
         results = json.loads(path.read_text())
@@ -237,6 +241,15 @@ def earlier_runs(report: Path) -> dict:
         raise ValueError(message) from None
     if results.get("kind") != "frontier":
         raise ValueError(f"--reuse {report}: {path} is not a frontier report's results.json")
+    # reports from before the shuffled split name none: they ran contiguous shards
+    earlier = {"data_split": "contiguous", **results["settings"]}
+    differ = [
+        f"{key} {earlier.get(key)} there, {getattr(args, key)} here"
+        for key in REUSE_SETTINGS
+        if earlier.get(key) != getattr(args, key)
+    ]
+    if differ:
+        raise ValueError(f"--reuse {report}: its runs were trained otherwise: {'; '.join(differ)}")
     return runs_of_rows(results["rows"])
 
 
