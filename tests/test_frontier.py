@@ -134,6 +134,15 @@ def fake_results(config: TrainConfig, loss: float, num_bytes: int) -> dict:
     }
 
 
+def finish_run(out, args, point, lr, seed, loss, num_bytes):
+    """Write ``point``'s run at ``lr`` and ``seed`` into ``out`` as finished; its directory."""
+    run = out / "runs" / run_name(point, lr, seed)
+    run.mkdir(parents=True, exist_ok=True)
+    results = fake_results(point_config(args, point, lr, seed), loss, num_bytes)
+    (run / "results.json").write_text(json.dumps(results))
+    return run
+
+
 def test_the_command_sweeps_references_adds_seeds_to_the_fronts_and_writes_the_report(tmp_path):
     """Every run the quick grid asks for is written as finished; --no-train reports them."""
     out, report = tmp_path / "runs", tmp_path / "report"
@@ -150,12 +159,7 @@ def test_the_command_sweeps_references_adds_seeds_to_the_fronts_and_writes_the_r
                 # the doubled LR is better for every method but DDP
                 better = lr > base and point.method != "ddp"
                 loss = 1.5 + 0.01 * index - (0.05 if better else 0) + 0.001 * seed
-                name = run_name(point, lr, seed)
-                (out / "runs" / name).mkdir(parents=True)
-                results = fake_results(
-                    point_config(args, point, lr, seed), loss, 10**9 // (index + 1)
-                )
-                (out / "runs" / name / "results.json").write_text(json.dumps(results))
+                finish_run(out, args, point, lr, seed, loss, 10**9 // (index + 1))
     assert main(argv) == 0
     saved = json.loads((report / "frontier.json").read_text())
     by_method = {}
@@ -183,10 +187,7 @@ def test_an_lr_pin_for_a_method_outside_the_chosen_points_is_unused_and_a_typo_r
 
     apply_quick(args)
     ddp = next(point for point in quick_grid() if point.name == "ddp")
-    name = run_name(ddp, 8e-3, 0)
-    (out / "runs" / name).mkdir(parents=True)
-    results = fake_results(point_config(args, ddp, 8e-3, 0), 1.5, 10**9)
-    (out / "runs" / name / "results.json").write_text(json.dumps(results))
+    finish_run(out, args, ddp, 8e-3, 0, 1.5, 10**9)
     assert main([*argv, "--lr", "mtdao=1e-2"]) == 0
     (point,) = json.loads((report / "frontier.json").read_text())["points"]
     assert float(point["argv"][point["argv"].index("--lr") + 1]) == 8e-3
@@ -206,12 +207,7 @@ def test_reuse_takes_an_earlier_reports_runs_where_out_has_none_and_the_report_s
     points = {p.name: p for p in quick_grid()}
 
     def finish(name, loss):
-        point = points[name]
-        run = out / "runs" / run_name(point, 8e-3, 0)
-        run.mkdir(parents=True, exist_ok=True)
-        config = point_config(args, point, 8e-3, 0)
-        (run / "results.json").write_text(json.dumps(fake_results(config, loss, 10**6)))
-        return run
+        return finish_run(out, args, points[name], 8e-3, 0, loss, 10**6)
 
     ddp_run = finish("ddp", 1.5)
     # the earlier report also lists a point it has no run of
@@ -255,10 +251,7 @@ def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_mor
         ("mtdao-k32-int2-s128", 2): (1.49, 10**5),
     }
     for (name, seed), (loss, num_bytes) in finished.items():
-        run = out / "runs" / run_name(points[name], 8e-3, seed)
-        run.mkdir(parents=True)
-        config = point_config(args, points[name], 8e-3, seed)
-        (run / "results.json").write_text(json.dumps(fake_results(config, loss, num_bytes)))
+        finish_run(out, args, points[name], 8e-3, seed, loss, num_bytes)
     assert main(argv) == 0  # nothing missing: the off-front point is not owed seed 2
     rows = {r["name"]: r for r in json.loads((report / "results.json").read_text())["rows"]}
     assert rows["mtdao-k32-fp32"]["seeds"] == [0, 1]

@@ -126,12 +126,13 @@ class Study:
         """Train ``runs`` (or, with ``--no-train``, report them missing); ``only_finished``:
         take those already finished and neither train nor miss the others."""
         runs = [(name, config) for name, config in runs if name not in self.results]
-        for name, config in runs:
-            earlier = self.earlier.get((tuple(changed_flags(config)), config.seed))
-            if earlier is not None and load_results(run_dir_of(self.out, name)) is None:
-                self.results[name] = earlier
-                self.reused.add(name)
-        runs = [(name, config) for name, config in runs if name not in self.reused]
+        if self.earlier:
+            for name, config in runs:
+                earlier = self.earlier.get((tuple(changed_flags(config)), config.seed))
+                if earlier is not None and load_results(run_dir_of(self.out, name)) is None:
+                    self.results[name] = earlier
+                    self.reused.add(name)
+            runs = [(name, config) for name, config in runs if name not in self.reused]
         if self.args.no_train or only_finished:
             from mtdao.experiments.sync_options import finished_runs
 

@@ -49,8 +49,8 @@ def runs_of_rows(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[tuple[str, ...
     for row in rows:
         if not row["seeds"]:  # a point the earlier report had no run of
             continue
+        steady = None if row.get("no_steady_state") else row["comm_reduction_steady_state"]
         for seed, loss in zip(row["seeds"], row["val_loss"]["values"], strict=True):
-            steady = None if row.get("no_steady_state") else row["comm_reduction_steady_state"]
             runs[tuple(row["argv"]), seed] = {
                 "final_val_loss": loss,
                 "bytes_per_worker": row["bytes_per_worker"],
