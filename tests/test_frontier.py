@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
 from mtdao.cli import build_parser, main
-from mtdao.experiments.formatting import stats
-from mtdao.experiments.frontier import point_config, run_name
+from mtdao.experiments.formatting import format_lr, stats
+from mtdao.experiments.frontier import parse_lr_factors, point_config, run_name
 from mtdao.experiments.frontier_grid import (
     GRIDS,
     FrontierPoint,
@@ -256,3 +257,43 @@ def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_mor
     rows = {r["name"]: r for r in json.loads((report / "results.json").read_text())["rows"]}
     assert rows["mtdao-k32-fp32"]["seeds"] == [0, 1]
     assert rows["mtdao-k32-int2-s128"]["seeds"] == [0, 1, 2]
+
+
+def test_lr_factors_may_give_one_method_its_own_sweep():
+    methods = ["ddp", "local-adam", "mtdao"]
+    factors = parse_lr_factors(["1", "local-adam=0.5,1,2"], methods)
+    assert factors == {"ddp": [1.0], "local-adam": [0.5, 1.0, 2.0], "mtdao": [1.0]}
+    # with no bare factor the others keep the default sweep
+    assert parse_lr_factors(["mtdao=1"], methods)["ddp"] == pytest.approx([0.7071, 1, 1.4142], 1e-4)
+    for bad, message in [
+        (["adam=1,2"], "unknown method 'adam'"),
+        (["local-adam=1,x"], "is not [METHOD=]F[,F...]"),
+        (["0"], "must be > 0"),
+        (["nan"], "must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_lr_factors(bad, methods)
+
+
+def test_a_method_with_its_own_factors_is_swept_and_trains_its_points_at_its_best(tmp_path):
+    """``--lr-factors 1 local-adam=1,2``: Local Adam's reference is swept at 1x and 2x and its
+    best LR is the report's; every other method trains at its LR alone."""
+    out, report = tmp_path / "runs", tmp_path / "report"
+    argv = ["frontier", "--quick", "--lr-factors", "1", "local-adam=1,2", "--frontier-seeds"]
+    argv += ["--out", str(out), "--report", str(report), "--no-train"]
+    args = build_parser().parse_args(argv)
+    from mtdao.experiments.frontier import apply_quick
+
+    apply_quick(args)
+    base = 8e-3
+    for index, point in enumerate(quick_grid()):
+        lrs = (base, 2 * base) if point.method == "local-adam" else (base,)
+        for lr in lrs:
+            loss = 1.5 + 0.01 * index - (0.05 if lr > base else 0)
+            finish_run(out, args, point, lr, 0, loss, 10**9 // (index + 1))
+    assert main(argv) == 0
+    results = json.loads((report / "results.json").read_text())
+    assert results["settings"]["lr_factors"]["local-adam"] == [1.0, 2.0]
+    assert set(results["sweeps"]["local-adam"]["losses"]) == {format_lr(base), format_lr(2 * base)}
+    for row in results["rows"]:
+        assert row["lr"] == (2 * base if row["method"] == "local-adam" else base)

@@ -6,8 +6,9 @@ codec recipes and state periods) trains at equal tokens (by default 3000 steps o
 Pareto frontier, and tabulates the best method at 10x to 1000x less traffic than DDP.
 
 Learning rates: each method's first point of the grid (its reference) is trained on the first
-seed at the method's LR times each ``--lr-factors``; the best becomes that method's LR for all
-its points (``--lr METHOD=VALUE`` sets the base). Seeds: every point runs on the first seed;
+seed at the method's LR times each ``--lr-factors`` (``METHOD=F,F,...`` gives one method its own
+factors); the best becomes that method's LR for all its points (``--lr METHOD=VALUE`` sets the
+base). Seeds: every point runs on the first seed;
 ``--frontier-seeds`` are then added to the points on a method's Pareto frontier
 (a point off the front reports the ones it already has).
 ``--betas``/``--omegas`` set MT-DAO's momenta (its defaults suit runs of 3000 steps or more).
@@ -43,6 +44,7 @@ from mtdao.experiments.suite import (
 )
 from mtdao.train.config import TrainConfig, default_lr, resolve
 
+DEFAULT_LR_FACTORS = (1 / math.sqrt(2), 1.0, math.sqrt(2))
 QUICK = dict(steps=300, eval_tokens=16384, lr_factors=[1.0])
 
 
@@ -59,10 +61,11 @@ def add_parser(subparsers) -> None:
     add("--list", action="store_true", help="print the grid's points and exit")
     add(
         "--lr-factors",
-        type=float,
         nargs="+",
-        default=[1 / math.sqrt(2), 1.0, math.sqrt(2)],
-        help="each method's reference point is swept at its LR times these (default: 0.71 1 1.41)",
+        default=list(DEFAULT_LR_FACTORS),
+        metavar="[METHOD=]F[,F...]",
+        help="each method's reference point is swept at its LR times these; METHOD=F,F,... "
+        "gives one method its own (default: 0.71 1 1.41)",
     )
     add(
         "--frontier-seeds",
@@ -82,6 +85,31 @@ def add_parser(subparsers) -> None:
         "training them, where --out has none",
     )
     parser.set_defaults(func=run_frontier, frontier_parser=parser)
+
+
+def parse_lr_factors(values, methods: list[str]) -> dict[str, list[float]]:
+    """``["1", "local-adam=0.71,1,1.41"]`` -> each method's sweep factors: a ``METHOD=`` entry
+    for that method alone (whatever the order), the bare ones (or, with none, the default
+    factors) for every other method."""
+    bare: list[float] = []
+    own: dict[str, list[float]] = {}
+    for value in values:
+        method, _, numbers = str(value).rpartition("=")
+        if method and method not in methods:
+            raise ValueError(
+                f"--lr-factors: unknown method {method!r}; the grid has {', '.join(methods)}"
+            )
+        try:
+            factors = [float(number) for number in numbers.split(",")]
+        except ValueError:
+            raise ValueError(f"--lr-factors: {value!r} is not [METHOD=]F[,F...]") from None
+        if not all(0 < factor < math.inf for factor in factors):
+            raise ValueError(f"--lr-factors: {value!r}: a factor must be > 0")
+        if method:
+            own.setdefault(method, []).extend(factors)
+        else:
+            bare.extend(factors)
+    return {method: own.get(method, bare or list(DEFAULT_LR_FACTORS)) for method in methods}
 
 
 def point_config(args, point: FrontierPoint, lr: float, seed: int) -> TrainConfig:
@@ -114,8 +142,10 @@ def apply_quick(args: argparse.Namespace) -> None:
 class Study:
     """The runs of one frontier study: trains them in phases and remembers their results."""
 
-    def __init__(self, args: argparse.Namespace, points: list[FrontierPoint]) -> None:
-        self.args, self.points = args, points
+    def __init__(
+        self, args: argparse.Namespace, points: list[FrontierPoint], factors: dict[str, list[float]]
+    ) -> None:
+        self.args, self.points, self.factors = args, points, factors
         self.out = Path(args.out)
         self.results: dict[str, dict] = {}
         self.failures: dict[str, str] = {}
@@ -156,7 +186,7 @@ class Study:
         sweeps, runs = {}, []
         for method, point in references.items():
             base = pins.get(method, default_lr(method, self.args.optimizer))
-            lrs = sorted({round(base * f, 10) for f in self.args.lr_factors})
+            lrs = sorted({round(base * f, 10) for f in self.factors[method]})
             sweeps[method] = {"point": point.name, "lrs": lrs}
             if len(lrs) > 1:
                 runs += [
@@ -266,10 +296,12 @@ def run_frontier(args: argparse.Namespace) -> int:
             print(point.name)
         return 0
     # a pin may name any method of the grid: the same --lr then serves every --points slice
-    pins = parse_lr_pins(args.lr, list(dict.fromkeys(p.method for p in grid)))
+    methods = list(dict.fromkeys(p.method for p in grid))
+    pins = parse_lr_pins(args.lr, methods)
+    factors = parse_lr_factors(args.lr_factors, methods)
     for point in points:  # bad flags fail before anything trains
         resolve(point_config(args, point, 1e-3, args.seeds[0]))
-    study = Study(args, points)
+    study = Study(args, points, factors)
     outcome = study.run(pins)
     # the study's command: a --no-train re-render reports the runs the same command trains
     argv = [a for a in sys.argv[1:] if a != "--no-train"]
@@ -285,7 +317,9 @@ def run_frontier(args: argparse.Namespace) -> int:
         "seeds": list(args.seeds),
         "frontier_seeds": list(args.frontier_seeds),
         "grid": "quick" if args.quick else "full",
-        "lr_factors": list(args.lr_factors),
+        "lr_factors": {
+            method: factors[method] for method in dict.fromkeys(p.method for p in points)
+        },
         "reused_runs": len(study.reused),
     }
     report = Path(args.report)
