@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import statistics
 import subprocess
@@ -140,6 +141,32 @@ def test_ending_the_connections_fails_a_waiting_call_and_the_front_serves_on(fro
     assert time.perf_counter() - started < 1.0
     http2_request(address, "POST", QUORUM, b"\x08\x01", timeout=1.0)  # a new call goes through
     assert recorder.headers() == 1 and front.refused == 0
+
+
+def test_connections_ended_before_the_first_frame_goes_on_end_quietly(front, monkeypatch):
+    """end_connections may shut a connection the moment it is registered, before the front has
+    sent the client's preface on: the forwarding thread then finds its sockets shut, which is the
+    connection ending, not an error of the thread."""
+    front, recorder, lines, address = front
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    register = front._forwarding
+
+    @contextlib.contextmanager
+    def register_then_end(client, server):
+        with register(client, server):
+            front.end_connections()
+            yield
+
+    monkeypatch.setattr(front, "_forwarding", register_then_end)
+    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as waiting:
+        waiting.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
+        assert waiting.recv(65536) == b""
+    deadline = time.time() + 5
+    while front._open and time.time() < deadline:
+        time.sleep(0.01)
+    assert not front._open and [e.exc_value for e in errors] == []
+    assert recorder.headers() == 0 and front.refused == 0 and lines == []
 
 
 def test_calls_for_this_machine_only_are_refused_to_others(monkeypatch):

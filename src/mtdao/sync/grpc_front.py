@@ -123,13 +123,15 @@ class GrpcFront:
                 # frames are passed on one by one: without this, Nagle's algorithm holds each
                 # small one until the last is acknowledged, 40 ms per call with delayed ACKs
                 for end in (client, server):
-                    end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                server.sendall(preface)
+                    with contextlib.suppress(OSError):
+                        end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 back = threading.Thread(target=_copy, args=(server, client), daemon=True)
                 back.start()
                 local = from_this_machine(client, peer)
                 allowed = self.allowed if local else self.allowed - self.local_only
-                forbidden = self._forward_requests(client, server, allowed)
+                forbidden = None
+                if _send(server, preface):
+                    forbidden = self._forward_requests(client, server, allowed)
                 if forbidden is not None:
                     mine = forbidden in self.local_only
                     where = " (served to this machine's processes only)" if mine else ""
@@ -153,7 +155,7 @@ class GrpcFront:
         self, client: socket.socket, server: socket.socket, allowed: frozenset[bytes]
     ) -> bytes | None:
         """Copy HTTP/2 frames from the client, checking each request's path before its headers
-        go on; the first forbidden path (None: the client closed its side)."""
+        go on; the first forbidden path (None: either side ended the connection)."""
         decoder = hpack.Decoder()
         block, held = b"", b""
         while True:
@@ -175,9 +177,11 @@ class GrpcFront:
                 path = _path(decoder, block)
                 if path not in allowed:
                     return path
-                server.sendall(held)
+                if not _send(server, held):
+                    return None
                 continue
-            server.sendall(head + payload)
+            if not _send(server, head + payload):
+                return None
 
     def _refuse(self, peer, what: str, allowed: frozenset[bytes]) -> None:
         with self._count_lock:
@@ -254,6 +258,16 @@ def _read(connection: socket.socket, size: int) -> bytes:
             return data
         data += chunk
     return data
+
+
+def _send(connection: socket.socket, data: bytes) -> bool:
+    """Whether ``data`` went; a connection shut meanwhile (end_connections, a reset) is the
+    connection ending, not an error."""
+    try:
+        connection.sendall(data)
+    except OSError:
+        return False
+    return True
 
 
 def _copy(source: socket.socket, target: socket.socket) -> None:
