@@ -33,7 +33,12 @@ from pathlib import Path
 
 from mtdao.experiments.formatting import format_lr
 from mtdao.experiments.frontier_grid import GRIDS, FrontierPoint, changed_flags, select
-from mtdao.experiments.frontier_summary import fronts_by_method, point_row, runs_of_rows
+from mtdao.experiments.frontier_summary import (
+    fronts_by_method,
+    point_row,
+    report_settings,
+    runs_of_rows,
+)
 from mtdao.experiments.suite import (
     add_budget_arguments,
     base_config,
@@ -272,8 +277,7 @@ def earlier_runs(report: Path, args: argparse.Namespace) -> dict:
         raise ValueError(message) from None
     if results.get("kind") != "frontier":
         raise ValueError(f"--reuse {report}: {path} is not a frontier report's results.json")
-    # reports from before the shuffled split name none: they ran contiguous shards
-    earlier = {"data_split": "contiguous", **results["settings"]}
+    earlier = report_settings(results["settings"])
     differ = [
         f"{key} {earlier.get(key)} there, {getattr(args, key)} here"
         for key in REUSE_SETTINGS

@@ -27,6 +27,7 @@ from mtdao.experiments.frontier_summary import (
     frontier_json,
     fronts_by_method,
     goal_points,
+    report_settings,
 )
 
 
@@ -54,7 +55,7 @@ def render_results(results: Mapping[str, Any]) -> str:
 
 def render_report(settings, outcome, failures) -> str:
     rows = outcome["rows"]
-    s = settings
+    s = report_settings(settings)
     lines = [
         f"# Loss against traffic: {s['model']} model, M = {s['workers']}, {s['steps']} steps",
         "",
@@ -62,7 +63,7 @@ def render_report(settings, outcome, failures) -> str:
         "",
         f"- {s['workers']} workers x {s['batch_size']} sequences x {s['seq_len']} tokens per step, "
         f"{s['steps']} steps: equal tokens for every point; grid `{s['grid']}`; worker shards "
-        f"`{s.get('data_split', 'contiguous')}`",
+        f"`{s['data_split']}`",
         f"- seeds {', '.join(map(str, s['seeds']))} for every point, plus "
         f"{', '.join(map(str, s['frontier_seeds'])) or 'none'} for the points on a method's "
         "Pareto frontier",

@@ -19,6 +19,12 @@ from mtdao.experiments.formatting import compare_losses, stats
 BUDGET_FACTORS = (10, 40, 100, 300, 1000)
 
 
+def report_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A report's settings with what older reports leave out: those from before the shuffled
+    split name no split, and ran contiguous shards."""
+    return {"data_split": "contiguous", **settings}
+
+
 def point_row(
     point: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], seeds: Sequence[int]
 ) -> dict[str, Any]:
