@@ -83,22 +83,22 @@ def log_codes(blocks: Tensor, steps: int) -> tuple[Tensor, Tensor]:
     bits = blocks.view(torch.int32).float()  # monotone in the value for values >= 0
     positive = blocks > 0
     lo = torch.where(positive, bits, torch.inf).amin(dim=-1, keepdim=True)
-    hi = torch.where(positive, bits, 0.0).amax(dim=-1, keepdim=True)
-    corrupt = ~(blocks >= 0).all(dim=-1, keepdim=True) | (hi >= INF_BITS)
+    # in a sound block every pattern but -0.0's (negative) is >= 0: the plain max is the largest
+    # positive one; a corrupt block's bounds are NaN whatever they are
+    hi = bits.amax(dim=-1, keepdim=True).clamp_min_(0.0)
+    corrupt = ~(blocks.amin(dim=-1, keepdim=True) >= 0) | (hi >= INF_BITS)  # amin keeps NaN
     lo = torch.minimum(lo, hi)  # a block without positive values: lo = hi = 0
     step = _log_step(lo, hi, steps)
-    levels = ((bits - lo) / step).round_().clamp_(0, steps)
-    codes = torch.where(positive, levels + 1, 0.0).to(torch.uint8)
+    codes = bits.sub_(lo).div_(step).round_().clamp_(0, steps).add_(1).masked_fill_(~positive, 0)
     bounds = torch.where(corrupt, torch.nan, torch.cat([lo, hi], dim=-1))
-    return codes, bounds
+    return codes.to(torch.uint8), bounds
 
 
 def log_values(codes: Tensor, bounds: Tensor, steps: int) -> Tensor:
     lo, hi = bounds[..., :1], bounds[..., 1:]
     bits = (codes.float() - 1).mul_(_log_step(lo, hi, steps)).add_(lo).round_()
-    values = torch.minimum(bits, hi).to(torch.int32).view(torch.float32)
-    values = torch.where(codes > 0, values, 0.0)
-    return torch.where(torch.isnan(lo), torch.nan, values)
+    values = torch.minimum(bits, hi, out=bits).to(torch.int32).view(torch.float32)
+    return values.masked_fill_(codes == 0, 0.0).masked_fill_(torch.isnan(lo), torch.nan)
 
 
 def _log_step(lo: Tensor, hi: Tensor, steps: int) -> Tensor:
