@@ -297,3 +297,7 @@ def test_a_method_with_its_own_factors_is_swept_and_trains_its_points_at_its_bes
     assert set(results["sweeps"]["local-adam"]["losses"]) == {format_lr(base), format_lr(2 * base)}
     for row in results["rows"]:
         assert row["lr"] == (2 * base if row["method"] == "local-adam" else base)
+    # a sweep LR without a finished run is said so, not printed as a loss of inf
+    assert main([*argv, "--lr-factors", "1", "local-adam=1,2,4"]) == 1
+    text = (report / "report.md").read_text()
+    assert f"{format_lr(4 * base)}: — (not run or diverged)" in text and "inf" not in text

@@ -5,6 +5,7 @@ and results.json (what report.md re-renders from), from the rows of :mod:`.front
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,10 @@ def render_report(settings, outcome, failures) -> str:
         "",
     ]
     for method, sweep in outcome["sweeps"].items():
-        losses = ", ".join(f"{lr}: {loss:.4f}" for lr, loss in sweep["losses"].items())
+        losses = ", ".join(
+            f"{lr}: {loss:.4f}" if math.isfinite(loss) else f"{lr}: {MISSING} (not run or diverged)"
+            for lr, loss in sweep["losses"].items()
+        )
         lines.append(
             f"- {label(method)} on `{sweep['point']}`: {losses}; best {format_lr(sweep['best'])}"
         )
