@@ -18,9 +18,10 @@ import torch
 from mtdao.cli import main
 from mtdao.experiments import slow_link
 from mtdao.experiments.netem import LinkUnavailable, emulated_link
+from mtdao.experiments.slow_link_report import render_report
 from mtdao.train import trainer
 from mtdao.train.checkpoint.store import checkpoint_path
-from mtdao.train.config import TrainConfig
+from mtdao.train.config import TrainConfig, resolve
 
 STEPS, SYNC_PERIOD = 4, 2
 
@@ -127,3 +128,43 @@ def test_skips_in_one_line_without_root(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     assert main(["slow-link", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip().startswith("skipped: ")
+
+
+def test_keep_finished_keeps_only_a_run_of_the_same_training_and_link_settings(tmp_path):
+    """A resumed study keeps a finished run (its row from results.json, what the link measured
+    from link.json) only if every training setting and the link's rate and delay match."""
+    parser = argparse.ArgumentParser()
+    slow_link.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["slow-link", "--model", "micro", "--steps", "64"])
+    ddp = slow_link.run_specs(args)[0]
+    run_dir = tmp_path / "ddp-10mbit"
+    run_dir.mkdir()
+    argv = slow_link.train_argv(ddp, args, run_dir)
+    config = resolve(slow_link.parse_train_flags(argv))
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 64, "train_time_s": 6.4}) + "\n")
+    link = {"rate_mbit": 10.0, "delay_ms": 50.0}
+    settings = dict(link)
+    assert slow_link.finished_run(run_dir, argv, settings) is None  # no results.json: unfinished
+    results = {
+        "steps": 64, "tokens": 65536, "final_val_loss": 2.5, "train_time_s": 6.4,
+        "compute_s_per_worker_step": 0.01, "bytes_per_worker": 10**6,
+        "comm_reduction_vs_ddp": 1.0, "parameters": 110912,
+        "evals": [{"step": 64, "tokens": 65536, "val_loss": 2.5, "train_time_s": 6.4}],
+    }  # fmt: skip
+    (run_dir / "results.json").write_text(json.dumps(results))
+    assert slow_link.finished_run(run_dir, argv, settings) is None  # no link.json: link unknown
+    (run_dir / "link.json").write_text(json.dumps(link))
+    row = slow_link.finished_run(run_dir, argv, settings)
+    assert row["kept"] and row["final_val_loss"] == 2.5 and row["wire_bytes_per_worker"] is None
+    assert "kept from an earlier invocation" in render_report(
+        [{**row, "rate_mbit": 10.0, "measured_mbit": 8.5, "method": "ddp"}],
+        command="mtdao slow-link", workers=4, torch="2.13.0", cores=2,
+    )  # fmt: skip
+    (run_dir / "link.json").write_text(json.dumps({**link, "wire_bytes_per_worker": 2e9}))
+    assert slow_link.finished_run(run_dir, argv, settings)["wire_bytes_per_worker"] == 2e9
+    assert slow_link.finished_run(run_dir, argv, {**settings, "delay_ms": 0.0}) is None
+    other = parser.parse_args(["slow-link", "--model", "micro", "--steps", "65"])
+    assert slow_link.finished_run(run_dir, slow_link.train_argv(ddp, other, run_dir), link) is None
+    lr = parser.parse_args(["slow-link", "--model", "micro", "--steps", "64", "--lr", "0.01"])
+    assert slow_link.finished_run(run_dir, slow_link.train_argv(ddp, lr, run_dir), link) is None

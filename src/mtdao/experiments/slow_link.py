@@ -60,6 +60,7 @@ from mtdao.train.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMES
 DEFAULT_RATES = (100.0, 1000.0)
 DEFAULT_METHODS = ("ddp", "mtdao")
 FIRST_PORT = 29500
+LINK_FIGURES = "link.json"  # what the link measured of a run, beside its results.json
 
 
 # -- launching the workers ----------------------------------------------------------------------
@@ -229,21 +230,51 @@ def run_method(
     measured meanwhile (interface bytes, launch-to-exit seconds, load average)."""
     name = f"{spec.name}-{link.rate_mbit:g}mbit"
     run_dir = out / "runs" / name
+    argv = train_argv(spec, args, run_dir)
+    settings = {"rate_mbit": link.rate_mbit, "delay_ms": args.delay_ms}
+    if args.keep_finished:
+        kept = finished_run(run_dir, argv, settings)
+        if kept is not None:
+            print(f"  {spec.name:>10}: kept the finished run in {run_dir}")
+            return kept
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun replaces the previous one
     (out / "logs").mkdir(parents=True, exist_ok=True)
     sent_before = [sent_bytes(link, h) for h in range(args.workers)]
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    argv = train_argv(spec, args, run_dir)
     launch_workers(link, argv, port, out / "logs" / name, args.timeout)
     elapsed = time.perf_counter() - started
     sent = [sent_bytes(link, h) - b for h, b in enumerate(sent_before)]
-    return {
-        **collect_run(run_dir),
+    figures = {
         "process_time_s": elapsed,
         "wire_bytes_per_worker": sum(sent) / len(sent),
         "load_average": [load_before, os.getloadavg()[0]],
     }
+    (run_dir / LINK_FIGURES).write_text(json.dumps({**settings, **figures}))
+    return {**collect_run(run_dir), **figures}
+
+
+def finished_run(
+    run_dir: Path, argv: list[str], link_settings: dict[str, float]
+) -> dict[str, Any] | None:
+    """The row of a run already finished in ``run_dir`` with exactly the training settings of
+    ``argv`` across a link of ``link_settings`` (rate, delay; its link.json says), else None.
+    What the link measured (interface bytes, launch-to-exit seconds, load) comes from link.json
+    too, None where it holds only the settings."""
+    try:
+        saved = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+        json.loads((run_dir / "results.json").read_text())  # written last: the run finished
+        link = json.loads((run_dir / LINK_FIGURES).read_text())
+    except (OSError, ValueError):
+        return None
+    if any(link.get(key) != value for key, value in link_settings.items()):
+        return None
+    wanted = resolve(parse_train_flags(argv)).to_dict()
+    ignored = ("out", "progress")  # where it was written, and a progress bar
+    if any(wanted[k] != v for k, v in resolve(saved).to_dict().items() if k not in ignored):
+        return None
+    figures = ("process_time_s", "wire_bytes_per_worker", "load_average")
+    return {**collect_run(run_dir), **{key: link.get(key) for key in figures}, "kept": True}
 
 
 def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: int) -> list[dict]:
@@ -263,9 +294,15 @@ def run_rate(rate_mbit: float, args: argparse.Namespace, out: Path, first_port: 
             print(
                 f"  {spec.name:>10}: val {row['final_val_loss']:.4f}, {row['wall_time_s']:.1f} s "
                 f"({row['compute_s_per_step']:.3f} s compute + {row['comm_s_per_step']:.3f} s "
-                f"comm per step), {format_bytes(row['wire_bytes_per_worker'])} sent per worker"
+                f"comm per step), {wire_line(row['wire_bytes_per_worker'])}"
             )
     return rows
+
+
+def wire_line(wire_bytes: float | None) -> str:
+    if wire_bytes is None:
+        return "interface bytes not recorded (a kept run)"
+    return f"{format_bytes(wire_bytes)} sent per worker"
 
 
 def collect_run(run_dir: Path) -> dict[str, Any]:
@@ -364,6 +401,12 @@ def add_parser(subparsers) -> None:
         "userspace switch between the workers' namespaces)",
     )
     add("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    add(
+        "--keep-finished",
+        action="store_true",
+        help="keep a run already finished in --out with the same training and link settings "
+        "instead of training it again (a long study resumed)",
+    )
     add("--out", default="runs/slow-link", help="output directory (default: %(default)s)")
     parser.set_defaults(func=run_slow_link)
 

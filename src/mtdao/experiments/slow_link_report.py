@@ -68,7 +68,7 @@ def _row(r: Mapping[str, Any]) -> list[str]:
         _speedup(r.get("iso_token_speedup")),
         megabytes(r["bytes_per_worker"]),
         _traffic(r.get("comm_reduction_vs_ddp")),
-        megabytes(r["wire_bytes_per_worker"]),
+        "-" if r["wire_bytes_per_worker"] is None else megabytes(r["wire_bytes_per_worker"]),
         f"{r['compute_s_per_step']:.3f} / {r['comm_s_per_step']:.3f}",
     ]
 
@@ -90,15 +90,25 @@ def delay_line(row: Mapping[str, Any]) -> str:
     return f", {delay:g} ms one way between two workers ({2 * delay:g} ms round trip) from {how}"
 
 
+def run_line(r: Mapping[str, Any]) -> str:
+    where = f"- {r['method']} at {r['rate_mbit']:g} Mbit/s: "
+    kept = " (kept from an earlier invocation: --keep-finished)" if r.get("kept") else ""
+    if r["process_time_s"] is None:
+        return (
+            f"{where}a finished run kept from an earlier invocation, which did not record its "
+            "launch-to-exit time, load or interface bytes (--keep-finished)"
+        )
+    return (
+        f"{where}{r['process_time_s']:.0f} s from launch to exit, load average "
+        f"{r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}{kept}"
+    )
+
+
 def render_report(
     rows: Sequence[Mapping[str, Any]], *, command: str, workers: int, torch: str, cores: int
 ) -> str:
     """The whole report.md; ``torch`` and ``cores`` say where it was measured."""
-    runs = "\n".join(
-        f"- {r['method']} at {r['rate_mbit']:g} Mbit/s: {r['process_time_s']:.0f} s from launch to "
-        f"exit, load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}"
-        for r in rows
-    )
+    runs = "\n".join(run_line(r) for r in rows)
     variants = {r["method"]: r["flags"] for r in rows if r.get("flags")}
     if variants:
         listed = "\n".join(f"- {name}: `{flags}`" for name, flags in variants.items())
