@@ -297,6 +297,13 @@ def test_a_method_with_its_own_factors_is_swept_and_trains_its_points_at_its_bes
     assert set(results["sweeps"]["local-adam"]["losses"]) == {format_lr(base), format_lr(2 * base)}
     for row in results["rows"]:
         assert row["lr"] == (2 * base if row["method"] == "local-adam" else base)
+    # a finished run of a reference at an LR outside its sweep is shown, and said to be better
+    ddp = next(point for point in quick_grid() if point.method == "ddp")
+    finish_run(out, args, ddp, 2 * base, 0, 1.0, 10**9)
+    assert main(argv) == 0
+    text = (report / "report.md").read_text()
+    assert f"finished outside this sweep (not chosen from): {format_lr(2 * base)}: 1.0000" in text
+    assert "DDP is not at its best LR here" in text
     # a sweep LR without a finished run is said so, not printed as a loss of inf
     assert main([*argv, "--lr-factors", "1", "local-adam=1,2,4"]) == 1
     text = (report / "report.md").read_text()

@@ -40,6 +40,7 @@ from mtdao.experiments.frontier_summary import (
     runs_of_rows,
 )
 from mtdao.experiments.suite import (
+    RUNS_DIR,
     add_budget_arguments,
     base_config,
     load_results,
@@ -261,7 +262,21 @@ class Study:
             sweep["losses"] = {
                 format_lr(lr): self.loss(run_name(point, lr, seeds[0])) for lr in sweep["lrs"]
             }
+            sweep["outside"] = self.outside_sweep(point, sweep["lrs"], seeds[0])
         return {"sweeps": sweeps, "rows": self.rows(lrs, seeds_of)}
+
+    def outside_sweep(self, point: FrontierPoint, lrs: list[float], seed: int) -> dict:
+        """Finished runs of a reference point in --out at LRs its sweep does not try: the report
+        shows them, so that a better LR found elsewhere is not hidden by the sweep's factors."""
+        found = {}
+        for run_dir in sorted((self.out / RUNS_DIR).glob(f"{point.name}-lr*-seed{seed}")):
+            results = load_results(run_dir)
+            lr = (results or {}).get("config", {}).get("lr")
+            if lr is None or any(math.isclose(lr, tried, rel_tol=1e-6) for tried in lrs):
+                continue
+            if run_name(point, lr, seed) == run_dir.name:  # this point's, not a longer name's
+                found[format_lr(lr)] = results.get("final_val_loss", math.inf)
+        return found
 
 
 # settings a run's flags may leave out (at their default) but that a default change would move

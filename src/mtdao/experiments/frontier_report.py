@@ -97,9 +97,16 @@ def render_report(settings, outcome, failures) -> str:
             f"{lr}: {loss:.4f}" if math.isfinite(loss) else f"{lr}: {MISSING} (not run or diverged)"
             for lr, loss in sweep["losses"].items()
         )
-        lines.append(
-            f"- {label(method)} on `{sweep['point']}`: {losses}; best {format_lr(sweep['best'])}"
-        )
+        line = f"- {label(method)} on `{sweep['point']}`: {losses}; best {format_lr(sweep['best'])}"
+        outside = sweep.get("outside") or {}
+        if outside:
+            found = ", ".join(f"{lr}: {loss:.4f}" for lr, loss in outside.items())
+            best = sweep["losses"].get(format_lr(sweep["best"]), math.inf)
+            better = [lr for lr, loss in outside.items() if loss < best]
+            line += f"; finished outside this sweep (not chosen from): {found}"
+            if better:
+                line += f". **{', '.join(better)} did better: {label(method)} is not at its best LR here**"
+        lines.append(line)
     lines += ["", "Each point's exact `mtdao train` flags are in frontier.json (`argv`).", ""]
     lines += failures_section(failures)
     return "\n".join(lines) + "\n"
