@@ -308,3 +308,40 @@ def test_a_method_with_its_own_factors_is_swept_and_trains_its_points_at_its_bes
     assert main([*argv, "--lr-factors", "1", "local-adam=1,2,4"]) == 1
     text = (report / "report.md").read_text()
     assert f"{format_lr(4 * base)}: — (not run or diverged)" in text and "inf" not in text
+
+
+def test_a_re_render_at_a_new_lr_keeps_the_points_runs_at_the_old_one(tmp_path):
+    """A report re-rendered at another LR (``--lr``) keeps each point's runs at the LR it had
+    (results.json ``other_lr_rows``, a table in report.md), and a later render back at that LR
+    takes them from the report again once their run directories are gone."""
+    out, first, second, third = (tmp_path / name for name in ("runs", "a", "b", "c"))
+    argv = ["frontier", "--quick", "--lr-factors", "1", "--out", str(out), "--no-train"]
+    argv += ["--points", "mtdao-k32-fp32"]
+    args = build_parser().parse_args(argv)
+    from mtdao.experiments.frontier import apply_quick
+
+    apply_quick(args)
+    point = next(p for p in quick_grid() if p.name == "mtdao-k32-fp32")
+    finish_run(out, args, point, 8e-3, 0, 1.6, 10**6)
+    assert main([*argv, "--report", str(first)]) == 0
+    for path in (out / "runs").iterdir():  # the 8e-3 run directory is gone
+        (path / "results.json").unlink()
+        path.rmdir()
+    finish_run(out, args, point, 1.6e-2, 0, 1.5, 10**6)
+    assert main([*argv, "--lr", "mtdao=0.016", "--reuse", str(first), "--report", str(second)]) == 0
+    results = json.loads((second / "results.json").read_text())
+    assert [r["lr"] for r in results["rows"]] == [0.016]
+    assert [(r["lr"], r["val_loss"]["values"]) for r in results["other_lr_rows"]] == [(8e-3, [1.6])]
+    text = (second / "report.md").read_text()
+    assert "## Points at other learning rates" in text
+    assert f"| `mtdao-k32-fp32` | {format_lr(8e-3)} | 1.6000 | 0 | 0.016: 1.5000 | +6.7% |" in text
+    for path in (out / "runs").iterdir():
+        (path / "results.json").unlink()
+        path.rmdir()
+    # back at 8e-3 from the second report alone: its kept run is the row, the 0.016 one is kept
+    assert main([*argv, "--reuse", str(second), "--report", str(third)]) == 0
+    results = json.loads((third / "results.json").read_text())
+    assert [(r["lr"], r["val_loss"]["values"]) for r in results["rows"]] == [(8e-3, [1.6])]
+    assert [(r["lr"], r["val_loss"]["values"]) for r in results["other_lr_rows"]] == [
+        (0.016, [1.5])
+    ]

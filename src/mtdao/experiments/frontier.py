@@ -18,7 +18,9 @@ exact ``mtdao train`` argument list, losses over seeds, bytes per worker, steady
 and results.json (everything report.md is rendered from).
 Runs live in ``--out``/runs/<point>-lr<LR>-seed<S>; finished runs are reused. ``--reuse REPORT``
 also takes the runs an earlier report holds (same point flags, LR and seed) where ``--out`` has
-none, so a report grows by new points after its run directories are gone.
+none, so a report grows by new points after its run directories are gone. results.json also keeps
+each point's finished runs at LRs its method did not choose (``other_lr_rows``): a re-render at a
+new LR loses none of them, and report.md lists them beside the chosen row.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from mtdao.experiments.suite import (
     parse_lr_pins,
     run_dir_of,
     run_suite,
+    stale_settings,
 )
 from mtdao.train.config import TrainConfig, default_lr, resolve
 
@@ -155,7 +158,8 @@ class Study:
         self.out = Path(args.out)
         self.results: dict[str, dict] = {}
         self.failures: dict[str, str] = {}
-        self.earlier = earlier_runs(Path(args.reuse), args) if args.reuse else {}
+        self.earlier_rows = earlier_rows(Path(args.reuse), args) if args.reuse else []
+        self.earlier = runs_of_rows(self.earlier_rows)
         self.reused: set[str] = set()
 
     def train(self, runs: list[tuple[str, TrainConfig]], only_finished: bool = False) -> None:
@@ -263,27 +267,64 @@ class Study:
                 format_lr(lr): self.loss(run_name(point, lr, seeds[0])) for lr in sweep["lrs"]
             }
             sweep["outside"] = self.outside_sweep(point, sweep["lrs"], seeds[0])
-        return {"sweeps": sweeps, "rows": self.rows(lrs, seeds_of)}
+        rows = self.rows(lrs, seeds_of)
+        return {"sweeps": sweeps, "rows": rows, "other_lr_rows": self.other_lr_rows(lrs)}
 
     def outside_sweep(self, point: FrontierPoint, lrs: list[float], seed: int) -> dict:
-        """Finished runs of a reference point in --out at LRs its sweep does not try: the report
-        shows them, so that a better LR found elsewhere is not hidden by the sweep's factors."""
-        found = {}
-        for run_dir in sorted((self.out / RUNS_DIR).glob(f"{point.name}-lr*-seed{seed}")):
+        """Finished runs of a reference point at LRs its sweep does not try: the report shows
+        them, so that a better LR found elsewhere is not hidden by the sweep's factors."""
+        return {
+            format_lr(lr): runs[seed].get("final_val_loss", math.inf)
+            for lr, runs in self.runs_at_other_lrs(point, lrs).items()
+            if seed in runs
+        }
+
+    def other_lr_rows(self, lrs: dict[str, float]) -> list[dict]:
+        """Each point at every LR but its method's with finished runs (a sweep's, or runs of an
+        earlier choice of LR): kept, so that a re-render at a new LR loses none of them."""
+        rows = []
+        for point in self.points:
+            for lr, runs in self.runs_at_other_lrs(point, [lrs[point.method]]).items():
+                seeds = sorted(runs)
+                config = point_config(self.args, point, lr, seeds[0])
+                entry = {"name": point.name, "method": point.method, "lr": lr}
+                entry["argv"] = changed_flags(config)
+                rows.append(point_row(entry, [runs[s] for s in seeds], seeds))
+        return rows
+
+    def runs_at_other_lrs(self, point: FrontierPoint, lrs: list[float]) -> dict[float, dict]:
+        """``{lr: {seed: results}}``: the finished runs of ``point`` at LRs not in ``lrs``, from
+        --out (a run trained with other settings is refused) or else the earlier report."""
+        found: dict[float, dict[int, dict]] = {}
+
+        def add(lr: float, seed: int, results: dict) -> None:
+            if not any(math.isclose(lr, other, rel_tol=1e-6) for other in lrs):
+                key = next((k for k in found if math.isclose(k, lr, rel_tol=1e-6)), lr)
+                found.setdefault(key, {})[seed] = results
+
+        for row in self.earlier_rows:
+            if row["name"] == point.name and row.get("lr") is not None:
+                for seed in row["seeds"]:
+                    add(row["lr"], seed, self.earlier[tuple(row["argv"]), seed])
+        for run_dir in sorted((self.out / RUNS_DIR).glob(f"{point.name}-lr*-seed*")):
             results = load_results(run_dir)
-            lr = (results or {}).get("config", {}).get("lr")
-            if lr is None or any(math.isclose(lr, tried, rel_tol=1e-6) for tried in lrs):
-                continue
-            if run_name(point, lr, seed) == run_dir.name:  # this point's, not a longer name's
-                found[format_lr(lr)] = results.get("final_val_loss", math.inf)
-        return found
+            config = (results or {}).get("config", {})
+            lr, seed = config.get("lr"), config.get("seed")
+            if lr is None or seed is None or run_name(point, lr, seed) != run_dir.name:
+                continue  # unfinished, or a longer point name's run
+            stale = stale_settings(results, point_config(self.args, point, lr, seed))
+            if stale:
+                raise ValueError(f"{run_dir}: {'; '.join(stale)}")
+            add(lr, seed, results)
+        return dict(sorted(found.items()))
 
 
 # settings a run's flags may leave out (at their default) but that a default change would move
 REUSE_SETTINGS = ("model", "workers", "batch_size", "seq_len", "data_split")
 
 
-def earlier_runs(report: Path, args: argparse.Namespace) -> dict:
+def earlier_rows(report: Path, args: argparse.Namespace) -> list[dict]:
+    """An earlier report's rows, at its chosen LRs and at the others it kept."""
     path = report / "results.json" if report.is_dir() else report
     try:
         results = json.loads(path.read_text())
@@ -300,7 +341,7 @@ def earlier_runs(report: Path, args: argparse.Namespace) -> dict:
     ]
     if differ:
         raise ValueError(f"--reuse {report}: its runs were trained otherwise: {'; '.join(differ)}")
-    return runs_of_rows(results["rows"])
+    return [*results["rows"], *results.get("other_lr_rows", [])]
 
 
 def run_frontier(args: argparse.Namespace) -> int:

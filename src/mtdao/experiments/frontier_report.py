@@ -19,6 +19,7 @@ from mtdao.experiments.formatting import (
     format_lr,
     label,
     pm,
+    stats,
     table,
 )
 from mtdao.experiments.frontier_summary import (
@@ -107,9 +108,48 @@ def render_report(settings, outcome, failures) -> str:
             if better:
                 line += f". **{', '.join(better)} did better: {label(method)} is not at its best LR here**"
         lines.append(line)
+    lines += other_lrs_section(rows, outcome.get("other_lr_rows", []))
     lines += ["", "Each point's exact `mtdao train` flags are in frontier.json (`argv`).", ""]
     lines += failures_section(failures)
     return "\n".join(lines) + "\n"
+
+
+def other_lrs_section(rows, other_rows) -> list[str]:
+    """Points that also ran at an LR their method's sweep did not choose, beside the same seeds'
+    runs at the chosen LR."""
+    if not other_rows:
+        return []
+    chosen = {r["name"]: r for r in rows}
+    body = []
+    for other in sorted(other_rows, key=lambda r: (r["method"], r["bytes_per_worker"] or 0)):
+        row = chosen.get(other["name"], {})
+        by_seed = dict(zip(row.get("seeds", []), row.get("val_loss", {}).get("values", [])))
+        here = [by_seed.get(seed) for seed in other["seeds"]]
+        here_text = change = MISSING
+        if all(loss is not None and math.isfinite(loss) for loss in here):
+            here = stats(here)
+            here_text = f"{format_lr(row['lr'])}: {pm(here)}"
+            if math.isfinite(other["val_loss"]["mean"]):
+                change = f"{other['val_loss']['mean'] / here['mean'] - 1:+.1%}"
+        body.append(
+            [
+                f"`{other['name']}`",
+                format_lr(other["lr"]),
+                pm(other["val_loss"]),
+                ", ".join(map(str, other["seeds"])),
+                here_text,
+                change,
+            ]
+        )
+    return [
+        "",
+        "## Points at other learning rates",
+        "",
+        "Finished runs at an LR other than the one their method's sweep chose (kept, not "
+        "plotted), against the same seeds' runs at the chosen LR:",
+        "",
+        *table(["point", "LR", "final val loss", "seeds", "same seeds, chosen LR", "change"], body),
+    ]
 
 
 def reused_line(settings) -> list[str]:
