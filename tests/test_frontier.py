@@ -345,3 +345,50 @@ def test_a_re_render_at_a_new_lr_keeps_the_points_runs_at_the_old_one(tmp_path):
     assert [(r["lr"], r["val_loss"]["values"]) for r in results["other_lr_rows"]] == [
         (0.016, [1.5])
     ]
+
+
+def test_lr_per_point_gives_each_point_the_best_of_its_methods_sweep_lrs(tmp_path):
+    """Without --lr-per-point every MT-DAO point takes the reference's best LR; with it a point
+    that does better at another of the sweep's LRs keeps that one, in its row and its argv."""
+    out, report = tmp_path / "runs", tmp_path / "report"
+    argv = ["frontier", "--quick", "--lr-factors", "1", "mtdao=1,2", "--frontier-seeds"]
+    argv += ["--out", str(out), "--report", str(report), "--no-train"]
+    argv += ["--points", "mtdao-k32-fp32", "mtdao-k32-int2-s128"]
+    args = build_parser().parse_args(argv)
+    from mtdao.experiments.frontier import apply_quick
+
+    apply_quick(args)
+    points = {p.name: p for p in quick_grid()}
+    base = 8e-3
+    losses = {  # the reference prefers 2x, the longer-period point 1x
+        ("mtdao-k32-fp32", base): 1.6,
+        ("mtdao-k32-fp32", 2 * base): 1.5,
+        ("mtdao-k32-int2-s128", base): 1.55,
+        ("mtdao-k32-int2-s128", 2 * base): 1.65,
+    }
+    for (name, lr), loss in losses.items():
+        finish_run(out, args, points[name], lr, 0, loss, 10**6)
+
+    def rows():
+        results = json.loads((report / "results.json").read_text())
+        return {r["name"]: (r["lr"], r["val_loss"]["values"]) for r in results["rows"]}
+
+    assert main(argv) == 0
+    assert rows() == {
+        "mtdao-k32-fp32": (2 * base, [1.5]),
+        "mtdao-k32-int2-s128": (2 * base, [1.65]),
+    }
+    assert main([*argv, "--lr-per-point"]) == 0
+    assert rows() == {"mtdao-k32-fp32": (2 * base, [1.5]), "mtdao-k32-int2-s128": (base, [1.55])}
+    text = (report / "report.md").read_text()
+    assert "each point at the best of its method's sweep LRs" in text
+    entry = next(
+        p
+        for p in json.loads((report / "frontier.json").read_text())["points"]
+        if p["argv"][1:2] == ["mtdao"] and "int2" in " ".join(p["argv"])
+    )
+    assert entry["argv"][entry["argv"].index("--lr") + 1] == str(base)
+    # a point that has not run at one of its LRs is reported missing, not silently skipped
+    (out / "runs" / run_name(points["mtdao-k32-int2-s128"], base, 0) / "results.json").unlink()
+    assert main([*argv, "--lr-per-point"]) == 1
+    assert rows()["mtdao-k32-int2-s128"] == (2 * base, [1.65])

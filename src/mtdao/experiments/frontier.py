@@ -8,7 +8,8 @@ Pareto frontier, and tabulates the best method at 10x to 1000x less traffic than
 Learning rates: each method's first point of the grid (its reference) is trained on the first
 seed at the method's LR times each ``--lr-factors`` (``METHOD=F,F,...`` gives one method its own
 factors); the best becomes that method's LR for all its points (``--lr METHOD=VALUE`` sets the
-base). Seeds: every point runs on the first seed;
+base), or, with ``--lr-per-point``, every point trains at each of its method's LRs and keeps its
+own best (a method's best LR at K = 32 need not be its best at K = 256). Seeds: every point runs on the first seed;
 ``--frontier-seeds`` are then added to the points on a method's Pareto frontier
 (a point off the front reports the ones it already has).
 ``--betas``/``--omegas`` set MT-DAO's momenta (its defaults suit runs of 3000 steps or more).
@@ -82,6 +83,12 @@ def add_parser(subparsers) -> None:
         nargs="*",
         default=[1, 2],
         help="seeds added to the points on a method's Pareto frontier (default: 1 2)",
+    )
+    add(
+        "--lr-per-point",
+        action="store_true",
+        help="every point, not only its method's reference, trains at each LR of its method's "
+        "sweep on the first seed and keeps its best",
     )
     add("--betas", type=float, nargs="+", help="MT-DAO's momentum decays")
     add("--omegas", type=float, nargs="+", help="MT-DAO's mixing weights")
@@ -210,10 +217,10 @@ class Study:
             sweep["best"] = min(losses, key=losses.get)
         return sweeps
 
-    def rows(self, lrs: dict[str, float], seeds_of: dict[str, list[int]]) -> list[dict]:
+    def rows(self, lr_of: dict[str, float], seeds_of: dict[str, list[int]]) -> list[dict]:
         rows = []
         for point in self.points:
-            lr = lrs[point.method]
+            lr = lr_of[point.name]
             seeds = [
                 s
                 for s in seeds_of.get(point.name, [self.args.seeds[0]])
@@ -232,33 +239,26 @@ class Study:
 
     def run(self, pins: dict[str, float]) -> dict:
         sweeps = self.choose_lrs(pins)
-        lrs = {method: sweep["best"] for method, sweep in sweeps.items()}
+        lr_of = self.choose_point_lrs(sweeps)
         seeds = list(self.args.seeds)
-        self.train(
-            [
-                (run_name(p, lrs[p.method], s), point_config(self.args, p, lrs[p.method], s))
-                for p in self.points
+
+        def runs_of(points, seeds):
+            return [
+                (run_name(p, lr_of[p.name], s), point_config(self.args, p, lr_of[p.name], s))
+                for p in points
                 for s in seeds
             ]
-        )
+
+        self.train(runs_of(self.points, seeds))
         seeds_of = {p.name: seeds for p in self.points}
         extra = [s for s in self.args.frontier_seeds if s not in seeds]
         if extra:
-            fronts = fronts_by_method(self.rows(lrs, seeds_of))
+            fronts = fronts_by_method(self.rows(lr_of, seeds_of))
             on_front = {row["name"] for front in fronts.values() for row in front}
-            chosen = [p for p in self.points if p.name in on_front]
-            others = [p for p in self.points if p.name not in on_front]
-
-            def runs_of(points):
-                return [
-                    (run_name(p, lrs[p.method], s), point_config(self.args, p, lrs[p.method], s))
-                    for p in points
-                    for s in extra
-                ]
-
-            self.train(runs_of(chosen))
+            self.train(runs_of([p for p in self.points if p.name in on_front], extra))
             # a point off the front keeps the extra seeds it has (it was on a front before)
-            self.train(runs_of(others), only_finished=True)
+            others = [p for p in self.points if p.name not in on_front]
+            self.train(runs_of(others, extra), only_finished=True)
             seeds_of = {p.name: seeds + extra for p in self.points}
         # every sweep's losses, those that needed no runs of their own included
         for sweep in sweeps.values():
@@ -267,8 +267,26 @@ class Study:
                 format_lr(lr): self.loss(run_name(point, lr, seeds[0])) for lr in sweep["lrs"]
             }
             sweep["outside"] = self.outside_sweep(point, sweep["lrs"], seeds[0])
-        rows = self.rows(lrs, seeds_of)
-        return {"sweeps": sweeps, "rows": rows, "other_lr_rows": self.other_lr_rows(lrs)}
+        rows = self.rows(lr_of, seeds_of)
+        return {"sweeps": sweeps, "rows": rows, "other_lr_rows": self.other_lr_rows(lr_of)}
+
+    def choose_point_lrs(self, sweeps: dict[str, dict]) -> dict[str, float]:
+        """Each point's LR: its method's best, or (--lr-per-point) the best of its own runs at
+        the method's sweep LRs on the first seed."""
+        if not self.args.lr_per_point:
+            return {p.name: sweeps[p.method]["best"] for p in self.points}
+        seed = self.args.seeds[0]
+        self.train(
+            [
+                (run_name(p, lr, seed), point_config(self.args, p, lr, seed))
+                for p in self.points
+                for lr in sweeps[p.method]["lrs"]
+            ]
+        )
+        return {
+            p.name: min(sweeps[p.method]["lrs"], key=lambda lr: self.loss(run_name(p, lr, seed)))
+            for p in self.points
+        }
 
     def outside_sweep(self, point: FrontierPoint, lrs: list[float], seed: int) -> dict:
         """Finished runs of a reference point at LRs its sweep does not try: the report shows
@@ -279,12 +297,12 @@ class Study:
             if seed in runs
         }
 
-    def other_lr_rows(self, lrs: dict[str, float]) -> list[dict]:
-        """Each point at every LR but its method's with finished runs (a sweep's, or runs of an
+    def other_lr_rows(self, lr_of: dict[str, float]) -> list[dict]:
+        """Each point at every LR but its own with finished runs (a sweep's, or runs of an
         earlier choice of LR): kept, so that a re-render at a new LR loses none of them."""
         rows = []
         for point in self.points:
-            for lr, runs in self.runs_at_other_lrs(point, [lrs[point.method]]).items():
+            for lr, runs in self.runs_at_other_lrs(point, [lr_of[point.name]]).items():
                 seeds = sorted(runs)
                 config = point_config(self.args, point, lr, seeds[0])
                 entry = {"name": point.name, "method": point.method, "lr": lr}
@@ -380,6 +398,7 @@ def run_frontier(args: argparse.Namespace) -> int:
         "lr_factors": {
             method: factors[method] for method in dict.fromkeys(p.method for p in points)
         },
+        "lr_per_point": bool(args.lr_per_point),
         "reused_runs": len(study.reused),
     }
     report = Path(args.report)

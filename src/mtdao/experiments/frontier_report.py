@@ -72,6 +72,7 @@ def render_report(settings, outcome, failures) -> str:
         "- bytes per worker: what the harness's traffic account counts (codes, top-k positions, "
         "scales, padding), 2(M-1)/M of it on a ring",
         f"- {SIGNIFICANCE_RULE}; a single seed gives no noise estimate",
+        *lr_line(s),
         *reused_line(s),
         "",
         "![final loss against bytes per worker](frontier.png)",
@@ -149,6 +150,19 @@ def other_lrs_section(rows, other_rows) -> list[str]:
         "plotted), against the same seeds' runs at the chosen LR:",
         "",
         *table(["point", "LR", "final val loss", "seeds", "same seeds, chosen LR", "change"], body),
+    ]
+
+
+def lr_line(settings) -> list[str]:
+    if not settings.get("lr_per_point"):
+        return [
+            "- learning rates: each method's best on its reference point (the sweeps below), "
+            "for all its points"
+        ]
+    return [
+        "- learning rates: each point at the best of its method's sweep LRs on the first seed "
+        "(`--lr-per-point`); the lowest of a few noisy runs reads a little low, alike for "
+        "points swept at as many LRs"
     ]
 
 
