@@ -124,20 +124,23 @@ def other_lrs_section(rows, other_rows) -> list[str]:
     body = []
     for other in sorted(other_rows, key=lambda r: (r["method"], r["bytes_per_worker"] or 0)):
         row = chosen.get(other["name"], {})
-        by_seed = dict(zip(row.get("seeds", []), row.get("val_loss", {}).get("values", [])))
-        here = [by_seed.get(seed) for seed in other["seeds"]]
+        here_by_seed = dict(zip(row.get("seeds", []), row.get("val_loss", {}).get("values", [])))
+        there_by_seed = dict(zip(other["seeds"], other["val_loss"]["values"]))
+        common = [seed for seed in other["seeds"] if seed in here_by_seed]
         here_text = change = MISSING
-        if all(loss is not None and math.isfinite(loss) for loss in here):
-            here = stats(here)
-            here_text = f"{format_lr(row['lr'])}: {pm(here)}"
-            if math.isfinite(other["val_loss"]["mean"]):
-                change = f"{other['val_loss']['mean'] / here['mean'] - 1:+.1%}"
+        if common:  # the change over the seeds both LRs ran
+            here = stats(here_by_seed[seed] for seed in common)
+            there = stats(there_by_seed[seed] for seed in common)
+            seeds = "" if len(common) == len(other["seeds"]) else f" (seeds {common_text(common)})"
+            here_text = f"{format_lr(row['lr'])}: {pm(here)}{seeds}"
+            if math.isfinite(here["mean"]) and math.isfinite(there["mean"]):
+                change = f"{there['mean'] / here['mean'] - 1:+.1%}"
         body.append(
             [
                 f"`{other['name']}`",
                 format_lr(other["lr"]),
                 pm(other["val_loss"]),
-                ", ".join(map(str, other["seeds"])),
+                common_text(other["seeds"]),
                 here_text,
                 change,
             ]
@@ -147,10 +150,15 @@ def other_lrs_section(rows, other_rows) -> list[str]:
         "## Points at other learning rates",
         "",
         "Finished runs at an LR other than the one their method's sweep chose (kept, not "
-        "plotted), against the same seeds' runs at the chosen LR:",
+        "plotted), against the chosen LR's runs of the same seeds (the change is over the seeds "
+        "both ran):",
         "",
         *table(["point", "LR", "final val loss", "seeds", "same seeds, chosen LR", "change"], body),
     ]
+
+
+def common_text(seeds) -> str:
+    return ", ".join(map(str, seeds))
 
 
 def lr_line(settings) -> list[str]:
