@@ -3,6 +3,7 @@ follow the significance rule, and the whole command runs end to end on a tiny gr
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 
@@ -31,8 +32,9 @@ def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
     names = [name for name, _ in runs]
     assert len(names) == len(set(names))
     # DDP does not depend on K: one run per corpus, length and seed
-    ddp = [name for name in names if "-ddp-" in name]
+    ddp = [name for name in names if "-ddp-s" in name]
     assert len(ddp) == (3 * 3 + 1) * 3
+    assert "builtin-300-ddp-wsd-s0" in names and "builtin-300-K32-ddp-wsd-s0" not in names
     assert "builtin-10000-K32-mtdao-s0" in names and "vim-10000-K32-mtdao-s0" not in names
 
 
@@ -42,15 +44,23 @@ def test_the_card_runs_every_cell_at_the_first_seed_first_current_entries_first(
     first_other = seeds.index(1)
     assert set(seeds[:first_other]) == {0} and 0 not in seeds[first_other:]
     seed_0 = runs[:first_other]
-    earlier = [
-        i for i, (name, _) in enumerate(seed_0) if "-mtdao-warmup" in name or "-mtdao-0.95" in name
-    ]
-    assert earlier == list(range(earlier[0], len(seed_0)))  # earlier defaults last
+    current_names = {f"-{entry}-s" for entry in defaults_card.CURRENT_ENTRIES}
+    earlier = [i for i, (name, _) in enumerate(seed_0) if not any(e in name for e in current_names)]
+    assert earlier == list(range(earlier[0], len(seed_0)))  # earlier defaults, candidates last
     current = seed_0[: earlier[0]]
     assert {config.steps for _, config in current} == {300, 1000, 3000, 10000}
     steps = [config.steps for _, config in current]
     tiers = [0 if n <= 1000 else 1 if n <= 3000 else 2 for n in steps]
     assert tiers == sorted(tiers)  # short runs first within an entry group
+
+
+def test_the_candidate_schedule_is_run_for_mtdao_and_for_each_baseline_alike():
+    runs = dict(card_runs(FULL, DATA))
+    for entry in ("mtdao", "ddp", "local-adam"):
+        period = "" if entry == "ddp" else "-K128"
+        current = runs[f"vim-1000{period}-{entry}-s2"]
+        candidate = runs[f"vim-1000{period}-{entry}-wsd-s2"]
+        assert candidate == dataclasses.replace(current, schedule="wsd")
 
 
 def test_a_missing_corpus_leaves_its_cells_out():

@@ -288,19 +288,32 @@ def test_delayed_fragmented_int8_replicas_are_the_simulated_workers_bit_for_bit(
 
 
 def run_with_a_late_joiner(replicas: list[Replica]) -> Replica:
-    """Run the replicas, the last one starting late: the others wait at step 10 until it has
-    started, so it joins a run in progress. Returns the late one."""
+    """Run the replicas, the last one starting late: it connects only once the others all wait
+    at step 10, and they wait there until it has started, so it joins a run in progress however
+    slowly the machine runs them. Returns the late one."""
     started = threading.Event()
+    others_waiting = threading.Semaphore(0)
 
     def wait_for_the_late_one(replica: Replica) -> None:
         if replica.sync.step_count == 10:
+            others_waiting.release()
             assert started.wait(THREAD_TIMEOUT_S)
 
     late = replicas[-1]
+    run_late = late.run
+
+    def run_once_the_others_wait() -> None:
+        for _ in replicas[:-1]:
+            if not others_waiting.acquire(timeout=THREAD_TIMEOUT_S):
+                late.error = TimeoutError("the other replicas never reached step 10")
+                return
+        run_late()
+
+    late.run = run_once_the_others_wait
     late.before_step = lambda replica: started.set()
     for replica in replicas[:-1]:
         replica.before_step = wait_for_the_late_one
-    run_threads(replicas, delays={len(replicas) - 1: 0.5})
+    run_threads(replicas)
     return late
 
 

@@ -5,7 +5,8 @@ A user runs ``mtdao train --method M`` on their data for as many steps as they c
 card asks whether MT-DAO's default holds there. Each run differs from ``mtdao train``'s defaults
 only in ``--method``, ``--steps``, ``--sync-period``, ``--data``, ``--seed`` and the model size
 (micro, so that the grid fits a CPU): no learning rate is tuned per cell. Beside the baselines it
-runs MT-DAO's earlier defaults, so that a change of default is judged on the same runs.
+runs MT-DAO's earlier defaults and a candidate for the next one, so that a change of default is
+judged on the same runs.
 
 Corpora: the built-in one (the Python standard library's sources, where the defaults were tuned)
 and two natural-language corpora never tuned on, when the machine has them: the vim
@@ -57,8 +58,24 @@ ENTRIES = (
         dict(betas=(0.95,), omegas=(0.7,), lr=8e-3),
         "default before 2026-12-01: 0.95 / 0.7, no warm-up, lr 8e-3",
     ),
+    # A candidate schedule is judged against the baselines under it too: a default schedule is
+    # fair only if it is each method's own best, as the learning rate is.
+    Entry(
+        "mtdao-wsd",
+        "mtdao",
+        dict(schedule="wsd"),
+        "candidate default: the current one under the warmup-stable-decay schedule",
+    ),
+    Entry("ddp-wsd", "ddp", dict(schedule="wsd"), "DDP under the candidate schedule"),
+    Entry(
+        "local-adam-wsd",
+        "local-adam",
+        dict(schedule="wsd"),
+        "Local Adam under the candidate schedule",
+    ),
 )
 ENTRY_NAMES = tuple(entry.name for entry in ENTRIES)
+DDP_ENTRIES = frozenset(entry.name for entry in ENTRIES if entry.method == "ddp")
 CURRENT_ENTRIES = ("ddp", "local-adam", "mtdao")
 
 
@@ -96,7 +113,7 @@ MODEL = "micro"
 
 
 def run_name(corpus: str, steps: int, sync_period: int, entry: str, seed: int) -> str:
-    period = "" if entry == "ddp" else f"-K{sync_period}"
+    period = "" if entry in DDP_ENTRIES else f"-K{sync_period}"  # DDP does not depend on K
     return f"{corpus}-{steps}{period}-{entry}-s{seed}"
 
 
@@ -104,20 +121,20 @@ def card_runs(
     grid: Grid, data: dict[str, str], data_split: str = TrainConfig.data_split
 ) -> list[tuple[str, TrainConfig]]:
     """Every run of ``grid`` on the corpora found (``data``: corpus -> --data, sharded by
-    ``data_split``), in the order an
-    interrupted card shows the most: the first seed of every cell before any other seed, and
-    within a seed the current entries before MT-DAO's earlier defaults; then runs of up to 1000
-    steps before those of 3000 and the longer ones, the first sync period before the others,
-    short runs first. So a card stopped early still answers every horizon at one seed."""
+    ``data_split``), in the order an interrupted card shows the most: the first seed of every
+    cell before any other seed, and within a seed the current entries before MT-DAO's earlier
+    defaults and candidates; then runs of up to 1000 steps before those of 3000 and the longer
+    ones, the first sync period before the others, short runs first. So a card stopped early
+    still answers every horizon at one seed."""
     entries = [entry for entry in ENTRIES if entry.name in grid.entries]
 
     def order(planned):
         (corpus, steps, sync_period), seed, entry = planned
         tier = 0 if steps <= 1000 else 1 if steps <= 3000 else 2
-        earlier_default = entry.name not in CURRENT_ENTRIES
+        beside = entry.name not in CURRENT_ENTRIES  # an earlier default or a candidate
         return (
             seed != grid.seeds[0],
-            earlier_default,
+            beside,
             tier,
             sync_period != grid.sync_periods[0],
             steps,
