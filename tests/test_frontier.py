@@ -392,3 +392,22 @@ def test_lr_per_point_gives_each_point_the_best_of_its_methods_sweep_lrs(tmp_pat
     (out / "runs" / run_name(points["mtdao-k32-int2-s128"], base, 0) / "results.json").unlink()
     assert main([*argv, "--lr-per-point"]) == 1
     assert rows()["mtdao-k32-int2-s128"] == (2 * base, [1.65])
+
+
+def test_a_point_at_another_lr_is_compared_over_the_seeds_both_lrs_ran():
+    """The other LR ran seeds 0-2, the chosen one 0-1: the change is over seeds 0 and 1 only,
+    and the table says so."""
+    from mtdao.experiments.frontier_report import other_lrs_section
+
+    def row(lr, values):
+        return {
+            "name": "mtdao-k32-fp32",
+            "method": "mtdao",
+            "lr": lr,
+            "seeds": list(range(len(values))),
+            "val_loss": stats(values),
+            "bytes_per_worker": 10**6,
+        }
+
+    text = "\n".join(other_lrs_section([row(0.016, [1.0, 1.2])], [row(8e-3, [1.1, 1.3, 9.0])]))
+    assert "| 0, 1, 2 | 0.016: 1.1000 ± 0.1414 (seeds 0, 1) | +9.1% |" in text

@@ -131,7 +131,7 @@ def other_lrs_section(rows, other_rows) -> list[str]:
         if common:  # the change over the seeds both LRs ran
             here = stats(here_by_seed[seed] for seed in common)
             there = stats(there_by_seed[seed] for seed in common)
-            seeds = "" if len(common) == len(other["seeds"]) else f" (seeds {common_text(common)})"
+            seeds = "" if len(common) == len(other["seeds"]) else f" (seeds {seeds_text(common)})"
             here_text = f"{format_lr(row['lr'])}: {pm(here)}{seeds}"
             if math.isfinite(here["mean"]) and math.isfinite(there["mean"]):
                 change = f"{there['mean'] / here['mean'] - 1:+.1%}"
@@ -140,7 +140,7 @@ def other_lrs_section(rows, other_rows) -> list[str]:
                 f"`{other['name']}`",
                 format_lr(other["lr"]),
                 pm(other["val_loss"]),
-                common_text(other["seeds"]),
+                seeds_text(other["seeds"]),
                 here_text,
                 change,
             ]
@@ -157,7 +157,7 @@ def other_lrs_section(rows, other_rows) -> list[str]:
     ]
 
 
-def common_text(seeds) -> str:
+def seeds_text(seeds) -> str:
     return ", ".join(map(str, seeds))
 
 
