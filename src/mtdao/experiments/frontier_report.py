@@ -17,6 +17,7 @@ from mtdao.experiments.formatting import (
     failures_section,
     format_bytes,
     format_lr,
+    join_numbers,
     label,
     pm,
     stats,
@@ -131,7 +132,7 @@ def other_lrs_section(rows, other_rows) -> list[str]:
         if common:  # the change over the seeds both LRs ran
             here = stats(here_by_seed[seed] for seed in common)
             there = stats(there_by_seed[seed] for seed in common)
-            seeds = "" if len(common) == len(other["seeds"]) else f" (seeds {seeds_text(common)})"
+            seeds = "" if len(common) == len(other["seeds"]) else f" (seeds {join_numbers(common)})"
             here_text = f"{format_lr(row['lr'])}: {pm(here)}{seeds}"
             if math.isfinite(here["mean"]) and math.isfinite(there["mean"]):
                 change = f"{there['mean'] / here['mean'] - 1:+.1%}"
@@ -140,7 +141,7 @@ def other_lrs_section(rows, other_rows) -> list[str]:
                 f"`{other['name']}`",
                 format_lr(other["lr"]),
                 pm(other["val_loss"]),
-                seeds_text(other["seeds"]),
+                join_numbers(other["seeds"]),
                 here_text,
                 change,
             ]
@@ -155,10 +156,6 @@ def other_lrs_section(rows, other_rows) -> list[str]:
         "",
         *table(["point", "LR", "final val loss", "seeds", "same seeds, chosen LR", "change"], body),
     ]
-
-
-def seeds_text(seeds) -> str:
-    return ", ".join(map(str, seeds))
 
 
 def lr_line(settings) -> list[str]:
@@ -245,7 +242,7 @@ def point_lines(rows) -> list[list[str]]:
             f"`{r['name']}`",
             format_lr(r["lr"]),
             pm(r["val_loss"]),
-            ", ".join(map(str, r["seeds"])) or MISSING,
+            join_numbers(r["seeds"]) or MISSING,
             format_bytes(r["bytes_per_worker"]) if r["bytes_per_worker"] else MISSING,
             reduction_text(r),
             "yes" if r["name"] in on_front else "",
