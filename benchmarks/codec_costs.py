@@ -8,14 +8,17 @@ and sums them. With error feedback the pseudo-gradient is also encoded and decod
 (the residual). The step is one worker's forward, backward and MT-DAO-Adam step on the same model
 and batch, in the same process. Times are this process's CPU time (one thread), so that other
 jobs on a shared machine slow neither side; every setup is timed in every round, in a rotating
-order, and the median over rounds is printed.
+order, and the median over rounds is printed. On the CPU the codecs run as C++ kernels
+(:mod:`mtdao.sync.native_codecs`); ``--eager`` adds a row per codec timed with torch's codecs
+instead, side by side in the same rounds.
 
-    OMP_NUM_THREADS=1 python benchmarks/codec_costs.py --model tiny --workers 4 --rounds 7
+    OMP_NUM_THREADS=1 python benchmarks/codec_costs.py --model tiny --workers 4 --rounds 7 --eager
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -24,6 +27,7 @@ import torch
 
 import mtdao
 from mtdao.model import Llama, model_config
+from mtdao.sync import native_codecs
 from mtdao.sync.compression import PseudoGradients
 from mtdao.sync.exchange import (
     block_layout,
@@ -107,13 +111,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--codecs", nargs="+", default=CODECS)
     parser.add_argument("--json", help="write the medians here")
+    parser.add_argument(
+        "--eager", action="store_true", help="also time each codec with torch's codecs"
+    )
     args = parser.parse_args()
     setup = worker_setup(args.model, args.batch_size, args.seq_len)
     for _ in range(3):  # warm up (and create the optimizer's states)
         time_step(setup)
     tensors = round_tensors(setup)
     numel = sum(v.numel() for v in tensors["params"])
-    names = ["step"] + [f"{c}{'+ef' if ef else ''}" for c in args.codecs for ef in (False, True)]
+    paths = ("", " (torch)") if args.eager else ("",)
+    names = ["step"] + [
+        f"{c}{'+ef' if ef else ''}{path}"
+        for c in args.codecs
+        for ef in (False, True)
+        for path in paths
+    ]
     times: dict[str, list[float]] = {name: [] for name in names}
     sizes: dict[str, int] = {}
     for round_index in range(args.rounds):
@@ -122,11 +135,16 @@ def main() -> None:
             if name == "step":
                 times[name].append(time_step(setup))
                 continue
-            dtype, ef = name.removesuffix("+ef"), name.endswith("+ef")
-            seconds, sizes[name] = time_round(tensors, dtype, args.workers, ef)
+            eager = name.endswith(" (torch)")
+            codec = name.removesuffix(" (torch)")
+            dtype, ef = codec.removesuffix("+ef"), codec.endswith("+ef")
+            with native_codecs.eager_only() if eager else contextlib.nullcontext():
+                seconds, sizes[name] = time_round(tensors, dtype, args.workers, ef)
             times[name].append(seconds)
     step_ms = statistics.median(times["step"]) * 1e3
     print(f"{args.model}: {numel:,} parameters, {args.workers} workers, torch {torch.__version__}")
+    kernels = "C++ kernels" if native_codecs.usable() else "torch's (the C++ kernels did not build)"
+    print(f"codecs: {kernels}; rows marked (torch): torch's codecs")
     print(f"one worker's step (batch {args.batch_size} x {args.seq_len}): {step_ms:.1f} ms")
     print("| codec | round ms (3 kinds) | x step | bytes counted | bytes/value | vs fp32 |")
     print("|---|---|---|---|---|---|")

@@ -17,12 +17,14 @@ CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder",
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpp_optimizer_kernel() -> None:
-    """Build the C++ optimizer kernel (once per machine) before any test, so that no test's
-    subprocess, with its timeout, is the one that pays for the build."""
+def cpp_kernels() -> None:
+    """Build the C++ optimizer and codec kernels (once per machine) before any test, so that no
+    test's subprocess, with its timeout, is the one that pays for a build."""
     from mtdao.optim.native_build import native_library
+    from mtdao.sync import native_codecs
 
     native_library()
+    native_codecs.usable()
 
 
 @pytest.fixture(scope="module")

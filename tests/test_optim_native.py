@@ -173,7 +173,7 @@ def test_a_broken_library_and_a_dead_builders_lock_lead_to_a_new_build(tmp_path,
     (directory / "lock").touch()
     builds = []
 
-    def build(name, source, flags, directory):  # stands in for the real (slow) build
+    def build(name, source, flags, directory, kernel):  # stands in for the real (slow) build
         assert not (directory / f"{name}.so").exists()
         assert not (directory / "lock").exists()
         builds.append(name)

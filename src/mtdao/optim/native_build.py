@@ -1,14 +1,15 @@
-"""Building and loading the hand-written CPU kernel (``csrc/multi_tensor_step.cpp``).
+"""Building and loading the package's hand-written CPU kernels: the optimizer's
+(``csrc/multi_tensor_step.cpp``) and the link codecs' (``mtdao/sync/csrc/codecs.cpp``).
 
-The kernel is compiled with ``torch.utils.cpp_extension`` the first time a machine needs it and
+A kernel is compiled with ``torch.utils.cpp_extension`` the first time a machine needs it and
 kept in a folder of torch's extensions root (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``) named by a hash of the source, the flags, torch and Python; later
 processes load the library from there directly (a changed source or another torch gets a folder of
 its own, never a stale build). Builds are serialized by a lock the operating system drops when its
 holder dies, so a process killed while building leaves no lock behind that would block the next.
 The build needs a C++ compiler and ``ninja`` (a dependency of this package). If anything fails,
-:func:`native_library` warns once and returns False; the optimizers then take the compiled
-(inductor) kernels or the foreach path.
+:func:`native_library` warns once and returns False; the caller then takes another path (the
+optimizers their compiled (inductor) kernels or the foreach path, the codecs torch's operations).
 """
 
 from __future__ import annotations
@@ -20,14 +21,40 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+
+@dataclass(frozen=True)
+class Kernel:
+    """One C++ source of the package, built into a library of its own."""
+
+    package: str
+    """The package whose ``csrc`` folder holds the source."""
+    source: str
+    prefix: str
+    """The start of the library's name (its operators' namespace is the same)."""
+    what: str
+    """What it is, for the messages: "the C++ optimizer kernel"."""
+    fallback: str
+    """What runs when it cannot be built, for the warning."""
+    build_seconds: str
+    """How long a first build takes, for the message that it is building."""
+
+
 SOURCE = "multi_tensor_step.cpp"
-# Measured: 6-7 CPU seconds, 9-22 s of wall time on 2 busy cores.
-BUILD_SECONDS = "about 10-20 s"
+OPTIMIZER = Kernel(
+    "mtdao.optim",
+    SOURCE,
+    "mtdao_optim",
+    "the C++ optimizer kernel",
+    "falling back to compiled or foreach kernels, which are slower on the CPU",
+    # measured: 6-7 CPU seconds, 9-22 s of wall time on 2 busy cores
+    "about 10-20 s",
+)
 
 # -O3 vectorizes the kernel's loops; -fno-math-errno lets sqrt vectorize (errno is never read);
 # -ffp-contract=off keeps each multiply and add rounded on its own, as torch's eager kernels do;
@@ -41,29 +68,28 @@ ISA_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
 
-# Whether the library is loaded: None until the first request decides it.
-_loaded: bool | None = None
+# Whether each kernel's library is loaded; a kernel is missing until the first request decides.
+_loaded: dict[Kernel, bool] = {}
 
 
-def native_library() -> bool:
-    """Build (once per machine) and load (once per process) the CPU kernel; False if impossible.
+def native_library(kernel: Kernel = OPTIMIZER) -> bool:
+    """Build (once per machine) and load (once per process) a CPU kernel; False if impossible.
 
-    Its operators are then ``torch.ops.mtdao_optim.{adam,adopt,sgd}_step``.
+    The optimizer's operators are then ``torch.ops.mtdao_optim.{adam,adopt,sgd}_step``.
     """
-    global _loaded
-    if _loaded is None:
+    if kernel not in _loaded:
         try:
-            _build_and_load()
-            _loaded = True
+            _build_and_load(kernel)
+            _loaded[kernel] = True
         except Exception as error:  # no compiler, no ninja, a failed build: use another path
             warnings.warn(
-                f"mtdao: the C++ optimizer kernel could not be built ({_first_line(error)}); "
-                "falling back to compiled or foreach kernels, which are slower on the CPU.",
+                f"mtdao: {kernel.what} could not be built ({_first_line(error)}); "
+                f"{kernel.fallback}.",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            _loaded = False
-    return _loaded
+            _loaded[kernel] = False
+    return _loaded[kernel]
 
 
 def _first_line(error: BaseException) -> str:
@@ -85,10 +111,10 @@ def build_flags() -> list[str]:
     return BASE_FLAGS + ISA_FLAGS.get(capability, [])
 
 
-def build_name(source: str, flags: list[str]) -> str:
+def build_name(source: str, flags: list[str], prefix: str = OPTIMIZER.prefix) -> str:
     """The extension's name: one per source, flag set, torch and Python version."""
     key = "\n".join([source, *flags, torch.__version__, sys.version])
-    return f"mtdao_optim_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return f"{prefix}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def extensions_root() -> Path:
@@ -100,10 +126,10 @@ def extensions_root() -> Path:
     return Path(cache) / "torch_extensions"
 
 
-def _build_and_load() -> None:
-    source = resources.files("mtdao.optim").joinpath("csrc", SOURCE).read_text()
+def _build_and_load(kernel: Kernel = OPTIMIZER) -> None:
+    source = resources.files(kernel.package).joinpath("csrc", kernel.source).read_text()
     flags = build_flags()
-    name = build_name(source, flags)
+    name = build_name(source, flags, kernel.prefix)
     directory = extensions_root() / name
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
@@ -115,15 +141,17 @@ def _build_and_load() -> None:
             except OSError:  # a build cut short (its process killed while linking): build again
                 library.unlink()
         (directory / "lock").unlink(missing_ok=True)  # cpp_extension's own, left by a dead build
-        _build(name, source, flags, directory)
+        _build(name, source, flags, directory, kernel)
 
 
-def _build(name: str, source: str, flags: list[str], directory: Path) -> None:
+def _build(
+    name: str, source: str, flags: list[str], directory: Path, kernel: Kernel = OPTIMIZER
+) -> None:
     from torch.utils import cpp_extension  # imported only to build: it is slow to import
 
     # the first step of a machine's first run waits for this: say why
     print(
-        f"mtdao: building the C++ optimizer kernel once for this machine ({BUILD_SECONDS}; later "
+        f"mtdao: building {kernel.what} once for this machine ({kernel.build_seconds}; later "
         f"runs load it from {directory})",
         file=sys.stderr,
         flush=True,
@@ -183,5 +211,4 @@ def _ninja_on_path() -> Iterator[None]:
 
 def forget_native_library() -> None:
     """Decide again at the next request (tests use it to simulate a failed build)."""
-    global _loaded
-    _loaded = None
+    _loaded.clear()

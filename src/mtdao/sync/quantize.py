@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtdao.sync import lowbit, topk
+from mtdao.sync import lowbit, native_codecs, topk
 
 SYNC_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4", "int2", "top<k>")
 """``top<k>`` stands for any ``top8``, ``top4``, ...: k kept values per block."""
@@ -104,7 +104,22 @@ class Codec:
         return self.block * self.code_bytes + self.scale_bytes
 
     def encode(self, blocks: Tensor) -> Tensor:
-        """float32 ``[..., block]`` -> uint8 ``[..., block_bytes]``."""
+        """float32 ``[..., block]`` -> uint8 ``[..., block_bytes]``: the CPU kernels where they
+        serve (:mod:`.native_codecs`, the same bytes), else :meth:`encode_eager`."""
+        blocks = blocks.float()
+        if native_codecs.serves(self, blocks):
+            return native_codecs.encode(self, blocks)
+        return self.encode_eager(blocks)
+
+    def decode(self, payload: Tensor) -> Tensor:
+        """uint8 ``[..., block_bytes]`` -> float32 ``[..., block]``: the CPU kernels where they
+        serve, else :meth:`decode_eager`."""
+        if native_codecs.serves(self, payload):
+            return native_codecs.decode(self, payload)
+        return self.decode_eager(payload)
+
+    def encode_eager(self, blocks: Tensor) -> Tensor:
+        """:meth:`encode` in torch's operations, on any device (the kernels' reference)."""
         blocks = blocks.float()
         if self.dtype in lowbit.LOW_BITS:
             return lowbit.encode(blocks, lowbit.LOW_BITS[self.dtype], self.domain)
@@ -118,8 +133,8 @@ class Codec:
             return _encode_log_int8(blocks)
         return _encode_int8(blocks)
 
-    def decode(self, payload: Tensor) -> Tensor:
-        """uint8 ``[..., block_bytes]`` -> float32 ``[..., block]``."""
+    def decode_eager(self, payload: Tensor) -> Tensor:
+        """:meth:`decode` in torch's operations, on any device."""
         if self.dtype in lowbit.LOW_BITS:
             return lowbit.decode(payload, lowbit.LOW_BITS[self.dtype], self.domain, self.block)
         if self.kept is not None:
