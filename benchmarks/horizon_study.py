@@ -47,7 +47,7 @@ PROTOCOL = [
     "second corpus for the final check, never tuned on: the vim documentation "
     "(/usr/share/vim/vim90/doc)",
     "no re-tuning either (each at its WSD 3k optimum): the cosine-schedule check (p7, the "
-    "schedule `mtdao train` uses by default) and the 10k runs of the warm-up variants "
+    "schedule `mtdao train` used by default until 2026-12-04) and the 10k runs of the warm-up variants "
     "(beta-wu, both-wu)",
 ]
 

@@ -34,7 +34,7 @@ def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
     # DDP does not depend on K: one run per corpus, length and seed
     ddp = [name for name in names if "-ddp-s" in name]
     assert len(ddp) == (3 * 3 + 1) * 3
-    assert "builtin-300-ddp-wsd-s0" in names and "builtin-300-K32-ddp-wsd-s0" not in names
+    assert "builtin-300-ddp-cosine-s0" in names and "builtin-300-K32-ddp-cosine-s0" not in names
     assert "builtin-10000-K32-mtdao-s0" in names and "vim-10000-K32-mtdao-s0" not in names
 
 
@@ -54,13 +54,14 @@ def test_the_card_runs_every_cell_at_the_first_seed_first_current_entries_first(
     assert tiers == sorted(tiers)  # short runs first within an entry group
 
 
-def test_the_candidate_schedule_is_run_for_mtdao_and_for_each_baseline_alike():
+def test_the_former_schedule_is_run_for_mtdao_and_for_each_baseline_alike():
     runs = dict(card_runs(FULL, DATA))
     for entry in ("mtdao", "ddp", "local-adam"):
         period = "" if entry == "ddp" else "-K128"
         current = runs[f"vim-1000{period}-{entry}-s2"]
-        candidate = runs[f"vim-1000{period}-{entry}-wsd-s2"]
-        assert candidate == dataclasses.replace(current, schedule="wsd")
+        assert current.schedule == "wsd"  # the default
+        former = runs[f"vim-1000{period}-{entry}-cosine-s2"]
+        assert former == dataclasses.replace(current, schedule="cosine")
 
 
 def test_a_missing_corpus_leaves_its_cells_out():

@@ -411,3 +411,36 @@ def test_a_point_at_another_lr_is_compared_over_the_seeds_both_lrs_ran():
 
     text = "\n".join(other_lrs_section([row(0.016, [1.0, 1.2])], [row(8e-3, [1.1, 1.3, 9.0])]))
     assert "| 0, 1, 2 | 0.016: 1.1000 ± 0.1414 (seeds 0, 1) | +9.1% |" in text
+
+
+def test_a_report_from_before_wsd_became_the_default_is_reused_as_the_cosine_runs_it_was(
+    tmp_path,
+):
+    """Reports made while cosine was `mtdao train`'s default record no schedule and leave
+    ``--schedule`` out of their points' flags: reused, their runs stand for cosine runs (the
+    flags gain ``--schedule cosine``), and a study at another schedule refuses them."""
+    out, first, second = tmp_path / "runs", tmp_path / "first", tmp_path / "second"
+    argv = ["frontier", "--quick", "--lr-factors", "1", "--out", str(out), "--no-train"]
+    argv += ["--points", "ddp"]
+    args = build_parser().parse_args(argv)
+    from mtdao.experiments.frontier import apply_quick
+
+    apply_quick(args)
+    ddp = next(point for point in quick_grid() if point.name == "ddp")
+    finish_run(out, args, ddp, 8e-3, 0, 1.5, 10**6)
+    assert main([*argv, "--report", str(first)]) == 0
+    results = json.loads((first / "results.json").read_text())
+    (row,) = results["rows"]
+    at = row["argv"].index("--schedule")
+    assert row["argv"][at : at + 2] == ["--schedule", "cosine"]  # not the default any more
+    # as such a report was written before 2026-12-04
+    del results["settings"]["schedule"], row["argv"][at : at + 2]
+    (first / "results.json").write_text(json.dumps(results))
+    for path in (out / "runs").iterdir():  # the run directories are gone
+        for file in path.iterdir():
+            file.unlink()
+        path.rmdir()
+    assert main([*argv, "--report", str(second), "--reuse", str(first)]) == 0
+    (row,) = json.loads((second / "results.json").read_text())["rows"]
+    assert row["val_loss"]["values"] == [1.5] and "--schedule" in row["argv"]
+    assert main([*argv, "--report", str(second), "--reuse", str(first), "--schedule", "wsd"]) == 2

@@ -174,7 +174,7 @@ def two_momenta_run(corpus_dir, tmp_path, **schedule):
 
 
 def test_trainer_applies_lr_schedule_and_omega_warmup(one_thread, corpus_dir, tmp_path):
-    run = two_momenta_run(corpus_dir, tmp_path, warmup=0.25, omega_warmup=0.5)
+    run = two_momenta_run(corpus_dir, tmp_path, warmup=0.25, omega_warmup=0.5, schedule="cosine")
     assert run.lr_schedule.peak_lr == 1e-3 and run.omega_warmup.target_omegas == (0.3, 0.6)
     for group in run.optimizer.param_groups:
         assert "initial_lr" not in group and "target_omegas" not in group  # nothing stashed
@@ -238,7 +238,7 @@ def test_wsd_replanned_in_its_stable_phase_is_exact():
 
 
 def test_cosine_replanned_jumps_and_says_by_how_much():
-    old, new = planned(1200), planned(2400)
+    old, new = planned(1200, schedule="cosine"), planned(2400, schedule="cosine")
     change = steps_change(old, new, 600)
     expected_old = LRSchedule(8e-3, 1200, "cosine", 60, 0.1)(600)
     expected_new = LRSchedule(8e-3, 2400, "cosine", 120, 0.1)(600)

@@ -37,7 +37,7 @@ def test_more_steps_without_extend_is_refused_with_both_learning_rates(
         capsys,
         args,
         "--resume: --steps 24 differs from the run's 12 (checkpoint at step 12). Keep --steps 12 "
-        "to continue it exactly, or pass --extend to re-plan it: this re-stretches the cosine "
+        "to continue it exactly, or pass --extend to re-plan it: this re-stretches the wsd "
         f"schedule: the learning rate jumps from {old:.4g} to {new:.4g} at step 13",
     )
     assert (out / "metrics.jsonl").read_bytes() == before

@@ -16,6 +16,10 @@ ENTRY_COLORS = {
     "mtdao": "#d62728",
     "mtdao-warmup-0.3": "#9467bd",
     "mtdao-0.95-0.7": "#1f77b4",
+    "mtdao-cosine": "#2ca02c",
+    "ddp-cosine": "#7f7f7f",
+    "local-adam-cosine": "#ffbb78",
+    # the names of cards made before WSD became the default (2026-12-04)
     "mtdao-wsd": "#2ca02c",
     "ddp-wsd": "#7f7f7f",
     "local-adam-wsd": "#ffbb78",

@@ -32,7 +32,9 @@ import json
 import math
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from mtdao.experiments.formatting import format_lr
 from mtdao.experiments.frontier_grid import GRIDS, FrontierPoint, changed_flags, select
@@ -52,6 +54,7 @@ from mtdao.experiments.suite import (
     run_suite,
     stale_settings,
 )
+from mtdao.train.command import config_from_argv
 from mtdao.train.config import TrainConfig, default_lr, resolve
 
 DEFAULT_LR_FACTORS = (1 / math.sqrt(2), 1.0, math.sqrt(2))
@@ -338,7 +341,7 @@ class Study:
 
 
 # settings a run's flags may leave out (at their default) but that a default change would move
-REUSE_SETTINGS = ("model", "workers", "batch_size", "seq_len", "data_split")
+REUSE_SETTINGS = ("model", "workers", "batch_size", "seq_len", "data_split", "schedule")
 
 
 def earlier_rows(report: Path, args: argparse.Namespace) -> list[dict]:
@@ -359,7 +362,18 @@ def earlier_rows(report: Path, args: argparse.Namespace) -> list[dict]:
     ]
     if differ:
         raise ValueError(f"--reuse {report}: its runs were trained otherwise: {'; '.join(differ)}")
-    return [*results["rows"], *results.get("other_lr_rows", [])]
+    rows = [*results["rows"], *results.get("other_lr_rows", [])]
+    return [{**row, "argv": argv_under_todays_defaults(row["argv"], earlier)} for row in rows]
+
+
+def argv_under_todays_defaults(argv: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
+    """A point's ``mtdao train`` flags as :func:`changed_flags` writes them today. A report's
+    flags leave out what was at its default then: a schedule left out is the one the report
+    records (cosine, the default until 2026-12-04, for a report that records none)."""
+    if "--schedule" in argv or settings["schedule"] == TrainConfig.schedule:
+        return list(argv)
+    config = config_from_argv(list(argv))
+    return changed_flags(dataclasses.replace(config, schedule=settings["schedule"]))
 
 
 def run_frontier(args: argparse.Namespace) -> int:
@@ -392,6 +406,7 @@ def run_frontier(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "data_split": args.data_split,
+        "schedule": args.schedule,
         "seeds": list(args.seeds),
         "frontier_seeds": list(args.frontier_seeds),
         "grid": "quick" if args.quick else "full",

@@ -31,7 +31,7 @@ NAMES = (
     "`mtdao` default since; `mtdao-paper` is 0.99 / 0.9 without warm-up, `both-wu` with "
     "`--omega-warmup 0.3 --beta-warmup 0.3`. Blocks: p1 horizons, p3 variants at K = 32, p4 "
     "other sync periods, p5 batch x4, p6 the held-out corpus, p7 a cosine schedule instead of WSD "
-    "(the schedule `mtdao train` uses by default)."
+    "(`mtdao train`'s default schedule until 2026-12-04)."
 )
 
 

@@ -308,7 +308,12 @@ def add_budget_arguments(
         help=f"worker shards (default: {TrainConfig.data_split}; contiguous: the split of "
         "figures before 2026-12-02)",
     )
-    add("--schedule", default="cosine", choices=SCHEDULES, help="LR schedule (default: cosine)")
+    add(
+        "--schedule",
+        default="cosine",
+        choices=SCHEDULES,
+        help="LR schedule (default: cosine, as the studies ran; mtdao train's default is wsd)",
+    )
     add(
         "--seeds",
         type=int,

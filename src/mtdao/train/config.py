@@ -130,8 +130,9 @@ class TrainConfig:
     """Worker shards: shuffled (IID: the documents in a seeded random order, cut in equal
     shares), by-file (non-IID: each worker its own run of files in path order), or contiguous
     (non-IID: equal cuts of the path order, what "iid" was until 2026-12-02)."""
-    schedule: str = _choice("cosine", SCHEDULES)
-    """Learning-rate schedule after a linear warmup (wsd: warmup-stable-decay)."""
+    schedule: str = _choice("wsd", SCHEDULES)
+    """Learning-rate schedule after a linear warmup (wsd: warmup-stable-decay, the peak held until
+    the last --decay-fraction of the steps; the default since 2026-12-04, cosine before)."""
     warmup: float = 0.05
     """Warmup length as a fraction of the steps."""
     decay_fraction: float = 0.2
