@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 
 import pytest
 
@@ -144,15 +145,27 @@ def finish_run(out, args, point, lr, seed, loss, num_bytes):
     return run
 
 
+def quick_args(argv):
+    """The parsed ``mtdao frontier --quick`` arguments of ``argv``, the quick grid's settings
+    applied as the command applies them."""
+    from mtdao.experiments.frontier import apply_quick
+
+    args = build_parser().parse_args(argv)
+    apply_quick(args)
+    return args
+
+
+def remove_run_directories(out):
+    """What a new machine leaves of a study: no run directories."""
+    shutil.rmtree(out / "runs")
+
+
 def test_the_command_sweeps_references_adds_seeds_to_the_fronts_and_writes_the_report(tmp_path):
     """Every run the quick grid asks for is written as finished; --no-train reports them."""
     out, report = tmp_path / "runs", tmp_path / "report"
     argv = ["frontier", "--quick", "--lr-factors", "1", "2", "--frontier-seeds", "1"]
     argv += ["--out", str(out), "--report", str(report), "--no-train"]
-    args = build_parser().parse_args(argv)
-    from mtdao.experiments.frontier import apply_quick
-
-    apply_quick(args)
+    args = quick_args(argv)
     base = 8e-3
     for index, point in enumerate(quick_grid()):
         for lr in (base, 2 * base):
@@ -183,10 +196,7 @@ def test_an_lr_pin_for_a_method_outside_the_chosen_points_is_unused_and_a_typo_r
     out, report = tmp_path / "runs", tmp_path / "report"
     argv = ["frontier", "--quick", "--lr-factors", "1", "--points", "ddp"]
     argv += ["--out", str(out), "--report", str(report), "--no-train"]
-    args = build_parser().parse_args(argv)
-    from mtdao.experiments.frontier import apply_quick
-
-    apply_quick(args)
+    args = quick_args(argv)
     ddp = next(point for point in quick_grid() if point.name == "ddp")
     finish_run(out, args, ddp, 8e-3, 0, 1.5, 10**9)
     assert main([*argv, "--lr", "mtdao=1e-2"]) == 0
@@ -201,10 +211,7 @@ def test_reuse_takes_an_earlier_reports_runs_where_out_has_none_and_the_report_s
     stand in for the missing ones (same flags, LR and seed); a run --out holds wins over it."""
     out, first, second = tmp_path / "runs", tmp_path / "first", tmp_path / "second"
     argv = ["frontier", "--quick", "--lr-factors", "1", "--out", str(out), "--no-train"]
-    args = build_parser().parse_args(argv)
-    from mtdao.experiments.frontier import apply_quick
-
-    apply_quick(args)
+    args = quick_args(argv)
     points = {p.name: p for p in quick_grid()}
 
     def finish(name, loss):
@@ -213,10 +220,7 @@ def test_reuse_takes_an_earlier_reports_runs_where_out_has_none_and_the_report_s
     ddp_run = finish("ddp", 1.5)
     # the earlier report also lists a point it has no run of
     assert main([*argv, "--points", "ddp", "desloc-k32-fp32", "--report", str(first)]) == 1
-    for path in (out / "runs").iterdir():  # the run directories are gone
-        for file in path.iterdir():
-            file.unlink()
-        path.rmdir()
+    remove_run_directories(out)
     finish("mtdao-k32-fp32", 1.6)
     both = ["--points", "ddp", "mtdao-k32-fp32", "--report", str(second)]
     assert main([*argv, *both]) == 1  # DDP is missing without --reuse
@@ -281,10 +285,7 @@ def test_a_method_with_its_own_factors_is_swept_and_trains_its_points_at_its_bes
     out, report = tmp_path / "runs", tmp_path / "report"
     argv = ["frontier", "--quick", "--lr-factors", "1", "local-adam=1,2", "--frontier-seeds"]
     argv += ["--out", str(out), "--report", str(report), "--no-train"]
-    args = build_parser().parse_args(argv)
-    from mtdao.experiments.frontier import apply_quick
-
-    apply_quick(args)
+    args = quick_args(argv)
     base = 8e-3
     for index, point in enumerate(quick_grid()):
         lrs = (base, 2 * base) if point.method == "local-adam" else (base,)
@@ -317,16 +318,11 @@ def test_a_re_render_at_a_new_lr_keeps_the_points_runs_at_the_old_one(tmp_path):
     out, first, second, third = (tmp_path / name for name in ("runs", "a", "b", "c"))
     argv = ["frontier", "--quick", "--lr-factors", "1", "--out", str(out), "--no-train"]
     argv += ["--points", "mtdao-k32-fp32"]
-    args = build_parser().parse_args(argv)
-    from mtdao.experiments.frontier import apply_quick
-
-    apply_quick(args)
+    args = quick_args(argv)
     point = next(p for p in quick_grid() if p.name == "mtdao-k32-fp32")
     finish_run(out, args, point, 8e-3, 0, 1.6, 10**6)
     assert main([*argv, "--report", str(first)]) == 0
-    for path in (out / "runs").iterdir():  # the 8e-3 run directory is gone
-        (path / "results.json").unlink()
-        path.rmdir()
+    remove_run_directories(out)  # the 8e-3 run is gone
     finish_run(out, args, point, 1.6e-2, 0, 1.5, 10**6)
     assert main([*argv, "--lr", "mtdao=0.016", "--reuse", str(first), "--report", str(second)]) == 0
     results = json.loads((second / "results.json").read_text())
@@ -354,10 +350,7 @@ def test_lr_per_point_gives_each_point_the_best_of_its_methods_sweep_lrs(tmp_pat
     argv = ["frontier", "--quick", "--lr-factors", "1", "mtdao=1,2", "--frontier-seeds"]
     argv += ["--out", str(out), "--report", str(report), "--no-train"]
     argv += ["--points", "mtdao-k32-fp32", "mtdao-k32-int2-s128"]
-    args = build_parser().parse_args(argv)
-    from mtdao.experiments.frontier import apply_quick
-
-    apply_quick(args)
+    args = quick_args(argv)
     points = {p.name: p for p in quick_grid()}
     base = 8e-3
     losses = {  # the reference prefers 2x, the longer-period point 1x
@@ -422,10 +415,7 @@ def test_a_report_from_before_wsd_became_the_default_is_reused_as_the_cosine_run
     out, first, second = tmp_path / "runs", tmp_path / "first", tmp_path / "second"
     argv = ["frontier", "--quick", "--lr-factors", "1", "--out", str(out), "--no-train"]
     argv += ["--points", "ddp"]
-    args = build_parser().parse_args(argv)
-    from mtdao.experiments.frontier import apply_quick
-
-    apply_quick(args)
+    args = quick_args(argv)
     ddp = next(point for point in quick_grid() if point.name == "ddp")
     finish_run(out, args, ddp, 8e-3, 0, 1.5, 10**6)
     assert main([*argv, "--report", str(first)]) == 0
@@ -436,10 +426,7 @@ def test_a_report_from_before_wsd_became_the_default_is_reused_as_the_cosine_run
     # as such a report was written before 2026-12-04
     del results["settings"]["schedule"], row["argv"][at : at + 2]
     (first / "results.json").write_text(json.dumps(results))
-    for path in (out / "runs").iterdir():  # the run directories are gone
-        for file in path.iterdir():
-            file.unlink()
-        path.rmdir()
+    remove_run_directories(out)
     assert main([*argv, "--report", str(second), "--reuse", str(first)]) == 0
     (row,) = json.loads((second / "results.json").read_text())["rows"]
     assert row["val_loss"]["values"] == [1.5] and "--schedule" in row["argv"]
