@@ -221,13 +221,16 @@ def test_a_sync_period_longer_than_the_run_is_warned():
     assert "--state-sync-period 9 is larger than --steps 8" in warning
 
 
-def test_a_run_shorter_than_the_default_was_measured_at_is_warned():
-    """The defaults card's shortest runs are 300 steps: a shorter one says so, and where its
-    slow momentum's ramp (min(0.99, 1 - 9 / t), 0.99 from step 900) leaves it."""
+def test_a_run_that_ends_before_the_slow_momentum_has_ramped_up_is_warned():
+    """A run shorter than the ramp (min(0.99, 1 - 9 / t), 0.99 from step 900) says where the ramp
+    leaves it; below the defaults card's shortest runs (300 steps) that it was never measured."""
     (warning,) = config_warnings(resolve(TrainConfig(steps=200)))
     assert "--steps 200 is shorter than any run MT-DAO's default was measured at" in warning
     assert "ends this run at decay 0.955 (target 0.99 from step 900)" in warning
-    assert config_warnings(resolve(TrainConfig(steps=300))) == []
+    (warning,) = config_warnings(resolve(TrainConfig(steps=300)))
+    assert "--steps 300 is a short run for MT-DAO's default" in warning
+    assert "ends this run at decay 0.970 (target 0.99 from step 900)" in warning
+    assert config_warnings(resolve(TrainConfig(steps=900))) == []
     assert config_warnings(resolve(TrainConfig(steps=200, method="local-adam"))) == []
     assert config_warnings(resolve(TrainConfig(steps=200, beta_ramp=0.0))) == []
 
