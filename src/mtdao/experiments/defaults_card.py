@@ -45,7 +45,7 @@ class Entry:
 ENTRIES = (
     Entry("ddp", "ddp"),
     Entry("local-adam", "local-adam"),
-    Entry("mtdao", "mtdao", note="the current default (the WSD schedule since 2026-12-04)"),
+    Entry("mtdao", "mtdao", note="the current default, under the WSD schedule since 2026-12-04"),
     # The earlier defaults ran under the cosine schedule, every method's default until 2026-12-04;
     # a schedule is judged against the baselines under it too (a default schedule is fair only if
     # it is each method's own best, as the learning rate is).
