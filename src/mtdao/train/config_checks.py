@@ -25,6 +25,7 @@ from mtdao.sync.round_options import (
 )
 from mtdao.train.methods import METHOD_TABLE, STATE_AVERAGING_METHODS
 from mtdao.train.optimizer_defaults import OPTIMIZER_DEFAULTS
+from mtdao.train.schedule import BETA_WARMUP_START, step_capped_beta
 
 
 def check_config(config: Any) -> None:
@@ -178,9 +179,10 @@ def config_warnings(config: Any) -> list[str]:
             "average their parameters in this run (evaluation still averages them)"
         )
     slowest = max(config.betas or (0.0,))
-    ramped_at = round(config.beta_ramp / (1 - slowest)) if config.beta_ramp and slowest > 0.9 else 0
+    ramped = config.beta_ramp and slowest > BETA_WARMUP_START
+    ramped_at = round(config.beta_ramp / (1 - slowest)) if ramped else 0
     if steps < ramped_at:  # the run ends while its slow momentum is still ramping up
-        final = min(slowest, max(0.9, 1 - config.beta_ramp / steps))
+        final = step_capped_beta(slowest, steps, config.beta_ramp)
         measured = (
             f"shorter than any run MT-DAO's default was measured at ({SHORTEST_MEASURED_RUN} "
             "steps and up)"
