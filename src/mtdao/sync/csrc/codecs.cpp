@@ -23,16 +23,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGrainRows = 64;
-constexpr float kInfBits = 2139095040.0f;  // the bit pattern of +inf, as a float
 constexpr int32_t kAbsMask = 0x7FFFFFFF;
-constexpr int32_t kInfPattern = 0x7F800000;
+constexpr int32_t kInfPattern = 0x7F800000;  // +inf's bit pattern
+constexpr float kInfBits = static_cast<float>(kInfPattern);  // the same, as a float
 constexpr int32_t kNegativeZero = INT32_MIN;
 
 // torch.round: to the nearest integer, halves to even. Adding and taking away 2^23 rounds in the
