@@ -59,9 +59,11 @@ def test_the_former_schedule_is_run_for_mtdao_and_for_each_baseline_alike():
     for entry in ("mtdao", "ddp", "local-adam"):
         period = "" if entry == "ddp" else "-K128"
         current = runs[f"vim-1000{period}-{entry}-s2"]
-        assert current.schedule == "wsd"  # the default
+        assert current.schedule == "wsd" and current.warmup is None  # the defaults
         former = runs[f"vim-1000{period}-{entry}-cosine-s2"]
-        assert former == dataclasses.replace(current, schedule="cosine")
+        assert former == dataclasses.replace(current, schedule="cosine", warmup=0.05)
+        fraction = runs[f"vim-1000{period}-{entry}-lr-warmup-0.05-s2"]
+        assert fraction == dataclasses.replace(current, warmup=0.05)
 
 
 def test_a_missing_corpus_leaves_its_cells_out():

@@ -409,9 +409,10 @@ def test_a_point_at_another_lr_is_compared_over_the_seeds_both_lrs_ran():
 def test_a_report_from_before_wsd_became_the_default_is_reused_as_the_cosine_runs_it_was(
     tmp_path,
 ):
-    """Reports made while cosine was `mtdao train`'s default record no schedule and leave
-    ``--schedule`` out of their points' flags: reused, their runs stand for cosine runs (the
-    flags gain ``--schedule cosine``), and a study at another schedule refuses them."""
+    """Reports made while cosine and a 5% LR warm-up were `mtdao train`'s defaults record neither
+    and leave ``--schedule`` and ``--warmup`` out of their points' flags: reused, their runs
+    stand for such runs (the flags gain ``--schedule cosine --warmup 0.05``), and a study at
+    another schedule or warm-up refuses them."""
     out, first, second = tmp_path / "runs", tmp_path / "first", tmp_path / "second"
     argv = ["frontier", "--quick", "--lr-factors", "1", "--out", str(out), "--no-train"]
     argv += ["--points", "ddp"]
@@ -422,12 +423,14 @@ def test_a_report_from_before_wsd_became_the_default_is_reused_as_the_cosine_run
     results = json.loads((first / "results.json").read_text())
     (row,) = results["rows"]
     at = row["argv"].index("--schedule")
-    assert row["argv"][at : at + 2] == ["--schedule", "cosine"]  # not the default any more
+    assert row["argv"][at : at + 4] == ["--schedule", "cosine", "--warmup", "0.05"]  # not defaults
     # as such a report was written before 2026-12-04
-    del results["settings"]["schedule"], row["argv"][at : at + 2]
+    del results["settings"]["schedule"], results["settings"]["warmup"], row["argv"][at : at + 4]
     (first / "results.json").write_text(json.dumps(results))
     remove_run_directories(out)
     assert main([*argv, "--report", str(second), "--reuse", str(first)]) == 0
     (row,) = json.loads((second / "results.json").read_text())["rows"]
-    assert row["val_loss"]["values"] == [1.5] and "--schedule" in row["argv"]
+    assert row["val_loss"]["values"] == [1.5]
+    assert row["argv"][at : at + 4] == ["--schedule", "cosine", "--warmup", "0.05"]
     assert main([*argv, "--report", str(second), "--reuse", str(first), "--schedule", "wsd"]) == 2
+    assert main([*argv, "--report", str(second), "--reuse", str(first), "--warmup", "0.1"]) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -14,10 +15,12 @@ from mtdao.train.schedule import (
     LRSchedule,
     OmegaWarmup,
     lr_multiplier,
+    lr_schedule_of,
     ramp,
     step_capped_beta,
     steps_change,
     warmed_beta,
+    warmup_steps_of,
 )
 from mtdao.train.trainer import build_run, set_hyperparameters, train_step
 
@@ -238,7 +241,8 @@ def test_wsd_replanned_in_its_stable_phase_is_exact():
 
 
 def test_cosine_replanned_jumps_and_says_by_how_much():
-    old, new = planned(1200, schedule="cosine"), planned(2400, schedule="cosine")
+    fraction = dict(schedule="cosine", warmup=0.05)
+    old, new = planned(1200, **fraction), planned(2400, **fraction)
     change = steps_change(old, new, 600)
     expected_old = LRSchedule(8e-3, 1200, "cosine", 60, 0.1)(600)
     expected_new = LRSchedule(8e-3, 2400, "cosine", 120, 0.1)(600)
@@ -253,10 +257,50 @@ def test_cosine_replanned_jumps_and_says_by_how_much():
 def test_a_longer_warmup_is_not_exact_even_without_a_jump():
     """wsd with a 5% warmup: 60 steps planned for 1200, 120 for 2400; the rate at step 700 is the
     peak either way, but the steps taken warmed up faster than a 2400-step run would have."""
-    change = steps_change(planned(1200, schedule="wsd"), planned(2400, schedule="wsd"), 700)
+    fraction = dict(schedule="wsd", warmup=0.05)
+    change = steps_change(planned(1200, **fraction), planned(2400, **fraction), 700)
     assert not change.exact and change.first_difference == 1
     assert change.lr_new == change.lr_planned
     assert change.consequence().startswith("the learning rate continues at 0.008, but")
+
+
+def test_the_default_warmup_keeps_a_replan_exact_up_to_3000_steps():
+    """The default warm-up is 150 steps for every run of up to 3000: a 1200-step run re-planned
+    for 3000 before its decay is the 3000-step run; one re-planned for 6000 warms up over 300."""
+    change = steps_change(planned(1200), planned(3000), 700)
+    assert change.exact and change.lr_new == change.lr_planned == 8e-3
+    longer = steps_change(planned(1200), planned(6000), 700)
+    assert not longer.exact and longer.first_difference == 1
+
+
+@pytest.mark.parametrize(
+    "steps, expected",
+    [(40, 20), (300, 150), (1000, 150), (3000, 150), (6000, 300), (10000, 500)],
+)
+def test_the_default_warmup_is_150_steps_or_5_percent_at_most_half_the_run(steps, expected):
+    config = resolve(TrainConfig(steps=steps))
+    assert warmup_steps_of(config) == lr_schedule_of(config).warmup_steps == expected
+
+
+def test_a_warmup_given_as_a_fraction_or_in_steps():
+    assert warmup_steps_of(resolve(TrainConfig(steps=1000, warmup=0.05))) == 50
+    assert warmup_steps_of(resolve(TrainConfig(steps=1000, warmup_steps=70))) == 70
+    assert warmup_steps_of(resolve(TrainConfig(steps=1000, warmup=0.0))) == 0
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (dict(warmup=0.1, warmup_steps=10), "not both"),
+        (dict(warmup_steps=-1), "--warmup-steps must be a whole number"),
+        (dict(steps=100, warmup_steps=101), "from 0 to the run's 100"),
+        (dict(warmup_steps=2.5), "got 2.5"),
+        (dict(warmup=1.5), "--warmup must lie in [0, 1]"),
+    ],
+)
+def test_a_bad_warmup_is_refused_naming_it(given, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve(TrainConfig(**given))
 
 
 def test_the_default_beta_ramp_keeps_a_replan_exact():

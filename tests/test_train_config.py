@@ -18,6 +18,7 @@ from mtdao.sync.round_options import check_round_options
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import (
     RESUMABLE_FIELDS,
+    WARMUP_FIELDS,
     TrainConfig,
     config_warnings,
     describe_default,
@@ -41,6 +42,9 @@ def test_resolved_configs_are_complete_and_resolve_to_themselves(method, optimiz
     assert resolve(config) == config
     not_applicable = {"state_sync_period", "checkpoint_every", "tokens"}
     not_applicable |= {"replica_id", "lighthouse", "auth_token_file"}  # only with --fault-tolerant
+    # the default LR warm-up stays a rule of the run's length (warmup_steps_of), so that a run
+    # re-planned for other --steps (--resume --extend) follows the rule for its new length
+    not_applicable |= {"warmup", "warmup_steps"}
     if optimizer == "sgdm":
         not_applicable |= {"beta2", "eps"}  # SGDM keeps no second moment
     if method in ("ddp", "qh-ddp", "diloco"):
@@ -268,6 +272,20 @@ def test_a_config_saved_with_the_iid_split_of_before_the_shuffle_reads_as_contig
     )
 
 
+def test_a_run_saved_with_the_former_warmup_fraction_is_the_default_where_the_steps_agree():
+    """Until 2026-12-04 the LR warm-up was 5% of --steps, saved as warmup 0.05: at 3000 steps
+    that is the default's 150 steps (reused, resumed), at 1000 it is 50 (another run)."""
+    from mtdao.experiments.suite import stale_settings
+
+    for steps, differs in ((3000, False), (1000, True)):
+        saved = resolve(TrainConfig(steps=steps, warmup=0.05))
+        today = resolve(TrainConfig(steps=steps))
+        stale = stale_settings({"config": saved.to_dict()}, today)
+        assert stale == (["warmup_steps: 50 -> 150"] if differs else [])
+        expected = ["LR warm-up: 50 -> 150 steps (of 1000)"] if differs else []
+        assert saved.differences(today) == expected
+
+
 def test_differences_ignore_exactly_the_resumable_fields():
     base = TrainConfig()
     changed_values = {
@@ -287,6 +305,8 @@ def test_differences_ignore_exactly_the_resumable_fields():
         differences = base.differences(dataclasses.replace(base, **{field.name: other}))
         if field.name in RESUMABLE_FIELDS:
             assert differences == [], field.name
+        elif field.name in WARMUP_FIELDS:  # compared by the steps they come to
+            assert len(differences) == 1 and differences[0].startswith("LR warm-up: 150 -> ")
         else:
             assert len(differences) == 1 and differences[0].startswith(f"{field.name}: "), (
                 field.name

@@ -47,9 +47,9 @@ def test_wsd_extended_in_its_stable_phase_is_the_longer_run(
     tmp_path, corpus_dir, capsys, monkeypatch
 ):
     """12 wsd steps (decay from step 10) stopped after step 8, then --steps 20 --extend: exactly
-    the run that had --steps 20 from the start (both warm up for 1 step; the beta warm-up, a
-    fraction of the run, is off)."""
-    wsd = dict(schedule="wsd", checkpoint_every=4, beta_warmup=0.0)
+    the run that had --steps 20 from the start (both warm up for 1 step: the default, at most
+    half the run, would be 6 and 10; the beta warm-up, a fraction of the run, is off)."""
+    wsd = dict(schedule="wsd", checkpoint_every=4, beta_warmup=0.0, warmup_steps=1)
     reference = trainer.train(tiny_config(tmp_path / "reference", corpus_dir, steps=20, **wsd))
     out = tmp_path / "extended"
     train_until_interrupted(monkeypatch, tiny_config(out, corpus_dir, **wsd), stop_after=8)

@@ -19,6 +19,9 @@ ENTRY_COLORS = {
     "mtdao-cosine": "#2ca02c",
     "ddp-cosine": "#7f7f7f",
     "local-adam-cosine": "#ffbb78",
+    "mtdao-lr-warmup-0.05": "#e377c2",
+    "ddp-lr-warmup-0.05": "#bcbd22",
+    "local-adam-lr-warmup-0.05": "#8c564b",
     # the names of cards made before WSD became the default (2026-12-04)
     "mtdao-wsd": "#2ca02c",
     "ddp-wsd": "#7f7f7f",

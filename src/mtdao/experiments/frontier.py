@@ -341,7 +341,7 @@ class Study:
 
 
 # settings a run's flags may leave out (at their default) but that a default change would move
-REUSE_SETTINGS = ("model", "workers", "batch_size", "seq_len", "data_split", "schedule")
+REUSE_SETTINGS = ("model", "workers", "batch_size", "seq_len", "data_split", "schedule", "warmup")
 
 
 def earlier_rows(report: Path, args: argparse.Namespace) -> list[dict]:
@@ -368,12 +368,17 @@ def earlier_rows(report: Path, args: argparse.Namespace) -> list[dict]:
 
 def argv_under_todays_defaults(argv: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
     """A point's ``mtdao train`` flags as :func:`changed_flags` writes them today. A report's
-    flags leave out what was at its default then: a schedule left out is the one the report
-    records (cosine, the default until 2026-12-04, for a report that records none)."""
-    if "--schedule" in argv or settings["schedule"] == TrainConfig.schedule:
+    flags leave out what was at its default then: a schedule or LR warm-up left out is the one
+    the report records (cosine and 5% of --steps, the defaults until 2026-12-04, for a report
+    that records none)."""
+    left_out = {
+        name: settings[name]
+        for name in ("schedule", "warmup")
+        if f"--{name}" not in argv and settings[name] != getattr(TrainConfig, name)
+    }
+    if not left_out:
         return list(argv)
-    config = config_from_argv(list(argv))
-    return changed_flags(dataclasses.replace(config, schedule=settings["schedule"]))
+    return changed_flags(dataclasses.replace(config_from_argv(list(argv)), **left_out))
 
 
 def run_frontier(args: argparse.Namespace) -> int:
@@ -407,6 +412,7 @@ def run_frontier(args: argparse.Namespace) -> int:
         "seq_len": args.seq_len,
         "data_split": args.data_split,
         "schedule": args.schedule,
+        "warmup": args.warmup,
         "seeds": list(args.seeds),
         "frontier_seeds": list(args.frontier_seeds),
         "grid": "quick" if args.quick else "full",

@@ -66,7 +66,7 @@ def render_report(settings, outcome, failures) -> str:
         "",
         f"- {s['workers']} workers x {s['batch_size']} sequences x {s['seq_len']} tokens per step, "
         f"{s['steps']} steps: equal tokens for every point; grid `{s['grid']}`; worker shards "
-        f"`{s['data_split']}`; LR schedule `{s['schedule']}`",
+        f"`{s['data_split']}`; LR schedule `{s['schedule']}`, warm-up {s['warmup']:g} of the steps",
         f"- seeds {', '.join(map(str, s['seeds']))} for every point, plus "
         f"{', '.join(map(str, s['frontier_seeds'])) or 'none'} for the points on a method's "
         "Pareto frontier",

@@ -51,6 +51,7 @@ from mtdao.experiments.slow_link_report import (
     report_table,
 )
 from mtdao.experiments.slow_link_summary import compare_to_ddp
+from mtdao.experiments.suite import STUDY_WARMUP
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.command import config_to_argv
@@ -132,6 +133,7 @@ def base_config(method: str, args: argparse.Namespace, run_dir: Path) -> TrainCo
         data=args.data,
         lr=args.lr,
         schedule=args.schedule,
+        warmup=args.warmup,
         betas=tuple(args.betas) if multi_timescale and args.betas else None,
         omegas=tuple(args.omegas) if multi_timescale and args.omegas else None,
     )
@@ -378,6 +380,13 @@ def add_parser(subparsers) -> None:
         default="cosine",
         choices=SCHEDULES,
         help="LR schedule (default: cosine, as the studies ran; mtdao train's default is wsd)",
+    )
+    add(
+        "--warmup",
+        type=float,
+        default=STUDY_WARMUP,
+        help=f"LR warm-up as a fraction of the steps (default: {STUDY_WARMUP:g}, as the studies "
+        "ran; mtdao train's default is a number of steps)",
     )
     add("--sync-period", type=int, default=32, help="K (default: %(default)s)")
     add("--batch-size", type=int, default=4, help="sequences per worker per step")

@@ -32,8 +32,16 @@ from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.command import config_to_argv
-from mtdao.train.config import DATA_SPLITS, SCHEDULES, TrainConfig, describe_default, resolve
+from mtdao.train.config import (
+    DATA_SPLITS,
+    SCHEDULES,
+    WARMUP_FIELDS,
+    TrainConfig,
+    describe_default,
+    resolve,
+)
 from mtdao.train.methods import BASE_OPTIMIZERS
+from mtdao.train.schedule import warmup_steps_of
 from mtdao.train.threads import available_cores
 from mtdao.units import format_bytes
 
@@ -41,6 +49,8 @@ RUNS_DIR = "runs"
 RESULTS_FILE = "results.json"
 LOG_FILE = "train.log"
 MIN_EVAL_EVERY = 10
+# the study commands' LR warm-up: mtdao train's default until 2026-12-04, as their reports ran
+STUDY_WARMUP = 0.05
 
 # TrainConfig fields that do not change what a run computes: a finished run with other values
 # of these is still the same run.
@@ -72,8 +82,13 @@ def load_results(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _computed_settings(config: TrainConfig) -> dict[str, Any]:
-    resolved = resolve(config).to_dict()
-    return {k: v for k, v in resolved.items() if k not in BOOKKEEPING_FIELDS}
+    """The resolved settings a run's result depends on; the LR warm-up as its number of steps,
+    however it was given (a 3000-step run at 5% is one at the default's 150)."""
+    resolved = resolve(config)
+    settings = {
+        k: v for k, v in resolved.to_dict().items() if k not in BOOKKEEPING_FIELDS | WARMUP_FIELDS
+    }
+    return {**settings, "warmup_steps": warmup_steps_of(resolved)}
 
 
 def stale_settings(results: dict[str, Any], config: TrainConfig) -> list[str]:
@@ -315,6 +330,13 @@ def add_budget_arguments(
         help="LR schedule (default: cosine, as the studies ran; mtdao train's default is wsd)",
     )
     add(
+        "--warmup",
+        type=float,
+        default=STUDY_WARMUP,
+        help=f"LR warm-up as a fraction of --steps (default: {STUDY_WARMUP:g}, as the studies ran; "
+        "mtdao train's default is a number of steps)",
+    )
+    add(
         "--seeds",
         type=int,
         nargs="+",
@@ -368,6 +390,7 @@ def base_config(args: argparse.Namespace, seed: int) -> TrainConfig:
         tokenizer=args.tokenizer,
         data_split=args.data_split,
         schedule=args.schedule,
+        warmup=args.warmup,
         eval_every=args.eval_every or default_eval_every(args.steps),
         eval_tokens=args.eval_tokens,
         seed=seed,

@@ -30,6 +30,7 @@ from mtdao.train.config_checks import config_warnings as config_warnings
 from mtdao.train.methods import BASE_OPTIMIZERS, METHOD_TABLE, METHODS, SYNC_POLICIES
 from mtdao.train.optimizer_defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
 from mtdao.train.optimizer_defaults import default_lr as default_lr
+from mtdao.train.schedule import DEFAULT_WARMUP_FRACTION, DEFAULT_WARMUP_STEPS, warmup_steps_of
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -133,8 +134,12 @@ class TrainConfig:
     schedule: str = _choice("wsd", SCHEDULES)
     """Learning-rate schedule after a linear warmup (wsd: warmup-stable-decay, the peak held until
     the last --decay-fraction of the steps; the default since 2026-12-04, cosine before)."""
-    warmup: float = 0.05
-    """Warmup length as a fraction of the steps."""
+    warmup: float | None = None
+    """LR warm-up as a fraction of the steps (instead of --warmup-steps)."""
+    warmup_steps: int | None = None
+    """LR warm-up in steps."""
+    # Both unset in a resolved config means the default rule (schedule.warmup_steps_of), kept a
+    # rule of --steps so that a run re-planned by --extend follows it for its new length.
     decay_fraction: float = 0.2
     """wsd: fraction of the steps spent decaying."""
     min_lr_ratio: float = 0.1
@@ -164,8 +169,9 @@ class TrainConfig:
     """With --resume: allow a --steps other than the run's and re-plan the schedules for it. Exact
     (the same run as one given the new --steps from the start) when both plans agree on every step
     already taken: wsd resumed before its decay starts, or constant, with warmups of the same
-    number of steps (--warmup and the momentum warm-ups, --beta-warmup on by default for mtdao,
-    are fractions of --steps, so they differ unless set to 0). Otherwise it says so: cosine, or
+    number of steps (the default LR warm-up and the step-counted --beta-ramp are, up to 3000
+    steps; --warmup, --omega-warmup and --beta-warmup are fractions of --steps, so they differ
+    unless 0). Otherwise it says so: cosine, or
     wsd past its decay start, is re-stretched and the learning rate jumps at the resume step
     (both values are printed). Without --extend a changed --steps is refused with that
     explanation."""
@@ -248,16 +254,26 @@ class TrainConfig:
         return cls(**values)
 
     def differences(self, other: TrainConfig) -> list[str]:
-        """Fields (outside RESUMABLE_FIELDS) whose values differ, as 'name: a -> b'."""
+        """Fields (outside RESUMABLE_FIELDS) whose values differ, as 'name: a -> b'. The LR
+        warm-ups are compared as the steps each gives a run of this config's length (a
+        fraction and a count of steps may agree; a re-planned length is --extend's to judge)."""
         mine, theirs = self.to_dict(), other.to_dict()
-        return [
+        differ = [
             f"{name}: {mine[name]!r} -> {theirs[name]!r}"
             for name in mine
-            if name not in RESUMABLE_FIELDS and mine[name] != theirs[name]
+            if name not in RESUMABLE_FIELDS | WARMUP_FIELDS and mine[name] != theirs[name]
         ]
+        steps = self.total_steps()
+        warmups = warmup_steps_of(self, steps), warmup_steps_of(other, steps)
+        if warmups[0] != warmups[1]:
+            differ.append(f"LR warm-up: {warmups[0]} -> {warmups[1]} steps (of {steps})")
+        return differ
 
 
 # -- resolving ----------------------------------------------------------------------------------
+
+# how the LR warm-up is given: compared by the steps it comes to (TrainConfig.differences)
+WARMUP_FIELDS = frozenset({"warmup", "warmup_steps"})
 
 
 def resolve(config: TrainConfig) -> TrainConfig:
@@ -330,6 +346,10 @@ def describe_default(name: str) -> str | None:
         "eps": _per_optimizer("eps"),
         "lr": _per_optimizer("lr"),
         "steps": str(DEFAULT_STEPS),
+        "warmup": "--warmup-steps",
+        "warmup_steps": f"{DEFAULT_WARMUP_STEPS}, or {DEFAULT_WARMUP_FRACTION:g} of --steps when "
+        "that is longer, at most half the run: the same for every run of up to "
+        f"{round(DEFAULT_WARMUP_STEPS / DEFAULT_WARMUP_FRACTION)} steps",
         "eval_every": f"steps / {EVALUATIONS_PER_RUN}",
         "checkpoint_every": "only at the end",
         "data": "builtin: the Python standard library's source, no download",

@@ -93,6 +93,17 @@ def check_config(config: Any) -> None:
         value = getattr(config, name)
         if value is not None and not 0.0 <= value <= 1.0:
             raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
+    if config.warmup is not None and config.warmup_steps is not None:
+        raise ValueError(
+            "give --warmup (a fraction of --steps) or --warmup-steps (a number of steps), not both"
+        )
+    if config.warmup_steps is not None and not (
+        isinstance(config.warmup_steps, int) and 0 <= config.warmup_steps <= config.total_steps()
+    ):
+        raise ValueError(
+            f"--warmup-steps must be a whole number of steps from 0 to the run's "
+            f"{config.total_steps()}, got {config.warmup_steps!r}"
+        )
     if config.beta_ramp is not None and not (
         math.isfinite(config.beta_ramp) and config.beta_ramp >= 0
     ):

@@ -59,6 +59,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "skipped_rounds": run.sync.skipped_rounds,
         "settings": {
             "lr": config.lr,
+            "warmup_steps": run.lr_schedule.warmup_steps,
             "betas": list(config.betas or ()),
             "omegas": list(config.omegas or ()),
             "beta2": config.beta2,
