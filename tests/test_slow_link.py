@@ -84,7 +84,8 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
         seq_len=32,
         eval_tokens=512,
         eval_every=slow_link.eval_every(STEPS, SYNC_PERIOD),
-        schedule="cosine",  # slow-link's default
+        schedule="cosine",  # slow-link's defaults
+        warmup=0.05,
         data=str(corpus_dir),
         out=str(tmp_path / "simulated"),
         device="cpu",
