@@ -263,6 +263,32 @@ def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_mor
     assert rows["mtdao-k32-int2-s128"]["seeds"] == [0, 1, 2]
 
 
+def test_a_point_that_reaches_a_front_once_the_seeds_move_the_means_is_owed_them(tmp_path):
+    """On the first seed the int2 point is cheaper and better than the fp32 one; its extra seeds
+    raise its mean above fp32's, which puts fp32 on the front of the means: it is owed the
+    extra seeds too (missing under --no-train until they finish), not left at one seed."""
+    out, report = tmp_path / "runs", tmp_path / "report"
+    argv = ["frontier", "--lr-factors", "1", "--frontier-seeds", "1", "2"]
+    argv += ["--out", str(out), "--report", str(report), "--no-train"]
+    argv += ["--points", "mtdao-k32-fp32", "mtdao-k32-int2-s128"]
+    args = build_parser().parse_args(argv)
+    points = {p.name: p for p in full_grid()}
+    finished = {
+        ("mtdao-k32-fp32", 0): (1.51, 10**6),
+        ("mtdao-k32-int2-s128", 0): (1.5, 10**5),
+        ("mtdao-k32-int2-s128", 1): (1.6, 10**5),
+        ("mtdao-k32-int2-s128", 2): (1.62, 10**5),
+    }
+    for (name, seed), (loss, num_bytes) in finished.items():
+        finish_run(out, args, points[name], 8e-3, seed, loss, num_bytes)
+    assert main(argv) == 1  # fp32's seeds 1 and 2 are missing
+    for seed in (1, 2):
+        finish_run(out, args, points["mtdao-k32-fp32"], 8e-3, seed, 1.52, 10**6)
+    assert main(argv) == 0
+    rows = {r["name"]: r for r in json.loads((report / "results.json").read_text())["rows"]}
+    assert rows["mtdao-k32-fp32"]["seeds"] == [0, 1, 2]
+
+
 def test_lr_factors_may_give_one_method_its_own_sweep():
     methods = ["ddp", "local-adam", "mtdao"]
     factors = parse_lr_factors(["1", "local-adam=0.5,1,2"], methods)

@@ -256,13 +256,19 @@ class Study:
         seeds_of = {p.name: seeds for p in self.points}
         extra = [s for s in self.args.frontier_seeds if s not in seeds]
         if extra:
-            fronts = fronts_by_method(self.rows(lr_of, seeds_of))
-            on_front = {row["name"] for front in fronts.values() for row in front}
-            self.train(runs_of([p for p in self.points if p.name in on_front], extra))
-            # a point off the front keeps the extra seeds it has (it was on a front before)
-            others = [p for p in self.points if p.name not in on_front]
-            self.train(runs_of(others, extra), only_finished=True)
+            # A point's extra seeds move its mean and so the fronts: until every point on a front
+            # of the means has them, seed those that lack them (each pass seeds at least one
+            # point or stops). A point off the fronts keeps the extra seeds it has.
             seeds_of = {p.name: seeds + extra for p in self.points}
+            seeded: set[str] = set()
+            while True:
+                self.train(runs_of(self.points, extra), only_finished=True)
+                fronts = fronts_by_method(self.rows(lr_of, seeds_of))
+                on_front = {row["name"] for front in fronts.values() for row in front} - seeded
+                if not on_front:
+                    break
+                self.train(runs_of([p for p in self.points if p.name in on_front], extra))
+                seeded |= on_front
         # every sweep's losses, those that needed no runs of their own included
         for sweep in sweeps.values():
             point = next(p for p in self.points if p.name == sweep["point"])
