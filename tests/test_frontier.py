@@ -239,15 +239,28 @@ def test_reuse_takes_an_earlier_reports_runs_where_out_has_none_and_the_report_s
     assert main([*argv, *both, "--reuse", str(first), "--data-split", "contiguous"]) == 2
 
 
-def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_more(tmp_path):
-    """Extra seeds go to the front; a point that left it (a cheaper, better point came) still
-    reports the extra seeds already finished, and is not listed as missing the others."""
+def two_point_study(tmp_path, finished):
+    """A --no-train study of two MT-DAO points with extra seeds 1 and 2, ``finished``
+    ({(point, seed): (loss, bytes)}) written as finished runs: its argv, report directory, and
+    a function that finishes one more run."""
     out, report = tmp_path / "runs", tmp_path / "report"
     argv = ["frontier", "--lr-factors", "1", "--frontier-seeds", "1", "2"]
     argv += ["--out", str(out), "--report", str(report), "--no-train"]
     argv += ["--points", "mtdao-k32-fp32", "mtdao-k32-int2-s128"]
     args = build_parser().parse_args(argv)
     points = {p.name: p for p in full_grid()}
+
+    def finish(name, seed, loss, num_bytes):
+        finish_run(out, args, points[name], 8e-3, seed, loss, num_bytes)
+
+    for (name, seed), (loss, num_bytes) in finished.items():
+        finish(name, seed, loss, num_bytes)
+    return argv, report, finish
+
+
+def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_more(tmp_path):
+    """Extra seeds go to the front; a point that left it (a cheaper, better point came) still
+    reports the extra seeds already finished, and is not listed as missing the others."""
     finished = {
         ("mtdao-k32-fp32", 0): (1.6, 10**6),
         ("mtdao-k32-fp32", 1): (1.62, 10**6),  # from when it was on the front
@@ -255,8 +268,7 @@ def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_mor
         ("mtdao-k32-int2-s128", 1): (1.51, 10**5),
         ("mtdao-k32-int2-s128", 2): (1.49, 10**5),
     }
-    for (name, seed), (loss, num_bytes) in finished.items():
-        finish_run(out, args, points[name], 8e-3, seed, loss, num_bytes)
+    argv, report, finish = two_point_study(tmp_path, finished)
     assert main(argv) == 0  # nothing missing: the off-front point is not owed seed 2
     rows = {r["name"]: r for r in json.loads((report / "results.json").read_text())["rows"]}
     assert rows["mtdao-k32-fp32"]["seeds"] == [0, 1]
@@ -267,23 +279,16 @@ def test_a_point_that_reaches_a_front_once_the_seeds_move_the_means_is_owed_them
     """On the first seed the int2 point is cheaper and better than the fp32 one; its extra seeds
     raise its mean above fp32's, which puts fp32 on the front of the means: it is owed the
     extra seeds too (missing under --no-train until they finish), not left at one seed."""
-    out, report = tmp_path / "runs", tmp_path / "report"
-    argv = ["frontier", "--lr-factors", "1", "--frontier-seeds", "1", "2"]
-    argv += ["--out", str(out), "--report", str(report), "--no-train"]
-    argv += ["--points", "mtdao-k32-fp32", "mtdao-k32-int2-s128"]
-    args = build_parser().parse_args(argv)
-    points = {p.name: p for p in full_grid()}
     finished = {
         ("mtdao-k32-fp32", 0): (1.51, 10**6),
         ("mtdao-k32-int2-s128", 0): (1.5, 10**5),
         ("mtdao-k32-int2-s128", 1): (1.6, 10**5),
         ("mtdao-k32-int2-s128", 2): (1.62, 10**5),
     }
-    for (name, seed), (loss, num_bytes) in finished.items():
-        finish_run(out, args, points[name], 8e-3, seed, loss, num_bytes)
+    argv, report, finish = two_point_study(tmp_path, finished)
     assert main(argv) == 1  # fp32's seeds 1 and 2 are missing
     for seed in (1, 2):
-        finish_run(out, args, points["mtdao-k32-fp32"], 8e-3, seed, 1.52, 10**6)
+        finish("mtdao-k32-fp32", seed, 1.52, 10**6)
     assert main(argv) == 0
     rows = {r["name"]: r for r in json.loads((report / "results.json").read_text())["rows"]}
     assert rows["mtdao-k32-fp32"]["seeds"] == [0, 1, 2]
