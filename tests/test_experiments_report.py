@@ -287,6 +287,24 @@ def test_half_finished_run_dir_is_resumed_or_wiped(tmp_path):
     assert not launched.resume and not run_dir.exists() and launched.out == str(run_dir)
 
 
+def test_a_run_another_process_is_training_is_left_alone_and_reported_failed(tmp_path):
+    """Two studies on one --out: the second finds the first's live run (its lock held) and
+    neither wipes its directory nor trains beside it; it reports the run failed, naming why."""
+    from mtdao.train.run_lock import RunLock
+
+    config = TrainConfig(model="micro", steps=3, progress=False)
+    run_dir = suite.run_dir_of(tmp_path, "a")
+    with RunLock(run_dir):
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        for jobs in (1, 2):  # trained in this process, and in subprocesses
+            result = suite.run_suite([("a", config)], tmp_path, jobs=jobs, threads=1)
+            assert (
+                "RunLockedError" in result.failures["a"]
+                and "in use by another run" in (result.failures["a"])
+            )
+            assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
 # -- end to end -----------------------------------------------------------------------------------
 
 TINY = "--seeds 0 --model micro --batch-size 2 --seq-len 16 --eval-tokens 512 --threads 1"

@@ -41,6 +41,7 @@ from mtdao.train.config import (
     resolve,
 )
 from mtdao.train.methods import BASE_OPTIMIZERS
+from mtdao.train.run_lock import RunLock, RunLockedError
 from mtdao.train.schedule import warmup_steps_of
 from mtdao.train.threads import available_cores
 from mtdao.units import format_bytes
@@ -124,7 +125,10 @@ def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: start over
     if run_dir.exists():
-        shutil.rmtree(run_dir)
+        # a run another process is training here (a second study on this --out) keeps its files:
+        # RunLockedError names it, and this run is reported failed, not trained beside it
+        with RunLock(run_dir):
+            shutil.rmtree(run_dir)
     return config
 
 
@@ -249,7 +253,12 @@ def _train_in_process(name: str, config: TrainConfig, out: Path, finished, said)
 
     run_dir = run_dir_of(out, name)
     try:
-        results = train(_prepare(run_dir, config), build=build_saying_data_once)
+        launch = _prepare(run_dir, config)
+    except RunLockedError as error:  # another process's run: leave its directory alone
+        finished(name, None, f"{type(error).__name__}: {error}")
+        return
+    try:
+        results = train(launch, build=build_saying_data_once)
     except Exception as error:  # a diverged or broken run must not stop the others
         (run_dir / LOG_FILE).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / LOG_FILE).write_text(traceback.format_exc())
@@ -267,7 +276,11 @@ def _train_in_subprocesses(pending, out: Path, jobs: int, threads: int, finished
             while queue and len(running) < jobs:
                 name, config = queue.pop(0)
                 run_dir = run_dir_of(out, name)
-                launch = _prepare(run_dir, config)
+                try:
+                    launch = _prepare(run_dir, config)
+                except RunLockedError as error:
+                    finished(name, None, f"{type(error).__name__}: {error}")
+                    continue
                 run_dir.mkdir(parents=True, exist_ok=True)
                 command = [sys.executable, "-m", "mtdao", "train", *config_to_argv(launch)]
                 with open(run_dir / LOG_FILE, "a") as log_file:  # the child keeps its own copy
