@@ -199,7 +199,7 @@ def config_warnings(config: Any) -> list[str]:
             "steps and up)"
             if steps < SHORTEST_MEASURED_RUN
             else "a short run for MT-DAO's default: on the defaults card such runs beat Local "
-            "Adam but trail DDP, by 4-16% at 300 steps and 1-9% at 1000 (within 1% at 3000 "
+            "Adam but trail DDP, by 4-16% at 300 steps and 2-8% at 1000 (within 1% at 3000 "
             "steps and K = 32)"
         )
         found.append(
