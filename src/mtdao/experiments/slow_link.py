@@ -51,11 +51,11 @@ from mtdao.experiments.slow_link_report import (
     report_table,
 )
 from mtdao.experiments.slow_link_summary import compare_to_ddp
-from mtdao.experiments.suite import STUDY_WARMUP
+from mtdao.experiments.suite import add_study_schedule_arguments
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.command import config_to_argv
-from mtdao.train.config import SCHEDULES, TrainConfig, describe_default, resolve
+from mtdao.train.config import TrainConfig, describe_default, resolve
 from mtdao.train.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
 
 DEFAULT_RATES = (100.0, 1000.0)
@@ -375,19 +375,7 @@ def add_parser(subparsers) -> None:
         "--model", default="tiny", choices=MODEL_PRESETS, help="model preset (default: %(default)s)"
     )
     add("--lr", type=float, help="peak learning rate of every method (default: the harness's)")
-    add(
-        "--schedule",
-        default="cosine",
-        choices=SCHEDULES,
-        help="LR schedule (default: cosine, as the studies ran; mtdao train's default is wsd)",
-    )
-    add(
-        "--warmup",
-        type=float,
-        default=STUDY_WARMUP,
-        help=f"LR warm-up as a fraction of the steps (default: {STUDY_WARMUP:g}, as the studies "
-        "ran; mtdao train's default is a number of steps)",
-    )
+    add_study_schedule_arguments(parser)
     add("--sync-period", type=int, default=32, help="K (default: %(default)s)")
     add("--batch-size", type=int, default=4, help="sequences per worker per step")
     add("--seq-len", type=int, default=64, help="tokens per sequence")

@@ -132,6 +132,16 @@ def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
     return config
 
 
+def _prepare_unless_locked(name: str, run_dir: Path, config: TrainConfig, finished):
+    """:func:`_prepare`, or None (the run reported failed) when another process is training a
+    run in ``run_dir``: its directory is left alone."""
+    try:
+        return _prepare(run_dir, config)
+    except RunLockedError as error:
+        finished(name, None, f"{type(error).__name__}: {error}")
+        return None
+
+
 def _describe(results: dict[str, Any]) -> str:
     loss, ppl = results.get("final_val_loss"), results.get("val_ppl")
     sent = format_bytes(results.get("bytes_per_worker", 0))
@@ -252,10 +262,8 @@ def _train_in_process(name: str, config: TrainConfig, out: Path, finished, said)
         return run
 
     run_dir = run_dir_of(out, name)
-    try:
-        launch = _prepare(run_dir, config)
-    except RunLockedError as error:  # another process's run: leave its directory alone
-        finished(name, None, f"{type(error).__name__}: {error}")
+    launch = _prepare_unless_locked(name, run_dir, config, finished)
+    if launch is None:
         return
     try:
         results = train(launch, build=build_saying_data_once)
@@ -276,10 +284,8 @@ def _train_in_subprocesses(pending, out: Path, jobs: int, threads: int, finished
             while queue and len(running) < jobs:
                 name, config = queue.pop(0)
                 run_dir = run_dir_of(out, name)
-                try:
-                    launch = _prepare(run_dir, config)
-                except RunLockedError as error:
-                    finished(name, None, f"{type(error).__name__}: {error}")
+                launch = _prepare_unless_locked(name, run_dir, config, finished)
+                if launch is None:
                     continue
                 run_dir.mkdir(parents=True, exist_ok=True)
                 command = [sys.executable, "-m", "mtdao", "train", *config_to_argv(launch)]
@@ -310,6 +316,24 @@ def _last_error(run_dir: Path, returncode: int) -> str:
 # -- flags shared by the experiment commands ----------------------------------------------------
 
 
+def add_study_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--schedule`` and ``--warmup`` of a study command: the defaults its reports ran under
+    (cosine, 5% of --steps), not ``mtdao train``'s of today."""
+    parser.add_argument(
+        "--schedule",
+        default="cosine",
+        choices=SCHEDULES,
+        help="LR schedule (default: cosine, as the studies ran; mtdao train's default is wsd)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=STUDY_WARMUP,
+        help=f"LR warm-up as a fraction of --steps (default: {STUDY_WARMUP:g}, as the studies ran; "
+        "mtdao train's default is a number of steps)",
+    )
+
+
 def add_budget_arguments(
     parser: argparse.ArgumentParser, *, out: str, seeds: list[int], steps: int = 1000
 ) -> None:
@@ -336,19 +360,7 @@ def add_budget_arguments(
         help=f"worker shards (default: {TrainConfig.data_split}; contiguous: the split of "
         "figures before 2026-12-02)",
     )
-    add(
-        "--schedule",
-        default="cosine",
-        choices=SCHEDULES,
-        help="LR schedule (default: cosine, as the studies ran; mtdao train's default is wsd)",
-    )
-    add(
-        "--warmup",
-        type=float,
-        default=STUDY_WARMUP,
-        help=f"LR warm-up as a fraction of --steps (default: {STUDY_WARMUP:g}, as the studies ran; "
-        "mtdao train's default is a number of steps)",
-    )
+    add_study_schedule_arguments(parser)
     add(
         "--seeds",
         type=int,

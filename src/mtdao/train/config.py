@@ -171,9 +171,8 @@ class TrainConfig:
     already taken: wsd resumed before its decay starts, or constant, with warmups of the same
     number of steps (the default LR warm-up and the step-counted --beta-ramp are, up to 3000
     steps; --warmup, --omega-warmup and --beta-warmup are fractions of --steps, so they differ
-    unless 0). Otherwise it says so: cosine, or
-    wsd past its decay start, is re-stretched and the learning rate jumps at the resume step
-    (both values are printed). Without --extend a changed --steps is refused with that
+    unless 0). Otherwise it says so: cosine, or wsd past its decay start, is re-stretched and the
+    learning rate jumps at the resume step (both values are printed). Without --extend a changed --steps is refused with that
     explanation."""
     overwrite: bool = field(default=False, metadata={"flag": "--overwrite"})
     """Replace the run in --out: delete the files a run writes there (config, metrics, results,
@@ -272,7 +271,8 @@ class TrainConfig:
 
 # -- resolving ----------------------------------------------------------------------------------
 
-# how the LR warm-up is given: compared by the steps it comes to (TrainConfig.differences)
+# how the LR warm-up is given: compared by the steps it comes to (TrainConfig.differences,
+# suite.stale_settings)
 WARMUP_FIELDS = frozenset({"warmup", "warmup_steps"})
 
 
