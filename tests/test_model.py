@@ -90,6 +90,28 @@ def test_vmapped_workers_match_separate_models():
             torch.testing.assert_close(stacked[name].grad[index], param.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("vmapped", [False, True], ids=["one-model", "vmapped-workers"])
+def test_bf16_autocast_forward_and_backward(vmapped):
+    # what `--device cuda` runs by default (--bf16): RoPE's float32 tables once turned q and k
+    # float32 beside a bf16 v, and attention refused them; CPU autocast takes the same path
+    torch.manual_seed(0)
+    model = Llama(SMALL)
+    inputs = torch.randint(0, 61, (2, 2, 16))
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("ignore", UserWarning)
+        if vmapped:
+            stacked = {n: torch.stack([p.detach()] * 2).requires_grad_()
+                       for n, p in model.named_parameters()}  # fmt: skip
+            logits = vmap(lambda p, x: functional_call(model, p, (x,)))(stacked, inputs)
+            grads = lambda: [p.grad for p in stacked.values()]  # noqa: E731
+        else:
+            logits = model(inputs[0])
+            grads = lambda: [p.grad for p in model.parameters()]  # noqa: E731
+    assert logits.dtype == torch.bfloat16
+    logits.float().logsumexp(-1).mean().backward()
+    assert all(g is not None and g.dtype == torch.float32 and g.isfinite().all() for g in grads())
+
+
 @pytest.mark.parametrize(
     "changes, field",
     [

@@ -93,11 +93,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of x [B, H, T, D] by the angle of their position."""
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x [B, H, T, D] by the angle of their position.
+
+    The rotation is computed in the tables' float32 and returned in x's dtype: under bf16 autocast
+    q and k would otherwise come out float32 beside a bf16 v, which attention refuses."""
     x_even, x_odd = x[..., 0::2], x[..., 1::2]
     rotated_even = x_even * cos - x_odd * sin
     rotated_odd = x_even * sin + x_odd * cos
-    return torch.stack((rotated_even, rotated_odd), dim=-1).flatten(-2)
+    return torch.stack((rotated_even, rotated_odd), dim=-1).flatten(-2).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
