@@ -8,12 +8,15 @@ Needs CUDA; prints one PASS/FAIL line per check with its figures and exits 1 if 
    gradients and optimizer states must stay float32 DTensors; the loss must fall, and end within
    bf16 noise of the same model trained unsharded with bf16 autocast; a DCP save and load must
    restore every parameter and state bit for bit.
-2. ``harness-s1`` (any GPU): ``mtdao train --device cuda`` (unsharded, simulated workers) ends
+2. ``vmapped-workers`` (any GPU): each simulated worker's gradients (the workers vmapped, float32
+   and bf16 autocast) match the same worker's computed alone. torch's fused CUDA attention kernels
+   under vmap once gave NaN (bf16) or refused (float32); the simulator now takes the math kernel.
+3. ``harness-s1`` (any GPU): ``mtdao train --device cuda`` (unsharded, simulated workers) ends
    with a finite loss.
-3. ``harness-s2`` (4 GPUs or more): ``torchrun --nproc-per-node 4 ... --workers 2 --shards 2``
+4. ``harness-s2`` (4 GPUs or more): ``torchrun --nproc-per-node 4 ... --workers 2 --shards 2``
    against ``--nproc-per-node 2 ... --shards 1`` on NCCL: validation losses within bf16 noise,
    the same bytes per worker, half the parameter and optimizer-state bytes per process.
-4. ``cpu-sharded``: the sharded test files on CPU (gloo), the 2 x 2 topology with one GPU or none.
+5. ``cpu-sharded``: the sharded test files on CPU (gloo), the 2 x 2 topology with one GPU or none.
 
     python benchmarks/gpu_sharded_check.py --out /tmp/gpu-sharded-check
 """
@@ -156,7 +159,51 @@ def check_fsdp_on_cuda(out: Path) -> bool:
         dist.destroy_process_group()
 
 
-# -- 2, 3. the harness --------------------------------------------------------------------------
+# -- 2. the simulator's vmapped workers -----------------------------------------------------------
+
+VMAP_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # worst relative gradient difference
+
+
+def vmapped_gradient_gap(device: str, dtype: torch.dtype) -> float:
+    """Worst relative difference between a worker's gradient in the simulator (all workers vmapped)
+    and the same worker's alone, over every parameter and worker."""
+    from mtdao.model import Llama, ModelConfig
+    from mtdao.sync.simulated import SimulatedWorkers
+    from mtdao.train.workers import SimulatedWorkerSet, language_model_loss
+
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(256, 128, 2, 4, SEQ_LEN)).to(device)
+    workers = SimulatedWorkerSet(model, SimulatedWorkers(4).layout)
+    workers.autocast_dtype = None if dtype == torch.float32 else dtype
+    tokens = torch.randint(0, 256, (4, BATCH, SEQ_LEN + 1), device=device)
+    inputs, targets = tokens[..., :-1], tokens[..., 1:]
+    workers.losses(inputs, targets).sum().backward()
+    worst = 0.0
+    for index in range(4):
+        model.zero_grad()
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(inputs[index])
+        language_model_loss(logits, targets[index]).backward()
+        for (_, stacked), param in zip(workers.named_parameters(), model.parameters()):
+            gap = (stacked.grad[index] - param.grad).norm() / param.grad.norm().clamp_min(1e-12)
+            worst = max(worst, gap.item())
+    return worst
+
+
+def check_vmapped_workers(device: str = "cuda") -> bool:
+    gaps = {}
+    for dtype in VMAP_TOLERANCE:
+        try:
+            gaps[dtype] = vmapped_gradient_gap(device, dtype)
+        except RuntimeError as error:  # the fused attention kernels refused vmapped inputs once
+            gaps[dtype] = math.inf
+            print(f"  {dtype}: {str(error).splitlines()[0]}")
+    passed = all(gaps[dtype] < tolerance for dtype, tolerance in VMAP_TOLERANCE.items())
+    details = ", ".join(f"{str(d).split('.')[-1]} {g:.1e}" for d, g in gaps.items())
+    return report("vmapped-workers", passed, f"worst relative gradient gap {details}")
+
+
+# -- 3, 4. the harness --------------------------------------------------------------------------
 
 
 def mtdao_train(processes: int, flags: list[str], out: Path) -> dict:
@@ -217,7 +264,8 @@ def main() -> int:
     gpus = torch.cuda.device_count()
     print(f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [check_fsdp_on_cuda(args.out), check_harness_unsharded(args.out)]
+    results = [check_fsdp_on_cuda(args.out), check_vmapped_workers()]
+    results.append(check_harness_unsharded(args.out))
     if gpus >= 4:
         results.append(check_harness_sharded(args.out))
     else:
