@@ -10,12 +10,14 @@ Depends on torch only; the sync package re-exports :func:`stack_workers` (``mtda
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def _check_num_workers(num_workers: int) -> int:
@@ -24,6 +26,18 @@ def _check_num_workers(num_workers: int) -> int:
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"Invalid number of workers: {num_workers} (must be >= 1)")
     return num_workers
+
+
+def attention_that_vmaps(device: torch.device):
+    """On a GPU, attention by its plain matrix-product kernel while the workers are vmapped.
+
+    torch's fused CUDA attention kernels, batched over the workers by vmap, gave NaN gradients in
+    bf16 and failed in float32 ("LSE is not correctly aligned") on torch 2.11 and an H200, where
+    the same model unbatched trains (BENCHMARKS.md section 9). At the sequence lengths simulated
+    workers run, the math kernel costs little. On CPU vmap loops over the fused kernel instead."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 class StackedWorkers(nn.Module):
@@ -79,13 +93,15 @@ class StackedWorkers(nn.Module):
         if not keyword_inputs:
             in_dims = (0, None) + (0,) * len(inputs)
             call = vmap(self._call_one, in_dims=in_dims, randomness="different")
-            return call(params, buffers, *inputs)
+            with attention_that_vmaps(self._device()):
+                return call(params, buffers, *inputs)
         tensors = {k: v for k, v in keyword_inputs.items() if isinstance(v, Tensor)}
         others = {k: v for k, v in keyword_inputs.items() if not isinstance(v, Tensor)}
         call = vmap(
             self._call_one_with_keywords, in_dims=(0, None, 0, 0, None), randomness="different"
         )
-        return call(params, buffers, inputs, tensors, others)
+        with attention_that_vmaps(self._device()):
+            return call(params, buffers, inputs, tensors, others)
 
     def losses(self, loss_fn: Callable[..., Tensor], inputs: Tensor, *targets: Tensor) -> Tensor:
         """``loss_fn(module(inputs[w]), *targets[w])`` of every worker w, in one call: shape [M].
@@ -97,7 +113,11 @@ class StackedWorkers(nn.Module):
             return loss_fn(self._call_one(params, buffers, inputs), *targets)
 
         call = vmap(one_worker, in_dims=(0, None, 0) + (0,) * len(targets), randomness="different")
-        return call(dict(self.named_parameters()), dict(self.named_buffers()), inputs, *targets)
+        with attention_that_vmaps(self._device()):
+            return call(dict(self.named_parameters()), dict(self.named_buffers()), inputs, *targets)
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
 
     @torch.no_grad()
     def average(self) -> nn.Module:

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtdao.model.stacked_workers import stack_workers
 from mtdao.sync.layout import WorkerLayout
@@ -72,19 +71,8 @@ class SimulatedWorkerSet(WorkerSet):
         return list(self.stacked.named_parameters())
 
     def losses(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        with self.autocast(), self.attention_that_vmaps():
+        with self.autocast():
             return self.stacked.losses(language_model_loss, inputs, targets)
-
-    def attention_that_vmaps(self):
-        """On a GPU, attention by its plain matrix-product kernel while the workers are vmapped.
-
-        torch's fused CUDA attention kernels, batched over the workers by vmap, gave NaN
-        gradients in bf16 and failed in float32 ("LSE is not correctly aligned") on torch 2.11
-        and an H200; the same model unbatched trains. At these sequence lengths the math kernel
-        costs little. On CPU vmap already loops over the workers (see the warning above)."""
-        if self.named_parameters()[0][1].device.type != "cuda":
-            return contextlib.nullcontext()
-        return sdpa_kernel(SDPBackend.MATH)
 
     @torch.no_grad()
     def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
