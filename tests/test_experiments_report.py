@@ -298,10 +298,8 @@ def test_a_run_another_process_is_training_is_left_alone_and_reported_failed(tmp
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
         for jobs in (1, 2):  # trained in this process, and in subprocesses
             result = suite.run_suite([("a", config)], tmp_path, jobs=jobs, threads=1)
-            assert (
-                "RunLockedError" in result.failures["a"]
-                and "in use by another run" in (result.failures["a"])
-            )
+            failure = result.failures["a"]
+            assert "RunLockedError" in failure and "in use by another run" in failure
             assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 

@@ -92,16 +92,12 @@ class StackedWorkers(nn.Module):
         params, buffers = dict(self.named_parameters()), dict(self.named_buffers())
         if not keyword_inputs:
             in_dims = (0, None) + (0,) * len(inputs)
-            call = vmap(self._call_one, in_dims=in_dims, randomness="different")
-            with attention_that_vmaps(self._device()):
-                return call(params, buffers, *inputs)
+            return self._vmapped(self._call_one, in_dims, params, buffers, *inputs)
         tensors = {k: v for k, v in keyword_inputs.items() if isinstance(v, Tensor)}
         others = {k: v for k, v in keyword_inputs.items() if not isinstance(v, Tensor)}
-        call = vmap(
-            self._call_one_with_keywords, in_dims=(0, None, 0, 0, None), randomness="different"
-        )
-        with attention_that_vmaps(self._device()):
-            return call(params, buffers, inputs, tensors, others)
+        in_dims = (0, None, 0, 0, None)
+        call = self._call_one_with_keywords
+        return self._vmapped(call, in_dims, params, buffers, inputs, tensors, others)
 
     def losses(self, loss_fn: Callable[..., Tensor], inputs: Tensor, *targets: Tensor) -> Tensor:
         """``loss_fn(module(inputs[w]), *targets[w])`` of every worker w, in one call: shape [M].
@@ -112,12 +108,15 @@ class StackedWorkers(nn.Module):
         def one_worker(params, buffers, inputs, *targets):
             return loss_fn(self._call_one(params, buffers, inputs), *targets)
 
-        call = vmap(one_worker, in_dims=(0, None, 0) + (0,) * len(targets), randomness="different")
-        with attention_that_vmaps(self._device()):
-            return call(dict(self.named_parameters()), dict(self.named_buffers()), inputs, *targets)
+        in_dims = (0, None, 0) + (0,) * len(targets)
+        params, buffers = dict(self.named_parameters()), dict(self.named_buffers())
+        return self._vmapped(one_worker, in_dims, params, buffers, inputs, *targets)
 
-    def _device(self) -> torch.device:
-        return next(self.parameters()).device
+    def _vmapped(self, function: Callable, in_dims: tuple, *args):
+        """``function`` of every worker at once (vmapped), with attention that vmaps."""
+        call = vmap(function, in_dims=in_dims, randomness="different")
+        with attention_that_vmaps(next(self.parameters()).device):
+            return call(*args)
 
     @torch.no_grad()
     def average(self) -> nn.Module:

@@ -172,8 +172,8 @@ class TrainConfig:
     number of steps (the default LR warm-up and the step-counted --beta-ramp are, up to 3000
     steps; --warmup, --omega-warmup and --beta-warmup are fractions of --steps, so they differ
     unless 0). Otherwise it says so: cosine, or wsd past its decay start, is re-stretched and the
-    learning rate jumps at the resume step (both values are printed). Without --extend a changed --steps is refused with that
-    explanation."""
+    learning rate jumps at the resume step (both values are printed). Without --extend a changed
+    --steps is refused with that explanation."""
     overwrite: bool = field(default=False, metadata={"flag": "--overwrite"})
     """Replace the run in --out: delete the files a run writes there (config, metrics, results,
     checkpoints, plots), nothing else. Without it a fresh run refuses a directory holding one."""
