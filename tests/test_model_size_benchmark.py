@@ -20,6 +20,7 @@ def test_the_model_size_table_names_every_model_and_both_gaps(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| micro |"))
     assert "| 110,912 | 1 |" in row and row.count("(one seed)") == 2, row
+    assert "±" not in row, row  # one seed has no spread to show
     assert row in (tmp_path / "size.md").read_text()
     again = subprocess.run([sys.executable, str(SCRIPT), *argv, "--collect"], capture_output=True,
                            text=True, timeout=120, env=env)  # fmt: skip
