@@ -82,13 +82,14 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
             raise
         raise ValueError(f"--fault-tolerant needs torchft: {INSTALL_HINT}") from None
     driver = ReplicaDriver(config, torchft)
-    previous = stop_on_sigterm()
+    previous = stop_on_signals()
     try:
         results = trainer.train(config, build=driver.build, hooks=driver)
     finally:
         driver.close()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, nothing to restore
+                signal.signal(number, handler)
     results["simulated"] = False
     results["fault_tolerance"] = driver.summary()
     if driver.is_main:
@@ -185,6 +186,7 @@ class ReplicaDriver(LoopHooks):
         return run.config.batch_size * run.config.seq_len  # this replica's worker
 
     def before_step(self, run: Run) -> None:
+        raise_if_asked_to_stop()
         for observer in OBSERVERS:
             observer.before_step(run)
         self._prepare(run)
@@ -326,13 +328,30 @@ def config_digest(config: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def stop_on_sigterm():
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stop_asked_by: list[str] = []  # the signal that asked this replica to stop, once one has
+
+
+def stop_on_signals() -> dict[int, Any]:
     """Make SIGTERM stop this replica as Ctrl-C does (it leaves the quorum, closes its servers and
-    exits with one line); the previous handler, or None off the main thread."""
+    exits with one line), and never lose either: a signal that lands while torch runs a future's
+    Python callback (torchft's collectives complete through them) raises inside that callback,
+    where torch logs the KeyboardInterrupt and drops it, so the signal is also remembered and
+    :func:`raise_if_asked_to_stop` raises it again before the next step. Returns the previous
+    handlers (none off the main thread, where signals cannot be handled)."""
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return {}
+    _stop_asked_by.clear()
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
+        name = signal.Signals(signum).name
+        _stop_asked_by.append(name)
+        raise KeyboardInterrupt(name)
 
-    return signal.signal(signal.SIGTERM, interrupt)
+    return {number: signal.signal(number, interrupt) for number in STOP_SIGNALS}
+
+
+def raise_if_asked_to_stop() -> None:
+    """Raise the KeyboardInterrupt of a stop signal received earlier, if torch dropped it."""
+    if _stop_asked_by:
+        raise KeyboardInterrupt(_stop_asked_by[0])
