@@ -14,8 +14,8 @@ from mtdao.train.fault_tolerance.replica import raise_if_asked_to_stop, stop_on_
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_dropped_inside_a_future_callback_is_raised_before_the_next_step(number):
-    previous = stop_on_signals()
-    try:
+    before = signal.getsignal(number)
+    with stop_on_signals():
         raise_if_asked_to_stop()  # nothing asked yet
         future = torch.futures.Future()
 
@@ -26,14 +26,6 @@ def test_a_stop_signal_dropped_inside_a_future_callback_is_raised_before_the_nex
         future.set_result(None)  # torch logs the KeyboardInterrupt raised in it and goes on
         with pytest.raises(KeyboardInterrupt, match=signal.Signals(number).name):
             raise_if_asked_to_stop()
-    finally:
-        for handler_number, handler in previous.items():
-            if handler is not None:
-                signal.signal(handler_number, handler)
-    again = stop_on_signals()  # a new replica in this process starts unasked
-    try:
+    with stop_on_signals():  # a new replica in this process starts unasked
         raise_if_asked_to_stop()
-    finally:
-        for handler_number, handler in again.items():
-            if handler is not None:
-                signal.signal(handler_number, handler)
+    assert signal.getsignal(number) is before  # the handler from before is back

@@ -21,6 +21,7 @@ was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON li
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import signal
@@ -82,14 +83,11 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
             raise
         raise ValueError(f"--fault-tolerant needs torchft: {INSTALL_HINT}") from None
     driver = ReplicaDriver(config, torchft)
-    previous = stop_on_signals()
-    try:
-        results = trainer.train(config, build=driver.build, hooks=driver)
-    finally:
-        driver.close()
-        for number, handler in previous.items():
-            if handler is not None:  # None: a handler not set from Python, nothing to restore
-                signal.signal(number, handler)
+    with stop_on_signals():
+        try:
+            results = trainer.train(config, build=driver.build, hooks=driver)
+        finally:
+            driver.close()
     results["simulated"] = False
     results["fault_tolerance"] = driver.summary()
     if driver.is_main:
@@ -332,15 +330,17 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _stop_asked_by: list[str] = []  # the signal that asked this replica to stop, once one has
 
 
-def stop_on_signals() -> dict[int, Any]:
-    """Make SIGTERM stop this replica as Ctrl-C does (it leaves the quorum, closes its servers and
-    exits with one line), and never lose either: a signal that lands while torch runs a future's
-    Python callback (torchft's collectives complete through them) raises inside that callback,
-    where torch logs the KeyboardInterrupt and drops it, so the signal is also remembered and
-    :func:`raise_if_asked_to_stop` raises it again before the next step. Returns the previous
-    handlers (none off the main thread, where signals cannot be handled)."""
+@contextlib.contextmanager
+def stop_on_signals():
+    """While active, SIGTERM stops this replica as Ctrl-C does (it leaves the quorum, closes its
+    servers and exits with one line), and neither is lost: a signal that lands while torch runs a
+    future's Python callback (torchft's collectives complete through them) raises inside that
+    callback, where torch logs the KeyboardInterrupt and drops it, so the signal is also
+    remembered and :func:`raise_if_asked_to_stop` raises it again before the next step. Off the
+    main thread, where signals cannot be handled, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
-        return {}
+        yield
+        return
     _stop_asked_by.clear()
 
     def interrupt(signum, frame):
@@ -348,7 +348,13 @@ def stop_on_signals() -> dict[int, Any]:
         _stop_asked_by.append(name)
         raise KeyboardInterrupt(name)
 
-    return {number: signal.signal(number, interrupt) for number in STOP_SIGNALS}
+    previous = {number: signal.signal(number, interrupt) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, nothing to restore
+                signal.signal(number, handler)
 
 
 def raise_if_asked_to_stop() -> None:
