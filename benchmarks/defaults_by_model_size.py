@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mtdao.experiments.formatting import SIGNIFICANCE_RULE, compare_losses, plus_minus, stats
+from mtdao.experiments.formatting import SIGNIFICANCE_RULE, compare_losses, pm, stats
 from mtdao.experiments.suite import run_suite
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.config import TrainConfig
@@ -49,11 +49,6 @@ def gap(mine: dict, theirs: dict) -> str:
     return f"{relative * 100:+.1f}% ({verdict})"
 
 
-def cell(loss: dict) -> str:
-    """Mean ± std over seeds; one seed's loss alone (it has no spread to show)."""
-    return plus_minus(loss["mean"], loss["std"]) if loss["n"] > 1 else f"{loss['mean']:.4f}"
-
-
 def table(args: argparse.Namespace, results: dict[str, dict]) -> str:
     lines = [
         f"K = {args.sync_period}, {args.steps} steps, built-in corpus, every method at its "
@@ -74,7 +69,7 @@ def table(args: argparse.Namespace, results: dict[str, dict]) -> str:
         if any(by_method[m] is None for m in METHODS):
             lines.append(f"| {model} | | | (not every method finished a seed) | | | | |")
             continue
-        cells = [cell(by_method[m]) for m in METHODS]
+        cells = [pm(by_method[m]) for m in METHODS]
         parameters = next(
             results[n]["parameters"] for n in results if n.startswith(f"{model}-")
             and "parameters" in results[n]
