@@ -65,15 +65,22 @@ def file_checksum(path: Path, algorithm: str = CHECKSUM) -> str:
 
 class _Writer:
     """A write-only file wrapper that checksums the bytes on their way to disk (no second read)
-    and remembers a failed write: torch.save hides it behind its own error when it ends."""
+    and remembers a failed write: torch.save hides it behind its own error when it ends.
+
+    Once a write has failed or the file is closed, further writes are dropped: torch's zip writer,
+    left unfinished by an interrupt or a full disk, writes its trailer from its destructor, where an
+    exception aborts the whole process; the temporary file is discarded by then anyway."""
 
     def __init__(self, handle: BinaryIO, algorithm: str | None) -> None:
         self.handle = handle
         self.hasher = new_hasher(algorithm) if algorithm else None
         self.size = 0
         self.error: OSError | None = None
+        self.closed = False
 
     def write(self, data) -> int:
+        if self.closed or self.error is not None:
+            return len(data)
         try:
             written = self.handle.write(data)
         except OSError as error:
@@ -85,7 +92,8 @@ class _Writer:
         return written
 
     def flush(self) -> None:
-        self.handle.flush()
+        if not self.closed:
+            self.handle.flush()
 
 
 def temporary_path(path: Path) -> Path:
@@ -106,10 +114,15 @@ def write_atomic(
     try:
         with open(partial, "wb") as handle:
             target = _Writer(handle, algorithm)
-            write(target)
-            handle.flush()
-            if sync:
-                os.fsync(handle.fileno())
+            try:
+                write(target)
+                if target.error is not None:  # a failed write that the writer swallowed
+                    raise target.error
+                handle.flush()
+                if sync:
+                    os.fsync(handle.fileno())
+            finally:
+                target.closed = True
         os.replace(partial, path)
     except OSError as error:
         _remove_quietly(partial)
