@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import signal
+import subprocess
 import sys
 import time
 
