@@ -18,6 +18,8 @@ process can simulate, and on this disk it takes milliseconds per call.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -267,3 +269,23 @@ print("still running")
     )
     assert child.returncode == 0 and "still running" in child.stdout, child.stderr
     assert not (tmp_path / "state.pt").exists()
+
+
+def test_a_failed_write_that_the_writer_swallows_still_fails_the_save(tmp_path):
+    """A writer that catches the disk's error and goes on must not leave a truncated file that
+    looks whole; later writes are dropped (no second error from a destructor)."""
+
+    class FullDisk:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def write(handle):
+        handle.handle = FullDisk()
+        with contextlib.suppress(OSError):
+            handle.write(b"a record")
+        assert handle.write(b"the trailer") == len(b"the trailer")
+
+    target = tmp_path / "state.pt"
+    with pytest.raises(durable.WriteError, match="no space left on device"):
+        durable.write_atomic(target, write)
+    assert not target.exists() and not durable.temporary_path(target).exists()
