@@ -276,6 +276,8 @@ def test_a_failed_write_that_the_writer_swallows_still_fails_the_save(tmp_path):
     looks whole; later writes are dropped (no second error from a destructor)."""
 
     class FullDisk:
+        closed = False
+
         def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
 

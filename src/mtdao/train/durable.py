@@ -76,10 +76,9 @@ class _Writer:
         self.hasher = new_hasher(algorithm) if algorithm else None
         self.size = 0
         self.error: OSError | None = None
-        self.closed = False
 
     def write(self, data) -> int:
-        if self.closed or self.error is not None:
+        if self.handle.closed or self.error is not None:
             return len(data)
         try:
             written = self.handle.write(data)
@@ -92,7 +91,7 @@ class _Writer:
         return written
 
     def flush(self) -> None:
-        if not self.closed:
+        if not self.handle.closed:
             self.handle.flush()
 
 
@@ -114,15 +113,12 @@ def write_atomic(
     try:
         with open(partial, "wb") as handle:
             target = _Writer(handle, algorithm)
-            try:
-                write(target)
-                if target.error is not None:  # a failed write that the writer swallowed
-                    raise target.error
-                handle.flush()
-                if sync:
-                    os.fsync(handle.fileno())
-            finally:
-                target.closed = True
+            write(target)
+            if target.error is not None:  # a failed write that the writer swallowed
+                raise target.error
+            handle.flush()
+            if sync:
+                os.fsync(handle.fileno())
         os.replace(partial, path)
     except OSError as error:
         _remove_quietly(partial)
