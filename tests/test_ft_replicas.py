@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -28,6 +29,7 @@ FLAGS = dict(workers=3, model="micro", batch_size=4, seq_len=32, eval_tokens=102
 FLAGS.update(steps=STEPS, sync_period=K)
 TIMEOUTS = ["--collective-timeout", "10", "--connect-timeout", "20", "--quorum-timeout", "60"]
 HEARTBEAT_S = 1.0
+JOIN_PACE_S = 1.0  # the group's rounds, while a joiner's first quorum request is on its way
 PHASE_TIMEOUT_S = 90.0  # a loaded machine starts Python slowly; nothing waits this long normally
 LOSS_BOUND = 0.15  # |final val loss - uninterrupted run|; see BENCHMARKS.md for what it measures
 
@@ -48,28 +50,36 @@ class Scenario:
     def at_gate(self, names) -> bool:
         return all(self.drill.status(n) == ("waiting", self.gate) for n in names)
 
-    def advance(self, names, done) -> None:
-        """Open the gate a round at a time until ``done()``; ``names`` then wait at the gate."""
+    def advance(self, names, done, pace: float = 0.0) -> None:
+        """Open the gate a round at a time, no sooner than ``pace`` seconds apart, until
+        ``done()``; ``names`` then wait at the gate."""
         while not done():
             assert self.gate + K < STEPS - 2 * K, (
                 f"the scenario ran out of steps\n{self.drill.tails()}"
             )
+            opened = time.monotonic()
             self.gate += K
             self.drill.gate(self.gate)
             self.drill.wait_for(
                 lambda: done() or self.at_gate(names), PHASE_TIMEOUT_S, f"{names} at {self.gate}"
             )
+            if not done():
+                time.sleep(max(0.0, opened + pace - time.monotonic()))
         self.settle(names)
 
     def settle(self, names) -> None:
         self.drill.wait_for(lambda: self.at_gate(names), PHASE_TIMEOUT_S, f"{names} at the gate")
 
     def join(self, name: str, group) -> None:
-        """Let a held replica connect; run the group until it has committed a round."""
+        """Let a held replica connect; run the group until it has committed a round. The gate
+        opens once it has asked for a quorum, and moves on, a round a second, while it has not
+        joined: a request that reaches the lighthouse after the group's round (a loaded
+        machine) is taken in by a later one."""
         drill = self.drill
         drill.release(name)
-        drill.wait_for(lambda: drill.status(name)[0] == "running", PHASE_TIMEOUT_S, name)
-        self.advance([*group, name], lambda: bool(drill.rounds(name)))
+        drill.wait_for(lambda: drill.asked_quorum(name), PHASE_TIMEOUT_S, f"{name} to ask to join")
+        self.advance(group, lambda: bool(drill.rounds(name)), pace=JOIN_PACE_S)
+        self.settle([*group, name])
 
 
 @pytest.fixture(scope="module")

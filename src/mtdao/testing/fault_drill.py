@@ -7,6 +7,8 @@
 * ``gate``: a step count; no replica takes a step beyond it until it moves;
 * ``NAME.hold-S``: while it exists, the replica waits inside its round at step S, just before it
   all-reduces (``NAME.entered-S`` says it got there);
+* ``NAME.asked`` holds the step of the last quorum the replica asked the lighthouse for (a joiner
+  asks before its first step; the others' next round takes it in only if it asked first);
 * ``NAME.rewind`` holding ``S T``: the replica keeps a copy of its state after its round at
   step S and goes back to it once it has taken step T, its commit count unchanged (as a replica
   that lost steps in a stuck collective comes back);
@@ -55,6 +57,7 @@ class DrillObserver:
 
     def before_connect(self, run, replicas) -> None:
         replicas.before_collective = lambda: self._hold_in_round(run.step)
+        replicas.before_quorum = lambda: _write(self.control / f"{self.label}.asked", str(run.step))
         _write(self.control / f"{self.label}.status", "held 0")
         _wait_while(lambda: (self.control / f"{self.name}.hold").exists())
 
@@ -275,6 +278,10 @@ class Drill:
 
     def entered_round(self, name: str, step: int) -> bool:
         return (self.root / f"{name}.entered-{step}").exists()
+
+    def asked_quorum(self, name: str) -> bool:
+        """Whether the replica (process) ``name`` has asked the lighthouse for a quorum."""
+        return (self.root / f"{name}.asked").exists()
 
     def kill(self, name: str) -> None:
         """SIGKILL, as a machine that dies would."""

@@ -167,6 +167,8 @@ class ReplicaGroups(Communicator):
         self._lighthouse_away: int | None = None  # the step whose quorum found it away
         self.before_collective: Callable[[], None] | None = None
         """Called before each blocking sum of a round (a fault drill holds a replica there)."""
+        self.before_quorum: Callable[[], None] | None = None
+        """Called before each quorum request (a fault drill learns that a joiner has asked)."""
 
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
@@ -320,6 +322,8 @@ class ReplicaGroups(Communicator):
         self.process_group.step = self.manager.current_step()
         self._heal, self._fresh = None, False
         self._stale, self._sitting_out = None, []
+        if self.before_quorum is not None:
+            self.before_quorum()
         started = time.perf_counter()
         try:
             with connection.watching_the_lighthouse(self.settings, self.manager) as lost:
