@@ -143,7 +143,9 @@ def main() -> None:
             times[name].append(seconds)
     step_ms = statistics.median(times["step"]) * 1e3
     print(f"{args.model}: {numel:,} parameters, {args.workers} workers, torch {torch.__version__}")
-    kernels = "C++ kernels" if native_codecs.usable() else "torch's (the C++ kernels did not build)"
+    kernels = (
+        "C++ kernels" if native_codecs.usable(Codec) else "torch's (the C++ kernels did not build)"
+    )
     print(f"codecs: {kernels}; rows marked (torch): torch's codecs")
     print(f"one worker's step (batch {args.batch_size} x {args.seq_len}): {step_ms:.1f} ms")
     print("| codec | round ms (3 kinds) | x step | bytes counted | bytes/value | vs fp32 |")

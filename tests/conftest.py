@@ -20,11 +20,12 @@ CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder",
 def cpp_kernels() -> None:
     """Build the C++ optimizer and codec kernels (once per machine) before any test, so that no
     test's subprocess, with its timeout, is the one that pays for a build."""
-    from mtdao.optim.native_build import native_library
+    from mtdao.native_build import native_library
     from mtdao.sync import native_codecs
+    from mtdao.sync.quantize import Codec
 
     native_library()
-    native_codecs.usable()
+    native_codecs.usable(Codec)
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_a_suite_says_what_is_coming():
 def test_the_first_kernel_build_says_so(tmp_path, monkeypatch, capsys):
     from torch.utils import cpp_extension
 
-    from mtdao.optim import native_build
+    from mtdao import native_build
 
     monkeypatch.setattr(cpp_extension, "load_inline", lambda **_: None)
     native_build._build("name", "source", [], tmp_path)

@@ -15,8 +15,8 @@ from importlib import resources
 import pytest
 import torch
 
-from mtdao import MTSGD, MTAdam, MTAdopt
-from mtdao.optim import native, native_build
+from mtdao import MTSGD, MTAdam, MTAdopt, native_build
+from mtdao.optim import native
 from mtdao.optim.fused import ADAM, ADOPT, SGD
 
 RULES = {"adam": ADAM, "adopt": ADOPT, "sgd": SGD}

@@ -16,7 +16,7 @@ TOPK = [("top1", "signed"), ("top8", "signed"), ("top32", "signed")]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    if not native_codecs.usable():
+    if not native_codecs.usable(Codec):
         pytest.fail("the C++ codec kernels did not build or disagree with torch's codecs")
 
 
@@ -45,7 +45,7 @@ def test_the_kernels_give_torchs_bytes_and_bits(dtype, domain, block):
 
 
 def test_every_branch_matches_and_corrupt_blocks_stay_non_finite():
-    native_codecs.check_against_eager()  # raises on any difference
+    native_codecs.check_against_eager(Codec)  # raises on any difference
     # and it does look: a kernel that flips one code is caught
     probes = native_codecs.probe_blocks()["signed"]
     codec = Codec("int4", "signed")
@@ -115,7 +115,7 @@ def test_kernels_that_disagree_warn_once_and_torchs_codecs_serve(monkeypatch):
     native_codecs.forget()
     try:
         with pytest.warns(RuntimeWarning, match=r"the C\+\+ codec kernels disagree with torch"):
-            assert not native_codecs.usable()
+            assert not native_codecs.usable(Codec)
         assert not native_codecs.serves(Codec("int8"), torch.zeros(1, 256))
     finally:
         native_codecs.forget()

@@ -1,6 +1,6 @@
 """Running the hand-written CPU kernel over a bucket: one call for every tensor of the bucket.
 
-The kernel (``csrc/multi_tensor_step.cpp``, built by :mod:`mtdao.optim.native_build`) takes lists
+The kernel (``csrc/multi_tensor_step.cpp``, built by :mod:`mtdao.native_build`) takes lists
 of all the bucket's tensors and walks them in one call, as torch's fused AdamW does; its per-call
 cost does not grow with the number of momenta. It is checked once per kernel spec against the
 element update of :mod:`mtdao.optim.fused` run eagerly; if that fails, the spec is marked
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mtdao.optim.compilation import KernelSpec, probe_inputs, written_tensors
 from mtdao.optim.launch import contiguous_set
-from mtdao.optim.native_build import native_library
+from mtdao.native_build import native_library
 
 # (parameter dtype, state dtype) pairs the kernel is built for
 SUPPORTED_DTYPES = {

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from mtdao.optim.native_build import Kernel, native_library
+from mtdao.native_build import Kernel, native_library
 
 CODECS = Kernel(
     "mtdao.sync",
@@ -39,13 +39,15 @@ def serves(codec, tensor: Tensor) -> bool:
     """Whether the kernels encode / decode ``codec`` for ``tensor`` (blocks or a payload)."""
     if tensor.device.type != "cpu" or not (codec.dtype in BITS or codec.kept is not None):
         return False
-    return usable()
+    return usable(type(codec))
 
 
-def usable() -> bool:
+def usable(codec_type) -> bool:
+    """Whether the kernels are built, loaded and give the bytes and bits of ``codec_type``'s
+    eager codecs (:class:`mtdao.sync.quantize.Codec`, handed in: it is the caller)."""
     global _usable
     if _usable is None:
-        _usable = native_library(CODECS) and _passes_check()
+        _usable = native_library(CODECS) and _passes_check(codec_type)
     return _usable
 
 
@@ -108,9 +110,9 @@ def probe_blocks(block: int = 256, seed: int = 0) -> dict[str, Tensor]:
     return {"signed": signed, "positive": positive, "topk": distinct}
 
 
-def _passes_check() -> bool:
+def _passes_check(codec_type) -> bool:
     try:
-        check_against_eager()
+        check_against_eager(codec_type)
     except Exception as error:
         warnings.warn(
             f"mtdao: the C++ codec kernels disagree with torch's codecs ({type(error).__name__}: "
@@ -122,16 +124,14 @@ def _passes_check() -> bool:
     return True
 
 
-def check_against_eager(block: int = 256) -> None:
+def check_against_eager(codec_type, block: int = 256) -> None:
     """Raise unless every kernel gives the eager codec's bytes and decoded bits on the probe
     blocks (a corrupt block's codes may differ: it decodes to non-finite values either way)."""
-    from mtdao.sync.quantize import Codec
-
     probes = probe_blocks(block)
     for dtype in [*BITS, "top8", "top1"]:
         domains = ("signed",) if dtype.startswith("top") else ("signed", "positive")
         for domain in domains:
-            codec = Codec(dtype, domain, block)
+            codec = codec_type(dtype, domain, block)
             blocks = probes["topk" if dtype.startswith("top") else domain]
             _compare(codec, blocks, encode(codec, blocks), codec.encode_eager(blocks))
 
@@ -155,7 +155,7 @@ def _compare(codec, blocks: Tensor, native: Tensor, eager: Tensor) -> None:
 def eager_only() -> Iterator[None]:
     """Torch's codecs serve inside (a benchmark compares the two paths in one process)."""
     global _usable
-    usable_before = usable()
+    usable_before = _usable
     _usable = False
     try:
         yield
