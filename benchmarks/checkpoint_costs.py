@@ -29,8 +29,8 @@ import torch
 import xxhash
 
 from mtdao.data import load_corpus
-from mtdao.train.checkpoint import snapshot
 from mtdao.train.checkpoint import store as checkpoint
+from mtdao.train.checkpoint.checkpointer import Checkpointer
 from mtdao.train.checkpoint.run_state import RunState
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.setup import build_run
@@ -60,14 +60,14 @@ def run_state(run) -> tuple[dict, dict]:
 def time_harness_save(run, rounds: int) -> None:
     """The trainer's save (finite screen, files, fsyncs, commit, pruning to the newest 2) against
     one training step of the same run, alternating."""
-    store = snapshot.checkpoint_store(run.config, run.process, run.device)
+    checkpointer = Checkpointer(run.config, run.process, run.device)
     steps, saves = [], []
     for _ in range(rounds):
         started = time.perf_counter()
         train_step(run)
         steps.append(time.perf_counter() - started)
         started = time.perf_counter()
-        snapshot.save(run, store)
+        checkpointer.save(run)
         saves.append(time.perf_counter() - started)
     step, save = statistics.median(steps), statistics.median(saves)
     print(f"harness: one training step {step * 1e3:.1f} ms, one save {save * 1e3:.1f} ms "

@@ -260,14 +260,14 @@ def test_world_size_mismatch_is_refused(tmp_path):
         CheckpointStore(tmp_path, world_size=4).load()
 
 
-def test_checkpoint_of_the_older_single_directory_layout_still_loads(tmp_path):
+def test_a_checkpoint_of_the_single_directory_layout_before_0_2_is_not_read(tmp_path):
     legacy = tmp_path / "checkpoint"
     legacy.mkdir()
     torch.save(state_at(6), legacy / "rank0.pt")
     (legacy / "meta.json").write_text(json.dumps({"step": 6, "world_size": 1, "config": {}}))
-    assert CheckpointStore(tmp_path).load().step == 6
+    assert CheckpointStore(tmp_path).load() is None
     save_steps(tmp_path, [7])
-    assert saved_steps(tmp_path) == [7, 6] and legacy.is_dir()  # newer layout first; old kept
+    assert saved_steps(tmp_path) == [7] and legacy.is_dir()  # left alone
 
 
 # -- a full disk ----------------------------------------------------------------------------------

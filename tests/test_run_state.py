@@ -212,10 +212,16 @@ def test_the_sync_package_imports_nothing_of_the_harness():
         assert not harness, f"{path.relative_to(SRC)} imports {sorted(harness)}"
 
 
-def test_the_sharded_checkpoint_does_not_import_the_plain_one():
-    """snapshot.py hands sharded runs to sharded_snapshot.py; nothing goes the other way."""
-    imported = imported_modules(SRC / "train" / "checkpoint" / "sharded_snapshot.py")
-    assert not {"mtdao.train.checkpoint.snapshot", "mtdao.train.sharded_rounds"} & imported
+def test_the_two_checkpoint_formats_know_nothing_of_each_other():
+    """The Checkpointer chooses the format once; neither format file imports the other (or the
+    Checkpointer): no branch on the format is left inside them."""
+    checkpoint = SRC / "train" / "checkpoint"
+    plain = imported_modules(checkpoint / "snapshot.py")
+    sharded = imported_modules(checkpoint / "sharded_snapshot.py")
+    assert "mtdao.train.checkpoint.store" in plain and "mtdao.train.checkpoint.dcp" in sharded
+    assert not {"mtdao.train.checkpoint.sharded_snapshot", "mtdao.train.checkpoint.dcp"} & plain
+    assert "mtdao.train.checkpoint.snapshot" not in sharded
+    assert not {name for name in plain | sharded if name.endswith(".checkpointer")}
 
 
 def test_parameters_that_share_a_name_are_refused():

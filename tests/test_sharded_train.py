@@ -28,6 +28,7 @@ from torch.testing import assert_close
 from mtdao.train import trainer
 from mtdao.train.checkpoint import store as ckpt
 from mtdao.train.checkpoint.agreement import SingleProcess
+from mtdao.train.checkpoint.checkpointer import Checkpointer
 from mtdao.train.checkpoint.dcp import ShardedCheckpointStore
 from mtdao.train.config import TrainConfig
 from mtdao.train.ports import unused_port
@@ -76,17 +77,21 @@ def _process(rank: int, world: int, ports: list, jobs: list, out: str) -> None:
             if job == "recipe":  # on a process group of its own
                 dist.destroy_process_group()
                 os.environ["MASTER_PORT"] = str(ports.pop())
-                exec(compile(RECIPE, "docs/library.md", "exec"), {"__name__": "__main__"})
+                recipe = {"__name__": "__main__"}
+                exec(compile(RECIPE, "docs/library.md", "exec"), recipe)
                 os.environ["MASTER_PORT"] = str(ports.pop())  # the recipe ends its group
+                shards = [p.to_local().detach().clone() for p in recipe["model"].parameters()]
+                ended = {"shards": shards, "bytes": recipe["sync"].traffic.bytes}
+                torch.save(ended, Path(out) / f"recipe-rank{rank}.pt")
             elif job == "die":
-                save = trainer.save
+                save = Checkpointer.save
 
-                def save_then_die(*args, save=save, dies=rank == 1):
-                    save(*args)
+                def save_then_die(self, run, save=save, dies=rank == 1):
+                    save(self, run)
                     if dies:
                         os.kill(os.getpid(), signal.SIGKILL)
 
-                trainer.save = save_then_die
+                Checkpointer.save = save_then_die
             else:
                 trainer.train(job)
     except BaseException:
@@ -297,7 +302,18 @@ def test_resharded_resume_continues_the_run(runs):
 
 
 def test_the_library_recipe_runs_in_four_processes(runs):
-    pass  # launched with the first runs; a failure there fails the fixture
+    """docs/library.md's recipe (2 workers of 2 shards, 64 steps, K = 32; launched with the first
+    runs): its last round leaves both workers holding the same model, each process its own shard
+    of it, and every process counts its worker's traffic."""
+    first = runs["mtdao"].parent / "first"
+    ended = [torch.load(first / f"recipe-rank{rank}.pt", weights_only=True) for rank in range(4)]
+    for shard in (0, 1):  # rank = worker * 2 + shard (the mesh's replicate x shard layout)
+        for mine, other in zip(ended[shard]["shards"], ended[2 + shard]["shards"], strict=True):
+            assert torch.equal(mine, other)
+    assert any(
+        not torch.equal(a, b) for a, b in zip(ended[0]["shards"], ended[1]["shards"], strict=True)
+    )
+    assert ended[0]["bytes"] > 0 and len({e["bytes"] for e in ended}) == 1
 
 
 def test_a_forged_metadata_runs_nothing_and_the_run_resumes_from_the_checkpoint_before(runs):

@@ -84,12 +84,13 @@ def test_a_given_beta_warmup_or_ramp_survives_resolution():
     assert resolve(TrainConfig(betas=(0.9, 0.99), beta_ramp=4.0)).beta_ramp == 4.0
 
 
-def test_a_config_saved_before_the_ramp_keeps_its_warmup_and_no_ramp():
-    """A run resumed from a config.json of the 2026-12-01 default (warm-up 0.3) stays so."""
+def test_a_config_of_an_earlier_version_is_refused_in_one_line():
+    """Every field is saved, so a config.json without one (beta_ramp: a run of before the ramp)
+    was written by an earlier version, whose defaults this one would silently change."""
     old = resolve(TrainConfig(beta_warmup=0.3, beta_ramp=0.0)).to_dict()
-    del old["beta_ramp"]  # written before the field existed
-    config = resolve(TrainConfig.from_dict(old))
-    assert (config.beta_warmup, config.beta_ramp) == (0.3, 0.0)
+    del old["beta_ramp"]
+    with pytest.raises(ValueError, match=r"without the field\(s\) \['beta_ramp'\], written by an "):
+        TrainConfig.from_dict(old)
 
 
 def test_given_values_survive_resolution():
@@ -258,18 +259,22 @@ def test_json_round_trip():
         TrainConfig.from_dict({**config.to_dict(), "colour": "blue"})
 
 
-def test_a_config_saved_with_the_iid_split_of_before_the_shuffle_reads_as_contiguous():
+def test_a_study_run_on_another_split_is_stale():
     from mtdao.experiments.suite import stale_settings
 
-    old = {**TrainConfig(method="mtdao", steps=100).to_dict(), "data_split": "iid"}
-    assert TrainConfig.from_dict(old).data_split == "contiguous"  # what "iid" cut then
+    saved = TrainConfig(method="mtdao", steps=100, data_split="contiguous").to_dict()
     assert TrainConfig().data_split == "shuffled"
-    # a study's finished run of then is another run's, not reused under today's default
-    stale = stale_settings({"config": old}, TrainConfig(method="mtdao", steps=100))
+    stale = stale_settings({"config": saved}, TrainConfig(method="mtdao", steps=100))
     assert stale == ["data_split: 'contiguous' -> 'shuffled'"]
     assert not stale_settings(
-        {"config": old}, TrainConfig(method="mtdao", steps=100, data_split="contiguous")
+        {"config": saved}, TrainConfig(method="mtdao", steps=100, data_split="contiguous")
     )
+    # the split of an earlier version's name ("iid", which cut the path order) is no split now
+    old = {**saved, "data_split": "iid"}
+    assert stale_settings({"config": old}, TrainConfig(method="mtdao", steps=100)) == [
+        "the saved config is unusable (--data-split: unknown value 'iid'; choose from shuffled, "
+        "by-file, contiguous)"
+    ]
 
 
 def test_a_run_saved_with_the_former_warmup_fraction_is_the_default_where_the_steps_agree():

@@ -20,6 +20,7 @@ from test_train_resume import assert_runs_equal, tiny_config, train_until_interr
 from mtdao.cli import main
 from mtdao.train import trainer
 from mtdao.train.checkpoint.agreement import first_unsavable
+from mtdao.train.checkpoint.checkpointer import Checkpointer
 from mtdao.train.metrics import read_metrics
 from mtdao.train.run_lock import RunLock
 
@@ -231,14 +232,15 @@ def test_nan_at_the_first_step_after_a_resume_names_the_checkpoint(
 
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
-    real_restore = trainer.restore
+    real_restore = Checkpointer.restore
 
-    def bad_restore(run, loaded):
-        real_restore(run, loaded)
+    def bad_restore(self, run, start):
+        start = real_restore(self, run, start)
         with torch.no_grad():
             run.workers.named_parameters()[0][1].fill_(float("nan"))
+        return start
 
-    monkeypatch.setattr(trainer, "restore", bad_restore)
+    monkeypatch.setattr(Checkpointer, "restore", bad_restore)
     checkpoint = out / "checkpoints" / "step-00000002"
     assert_one_line_error(
         capsys,

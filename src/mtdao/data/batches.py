@@ -22,8 +22,6 @@ from mtdao.data.sources import Corpus
 from mtdao.data.tokenizers import ByteTokenizer, Tokenizer, tokenizer_fingerprint
 
 SPLITS = ("shuffled", "by-file", "contiguous")
-# what a shard state written before 2026-12-02 calls a contiguous split
-LEGACY_SPLITS = {"iid": "contiguous"}
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +223,6 @@ class WorkerShard:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where the saved shard stopped; it must describe the same shard."""
-        split = state.get("split")
-        state = {**state, "split": LEGACY_SPLITS.get(split, split)}
         for key, value in self._identity().items():
             if state.get(key) != value:
                 raise DataError(

@@ -15,9 +15,9 @@ from itertools import chain
 import torch
 from torch import Tensor
 
+from mtdao.native_build import native_library
 from mtdao.optim.compilation import KernelSpec, probe_inputs, written_tensors
 from mtdao.optim.launch import contiguous_set
-from mtdao.native_build import native_library
 
 # (parameter dtype, state dtype) pairs the kernel is built for
 SUPPORTED_DTYPES = {

@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtdao.data.batches import LEGACY_SPLITS
 from mtdao.data.batches import SPLITS as DATA_SPLITS
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.optim.base import check_momenta
@@ -242,11 +241,13 @@ class TrainConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown config field(s) {unknown}")
+        missing = sorted(known - set(values))
+        if missing:  # every field is saved, so this config is from an earlier version
+            raise ValueError(
+                f"a config without the field(s) {missing}, written by an earlier version of "
+                "mtdao, which this one does not read"
+            )
         values = dict(values)
-        if "beta_ramp" not in values and values.get("beta_warmup") is not None:
-            values["beta_ramp"] = 0.0  # resolved before the ramp existed: it had none
-        if values.get("data_split") in LEGACY_SPLITS:  # "iid" until 2026-12-02: the path order
-            values["data_split"] = LEGACY_SPLITS[values["data_split"]]
         for name in ("betas", "omegas", "sync_dtype"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])

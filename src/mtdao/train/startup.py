@@ -27,7 +27,6 @@ from typing import Any
 from mtdao.train.checkpoint import store as ckpt
 from mtdao.train.checkpoint.agreement import Collective
 from mtdao.train.checkpoint.index import set_aside_checkpoints
-from mtdao.train.checkpoint.snapshot import saved_config
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.durable import describe_os_error
@@ -128,6 +127,16 @@ def fall_back(
             f"run ({problem}); it was set aside"
         )
     return _resumed(config, earlier)
+
+
+def saved_config(meta: dict) -> TrainConfig:
+    """The resolved config a checkpoint was written with."""
+    try:
+        return resolve(TrainConfig.from_dict(meta["config"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ckpt.CheckpointError(
+            f"--resume: the checkpoint's config is unusable: {error}"
+        ) from None
 
 
 def _check_fresh_resume(run_dir: Path, config: TrainConfig) -> None:

@@ -4,7 +4,7 @@ start   (startup.py) lock --out -> fresh, --overwrite, or --resume from the newe
 setup   (setup.py) resolved config -> data -> model -> workers -> optimizer -> policy -> engine
 loop    schedules -> batch -> per-worker losses -> backward -> sync.step() -> [evaluate, checkpoint]
         sync.step(): [average grads] -> clip (gradient hook) -> optimizer step -> [average due]
-finish  checkpoint (checkpoint/snapshot.py, unless just saved) -> results.json (results.py) -> loss.png
+finish  checkpoint (checkpoint/checkpointer.py, unless just saved) -> results.json (results.py) -> loss.png
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from tqdm import tqdm
 
 from mtdao.data import stacked_batches
 from mtdao.sync.communicator import RoundNotCommitted
-from mtdao.train.checkpoint.snapshot import checkpoint_store, restore, save, unfit
-from mtdao.train.checkpoint.store import CheckpointStore
+from mtdao.train.checkpoint.checkpointer import Checkpointer
 from mtdao.train.config import TrainConfig, config_warnings, resolve
 from mtdao.train.distributed import (
     ProcessInfo,
@@ -39,7 +38,7 @@ from mtdao.train.metrics import MetricsLog, write_json
 from mtdao.train.results import summarize
 from mtdao.train.setup import Run, build_run
 from mtdao.train.sharding import check_topology
-from mtdao.train.startup import Start, choose_start, fall_back, lock_run_dir
+from mtdao.train.startup import Start, choose_start, lock_run_dir
 from mtdao.train.workers import SimulatedWorkerSet
 from mtdao.units import format_bytes
 
@@ -116,17 +115,19 @@ def train(
         if process.rank == 0:
             for warning in config_warnings(config):
                 say(f"warning: {warning}")
-        store = checkpoint_store(config, process, device)
-        lock = lock_run_dir(config, process, store.collective)  # held by process 0 till the end
+        checkpointer = Checkpointer(config, process, device)
+        lock = lock_run_dir(
+            config, process, checkpointer.collective
+        )  # held by process 0 till the end
         try:
-            start = choose_start(config, process, store)
+            start = choose_start(config, process, checkpointer.store)
             if process.rank == 0:
                 for note in start.notes:
                     say(note)
             with out_of_memory_errors(config, device, simulated=not process.distributed):
                 run = build(config, process)
                 run.clock.started = started
-                return train_run(run, store, start, hooks or LoopHooks())
+                return train_run(run, checkpointer, start, hooks or LoopHooks())
         finally:
             lock.release()
 
@@ -135,7 +136,7 @@ def train(
 class Outputs:
     """Where the loop writes, and what it must remember about this start of the run."""
 
-    store: CheckpointStore
+    checkpointer: Checkpointer
     log: MetricsLog
     last_saved: int | None = None
     """The step of the newest checkpoint (loaded or saved): the final save is skipped at it."""
@@ -143,19 +144,14 @@ class Outputs:
     """(step, checkpoint directory) when the run was resumed."""
 
 
-def train_run(run: Run, store: CheckpointStore, start: Start, hooks: LoopHooks) -> dict[str, Any]:
+def train_run(
+    run: Run, checkpointer: Checkpointer, start: Start, hooks: LoopHooks
+) -> dict[str, Any]:
     """Restore the run if it resumes, train it to the end, and write its results."""
+    start = checkpointer.restore(run, start)
+    for note in start.notes if run.is_main else []:
+        say(note)
     loaded = start.checkpoint
-    while loaded is not None:  # a checkpoint that verified may still not fit the built run
-        problem = unfit(run, loaded)
-        if store.collective.all_true(problem is None):
-            break
-        start = fall_back(run.config, store, loaded, problem or "see another process's warning")
-        loaded = start.checkpoint
-        for note in start.notes if run.is_main else []:
-            say(note)
-    if loaded is not None:
-        restore(run, loaded)
     if start.extension is not None:
         run.extensions.append(start.extension)
     if run.is_main:
@@ -166,7 +162,7 @@ def train_run(run: Run, store: CheckpointStore, start: Start, hooks: LoopHooks) 
         if loaded is not None:
             say(f"resumed from step {run.step} of {run.total_steps} ({loaded.path})")
     log = MetricsLog(run.run_dir, enabled=run.is_main, append=loaded is not None)
-    outputs = Outputs(store, log)
+    outputs = Outputs(checkpointer, log)
     if loaded is not None:
         log.truncate_after(run.step)
         outputs.last_saved = run.step
@@ -176,7 +172,7 @@ def train_run(run: Run, store: CheckpointStore, start: Start, hooks: LoopHooks) 
     finally:
         log.close()
     if outputs.last_saved != run.step:  # unless the loop (or the resume) just saved this step
-        save(run, store)
+        checkpointer.save(run)
     results = summarize(run)
     results["extensions"] = run.extensions
     if run.is_main:
@@ -236,7 +232,7 @@ def loop(run: Run, outputs: Outputs, hooks: LoopHooks) -> None:
                 run_evaluation(run, outputs.log)
             due = config.checkpoint_every and run.step % config.checkpoint_every == 0
             if due and hooks.may_checkpoint(run):
-                save(run, outputs.store)
+                outputs.checkpointer.save(run)
                 outputs.last_saved = run.step
     finally:
         progress.close()

@@ -29,7 +29,7 @@ from typing import Any
 from mtdao.sync.dtensors import local_shard
 from mtdao.train.checkpoint.agreement import read_state_file
 from mtdao.train.checkpoint.dcp_metadata import read_metadata, safe_reader
-from mtdao.train.checkpoint.index import FORMAT, CheckpointInfo, read_meta, verify_files
+from mtdao.train.checkpoint.index import CheckpointInfo, read_meta, verify_files
 from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore
 from mtdao.train.durable import CHECKSUM, file_checksum, write_atomic, write_json_atomic
 
@@ -176,7 +176,7 @@ def load_sharded(checkpoint: Path, state_dict: dict[str, Any]) -> None:
 
 def _data_files(checkpoint: Path) -> set[str] | None:
     """The DCP data files ``checkpoint``'s meta.json lists (checksummed); None if unlisted."""
-    meta, problem = read_meta(checkpoint / "meta.json", FORMAT)
+    meta, problem = read_meta(checkpoint / "meta.json")
     if problem:
         return None
     return {name.split("/", 1)[1] for name in meta["files"] if name.startswith(f"{MODEL_DIR}/")}

@@ -21,13 +21,11 @@ from mtdao.train.setup import Run
 def unfit(run: Run, state: Any) -> str | None:
     """Why the unsharded checkpoint ``state`` cannot be restored into ``run``; None if it fits."""
     template = RunState(run).state_dict()
-    problem = _missing(state, [key for key in template if key != "extensions"], "it")
+    problem = _missing(state, list(template), "it")
     if problem:
         return problem
     sync = state["sync"]
-    optional = ("pending", "pseudo_gradients")  # absent from checkpoints before delays, codecs
-    required = [key for key in template["sync"] if key not in optional]
-    problem = _missing(sync, required, "its sync state")
+    problem = _missing(sync, list(template["sync"]), "its sync state")
     if problem:
         return problem
     problem = _same_tensors("parameter", template["params"], state["params"])
@@ -51,7 +49,7 @@ def unfit(run: Run, state: Any) -> str | None:
 def worker_file_unfit(run: Run, worker: Any) -> str | None:
     """Why a sharded checkpoint's worker file cannot be restored into ``run``."""
     template = RunState(run).worker_state_dict({})
-    problem = _missing(worker, [key for key in template if key not in ("extensions", "sync")], "it")
+    problem = _missing(worker, [key for key in template if key != "sync"], "it")
     if problem or not isinstance(worker.get("sync"), Mapping):
         return problem or "it holds no sync state"
     if not isinstance(worker["shards"], list) or len(worker["shards"]) != len(run.shards):

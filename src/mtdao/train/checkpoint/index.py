@@ -16,7 +16,6 @@ from typing import Any
 from mtdao.train.durable import file_checksum
 
 CHECKPOINTS_DIR = "checkpoints"
-LEGACY_DIRS = ("checkpoint", "checkpoint.previous")  # one checkpoint, as written before 0.2
 FORMAT = 2
 COMPLETE_NAME = re.compile(r"step-(\d+)(?:\.(\d+))?")
 SET_ASIDE_NAME = re.compile(r"step-\d+(?:\.\d+)?\.damaged(?:\.\d+)?")
@@ -38,10 +37,8 @@ class CheckpointInfo:
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
-        """{file name: {"bytes": size, "<algorithm>": checksum}}; legacy ones list no checksum."""
-        if "files" in self.meta:
-            return self.meta["files"]
-        return {f"rank{r}.pt": {} for r in range(self.world_size or 1)}
+        """{file name: {"bytes": size, "<algorithm>": checksum}}."""
+        return self.meta["files"]
 
 
 def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
@@ -56,25 +53,19 @@ def scan_checkpoints(run_dir: Path) -> tuple[list[CheckpointInfo], list[tuple[Pa
     candidates = sorted(root.iterdir()) if root.is_dir() else []
     for path in candidates:
         if COMPLETE_NAME.fullmatch(path.name) and path.is_dir():
-            meta, problem = read_meta(path / "meta.json", FORMAT)
+            meta, problem = read_meta(path / "meta.json")
             if problem:
                 unreadable.append((path, problem))
             else:
                 found.append(CheckpointInfo(path, int(meta["step"]), int(meta["sequence"]), meta))
-    for order, name in enumerate(LEGACY_DIRS):
-        meta, problem = read_meta(run_dir / name / "meta.json")
-        if not problem:
-            found.append(CheckpointInfo(run_dir / name, int(meta["step"]), -order, meta))
     found.sort(key=lambda info: info.sequence, reverse=True)
     return found, unreadable
 
 
-def read_meta(path: Path, format: int = 1) -> tuple[dict[str, Any], str | None]:
+def read_meta(path: Path) -> tuple[dict[str, Any], str | None]:
     try:
         meta = json.loads(path.read_text())
-        int(meta["step"])
-        if format >= 2:
-            int(meta["sequence"]), int(meta["world_size"]), dict(meta["files"])
+        int(meta["step"]), int(meta["sequence"]), int(meta["world_size"]), dict(meta["files"])
         return meta, None
     except FileNotFoundError:
         return {}, f"{path.name} is missing"
@@ -120,7 +111,6 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "COMPLETE_NAME",
     "FORMAT",
-    "LEGACY_DIRS",
     "SET_ASIDE_NAME",
     "CheckpointInfo",
     "latest_checkpoint",

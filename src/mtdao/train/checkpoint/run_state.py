@@ -48,7 +48,7 @@ class RunState:
         torch.set_rng_state(state["torch_rng"])
         run.clock.load_state_dict(state["clock"])
         run.evals = list(state["evals"])
-        run.extensions = list(state.get("extensions", []))  # absent before --extend existed
+        run.extensions = list(state["extensions"])
 
     # -- plain (one file per process) ----------------------------------------------------------
 

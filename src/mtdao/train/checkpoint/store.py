@@ -62,7 +62,6 @@ from mtdao.train.durable import (
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = CHECKPOINTS_DIR  # the name older callers use
 # The runs whose checkpoints each backend writes ("backend" in meta.json; absent: "torch").
 BACKEND_RUNS = {
     "torch": "unsharded workers (--shards 1)",
@@ -247,9 +246,8 @@ class CheckpointStore:
         return final
 
     def _prune(self) -> None:
-        """Delete the checkpoints beyond the newest ``keep`` (never one from an older layout)."""
-        found = [info for info in list_checkpoints(self.run_dir) if info.path.parent == self.root]
-        for info in found[self.keep :]:
+        """Delete the checkpoints beyond the newest ``keep``."""
+        for info in list_checkpoints(self.run_dir)[self.keep :]:
             trash = info.path.with_name(f"{info.path.name}.trash")
             try:
                 os.rename(info.path, trash)  # invisible at once; a crash mid-delete leaves trash
@@ -402,7 +400,6 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 __all__ = [
     "CHECKPOINTS_DIR",
-    "CHECKPOINT_DIR",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointStore",
