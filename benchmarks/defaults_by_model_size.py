@@ -18,8 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from mtdao.experiments.formatting import SIGNIFICANCE_RULE, compare_losses, pm, stats
-from mtdao.experiments.suite import run_suite
+from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, pm, stats
+from mtdao.experiments.common.suite import run_suite
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.config import TrainConfig
 

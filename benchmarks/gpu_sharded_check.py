@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from mtdao.train.ports import unused_port
+from mtdao.testing.ports import unused_port
 
 BF16_LOSS_TOLERANCE = 0.05  # bf16 compute moves a tiny model's loss by ~1e-2 over these steps
 STEPS, BATCH, SEQ_LEN = 30, 8, 64

@@ -79,8 +79,8 @@ def test_top_level_help_does_not_import_torch():
 
 @pytest.mark.parametrize("command", ["compare", "ablation", "sync-options"])
 def test_short_runs_do_not_evaluate_every_step(command):
-    from mtdao.experiments.presets import apply_preset
-    from mtdao.experiments.suite import base_config, evaluations
+    from mtdao.experiments.common.suite import base_config, evaluations
+    from mtdao.experiments.compare.presets import apply_preset
 
     def parsed(*flags):
         args = build_parser(command).parse_args([command, *flags])
@@ -93,7 +93,7 @@ def test_short_runs_do_not_evaluate_every_step(command):
 
 
 def test_a_suite_says_what_is_coming():
-    from mtdao.experiments.suite import workload
+    from mtdao.experiments.common.suite import workload
     from mtdao.train.config import TrainConfig
 
     line = workload([TrainConfig(steps=40, eval_every=10, eval_tokens=4096)] * 3)
@@ -139,7 +139,7 @@ def test_hub_probe_on_loopback(monkeypatch):
     import socket
 
     from mtdao.data.sources import hub_reachable
-    from mtdao.train.ports import unused_port
+    from mtdao.testing.ports import unused_port
 
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{unused_port()}")
     assert not hub_reachable(timeout=1.0)
@@ -186,7 +186,7 @@ def test_a_suite_says_its_data_line_once(monkeypatch, tmp_path):
     """The runs of a suite share their data: the `data:` line is said for the first only."""
     from types import SimpleNamespace
 
-    from mtdao.experiments import suite
+    from mtdao.experiments.common import suite
     from mtdao.train import setup, trainer
     from mtdao.train.config import TrainConfig
 

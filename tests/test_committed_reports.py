@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.experiments.ablation_report import render_ablation_report
-from mtdao.experiments.ablation_summary import load_summary
-from mtdao.experiments.compare_report import render_compare_report
-from mtdao.experiments.defaults_card_report import card_report_lines
-from mtdao.experiments.frontier_report import render_results as render_frontier
-from mtdao.experiments.horizon_report import render_horizon_report
-from mtdao.experiments.rosenbrock_report import report_markdown
-from mtdao.experiments.slow_link_report import render_report
-from mtdao.experiments.sync_options_report import render_report as render_sync_options
-from mtdao.experiments.wan_checks import Check
-from mtdao.experiments.wan_report import render_report as render_wan_drill
+from mtdao.experiments.ablation.report import render_ablation_report
+from mtdao.experiments.ablation.summary import load_summary
+from mtdao.experiments.compare.report import render_compare_report
+from mtdao.experiments.defaults_card.report import card_report_lines
+from mtdao.experiments.frontier.report import render_results as render_frontier
+from mtdao.experiments.horizon.report import render_horizon_report
+from mtdao.experiments.rosenbrock.report import report_markdown
+from mtdao.experiments.slow_link.report import render_report
+from mtdao.experiments.sync_options.report import render_report as render_sync_options
+from mtdao.experiments.wan_drill.checks import Check
+from mtdao.experiments.wan_drill.report import render_report as render_wan_drill
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 

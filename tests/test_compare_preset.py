@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mtdao.cli import build_parser, main
-from mtdao.experiments.presets import COMPARE_PRESETS, apply_preset
+from mtdao.experiments.compare.presets import COMPARE_PRESETS, apply_preset
 from mtdao.train.methods import METHODS
 
 

@@ -10,11 +10,11 @@ import json
 import pytest
 
 from mtdao.cli import main
-from mtdao.experiments import defaults_card
-from mtdao.experiments.corpora import write_gnu_info_corpus
-from mtdao.experiments.defaults_card import FULL, Grid, card_runs, run_name
-from mtdao.experiments.defaults_card_report import card_report_lines
-from mtdao.experiments.defaults_card_summary import summarize_card
+from mtdao.experiments.common.corpora import write_gnu_info_corpus
+from mtdao.experiments.defaults_card import run as defaults_card
+from mtdao.experiments.defaults_card.report import card_report_lines
+from mtdao.experiments.defaults_card.run import FULL, Grid, card_runs, run_name
+from mtdao.experiments.defaults_card.summary import summarize_card
 from mtdao.train.config import TrainConfig, default_lr
 
 DATA = {"builtin": "builtin", "vim": "/vim", "gnu-info": "/info"}
@@ -138,7 +138,7 @@ def test_a_short_run_is_held_to_the_longer_run_at_its_last_step():
 
 def test_a_card_run_in_part_plots_with_nothing_on_its_first_corpus(tmp_path):
     """Only the vim cells finished: the plot's legend comes from the panel that has lines."""
-    from mtdao.experiments.defaults_card_report import plot_card
+    from mtdao.experiments.defaults_card.report import plot_card
 
     grid = Grid(("builtin", "vim"), (3000,), (32,), (0, 1), ("ddp", "local-adam", "mtdao"))
     results = {

@@ -8,9 +8,8 @@ import math
 
 import pytest
 
-from mtdao.experiments import formatting
-from mtdao.experiments.ablation_report import render_ablation_report
-from mtdao.experiments.ablation_summary import (
+from mtdao.experiments.ablation.report import render_ablation_report
+from mtdao.experiments.ablation.summary import (
     best_versus_local,
     degradation_curves,
     degradation_slope,
@@ -18,12 +17,13 @@ from mtdao.experiments.ablation_summary import (
     period_cell,
     slope_comparison,
 )
-from mtdao.experiments.compare_summary import claim_checks
-from mtdao.experiments.formatting import NOT_RUN, failures_section, stats
-from mtdao.experiments.rosenbrock import to_json
-from mtdao.experiments.rosenbrock_report import report_markdown
-from mtdao.experiments.rosenbrock_summary import summarize as summarize_rosenbrock
-from mtdao.experiments.slow_link_summary import compare_to_ddp, time_to_loss, wall_at_step
+from mtdao.experiments.common import formatting
+from mtdao.experiments.common.formatting import NOT_RUN, failures_section, stats
+from mtdao.experiments.compare.summary import claim_checks
+from mtdao.experiments.rosenbrock.report import report_markdown
+from mtdao.experiments.rosenbrock.run import to_json
+from mtdao.experiments.rosenbrock.summary import summarize as summarize_rosenbrock
+from mtdao.experiments.slow_link.summary import compare_to_ddp, time_to_loss, wall_at_step
 
 # -- shared formatting ----------------------------------------------------------------------------
 

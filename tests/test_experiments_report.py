@@ -9,17 +9,13 @@ import shlex
 
 import pytest
 
-from mtdao.experiments import (
-    ablation,
-    ablation_report,
-    ablation_summary,
-    compare_plots,
-    compare_report,
-    compare_summary,
-    formatting,
-    suite,
-    wallclock,
-)
+from mtdao.experiments.ablation import report as ablation_report
+from mtdao.experiments.ablation import run as ablation
+from mtdao.experiments.ablation import summary as ablation_summary
+from mtdao.experiments.common import formatting, suite, wallclock
+from mtdao.experiments.compare import plots as compare_plots
+from mtdao.experiments.compare import report as compare_report
+from mtdao.experiments.compare import summary as compare_summary
 from mtdao.train.config import TrainConfig
 
 PARAM_BYTES = 1000  # bytes of one model-sized buffer per worker
@@ -276,10 +272,10 @@ def test_suite_reuses_finished_runs_and_refuses_stale_ones(tmp_path):
 def test_half_finished_run_dir_is_resumed_or_wiped(tmp_path):
     config = TrainConfig(model="micro", steps=3, progress=False)
     run_dir = tmp_path / "r"
-    (run_dir / "checkpoint").mkdir(parents=True)
-    (run_dir / "checkpoint" / "meta.json").write_text(
-        json.dumps({"step": 2, "config": config.to_dict()})
-    )
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    meta = {"step": 2, "sequence": 1, "world_size": 1, "files": {}, "config": config.to_dict()}
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
     assert suite._prepare(run_dir, config).resume
     assert run_dir.exists()
     other = TrainConfig(model="micro", steps=3, lr=1e-3)

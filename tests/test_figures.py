@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.experiments import compare_plots, sync_options_report
-from mtdao.experiments.figures import log_tick_values
+from mtdao.experiments.common.figures import log_tick_values
+from mtdao.experiments.compare import plots as compare_plots
+from mtdao.experiments.sync_options import report as sync_options_report
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
 

@@ -11,16 +11,16 @@ import shutil
 import pytest
 
 from mtdao.cli import build_parser, main
-from mtdao.experiments.formatting import format_lr, stats
-from mtdao.experiments.frontier import parse_lr_factors, point_config, run_name
-from mtdao.experiments.frontier_grid import (
+from mtdao.experiments.common.formatting import format_lr, stats
+from mtdao.experiments.frontier.grid import (
     GRIDS,
     FrontierPoint,
     changed_flags,
     full_grid,
     quick_grid,
 )
-from mtdao.experiments.frontier_summary import (
+from mtdao.experiments.frontier.run import parse_lr_factors, point_config, run_name
+from mtdao.experiments.frontier.summary import (
     budget_rows,
     frontier_json,
     fronts_by_method,
@@ -148,7 +148,7 @@ def finish_run(out, args, point, lr, seed, loss, num_bytes):
 def quick_args(argv):
     """The parsed ``mtdao frontier --quick`` arguments of ``argv``, the quick grid's settings
     applied as the command applies them."""
-    from mtdao.experiments.frontier import apply_quick
+    from mtdao.experiments.frontier.run import apply_quick
 
     args = build_parser().parse_args(argv)
     apply_quick(args)
@@ -421,7 +421,7 @@ def test_lr_per_point_gives_each_point_the_best_of_its_methods_sweep_lrs(tmp_pat
 def test_a_point_at_another_lr_is_compared_over_the_seeds_both_lrs_ran():
     """The other LR ran seeds 0-2, the chosen one 0-1: the change is over seeds 0 and 1 only,
     and the table says so."""
-    from mtdao.experiments.frontier_report import other_lrs_section
+    from mtdao.experiments.frontier.report import other_lrs_section
 
     def row(lr, values):
         return {

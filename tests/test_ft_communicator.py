@@ -416,7 +416,7 @@ def test_a_second_replica_with_a_taken_id_is_refused(lighthouse):
 
 
 def test_an_unreachable_lighthouse_fails_within_the_connect_timeout():
-    from mtdao.train.ports import unused_port
+    from mtdao.testing.ports import unused_port
 
     address = f"localhost:{unused_port()}"
     communicator = torchft.ReplicaGroups(torchft.ReplicaSettings(0, address, connect_timeout=1))

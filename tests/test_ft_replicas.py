@@ -16,9 +16,9 @@ import time
 import pytest
 
 from mtdao.testing.fault_drill import Drill
+from mtdao.testing.ports import unused_port
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
-from mtdao.train.ports import unused_port
 
 pytest.importorskip("torchft")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mtdao.experiments import horizon_plots as plots
-from mtdao.experiments import horizon_report as hr
-from mtdao.experiments import horizon_summary as hs
+from mtdao.experiments.horizon import plots
+from mtdao.experiments.horizon import report as hr
+from mtdao.experiments.horizon import summary as hs
 
 
 def experiment(eid, values, sweep=((4e-3, 1.5), (5.657e-3, 1.4), (8e-3, 1.45)), curve=(), **extra):

@@ -25,7 +25,7 @@ from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, traffic_summ
 from mtdao.integrations.hf.checkpoint import load_worker_state  # noqa: E402
 from mtdao.optim import MTAdam  # noqa: E402
 from mtdao.sync.communicator import Traffic  # noqa: E402
-from mtdao.train.ports import unused_port  # noqa: E402
+from mtdao.testing.ports import unused_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from integration_hf_run import PERIOD, Blocks, tiny_llama, training_args  # noqa: E402

@@ -12,13 +12,13 @@ import textwrap
 
 import pytest
 
-from mtdao.experiments.netem import (
+from mtdao.testing.network.netem import (
     LinkUnavailable,
     cleanup_stale,
     emulated_link,
     measure_throughput_mbit,
 )
-from mtdao.experiments.relay_link import emulation_of, slow_link
+from mtdao.testing.network.relay_link import emulation_of, slow_link
 
 PREFIX = "mtdaotest"
 
@@ -102,7 +102,7 @@ def test_teardown_when_process_is_signalled(signum):
         import signal, time
         # A shell's background job inherits SIGINT ignored; a user at a terminal has Python's.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from mtdao.experiments.netem import emulated_link
+        from mtdao.testing.network.netem import emulated_link
         with emulated_link(2, 10.0, prefix={PREFIX!r}) as link:
             print(" ".join([link.hub, *link.hosts]), flush=True)
             time.sleep(30)

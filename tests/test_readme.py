@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.train.ports import unused_port
+from mtdao.testing.ports import unused_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

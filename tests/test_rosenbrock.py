@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from mtdao import MTAdam
 from mtdao.cli import main
-from mtdao.experiments.rosenbrock import (
+from mtdao.experiments.rosenbrock.run import (
     RosenbrockConfig,
     rosenbrock,
     rosenbrock_grad,

@@ -25,13 +25,13 @@ import torch.multiprocessing as mp
 from test_checkpoint_forged import Payload, forge
 from torch.testing import assert_close
 
+from mtdao.testing.ports import unused_port
 from mtdao.train import trainer
 from mtdao.train.checkpoint import store as ckpt
 from mtdao.train.checkpoint.agreement import SingleProcess
 from mtdao.train.checkpoint.checkpointer import Checkpointer
 from mtdao.train.checkpoint.dcp import ShardedCheckpointStore
 from mtdao.train.config import TrainConfig
-from mtdao.train.ports import unused_port
 
 pytestmark = [
     pytest.mark.slow,

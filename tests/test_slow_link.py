@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from mtdao.cli import main
-from mtdao.experiments import slow_link
-from mtdao.experiments.netem import LinkUnavailable, emulated_link
-from mtdao.experiments.slow_link_report import render_report
+from mtdao.experiments.slow_link import run as slow_link
+from mtdao.experiments.slow_link.report import render_report
+from mtdao.testing.network.netem import LinkUnavailable, emulated_link
 from mtdao.train import trainer
 from mtdao.train.checkpoint.store import checkpoint_path
 from mtdao.train.config import TrainConfig, resolve

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from mtdao.experiments import sync_options
-from mtdao.experiments.sync_options_report import plot_options, render_report
-from mtdao.experiments.sync_options_summary import peak_step_bytes, summarize
+from mtdao.experiments.sync_options import run as sync_options
+from mtdao.experiments.sync_options.report import plot_options, render_report
+from mtdao.experiments.sync_options.summary import peak_step_bytes, summarize
 from mtdao.train.config import resolve
 
 

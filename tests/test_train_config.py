@@ -260,7 +260,7 @@ def test_json_round_trip():
 
 
 def test_a_study_run_on_another_split_is_stale():
-    from mtdao.experiments.suite import stale_settings
+    from mtdao.experiments.common.suite import stale_settings
 
     saved = TrainConfig(method="mtdao", steps=100, data_split="contiguous").to_dict()
     assert TrainConfig().data_split == "shuffled"
@@ -280,7 +280,7 @@ def test_a_study_run_on_another_split_is_stale():
 def test_a_run_saved_with_the_former_warmup_fraction_is_the_default_where_the_steps_agree():
     """Until 2026-12-04 the LR warm-up was 5% of --steps, saved as warmup 0.05: at 3000 steps
     that is the default's 150 steps (reused, resumed), at 1000 it is 50 (another run)."""
-    from mtdao.experiments.suite import stale_settings
+    from mtdao.experiments.common.suite import stale_settings
 
     for steps, differs in ((3000, False), (1000, True)):
         saved = resolve(TrainConfig(steps=steps, warmup=0.05))

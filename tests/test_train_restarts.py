@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mtdao.testing.ports import unused_port
 from mtdao.train.distributed import (
     CollectiveError,
     ProcessInfo,
@@ -27,7 +28,6 @@ from mtdao.train.distributed import (
     explain_collective_failure,
 )
 from mtdao.train.metrics import read_metrics
-from mtdao.train.ports import unused_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mtdao.experiments.wallclock import (
+from mtdao.experiments.common.wallclock import (
     LINK_PRESETS,
     Link,
     allreduce_seconds,

@@ -7,14 +7,14 @@ import dataclasses
 
 import pytest
 
-from mtdao.experiments.wan_calibration import (
+from mtdao.experiments.wan_drill.calibration import (
     Calibration,
     DrillMeasurement,
     fit,
     heal_seconds,
     round_seconds,
 )
-from mtdao.experiments.wan_predict import (
+from mtdao.experiments.wan_drill.predict import (
     assumptions,
     frontier_settings,
     grid,

@@ -16,19 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.experiments.netem import LinkUnavailable, _check_available, _sh
-from mtdao.experiments.wan_checks import check_loss, loss_band, mean_final_loss, run_checks
-from mtdao.experiments.wan_relay import Port, Switch
-from mtdao.experiments.wan_report import baseline_summary
-from mtdao.experiments.wan_run import LIGHTHOUSE_PORT, Drill, DrillSettings
-from mtdao.experiments.wan_scenario import (
+from mtdao.experiments.wan_drill.checks import check_loss, loss_band, mean_final_loss, run_checks
+from mtdao.experiments.wan_drill.drill import LIGHTHOUSE_PORT, Drill, DrillSettings
+from mtdao.experiments.wan_drill.report import baseline_summary
+from mtdao.testing.network.netem import LinkUnavailable, _check_available, _sh
+from mtdao.testing.network.relay import Port, Switch
+from mtdao.testing.network.scenario import (
     DEFAULT_SCENARIO,
     EVENT_KINDS,
     load_scenario,
     scenario_from_dict,
 )
-from mtdao.experiments.wan_sites import NETNS_ETC, cleanup_stale, live_namespaces
-from mtdao.experiments.wan_straggler import cpu_cgroup_root
+from mtdao.testing.network.sites import NETNS_ETC, cleanup_stale, live_namespaces
+from mtdao.testing.network.straggler import cpu_cgroup_root
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,8 +329,8 @@ def _cmdline(proc: Path) -> str:
 
 
 def test_the_report_names_a_drill_without_events_that_did_not_finish():
-    from mtdao.experiments.wan_checks import Check
-    from mtdao.experiments.wan_report import render_report
+    from mtdao.experiments.wan_drill.checks import Check
+    from mtdao.experiments.wan_drill.report import render_report
 
     results = json.loads((ROOT / "reports" / "wan-drill" / "results.json").read_text())
     baselines = [dict(b) for b in results["baselines"]]

@@ -29,29 +29,29 @@ COMMANDS = {
         "mtdao.train.plot_command",
         "redraw a run's loss.png, optionally beside a reference run",
     ),
-    "toy": ("mtdao.experiments.rosenbrock", "toy problems (mtdao toy rosenbrock)"),
+    "toy": ("mtdao.experiments.rosenbrock.run", "toy problems (mtdao toy rosenbrock)"),
     "compare": (
-        "mtdao.experiments.compare",
+        "mtdao.experiments.compare.run",
         "run every method on the same budget and seeds; write report.md and plots",
     ),
     "ablation": (
-        "mtdao.experiments.ablation",
+        "mtdao.experiments.ablation.run",
         "loss degradation vs sync period K: Local Adam vs MT-DAO's slow momenta",
     ),
     "slow-link": (
-        "mtdao.experiments.slow_link",
+        "mtdao.experiments.slow_link.run",
         "DDP vs MT-DAO with real gloo workers across an emulated slow link (root)",
     ),
     "sync-options": (
-        "mtdao.experiments.sync_options",
+        "mtdao.experiments.sync_options.run",
         "loss and traffic of overlapped, fragmented and quantized rounds vs float32 rounds",
     ),
     "frontier": (
-        "mtdao.experiments.frontier",
+        "mtdao.experiments.frontier.run",
         "final loss against traffic for every method, codec and K; Pareto frontiers",
     ),
     "wan-drill": (
-        "mtdao.experiments.wan_drill",
+        "mtdao.experiments.wan_drill.run",
         "fault-tolerant replicas across emulated WAN sites that fail, checked (root)",
     ),
 }

@@ -1,2 +1,3 @@
 """Tools for rehearsing what can go wrong: :mod:`.fault_drill` steers the replicas of a
-fault-tolerant run from outside (pauses, kills, held rounds) and records their state."""
+fault-tolerant run from outside (pauses, kills, held rounds) and records their state;
+:mod:`.network` emulates the links and sites they run across; :mod:`.ports` finds free ports."""

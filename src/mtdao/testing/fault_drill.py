@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mtdao.train.ports import unused_port
+from mtdao.testing.ports import unused_port
 
 POLL_S = 0.02
 

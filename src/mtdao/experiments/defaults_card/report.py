@@ -1,0 +1,220 @@
+"""The defaults card as report.md and card.png, from its summary
+(:mod:`.summary`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mtdao.experiments.common.figures import STYLE, pyplot, save
+from mtdao.experiments.common.formatting import MISSING, failures_section, pm, signed, table
+from mtdao.train.config import TrainConfig
+
+ENTRY_COLORS = {
+    "ddp": "#222222",
+    "local-adam": "#ff7f0e",
+    "mtdao": "#d62728",
+    "mtdao-warmup-0.3": "#9467bd",
+    "mtdao-0.95-0.7": "#1f77b4",
+    "mtdao-cosine": "#2ca02c",
+    "ddp-cosine": "#7f7f7f",
+    "local-adam-cosine": "#ffbb78",
+    "mtdao-lr-warmup-0.05": "#e377c2",
+    "ddp-lr-warmup-0.05": "#bcbd22",
+    "local-adam-lr-warmup-0.05": "#8c564b",
+    # the names of cards made before WSD became the default (2026-12-04)
+    "mtdao-wsd": "#2ca02c",
+    "ddp-wsd": "#7f7f7f",
+    "local-adam-wsd": "#ffbb78",
+}
+PERIOD_STYLES = ("-", "--", ":")
+
+
+SPLIT_NOTES = {
+    "contiguous": "non-IID: equal cuts of the corpus in path order, the split of every card "
+    "before 2026-12-02",
+    "by-file": "non-IID: each worker its own run of files",
+}
+
+
+def write_card_report(out: Path, summary: dict[str, Any]) -> Path:
+    plotted = plot_card(summary, out / "card.png")
+    path = out / "report.md"
+    path.write_text("\n".join(card_report_lines(summary, plotted)) + "\n")
+    return path
+
+
+def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str]:
+    entries = summary["entries"]
+    # a summary without the field predates the shuffled split: its shards were contiguous
+    grid, split = summary["grid"], summary.get("data_split", "contiguous")
+    lines = [
+        "# The defaults card: every method at its own defaults",
+        "",
+        "Each run is `mtdao train --model micro --method M --steps N --sync-period K --data D "
+        "--seed S` and nothing else: every other flag, the learning rate included, at its "
+        "default. Final validation loss, mean ± sample std over seeds "
+        f"{', '.join(map(str, grid['seeds']))}; {summary['significance_rule']}.",
+        "",
+        "Entries: "
+        + "; ".join(f"`{e['name']}`" + (f" ({e['note']})" if e["note"] else "") for e in entries)
+        + ".",
+        "",
+        "Corpora: "
+        + ", ".join(f"{name} (`{path}`)" for name, path in summary["data"].items())
+        + "".join(f"; {name} missing: {why}" for name, why in summary["missing"].items())
+        + ".",
+        "",
+        f"Worker shards: `--data-split {split}`"
+        + (
+            " (the default)."
+            if split == TrainConfig.data_split
+            else f" ({SPLIT_NOTES.get(split, '')})."
+        ),
+        "",
+    ]
+    if plotted:
+        lines += ["![MT-DAO against DDP and Local Adam, per corpus](card.png)", ""]
+    header = ["corpus", "steps", "K", *(f"`{e['name']}`" for e in entries)]
+    header += ["MT-DAO − Local Adam", "MT-DAO − DDP"]
+    rows = []
+    for cell in summary["cells"]:
+        values = [pm(cell["entries"][e["name"]]["stats"]) for e in entries]
+        gaps = cell["gaps"].get("mtdao", {})
+        rows.append(
+            [
+                cell["corpus"],
+                str(cell["steps"]),
+                str(cell["sync_period"]),
+                *values,
+                _gap(gaps.get("local-adam")),
+                _gap(gaps.get("ddp")),
+            ]
+        )
+    lines += table(header, rows) + [""]
+    lines += [
+        "Gap: difference of means (relative), the verdict of the significance rule, and on how "
+        "many seeds MT-DAO is lower. `one seed`: not enough seeds for a verdict yet.",
+        "",
+        f"{summary['runs_finished']} runs finished.",
+        "",
+    ]
+    lines += horizon_lines(summary.get("horizons", []), [e["name"] for e in entries])
+    return lines + failures_section(summary["failures"])
+
+
+def horizon_lines(checks: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """Is a short run the start of a long one? One row per corpus, K and pair of lengths."""
+    if not checks:
+        return []
+    header = ["corpus", "K", "short run / longer run", *(f"`{n}`" for n in names)]
+    rows = []
+    for check in checks:
+        cells = []
+        for name in names:
+            value = check["entries"].get(name)
+            cells.append(
+                MISSING if value is None else f"{value['mean'] * 100:+.1f}% ({value['seeds']})"
+            )
+        rows.append(
+            [check["corpus"], str(check["sync_period"]), f"{check['short']} / {check['long']}"]
+            + cells
+        )
+    return [
+        "## Is a short run the start of a long one?",
+        "",
+        "Each short run's final validation loss against the longer run's at the same step "
+        "(interpolated between its evaluations), relative, mean over the seeds that have both "
+        "(their number in brackets). The short run's learning rate has annealed by then and the "
+        "longer one's has not, which moves every method alike; an entry is as horizon-free as "
+        "the baselines where its figure is no higher than theirs.",
+        "",
+        *table(header, rows),
+        "",
+    ]
+
+
+def _gap(gap: dict[str, Any] | None) -> str:
+    if gap is None:
+        return MISSING
+    relative = f" ({gap['relative'] * 100:+.1f}%)" if gap["relative"] is not None else ""
+    return (
+        f"{signed(gap['difference'])}{relative} {gap['verdict']}, "
+        f"lower on {gap['lower_on']}/{gap['shared_seeds']}"
+    )
+
+
+def plot_card(summary: dict[str, Any], path: Path) -> bool:
+    """One panel per corpus: each entry's loss relative to DDP's against the run length, one
+    line style per sync period. False when there is nothing to draw."""
+    corpora = list(dict.fromkeys(cell["corpus"] for cell in summary["cells"]))
+    periods = sorted({cell["sync_period"] for cell in summary["cells"]})
+    names = [e["name"] for e in summary["entries"] if e["name"] != "ddp"]
+    drawn = False
+    plt = pyplot()
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(
+            1,
+            max(1, len(corpora)),
+            figsize=(4.2 * max(1, len(corpora)), 3.6),
+            squeeze=False,
+            sharey=True,
+        )
+        for axis, corpus in zip(axes[0], corpora):
+            for p_index, period in enumerate(periods):
+                cells = sorted(
+                    (
+                        c
+                        for c in summary["cells"]
+                        if c["corpus"] == corpus and c["sync_period"] == period
+                    ),
+                    key=lambda c: c["steps"],
+                )
+                for name in names:
+                    points = [
+                        (c["steps"], 100 * (s["mean"] / d["mean"] - 1))
+                        for c in cells
+                        if (s := c["entries"][name]["stats"])
+                        and (d := c["entries"]["ddp"]["stats"])
+                    ]
+                    if not points:
+                        continue
+                    drawn = True
+                    steps, relative = zip(*points)
+                    axis.plot(
+                        steps,
+                        relative,
+                        PERIOD_STYLES[p_index % 3],
+                        marker="o",
+                        markersize=3,
+                        color=ENTRY_COLORS.get(name, "#1f77b4"),
+                        label=f"{name}, K = {period}",
+                    )
+            axis.axhline(0, color=ENTRY_COLORS["ddp"], linewidth=0.8)
+            axis.set_xscale("log")
+            lengths = sorted({c["steps"] for c in summary["cells"]})
+            axis.set_xticks(lengths, [f"{n:g}" for n in lengths])
+            axis.minorticks_off()
+            axis.set_title(corpus)
+            axis.set_xlabel("steps (run length)")
+        axes[0][0].set_ylabel("final val loss above DDP's (%)")
+        if drawn:
+            # from every panel: a card run in part may have nothing on the first corpus
+            legend = {}
+            for axis in axes[0]:
+                for handle, label in zip(*axis.get_legend_handles_labels()):
+                    legend.setdefault(label, handle)
+            labels = list(legend)
+            fig.legend(
+                list(legend.values()),
+                labels,
+                loc="lower center",
+                ncol=min(4, len(labels)),
+                fontsize=8,
+                bbox_to_anchor=(0.5, -0.02),
+            )
+            fig.tight_layout(rect=(0, 0.08, 1, 1))
+            save(fig, path)
+        else:
+            plt.close(fig)
+    return drawn

@@ -1,0 +1,147 @@
+"""The defaults card's numbers: per cell (corpus, length, sync period) each entry's final
+validation loss over seeds, and every MT-DAO entry's gap to Local Adam and to DDP under the
+significance rule (:func:`mtdao.experiments.common.formatting.compare_losses`); and whether a short run
+is the start of a long one (:func:`horizon_checks`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, stats
+from mtdao.experiments.defaults_card.run import ENTRIES, Grid, run_name
+from mtdao.train.config import TrainConfig
+
+REFERENCES = ("local-adam", "ddp")
+
+
+def summarize_card(
+    grid: Grid,
+    data: dict[str, str],
+    missing: dict[str, str],
+    results: dict[str, dict[str, Any]],
+    failures: dict[str, str],
+    data_split: str = TrainConfig.data_split,
+) -> dict[str, Any]:
+    entries = [entry for entry in ENTRIES if entry.name in grid.entries]
+    cells = []
+    for corpus, steps, sync_period in grid.cells():
+        if corpus not in data:
+            continue
+        by_entry = {}
+        for entry in entries:
+            finals = [
+                _final(results.get(run_name(corpus, steps, sync_period, entry.name, seed)))
+                for seed in grid.seeds
+            ]
+            by_entry[entry.name] = {
+                "stats": stats(finals),
+                "by_seed": dict(zip(map(str, grid.seeds), finals)),
+            }
+        cells.append(
+            {
+                "corpus": corpus,
+                "steps": steps,
+                "sync_period": sync_period,
+                "entries": by_entry,
+                "gaps": _gaps(by_entry, [e.name for e in entries if e.method == "mtdao"]),
+            }
+        )
+    return {
+        "kind": "defaults-card",
+        "grid": dataclasses.asdict(grid),
+        "data": data,
+        "data_split": data_split,
+        "missing": missing,
+        "entries": [dataclasses.asdict(entry) for entry in entries],
+        "cells": cells,
+        "significance_rule": SIGNIFICANCE_RULE,
+        "horizons": horizon_checks(grid, data, results, [e.name for e in entries]),
+        "runs_finished": len(results),
+        "failures": failures,
+    }
+
+
+def _final(results: dict[str, Any] | None) -> float | None:
+    if results is None:
+        return None
+    loss = results.get("final_val_loss")
+    return float("inf") if loss is None else loss
+
+
+def _gaps(by_entry: dict[str, dict], candidates: list[str]) -> dict[str, dict[str, Any]]:
+    """For each MT-DAO entry and reference: difference of means, relative difference, the
+    verdict, and on how many shared seeds the entry is lower."""
+    gaps: dict[str, dict[str, Any]] = {}
+    for name in candidates:
+        mine = by_entry[name]
+        if mine["stats"] is None:
+            continue
+        for reference in REFERENCES:
+            theirs = by_entry.get(reference)
+            if not theirs or theirs["stats"] is None:
+                continue
+            a, b = mine["stats"], theirs["stats"]
+            shared = [
+                seed
+                for seed, value in mine["by_seed"].items()
+                if value is not None and theirs["by_seed"].get(seed) is not None
+            ]
+            lower = sum(mine["by_seed"][s] < theirs["by_seed"][s] for s in shared)
+            gaps.setdefault(name, {})[reference] = {
+                "difference": a["mean"] - b["mean"],
+                "relative": (a["mean"] - b["mean"]) / b["mean"] if b["mean"] else None,
+                "verdict": compare_losses(a, b) if min(a["n"], b["n"]) > 1 else "one seed",
+                "lower_on": lower,
+                "shared_seeds": len(shared),
+            }
+    return gaps
+
+
+def horizon_checks(
+    grid: Grid, data: dict[str, str], results: dict[str, dict[str, Any]], entries: list[str]
+) -> list[dict[str, Any]]:
+    """For each corpus, sync period, pair of lengths (short, the next longer) and entry: the
+    short run's final loss against the longer run's at the short run's last step (interpolated
+    between its evaluations), relative, mean over the seeds that have both. Every method's
+    learning rate anneals to the short run's end, so a method is as horizon-free as the
+    baselines when its figure is no higher than theirs."""
+    checks = []
+    for corpus, sync_period in dict.fromkeys((c, k) for c, _, k in grid.cells()):
+        if corpus not in data:
+            continue
+        lengths = sorted(n for c, n, k in grid.cells() if (c, k) == (corpus, sync_period))
+        for short, long in zip(lengths, lengths[1:]):
+            by_entry = {}
+            for entry in entries:
+                ratios = []
+                for seed in grid.seeds:
+                    ended = results.get(run_name(corpus, short, sync_period, entry, seed))
+                    longer = results.get(run_name(corpus, long, sync_period, entry, seed))
+                    midway = _loss_at(longer, short)
+                    if ended and ended.get("final_val_loss") and midway:
+                        ratios.append(ended["final_val_loss"] / midway - 1)
+                if ratios:
+                    by_entry[entry] = {"mean": sum(ratios) / len(ratios), "seeds": len(ratios)}
+            if by_entry:
+                checks.append(
+                    {
+                        "corpus": corpus,
+                        "sync_period": sync_period,
+                        "short": short,
+                        "long": long,
+                        "entries": by_entry,
+                    }
+                )
+    return checks
+
+
+def _loss_at(results: dict[str, Any] | None, step: int) -> float | None:
+    """A run's validation loss at ``step``, linear between the evaluations around it."""
+    if not results:
+        return None
+    evals = [(e["step"], e["val_loss"]) for e in results.get("evals", [])]
+    for (s0, l0), (s1, l1) in zip(evals, evals[1:]):
+        if s0 <= step <= s1 and s1 > s0:
+            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    return None

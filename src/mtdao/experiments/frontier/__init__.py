@@ -1,0 +1,1 @@
+"""``mtdao frontier``: final loss against traffic for every method, codec and K."""

@@ -1,0 +1,266 @@
+"""The report of ``mtdao wan-drill``: plots of the drill's record and a markdown page.
+
+* ``timeline.png``: every replica's step against wall time, its committed (dots) and discarded
+  (crosses) rounds, the events shaded;
+* ``loss.png``: validation loss against wall time, the drill's replicas beside the drills
+  without events and DDP over the same links;
+* ``bytes.png``: bytes each site sent and received.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mtdao.experiments.wan_drill.checks import Check, mean_final_loss
+from mtdao.experiments.wan_drill.summary import event_effects, round_counts, rounds, site_bytes
+
+EVENT_COLOURS = {"kill": "tab:red", "partition": "tab:purple", "slow_link": "tab:orange",
+                 "straggler": "tab:brown", "lighthouse_restart": "tab:gray"}  # fmt: skip
+
+SECURED = (
+    "- as across real sites: every listener serves on its site's address (`--bind-host`; the"
+    " lighthouse's front on `--port`), and the replicas prove membership with a random secret"
+    " made for this drill (`--auth-token-file`, mode 0600, deleted when the drill ends)"
+)
+
+EMULATION = {
+    "relay": (
+        "- sites: a network namespace each (the lighthouse's too), a veth pair to a hub namespace;"
+        " every process has the site's own hostname, resolved by every site to the site's address,"
+        " so torchft's manager, store and heal transport and gloo's pairs all dial across the links",
+        "- rate: a kernel token bucket on both ends of each veth (upload and download)",
+        "- delay, jitter, loss: this kernel has no netem qdisc, so the hub runs a userspace switch"
+        " (`mtdao.testing.network.relay`) that holds each Ethernet frame for both links' delays plus"
+        " a Gaussian jitter (never reordering a path) and drops it with the links' loss; frames are"
+        " the veths' offloaded TCP super-segments, so a loss is a burst of up to 64 KiB",
+        "- partition: the switch drops every frame to and from the site; TCP stalls and retransmits"
+        " as across a cut link",
+        "- slow link: both token buckets changed to the new rate; straggler: a CPU cgroup quota on"
+        " the replica's process (a SIGSTOP/SIGCONT duty cycle where there is no CPU cgroup)",
+        "- kill: SIGKILL; the replica restarts with the same command line (`--resume`); lighthouse"
+        " restart: SIGKILL, the same command after the pause",
+    ),
+    "netem": (
+        "- sites: a network namespace each on a kernel bridge; every process has the site's own"
+        " hostname, resolved by every site to the site's address",
+        "- rate, delay, jitter, loss: netem at the root of both ends of each veth, a token bucket"
+        " as its child; partition: netem loss 100 % on both ends",
+        "- slow link: the token buckets changed; straggler: a CPU cgroup quota; kill: SIGKILL",
+    ),
+}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def step_times(record: dict[str, Any], site: str) -> tuple[list[float], list[int]]:
+    """(seconds since the scenario's clock started, step) of ``site``'s samples, when running."""
+    points = [(s["time"] - record["t0"], s["steps"][site]) for s in record["samples"]]
+    points = [(t, step) for t, step in points if step >= 0]
+    return [t for t, _ in points], [step for _, step in points]
+
+
+def time_of_step(record: dict[str, Any], site: str, step: int) -> float | None:
+    """When ``site`` first reached ``step`` (from the samples), in seconds since the clock."""
+    times, steps = step_times(record, site)
+    best = None
+    for t, s in zip(times, steps):
+        if s >= step:
+            best = t
+            break
+    return best
+
+
+def drill_losses(record: dict[str, Any], site: str) -> list[tuple[float, float]]:
+    out = []
+    for line in record["replicas"][site]["metrics"]:
+        if "val_loss" in line:
+            # a replica's status names the step it is about to take: the last one it names is
+            # the run's last step minus one
+            when = time_of_step(record, site, line["step"] - 1)
+            if when is not None:
+                out.append((when, line["val_loss"]))
+    return out
+
+
+def shade_events(axis, record: dict[str, Any]) -> None:
+    for event in record["events"]:
+        start = event["began"] - record["t0"]
+        end = (event.get("ended") or event["until"]) - record["t0"]
+        colour = EVENT_COLOURS[event["kind"]]
+        axis.axvspan(start, max(end, start + 0.5), color=colour, alpha=0.18, lw=0)
+        axis.text(start, 1.0, " " + event["label"], transform=axis.get_xaxis_transform(),
+                  rotation=90, va="top", fontsize=7, color=colour)  # fmt: skip
+
+
+def plot_timeline(out: Path, record: dict[str, Any]) -> Path:
+    """One row per replica: its step against wall time, its rounds, the events shaded."""
+    plt = _pyplot()
+    sites = list(record["replicas"])
+    figure, axes = plt.subplots(len(sites), 1, figsize=(10, 1.2 + 1.9 * len(sites)), sharex=True,
+                                squeeze=False)  # fmt: skip
+    for row, (axis, site) in enumerate(zip(axes[:, 0], sites)):
+        times, steps = step_times(record, site)
+        colour = f"C{row}"
+        axis.plot(times, steps, lw=1.2, color=colour)
+        for kind, marker in (("committed", "o"), ("discarded", "x")):
+            points = [(e["time"] - record["t0"], e["step"]) for e in rounds(record, site, kind)]
+            if points:
+                xs, ys = zip(*points)
+                axis.scatter(xs, ys, marker=marker, s=10 if kind == "committed" else 50,
+                             color=colour if kind == "committed" else "red", zorder=3,
+                             label=kind)  # fmt: skip
+        for incarnation in record["replicas"][site]["incarnations"][1:]:
+            axis.axvline(incarnation["started"] - record["t0"], color="black", ls=":", lw=1)
+        shade_events(axis, record)
+        axis.set_ylabel(f"{site}: step")
+        if row == 0:
+            axis.legend(loc="lower right", fontsize=8)
+    axes[-1, 0].set_xlabel("wall time since every replica's first step (s); dotted: a restart")
+    figure.suptitle("replicas across the WAN: dots committed rounds, red crosses discarded")
+    figure.tight_layout()
+    path = out / "timeline.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def ddp_losses(ddp: dict[str, Any]) -> list[tuple[float, float]]:
+    return [(e["wall_time_s"], e["val_loss"]) for e in ddp["evals"]]
+
+
+def baseline_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """What the report shows of a drill without events: its seed, final loss and loss curve."""
+    return {
+        "seed": record["settings"].get("seed"),
+        "final_val_loss": mean_final_loss(record),  # the statistic the loss check uses
+        "curve": drill_losses(record, "r0"),
+    }
+
+
+def plot_loss(out: Path, record, baselines: list[dict], ddp: dict | None) -> Path:
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(8, 4.8))
+    for site in record["replicas"]:
+        points = drill_losses(record, site)
+        if points:
+            axis.plot(*zip(*points), marker="o", ms=3, lw=1.2, label=f"drill {site}")
+    for base in baselines:
+        if base["curve"]:
+            axis.plot(*zip(*base["curve"]), ls="--", color="gray", lw=1,
+                      label=f"no events, seed {base['seed']}")  # fmt: skip
+    if ddp is not None:
+        axis.plot(*zip(*ddp_losses(ddp)), color="black", marker="s", ms=3, label="DDP, same links")
+    shade_events(axis, record)
+    axis.set_xlabel("wall time since the first step (s)")
+    axis.set_ylabel("validation loss")
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    path = out / "loss.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def plot_bytes(out: Path, record: dict[str, Any]) -> Path:
+    plt = _pyplot()
+    counts = site_bytes(record)
+    sites = list(counts)
+    figure, axis = plt.subplots(figsize=(6, 3.6))
+    xs = range(len(sites))
+    axis.bar([x - 0.2 for x in xs], [counts[s]["sent"] / 1e6 for s in sites], 0.4, label="sent")
+    axis.bar([x + 0.2 for x in xs], [counts[s]["received"] / 1e6 for s in sites], 0.4,
+             label="received")  # fmt: skip
+    axis.set_xticks(list(xs), sites)
+    axis.set_ylabel("MB on the site's link")
+    axis.legend()
+    figure.tight_layout()
+    path = out / "bytes.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_report(
+    record: dict[str, Any],
+    checks: list[Check],
+    baselines: list[dict],
+    ddp: dict | None,
+    command: str,
+) -> str:
+    s = record["settings"]
+    lines = [f"# WAN drill: scenario `{record['scenario']['name']}`", "", f"    {command}", ""]
+    lines += [
+        f"{s['replicas']} fault-tolerant replicas of `{s['model']}` (MT-DAO, {s['steps']} steps, "
+        f"K = {s['sync_period']}, seed {s['seed']}) and a lighthouse, each in a site of its own; "
+        f"emulation: **{record['emulation']}**.",
+        "",
+        "| check | | detail |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.detail} |" for c in checks]
+    lines += [
+        "",
+        "## Links",
+        "",
+        "| site | rate (Mbit/s) | one-way delay (ms) | jitter (ms) | loss |",
+    ]
+    lines += ["|---|---|---|---|---|"]
+    for site, link in record["links"].items():
+        lines.append(f"| {site} | {link['rate_mbit']:g} | {link['delay_ms']:g} | "
+                     f"{link['jitter_ms']:g} | {link['loss']:g} |")  # fmt: skip
+    lines += ["", "A path between two sites crosses both sites' links (delays add).", ""]
+    # a record from before the drill bound its sites' addresses and shared a secret says nothing
+    secured = [SECURED] if record.get("secured") else []
+    lines += ["How it is emulated:", "", *EMULATION[record["emulation"]], *secured, ""]
+    lines += ["## Events", "", "| event | at (s) | lasted (s) | time to heal (s) | group steps lost | "
+              "replica's absent steps | rounds discarded |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for effect in event_effects(record):
+        lines.append(
+            f"| {effect['label']} | {effect['at_s']:.1f} | {effect['for_s']:.1f} | "
+            f"{_fmt(effect['heal_s'])} | {_fmt(effect['steps_lost'], '.0f')} | "
+            f"{_fmt(effect['absent_steps'], 'd')} | {effect['rounds_discarded']} |"
+        )
+    lines += ["", "Time to heal: from the event's end to the next round all replicas committed "
+              "together. Group steps lost: how far the most advanced replica fell behind its pace "
+              "before the event, when healed. Absent steps: group steps the struck replica missed "
+              "(from its step at the event to the step it healed to).", ""]  # fmt: skip
+    lines += ["", "![timeline](timeline.png)", "", "## Rounds and bytes", ""]
+    lines += ["| replica | rounds committed | discarded | incarnations | final val loss |"]
+    lines += ["|---|---|---|---|---|"]
+    for site, counts in round_counts(record).items():
+        replica = record["replicas"][site]
+        lines.append(f"| {site} | {counts['committed']} | {counts['discarded']} | "
+                     f"{len(replica['incarnations'])} | {_fmt(replica['final_val_loss'], '.4f')} |")  # fmt: skip
+    lines += ["", "| site | MB sent | MB received |", "|---|---|---|"]
+    for site, counts in site_bytes(record).items():
+        lines.append(f"| {site} | {counts['sent'] / 1e6:.1f} | {counts['received'] / 1e6:.1f} |")
+    lines += ["", "![bytes](bytes.png)", "", "## Loss against wall time", ""]
+    if baselines:
+        finals = ", ".join(
+            _fmt(b["final_val_loss"], ".4f") if b["final_val_loss"] is not None
+            else "did not finish" for b in baselines
+        )  # fmt: skip
+        lines.append(f"Drills without events (seeds {[b['seed'] for b in baselines]}): "
+                     f"final val loss {finals}.")  # fmt: skip
+    if ddp is not None:
+        lines.append(
+            f"DDP over the same links ({ddp['steps']} steps): final val loss "
+            f"{ddp['final_val_loss']:.4f} after {ddp['train_time_s']:.0f} s of training (its "
+            "time: training steps with every wait on a collective, evaluation excluded; the "
+            "drill's: wall time since every replica's first step)."
+        )
+    lines += ["", "![loss](loss.png)", ""]
+    return "\n".join(lines)
