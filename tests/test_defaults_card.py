@@ -12,8 +12,15 @@ import pytest
 from mtdao.cli import main
 from mtdao.experiments.common.corpora import write_gnu_info_corpus
 from mtdao.experiments.defaults_card import run as defaults_card
+from mtdao.experiments.defaults_card.grid import (
+    CURRENT_ENTRIES,
+    ENTRIES,
+    FULL,
+    Grid,
+    card_runs,
+    run_name,
+)
 from mtdao.experiments.defaults_card.report import card_report_lines
-from mtdao.experiments.defaults_card.run import FULL, Grid, card_runs, run_name
 from mtdao.experiments.defaults_card.summary import summarize_card
 from mtdao.train.config import TrainConfig, default_lr
 
@@ -24,7 +31,7 @@ PER_RUN = {"method", "model", "steps", "sync_period", "data", "seed", "progress"
 def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
     runs = card_runs(FULL, DATA)
     defaults = TrainConfig().to_dict()
-    entry_settings = {entry.name: set(entry.settings) for entry in defaults_card.ENTRIES}
+    entry_settings = {entry.name: set(entry.settings) for entry in ENTRIES}
     for name, config in runs:
         entry = next(e for e in entry_settings if f"-{e}-s" in name)
         changed = {k for k, v in config.to_dict().items() if v != defaults[k]}
@@ -44,7 +51,7 @@ def test_the_card_runs_every_cell_at_the_first_seed_first_current_entries_first(
     first_other = seeds.index(1)
     assert set(seeds[:first_other]) == {0} and 0 not in seeds[first_other:]
     seed_0 = runs[:first_other]
-    current_names = {f"-{entry}-s" for entry in defaults_card.CURRENT_ENTRIES}
+    current_names = {f"-{entry}-s" for entry in CURRENT_ENTRIES}
     earlier = [i for i, (name, _) in enumerate(seed_0) if not any(e in name for e in current_names)]
     assert earlier == list(range(earlier[0], len(seed_0)))  # earlier defaults, candidates last
     current = seed_0[: earlier[0]]

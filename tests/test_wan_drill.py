@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mtdao.experiments.wan_drill.checks import check_loss, loss_band, mean_final_loss, run_checks
-from mtdao.experiments.wan_drill.drill import LIGHTHOUSE_PORT, Drill, DrillSettings
+from mtdao.experiments.wan_drill.drill import LIGHTHOUSE_PORT, DrillSettings, WanDrill
 from mtdao.experiments.wan_drill.report import baseline_summary
 from mtdao.testing.network.netem import LinkUnavailable, _check_available, _sh
 from mtdao.testing.network.relay import Port, Switch
@@ -109,9 +109,20 @@ def test_jitter_never_reorders_a_path_and_loss_drops_about_its_share():
 
 
 class FakeSites:
+    """Sites that start nothing: they keep the argv of what they were asked to run."""
+
     prefix = "wanfake"
     addresses = {"lighthouse": "10.9.0.1", "r0": "10.9.0.2", "r1": "10.9.0.3"}
     hostnames = {site: f"wanfake-{site}" for site in addresses}
+
+    def __init__(self) -> None:
+        self.spawned: list[tuple[str, list[str]]] = []
+
+    def run(self, site, argv, env=None, **popen_kwargs) -> subprocess.Popen:
+        self.spawned.append((site, argv))
+        process = subprocess.Popen(["true"])
+        process.wait()
+        return process
 
 
 def flag_value(argv: list[str], flag: str) -> str:
@@ -120,32 +131,33 @@ def flag_value(argv: list[str], flag: str) -> str:
 
 def test_every_process_serves_on_its_sites_address_and_replicas_share_a_private_secret(tmp_path):
     scenario = scenario_from_dict({"replica_flags": ["--sync-delay", "2"]}, "flags")
-    drill = Drill(FakeSites(), scenario, DrillSettings(replicas=2), tmp_path)
+    sites = FakeSites()
+    drill = WanDrill(sites, scenario, DrillSettings(replicas=2), tmp_path)
     secrets_seen = set()
     for site in ("r0", "r1"):
-        argv = drill.replica_argv(site, site)
+        drill.start_replica(site)
+        ran_in, argv = sites.spawned[-1]
+        assert ran_in == site and flag_value(argv, "--out") == str(tmp_path / "replicas" / site)
+        assert flag_value(argv, "--replica-id") == site[1:]
         assert flag_value(argv, "--bind-host") == FakeSites.addresses[site]
         assert argv[-2:] == ["--sync-delay", "2"]  # extra flags pass through, last
         token = Path(flag_value(argv, "--auth-token-file"))
         assert token.parent == tmp_path and token.stat().st_mode & 0o777 == 0o600
         secrets_seen.add(token.read_text())
     assert len(secrets_seen) == 1 and len(secrets_seen.pop().strip()) == 64
-    other = Drill(FakeSites(), scenario, DrillSettings(replicas=2), tmp_path / "other")
+    other = WanDrill(FakeSites(), scenario, DrillSettings(replicas=2), tmp_path / "other")
     assert other.auth_token.read_text() != drill.auth_token.read_text()  # one secret per drill
     other.close()
-    spawned = []
-
-    def spawn(key, site, argv):
-        spawned.append((site, argv))
-        drill.processes[key] = subprocess.Popen(["true"])
-        drill.processes[key].wait()
-
-    drill._spawn = spawn
     drill.start_lighthouse()
-    site, argv = spawned[0]
+    site, argv = sites.spawned[-1]
     assert site == "lighthouse" and "--bind" not in argv
     assert flag_value(argv, "--bind-host") == "10.9.0.1"
     assert flag_value(argv, "--port") == str(LIGHTHOUSE_PORT)
+    drill.start_replica("r1")  # its second incarnation reaches the lighthouse by host name
+    assert (
+        flag_value(sites.spawned[-1][1], "--lighthouse") == f"wanfake-lighthouse:{LIGHTHOUSE_PORT}"
+    )
+    assert drill.incarnations["r1"][-1]["key"] == "r1-1"
     drill.close()
     assert not drill.auth_token.exists()  # the secret outlives no drill
 

@@ -21,8 +21,9 @@ process writes its own status, digests (of its shards) and pid, process r > 0 as
 
 :class:`Drill` is the controller: it starts a lighthouse and replicas as subprocesses (a sharded
 one under ``torchrun --max-restarts``), moves the gate, kills replicas or single processes of
-them with SIGKILL and reads what they recorded. The fault-tolerance tests and
-``benchmarks/fault_tolerance.py`` use it.
+them with SIGKILL and reads what they recorded. It is the one controller of every drill: the
+fault-tolerance tests and ``benchmarks/fault_tolerance.py`` run it on loopback, the WAN drill
+(:mod:`mtdao.experiments.wan_drill.drill`) launches its processes inside emulated sites.
 """
 
 from __future__ import annotations
@@ -33,12 +34,23 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from mtdao.testing.ports import unused_port
 
 POLL_S = 0.02
+
+Launch = Callable[[str, list[str], dict[str, str], IO], subprocess.Popen]
+"""How a drill starts process ``name``: (name, argv, environment, log file) -> the process."""
+
+
+def launch_here(name: str, argv: list[str], env: dict[str, str], log: IO) -> subprocess.Popen:
+    """On this machine, in a session of its own (so that :meth:`Drill.close` ends its children)."""
+    return subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
 
 
 # -- inside a replica ---------------------------------------------------------------------------
@@ -185,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class Drill:
-    """A lighthouse and named replicas, each a subprocess with its log in ``root``.
+    """A lighthouse and named replicas, each a subprocess steered through the files in ``root``,
+    its log in ``logs`` (default: ``root``), started by ``launch`` (default: on this machine).
 
     ``train_flags`` are the ``mtdao train`` flags every replica shares; :meth:`start` adds the
     replica's own. Use it as a context manager: every process is killed on the way out.
@@ -201,17 +214,24 @@ class Drill:
         train_flags: Sequence[str],
         heartbeat_timeout: float = 1.0,
         join_timeout: float = 30.0,
+        *,
+        logs: Path | None = None,
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        launch: Launch = launch_here,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.logs = Path(logs) if logs is not None else self.root
         self.train_flags = list(train_flags)
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
+        self.launch = launch
         self.processes: dict[str, subprocess.Popen] = {}
         self.killed_at: dict[str, float] = {}
         self.started_at: dict[str, float] = {}
-        self.port = unused_port()
+        self.port = port if port is not None else unused_port()
         self.lighthouse = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
 
     def __enter__(self) -> Drill:
         return self
@@ -219,13 +239,23 @@ class Drill:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def start_lighthouse(self, min_replicas: int = 1, bind_host: str = "127.0.0.1") -> None:
-        self.lighthouse = f"{bind_host}:{self.port}"
+    def start_lighthouse(
+        self,
+        min_replicas: int = 1,
+        bind_host: str = "127.0.0.1",
+        *,
+        name: str = "lighthouse",
+        reached_at: str | None = None,
+        flags: Sequence[str] = (),
+    ) -> None:
+        """Start the lighthouse as ``name``, listening on ``bind_host``; replicas reach it at
+        ``reached_at`` (a host name; default: ``bind_host``). ``flags`` come last."""
+        self.lighthouse = f"{reached_at or bind_host}:{self.port}"
         argv = [sys.executable, "-m", "mtdao", "lighthouse", "--port", str(self.port)]
         argv += ["--bind-host", bind_host]
         argv += ["--min-replicas", str(min_replicas), "--heartbeat-timeout"]
-        argv += [str(self.heartbeat_timeout), "--join-timeout", str(self.join_timeout)]
-        self._spawn("lighthouse", argv)
+        argv += [str(self.heartbeat_timeout), "--join-timeout", str(self.join_timeout), *flags]
+        self._spawn(name, argv)
 
     def start(
         self,
@@ -235,10 +265,14 @@ class Drill:
         hold=False,
         shards: int = 1,
         max_restarts: int | None = None,
+        *,
+        out: Path | None = None,
     ) -> None:
-        """Start replica ``name`` (held before it connects when ``hold``): one process, or, with
-        ``max_restarts``, ``shards`` processes under torchrun, which restarts them all that many
-        times when one of them dies (with --resume, the replica's same command line)."""
+        """Start replica ``name`` (held before it connects when ``hold``), its run directory
+        ``out`` (default: ``root/name``): one process, or, with ``max_restarts``, ``shards``
+        processes under torchrun, which restarts them all that many times when one of them
+        dies (with --resume, the replica's same command line). ``flags`` follow the shared
+        ``train_flags``, so they override them."""
         if hold:
             (self.root / f"{name}.hold").touch()
         drill = ["-m", "mtdao.testing.fault_drill", str(self.root), name, "--"]
@@ -247,17 +281,16 @@ class Drill:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             argv += ["--nproc-per-node", str(shards), "--max-restarts", str(max_restarts), *drill]
         argv += ["--fault-tolerant", "--replica-id", str(replica_id), "--lighthouse"]
-        argv += [self.lighthouse, "--out", str(self.root / name), *self.train_flags, *flags]
+        out = out if out is not None else self.root / name
+        argv += [self.lighthouse, "--out", str(out), *self.train_flags, *flags]
         if shards > 1:
             argv += ["--shards", str(shards)]
         self._spawn(name, argv)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.root / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 (the process has its own copy)
         self.started_at[name] = time.time()
-        self.processes[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
+        self.processes[name] = self.launch(name, argv, self.env, log)
         log.close()
 
     def release(self, name: str) -> None:
@@ -336,7 +369,7 @@ class Drill:
         return [r for r in records if event is None or r["event"] == event]
 
     def log(self, name: str) -> str:
-        path = self.root / f"{name}.log"
+        path = self.logs / f"{name}.log"
         return path.read_text() if path.exists() else ""
 
     def returncode(self, name: str) -> int | None:
@@ -370,8 +403,10 @@ class Drill:
     def close(self) -> None:
         for process in self.processes.values():
             if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
+                with contextlib.suppress(ProcessLookupError):  # a session of its own: all of it
                     os.killpg(process.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # or one another launch started
+                    process.kill()
         # torchrun starts each process in a session of its own: those are found by their pids
         for path in self.root.glob("*.pid"):
             with contextlib.suppress(ValueError, OSError):

@@ -29,7 +29,7 @@ COMPARE_PRESETS: dict[str, dict[str, Any]] = {
         seeds=[0],
     ),
 }
-# Not a comparison of its own but a grid of them (mtdao.experiments.defaults_card.run): the run
+# Not a comparison of its own but a grid of them (mtdao.experiments.defaults_card): the run
 # lengths, sync periods and corpora are the card's; --quick runs a subset in minutes.
 GRID_PRESETS = {
     "defaults-card": "every method at its defaults, 300 .. 10000 steps, K = 32 and 128, "

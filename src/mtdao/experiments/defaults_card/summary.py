@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, stats
-from mtdao.experiments.defaults_card.run import ENTRIES, Grid, run_name
+from mtdao.experiments.defaults_card.grid import ENTRIES, Grid, run_name
 from mtdao.train.config import TrainConfig
 
 REFERENCES = ("local-adam", "ddp")

@@ -18,18 +18,17 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mtdao.experiments.wan_drill.record import checkpoint_steps, collect
+from mtdao.testing.fault_drill import Drill
 from mtdao.testing.network.scenario import LIGHTHOUSE, Event, Scenario
 from mtdao.testing.network.sites import SITE_IFACE, WanSites, exit_on_sigterm
 from mtdao.testing.network.straggler import CpuQuota
-from mtdao.train.checkpoint.index import CHECKPOINTS_DIR, COMPLETE_NAME
 
 LIGHTHOUSE_PORT = 29510  # inside the lighthouse's own namespace: nothing else listens there
 SAMPLE_S = 0.5
@@ -74,15 +73,27 @@ class DrillSettings:
         return flags + (["--data", self.data] if self.data else [])
 
 
-class Drill:
-    """The processes of one drill in ``sites``; ``out`` holds their logs and run directories."""
+class WanDrill:
+    """The processes of one drill in ``sites``, started and killed by the fault drill's
+    controller (:class:`mtdao.testing.fault_drill.Drill`, launching each inside its site);
+    ``out`` holds their logs and run directories."""
 
     def __init__(self, sites: WanSites, scenario: Scenario, settings: DrillSettings, out: Path):
         self.sites, self.scenario, self.settings, self.out = sites, scenario, settings, out
         self.control = out / "control"
-        self.control.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
         self.auth_token = write_auth_token(out / AUTH_TOKEN_NAME)
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.drill = Drill(
+            self.control,
+            settings.train_flags(),
+            settings.heartbeat_timeout_s,
+            settings.join_timeout_s,
+            logs=out,
+            port=LIGHTHOUSE_PORT,  # inside the lighthouse's own namespace
+            env={"GLOO_SOCKET_IFNAME": SITE_IFACE},
+            launch=self._launch_in_site,
+        )
+        self.processes = self.drill.processes
         self.incarnations: dict[str, list[dict[str, Any]]] = {}  # site -> its processes
         self.samples: list[dict[str, Any]] = []
         self.applied: list[dict[str, Any]] = []
@@ -93,44 +104,34 @@ class Drill:
 
     # -- processes --------------------------------------------------------------------------
 
-    def _spawn(self, key: str, site: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.out / f"{key}.log", "w")  # noqa: SIM115 (closed once handed over)
-        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": SITE_IFACE}
-        process = self.sites.run(
-            site, argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT
-        )
-        log.close()
-        self.processes[key] = process
-        return process
+    def _launch_in_site(self, key: str, argv: list[str], env: dict, log) -> subprocess.Popen:
+        site = key.split("-")[0]  # "r1-2": the third incarnation of site r1
+        return self.sites.run(site, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def start_lighthouse(self) -> None:
-        s = self.settings
-        argv = [sys.executable, "-m", "mtdao", "lighthouse", "--port", str(LIGHTHOUSE_PORT)]
-        argv += ["--bind-host", self.sites.addresses[LIGHTHOUSE]]
-        argv += ["--min-replicas", "1", "--heartbeat-timeout", str(s.heartbeat_timeout_s)]
-        argv += ["--join-timeout", str(s.join_timeout_s)]
-        argv += self.site_flags(LIGHTHOUSE, self.scenario.lighthouse_flags)
         count = len(self.incarnations.get(LIGHTHOUSE, []))
-        key = f"lighthouse-{count}"
-        self._spawn(key, LIGHTHOUSE, argv)
+        key = f"{LIGHTHOUSE}-{count}"
+        self.drill.start_lighthouse(
+            bind_host=self.sites.addresses[LIGHTHOUSE],
+            name=key,
+            reached_at=self.sites.hostnames[LIGHTHOUSE],
+            flags=self.site_flags(LIGHTHOUSE, self.scenario.lighthouse_flags),
+        )
         self.incarnations.setdefault(LIGHTHOUSE, []).append(
             {"key": key, "started": time.time(), "ended": None, "returncode": None}
         )
 
-    def replica_argv(self, site: str, key: str) -> list[str]:
+    def replica_flags(self, site: str) -> list[str]:
+        """The flags of ``site``'s replica beside the drill's shared training flags."""
         s = self.settings
-        lighthouse = f"{self.sites.hostnames[LIGHTHOUSE]}:{LIGHTHOUSE_PORT}"
-        argv = [sys.executable, "-m", "mtdao.testing.fault_drill", str(self.control), key, "--"]
-        argv += ["--fault-tolerant", "--resume", "--replica-id", site[1:], "--lighthouse"]
-        argv += [lighthouse, "--out", str(self.out / "replicas" / site)]
-        argv += ["--checkpoint-every", str(s.checkpoint_every)]
-        argv += ["--connect-timeout", str(s.connect_timeout_s)]
-        argv += ["--quorum-timeout", str(s.quorum_timeout_s)]
-        argv += ["--collective-timeout", str(s.collective_timeout_s)]
+        flags = ["--resume", "--checkpoint-every", str(s.checkpoint_every)]
+        flags += ["--connect-timeout", str(s.connect_timeout_s)]
+        flags += ["--quorum-timeout", str(s.quorum_timeout_s)]
+        flags += ["--collective-timeout", str(s.collective_timeout_s)]
         # off loopback, as across real sites: the site's own address and the drill's secret
-        argv += ["--bind-host", self.sites.addresses[site]]
-        argv += ["--auth-token-file", str(self.auth_token)]
-        return argv + s.train_flags() + self.site_flags(site, self.scenario.replica_flags)
+        flags += ["--bind-host", self.sites.addresses[site]]
+        flags += ["--auth-token-file", str(self.auth_token)]
+        return flags + self.site_flags(site, self.scenario.replica_flags)
 
     def site_flags(self, site: str, flags) -> list[str]:
         """Extra flags with ``{site}``, ``{address}`` and ``{hostname}`` filled in for ``site``
@@ -143,9 +144,8 @@ class Drill:
         """Start ``site``'s next incarnation (held before it connects when ``hold``)."""
         count = len(self.incarnations.get(site, []))
         key = site if count == 0 else f"{site}-{count}"
-        if hold:
-            (self.control / f"{key}.hold").touch()
-        self._spawn(key, site, self.replica_argv(site, key))
+        out = self.out / "replicas" / site
+        self.drill.start(key, int(site[1:]), self.replica_flags(site), hold=hold, out=out)
         self.incarnations.setdefault(site, []).append(
             {"key": key, "started": time.time(), "ended": None, "returncode": None}
         )
@@ -155,18 +155,14 @@ class Drill:
 
     def kill(self, site: str) -> None:
         incarnation = self.current(site)
-        process = self.processes[incarnation["key"]]
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            process.wait(timeout=30)
-        incarnation.update(ended=time.time(), returncode=process.returncode, killed=True)
+        self.drill.kill(incarnation["key"])
+        returncode = self.drill.returncode(incarnation["key"])
+        incarnation.update(ended=time.time(), returncode=returncode, killed=True)
 
     def step_of(self, key: str) -> int:
-        try:
-            state, step = (self.control / f"{key}.status").read_text().split()
-        except (FileNotFoundError, ValueError):
-            return -1
-        return int(step) if state == "running" else -1
+        """The step replica ``key`` is at, -1 until it trains."""
+        state, step = self.drill.status(key)
+        return step if state == "running" else -1
 
     def replica_sites(self) -> list[str]:
         return [f"r{i}" for i in range(self.settings.replicas)]
@@ -261,9 +257,9 @@ class Drill:
         while True:
             self._note_exits()
             keys = [self.current(s)["key"] for s in self.replica_sites()]
-            if not released and all((self.control / f"{k}.status").exists() for k in keys):
+            if not released and all(self.drill.status(k)[0] != "starting" for k in keys):
                 for key in keys:
-                    (self.control / f"{key}.hold").unlink(missing_ok=True)
+                    self.drill.release(key)
                 released = True
             if released and all(
                 self.step_of(self.current(s)["key"]) >= 1 for s in self.replica_sites()
@@ -310,18 +306,11 @@ class Drill:
         return False
 
     def tails(self, lines: int = 6) -> str:
-        parts = []
-        for key in self.processes:
-            text = (self.out / f"{key}.log").read_text(errors="replace").splitlines()
-            parts.append(f"--- {key}:\n" + "\n".join(text[-lines:]))
-        return "\n".join(parts)
+        return self.drill.tails(lines)
 
     def close(self) -> None:
         self.quota.close()
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        self.drill.close()
         self._note_exits()
         self.auth_token.unlink(missing_ok=True)  # a secret outlives no drill
 
@@ -333,14 +322,6 @@ def write_auth_token(path: Path) -> Path:
     with os.fdopen(descriptor, "w") as file:
         file.write(secrets.token_hex(32) + "\n")
     return path
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    directory = run_dir / CHECKPOINTS_DIR
-    if not directory.is_dir():
-        return []
-    names = (COMPLETE_NAME.fullmatch(p.name) for p in directory.iterdir())
-    return sorted(int(m.group(1)) for m in names if m)
 
 
 def run_drill(scenario: Scenario, settings: DrillSettings, out: Path, prefix: str) -> dict:
@@ -356,11 +337,9 @@ def run_drill(scenario: Scenario, settings: DrillSettings, out: Path, prefix: st
 
 
 def _run_in(sites: WanSites, scenario: Scenario, settings: DrillSettings, out: Path) -> dict:
-    from mtdao.experiments.wan_drill.record import collect
-
     try:
         sites.build()
-        drill = Drill(sites, scenario, settings, out)
+        drill = WanDrill(sites, scenario, settings, out)
         try:
             drill.run()
         except RuntimeError as error:

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtdao.train.checkpoint.index import CHECKPOINTS_DIR, COMPLETE_NAME
+
 
 def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     """The records of a JSON-lines file, and the numbers of its lines that do not parse."""
@@ -40,10 +42,18 @@ def log_tail(path: Path, lines: int = 8) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def collect(drill) -> dict[str, Any]:
-    """Everything the checks and the report need from the finished ``drill``."""
-    from mtdao.experiments.wan_drill.drill import checkpoint_steps
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """The steps of the complete checkpoints in ``run_dir``."""
+    directory = run_dir / CHECKPOINTS_DIR
+    if not directory.is_dir():
+        return []
+    names = (COMPLETE_NAME.fullmatch(p.name) for p in directory.iterdir())
+    return sorted(int(m.group(1)) for m in names if m)
 
+
+def collect(drill) -> dict[str, Any]:
+    """Everything the checks and the report need from the finished ``drill``
+    (a :class:`~mtdao.experiments.wan_drill.drill.WanDrill`)."""
     replicas = {}
     for site in drill.replica_sites():
         run_dir = drill.out / "replicas" / site
@@ -82,7 +92,7 @@ def collect(drill) -> dict[str, Any]:
         "scenario": drill.scenario.to_dict(),
         "settings": vars(drill.settings),
         "emulation": drill.sites.emulation,
-        "secured": True,  # listeners on the sites' addresses, a per-drill secret (wan_run)
+        "secured": True,  # listeners on the sites' addresses, a per-drill secret (drill.py)
         "links": {site: vars(link) for site, link in drill.sites.links.items()},
         "started": drill.started,
         "t0": drill.t0,
