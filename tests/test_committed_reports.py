@@ -1,5 +1,7 @@
-"""Every committed report under reports/ re-renders from its committed results.json to the same
-report.md: the published numbers are the ones the report code computes from the runs.
+"""reports/ holds the reports the results page (BENCHMARKS.md) links, and only those; every one
+with a results.json re-renders from it to the same report.md: the published numbers are the ones
+the report code computes from the runs. A results.json names the study that wrote it (``kind``)
+and the version of its layout (``schema``): that, not its shape, chooses the renderer.
 
 A report whose wording changes on purpose is re-rendered and committed with the change.
 """
@@ -12,80 +14,87 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.experiments.ablation.report import render_ablation_report
-from mtdao.experiments.ablation.summary import load_summary
-from mtdao.experiments.compare.report import render_compare_report
-from mtdao.experiments.defaults_card.report import card_report_lines
-from mtdao.experiments.frontier.report import render_results as render_frontier
-from mtdao.experiments.horizon.report import render_horizon_report
-from mtdao.experiments.rosenbrock.report import report_markdown
-from mtdao.experiments.slow_link.report import render_report
-from mtdao.experiments.sync_options.report import render_report as render_sync_options
+from mtdao.experiments.ablation import report as ablation
+from mtdao.experiments.ablation import summary as ablation_summary
+from mtdao.experiments.compare import report as compare
+from mtdao.experiments.compare import summary as compare_summary
+from mtdao.experiments.defaults_card import report as defaults_card
+from mtdao.experiments.defaults_card import summary as defaults_card_summary
+from mtdao.experiments.frontier import report as frontier
+from mtdao.experiments.frontier import summary as frontier_summary
+from mtdao.experiments.horizon import report as horizon
+from mtdao.experiments.horizon import summary as horizon_summary
+from mtdao.experiments.rosenbrock import report as rosenbrock
+from mtdao.experiments.rosenbrock import summary as rosenbrock_summary
+from mtdao.experiments.slow_link import report as slow_link
+from mtdao.experiments.slow_link import summary as slow_link_summary
+from mtdao.experiments.sync_options import report as sync_options
+from mtdao.experiments.sync_options import summary as sync_options_summary
+from mtdao.experiments.wan_drill import report as wan_drill
 from mtdao.experiments.wan_drill.checks import Check
-from mtdao.experiments.wan_drill.report import render_report as render_wan_drill
 
-REPORTS = Path(__file__).resolve().parent.parent / "reports"
-
-
-def kind(results) -> str | None:
-    """Which experiment wrote this results.json (by its shape)."""
-    if isinstance(results, list):
-        return "slow-link"
-    if "experiments" in results and "protocol" in results:
-        return "horizon"
-    if results.get("kind") in ("sync-options", "wan-drill", "frontier", "defaults-card"):
-        return results["kind"]
-    if "variants" in results:
-        return "ablation"
-    if "target_val_loss" in results:
-        return "compare"
-    if "summary" in results and "config" in results:
-        return "rosenbrock"
-    return None
+ROOT = Path(__file__).resolve().parent.parent
+REPORTS = ROOT / "reports"
+PAGE = ROOT / "BENCHMARKS.md"
 
 
-def render_slow_link(report_dir: Path, rows: list) -> str:
-    # results.json holds the rows only; the command and machine come from the committed header
-    committed = (report_dir / "report.md").read_text()
-    command = re.search(r"^Command: `(.*)`$", committed, re.M).group(1)
-    workers = int(re.search(r"(\d+) gloo worker processes", committed).group(1))
-    torch, cores = re.search(r"torch (\S+), (\d+) CPU cores\.", committed).groups()
-    return render_report(rows, command=command, workers=workers, torch=torch, cores=int(cores))
+def wan_drill_report(results: dict, _) -> str:
+    checks = [Check(**check) for check in results["checks"]]
+    record, baselines, ddp = results["record"], results["baselines"], results["ddp"]
+    return wan_drill.render_report(record, checks, baselines, ddp, results["command"])
 
 
-def rendered(report_dir: Path) -> str:
-    results = json.loads((report_dir / "results.json").read_text())
-    renderers = {
-        "compare": lambda: render_compare_report(results),
-        "horizon": lambda: render_horizon_report(results),
-        "ablation": lambda: render_ablation_report(load_summary(report_dir / "results.json")),
-        "rosenbrock": lambda: report_markdown(results["config"], results["summary"]),
-        "slow-link": lambda: render_slow_link(report_dir, results),
-        "sync-options": lambda: render_sync_options(results),
-        "wan-drill": lambda: render_wan_drill(
-            results["record"],
-            [Check(**check) for check in results["checks"]],
-            results["baselines"],
-            results["ddp"],
-            results["command"],
-        ),
-        "frontier": lambda: render_frontier(results),
-        "defaults-card": lambda: "\n".join(card_report_lines(results)) + "\n",
-    }
-    return renderers[kind(results)]()
+# (kind, schema) -> report.md from (results.json's content, its report directory)
+RENDERERS = {
+    (compare_summary.KIND, compare_summary.SCHEMA): lambda r, _: compare.render_compare_report(r),
+    (horizon_summary.KIND, horizon_summary.SCHEMA): lambda r, _: horizon.render_horizon_report(r),
+    (ablation_summary.KIND, ablation_summary.SCHEMA): lambda _, directory: (
+        ablation.render_ablation_report(ablation_summary.load_summary(directory / "results.json"))
+    ),
+    (rosenbrock_summary.KIND, rosenbrock_summary.SCHEMA): lambda r, _: rosenbrock.report_markdown(
+        r["config"], r["summary"]
+    ),
+    (slow_link_summary.KIND, slow_link_summary.SCHEMA): lambda r, _: slow_link.render_results(r),
+    (sync_options_summary.KIND, sync_options_summary.SCHEMA): lambda r, _: (
+        sync_options.render_report(r)
+    ),
+    (wan_drill.KIND, wan_drill.SCHEMA): wan_drill_report,
+    (frontier_summary.KIND, frontier_summary.SCHEMA): lambda r, _: frontier.render_results(r),
+    (defaults_card_summary.KIND, defaults_card_summary.SCHEMA): lambda r, _: (
+        "\n".join(defaults_card.card_report_lines(r)) + "\n"
+    ),
+}
 
 
-def known_reports() -> list[Path]:
-    dirs = sorted(p.parent for p in REPORTS.glob("*/results.json"))
-    return [d for d in dirs if kind(json.loads((d / "results.json").read_text())) is not None]
+def linked_reports() -> set[str]:
+    """The report directories the results page links to."""
+    return set(re.findall(r"\]\(reports/([^/)]+)/", PAGE.read_text()))
 
 
-def test_every_experiment_has_a_committed_report():
-    kinds = {kind(json.loads((d / "results.json").read_text())) for d in known_reports()}
-    expected = {"compare", "ablation", "rosenbrock", "slow-link", "sync-options", "horizon"}
-    assert kinds == expected | {"wan-drill", "frontier", "defaults-card"}
+def report_dirs() -> list[Path]:
+    return sorted(path.parent for path in REPORTS.glob("*/results.json"))
 
 
-@pytest.mark.parametrize("report_dir", known_reports(), ids=lambda d: d.name)
+def test_reports_holds_what_the_results_page_links_and_nothing_else():
+    committed = {path.name for path in REPORTS.iterdir() if path.is_dir()}
+    assert committed == linked_reports()
+    for name in committed:
+        assert (REPORTS / name / "report.md").is_file(), name
+
+
+def test_every_results_json_names_its_kind_and_schema():
+    kinds = set()
+    for report_dir in report_dirs():
+        results = json.loads((report_dir / "results.json").read_text())
+        assert isinstance(results, dict), report_dir.name
+        assert (results.get("kind"), results.get("schema")) in RENDERERS, report_dir.name
+        kinds.add(results["kind"])
+    expected = {"defaults-card", "frontier", "slow-link", "wan-drill", "rosenbrock"}
+    assert kinds == expected  # every study the results page quotes, with its report
+
+
+@pytest.mark.parametrize("report_dir", report_dirs(), ids=lambda d: d.name)
 def test_committed_report_re_renders_from_its_results(report_dir):
-    assert rendered(report_dir) == (report_dir / "report.md").read_text()
+    results = json.loads((report_dir / "results.json").read_text())
+    rendered = RENDERERS[results["kind"], results["schema"]](results, report_dir)
+    assert rendered == (report_dir / "report.md").read_text()

@@ -10,6 +10,8 @@ import pytest
 
 from mtdao.experiments.ablation.report import render_ablation_report
 from mtdao.experiments.ablation.summary import (
+    KIND,
+    SCHEMA,
     best_versus_local,
     degradation_curves,
     degradation_slope,
@@ -19,6 +21,7 @@ from mtdao.experiments.ablation.summary import (
 )
 from mtdao.experiments.common import formatting
 from mtdao.experiments.common.formatting import NOT_RUN, failures_section, stats
+from mtdao.experiments.common.results import stamped
 from mtdao.experiments.compare.summary import claim_checks
 from mtdao.experiments.rosenbrock.report import report_markdown
 from mtdao.experiments.rosenbrock.run import to_json
@@ -198,7 +201,7 @@ def test_ablation_report_renders_the_same_from_results_json(tmp_path):
     assert "| Local Adam | 0.8000 (+0.1000) | 0.8000 (+0.3000) | +0.1000 |" in text
     assert "| Local Adam | 2.0 MB (4.0x less) | 2.0 MB (4.0x less) |" in text
     path = tmp_path / "results.json"
-    path.write_text(json.dumps(summary))  # JSON turns the integer K keys into strings
+    path.write_text(json.dumps(stamped(KIND, SCHEMA, summary)))  # K keys: now strings
     assert render_ablation_report(load_summary(path)) == text
     assert degradation_curves(load_summary(path))["Local Adam"]["periods"] == [8, 32]
 

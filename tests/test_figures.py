@@ -12,7 +12,9 @@ from mtdao.experiments.common.figures import log_tick_values
 from mtdao.experiments.compare import plots as compare_plots
 from mtdao.experiments.sync_options import report as sync_options_report
 
-REPORTS = Path(__file__).resolve().parents[1] / "reports"
+# summaries of two studies run under earlier defaults (the results.json of their reports then,
+# the compare one cut to what its figures read): data with the ranges these tests are about
+DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def test_narrow_log_axes_get_several_plain_labels():
 
 
 def test_options_plot_draws_tiny_differences_as_they_are(tmp_path, drawn):
-    summary = json.loads((REPORTS / "sync-options" / "results.json").read_text())
+    summary = json.loads((DATA / "sync-options-summary.json").read_text())
     for rows in summary["table"].values():
         for index, row in enumerate(rows.values()):
             row["val_loss"].update(mean=3.0551 + 1e-4 * index, std=5e-5)
@@ -74,7 +76,7 @@ def test_options_plot_draws_tiny_differences_as_they_are(tmp_path, drawn):
 
 
 def one_sync_summary() -> dict:
-    summary = json.loads((REPORTS / "compare" / "results.json").read_text())
+    summary = json.loads((DATA / "compare-summary.json").read_text())
     for runs in summary["runs"].values():
         for run in runs:
             run["alignment"] = (run.get("alignment") or [])[:1]
@@ -96,7 +98,7 @@ def test_alignment_with_one_sync_ticks_whole_steps_and_keeps_the_legend_off_the_
 
 
 def test_loss_vs_tokens_labels_its_log_axis(tmp_path, drawn):
-    summary = json.loads((REPORTS / "compare" / "results.json").read_text())
+    summary = json.loads((DATA / "compare-summary.json").read_text())
     compare_plots.plot_loss_vs_tokens(summary, tmp_path / "loss_vs_tokens.png")
     (fig,) = drawn
     full = fig.axes[0]

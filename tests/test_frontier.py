@@ -437,13 +437,11 @@ def test_a_point_at_another_lr_is_compared_over_the_seeds_both_lrs_ran():
     assert "| 0, 1, 2 | 0.016: 1.1000 ± 0.1414 (seeds 0, 1) | +9.1% |" in text
 
 
-def test_a_report_from_before_wsd_became_the_default_is_reused_as_the_cosine_runs_it_was(
-    tmp_path,
-):
-    """Reports made while cosine and a 5% LR warm-up were `mtdao train`'s defaults record neither
-    and leave ``--schedule`` and ``--warmup`` out of their points' flags: reused, their runs
-    stand for such runs (the flags gain ``--schedule cosine --warmup 0.05``), and a study at
-    another schedule or warm-up refuses them."""
+def test_a_report_is_reused_only_as_the_runs_it_records(tmp_path):
+    """A report's points carry their flags in full (``--schedule cosine --warmup 0.05`` where
+    they differ from ``mtdao train``'s defaults): reused, its runs stand for exactly those runs;
+    a study at another schedule or warm-up refuses them, and so it does a report whose
+    results.json names no kind and schema (one of an earlier version)."""
     out, first, second = tmp_path / "runs", tmp_path / "first", tmp_path / "second"
     argv = ["frontier", "--quick", "--lr-factors", "1", "--out", str(out), "--no-train"]
     argv += ["--points", "ddp"]
@@ -455,13 +453,12 @@ def test_a_report_from_before_wsd_became_the_default_is_reused_as_the_cosine_run
     (row,) = results["rows"]
     at = row["argv"].index("--schedule")
     assert row["argv"][at : at + 4] == ["--schedule", "cosine", "--warmup", "0.05"]  # not defaults
-    # as such a report was written before 2026-12-04
-    del results["settings"]["schedule"], results["settings"]["warmup"], row["argv"][at : at + 4]
-    (first / "results.json").write_text(json.dumps(results))
     remove_run_directories(out)
     assert main([*argv, "--report", str(second), "--reuse", str(first)]) == 0
-    (row,) = json.loads((second / "results.json").read_text())["rows"]
-    assert row["val_loss"]["values"] == [1.5]
-    assert row["argv"][at : at + 4] == ["--schedule", "cosine", "--warmup", "0.05"]
+    (reused,) = json.loads((second / "results.json").read_text())["rows"]
+    assert reused["val_loss"]["values"] == [1.5] and reused["argv"] == row["argv"]
     assert main([*argv, "--report", str(second), "--reuse", str(first), "--schedule", "wsd"]) == 2
     assert main([*argv, "--report", str(second), "--reuse", str(first), "--warmup", "0.1"]) == 2
+    del results["kind"], results["schema"]
+    (first / "results.json").write_text(json.dumps(results))
+    assert main([*argv, "--report", str(second), "--reuse", str(first)]) == 2

@@ -56,7 +56,9 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
     # this process's namespaces are gone (others may be running their own links meanwhile)
     assert not [ns for ns in namespaces() if ns.startswith(f"mtdaoslow-{os.getpid()}-")]
 
-    row, variant = json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    assert (results["kind"], results["workers"]) == ("slow-link", 2)
+    row, variant = results["rows"]
     assert (out / "report.md").is_file() and (out / "time_to_loss.png").is_file()
     assert (out / "time_to_ddp_loss.png").is_file()
     assert (variant["method"], variant["flags"]) == ("overlap", "--sync-delay 1 --sync-dtype int8")

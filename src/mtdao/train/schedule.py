@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 # The LR warm-up when neither --warmup nor --warmup-steps is given: a number of steps, not a
 # fraction of --steps, so that every run of up to 3000 steps warms up as a longer one starts
 # (on the defaults card 5% of --steps, 15 steps of a 300-step run, cost every method 11-16% of
-# its loss, and 50 of a 1000-step run MT-DAO 4-6% and Local Adam 4-8%; BENCHMARKS.md, "A warm-up
-# counted in steps"). Longer runs keep 5%.
+# its loss, and 50 of a 1000-step run MT-DAO 4-6% and Local Adam 4-8%; docs/history.md, the
+# warm-up's change). Longer runs keep 5%.
 DEFAULT_WARMUP_STEPS = 150
 DEFAULT_WARMUP_FRACTION = 0.05
 

@@ -139,7 +139,8 @@ def ablation_settings(
 
 def run_ablation(args: argparse.Namespace) -> int:
     from mtdao.experiments.ablation.report import write_ablation_outputs
-    from mtdao.experiments.ablation.summary import summarize_ablation
+    from mtdao.experiments.ablation.summary import KIND, SCHEMA, summarize_ablation
+    from mtdao.experiments.common.results import stamped
     from mtdao.train.metrics import write_json
 
     periods = sorted(set(args.periods))
@@ -169,7 +170,7 @@ def run_ablation(args: argparse.Namespace) -> int:
     }
     settings = ablation_settings(args, periods, seeds, lrs, ddp_runs[0])
     summary = summarize_ablation(ddp_runs, per_variant, variants, settings, suite.failures)
-    write_json(out / "results.json", {**summary, "runs": suite.results})
+    write_json(out / "results.json", stamped(KIND, SCHEMA, {**summary, "runs": suite.results}))
     report, plot = write_ablation_outputs(out, summary)
     print(f"report: {report}  plot: {plot}")
     if suite.failures:

@@ -7,7 +7,6 @@ How fast a variant degrades is the least-squares slope of its degradation over l
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,9 @@ import numpy as np
 
 from mtdao.experiments.ablation.variants import Variant
 from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, stats
+from mtdao.experiments.common.results import read_results
+
+KIND, SCHEMA = "ablation", 1  # results.json (see mtdao.experiments.common.results)
 
 
 def degradation_slope(periods: Sequence[int], degradation: Sequence[float]) -> float | None:
@@ -87,7 +89,7 @@ def summarize_ablation(
 def load_summary(path: Path) -> dict[str, Any]:
     """An ablation's results.json as :func:`summarize_ablation` returned it (JSON made the
     periods' integer keys strings)."""
-    summary = json.loads(Path(path).read_text())
+    summary = read_results(path, KIND, SCHEMA)
     for variant in summary["variants"].values():
         variant["periods"] = {int(k): cell for k, cell in variant["periods"].items()}
     return summary

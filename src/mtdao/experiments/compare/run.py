@@ -131,9 +131,10 @@ def _finite(value) -> bool:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from mtdao.experiments.common.results import stamped
     from mtdao.experiments.compare.plots import write_compare_plots
     from mtdao.experiments.compare.report import write_compare_report
-    from mtdao.experiments.compare.summary import summarize_compare
+    from mtdao.experiments.compare.summary import KIND, SCHEMA, summarize_compare
     from mtdao.train.metrics import write_json
 
     if args.preset == "defaults-card":
@@ -182,7 +183,7 @@ def run_compare(args: argparse.Namespace) -> int:
         failures=failures,
         compute_runs=all_results.values(),
     )
-    write_json(out / "results.json", summary)
+    write_json(out / "results.json", stamped(KIND, SCHEMA, summary))
     write_compare_plots(out, summary)
     report = write_compare_report(out, summary)
     print(f"report: {report}  results: {out / 'results.json'}  plots: {out}/*.png")

@@ -24,6 +24,8 @@ from typing import Any
 from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, stats
 from mtdao.experiments.common.wallclock import LINK_PRESETS, Link, run_seconds, time_to_step
 
+KIND, SCHEMA = "compare", 1  # results.json (see mtdao.experiments.common.results)
+
 # The paper's claim: MT-DAO matches or beats DDP, and beats these local baselines.
 CLAIM_BASELINES = ("local-adam", "diloco")
 

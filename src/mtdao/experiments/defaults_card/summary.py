@@ -12,6 +12,8 @@ from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losse
 from mtdao.experiments.defaults_card.grid import ENTRIES, Grid, run_name
 from mtdao.train.config import TrainConfig
 
+KIND, SCHEMA = "defaults-card", 1  # results.json (see mtdao.experiments.common.results)
+
 REFERENCES = ("local-adam", "ddp")
 
 
@@ -48,7 +50,8 @@ def summarize_card(
             }
         )
     return {
-        "kind": "defaults-card",
+        "kind": KIND,
+        "schema": SCHEMA,
         "grid": dataclasses.asdict(grid),
         "data": data,
         "data_split": data_split,

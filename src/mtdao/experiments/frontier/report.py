@@ -23,14 +23,16 @@ from mtdao.experiments.common.formatting import (
     stats,
     table,
 )
+from mtdao.experiments.common.results import stamped
 from mtdao.experiments.frontier.summary import (
     BUDGET_FACTORS,
+    KIND,
+    SCHEMA,
     budget_rows,
     finite,
     frontier_json,
     fronts_by_method,
     goal_points,
-    report_settings,
 )
 
 
@@ -39,7 +41,8 @@ def write_frontier_report(
 ) -> None:
     report.mkdir(parents=True, exist_ok=True)
     rows = outcome["rows"]
-    results = {"kind": "frontier", "settings": dict(settings), **outcome, "failures": failures}
+    content = {"settings": dict(settings), **outcome, "failures": failures}
+    results = stamped(KIND, SCHEMA, content)
     (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (report / "frontier.json").write_text(json.dumps(frontier_json(rows), indent=2) + "\n")
     (report / "report.md").write_text(render_results(results))
@@ -58,7 +61,7 @@ def render_results(results: Mapping[str, Any]) -> str:
 
 def render_report(settings, outcome, failures) -> str:
     rows = outcome["rows"]
-    s = report_settings(settings)
+    s = settings
     lines = [
         f"# Loss against traffic: {s['model']} model, M = {s['workers']}, {s['steps']} steps",
         "",

@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from mtdao.experiments.common.formatting import format_lr
+from mtdao.experiments.common.results import read_results
 from mtdao.experiments.common.suite import (
     RUNS_DIR,
     add_budget_arguments,
@@ -49,12 +47,12 @@ from mtdao.experiments.common.suite import (
 )
 from mtdao.experiments.frontier.grid import GRIDS, FrontierPoint, changed_flags, select
 from mtdao.experiments.frontier.summary import (
+    KIND,
+    SCHEMA,
     fronts_by_method,
     point_row,
-    report_settings,
     runs_of_rows,
 )
-from mtdao.train.command import config_from_argv
 from mtdao.train.config import TrainConfig, default_lr, resolve
 
 DEFAULT_LR_FACTORS = (1 / math.sqrt(2), 1.0, math.sqrt(2))
@@ -354,13 +352,10 @@ def earlier_rows(report: Path, args: argparse.Namespace) -> list[dict]:
     """An earlier report's rows, at its chosen LRs and at the others it kept."""
     path = report / "results.json" if report.is_dir() else report
     try:
-        results = json.loads(path.read_text())
+        results = read_results(path, KIND, SCHEMA)
     except (OSError, ValueError) as error:
-        message = f"--reuse {report}: cannot read a frontier report's results ({error})"
-        raise ValueError(message) from None
-    if results.get("kind") != "frontier":
-        raise ValueError(f"--reuse {report}: {path} is not a frontier report's results.json")
-    earlier = report_settings(results["settings"])
+        raise ValueError(f"--reuse {report}: {error}") from None
+    earlier = results["settings"]
     differ = [
         f"{key} {earlier.get(key)} there, {getattr(args, key)} here"
         for key in REUSE_SETTINGS
@@ -368,23 +363,7 @@ def earlier_rows(report: Path, args: argparse.Namespace) -> list[dict]:
     ]
     if differ:
         raise ValueError(f"--reuse {report}: its runs were trained otherwise: {'; '.join(differ)}")
-    rows = [*results["rows"], *results.get("other_lr_rows", [])]
-    return [{**row, "argv": argv_under_todays_defaults(row["argv"], earlier)} for row in rows]
-
-
-def argv_under_todays_defaults(argv: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
-    """A point's ``mtdao train`` flags as :func:`changed_flags` writes them today. A report's
-    flags leave out what was at its default then: a schedule or LR warm-up left out is the one
-    the report records (cosine and 5% of --steps, the defaults until 2026-12-04, for a report
-    that records none)."""
-    left_out = {
-        name: settings[name]
-        for name in ("schedule", "warmup")
-        if f"--{name}" not in argv and settings[name] != getattr(TrainConfig, name)
-    }
-    if not left_out:
-        return list(argv)
-    return changed_flags(dataclasses.replace(config_from_argv(list(argv)), **left_out))
+    return [*results["rows"], *results.get("other_lr_rows", [])]
 
 
 def run_frontier(args: argparse.Namespace) -> int:

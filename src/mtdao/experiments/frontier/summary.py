@@ -16,14 +16,9 @@ from typing import Any
 
 from mtdao.experiments.common.formatting import compare_losses, stats
 
+KIND, SCHEMA = "frontier", 1  # results.json (see mtdao.experiments.common.results)
+
 BUDGET_FACTORS = (10, 40, 100, 300, 1000)
-
-
-def report_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """A report's settings with what older reports leave out: those from before the shuffled
-    split name no split, and ran contiguous shards; those from before 2026-12-04 name no
-    schedule and no LR warm-up, and ran cosine with a warm-up of 5% of --steps."""
-    return {"data_split": "contiguous", "schedule": "cosine", "warmup": 0.05, **settings}
 
 
 def point_row(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mtdao.experiments.horizon.plots import plot_horizon, plot_screen, plot_traffic
 from mtdao.experiments.horizon.report import render_horizon_report
-from mtdao.experiments.horizon.summary import nan_free
+from mtdao.experiments.horizon.summary import KIND, SCHEMA, nan_free
 
 # Kept out of the shown flags: what differs per run of one experiment.
 PER_RUN_FLAGS = {"--lr", "--seed", "--out", "--eval-every", "--steps", "--checkpoint-every"}
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     exec(compile(args.plan.read_text(), str(args.plan), "exec"), namespace)
     by_experiment = read_runs(args.runs)
     summary = {
+        "kind": KIND,
+        "schema": SCHEMA,
         "collected": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "finished_runs": sum(len(r) for r in by_experiment.values()),
         "running": sorted(args.running),

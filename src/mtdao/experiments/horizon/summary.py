@@ -16,6 +16,8 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+KIND, SCHEMA = "horizon", 1  # results.json (see mtdao.experiments.common.results)
+
 BASELINES = {"p1": ("local-adam", "ddp"), "p2": ("local-adopt", "ddp")}
 HORIZON_METHODS = ("ddp", "local-adam", "mtdao-default", "mtdao-paper", "beta-wu", "both-wu")
 # the horizon curve's runs live in p1, except where a variant's K = 32 screen ran that horizon

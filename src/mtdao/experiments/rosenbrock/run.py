@@ -187,15 +187,17 @@ def summary_line(result: dict[str, Any]) -> dict[str, Any]:
 
 def write_report(config: RosenbrockConfig, seeds: list[int], out_dir: Path) -> dict[str, Any]:
     """Run every method over ``seeds``; write report.md, results.json and the two plots."""
+    from mtdao.experiments.common.results import stamped
     from mtdao.experiments.rosenbrock.report import write_rosenbrock_report
-    from mtdao.experiments.rosenbrock.summary import summarize
+    from mtdao.experiments.rosenbrock.summary import KIND, SCHEMA, summarize
 
     results = [
         run(replace(config, method=method, seed=seed)) for method in METHODS for seed in seeds
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
     shared = {k: v for k, v in asdict(config).items() if k not in ("method", "seed")}
-    payload = {"config": shared, "seeds": seeds, "summary": summarize(results), "runs": results}
+    content = {"config": shared, "seeds": seeds, "summary": summarize(results), "runs": results}
+    payload = stamped(KIND, SCHEMA, content)
     (out_dir / "results.json").write_text(to_json(payload))
     write_rosenbrock_report(out_dir, payload)
     return payload

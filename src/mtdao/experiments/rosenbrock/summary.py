@@ -13,6 +13,8 @@ from typing import Any
 
 from mtdao.experiments.rosenbrock.problem import METHODS
 
+KIND, SCHEMA = "rosenbrock", 1  # results.json (see mtdao.experiments.common.results)
+
 
 def _spread(values: Sequence[float]) -> float:
     return statistics.pstdev(values) if all(map(math.isfinite, values)) else 0

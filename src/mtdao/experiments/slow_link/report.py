@@ -104,6 +104,17 @@ def run_line(r: Mapping[str, Any]) -> str:
     )
 
 
+def render_results(results: Mapping[str, Any]) -> str:
+    """report.md from a results.json: the rows and where they were measured."""
+    return render_report(
+        results["rows"],
+        command=results["command"],
+        workers=results["workers"],
+        torch=results["torch"],
+        cores=results["cores"],
+    )
+
+
 def render_report(
     rows: Sequence[Mapping[str, Any]], *, command: str, workers: int, torch: str, cores: int
 ) -> str:

@@ -41,14 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.common.formatting import format_bytes
+from mtdao.experiments.common.results import stamped
 from mtdao.experiments.common.suite import add_study_schedule_arguments
 from mtdao.experiments.slow_link.report import (
     plot_time_to_loss,
     plot_time_to_target,
-    render_report,
+    render_results,
     report_table,
 )
-from mtdao.experiments.slow_link.summary import compare_to_ddp
+from mtdao.experiments.slow_link.summary import KIND, SCHEMA, compare_to_ddp
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.testing.network.netem import HOST_IFACE, EmulatedLink, LinkUnavailable
@@ -435,13 +436,11 @@ def run_slow_link(args: argparse.Namespace) -> int:
         print(f"skipped: {error}")
         return 0
     rows = compare_to_ddp(rows)
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    measured = {"command": command or "mtdao slow-link", "workers": args.workers, **environment()}
+    results = stamped(KIND, SCHEMA, {**measured, "rows": rows})
+    (out / "results.json").write_text(json.dumps(results, indent=2))
     report = out / "report.md"
-    report.write_text(
-        render_report(
-            rows, command=command or "mtdao slow-link", workers=args.workers, **environment()
-        )
-    )
+    report.write_text(render_results(results))
     plots = [plot_time_to_loss(out, rows), plot_time_to_target(out, rows)]
     print(report_table(rows))
     print(f"report: {report}  plots: {' '.join(map(str, plots))}  rows: {out / 'results.json'}")

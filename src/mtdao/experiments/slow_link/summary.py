@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+KIND, SCHEMA = "slow-link", 1  # results.json (see mtdao.experiments.common.results)
+
 
 def time_to_loss(evals: Sequence[Mapping[str, Any]], target: float) -> float | None:
     """Wall-clock at which the validation loss first reaches ``target`` (interpolated linearly

@@ -12,6 +12,8 @@ from typing import Any
 
 from mtdao.experiments.common.formatting import compare_losses, stats
 
+KIND, SCHEMA = "sync-options", 1  # results.json (see mtdao.experiments.common.results)
+
 
 def peak_step_bytes(results: Mapping[str, Any]) -> int:
     """The most bytes one worker sent at any one step."""
@@ -88,7 +90,8 @@ def summarize(
     any_run = next(iter(results.values()), {})
     config = any_run.get("config", {})
     return {
-        "kind": "sync-options",
+        "kind": KIND,
+        "schema": SCHEMA,
         "command": command,
         "reference": reference_name,
         "options": dict(options),

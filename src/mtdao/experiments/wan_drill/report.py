@@ -15,6 +15,8 @@ from typing import Any
 from mtdao.experiments.wan_drill.checks import Check, mean_final_loss
 from mtdao.experiments.wan_drill.summary import event_effects, round_counts, rounds, site_bytes
 
+KIND, SCHEMA = "wan-drill", 1  # results.json (see mtdao.experiments.common.results)
+
 EVENT_COLOURS = {"kill": "tab:red", "partition": "tab:purple", "slow_link": "tab:orange",
                  "straggler": "tab:brown", "lighthouse_restart": "tab:gray"}  # fmt: skip
 

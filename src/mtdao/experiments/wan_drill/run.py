@@ -30,6 +30,8 @@ from typing import Any
 from mtdao.experiments.wan_drill.checks import mean_final_loss, run_checks
 from mtdao.experiments.wan_drill.drill import DrillSettings, run_drill
 from mtdao.experiments.wan_drill.report import (
+    KIND,
+    SCHEMA,
     baseline_summary,
     plot_bytes,
     plot_loss,
@@ -212,7 +214,8 @@ def write_outputs(out: Path, record, checks, baselines, ddp, command: str) -> No
     """``results.json`` (everything the report is drawn from), the plots and ``report.md``."""
     summaries = [baseline_summary(b) for b in baselines]
     results: dict[str, Any] = {
-        "kind": "wan-drill",
+        "kind": KIND,
+        "schema": SCHEMA,
         "command": command,
         "checks": [vars(c) for c in checks],
         "baselines": summaries,
