@@ -55,6 +55,7 @@ def interrupt_when(process: subprocess.Popen, ready, timeout: float = 120) -> tu
         process.kill()
 
 
+@pytest.mark.slow  # trains to a checkpoint in a subprocess
 def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path, corpus_dir):
     out = tmp_path / "run"
     argv = train_argv(out, corpus_dir, steps=100_000)

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "defaults_by_model_size.py"
 
 
+@pytest.mark.slow  # trains the three methods in a subprocess
 def test_the_model_size_table_names_every_model_and_both_gaps(tmp_path):
     argv = ["--models", "micro", "--steps", "4", "--sync-period", "2", "--seeds", "0",
             "--out", str(tmp_path / "runs"), "--report", str(tmp_path / "size.md")]  # fmt: skip

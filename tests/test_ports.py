@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from mtdao.train import ports
+from mtdao.testing import ports
 
 
 def test_unused_port_is_outside_the_ephemeral_range_and_bindable():

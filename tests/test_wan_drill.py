@@ -309,6 +309,7 @@ def test_a_short_drill_survives_its_events_checks_them_and_cleans_up(can_emulate
     assert leftovers(PREFIX) == []
 
 
+@pytest.mark.slow  # builds the sites and starts the replicas of a drill
 def test_sigterm_mid_drill_leaves_no_namespace_and_no_process(can_emulate, tmp_path):
     scenario = tmp_path / "none.json"
     scenario.write_text("{}")
