@@ -7,7 +7,7 @@ held-out one, and writes ``beyond.md``, ``beyond.png`` and ``calibration.json`` 
 Needs root (network namespaces).
 
     python -m mtdao.experiments.wan_drill.beyond --out reports/wan-drill --work /tmp/wan-beyond \
-        --extra runs/wan-drill/baseline-0/drill.json --frontier reports/frontier-3000/frontier.json
+        --extra runs/wan-drill/baseline-0/drill.json --frontier reports/frontier-3000-iid/frontier.json
 
 ``--frontier`` takes what each local method sends from a frontier's points (its cheapest point
 within half a percent of its best loss); without it, fp32 rounds at K = 32.
