@@ -11,6 +11,7 @@ import pytest
 
 from mtdao.cli import main
 from mtdao.experiments.common.corpora import write_gnu_info_corpus
+from mtdao.experiments.common.steps_to_loss import steps_to_reach
 from mtdao.experiments.defaults_card import run as defaults_card
 from mtdao.experiments.defaults_card.grid import (
     CURRENT_ENTRIES,
@@ -38,9 +39,12 @@ def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
         assert changed <= PER_RUN | entry_settings[entry], name
     names = [name for name, _ in runs]
     assert len(names) == len(set(names))
-    # DDP does not depend on K: one run per corpus, length and seed
+    # DDP does not depend on K: one run per corpus, length and seed (2400 steps included)
     ddp = [name for name in names if "-ddp-s" in name]
-    assert len(ddp) == (3 * 3 + 1) * 3
+    assert len(ddp) == (3 * 4 + 1) * 3
+    # the approach length (steps to DDP's loss) is run by the current entries only
+    assert "vim-2400-K128-mtdao-s2" in names and "vim-2400-K128-local-adam-s2" in names
+    assert not any(name.startswith("vim-2400") and "cosine" in name for name in names)
     assert "builtin-300-ddp-cosine-s0" in names and "builtin-300-K32-ddp-cosine-s0" not in names
     assert "builtin-10000-K32-mtdao-s0" in names and "vim-10000-K32-mtdao-s0" not in names
 
@@ -55,7 +59,7 @@ def test_the_card_runs_every_cell_at_the_first_seed_first_current_entries_first(
     earlier = [i for i, (name, _) in enumerate(seed_0) if not any(e in name for e in current_names)]
     assert earlier == list(range(earlier[0], len(seed_0)))  # earlier defaults, candidates last
     current = seed_0[: earlier[0]]
-    assert {config.steps for _, config in current} == {300, 1000, 3000, 10000}
+    assert {config.steps for _, config in current} == {300, 1000, 2400, 3000, 10000}
     steps = [config.steps for _, config in current]
     tiers = [0 if n <= 1000 else 1 if n <= 3000 else 2 for n in steps]
     assert tiers == sorted(tiers)  # short runs first within an entry group
@@ -189,3 +193,51 @@ def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch, cap
 def test_quick_needs_the_card(capsys):
     assert main(["compare", "--quick", "--steps", "2"]) == 2
     assert "--quick and --collect belong to --preset defaults-card" in capsys.readouterr().err
+
+
+def test_steps_to_a_loss_interpolate_between_the_lengths_around_the_first_that_reaches_it():
+    assert steps_to_reach({1000: 1.2, 2400: 1.1, 3000: 1.05}, 1.06) == pytest.approx(2880)
+    assert steps_to_reach({1000: 1.2, 3000: 1.07}, 1.06) is None  # never reached
+    assert steps_to_reach({1000: 1.0, 3000: 0.9}, 1.06) == 1000  # the shortest: a bound
+    assert steps_to_reach({1000: float("nan"), 3000: 1.0}, 1.06) == 3000  # after a divergence
+    assert steps_to_reach({1000: 1.2, 2400: None, 3000: 1.0}, 1.1) == pytest.approx(2000)
+
+
+def test_the_card_times_each_current_entry_to_ddps_loss_per_seed():
+    grid = dataclasses.replace(
+        FULL,
+        corpora=("builtin",),
+        steps=(1000, 3000),
+        sync_periods=(32,),
+        seeds=(0, 1),
+        long_steps=(),
+    )
+    finals = {  # (steps, entry, seed) -> final loss; DDP's mean at 3000 is 1.05
+        (1000, "ddp", 0): 1.2,
+        (3000, "ddp", 0): 1.04,
+        (1000, "ddp", 1): 1.2,
+        (3000, "ddp", 1): 1.06,
+        (1000, "mtdao", 0): 1.25,
+        (2400, "mtdao", 0): 1.1,
+        (3000, "mtdao", 0): 1.0,
+        (1000, "mtdao", 1): 1.25,
+        (2400, "mtdao", 1): 1.1,
+        (3000, "local-adam", 0): 1.2,
+        (3000, "local-adam", 1): 1.2,
+    }
+    results = {
+        run_name("builtin", n, 32, entry, seed): {"final_val_loss": loss}
+        for (n, entry, seed), loss in finals.items()
+    }
+    summary = summarize_card(grid, {"builtin": "builtin"}, {}, results, {})
+    (timed,) = summary["steps_to_ddp"]
+    assert timed["target"] == pytest.approx(1.05)
+    mtdao = timed["entries"]["mtdao"]
+    # seed 0 reaches 1.05 halfway from 2400 to 3000; seed 1's 3000-step run has not finished
+    assert mtdao["by_seed"] == {"0": pytest.approx(2700)} and mtdao["reached"] == 1
+    assert mtdao["fraction"] == pytest.approx(0.9)
+    assert timed["entries"]["local-adam"]["reached"] == 0
+    assert timed["entries"]["local-adam"]["seeds"] == 2
+    lines = "\n".join(card_report_lines(summary, plotted=False))
+    assert "## Steps to DDP's loss" in lines
+    assert "2700 ± 0 (0.90x; 1/1 seeds)" in lines and "not by 3000 (0/2 seeds)" in lines

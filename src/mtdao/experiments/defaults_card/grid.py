@@ -102,11 +102,22 @@ class Grid:
     entries: tuple[str, ...] = ENTRY_NAMES
     long_steps: tuple[int, ...] = ()
     """Extra lengths run on the first corpus and the first sync period only."""
+    approach_steps: tuple[int, ...] = ()
+    """Extra lengths below ``reference_steps`` run by the current entries only: the steps each
+    needs to reach DDP's loss at ``reference_steps`` is interpolated between its runs' lengths
+    (:mod:`mtdao.experiments.common.steps_to_loss`)."""
+    reference_steps: int | None = None
+    """The length whose DDP loss the other entries are timed to reach (None: not timed)."""
 
     def cells(self) -> list[tuple[str, int, int]]:
-        """(corpus, steps, K), the long lengths last."""
-        cells = [(c, n, k) for c in self.corpora for n in self.steps for k in self.sync_periods]
+        """(corpus, steps, K) in length order per corpus and K, the long lengths last."""
+        lengths = sorted({*self.steps, *self.approach_steps})
+        cells = [(c, n, k) for c in self.corpora for n in lengths for k in self.sync_periods]
         return cells + [(self.corpora[0], n, self.sync_periods[0]) for n in self.long_steps]
+
+    def runs_entry(self, steps: int, entry: str) -> bool:
+        """Whether ``entry`` runs at length ``steps`` (the approach lengths: current entries)."""
+        return steps not in self.approach_steps or entry in CURRENT_ENTRIES
 
 
 FULL = Grid(
@@ -115,6 +126,8 @@ FULL = Grid(
     sync_periods=(32, 128),
     seeds=(0, 1, 2),
     long_steps=(10000,),
+    approach_steps=(2400,),
+    reference_steps=3000,
 )
 QUICK = Grid(
     corpora=("builtin",),
@@ -159,7 +172,7 @@ def card_runs(
         for seed in grid.seeds
         for cell in grid.cells()
         for entry in entries
-        if cell[0] in data
+        if cell[0] in data and grid.runs_entry(cell[1], entry.name)
     ]
     runs: dict[str, TrainConfig] = {}
     for (corpus, steps, sync_period), seed, entry in sorted(planned, key=order):

@@ -99,8 +99,45 @@ def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str
         f"{summary['runs_finished']} runs finished.",
         "",
     ]
+    lines += steps_to_ddp_lines(summary.get("steps_to_ddp", []))
     lines += horizon_lines(summary.get("horizons", []), [e["name"] for e in entries])
     return lines + failures_section(summary["failures"])
+
+
+def steps_to_ddp_lines(timed: list[dict[str, Any]]) -> list[str]:
+    """How many steps each current entry needs to reach DDP's loss at the reference length."""
+    if not timed:
+        return []
+    names = list(timed[0]["entries"])
+    reference = timed[0]["reference_steps"]
+    header = ["corpus", "K", f"DDP at {reference}", *(f"`{n}`" for n in names)]
+    rows = [
+        [check["corpus"], str(check["sync_period"]), f"{check['target']:.4f}"]
+        + [_steps(check["entries"][name], reference) for name in names]
+        for check in timed
+    ]
+    return [
+        "## Steps to DDP's loss",
+        "",
+        f"The fewest steps a run needs to end at or below DDP's mean final loss at {reference} "
+        "steps: each length is its own run with its own schedule, and the steps are interpolated "
+        "linearly between the lengths around the first that reaches it; mean ± std over the "
+        "seeds that reach it (as a fraction of the reference length), and how many of the "
+        "seeds whose reference run finished do.",
+        "",
+        *table(header, rows),
+        "",
+    ]
+
+
+def _steps(timed: dict[str, Any], reference: int) -> str:
+    if not timed["seeds"]:
+        return MISSING
+    reached = f"{timed['reached']}/{timed['seeds']} seeds"
+    if timed["stats"] is None:
+        return f"not by {reference} ({reached})"
+    mean, std = timed["stats"]["mean"], timed["stats"]["std"]
+    return f"{mean:.0f} ± {std:.0f} ({timed['fraction']:.2f}x; {reached})"
 
 
 def horizon_lines(checks: list[dict[str, Any]], names: list[str]) -> list[str]:

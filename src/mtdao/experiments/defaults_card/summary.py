@@ -1,7 +1,8 @@
 """The defaults card's numbers: per cell (corpus, length, sync period) each entry's final
 validation loss over seeds, and every MT-DAO entry's gap to Local Adam and to DDP under the
-significance rule (:func:`mtdao.experiments.common.formatting.compare_losses`); and whether a short run
-is the start of a long one (:func:`horizon_checks`)."""
+significance rule (:func:`mtdao.experiments.common.formatting.compare_losses`); whether a short run
+is the start of a long one (:func:`horizon_checks`); and how many steps each current entry needs
+to reach DDP's loss at the reference length (:func:`steps_to_ddp`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import dataclasses
 from typing import Any
 
 from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, stats
-from mtdao.experiments.defaults_card.grid import ENTRIES, Grid, run_name
+from mtdao.experiments.common.steps_to_loss import steps_to_reference_loss
+from mtdao.experiments.defaults_card.grid import CURRENT_ENTRIES, ENTRIES, Grid, run_name
 from mtdao.train.config import TrainConfig
 
 KIND, SCHEMA = "defaults-card", 1  # results.json (see mtdao.experiments.common.results)
@@ -60,9 +62,49 @@ def summarize_card(
         "cells": cells,
         "significance_rule": SIGNIFICANCE_RULE,
         "horizons": horizon_checks(grid, data, results, [e.name for e in entries]),
+        "steps_to_ddp": steps_to_ddp(grid, cells),
         "runs_finished": len(results),
         "failures": failures,
     }
+
+
+def steps_to_ddp(grid: Grid, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per corpus and sync period: DDP's mean final loss at the grid's reference length (the
+    target), and for each current entry the steps its runs need to reach it, per seed,
+    interpolated between the lengths it ran (:func:`steps_to_reference_loss`). Empty when the
+    grid times nothing."""
+    if grid.reference_steps is None:
+        return []
+    timed = []
+    for corpus, sync_period in dict.fromkeys((c["corpus"], c["sync_period"]) for c in cells):
+        own = [c for c in cells if (c["corpus"], c["sync_period"]) == (corpus, sync_period)]
+        reference = next((c for c in own if c["steps"] == grid.reference_steps), None)
+        target = reference and reference["entries"].get("ddp", {}).get("stats")
+        if not target:
+            continue
+        by_entry = {}
+        for entry in (e for e in CURRENT_ENTRIES if e in grid.entries):
+            finals_by_seed = {
+                str(seed): {
+                    c["steps"]: c["entries"][entry]["by_seed"].get(str(seed))
+                    for c in own
+                    if c["steps"] <= grid.reference_steps
+                }
+                for seed in grid.seeds
+            }
+            by_entry[entry] = steps_to_reference_loss(
+                finals_by_seed, target["mean"], grid.reference_steps
+            )
+        timed.append(
+            {
+                "corpus": corpus,
+                "sync_period": sync_period,
+                "reference_steps": grid.reference_steps,
+                "target": target["mean"],
+                "entries": by_entry,
+            }
+        )
+    return timed
 
 
 def _final(results: dict[str, Any] | None) -> float | None:
