@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,7 @@ from mtdao.experiments.defaults_card.grid import (
     run_name,
 )
 from mtdao.experiments.defaults_card.report import card_report_lines
-from mtdao.experiments.defaults_card.summary import summarize_card
+from mtdao.experiments.defaults_card.summary import reuse_card, summarize_card
 from mtdao.train.config import TrainConfig, default_lr
 
 DATA = {"builtin": "builtin", "vim": "/vim", "gnu-info": "/info"}
@@ -192,7 +193,9 @@ def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch, cap
 
 def test_quick_needs_the_card(capsys):
     assert main(["compare", "--quick", "--steps", "2"]) == 2
-    assert "--quick and --collect belong to --preset defaults-card" in capsys.readouterr().err
+    assert "--quick, --collect and --reuse belong to --preset defaults-card" in (
+        capsys.readouterr().err
+    )
 
 
 def test_steps_to_a_loss_interpolate_between_the_lengths_around_the_first_that_reaches_it():
@@ -241,3 +244,27 @@ def test_the_card_times_each_current_entry_to_ddps_loss_per_seed():
     lines = "\n".join(card_report_lines(summary, plotted=False))
     assert "## Steps to DDP's loss" in lines
     assert "2700 ± 0 (0.90x; 1/1 seeds)" in lines and "not by 3000 (0/2 seeds)" in lines
+
+
+def test_a_reused_card_fills_the_runs_this_one_lacks_and_says_so():
+    grid = dataclasses.replace(
+        FULL, corpora=("builtin",), steps=(3000,), sync_periods=(32,), seeds=(0,), long_steps=()
+    )
+    earlier = summarize_card(
+        grid,
+        {"builtin": "builtin"},
+        {},
+        {run_name("builtin", 3000, 32, e, 0): {"final_val_loss": 1.1} for e in CURRENT_ENTRIES},
+        {},
+    )
+    fresh = {run_name("builtin", 2400, 32, "mtdao", 0): {"final_val_loss": 1.2}}
+    suite = SimpleNamespace(results=fresh, failures={})
+    plain = summarize_card(grid, {"builtin": "builtin"}, {}, fresh, {})
+    merged = reuse_card(plain, earlier, grid, {"builtin": "builtin"}, suite, "shuffled", "old")
+    reused = merged["reused"]
+    assert reused["from"] == "old" and len(reused["runs"]) == len(CURRENT_ENTRIES)
+    assert run_name("builtin", 2400, 32, "mtdao", 0) not in reused["runs"]  # trained here
+    (reference,) = [c for c in merged["cells"] if c["steps"] == 3000]
+    assert reference["entries"]["mtdao"]["by_seed"]["0"] == 1.1
+    assert merged["runs_finished"] == 1
+    assert "more runs are those recorded in `old`" in "\n".join(card_report_lines(merged, False))

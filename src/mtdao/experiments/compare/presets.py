@@ -59,6 +59,12 @@ def add_preset_argument(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --preset defaults-card: report on the runs finished in --out, train none",
     )
+    parser.add_argument(
+        "--reuse",
+        metavar="CARD_DIR",
+        help="with --preset defaults-card: the final losses of runs not in --out from this "
+        "card's results.json (a committed report), as measured there; the report names them",
+    )
 
 
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:

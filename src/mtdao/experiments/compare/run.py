@@ -142,8 +142,8 @@ def run_compare(args: argparse.Namespace) -> int:
 
         apply_preset(args)
         return run_defaults_card(args)
-    if args.quick or args.collect:
-        raise ValueError("--quick and --collect belong to --preset defaults-card")
+    if args.quick or args.collect or args.reuse:
+        raise ValueError("--quick, --collect and --reuse belong to --preset defaults-card")
     apply_preset(args)
     methods = list(dict.fromkeys(args.methods))
     seeds = list(dict.fromkeys(args.seeds))

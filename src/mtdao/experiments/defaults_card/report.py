@@ -96,7 +96,7 @@ def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str
         "Gap: difference of means (relative), the verdict of the significance rule, and on how "
         "many seeds MT-DAO is lower. `one seed`: not enough seeds for a verdict yet.",
         "",
-        f"{summary['runs_finished']} runs finished.",
+        f"{summary['runs_finished']} runs finished." + _reused(summary.get("reused")),
         "",
     ]
     lines += steps_to_ddp_lines(summary.get("steps_to_ddp", []))
@@ -128,6 +128,15 @@ def steps_to_ddp_lines(timed: list[dict[str, Any]]) -> list[str]:
         *table(header, rows),
         "",
     ]
+
+
+def _reused(reused: dict[str, Any] | None) -> str:
+    if not reused or not reused["runs"]:
+        return ""
+    return (
+        f" The final losses of {len(reused['runs'])} more runs are those recorded in "
+        f"`{reused['from']}` (their short-run checks too): that card's runs, not trained again."
+    )
 
 
 def _steps(timed: dict[str, Any], reference: int) -> str:

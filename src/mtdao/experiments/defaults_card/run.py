@@ -24,10 +24,11 @@ import argparse
 from pathlib import Path
 
 from mtdao.experiments.common.corpora import corpus_paths
+from mtdao.experiments.common.results import read_results
 from mtdao.experiments.common.suite import run_suite
 from mtdao.experiments.defaults_card.grid import FULL, QUICK, card_runs
 from mtdao.experiments.defaults_card.report import write_card_report
-from mtdao.experiments.defaults_card.summary import summarize_card
+from mtdao.experiments.defaults_card.summary import KIND, SCHEMA, reuse_card, summarize_card
 from mtdao.train.config import resolve
 from mtdao.train.metrics import write_json
 
@@ -49,6 +50,9 @@ def run_defaults_card(args: argparse.Namespace) -> int:
     )
     suite = run_suite(runs, out, jobs=args.jobs, threads=args.threads, train=not args.collect)
     summary = summarize_card(grid, data, missing, suite.results, suite.failures, args.data_split)
+    if args.reuse:
+        earlier = read_results(Path(args.reuse) / "results.json", KIND, SCHEMA)
+        summary = reuse_card(summary, earlier, grid, data, suite, args.data_split, args.reuse)
     write_json(out / "results.json", summary)
     report = write_card_report(out, summary)
     print(f"report: {report}  results: {out / 'results.json'}")

@@ -68,6 +68,40 @@ def summarize_card(
     }
 
 
+def reuse_card(
+    summary: dict[str, Any],
+    earlier: dict[str, Any],
+    grid: Grid,
+    data: dict[str, str],
+    suite,
+    data_split: str,
+    source: str,
+) -> dict[str, Any]:
+    """``summary`` with the final loss of every run it lacks taken from ``earlier`` (a card's
+    results.json): the cells and the steps to DDP's loss count them, and a short-run check the
+    runs here cannot make (the reused runs carry no evaluations) is the earlier card's. The
+    summary lists the runs reused and where from."""
+    reused = {}
+    for cell in earlier["cells"]:
+        for entry, values in cell["entries"].items():
+            for seed, final in values["by_seed"].items():
+                name = run_name(cell["corpus"], cell["steps"], cell["sync_period"], entry, seed)
+                if final is not None and name not in suite.results:
+                    reused[name] = {"final_val_loss": final}
+    merged = summarize_card(
+        grid, data, summary["missing"], {**reused, **suite.results}, suite.failures, data_split
+    )
+    checked = {_pair(check) for check in merged["horizons"]}
+    merged["horizons"] += [c for c in earlier.get("horizons", []) if _pair(c) not in checked]
+    merged["reused"] = {"from": source, "runs": sorted(reused)}
+    merged["runs_finished"] = len(suite.results)
+    return merged
+
+
+def _pair(check: dict[str, Any]) -> tuple:
+    return (check["corpus"], check["sync_period"], check["short"], check["long"])
+
+
 def steps_to_ddp(grid: Grid, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per corpus and sync period: DDP's mean final loss at the grid's reference length (the
     target), and for each current entry the steps its runs need to reach it, per seed,
