@@ -5,6 +5,7 @@ opened at the same step still goes out, and the rounds after it apply as usual."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -14,6 +15,7 @@ from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, unified
 from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.rounds import Stage
 from mtdao.sync.testing import ScriptedCommunicator
 
 K, DELAY, FRAGMENTS = 4, 2, 2
@@ -122,3 +124,26 @@ def test_an_undisturbed_run_records_every_round_at_its_commit():
     assert [r.step for r in sync.pending.rounds] == [10]
     sync.flush()
     assert [e.step for e in sync.events] == [2, 4, 6, 8, 10]
+
+
+def test_a_round_carries_its_stage_and_refuses_a_move_out_of_order():
+    params, optimizer, sync = make_engine(discard_at=4)
+    stages = {}
+    for step in range(1, 11):
+        local_step(params, optimizer, sync, step)
+        with contextlib.suppress(RoundNotCommitted):
+            sync.after_optimizer_step()
+        for in_flight in sync.pending.rounds:
+            stages.setdefault(in_flight.step, in_flight)
+    by_step = {step: r.stage for step, r in stages.items()}
+    assert by_step == {
+        2: Stage.APPLIED,
+        4: Stage.APPLIED,
+        6: Stage.APPLIED,
+        8: Stage.DISCARDED,  # the 4th round to land: the scripted discard
+        10: Stage.IN_FLIGHT,
+    }
+    with pytest.raises(RuntimeError, match="opened at step 2 is applied: it cannot be landed"):
+        stages[2].land()
+    with pytest.raises(RuntimeError, match="opened at step 8 is discarded: it cannot be applied"):
+        stages[8].applied()

@@ -57,10 +57,16 @@ from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError, NonFiniteWorkers
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
-from mtdao.sync.overlap import DelayedRounds
 from mtdao.sync.policy import SyncPolicy
 from mtdao.sync.round_plan import RoundPlan
-from mtdao.sync.rounds import CheckedRound, Round, SyncEvent, SyncRound, alignment
+from mtdao.sync.rounds import (
+    CheckedRound,
+    Round,
+    RoundsInFlight,
+    SyncEvent,
+    SyncRound,
+    alignment,
+)
 from mtdao.sync.sharded_state import ShardedEngineState
 
 __all__ = ["LocalUpdateSync", "NonFiniteError", "NON_FINITE_ACTIONS", "SyncEvent"]
@@ -128,7 +134,7 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
             codecs=codecs,
             decays=state_decays,
         )
-        self.pending = DelayedRounds()
+        self.pending = RoundsInFlight()
         with torch.no_grad():
             if broadcast_initial:
                 self.communicator.broadcast_from_first(self.params)
@@ -188,8 +194,9 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
                 names = [f"gradient of {self.param_names[id(p)]}" for p in owners]
                 grads = [p.grad for p in owners]
                 due = SyncRound(self.step_count + 1, grads, ["grads"] * len(grads), names)
-                checked = self._settle(self._open(due))
-                self.communicator.assign(grads, checked.averages)
+                gradients = self._open(due)
+                self.communicator.assign(grads, self._settle(gradients).averages)
+                gradients.applied()
         finally:
             self.seconds_syncing += time.perf_counter() - started
         for hook in list(self._gradient_hooks.values()):
@@ -209,16 +216,16 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
             self._state_keys_checked = True
         discarded: RoundNotCommitted | None = None
         try:
-            for landing in self.pending.pop_due(self.step_count):
+            for landing in self.pending.pop_landing(self.step_count):
                 try:
                     self._land(landing)
                 except RoundNotCommitted as failure:
                     discarded = failure
             for in_flight in self.pending.to_advance(self.step_count):
                 try:  # the exchange's second stage; a peer lost in the first discards it
-                    in_flight.result.advance()
+                    in_flight.advance()
                 except RoundNotCommitted as failure:
-                    self._discard(in_flight)
+                    self.pending.remove(in_flight)
                     discarded = discarded or failure
             due = self.plan.collect(self.step_count)
             if due.tensors:
@@ -277,7 +284,7 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
     @torch.no_grad()
     def flush(self) -> None:
         """Apply every delayed round now (e.g. before using the model once training ends)."""
-        for pending in self.pending.pop_due(None):
+        for pending in self.pending.pop_landing(None):
             self._land(pending)
 
     # -- one round: opened, in flight, landed, committed or discarded, applied -----------------
@@ -292,10 +299,11 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
     def _settle(self, landing: Round) -> CheckedRound:
         """Land the round (wait, decode, check), then commit and record it; a round the
         communicator discards is undone and ``RoundNotCommitted`` raised."""
-        if landing.checked is not None:
+        if landing.committed:
             return landing.checked
         try:
-            checked = self._check(landing, heal=landing.due.kinds[0] != "grads")
+            averages = landing.land()
+            checked = self._check(landing, averages, heal=landing.due.kinds[0] != "grads")
             due, num_params = landing.due, len(landing.due.param_indices)
             if num_params and self.track_alignment and self.anchors:
                 # the per-worker gathers are part of the round: a peer lost in them discards it
@@ -305,19 +313,18 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
                 local = landing.snapshots[:num_params] if landing.snapshots else due.tensors
                 anchors = [self.anchors[i] for i in due.param_indices]
                 checked.alignment = alignment(self.layout, local, anchors, means, landing.step)
-            self.communicator.commit()
+            landing.commit(self.communicator, checked)
         except RoundNotCommitted:
             self._discard(landing)
             raise
         if landing.recorded:  # a round from a checkpoint of before records at commit
             checked.events = checked.events[1:]
         self._record(checked)
-        landing.checked = checked
         return checked
 
     def _discard(self, discarded: Round) -> None:
         """Undo what opening the round changed (nothing else was written): its residuals."""
-        self.plan.discard(discarded)
+        discarded.discard()
         self.pending.remove(discarded)
 
     def _land(self, landing: Round) -> None:
@@ -331,15 +338,15 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
             self._finish_parameter_sync(means, landing)
         if len(due.tensors) > num_params:
             self.plan.apply(landing, num_params, checked.averages[num_params:])
+        landing.applied()
 
-    def _check(self, pending: Round, heal: bool = False) -> CheckedRound:
+    def _check(self, pending: Round, averages: list[Tensor], heal: bool = False) -> CheckedRound:
         """The round's averages, checked; a worker holding NaN/inf is either reported (nothing
         averaged) or left out of a second call (``on_non_finite='skip'``).
 
         heal (blocking rounds after the optimizer step): a worker holding NaN/inf in any tensor,
         due or not, is left out, then healed with the others' average of everything else."""
         due, event = pending.due, pending.event
-        averages = pending.result.wait()
         checked = CheckedRound(averages, [event])
         if self.layout.all_finite(averages):
             return checked
@@ -427,7 +434,7 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
         self.events = [SyncEvent(**event) for event in state["events"]]
         self.skipped_rounds = list(state["skipped_rounds"])
         self.alignment = list(state["alignment"])
-        self.pending = DelayedRounds()
+        self.pending = RoundsInFlight()
         for saved in state.get("pending", []):
             restored = self.plan.restore(saved)
             kinds = list(dict.fromkeys(restored.due.kinds))
@@ -435,7 +442,7 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
             if "committed" not in saved:  # saved when rounds were recorded as they opened
                 restored.recorded = True
             elif saved["committed"]:  # settled early (one round at a time): only to apply
-                restored.checked = CheckedRound(restored.result.wait(), [])
+                restored.restore_committed()
             self.pending.add(restored)
         if self.plan.pseudo_gradients is not None and state.get("pseudo_gradients"):
             self.plan.pseudo_gradients.load_state_dict(state["pseudo_gradients"])

@@ -30,12 +30,9 @@ as a blocking round always did. A worker left out of a round (NaN/inf) takes the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-
-from mtdao.sync.rounds import Round
 
 POSITIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
 """States that are averages of squares, kept non-negative by the merge."""
@@ -73,29 +70,3 @@ def merge(
         tensor.copy_(merged)
     if positive:  # (a healed worker's average is above its floor already: factor <= 1)
         torch.maximum(tensor, average * factor, out=tensor)
-
-
-@dataclass
-class DelayedRounds:
-    """The rounds in flight, oldest first."""
-
-    rounds: list[Round] = field(default_factory=list)
-
-    def add(self, pending: Round) -> None:
-        self.rounds.append(pending)
-
-    def pop_due(self, step: int | None) -> list[Round]:
-        """The rounds to apply at ``step`` (every round, with ``step`` None), removed."""
-        due = [r for r in self.rounds if step is None or r.land_step <= step]
-        self.rounds = [r for r in self.rounds if not (step is None or r.land_step <= step)]
-        return due
-
-    def remove(self, discarded: Round) -> None:
-        self.rounds = [r for r in self.rounds if r is not discarded]
-
-    def to_advance(self, step: int) -> list[Round]:
-        """The rounds whose exchange launches its second stage at ``step``."""
-        return [pending for pending in self.rounds if pending.advance_step == step]
-
-    def __len__(self) -> int:
-        return len(self.rounds)

@@ -6,7 +6,8 @@ change a round without changing the policy, and does the parts of a round that d
 * :meth:`RoundPlan.collect`: the tensors whose round is sent at a step (the fragments due,
   :mod:`.fragments`; D steps before the policy's step when rounds are delayed);
 * :meth:`RoundPlan.open`: a copy when the round is delayed, parameters as pseudo-gradients when
-  they are quantized (:mod:`.compression`), one communicator call with a codec per tensor;
+  they are quantized (:mod:`.compression`), one communicator call with a codec per tensor (the
+  round then moves through its stages itself: :class:`~mtdao.sync.rounds.Round`);
 * :meth:`RoundPlan.apply`: assign the averages, or merge them into a delayed round's tensors
   (:mod:`.overlap`).
 
@@ -103,9 +104,10 @@ class RoundPlan:
         return due
 
     def open(self, due: SyncRound, anchors: Sequence[Tensor]) -> Round:
-        """Open the round: encode what each tensor sends (of a sharded tensor, this process's
-        shard: every value a round keeps is a local shard) and launch one communicator call.
-        The error-feedback residuals it advances are kept in it, to put back if discarded."""
+        """Open the round and launch it: encode what each tensor sends (of a sharded tensor,
+        this process's shard: every value a round keeps is a local shard) in one communicator
+        call. The error-feedback residuals it advances are kept in it, to put back if
+        discarded."""
         tensors = [local_shard(t) for t in due.tensors]
         snapshots = [t.clone() for t in tensors] if self.delay else None
         sent = list(snapshots or tensors)
@@ -115,23 +117,13 @@ class RoundPlan:
                 residuals_before[index] = self.pseudo_gradients.residuals.get(index)
                 sent[j] = self.pseudo_gradients.payload(index, anchors[index], sent[j])
         land, advance = due.step + self.delay, due.step + max(1, self.delay // 2)
-        opened = Round(due, sent, snapshots, Averages(), land, advance, residuals_before)
+        opened = Round(due, sent, snapshots, land, advance, self.pseudo_gradients, residuals_before)
         try:
-            opened.result = self.average(due, sent)
+            opened.launch(self.average(due, sent))
         except RoundNotCommitted:  # a peer lost as it opened: as if it had not been sent
-            self.discard(opened)
+            opened.discard()
             raise
         return opened
-
-    def discard(self, round_: Round) -> None:
-        """Put back what opening ``round_`` changed: its parameters' error-feedback residuals."""
-        if self.pseudo_gradients is None:
-            return
-        for index, residual in round_.residuals_before.items():
-            if residual is None:
-                self.pseudo_gradients.residuals.pop(index, None)
-            else:
-                self.pseudo_gradients.residuals[index] = residual
 
     def average(self, due: SyncRound, sent: Sequence[Tensor], excluded=()) -> Averages:
         # a local shard sent goes as a DTensor again: its worker's traffic counts the whole tensor
@@ -174,13 +166,13 @@ class RoundPlan:
         sent, snapshots, averages = (
             [t.to(device) for t in saved[key]] for key in ("sent", "snapshots", "averages")
         )
-        result = Averages(averages, saved["bytes"], saved["collectives"])
-        return Round(
+        restored = Round(
             due,
             sent,
             snapshots,
-            result,
             saved["finish_step"],
             saved["advance_step"],
             excluded=list(saved.get("excluded", [])),
         )
+        restored.launch(Averages(averages, saved["bytes"], saved["collectives"]))
+        return restored

@@ -1,33 +1,41 @@
 """What a round is made of: the tensors due, the round itself through its lifecycle, the record it
 leaves, and what is checked before it is applied (see LocalUpdateSync, docs/design.md "A round").
 
-A :class:`Round` lives through four stages, the same on every communicator:
+A :class:`Round` carries its stage (:class:`Stage`) and the methods that move it, the same on
+every communicator:
 
 1. *opened* for a step: what is due (:class:`SyncRound`), encoded (a copy of each tensor when
    the round is delayed, parameters as pseudo-gradients when quantized, error-feedback residuals
    advanced: their previous values are kept in the round);
-2. *in flight*: the transport's work (:class:`~mtdao.sync.communicator.Averages`), for D steps
-   when the round is delayed;
-3. *landed*: the averages waited for, decoded and checked (NaN/inf), then *committed* (the
-   communicator's last word) or *discarded*. Only a committed round is recorded;
-4. *applied* at its landing step: assigned, or merged into the local progress by the delay rule.
+2. *in flight* (:meth:`Round.launch`): the transport's work
+   (:class:`~mtdao.sync.communicator.Averages`), for D steps when the round is delayed;
+3. *landed* (:meth:`Round.land`): the averages waited for and decoded, then checked (NaN/inf) by
+   the engine; then *committed* (:meth:`Round.commit`: the communicator's last word) or
+   *discarded* (:meth:`Round.discard`). Only a committed round is recorded;
+4. *applied* (:meth:`Round.applied`) at its landing step: assigned, or merged into the local
+   progress by the delay rule.
 
 A discarded round leaves every worker as if it had not been sent: nothing was written into the
 tensors before the commit, so local progress stands, the anchors were not moved, and the
-error-feedback residuals the round advanced are put back.
+error-feedback residuals the round advanced are put back. :class:`RoundsInFlight` holds the
+rounds sent and not yet applied, oldest first.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from mtdao.sync.communicator import Averages
+from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import WorkerLayout
+
+if TYPE_CHECKING:
+    from mtdao.sync.compression import PseudoGradients
 
 
 @dataclass
@@ -65,24 +73,47 @@ class CheckedRound:
     heal: tuple[list[Tensor], list[Tensor], list[int]] | None = None
 
 
-@dataclass
+class Stage(enum.Enum):
+    """Where a round is in its lifecycle (see the module docstring)."""
+
+    OPENED = "opened"
+    IN_FLIGHT = "in flight"
+    LANDED = "landed"
+    COMMITTED = "committed"
+    DISCARDED = "discarded"
+    APPLIED = "applied"
+
+
+NEXT_STAGES = {
+    Stage.OPENED: {Stage.IN_FLIGHT, Stage.DISCARDED},
+    Stage.IN_FLIGHT: {Stage.LANDED, Stage.DISCARDED},
+    Stage.LANDED: {Stage.COMMITTED, Stage.DISCARDED},
+    Stage.COMMITTED: {Stage.APPLIED},
+    Stage.DISCARDED: set(),
+    Stage.APPLIED: set(),
+}
+
+
+@dataclass(eq=False)
 class Round:
-    """One round, from opened to committed or discarded (see the module docstring)."""
+    """One round, from opened to applied or discarded (see the module docstring)."""
 
     due: SyncRound
     sent: list[Tensor]
     """What was averaged (copies, for a delayed round): kept for a retry without a NaN worker."""
     snapshots: list[Tensor] | None
     """Each tensor's local value when the round opened (delayed rounds only)."""
-    result: Averages
-    """The transport's work, and what it sent per worker."""
     land_step: int
     """The step after which it is applied (its opening step plus the delay)."""
     advance_step: int
     """When the exchange's second stage is launched (quantized rounds have two)."""
+    feedback: PseudoGradients | None = None
+    """The error feedback whose residuals opening the round advanced (None: none)."""
     residuals_before: dict[int, Tensor | None] = field(default_factory=dict)
     """The error-feedback residuals of its parameters before it opened (None: none yet), put
     back when it is discarded."""
+    result: Averages = field(default_factory=Averages)
+    """The transport's work, and what it sent per worker."""
     excluded: list[int] = field(default_factory=list)
     """Workers left out of the average (NaN/inf): they take the average without a merge."""
     event: SyncEvent | None = None
@@ -91,6 +122,7 @@ class Round:
     """Set once landed and committed: what it applies."""
     recorded: bool = False
     """Whether its event is in the engine's record already."""
+    stage: Stage = Stage.OPENED
 
     @property
     def step(self) -> int:
@@ -99,7 +131,74 @@ class Round:
 
     @property
     def committed(self) -> bool:
-        return self.checked is not None
+        return self.stage in (Stage.COMMITTED, Stage.APPLIED)
+
+    def _move(self, stage: Stage) -> None:
+        if stage not in NEXT_STAGES[self.stage]:
+            raise RuntimeError(
+                f"the round opened at step {self.step} is {self.stage.value}: it cannot be "
+                f"{stage.value}"
+            )
+        self.stage = stage
+
+    def launch(self, result: Averages) -> None:
+        """Opened -> in flight: ``result`` holds the transport's work."""
+        self.result = result
+        self._move(Stage.IN_FLIGHT)
+
+    def advance(self) -> None:
+        """Launch the exchange's next stage (a peer lost in the first one discards the round)."""
+        try:
+            self.result.advance()
+        except RoundNotCommitted:
+            self.discard()
+            raise
+
+    def land(self) -> list[Tensor]:
+        """In flight -> landed: the averages, waited for and decoded (a failure the wait sees
+        discards the round). A landed round is checked, then committed or discarded."""
+        try:
+            averages = self.result.wait()
+        except RoundNotCommitted:
+            self.discard()
+            raise
+        self._move(Stage.LANDED)
+        return averages
+
+    def commit(self, communicator: Communicator, checked: CheckedRound) -> None:
+        """Landed -> committed, if ``communicator`` commits it (then ``checked`` is what it
+        applies); else discarded, and ``RoundNotCommitted`` raised."""
+        try:
+            communicator.commit()
+        except RoundNotCommitted:
+            self.discard()
+            raise
+        self.checked = checked
+        self._move(Stage.COMMITTED)
+
+    def restore_committed(self) -> None:
+        """A round restored (from a checkpoint or a heal) as committed where it was saved: it
+        lands at once and is only to be applied."""
+        self.checked = CheckedRound(self.land(), [])
+        self._move(Stage.COMMITTED)
+
+    def discard(self) -> None:
+        """Undo what opening the round changed (nothing else was written): its parameters'
+        error-feedback residuals are put back. Discarding a discarded round does nothing."""
+        if self.stage is Stage.DISCARDED:
+            return
+        self._move(Stage.DISCARDED)
+        if self.feedback is None:
+            return
+        for index, residual in self.residuals_before.items():
+            if residual is None:
+                self.feedback.residuals.pop(index, None)
+            else:
+                self.feedback.residuals[index] = residual
+
+    def applied(self) -> None:
+        """Committed -> applied: its values are in the tensors."""
+        self._move(Stage.APPLIED)
 
     def state_dict(self) -> dict[str, Any]:
         """The round with its averages complete (waiting for them here changes no value)."""
@@ -116,6 +215,32 @@ class Round:
             "committed": self.committed,
             "excluded": list(self.excluded),
         }
+
+
+@dataclass
+class RoundsInFlight:
+    """The rounds sent and not yet applied, oldest first."""
+
+    rounds: list[Round] = field(default_factory=list)
+
+    def add(self, opened: Round) -> None:
+        self.rounds.append(opened)
+
+    def pop_landing(self, step: int | None) -> list[Round]:
+        """The rounds to apply at ``step`` (every round, with ``step`` None), removed."""
+        landing = [r for r in self.rounds if step is None or r.land_step <= step]
+        self.rounds = [r for r in self.rounds if not any(r is other for other in landing)]
+        return landing
+
+    def remove(self, discarded: Round) -> None:
+        self.rounds = [r for r in self.rounds if r is not discarded]
+
+    def to_advance(self, step: int) -> list[Round]:
+        """The rounds whose exchange launches its second stage at ``step``."""
+        return [r for r in self.rounds if r.advance_step == step]
+
+    def __len__(self) -> int:
+        return len(self.rounds)
 
 
 def alignment(
