@@ -72,7 +72,7 @@ from mtdao.sync.sharded_state import ShardedEngineState
 __all__ = ["LocalUpdateSync", "NonFiniteError", "NON_FINITE_ACTIONS", "SyncEvent"]
 
 
-class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
+class LocalUpdateSync:
     """Carries out a :class:`SyncPolicy` for one optimizer over one communicator.
 
     ``on_non_finite``: ``"raise"`` stops with an error naming worker, tensor and step before
@@ -102,10 +102,6 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
         codecs: SyncCodecs | None = None,
         state_decays: dict[str, float] | None = None,
     ) -> None:
-        if on_non_finite not in NON_FINITE_ACTIONS:
-            raise ValueError(
-                f"Invalid on_non_finite: {on_non_finite!r} (choose from {NON_FINITE_ACTIONS})"
-            )
         self.optimizer = optimizer
         self.policy = policy
         self.communicator = communicator or SingleWorker()
@@ -134,6 +130,15 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
             codecs=codecs,
             decays=state_decays,
         )
+        self.non_finite = NonFiniteWorkers(
+            on_non_finite,
+            self.params,
+            names,
+            optimizer,
+            self.communicator,
+            self.plan.pseudo_gradients,
+        )
+        self.sharded = ShardedEngineState(self.params, names, self.plan, self.layout)
         self.pending = RoundsInFlight()
         with torch.no_grad():
             if broadcast_initial:
@@ -352,8 +357,8 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
             return checked
         healing = heal and self.on_non_finite == "skip" and not self.plan.delay
         sent = SyncRound(due.step, pending.sent, due.kinds, due.names)
-        searched = self._held(due.step) if healing else sent
-        excluded, checked.skipped = self._workers_to_leave_out(searched)
+        searched = self.non_finite.held(due.step) if healing else sent
+        excluded, checked.skipped = self.non_finite.leave_out(searched)
         retry = self.plan.average(due, pending.sent, excluded)
         checked.averages = retry.wait()
         event.bytes += retry.bytes
@@ -364,7 +369,7 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
             )
         pending.excluded = excluded
         if healing:
-            self._heal(checked, excluded, due.step, skip={id(t) for t in due.tensors})
+            self.non_finite.heal(checked, excluded, due.step, skip={id(t) for t in due.tensors})
         return checked
 
     def _record(self, checked: CheckedRound) -> None:
@@ -392,6 +397,17 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
 
     def _state_keys(self) -> set[str]:
         return {key for p in self.params for key in self.optimizer.state.get(p, {})}
+
+    @torch.no_grad()
+    def heal_non_finite_workers(self) -> list[int]:
+        """Heal now every worker holding NaN/inf anywhere (``on_non_finite='skip'``): it takes
+        the others' average of everything it holds. Returns the workers healed. Between rounds a
+        worker left out stays non-finite; this makes the state finite, e.g. before a checkpoint."""
+        checked = self.non_finite.heal_now(self.step_count)
+        if checked is None:
+            return []
+        self._record(checked)
+        return checked.heal[2]
 
     # -- checkpointing ------------------------------------------------------------------------
 
@@ -423,6 +439,23 @@ class LocalUpdateSync(NonFiniteWorkers, ShardedEngineState):
             except RoundNotCommitted:
                 self._discard(in_flight)
         return saved
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the engine's sharded tensors as DTensors, for DCP; the rest of its ``state_dict``,
+        plain, for the worker's file): see :mod:`~mtdao.sync.sharded_state`. A collective over
+        the worker's shard group."""
+        plain = self.state_dict()  # (first: a round that failed meanwhile leaves the rounds)
+        return self.sharded.split(plain, self.pending.rounds, self.anchors, self.outer)
+
+    def sharded_layout(self, plain: dict[str, Any] | None = None) -> dict[str, Any]:
+        """DTensors shaped as :meth:`sharded_state_dict` saved them (``plain``: its plain part),
+        for DCP to read into."""
+        return self.sharded.layout_of(self.anchors, self.outer, plain)
+
+    def load_sharded_state_dict(self, sharded: dict[str, Any], plain: dict[str, Any]) -> None:
+        """Load what :meth:`sharded_state_dict` gave (``sharded`` read by DCP into
+        :meth:`sharded_layout` of ``plain``)."""
+        self.load_state_dict(self.sharded.join(sharded, plain, self.outer is not None))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_count = int(state["step"])

@@ -1,21 +1,26 @@
 """Workers holding NaN/inf: found, left out of a round, and healed with the others' average.
 
-A mixin of :class:`~mtdao.sync.engine.LocalUpdateSync` (it uses the engine's parameters,
-optimizer, communicator and ``on_non_finite``): with ``on_non_finite="raise"`` the error names
-worker, tensor and step; with ``"skip"`` the offending workers are left out of the round and take
-the others' average of every tensor they hold (parameters and every state, due or not), counted
-as "heal" traffic, so they rejoin at once.
+A component the engine (:class:`~mtdao.sync.engine.LocalUpdateSync`) owns: given the tensors a
+worker holds (parameters, optimizer states, error-feedback residuals) and the communicator, with
+``on_non_finite="raise"`` the error names worker, tensor and step; with ``"skip"`` the offending
+workers are left out of the round and take the others' average of every tensor they hold
+(parameters and every state, due or not), counted as "heal" traffic, so they rejoin at once. It
+writes nothing: what it finds goes into the round's :class:`~mtdao.sync.rounds.CheckedRound`,
+which the engine records (and so applies) only when the round commits.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
-from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.communicator import Communicator
+from mtdao.sync.compression import PseudoGradients
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS
 from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound
 
@@ -30,38 +35,43 @@ class NonFiniteError(FloatingPointError):
 
 
 class NonFiniteWorkers:
-    """Leaving out and healing workers that hold NaN/inf (see the module docstring)."""
+    """Finding, leaving out and healing the workers that hold NaN/inf (see the module
+    docstring): ``params`` named by ``names``, their states in ``optimizer``, the residuals of
+    ``feedback`` (None: no error feedback), averaged over ``communicator``."""
 
-    params: list[Tensor]
-    param_names: dict[int, str]
-    optimizer: Any
-    communicator: Any
-    on_non_finite: str
-    step_count: int
-    layout: WorkerLayout
-    plan: Any
+    def __init__(
+        self,
+        on_non_finite: str,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        optimizer: Optimizer,
+        communicator: Communicator,
+        feedback: PseudoGradients | None,
+    ) -> None:
+        if on_non_finite not in NON_FINITE_ACTIONS:
+            raise ValueError(
+                f"Invalid on_non_finite: {on_non_finite!r} (choose from {NON_FINITE_ACTIONS})"
+            )
+        self.on_non_finite = on_non_finite
+        self.params, self.names = list(params), list(names)
+        self.optimizer, self.communicator, self.feedback = optimizer, communicator, feedback
+        self.layout = communicator.layout
 
-    def _record(self, checked: CheckedRound) -> None:
-        raise NotImplementedError
-
-    def _held(self, step: int) -> SyncRound:
+    def held(self, step: int) -> SyncRound:
         """Everything a worker holds its own copy of: its parameters, every parameter-shaped
         optimizer state (whether the policy averages it or keeps it local) and its error-feedback
         residuals (searched, never averaged: a healed worker's are reset)."""
         held = SyncRound(step, [], [], [])
-        for p in self.params:
-            name = self.param_names[id(p)]
+        for p, name in zip(self.params, self.names):
             for key, value in [("params", p), *self._worker_states(p)]:
                 held.tensors.append(value)
                 held.kinds.append(key)
                 held.names.append(name if key == "params" else f"{key} of {name}")
-        feedback = self.plan.pseudo_gradients
-        for index, residual in sorted(feedback.residuals.items()) if feedback else []:
+        residuals = sorted(self.feedback.residuals.items()) if self.feedback else []
+        for index, residual in residuals:
             held.tensors.append(residual)
             held.kinds.append(RESIDUAL)
-            held.names.append(
-                f"error-feedback residual of {self.param_names[id(self.params[index])]}"
-            )
+            held.names.append(f"error-feedback residual of {self.names[index]}")
         return held
 
     def _worker_states(self, p: Tensor) -> list[tuple[str, Tensor]]:
@@ -76,25 +86,23 @@ class NonFiniteWorkers:
         return found
 
     @torch.no_grad()
-    def heal_non_finite_workers(self) -> list[int]:
-        """Heal now every worker holding NaN/inf anywhere (``on_non_finite='skip'``): it takes
-        the others' average of everything it holds. Returns the workers healed. Between rounds a
-        worker left out stays non-finite; this makes the state finite, e.g. before a checkpoint."""
-        held = self._held(self.step_count)
+    def heal_now(self, step: int) -> CheckedRound | None:
+        """Every worker holding NaN/inf anywhere (``on_non_finite='skip'``), healed with the
+        others' average of everything it holds, as a round to record; None when there is none."""
+        held = self.held(step)
         offenders = self.layout.first_non_finite(held.tensors)
         if not offenders:
-            return []
-        excluded, skipped = self._workers_to_leave_out(held, offenders)
+            return None
+        excluded, skipped = self.leave_out(held, offenders)
         checked = CheckedRound([], [], skipped)
-        self._heal(checked, excluded, self.step_count, skip=set())
-        self._record(checked)
-        return excluded
+        self.heal(checked, excluded, step, skip=set())
+        return checked
 
-    def _heal(self, checked: CheckedRound, workers: list[int], step: int, skip: set[int]) -> None:
+    def heal(self, checked: CheckedRound, workers: list[int], step: int, skip: set[int]) -> None:
         """Average, over the others, every tensor ``workers`` hold but those in ``skip`` (ids of
         the tensors the round already averaged): every worker takes part in the collective; only
         ``workers`` are overwritten, when ``checked`` is recorded."""
-        held = self._held(step)
+        held = self.held(step)
         kept = zip(held.tensors, held.kinds)
         tensors = [t for t, kind in kept if id(t) not in skip and kind != RESIDUAL]
         if not tensors:  # the round gave them everything; their residuals are still reset
@@ -110,9 +118,11 @@ class NonFiniteWorkers:
         checked.events.append(SyncEvent(step, ["heal"], result.bytes, result.collectives))
         checked.skipped["healed_tensors"] = len(tensors)
 
-    def _workers_to_leave_out(
+    def leave_out(
         self, due: SyncRound, offenders: dict | None = None
     ) -> tuple[list[int], dict[str, Any]]:
+        """(the workers to leave out of ``due``'s round, the record of it); raises with
+        ``on_non_finite='raise'``, or when no worker would be left."""
         offenders = self.layout.first_non_finite(due.tensors) if offenders is None else offenders
         if not offenders:
             raise NonFiniteError(

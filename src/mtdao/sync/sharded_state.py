@@ -13,22 +13,29 @@ Bytes sent per process (``Traffic.process_bytes``) differ between a worker's pro
 their shards' sizes; the plain part keeps every process's count. A run resumed with another number
 of shards counts each process's earlier bytes as its share of the worker's.
 
-The engine (:class:`~mtdao.sync.engine.LocalUpdateSync`) takes these methods from
-:class:`ShardedEngineState`, so that whoever checkpoints it asks the engine for its state and never
-walks its rounds, plan or residuals.
+The engine (:class:`~mtdao.sync.engine.LocalUpdateSync`) owns a :class:`ShardedEngineState` and
+hands it its state, its anchors, outer step and rounds in flight
+(``sharded_state_dict``, ``sharded_layout``, ``load_sharded_state_dict``), so that whoever
+checkpoints the engine asks it for its state and never walks its rounds, plan or residuals.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from mtdao.sync.dtensors import local_shard, process_share, shard_like
-from mtdao.sync.rounds import SyncRound
+from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.outer import NesterovOuterStep
+from mtdao.sync.rounds import Round, SyncRound
+
+if TYPE_CHECKING:
+    from mtdao.sync.round_plan import RoundPlan
 
 ROUND_TENSORS = ("sent", "snapshots", "averages")
 GLOBAL_TENSORS = ("anchors", "outer")
@@ -36,43 +43,51 @@ GLOBAL_TENSORS = ("anchors", "outer")
 
 
 class ShardedEngineState:
-    """The sharded form of the engine's state (a mixin of ``LocalUpdateSync``: it uses the
-    engine's parameters, names, anchors, outer step, plan, rounds in flight and layout)."""
+    """The sharded form of one engine's state: ``params`` named by ``names``, the rounds that
+    ``plan`` forms, each process's shards as ``layout`` lays them out."""
 
-    params: list[Tensor]
-    param_names: dict[int, str]
-    anchors: list[Tensor]
-    outer: Any
-    plan: Any
-    pending: Any
-    layout: Any
-    traffic: Any
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        plan: RoundPlan,
+        layout: WorkerLayout,
+    ) -> None:
+        self.params, self.names = list(params), list(names)
+        self.plan, self.layout = plan, layout
 
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(the engine's sharded tensors as DTensors, for DCP; the rest of its ``state_dict``,
-        plain, for the worker's file). A collective over the worker's shard group (every process
-        of the worker calls it): the plain part holds every process's bytes sent."""
-        plain = self.state_dict()
+    def split(
+        self,
+        plain: dict[str, Any],
+        rounds: Sequence[Round],
+        anchors: Sequence[Tensor],
+        outer: NesterovOuterStep | None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the engine's sharded tensors as DTensors, for DCP; the rest of its ``state_dict``
+        ``plain`` (taken over), for the worker's file) given its ``rounds`` in flight (those of
+        ``plain``), ``anchors`` and ``outer`` step. A collective over the worker's shard group
+        (every process of the worker calls it): the plain part holds every process's bytes
+        sent."""
         for key in GLOBAL_TENSORS:
             plain.pop(key)
-        sharded = self._global_tensors()
-        sharded.update(self._split_rounds_and_residuals(plain))
-        plain["traffic"]["process_bytes"] = self._gather_process_bytes()
+        sharded = self._global_tensors(anchors, outer)
+        sharded.update(self._split_rounds_and_residuals(plain, rounds))
+        plain["traffic"]["process_bytes"] = self._gather_process_bytes(
+            plain["traffic"]["process_bytes"]
+        )
         return sharded, plain
 
-    def sharded_layout(self, plain: dict[str, Any] | None = None) -> dict[str, Any]:
-        """DTensors shaped as :meth:`sharded_state_dict` saved them, sharded as this engine
-        shards, for DCP to read into: the anchors and outer momentum (this engine's own tensors),
-        and, from ``plain`` (that call's plain part, as the worker file holds it), the rounds in
+    def layout_of(
+        self,
+        anchors: Sequence[Tensor],
+        outer: NesterovOuterStep | None,
+        plain: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """DTensors shaped as :meth:`split` saved them, sharded as this engine shards, for DCP
+        to read into: the ``anchors`` and ``outer`` momentum (the engine's own tensors), and,
+        from ``plain`` (that call's plain part, as the worker file holds it), the rounds in
         flight and the residuals. Without ``plain``: the tensors every such engine holds."""
-        names = self._names()
-        sharded = self._global_tensors()
+        sharded = self._global_tensors(anchors, outer)
         for index, saved in enumerate((plain or {}).get("pending", [])):
             due = self.plan.collect(saved["step"])
             sharded.setdefault("rounds", {})[str(index)] = {
@@ -83,51 +98,56 @@ class ShardedEngineState:
         residuals_of = ((plain or {}).get("pseudo_gradients") or {}).get("residuals_of")
         if residuals_of is not None:
             sharded["residuals"] = {
-                names[i]: shard_like(self.params[i], torch.zeros_like(local_shard(self.params[i])))
+                self.names[i]: shard_like(
+                    self.params[i], torch.zeros_like(local_shard(self.params[i]))
+                )
                 for i in residuals_of
             }
         return sharded
 
-    def load_sharded_state_dict(self, sharded: dict[str, Any], plain: dict[str, Any]) -> None:
-        """Load the state :meth:`sharded_state_dict` gave: ``sharded``, the DTensors DCP read into
-        (laid out by :meth:`sharded_layout` of ``plain``), and ``plain`` (left unchanged)."""
+    def join(
+        self, sharded: dict[str, Any], plain: dict[str, Any], has_outer: bool
+    ) -> dict[str, Any]:
+        """The engine's ``state_dict`` from what :meth:`split` gave: ``sharded``, the DTensors
+        DCP read into (laid out by :meth:`layout_of` of ``plain``), and ``plain`` (left
+        unchanged); ``has_outer``: whether the engine has an outer step."""
         state = copy.deepcopy(plain)
         self._join_rounds_and_residuals(state, sharded)
         traffic = state["traffic"]
         traffic["process_bytes"] = _process_bytes_of(
             traffic.get("process_bytes"), traffic["bytes"], self.layout, process_share(self.params)
         )
-        names = self._names()
-        state["anchors"] = [local_shard(sharded["anchors"][n]) for n in names]
+        state["anchors"] = [local_shard(sharded["anchors"][n]) for n in self.names]
         state["outer"] = None
-        if self.outer is not None:
+        if has_outer:
             momentum = sharded["outer_momentum"]
-            state["outer"] = {"momentum_buffers": [local_shard(momentum[n]) for n in names]}
-        self.load_state_dict(state)
+            state["outer"] = {"momentum_buffers": [local_shard(momentum[n]) for n in self.names]}
+        return state
 
     # -- the parts ----------------------------------------------------------------------------
 
-    def _names(self) -> list[str]:
-        return [self.param_names[id(p)] for p in self.params]
-
-    def _global_tensors(self) -> dict[str, Any]:
-        """The anchors and the outer momentum: this engine's own tensors, as DTensors by name."""
-        names = self._names()
+    def _global_tensors(
+        self, anchors: Sequence[Tensor], outer: NesterovOuterStep | None
+    ) -> dict[str, Any]:
+        """The anchors and the outer momentum: the engine's own tensors, as DTensors by name."""
+        names = self.names
         sharded: dict[str, Any] = {
-            "anchors": {n: shard_like(p, a) for n, p, a in zip(names, self.params, self.anchors)}
+            "anchors": {n: shard_like(p, a) for n, p, a in zip(names, self.params, anchors)}
         }
-        if self.outer is not None:
-            buffers = self.outer.momentum_buffers
+        if outer is not None:
+            buffers = outer.momentum_buffers
             sharded["outer_momentum"] = {
                 n: shard_like(p, b) for n, p, b in zip(names, self.params, buffers)
             }
         return sharded
 
-    def _split_rounds_and_residuals(self, plain: dict[str, Any]) -> dict[str, Any]:
+    def _split_rounds_and_residuals(
+        self, plain: dict[str, Any], rounds: Sequence[Round]
+    ) -> dict[str, Any]:
         """Move the per-shard tensors out of ``plain`` (changed in place: what stays is for the
         worker file); returns them as DTensors, for DCP."""
         sharded: dict[str, Any] = {}
-        rounds = zip(self.pending.rounds, plain["pending"], strict=True)
+        rounds = zip(rounds, plain["pending"], strict=True)
         for index, (pending, saved) in enumerate(rounds):
             # what a state sent is its snapshot: saved once
             pairs = zip(saved["sent"], saved["snapshots"])
@@ -143,7 +163,7 @@ class ShardedEngineState:
             saved["own_sent"] = own_sent
         residuals = (plain.get("pseudo_gradients") or {}).get("residuals")
         if residuals is not None:
-            names = self._names()
+            names = self.names
             sharded["residuals"] = {
                 names[int(i)]: shard_like(self.params[int(i)], r) for i, r in residuals.items()
             }
@@ -166,16 +186,16 @@ class ShardedEngineState:
             ]
         residuals_of = (state.get("pseudo_gradients") or {}).get("residuals_of")
         if residuals_of is not None:
-            names = self._names()
+            names = self.names
             residuals = sharded["residuals"]
             state["pseudo_gradients"] = {
                 "residuals": {str(i): local_shard(residuals[names[i]]) for i in residuals_of}
             }
 
-    def _gather_process_bytes(self) -> list[int | None]:
-        """Every process of this worker's ``Traffic.process_bytes`` (a collective over the
-        worker's shard group)."""
-        layout, mine = self.layout, self.traffic.process_bytes
+    def _gather_process_bytes(self, mine: int | None) -> list[int | None]:
+        """Every process of this worker's ``Traffic.process_bytes`` (``mine`` here; a
+        collective over the worker's shard group)."""
+        layout = self.layout
         if layout.num_shards == 1:  # a worker of one process: nothing to gather
             return [mine]
         device = local_shard(self.params[0]).device if self.params else torch.device("cpu")
