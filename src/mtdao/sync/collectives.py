@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch.distributed as dist
 from torch import Tensor
 
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.transport import GroupTransport, Transport, Work
+from mtdao.sync.transport import Transport, Work
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -83,14 +82,3 @@ class InFlightMean:
             for i, total in zip(chunk, work.wait()):
                 averages[i] = total.div_(len(self.counted)).view(self.shapes[i])
         return averages  # type: ignore[return-value]
-
-
-def all_reduce_mean(
-    tensors: Sequence[Tensor],
-    group: dist.ProcessGroup | None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    excluded: Sequence[int] = (),
-) -> tuple[list[Tensor], int]:
-    """Averages over the group's ranks not in ``excluded``; returns (averages, collectives)."""
-    in_flight = InFlightMean(tensors, GroupTransport(group, bucket_bytes), excluded)
-    return in_flight.wait(), in_flight.collectives

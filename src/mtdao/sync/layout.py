@@ -10,7 +10,9 @@
 Everything that depends on the layout but is not averaging goes through it: sizes per worker, a
 global copy of a tensor all workers hold identically, per-worker sums (gradient norms, alignment),
 gathering one scalar per worker (losses), locating the workers that hold a NaN, and the average
-model for evaluation. The gathers here are control traffic, left out of the traffic account.
+model for evaluation. A layout describes shapes; the few values it exchanges with other
+processes move through a :class:`~mtdao.sync.transport.Transport` (the communicator's), never
+through a collective of its own. They are control traffic, left out of the traffic account.
 A sharded tensor (DTensor) is seen through its local shard, its sizes are those of the whole.
 """
 
@@ -22,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, all_reduce_mean
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, InFlightMean
 from mtdao.sync.dtensors import local_shard, shard_group_ranks
+from mtdao.sync.transport import GroupTransport
 
 
 class WorkerLayout:
@@ -178,7 +181,9 @@ class StackedLayout(WorkerLayout):
 
 
 class ProcessGroupLayout(WorkerLayout):
-    """One worker per process of an initialized process group (``None``: the default group)."""
+    """One worker per process of an initialized process group (``None``: the default group),
+    reached through its :class:`~mtdao.sync.transport.GroupTransport` (``transport``, which the
+    communicator shares)."""
 
     def __init__(
         self, group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -190,8 +195,9 @@ class ProcessGroupLayout(WorkerLayout):
             )
         self.group = group
         self.bucket_bytes = bucket_bytes
-        self.num_workers = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.transport = GroupTransport(group, bucket_bytes)
+        self.num_workers = self.transport.num_workers
+        self.rank = self.transport.rank
 
     def worker_numel(self, tensor: Tensor) -> int:
         if shard_group_ranks(tensor) is not None:
@@ -205,9 +211,7 @@ class ProcessGroupLayout(WorkerLayout):
         value = values.reshape(1).to(
             torch.float64 if values.device.type == "cpu" else torch.float32
         )
-        gathered = [torch.zeros_like(value) for _ in range(self.num_workers)]
-        dist.all_gather(gathered, value, group=self.group)
-        return torch.cat(gathered)
+        return self.transport.gather(value).reshape(self.num_workers)
 
     def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
-        return all_reduce_mean(tensors, self.group, self.bucket_bytes, excluded)[0]
+        return InFlightMean(tensors, self.transport, excluded).wait()

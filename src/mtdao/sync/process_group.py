@@ -21,7 +21,6 @@ from mtdao.sync.communicator import Communicator
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import ProcessGroupLayout
 from mtdao.sync.sharded_layout import ShardedLayout
-from mtdao.sync.transport import GroupTransport
 
 
 class ProcessGroupWorkers(Communicator):
@@ -49,7 +48,7 @@ class ProcessGroupWorkers(Communicator):
         super().__init__(layout)
         self.group = group
         self.bucket_bytes = bucket_bytes
-        self.transport = GroupTransport(group, bucket_bytes)
+        self.transport = self.layout.transport  # the layout's control values travel on it too
 
     @property
     def alone(self) -> bool:

@@ -8,8 +8,9 @@ replicate group is averaging the whole tensor; the rounds, policies and events d
 
 What does change is everything that sums over a worker: a gradient norm, an alignment cosine, a
 worker's loss, whether a worker's values are finite. Those sum (or agree) over the shard group
-here, so that every process of a worker takes the same decision (clip by the same factor, leave
-the same worker out) and no process of a worker runs ahead of the others.
+here, through a :class:`~mtdao.sync.transport.GroupTransport` of it, so that every process of a
+worker takes the same decision (clip by the same factor, leave the same worker out) and no
+process of a worker runs ahead of the others.
 
 Sizes (``worker_numel``, ``worker_bytes``, and so the traffic account) are those of one worker's
 whole tensor: the bytes a worker sends per round are the sum over its S processes, each sending
@@ -29,6 +30,7 @@ from torch import Tensor
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 from mtdao.sync.dtensors import local_shard, shard_group_ranks, shard_numels
 from mtdao.sync.layout import ProcessGroupLayout, WorkerLayout
+from mtdao.sync.transport import GroupTransport
 
 
 class ShardGroupSums:
@@ -39,8 +41,9 @@ class ShardGroupSums:
 
     def _join_shard_group(self, shard_group: dist.ProcessGroup) -> None:
         self.shard_group = shard_group
-        self.num_shards = dist.get_world_size(shard_group)
-        self.shard_rank = dist.get_rank(shard_group)
+        self.shard_transport = GroupTransport(shard_group, float("inf"))
+        self.num_shards = self.shard_transport.num_workers
+        self.shard_rank = self.shard_transport.rank
         self._shard_ranks = dist.get_process_group_ranks(shard_group)
 
     def worker_numel(self, tensor: Tensor) -> int:
@@ -57,8 +60,11 @@ class ShardGroupSums:
         return shard_numels(tensor, self.num_shards)
 
     def _sum_over_shards(self, local_sums: Tensor) -> Tensor:
-        dist.all_reduce(local_sums, op=dist.ReduceOp.SUM, group=self.shard_group)
-        return local_sums
+        return self.shard_transport.sum(local_sums)
+
+    def gather_over_shards(self, value: Tensor) -> Tensor:
+        """This process's ``value`` from every process of its worker: ``[S, *value.shape]``."""
+        return self.shard_transport.gather(value)
 
     def per_worker_sum(self, tensor: Tensor) -> Tensor:
         return self._sum_over_shards(local_shard(tensor).sum().reshape(1))
@@ -79,8 +85,8 @@ class ShardGroupSums:
         none = len(tensors)
         first = next((i for i, t in enumerate(tensors) if not torch.isfinite(t).all()), none)
         device = tensors[0].device if tensors else torch.device("cpu")
-        first_in_worker = torch.tensor([first], dtype=torch.int64, device=device)
-        dist.all_reduce(first_in_worker, op=dist.ReduceOp.MIN, group=self.shard_group)
+        first_here = torch.tensor([first], dtype=torch.int64, device=device)
+        first_in_worker = self.gather_over_shards(first_here).min().reshape(1)
         per_worker = super().gather(first_in_worker.to(torch.float32))
         return {w: int(i) for w, i in enumerate(per_worker.tolist()) if i < none}
 
@@ -88,9 +94,10 @@ class ShardGroupSums:
         if not tensors:  # the processes of a worker hold the same tensors: all return here
             return True
         device = local_shard(tensors[0]).device
-        finite = torch.tensor([int(super().all_finite(tensors))], dtype=torch.int32, device=device)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.shard_group)
-        return bool(finite.item())
+        here = torch.tensor(
+            [int(not super().all_finite(tensors))], dtype=torch.int32, device=device
+        )
+        return not bool(self._sum_over_shards(here).item())
 
     @torch.no_grad()
     def clip_grad_norm_(self, grads: Sequence[Tensor], max_norm: float) -> Tensor:

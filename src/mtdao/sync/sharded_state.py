@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from mtdao.sync.dtensors import local_shard, process_share, shard_like
@@ -200,10 +199,7 @@ class ShardedEngineState:
             return [mine]
         device = local_shard(self.params[0]).device if self.params else torch.device("cpu")
         value = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=device)
-        gathered = torch.empty(layout.num_shards, dtype=torch.int64, device=device)
-        # all_gather_into_tensor warns (FutureWarning) in this torch; its successor where it exists
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(gathered, value, group=layout.shard_group)
+        gathered = layout.gather_over_shards(value).reshape(-1)
         return [None if b < 0 else int(b) for b in gathered.tolist()]
 
 

@@ -15,7 +15,11 @@ blocking), :class:`StackedTransport` (the simulator: tensors stacked along dim 0
 indexing), and the torchft Manager's (:mod:`mtdao.sync.torchft.transport`: collectives through
 the manager, whose quorum and commit decide a round). A transport also says who contributes to a
 round (:meth:`Transport.contributors`; the torchft one asks the others) and whether rounds may
-overlap in flight (:attr:`Transport.rounds_overlap`; a manager runs one quorum at a time).
+overlap in flight (:attr:`Transport.rounds_overlap`; a manager runs one quorum at a time). The
+worker layouts (:mod:`mtdao.sync.layout`) move their control values (a norm, a NaN verdict, one
+loss per worker) through the same transports, blocking (:meth:`Transport.sum`,
+:meth:`Transport.gather`): no module but this one and the torchft manager's runs a collective
+of a round.
 """
 
 from __future__ import annotations
@@ -102,6 +106,16 @@ class Transport:
     def all_gather(self, buffer: Tensor) -> Work:
         """``[R, ...]`` (each local worker's part) -> ``[M, ...]`` (every worker's part)."""
         raise NotImplementedError
+
+    def sum(self, value: Tensor) -> Tensor:
+        """This process's ``value`` summed over every worker, at once (control traffic: a
+        layout's norms, verdicts and sums)."""
+        every = range(self.num_workers)
+        return self.all_reduce_sum([value.reshape(1, -1)], every).wait()[0].view(value.shape)
+
+    def gather(self, value: Tensor) -> Tensor:
+        """This process's ``value`` from every worker, at once: ``[M, *value.shape]``."""
+        return self.all_gather(value.unsqueeze(0)).wait()[0]
 
 
 class StackedTransport(Transport):
