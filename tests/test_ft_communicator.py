@@ -79,7 +79,6 @@ class Replica:
         )
         self.communicator = torchft.ReplicaGroups(settings)
         self.sync = LocalUpdateSync(self.optimizer, policy, self.communicator, **engine)
-        self.communicator.track_state("engine", *torchft.engine_state(self.sync))
         self.rounds: dict[int, dict] = {}  # step -> the whole state after that committed round
         self.at_quorum: dict[int, dict] = {}  # step -> the whole state once its quorum formed
         self.starts: list = []
@@ -105,7 +104,7 @@ class Replica:
             self.communicator.shutdown()
 
     def step(self) -> None:
-        start = self.communicator.before_step(self.sync)
+        start = self.sync.prepare()
         if start is not None:
             self.starts.append((self.sync.step_count, start))
             self.at_quorum[self.sync.step_count] = self.state()

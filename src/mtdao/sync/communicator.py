@@ -28,9 +28,9 @@ tensor (:mod:`mtdao.sync.quantize`); quantized tensors travel as in :mod:`mtdao.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
@@ -41,6 +41,9 @@ from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.quantize import Codec
 from mtdao.sync.transport import Transport
 from mtdao.units import format_bytes
+
+if TYPE_CHECKING:
+    from mtdao.sync.trained_state import TrainedState
 
 
 @dataclass
@@ -120,6 +123,15 @@ class Traffic:
         self.process_bytes = state.get("process_bytes")
 
 
+class Stateful(Protocol):
+    """Anything whose state can be saved and restored: a module, an optimizer, a data loader's
+    position, an LR scheduler."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
 class RoundNotCommitted(RuntimeError):
     """A round that must be discarded (a peer failed during it): the engine applies none of it."""
 
@@ -178,6 +190,12 @@ class Communicator:
 
     layout: WorkerLayout
     transport: Transport
+    prepares_rounds = False
+    """Whether each round is prepared ahead, before the forward pass of the step that opens it
+    (a quorum of the live replicas): the engine then calls :meth:`prepare`."""
+    heals_joiners = False
+    """Whether a worker may join late and take a live one's trained state: the engine then
+    hands its state over (:meth:`attach_trained_state`)."""
 
     def __init__(self, layout: WorkerLayout) -> None:
         self.layout = layout
@@ -259,6 +277,18 @@ class Communicator:
 
     def broadcast_from_first(self, tensors: Sequence[Tensor]) -> None:
         """Make every worker start from worker 0's values (set-up traffic, uncounted)."""
+
+    def prepare(self, step: int, round_due: Callable[[int], bool], final: bool = False) -> Any:
+        """Called by the engine before step ``step``'s forward pass (``final``: once the last
+        step is taken, before the final round) when :attr:`prepares_rounds`, rounds in flight
+        settled first if they do not overlap. ``round_due(s)`` says whether step ``s`` opens a
+        round (for ``final``: whether the final round averages anything). Returns what the
+        communicator reports of it (None: nothing)."""
+        return None
+
+    def attach_trained_state(self, trained: TrainedState) -> None:
+        """Keep the engine's trained state, to hand a joining worker (when
+        :attr:`heals_joiners`)."""
 
     def commit(self) -> None:
         """Called once per round, after the engine has checked the averages and before it applies

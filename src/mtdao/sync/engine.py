@@ -35,12 +35,15 @@ change how a round travels, each in its own module the engine composes:
 They work on every communicator. One whose transport runs a single round at a time (a torchft
 manager: one quorum, one commit) settles the rounds in flight, landed and committed, before it
 opens the next (:meth:`LocalUpdateSync.settle_in_flight`); they are still applied at their own
-steps.
+steps. A communicator that prepares each round ahead (a quorum of fault-tolerant replicas) is
+handed the coming step and what is due then (:meth:`LocalUpdateSync.prepare`, which
+``attached()`` calls after every step); it never calls into the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -68,8 +71,11 @@ from mtdao.sync.rounds import (
     alignment,
 )
 from mtdao.sync.sharded_state import ShardedEngineState
+from mtdao.sync.trained_state import TrainedState
 
 __all__ = ["LocalUpdateSync", "NonFiniteError", "NON_FINITE_ACTIONS", "SyncEvent"]
+
+logger = logging.getLogger(__name__)
 
 
 class LocalUpdateSync:
@@ -112,6 +118,8 @@ class LocalUpdateSync:
         self.step_count = 0
         self.events: list[SyncEvent] = []
         self.skipped_rounds: list[dict[str, Any]] = []
+        self.discarded_rounds: list[dict[str, Any]] = []
+        """Rounds the communicator discarded inside ``attached()`` (step, reason)."""
         self.alignment: list[dict[str, Any]] = []
         self.seconds_syncing = 0.0
         """Wall-clock seconds this process spent in rounds (a measurement, not state)."""
@@ -151,6 +159,8 @@ class LocalUpdateSync:
                 else []
             )
         self.outer = NesterovOuterStep(policy.outer, self.anchors) if policy.outer else None
+        if self.communicator.heals_joiners:  # a worker joining late takes all this from a peer
+            self.communicator.attach_trained_state(TrainedState(self))
 
     @property
     def layout(self) -> WorkerLayout:
@@ -171,14 +181,58 @@ class LocalUpdateSync:
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[LocalUpdateSync]:
-        """Hook the engine into ``optimizer.step()`` for the duration of the block."""
+        """Hook the engine into ``optimizer.step()`` for the duration of the block.
+
+        A communicator that prepares its rounds ahead (fault-tolerant replicas: a quorum, where
+        a joining replica heals) is prepared on entry and after every step, so a plain loop
+        needs nothing more: loop while ``sync.step_count`` is below the run's steps (a healed
+        replica continues at its source's step). A round such a communicator discards after a
+        step is undone and recorded in ``discarded_rounds``; the loop goes on, each worker on
+        its own state. (A discarded gradient round, DDP, raises ``RoundNotCommitted`` out of
+        ``optimizer.step()``: the step is not taken.)"""
         pre = self.optimizer.register_step_pre_hook(lambda *_: self.before_optimizer_step())
-        post = self.optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
+        post = self.optimizer.register_step_post_hook(lambda *_: self._after_attached_step())
         try:
+            self._prepare_until_ready()
             yield self
         finally:
             pre.remove()
             post.remove()
+
+    def _after_attached_step(self) -> None:
+        try:
+            self.after_optimizer_step()
+        except RoundNotCommitted as failure:
+            self._note_discarded(failure)
+        self._prepare_until_ready()
+
+    def _prepare_until_ready(self) -> None:
+        """:meth:`prepare`, again while it discards what it settles (each retry forms a new
+        quorum, as a retried step would)."""
+        while True:
+            try:
+                self.prepare()
+                return
+            except RoundNotCommitted as failure:
+                self._note_discarded(failure)
+
+    def _note_discarded(self, failure: RoundNotCommitted) -> None:
+        self.discarded_rounds.append({"step": self.step_count, "reason": str(failure)})
+        logger.warning("step %d: %s; every worker keeps its own state", self.step_count, failure)
+
+    def prepare(self) -> Any:
+        """Before the coming step's forward pass: let a communicator that prepares each round
+        ahead (:attr:`~mtdao.sync.communicator.Communicator.prepares_rounds`: a quorum of the
+        live replicas, where a joining one heals) do it, having settled the rounds in flight
+        first when the communicator runs one round at a time and a round is due. Returns what
+        the communicator reports (a torchft quorum's ``RoundStart``; None: nothing). ``attached()``
+        calls it; a loop that calls :meth:`step` itself calls it before each forward pass."""
+        if not self.communicator.prepares_rounds:
+            return None
+        coming = self.step_count + 1
+        if not self.communicator.rounds_overlap and self.round_due(coming):
+            self.settle_in_flight()  # its commit in its own quorum, before the next one forms
+        return self.communicator.prepare(coming, self.round_due)
 
     def register_gradient_hook(self, hook: Callable[[], Any]) -> RemovableHandle:
         """Call ``hook()`` once the gradients are final (averaged, for DDP), before the step.

@@ -10,13 +10,15 @@ tensors as DTensors: :meth:`~mtdao.sync.sharded_state.ShardedEngineState.sharded
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.engine import LocalUpdateSync
+
+if TYPE_CHECKING:
+    from mtdao.sync.engine import LocalUpdateSync
 
 
 class TrainedState:

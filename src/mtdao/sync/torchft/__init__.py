@@ -5,13 +5,16 @@ engine: one process, or several sharding it with FSDP2 (``shard_group``, see :mo
 torchft lighthouse keeps track of the live replicas; each replica has a torchft ``Manager`` (one
 per process). A round runs in three parts:
 
-1. :meth:`ReplicaGroups.before_step`, before the forward pass of every step: when this replica
-   has not joined yet, or a round is due at the coming step (the engine's ``round_due``), a quorum
-   of the live replicas, a new process group when the membership changed, and, for a replica
-   that is new or missed a commit, a heal: it receives a live peer's state (everything registered
-   with :meth:`track_state`) and continues as that peer's copy from before the step, so its own
-   step is a real one. A quorum with no round behind it (the first one, when nothing is due at
-   step 1) is closed by an empty round, once every healing replica holds its state;
+1. :meth:`ReplicaGroups.prepare`, which the engine calls before the forward pass of every step
+   (:meth:`~mtdao.sync.engine.LocalUpdateSync.prepare`; ``attached()`` does it after each step),
+   handing it the coming step and a ``round_due`` callable: when this replica has not joined
+   yet, or a round is due at the coming step, a quorum of the live replicas
+   (:class:`~.quorum.Quorum`), a new process group when the membership changed, and, for a
+   replica that is new or missed a commit, a heal: it receives a live peer's state (the engine's
+   trained state, and everything registered with :meth:`ReplicaGroups.track_state`) and
+   continues as that peer's copy from before the step, so its own step is a real one. A quorum
+   with no round behind it (the first one, when nothing is due at step 1) is closed by an empty
+   round, once every healing replica holds its state;
 2. :meth:`ReplicaGroups.average`: the due tensors, encoded as on any communicator (float32
    buckets, or a codec's exchange) and moved by :class:`~.transport.ManagerTransport` through the
    manager (the replicas first agree on who contributes); delayed, fragmented and quantized
@@ -35,23 +38,18 @@ alike, since each opens at a quorum); healed state travels signed and without pi
 server behind a front that refuses its unauthenticated ``Kill`` call (:mod:`.manager_front`).
 See docs/security.md.
 
-Modules: :mod:`.replicas` (the communicator and its layout), :mod:`.transport` (the round's
-collectives through the manager), :mod:`.connection` (its manager, and the lighthouse going and
+Modules: :mod:`.replicas` (the communicator), :mod:`.quorum` (the manager and its current
+quorum), :mod:`.transport` (the round's collectives in that quorum), :mod:`.layouts` (a
+replica's layout), :mod:`.connection` (its manager, and the lighthouse going and
 coming back), :mod:`.healing` (the state a healing replica receives), :mod:`.shards` (replicas of
 several processes), :mod:`.manager_front` (the manager server behind its front),
 :mod:`.plumbing` (what is added to torchft's process group and store, and the lighthouse).
 """
 
 from mtdao.sync.torchft.healing import engine_state
+from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.sync.torchft.plumbing import QuorumError, ReplicaRefused, start_lighthouse
-from mtdao.sync.torchft.replicas import (
-    Heal,
-    ReplicaGroups,
-    ReplicaLayout,
-    ReplicaSettings,
-    RoundStart,
-    ShardedReplicaLayout,
-)
+from mtdao.sync.torchft.replicas import Heal, ReplicaGroups, ReplicaSettings, RoundStart
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
 __all__ = [

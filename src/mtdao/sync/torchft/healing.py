@@ -8,15 +8,17 @@ check that the peer's parameters are this replica's before anything is overwritt
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from mtdao.sync.dtensors import local_shard, shard_like
-from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.torchft.plumbing import ReplicaRefused
 from mtdao.sync.trained_state import TrainedState
+
+if TYPE_CHECKING:
+    from mtdao.sync.engine import LocalUpdateSync
 
 LOCAL_SHARD = "mtdao.local_shard"
 """An optimizer state that is sharded (a DTensor) where it was sent travels as
@@ -25,23 +27,26 @@ the same process of another replica of the same shape, makes it a DTensor like i
 again."""
 
 
-def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[dict], None]]:
-    """What a healing replica needs from a live peer to carry on as its copy: the trained state
-    (:class:`~mtdao.sync.trained_state.TrainedState`: the parameters, every optimizer state and
-    the engine's state: step, anchors, outer momentum, rounds), as the sender's process holds it.
+class HealedState:
+    """What a healing replica needs from a live peer to carry on as its copy: the ``trained``
+    state (:class:`~mtdao.sync.trained_state.TrainedState`: the parameters, every optimizer state
+    and the engine's state: step, anchors, outer momentum, rounds), as the sender's process
+    holds it.
 
     The state is copied to CPU when a peer asks for it: the sender goes on training while the
     receiver fetches it. A process of a sharded replica sends its shards, to the process holding
     the same shards in the healing replica.
     """
-    trained = TrainedState(sync)
 
-    def state_dict() -> dict:
-        return _portable(trained.state_dict())
+    def __init__(self, trained: TrainedState) -> None:
+        self.trained = trained
+
+    def state_dict(self) -> dict:
+        return _portable(self.trained.state_dict())
 
     @torch.no_grad()
-    def load_state_dict(state: dict) -> None:
-        shapes, params = trained.shapes(), state["params"]
+    def load_state_dict(self, state: dict) -> None:
+        shapes, params = self.trained.shapes(), state["params"]
         received = (
             {n: tuple(p.shape) for n, p in params.items()} if isinstance(params, dict) else {}
         )
@@ -50,14 +55,19 @@ def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[d
                 f"the peer's model has parameter shapes {received}, this replica's {shapes}"
             )
         for index, param_state in state["optimizer"]["state"].items():
-            param = sync.params[index]
+            param = self.trained.sync.params[index]
             for key, value in param_state.items():
                 if isinstance(value, dict) and LOCAL_SHARD in value:
                     shard = value[LOCAL_SHARD].to(local_shard(param).device)
                     param_state[key] = shard_like(param, shard)
-        trained.load_state_dict(state)
+        self.trained.load_state_dict(state)
 
-    return state_dict, load_state_dict
+
+def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[dict], None]]:
+    """(state_dict, load_state_dict) of the state a healing replica receives for ``sync``
+    (:class:`HealedState`): what a fault drill copies and puts back."""
+    healed = HealedState(TrainedState(sync))
+    return healed.state_dict, healed.load_state_dict
 
 
 def _portable(value: Any) -> Any:

@@ -1,5 +1,5 @@
-"""The communicator of a fault-tolerant replica, and its layout (see the package docstring for
-the round protocol)."""
+"""The communicator of a fault-tolerant replica (see the package docstring for the round
+protocol)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torchft import Manager
 
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, InFlightMean
-from mtdao.sync.communicator import Communicator, RoundNotCommitted
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
+from mtdao.sync.communicator import Communicator, Stateful
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.layout import WorkerLayout
-from mtdao.sync.sharded_layout import ShardGroupSums
 from mtdao.sync.torchft import connection, round_identity
 from mtdao.sync.torchft.auth import NO_TOKEN, RunKey
+from mtdao.sync.torchft.healing import HealedState
+from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.sync.torchft.plumbing import (
     MembershipGloo,
     QuorumError,
@@ -28,12 +28,13 @@ from mtdao.sync.torchft.plumbing import (
     first_line,
     listening_store,
 )
+from mtdao.sync.torchft.quorum import Quorum
 from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host
 from mtdao.sync.torchft.shards import ReplicaProcesses
 from mtdao.sync.torchft.transport import ManagerTransport
 
 if TYPE_CHECKING:
-    from mtdao.sync.engine import LocalUpdateSync
+    from mtdao.sync.trained_state import TrainedState
 
 
 @dataclass(frozen=True)
@@ -88,46 +89,9 @@ class RoundStart:
     """Why this replica sits out this round and heals at the next (None: it takes part)."""
 
 
-class ReplicaLayout(WorkerLayout):
-    """This replica among the replicas of the current quorum; its gathers go through the manager
-    and belong to the round in progress (a failure discards the round)."""
-
-    def __init__(self, communicator: ReplicaGroups) -> None:
-        self.communicator = communicator
-
-    @property
-    def num_workers(self) -> int:  # type: ignore[override]
-        return max(1, len(self.communicator.replicas))
-
-    @property
-    def rank(self) -> int:  # type: ignore[override]
-        return self.communicator.quorum_rank
-
-    def gather(self, values: Tensor) -> Tensor:
-        """Inside a round, every replica's value; between rounds (no coordination) this
-        replica's own, and NaN for the others."""
-        in_round = self.communicator.in_round
-        slots = torch.full((self.num_workers,), 0.0 if in_round else float("nan"))
-        slots = slots.to(dtype=torch.float64, device=values.device)
-        slots[self.rank] = values.reshape(()).to(torch.float64)
-        return self.communicator.sum_in_round(slots) if in_round else slots
-
-    def global_mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return InFlightMean(tensors, self.communicator.transport).wait()
-
-
-class ShardedReplicaLayout(ShardGroupSums, ReplicaLayout):
-    """A replica of ``shard_group``'s processes among the replicas of the current quorum: a sum
-    over a worker adds the replica's shards first (see :mod:`.shards`)."""
-
-    def __init__(self, communicator: ReplicaGroups, shard_group: dist.ProcessGroup) -> None:
-        super().__init__(communicator)
-        self._join_shard_group(shard_group)
-
-
 class ReplicaGroups(Communicator):
     """One replica group of a fault-tolerant run: a worker of the engine, averaging with whichever
-    replicas are alive in each round. See the module docstring for the round protocol.
+    replicas are alive in each round. See the package docstring for the round protocol.
 
     With ``shard_group``, the replica is that group of processes sharding its tensors (FSDP2),
     each averaging its shards with the same process of the other replicas (see :mod:`.shards`).
@@ -135,15 +99,12 @@ class ReplicaGroups(Communicator):
 
     layout: ReplicaLayout
     transport: ManagerTransport
+    prepares_rounds = True
+    heals_joiners = True
 
     def __init__(
         self, settings: ReplicaSettings, shard_group: dist.ProcessGroup | None = None
     ) -> None:
-        super().__init__(ReplicaLayout(self))
-        self.transport = ManagerTransport(self)
-        self.processes = ReplicaProcesses()
-        if shard_group is not None:
-            self.shard_over(shard_group)
         self.settings = settings
         self.replica_id = settings.replica_id
         self.process_group = MembershipGloo(
@@ -154,32 +115,53 @@ class ReplicaGroups(Communicator):
             proof_wait_s=settings.connect_timeout,
         )
         self.process_group.config_digest = settings.config_digest
-        self.manager: Manager | None = None
-        self._tracked: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
-        self.track_state("replica", self._identity, self._note_source)
-        self._round_open = False
+        self.quorum = Quorum(self.process_group, ReplicaProcesses())
+        transport = ManagerTransport(self.quorum, settings.bucket_bytes)
+        super().__init__(ReplicaLayout(self.quorum, transport))
+        self.transport = transport
+        if shard_group is not None:
+            self.shard_over(shard_group)
+        self._tracked: dict[str, Stateful] = {}
+        self.track_state("replica", _Identity(self))
         self._fresh = False  # healed at this round's quorum: ran none of its local steps
         self._heal: Heal | None = None
         self._joined = False
-        self._prepared_step: int | None = None  # the step whose round the last quorum opened
+        self._training_step = 0  # the engine's step before the coming one (a heal moves it)
+        self._final = False  # whether the open quorum is for the final round
         self._stale: str | None = None  # why this replica sits the open round out
         self._sitting_out: list[int] = []  # the replicas that do
         self._lighthouse_away: int | None = None  # the step whose quorum found it away
-        self.before_collective: Callable[[], None] | None = None
-        """Called before each blocking sum of a round (a fault drill holds a replica there)."""
         self.before_quorum: Callable[[], None] | None = None
         """Called before each quorum request (a fault drill learns that a joiner has asked)."""
 
+    @property
+    def manager(self) -> Manager | None:
+        return self.quorum.manager
+
+    @property
+    def before_collective(self) -> Callable[[], None] | None:
+        """Called before each blocking sum of a round (a fault drill holds a replica there)."""
+        return self.quorum.before_collective
+
+    @before_collective.setter
+    def before_collective(self, hook: Callable[[], None] | None) -> None:
+        self.quorum.before_collective = hook
+
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
-        self.processes = ReplicaProcesses(shard_group)
-        self.layout = ShardedReplicaLayout(self, shard_group)
+        self.quorum.processes = ReplicaProcesses(shard_group)
+        self.layout = ShardedReplicaLayout(self.quorum, self.transport, shard_group)
+
+    @property
+    def processes(self) -> ReplicaProcesses:
+        return self.quorum.processes
 
     def connect(self) -> None:
         """Announce this replica to the lighthouse (heartbeats start): call it once the replica
-        is ready to join, since a live replica that does not join holds up new quorums. In a
-        replica of several processes every process calls it; group rank 0 first starts the
-        replica's manager server and store, then the others connect to them."""
+        is ready to join, since a live replica that does not join holds up new quorums (the
+        first :meth:`prepare` does, if not called before). In a replica of several processes
+        every process calls it; group rank 0 first starts the replica's manager server and
+        store, then the others connect to them."""
         if self.processes.rank == 0:
             self._store = listening_store(self.settings.bind_host)
         failure = self._start_managers()
@@ -192,24 +174,25 @@ class ReplicaGroups(Communicator):
         timeout = timedelta(seconds=settings.collective_timeout)
         judge = self.process_group.judge_heal_source
         self.heal_transport = SignedHealTransport(settings.key, settings.bind_host, timeout, judge)
-        store, failure = None, None
+        store, failure, manager = None, None, None
         start = (settings, self.processes, self.process_group, self.heal_transport)
         if self.processes.rank == 0:
             store = (advertised_host(settings.bind_host), self._store.port)
-            self.manager, failure = connection.start_manager(*start, *store)
+            manager, failure = connection.start_manager(*start, *store)
         store, failure = self.processes.from_first((store, failure))
         if failure is None and self.processes.rank > 0:
-            self.manager, failure = connection.start_manager(*start, *store)
+            manager, failure = connection.start_manager(*start, *store)
         if failure is not None:
             self.heal_transport.shutdown(wait=False)
             return failure
+        self.quorum.manager = manager
         if self.processes.size > 1:
             address = f"{store[0]}:{store[1]}/mtdao"
             self.process_group.replica_store = create_store_client(address, timeout)
-        self.heal_transport.own_progress = self.manager.state_dict
-        for key, (state_dict, load_state_dict) in self._tracked.items():
-            self.manager.register_state_dict_fn(
-                key, connection.unless_kept(load_state_dict), state_dict
+        self.heal_transport.own_progress = manager.state_dict
+        for key, state in self._tracked.items():
+            manager.register_state_dict_fn(
+                key, connection.unless_kept(state.load_state_dict), state.state_dict
             )
         return None
 
@@ -224,6 +207,7 @@ class ReplicaGroups(Communicator):
         )
         if not self.processes.from_first(reachable):
             self._lighthouse_away = step
+            self.quorum.unreachable = self._unreachable()
             return False
         if self._lighthouse_away is None:
             return True
@@ -234,8 +218,14 @@ class ReplicaGroups(Communicator):
         failure = self._start_managers()
         if failure is None:
             self.manager.load_state_dict(commits)
-            self._lighthouse_away = None
+            self._lighthouse_away, self.quorum.unreachable = None, None
         return failure is None
+
+    def _unreachable(self) -> str:
+        return (
+            f"the lighthouse at {self.settings.lighthouse_url} is unreachable; training on "
+            "locally until it is back"
+        )
 
     def listeners(self) -> str:
         """Where this process serves (after :meth:`connect`)."""
@@ -247,7 +237,7 @@ class ReplicaGroups(Communicator):
     @property
     def replicas(self) -> list[int]:
         """The replica ids of the current quorum, in rank order."""
-        return self.process_group.quorum.replicas
+        return self.quorum.members
 
     @property
     def contributors(self) -> list[int]:
@@ -262,50 +252,71 @@ class ReplicaGroups(Communicator):
 
     @property
     def quorum_rank(self) -> int:
-        return self.process_group.quorum.rank
+        return self.quorum.rank
 
     @property
     def in_round(self) -> bool:
         """Whether a round is open (between its quorum and its commit)."""
-        return self._round_open
+        return self.quorum.open
 
-    def track_state(
-        self, key: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]
-    ) -> None:
-        """State a healing replica receives from a live peer, loaded in registration order
-        (before :meth:`connect`)."""
+    def track_state(self, key: str, state: Stateful) -> None:
+        """State a healing replica receives from a live peer (anything with ``state_dict`` and
+        ``load_state_dict``: a data loader's position, an LR scheduler, RNG), loaded in
+        registration order after this replica's identity and before the model (before
+        :meth:`connect`). The engine registers the trained state itself (key ``engine``)."""
         if self.manager is not None:
             raise RuntimeError("track_state() comes before connect()")
-        self._tracked[key] = (state_dict, load_state_dict)
+        if key in self._tracked:
+            raise ValueError(f"a state named {key!r} is tracked already")
+        self._tracked[key] = state
 
-    def before_step(self, sync: LocalUpdateSync) -> RoundStart | None:
-        """Call before each step's forward pass: a quorum when this replica has not joined yet or
-        a round opens at the coming step (None otherwise: no coordination between rounds). A
-        round still in flight (delayed) is settled first: the manager runs one quorum at a
-        time; it is still applied at its own step."""
-        coming = sync.step_count + 1
-        self.process_group.training_step = sync.step_count
-        if self._joined and (self._prepared_step == coming or not sync.round_due(coming)):
+    def attach_trained_state(self, trained: TrainedState) -> None:
+        self.track_state("engine", HealedState(trained))
+
+    def prepare(
+        self, step: int, round_due: Callable[[int], bool], final: bool = False
+    ) -> RoundStart | None:
+        """Before step ``step``'s forward pass (``final``: before the final round, once the
+        last step is taken; ``round_due`` then says whether it has anything to average): a
+        quorum when this replica has not joined yet or a round opens at ``step`` (None
+        otherwise: no coordination between rounds). The engine settled any round still in
+        flight (one quorum at a time). A heal here moves this replica to its source's step;
+        ``round_due`` says whether that step's round is due."""
+        self._training_step = step - 1
+        self.process_group.training_step = step - 1
+        if self._joined and self.quorum.prepared == step:  # formed already (after the last step)
+            if final and not round_due(step):  # a quorum no round follows: close it
+                self._empty_round()
+            self._final = final
             return None
-        sync.settle_in_flight()  # the manager runs one quorum at a time: commit the last first
-        if self._joined and not self._back_in_touch(coming):  # this round is skipped: train on
+        if self._joined and not (final or round_due(step)):
             return None
+        if final and not round_due(step):
+            return None
+        if self.manager is None:
+            self.connect()
+        if self._joined and not self._back_in_touch(step):  # this round is skipped: train on
+            return None
+        self._final = final
         try:
             start = self.start_round()
         except QuorumError:
             if not self._joined:
                 raise
-            self._lighthouse_away = coming  # the lighthouse went while this quorum waited
+            self._lighthouse_away = step  # the lighthouse went while this quorum waited
+            self.quorum.unreachable = self._unreachable()
             return None
-        if sync.step_count == 0:  # healed to the first step: no local step missed, it counts
+        if self._training_step == 0:  # healed to the first step: no local step missed, it counts
             self._fresh = False
-        self._prepared_step = sync.step_count + 1  # after a heal, the step its source takes next
-        self.transport.check()  # a group that did not form (a peer's gloo timed out): discarded
+        coming = self._training_step + 1  # after a heal, the step its source takes next
+        self.quorum.prepared = coming
+        self.process_group.training_step = self._training_step
+        self.quorum.check()  # a group that did not form (a peer's gloo timed out): discarded
         self._sitting_out, self._stale = round_identity.check(  # see round_identity
-            self.sum_in_round, self.replicas, self.quorum_rank, sync.step_count, self.settings
+            self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.settings
         )
         start.stale = self._stale
-        if not sync.round_due(self._prepared_step):
+        if not (self._final or round_due(coming)):
             self._empty_round()
         self._joined = True  # not before: a joiner whose first quorum failed asks again at once
         return start
@@ -313,7 +324,7 @@ class ReplicaGroups(Communicator):
     def _empty_round(self) -> None:
         """Commit a quorum that no round follows: the one-element sum completes only once every
         healing replica has loaded its state (the sources stop serving it at the commit)."""
-        self.sum_in_round(torch.zeros(1))
+        self.quorum.sum(torch.zeros(1))
         self.commit()
 
     def start_round(self) -> RoundStart:
@@ -342,7 +353,7 @@ class ReplicaGroups(Communicator):
             ) from None
         if self.process_group.refusal is not None:
             raise self.process_group.refusal
-        self._round_open = True
+        self.quorum.open = True
         seconds = time.perf_counter() - started
         received = self.heal_transport.received_bytes if self._heal is not None else 0
         received = self.processes.sum(received)  # a sharded replica: over its processes
@@ -359,13 +370,16 @@ class ReplicaGroups(Communicator):
             heal=self._heal,
         )
 
-    def _identity(self) -> dict[str, int]:
-        return {"replica_id": self.replica_id}
+    def _identity(self) -> dict[str, Any]:
+        """What a healing peer learns of this replica besides its state: who it is, the step it
+        is at and whether this quorum is for the final round."""
+        return {"replica_id": self.replica_id, "step": self._training_step, "final": self._final}
 
-    def _note_source(self, state: dict[str, int]) -> None:
+    def _note_source(self, state: dict[str, Any]) -> None:
         if self.process_group.refusal is not None:  # load nothing: this replica leaves
             raise self.process_group.refusal
         self._heal = Heal(source=int(state["replica_id"]), bytes=0, seconds=0.0)
+        self._training_step, self._final = int(state["step"]), bool(state["final"])
 
     # -- the round ---------------------------------------------------------------------------
 
@@ -380,50 +394,14 @@ class ReplicaGroups(Communicator):
             local_shard(tensor).copy_(value)  # a sharded tensor's average is its shard's
 
     def commit(self) -> None:
-        if not self._round_open:  # a round restored from a checkpoint: its quorum is gone
-            raise RoundNotCommitted("round discarded (its quorum ended before it committed)")
-        if self._stale is not None:  # it added nothing; it heals at the next quorum
-            self.fail(f"this replica sat the round out: {self._stale}")
-        self._round_open = False
-        if not self.manager.should_commit():
-            self._prepared_step = None
-            raise RoundNotCommitted(f"round discarded ({self.failure()})")
+        if self._stale is not None and self.quorum.open:  # it added nothing; it heals next
+            self.quorum.fail(f"this replica sat the round out: {self._stale}")
+        self.quorum.commit()
         self._fresh = False
-
-    def sum_in_round(self, flat: Tensor) -> Tensor:
-        """``flat`` summed over the quorum, through the manager; a failure discards the round."""
-        if self.before_collective is not None:
-            self.before_collective()
-        return self.transport.sum(flat)
 
     def forget_prepared_round(self) -> None:
         """The coming due step needs a quorum again (a replica whose state went back in time)."""
-        self._prepared_step = None
-
-    def fail(self, reason: str) -> None:
-        """Tell torchft the round failed (the next quorum rebuilds the group), then raise."""
-        self.manager.report_error(RuntimeError(reason))
-        self._round_open, self._prepared_step = False, None  # a retried step needs a new quorum
-        self.manager.should_commit()
-        raise RoundNotCommitted(f"round discarded ({reason})")
-
-    def failure(self) -> str:
-        error = self.manager.errored()
-        if error is None:
-            return "too few replicas"
-        return first_line(error.original_exception)
-
-    def require_round(self) -> None:
-        if self._lighthouse_away is not None:
-            raise RoundNotCommitted(
-                f"no round: the lighthouse at {self.settings.lighthouse_url} is unreachable; "
-                "training on locally until it is back"
-            )
-        if not self._round_open:
-            raise RuntimeError(
-                "no round in progress: call start_round() before a step whose round is due "
-                "(LocalUpdateSync.round_due), then let the engine average and commit"
-            )
+        self.quorum.prepared = None
 
     def broadcast_from_first(self, tensors: Sequence[Tensor]) -> None:
         """Nothing: the first quorum heals every replica from one of them (torchft's init sync)."""
@@ -434,3 +412,16 @@ class ReplicaGroups(Communicator):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
         self.process_group.abort(errored=False)  # peers in a round with us fail now, not later
+
+
+class _Identity:
+    """The replica's identity, tracked first: a healing replica learns its source from it."""
+
+    def __init__(self, replicas: ReplicaGroups) -> None:
+        self.replicas = replicas
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.replicas._identity()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.replicas._note_source(state)

@@ -127,10 +127,10 @@ class ReplicaDriver(LoopHooks):
         )
         self.replicas = self.torchft.ReplicaGroups(settings)
         self.is_main = process.rank == 0
+        # the config before the engine (which registers itself as it is built): a replica that
+        # differs is refused before its state is overwritten
+        self.replicas.track_state("config", SharedConfig(self))
         run = build_run(config, process, communicator=self.replicas, worker_index=config.replica_id)
-        # the config first: a replica that differs is refused before its state is overwritten
-        self.replicas.track_state("config", self._config_state, self._check_config)
-        self.replicas.track_state("engine", *self.torchft.engine_state(run.sync))
         self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id, self.is_main)
         for observer in OBSERVERS:
             observer.before_connect(run, self.replicas)
@@ -220,7 +220,7 @@ class ReplicaDriver(LoopHooks):
     def _prepare(self, run: Run) -> None:
         """A quorum when joining or when the coming step has a round (counted as sync time)."""
         started = time.perf_counter()
-        start = self.replicas.before_step(run.sync)
+        start = run.sync.prepare()
         if start is None:
             return
         elapsed = time.perf_counter() - started
@@ -294,6 +294,19 @@ class ReplicaDriver(LoopHooks):
     def _say(self, line: str) -> None:
         if self.is_main:
             say(self.config.replica_id, line)
+
+
+class SharedConfig:
+    """The config a healing replica checks against its source's (tracked state)."""
+
+    def __init__(self, driver: ReplicaDriver) -> None:
+        self.driver = driver
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.driver._config_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.driver._check_config(state)
 
 
 class ReplicaEvents:

@@ -1,0 +1,56 @@
+"""Where a fault-tolerant replica's copy lives: one worker among the replicas of the current
+quorum. Its few control values (a NaN verdict, alignment, one loss per replica) move through the
+quorum's transport inside a round; between rounds nothing is coordinated."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mtdao.sync.collectives import InFlightMean
+from mtdao.sync.layout import WorkerLayout
+from mtdao.sync.sharded_layout import ShardGroupSums
+from mtdao.sync.torchft.quorum import Quorum
+from mtdao.sync.torchft.transport import ManagerTransport
+
+
+class ReplicaLayout(WorkerLayout):
+    """This replica among the replicas of ``quorum``; its gathers go through ``transport`` and
+    belong to the round in progress (a failure discards the round)."""
+
+    def __init__(self, quorum: Quorum, transport: ManagerTransport) -> None:
+        self.quorum, self.transport = quorum, transport
+
+    @property
+    def num_workers(self) -> int:  # type: ignore[override]
+        return self.quorum.size
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.quorum.rank
+
+    def gather(self, values: Tensor) -> Tensor:
+        """Inside a round, every replica's value; between rounds (no coordination) this
+        replica's own, and NaN for the others."""
+        in_round = self.quorum.open
+        slots = torch.full((self.num_workers,), 0.0 if in_round else float("nan"))
+        slots = slots.to(dtype=torch.float64, device=values.device)
+        slots[self.rank] = values.reshape(()).to(torch.float64)
+        return self.transport.sum(slots) if in_round else slots
+
+    def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
+        return InFlightMean(tensors, self.transport, excluded).wait()
+
+
+class ShardedReplicaLayout(ShardGroupSums, ReplicaLayout):
+    """A replica of ``shard_group``'s processes among the replicas of the quorum: a sum over a
+    worker adds the replica's shards first (see :mod:`.shards`)."""
+
+    def __init__(
+        self, quorum: Quorum, transport: ManagerTransport, shard_group: dist.ProcessGroup
+    ) -> None:
+        super().__init__(quorum, transport)
+        self._join_shard_group(shard_group)

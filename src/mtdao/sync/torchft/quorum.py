@@ -1,0 +1,128 @@
+"""A replica's torchft Manager and its current quorum: what a round's collectives run in.
+
+The manager (replaced by a new one when the lighthouse comes back, :mod:`.connection`) forms a
+quorum of the live replicas and a process group of its members (:class:`~.plumbing.MembershipGloo`,
+which knows who they are); a round runs in it from the quorum to its commit. :class:`Quorum`
+holds both and says what a collective needs: whether a round is open, this replica's rank among
+the members, how to run a blocking sum, how to report a failure (the round is then discarded on
+every process of the replica, :class:`~.shards.ReplicaProcesses`) and whether the round commits.
+The transport (:class:`~.transport.ManagerTransport`) and the layouts
+(:mod:`.layouts`) take it; the communicator (:class:`~.replicas.ReplicaGroups`) forms and commits
+the quorums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch import Tensor
+from torchft import Manager
+
+from mtdao.sync.communicator import RoundNotCommitted
+from mtdao.sync.torchft.plumbing import MembershipGloo, first_line
+from mtdao.sync.torchft.shards import ReplicaProcesses
+
+
+class Quorum:
+    """This replica's manager (None until it connects) and the quorum it last formed, in
+    ``group`` (its members, in rank order), over this replica's ``processes``."""
+
+    def __init__(self, group: MembershipGloo, processes: ReplicaProcesses) -> None:
+        self.manager: Manager | None = None
+        self.group = group
+        self.processes = processes
+        self.open = False
+        """Whether a round is open: between its quorum and its commit."""
+        self.prepared: int | None = None
+        """The step whose round the open quorum was formed for (None: none, or it failed)."""
+        self.unreachable: str | None = None
+        """Why no quorum can form now (the lighthouse is away), or None."""
+        self.before_collective: Callable[[], None] | None = None
+        """Called before each blocking sum of a round (a fault drill holds a replica there)."""
+
+    @property
+    def members(self) -> list[int]:
+        """The replica ids of the quorum, in rank order."""
+        return self.group.quorum.replicas
+
+    @property
+    def size(self) -> int:
+        return max(1, len(self.members))
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the quorum."""
+        return self.group.quorum.rank
+
+    def require_open(self) -> None:
+        """Raise unless a round is open (a discard while the lighthouse is away)."""
+        if self.unreachable is not None:
+            raise RoundNotCommitted(f"no round: {self.unreachable}")
+        if not self.open:
+            raise RuntimeError(
+                "no round in progress: the engine prepares each round's quorum before the step "
+                "that opens it (LocalUpdateSync.prepare; attached() does it)"
+            )
+
+    def sum(self, flat: Tensor) -> Tensor:
+        """``flat`` summed over the quorum now, through the manager; a failure discards the
+        round."""
+        if self.before_collective is not None:
+            self.before_collective()
+        self.require_open()
+        work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
+        return ManagerWork(self, work, [flat]).wait()[0]
+
+    def check(self) -> None:
+        """Discard the round now if any collective of it failed (in any process of the
+        replica)."""
+        failure = self.failure() if self.manager.errored() is not None else None
+        failure = self.processes.first_failure(failure)  # every process of the replica stops
+        if failure is not None:
+            self.fail(failure)
+
+    def fail(self, reason: str) -> None:
+        """Tell torchft the round failed (the next quorum rebuilds the group), then raise."""
+        self.manager.report_error(RuntimeError(reason))
+        self.open, self.prepared = False, None  # a retried step needs a new quorum
+        self.manager.should_commit()
+        raise RoundNotCommitted(f"round discarded ({reason})")
+
+    def commit(self) -> None:
+        """torchft's ``should_commit``: raise ``RoundNotCommitted`` unless the round stands."""
+        if not self.open:  # a round restored from a checkpoint: its quorum is gone
+            raise RoundNotCommitted("round discarded (its quorum ended before it committed)")
+        self.open = False
+        if not self.manager.should_commit():
+            self.prepared = None
+            raise RoundNotCommitted(f"round discarded ({self.failure()})")
+
+    def failure(self) -> str:
+        error = self.manager.errored()
+        if error is None:
+            return "too few replicas"
+        return first_line(error.original_exception)
+
+
+class ManagerWork:
+    """A launched collective of a round: waiting reports a failure to the manager, then checks
+    the round (raising ``RoundNotCommitted`` when it failed)."""
+
+    def __init__(self, quorum: Quorum, work, outputs: list[Tensor], after=None):
+        self.quorum, self.work, self.outputs, self.after = quorum, work, outputs, after
+        self.done = False
+
+    def wait(self) -> list[Tensor]:
+        if self.done:
+            return self.outputs
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except Exception as error:
+                self.quorum.manager.report_error(error)
+        self.done = True
+        self.quorum.check()
+        if self.after is not None:
+            self.outputs, self.after = self.after(self.outputs), None
+        return self.outputs
