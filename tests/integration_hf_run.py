@@ -8,11 +8,18 @@ Each rank writes ``rank<r>.json`` into the directory given as the only argument:
 - ``resume_max_diff``: between a straight run and one resumed from a checkpoint taken mid-round,
   while the workers differ;
 - ``agree_mid_round`` / ``agree_after_sync``: whether the ranks hold the same parameters before
-  and after the last sync (under DDP they would agree at every step).
+  and after the last sync (under DDP they would agree at every step), without the final round;
+- ``agree_at_end_between_syncs``: whether they do at the end of a run stopped between syncs,
+  with the final round (the default);
+- ``eval_loss_mid_round``, ``averaged_model_loss``, ``own_model_loss``: ``trainer.evaluate()``
+  between syncs, the loss of the workers' average model and of this rank's own on the same
+  evaluation set, and ``params_kept_by_evaluate``: whether the evaluation gave each worker its
+  own parameters back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -30,6 +37,7 @@ SEQ_LEN, BATCH, PERIOD, LR = 16, 4, 4, 3e-3
 METHOD = LocalUpdates(
     method="mtdao", sync_period=PERIOD, betas=(0.99,), omegas=(0.9,), beta2=0.95, beta_warmup=0.0
 )
+LOCAL_MODELS = dataclasses.replace(METHOD, final_round=False)
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -79,12 +87,14 @@ def training_args(out: Path, steps: int, save_steps: int = 0) -> transformers.Tr
     )
 
 
-def trainer_run(out: Path, steps: int, save_steps: int = 0, resume: str | None = None):
+def trainer_run(
+    out: Path, steps: int, save_steps: int = 0, resume: str | None = None, method=LOCAL_MODELS
+):
     trainer = LocalUpdateTrainer(
         model=tiny_llama(),
         args=training_args(out, steps, save_steps),
         train_dataset=Blocks(256),
-        local_updates=METHOD,
+        local_updates=method,
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
@@ -110,6 +120,38 @@ def plain_loop(steps: int) -> torch.nn.Module:
     return model
 
 
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, data: Blocks) -> float:
+    """The mean over the blocks of each block's loss."""
+    losses = [model(input_ids=row[None], labels=row[None]).loss for row in data.tokens]
+    return torch.stack(losses).mean().item()
+
+
+@torch.no_grad()
+def averaged(model: torch.nn.Module) -> torch.nn.Module:
+    """A model holding the ranks' average of ``model``'s parameters."""
+    average = tiny_llama()
+    for mine, theirs in zip(average.parameters(), model.parameters()):
+        total = theirs.detach().clone()
+        dist.all_reduce(total)
+        mine.copy_(total / dist.get_world_size())
+    return average
+
+
+def evaluation_checks(trainer: LocalUpdateTrainer) -> dict[str, object]:
+    """``trainer.evaluate()`` while the workers differ, against the average's own loss."""
+    data = Blocks(32)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.evaluate(eval_dataset=data)
+    kept = all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before))
+    return {
+        "eval_loss_mid_round": metrics["eval_loss"],
+        "averaged_model_loss": mean_loss(averaged(trainer.model), data),
+        "own_model_loss": mean_loss(trainer.model, data),
+        "params_kept_by_evaluate": kept,
+    }
+
+
 def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
@@ -118,6 +160,7 @@ def main(out: Path) -> None:
     results: dict[str, object] = {}
     straight = trainer_run(out / "straight", 3 * PERIOD + 2, save_steps=2 * PERIOD + 2)
     results["agree_mid_round"] = workers_agree(straight.model)  # 2 local steps after a sync
+    results.update(evaluation_checks(straight))
     checkpoint = out / "straight" / f"checkpoint-{2 * PERIOD + 2}"
     resumed = trainer_run(out / "resumed", 3 * PERIOD + 2, resume=str(checkpoint))
     results["resume_max_diff"] = max_diff(straight.model, resumed.model)
@@ -126,6 +169,8 @@ def main(out: Path) -> None:
     results["agree_after_sync"] = workers_agree(synced.model)
     results["plain_loop_max_diff"] = max_diff(synced.model, plain_loop(3 * PERIOD))
     results["traffic_bytes"] = synced.sync.traffic.bytes
+    final = trainer_run(out / "final", 3 * PERIOD + 2, method=METHOD)
+    results["agree_at_end_between_syncs"] = workers_agree(final.model)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
 """A fault-tolerant run with no failure is the torchrun run, bit for bit, with every round option on:
 two ``mtdao train --fault-tolerant`` replicas and ``torchrun --nproc-per-node 2 -m mtdao train``
 with delayed, fragmented, int8 rounds and error feedback end with the same parameters, optimizer
-states, anchors, residuals and rounds in flight on every worker. (Both are the simulated workers
+states, anchors, residuals and rounds in flight on every worker (``--no-final-round``); with the
+final round, every worker and replica ends with one and the same model. (Both are the simulated workers
 bit for bit in what the rounds compute: tests/test_ft_communicator.py; a whole simulated run
 differs from real processes in the model's own arithmetic, to float tolerance:
 tests/test_train_torchrun.py.)
@@ -38,15 +39,14 @@ def final_state(run_dir: Path, rank: int) -> dict:
     return torch.load(step_dir / f"rank{rank}.pt", weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def runs(corpus_dir, tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("ft-torchrun")
+def train_both(corpus_dir, root: Path, final_round: bool) -> dict[str, list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    config = TrainConfig(data=str(corpus_dir), out=str(root / "torchrun"), **FLAGS)
+    flags = dict(FLAGS, final_round=final_round)
+    config = TrainConfig(data=str(corpus_dir), out=str(root / "torchrun"), **flags)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     argv += ["2", "-m", "mtdao", "train", *config_to_argv(config)]
     job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    flags = config_to_argv(TrainConfig(data=str(corpus_dir), **FLAGS))
+    flags = config_to_argv(TrainConfig(data=str(corpus_dir), **flags))
     with Drill(root / "ft", flags) as drill:
         drill.start_lighthouse(min_replicas=2)
         for replica in range(2):
@@ -62,6 +62,16 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, list[dict]]:
     }
 
 
+@pytest.fixture(scope="module")
+def runs(corpus_dir, tmp_path_factory) -> dict[str, list[dict]]:
+    return train_both(corpus_dir, tmp_path_factory.mktemp("ft-torchrun"), final_round=False)
+
+
+@pytest.fixture(scope="module")
+def final_runs(corpus_dir, tmp_path_factory) -> dict[str, list[dict]]:
+    return train_both(corpus_dir, tmp_path_factory.mktemp("ft-torchrun-final"), final_round=True)
+
+
 def test_fault_tolerant_replicas_are_the_torchrun_workers_bit_for_bit(runs):
     for worker, (real, replica) in enumerate(zip(runs["torchrun"], runs["fault-tolerant"])):
         assert real["step"] == replica["step"] == STEPS
@@ -73,3 +83,14 @@ def test_fault_tolerant_replicas_are_the_torchrun_workers_bit_for_bit(runs):
         assert real["sync"]["traffic"]["bytes"] == replica["sync"]["traffic"]["bytes"]
     first, second = (state["params"]["embed.weight"] for state in runs["torchrun"])
     assert not torch.equal(first, second)  # each worker keeps its own last D steps
+
+
+def test_with_the_final_round_every_worker_and_replica_ends_with_one_model(final_runs):
+    states = [*final_runs["torchrun"], *final_runs["fault-tolerant"]]
+    for worker, state in enumerate(states[1:], start=1):
+        assert state["step"] == STEPS
+        assert_same(states[0]["params"], state["params"], f"worker {worker} params")
+        assert_same(states[0]["optimizer"]["state"], state["optimizer"]["state"], "optimizer")
+        assert state["sync"]["pending"] == []  # the rounds in flight landed first
+        assert state["sync"]["events"] == states[0]["sync"]["events"]
+    assert states[0]["sync"]["events"][-1]["final"]

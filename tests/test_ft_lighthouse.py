@@ -171,16 +171,20 @@ def test_a_quorum_waiting_on_a_lighthouse_that_dies_fails_at_once(corpus_dir, tm
         assert drill.events("r0", "discarded")[-1]["step"] == steps, drill.tails()
 
 
+@pytest.mark.parametrize("final_round", [False, True], ids=["no final round", "final round"])
 def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(
-    corpus_dir, tmp_path
+    corpus_dir, tmp_path, final_round
 ):
     steps = 3 * K
-    with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
+    argv = flags(corpus_dir, steps) + ([] if final_round else ["--no-final-round"])
+    # the last step's round, then the final round (the lighthouse is away for both)
+    discarded = [steps, steps] if final_round else [steps]
+    with Drill(tmp_path / "drill", argv, join_timeout=10.0) as drill:
         kill_the_lighthouse_when_both_replicas_reach(drill, 2 * K)  # gone for the last round
         drill.gate(None)
         for name in ("r0", "r1"):
             assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
-            assert [e["step"] for e in drill.events(name, "discarded")] == [steps], drill.tails()
+            assert [e["step"] for e in drill.events(name, "discarded")] == discarded, drill.tails()
             records = [json.loads(line) for line in (drill.root / name / "metrics.jsonl").open()]
             evaluations = [r for r in records if "val_loss" in r]
             results = json.loads((drill.root / name / "results.json").read_text())

@@ -4,8 +4,10 @@ In one process: the optimizer and engine are the method's, the logs carry the tr
 continues bit for bit, bad settings are refused. Under torchrun with two gloo processes
 (tests/integration_hf_run.py and examples/hf_trainer.py): the Trainer run equals the README's
 plain loop over the same batches, a resume from a checkpoint taken mid-round (the workers differ)
-is exact, and the ranks differ between syncs (no DDP all-reduce) and agree after one; with four
-processes, two workers of two FSDP2 shards each train and agree after the final sync.
+is exact, and the ranks differ between syncs (no DDP all-reduce) and agree after one, a run stopped
+between syncs ends with one model (the final round) and ``evaluate()`` between syncs scores the
+workers' average; with four processes, two workers of two FSDP2 shards each train and agree
+after the final sync.
 """
 
 from __future__ import annotations
@@ -127,10 +129,10 @@ def torchrun_jobs(tmp_path_factory) -> dict:
     """Both torchrun jobs, started together (each mostly waits on start-up)."""
     root = tmp_path_factory.mktemp("hf-torchrun")
     checks = torchrun(Path(__file__).parent / "integration_hf_run.py", str(root / "checks"))
-    example = torchrun(
+    example = torchrun(  # stopped between syncs (24 of K = 16): the final round makes one model
         ROOT / "examples" / "hf_trainer.py",
         "--max-steps",
-        "32",
+        "24",
         "--sync-period",
         "16",
         "--chars",
@@ -187,6 +189,20 @@ def test_workers_drift_between_syncs_and_agree_after_one(torchrun_jobs):
     for rank in torchrun_jobs["ranks"]:
         assert rank["agree_mid_round"] is False
         assert rank["agree_after_sync"] is True
+
+
+@pytest.mark.slow
+def test_a_run_stopped_between_syncs_ends_with_one_model(torchrun_jobs):
+    for rank in torchrun_jobs["ranks"]:
+        assert rank["agree_at_end_between_syncs"] is True
+
+
+@pytest.mark.slow
+def test_evaluate_between_syncs_scores_the_global_model(torchrun_jobs):
+    for rank in torchrun_jobs["ranks"]:
+        assert rank["params_kept_by_evaluate"] is True
+        assert abs(rank["eval_loss_mid_round"] - rank["averaged_model_loss"]) < 1e-5
+        assert abs(rank["own_model_loss"] - rank["averaged_model_loss"]) > 1e-4  # they differ
 
 
 @pytest.mark.slow

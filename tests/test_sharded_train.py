@@ -58,8 +58,10 @@ FLAGS = dict(workers=2, shards=2, steps=8, sync_period=4, checkpoint_every=3, mo
 # evaluations at steps 2 and 6 too, in the middle of rounds: they must not change the training
 FLAGS.update(batch_size=4, seq_len=32, eval_every=2, eval_tokens=512, log_every=4)
 FLAGS.update(device="cpu", progress=False)
-# every round option: at the checkpoint of step 3 the round sent at step 2 is in flight
+# every round option: at the checkpoint of step 3 the round sent at step 2 is in flight; no final
+# round, so the runs end with one in flight too (what the last checkpoint must carry)
 OPTIONS = dict(sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedback=True)
+OPTIONS.update(final_round=False)
 
 
 # -- the processes ------------------------------------------------------------------------------

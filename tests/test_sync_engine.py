@@ -254,7 +254,7 @@ def test_torch_adamw_attached_with_identical_data_is_plain_adamw():
     sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(workers))
     reference = init_params()
     plain = torch.optim.AdamW(reference, lr=0.05, betas=(0.9, 0.999), weight_decay=0.1)
-    with sync.attached():
+    with sync.attached(final_round=False):  # the rounds the periods make, no more
         for step in range(steps):
             backward(params, [0] * workers, step, optimizer)
             optimizer.step()

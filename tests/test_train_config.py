@@ -404,7 +404,7 @@ def test_help_shows_every_default():
     without = [name for name, text in helps.items() if "(default: " not in text]
     # the alternative to --steps, whose default is shown; and the --no- switches, whose help says
     # what giving them does (tests/test_cli_help.py)
-    assert sorted(without) == ["bf16", "progress", "tokens", "track_alignment"]
+    assert sorted(without) == ["bf16", "final_round", "progress", "tokens", "track_alignment"]
     for name, default in [
         ("batch_size", "16"),
         ("seq_len", "64"),

@@ -57,6 +57,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mtdao.sync.communicator import Communicator, RoundNotCommitted, SingleWorker, Traffic
 from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.dtensors import local_shard
 from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError, NonFiniteWorkers
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
@@ -119,6 +120,9 @@ class LocalUpdateSync:
         self.events: list[SyncEvent] = []
         self.skipped_rounds: list[dict[str, Any]] = []
         self.discarded_rounds: list[dict[str, Any]] = []
+        self.in_sync: dict[tuple[str, int], int] = {}
+        """(kind, parameter index) -> the step at which a blocking round last assigned that
+        tensor on every worker (what the final round may leave out)."""
         """Rounds the communicator discarded inside ``attached()`` (step, reason)."""
         self.alignment: list[dict[str, Any]] = []
         self.seconds_syncing = 0.0
@@ -180,8 +184,10 @@ class LocalUpdateSync:
         return loss
 
     @contextlib.contextmanager
-    def attached(self) -> Iterator[LocalUpdateSync]:
-        """Hook the engine into ``optimizer.step()`` for the duration of the block.
+    def attached(self, final_round: bool = True) -> Iterator[LocalUpdateSync]:
+        """Hook the engine into ``optimizer.step()`` for the duration of the block; when the
+        block ends without an error, the final round (:meth:`finish`; ``final_round=False``
+        leaves each worker its own model).
 
         A communicator that prepares its rounds ahead (fault-tolerant replicas: a quorum, where
         a joining replica heals) is prepared on entry and after every step, so a plain loop
@@ -195,6 +201,11 @@ class LocalUpdateSync:
         try:
             self._prepare_until_ready()
             yield self
+            if final_round:
+                try:
+                    self.finish()
+                except RoundNotCommitted as failure:
+                    self._note_discarded(failure)
         finally:
             pre.remove()
             post.remove()
@@ -342,17 +353,83 @@ class LocalUpdateSync:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Apply every delayed round now (e.g. before using the model once training ends)."""
+        """Apply every delayed round now (e.g. before using the model once training ends); the
+        first discard is raised once every round has landed."""
+        discarded: RoundNotCommitted | None = None
         for pending in self.pending.pop_landing(None):
-            self._land(pending)
+            try:
+                self._land(pending)
+            except RoundNotCommitted as failure:
+                discarded = discarded or failure
+        if discarded is not None:
+            raise discarded
+
+    @torch.no_grad()
+    def finish(self) -> SyncEvent | None:
+        """The final round, once training ends: every worker then holds the same global model.
+
+        The rounds in flight land first (:meth:`flush`); then one blocking round averages every
+        tensor the policy averages (the parameters and every state with a period), whatever its
+        fragment, except those every worker holds alike already: the tensors a blocking round
+        assigned at this very step. Under an outer step (DiLoCo) the parameters take the plain
+        average: the outer step belongs to the syncs, and its anchor and momentum stay the last
+        sync's. A run whose last
+        step synced everything without delay sends nothing here, and nothing changes. With a
+        codec the final round is quantized like any other; a communicator that prepares its
+        rounds (a quorum of fault-tolerant replicas) prepares this one too, so replicas that
+        join at its quorum heal and end with the same model. Returns the round's event (None:
+        nothing was left to average); raises ``RoundNotCommitted`` if the communicator
+        discarded it (each worker then keeps its own model). ``attached()`` calls it when its
+        block ends without an error."""
+        started = time.perf_counter()
+        try:
+            self.flush()
+            due = self._final_due()
+            if self.communicator.prepares_rounds:  # (a heal there may bring another state)
+                self.communicator.prepare(self.step_count + 1, lambda _: bool(due.tensors), True)
+                due = self._final_due()
+            if not due.tensors:
+                return None
+            final = self._open(due, final=True)
+            self._land(final)
+            return final.event
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def averaged_parameters(self) -> Iterator[None]:
+        """Within the block every worker holds the workers' average of the parameters (control
+        traffic, not counted), its own coming back after: evaluating the global model between
+        syncs. A fault-tolerant replica, which coordinates nothing between rounds, keeps its
+        own (right after a parameter sync that is the global model)."""
+        if self.communicator.prepares_rounds or self.layout.num_workers == 1:
+            yield
+            return
+        with torch.no_grad():
+            own = [local_shard(p).detach().clone() for p in self.params]
+            for p, average in zip(self.params, self.layout.global_mean(self.params)):
+                local_shard(p).copy_(average)  # (a stacked tensor takes it in every row)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, mine in zip(self.params, own):
+                    local_shard(p).copy_(mine)
+
+    def _final_due(self) -> SyncRound:
+        step = self.step_count
+        return self.plan.collect_final(
+            step, lambda kind, index: self.in_sync.get((kind, index)) == step
+        )
 
     # -- one round: opened, in flight, landed, committed or discarded, applied -----------------
 
-    def _open(self, due: SyncRound) -> Round:
-        """Open the round: encode what is due and launch its collectives."""
-        opened = self.plan.open(due, self.anchors)
+    def _open(self, due: SyncRound, final: bool = False) -> Round:
+        """Open the round: encode what is due and launch its collectives (``final``: the final
+        round, blocking whatever the delay)."""
+        opened = self.plan.open(due, self.anchors, blocking=final)
         result, kinds = opened.result, list(dict.fromkeys(due.kinds))
-        opened.event = SyncEvent(due.step, kinds, result.bytes, result.collectives)
+        opened.event = SyncEvent(due.step, kinds, result.bytes, result.collectives, final)
         return opened
 
     def _settle(self, landing: Round) -> CheckedRound:
@@ -398,6 +475,9 @@ class LocalUpdateSync:
         if len(due.tensors) > num_params:
             self.plan.apply(landing, num_params, checked.averages[num_params:])
         landing.applied()
+        if landing.snapshots is None:  # assigned, not merged: every worker holds these alike
+            for kind, owner in zip(due.kinds, due.owners):
+                self.in_sync[(kind, owner)] = landing.land_step
 
     def _check(self, pending: Round, averages: list[Tensor], heal: bool = False) -> CheckedRound:
         """The round's averages, checked; a worker holding NaN/inf is either reported (nothing
@@ -440,7 +520,12 @@ class LocalUpdateSync:
     def _finish_parameter_sync(self, averages: list[Tensor], pending: Round) -> None:
         indices = pending.due.param_indices
         anchors = [self.anchors[i] for i in indices] if self.anchors else []
-        if self.outer is not None:
+        if self.outer is not None and pending.event is not None and pending.event.final:
+            # the final round of an outer-step policy: the plain average; the anchor and its
+            # momentum stay the last sync's, so a run continued from here takes its next outer
+            # step over the whole round
+            new_params = averages
+        elif self.outer is not None:
             self.outer.apply(anchors, averages, indices)
             new_params = anchors
         else:
@@ -478,6 +563,7 @@ class LocalUpdateSync:
             "skipped_rounds": list(self.skipped_rounds),
             "alignment": list(self.alignment),
             "pending": self._rounds_in_flight(),
+            "in_sync": [[kind, index, step] for (kind, index), step in self.in_sync.items()],
             "pseudo_gradients": self.plan.pseudo_gradients.state_dict()
             if self.plan.pseudo_gradients
             else None,
@@ -521,6 +607,9 @@ class LocalUpdateSync:
         self.events = [SyncEvent(**event) for event in state["events"]]
         self.skipped_rounds = list(state["skipped_rounds"])
         self.alignment = list(state["alignment"])
+        self.in_sync = {
+            (kind, int(index)): int(step) for kind, index, step in state.get("in_sync", [])
+        }
         self.pending = RoundsInFlight()
         for saved in state.get("pending", []):
             restored = self.plan.restore(saved)

@@ -19,7 +19,7 @@ residuals and averages are this process's shard of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from mtdao.sync.compression import PseudoGradients, SyncCodecs
 from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.fragments import FragmentSchedule
 from mtdao.sync.overlap import POSITIVE_STATE_KEYS, merge, merge_factor
-from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy, state_decays
+from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy, SyncRule, state_decays
 from mtdao.sync.quantize import check_supported
 from mtdao.sync.round_options import check_round_options
 from mtdao.sync.rounds import Round, SyncRound
@@ -82,41 +82,61 @@ class RoundPlan:
         """The round sent at ``step``: what is due D steps later (a delayed round lands where a
         blocking one would), the parameters of the fragments due, then their states in key order
         per parameter."""
-        due = SyncRound(step, [], [], [])
         lands = step + self.delay
+        return self._collect(
+            step, lambda kind, rule, index: self.fragments.is_due(rule, index, lands)
+        )
+
+    def collect_final(self, step: int, in_sync: Callable[[str, int], bool]) -> SyncRound:
+        """The final round after step ``step``: every tensor the policy averages (parameters
+        with a period, each state with one), whatever its fragment, but those ``in_sync(kind,
+        parameter index)`` says every worker holds alike already."""
+
+        def due(kind: str, rule: SyncRule, index: int) -> bool:
+            return rule.period is not None and not in_sync(kind, index)
+
+        return self._collect(step, due)
+
+    def _collect(self, step: int, is_due: Callable[[str, SyncRule, int], bool]) -> SyncRound:
+        """The parameters ``is_due(kind, rule, index)`` names, then their states in key order
+        per parameter."""
+        due = SyncRound(step, [], [], [])
         for index, p in enumerate(self.params):
-            if self.fragments.is_due(self.policy.params, index, lands):
+            if is_due("params", self.policy.params, index):
                 due.tensors.append(p)
                 due.kinds.append("params")
                 due.names.append(self.names[index])
                 due.param_indices.append(index)
+                due.owners.append(index)
         for index, p in enumerate(self.params):
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
                 if key in NON_AVERAGED_STATE_KEYS or not isinstance(value, Tensor):
                     continue
                 # 0-dim states are counters (NAdam's mu_product), except those of a 0-dim parameter
                 param_shaped = value.dim() > 0 or p.dim() == 0
-                rule = self.policy.state_rule(key)
-                if param_shaped and self.fragments.is_due(rule, index, lands):
+                if param_shaped and is_due(key, self.policy.state_rule(key), index):
                     due.tensors.append(value)
                     due.kinds.append(key)
                     due.names.append(f"{key} of {self.names[index]}")
+                    due.owners.append(index)
         return due
 
-    def open(self, due: SyncRound, anchors: Sequence[Tensor]) -> Round:
+    def open(self, due: SyncRound, anchors: Sequence[Tensor], blocking: bool = False) -> Round:
         """Open the round and launch it: encode what each tensor sends (of a sharded tensor,
         this process's shard: every value a round keeps is a local shard) in one communicator
         call. The error-feedback residuals it advances are kept in it, to put back if
-        discarded."""
+        discarded. ``blocking``: applied at its own step whatever the delay (the final
+        round)."""
+        delay = 0 if blocking else self.delay
         tensors = [local_shard(t) for t in due.tensors]
-        snapshots = [t.clone() for t in tensors] if self.delay else None
+        snapshots = [t.clone() for t in tensors] if delay else None
         sent = list(snapshots or tensors)
         residuals_before: dict[int, Tensor | None] = {}
         if self.pseudo_gradients is not None:
             for j, index in enumerate(due.param_indices):
                 residuals_before[index] = self.pseudo_gradients.residuals.get(index)
                 sent[j] = self.pseudo_gradients.payload(index, anchors[index], sent[j])
-        land, advance = due.step + self.delay, due.step + max(1, self.delay // 2)
+        land, advance = due.step + delay, due.step + max(1, delay // 2)
         opened = Round(due, sent, snapshots, land, advance, self.pseudo_gradients, residuals_before)
         try:
             opened.launch(self.average(due, sent))

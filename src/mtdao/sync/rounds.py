@@ -46,6 +46,8 @@ class SyncEvent:
     kinds: list[str]
     bytes: int
     collectives: int
+    final: bool = False
+    """The final round, after the last step (``LocalUpdateSync.finish``)."""
 
 
 @dataclass
@@ -58,6 +60,8 @@ class SyncRound:
     kinds: list[str]
     names: list[str]
     param_indices: list[int] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
+    """The index of the parameter each tensor belongs to (itself, or its state)."""
 
 
 @dataclass

@@ -41,7 +41,7 @@ EVALUATIONS_PER_RUN = 10
 # Fields that may differ between a run and its resumption; everything else must match.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "tokens", "out", "resume", "eval_every", "checkpoint_every", "log_every", "progress"}
-    | {"keep_checkpoints", "extend", "overwrite", "collective_timeout"}
+    | {"keep_checkpoints", "extend", "overwrite", "collective_timeout", "final_round"}
     | {"shards"}  # a sharded checkpoint loads into any number of shards per worker
     | {"lighthouse", "connect_timeout", "quorum_timeout", "bind_host", "auth_token_file"}
 )
@@ -85,6 +85,12 @@ class TrainConfig:
     e.g. top8; not for the second moment); parameters go as pseudo-gradients."""
     error_feedback: bool = False
     """Carry each worker's quantization error of the parameters into its next round."""
+    final_round: bool = _switch_off(
+        "--no-final-round", "Do not average at the end: each worker keeps its own model."
+    )
+    """When training ends, land the rounds in flight and average whatever is still apart, so
+    every worker (or replica) holds the same global model (nothing is sent when the last step
+    synced everything)."""
     betas: tuple[float, ...] | None = None
     """First-momentum decays, e.g. --betas 0.9 0.99."""
     omegas: tuple[float, ...] | None = None

@@ -90,8 +90,9 @@ def bytes_per_step(events: list[SyncEvent]) -> list[list[int]]:
 
 
 def steady_reduction(events: list[SyncEvent], traffic, steps: int) -> float | None:
-    """DDP's bytes over the bytes sent in the first ``steps`` steps (None if none were sent)."""
-    sent = sum(event.bytes for event in events if event.step <= steps)
+    """DDP's bytes over the bytes sent in the first ``steps`` steps, the final round left out
+    (None if none were sent)."""
+    sent = sum(event.bytes for event in events if event.step <= steps and not event.final)
     if not sent or traffic.ddp_bytes_per_step is None:
         return None
     return traffic.ddp_bytes_per_step * steps / sent

@@ -4,6 +4,7 @@ start   (startup.py) lock --out -> fresh, --overwrite, or --resume from the newe
 setup   (setup.py) resolved config -> data -> model -> workers -> optimizer -> policy -> engine
 loop    schedules -> batch -> per-worker losses -> backward -> sync.step() -> [evaluate, checkpoint]
         sync.step(): [average grads] -> clip (gradient hook) -> optimizer step -> [average due]
+        after the last step: the final round (sync.finish(); --no-final-round: none)
 finish  checkpoint (checkpoint/checkpointer.py, unless just saved) -> results.json (results.py) -> loss.png
 """
 
@@ -214,18 +215,22 @@ def loop(run: Run, outputs: Outputs, hooks: LoopHooks) -> None:
     throughput = Throughput()
     try:
         while run.step < run.total_steps:
-            rounds = len(run.sync.events)
+            rounds, losses = len(run.sync.events), None
             try:
                 hooks.before_step(run)
-                losses, elapsed = timed_step(run)
+                if run.step < run.total_steps:  # (a replica may heal to the end of the run)
+                    losses, elapsed = timed_step(run)
             except RoundNotCommitted as failure:  # undone; the step's local progress is kept
                 run.optimizer.zero_grad(set_to_none=True)
                 hooks.on_discarded(run, failure)
             else:
                 if len(run.sync.events) > rounds:
                     hooks.after_round(run)
-                throughput.add(hooks.tokens_per_step(run), elapsed)
-                record_losses(run, outputs, hooks, progress, losses, throughput)
+                if losses is not None:
+                    throughput.add(hooks.tokens_per_step(run), elapsed)
+                    record_losses(run, outputs, hooks, progress, losses, throughput)
+            if run.step == run.total_steps and config.final_round:
+                final_round(run, hooks)
             progress.update(run.step - progress.n)
             if run.step % config.eval_every == 0 or run.step == run.total_steps:
                 complete_transfers(run)
@@ -248,6 +253,24 @@ def record_losses(run: Run, outputs: Outputs, hooks: LoopHooks, progress, losses
     if should_log:
         loss = finite_mean(worker_losses)
         log_training(run, outputs.log, progress, loss, throughput.take())
+
+
+def final_round(run: Run, hooks: LoopHooks) -> None:
+    """One global model at the end (``sync.finish``: rounds in flight land, then what is still
+    apart is averaged; nothing is sent when the last step synced everything), before the last
+    evaluation and checkpoint; timed as training."""
+    started, rounds = time.perf_counter(), len(run.sync.events)
+    try:
+        run.sync.finish()
+    except RoundNotCommitted as failure:  # each worker keeps its own model
+        hooks.on_discarded(run, failure)
+    else:
+        if len(run.sync.events) > rounds:
+            hooks.after_round(run)
+    finally:
+        elapsed = time.perf_counter() - started
+        run.clock.train_s += elapsed
+        run.clock.sync_s += elapsed
 
 
 def complete_transfers(run: Run) -> None:

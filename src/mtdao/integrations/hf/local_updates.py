@@ -53,6 +53,9 @@ class LocalUpdates:
     """What crosses the link (fp32, bf16, fp8, int8; or KIND=DTYPE per kind)."""
     error_feedback: bool = False
     """Carry each worker's quantization error of the parameters into its next round."""
+    final_round: bool = True
+    """At the last step, land the rounds in flight and average what is still apart, so that
+    every worker ends with the same model (what ``save_model()`` writes)."""
     betas: tuple[float, ...] | None = None
     """First-momentum decays (default: the method's)."""
     omegas: tuple[float, ...] | None = None

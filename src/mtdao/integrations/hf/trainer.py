@@ -11,7 +11,10 @@ What the subclass changes, each in one method:
   worker, as in ``mtdao train``;
 - checkpoints (``_save_checkpoint``, ``_load_optimizer_and_scheduler``) add each process's own
   state to the Trainer's folder, so that resuming continues the run exactly;
-- the logs (``log``) carry the traffic account: bytes per worker, DDP's bytes, the reduction.
+- the logs (``log``) carry the traffic account: bytes per worker, DDP's bytes, the reduction;
+- ``evaluate`` scores the global model (the workers' average swapped in between syncs), and the
+  last step is followed by the final round (``LocalUpdates.final_round``), so ``save_model()``
+  after training writes the one global model.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class LocalUpdateTrainer(Trainer):
             self.optimizer = self.local_run.optimizer
             self._warmups = self.local_run.warmups(max(1, args.max_steps))
             self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
-            self.optimizer.register_step_post_hook(lambda *_: self.sync.after_optimizer_step())
+            self.optimizer.register_step_post_hook(lambda *_: self._after_step())
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -109,6 +112,23 @@ class LocalUpdateTrainer(Trainer):
         for warmup in self._warmups:
             warmup.apply(self.optimizer, step)
         self.sync.before_optimizer_step()
+
+    def _after_step(self) -> None:
+        self.sync.after_optimizer_step()
+        if self.local_updates.final_round and self.sync.step_count == self.state.max_steps:
+            self.sync.finish()  # before the last step's evaluation and checkpoint
+
+    def evaluate(self, *args, **kwargs):
+        """The Trainer's evaluation of the global model: between syncs the workers' average is
+        swapped into the model for it (each process scoring its share of the evaluation set),
+        and every worker's own parameters come back after."""
+        if self.local_run is None:
+            return super().evaluate(*args, **kwargs)
+        try:
+            with self.sync.averaged_parameters():
+                return super().evaluate(*args, **kwargs)
+        finally:
+            reshard(self.model)
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         model = super()._wrap_model(model, training, dataloader)
@@ -124,7 +144,7 @@ class LocalUpdateTrainer(Trainer):
 
     def train(self, *args, **kwargs):
         output = super().train(*args, **kwargs)
-        if self.local_run is not None:  # rounds still in flight land now (sync_delay > 0)
+        if self.local_run is not None:  # (without the final round) rounds in flight land now
             self.sync.flush()
         return output
 
@@ -163,3 +183,14 @@ class LocalUpdateTrainer(Trainer):
         if self.local_run is not None and "eval_loss" not in logs:
             logs = {**logs, **traffic_logs(self.sync.traffic)}
         super().log(logs, start_time)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the parameters an FSDP2 model keeps gathered after a forward pass (its root module
+    does): gathered during the evaluation, they would hold the average the next training step
+    computes with."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
