@@ -83,21 +83,20 @@ def test_a_sharded_replica_outside_torchrun_is_one_line(capsys, tmp_path):
     assert not (tmp_path / "run").exists()  # refused before any file
 
 
-class FakeTorchft:
-    """What the config check needs from mtdao.sync.torchft (no network)."""
-
-    class ReplicaRefused(ValueError):
-        pass
-
-
 def check(mine: TrainConfig, theirs: TrainConfig) -> None:
-    driver = fault_tolerant.ReplicaDriver(resolve(mine), FakeTorchft)
-    driver._check_config({"replica_id": 0, "config": resolve(theirs).to_dict()})
+    """What a joining replica (``mine``) checks of its source's config (``theirs``)."""
+    from mtdao.sync.torchft import SharedConfig
+
+    shared = fault_tolerant.shared_config
+    SharedConfig(mine.replica_id, shared(resolve(mine))).load_state_dict(
+        {"replica_id": 0, "config": shared(resolve(theirs))}
+    )
 
 
 def test_a_joining_replica_must_share_the_quorums_config():
+    torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
     mine = TrainConfig(**FT, steps=100, lr=0.01, sync_period=16)
-    with pytest.raises(FakeTorchft.ReplicaRefused) as refused:
+    with pytest.raises(torchft.ReplicaRefused) as refused:
         check(mine, TrainConfig(**{**FT, "replica_id": 0}, steps=100, sync_period=8))
     assert str(refused.value) == (
         "replica 1's config differs from the quorum's (replica 0): sync_period: 8 there, 16 "
@@ -141,3 +140,13 @@ def test_plain_runs_do_not_import_torchft(corpus_dir, tmp_path):
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_replica_without_a_lighthouse_is_one_line(monkeypatch):
+    torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+    monkeypatch.delenv("MTDAO_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError) as refused:
+        torchft.fault_tolerant_replica(0)
+    assert (
+        str(refused.value) == "no lighthouse: pass lighthouse='host:port' or set $MTDAO_LIGHTHOUSE"
+    )

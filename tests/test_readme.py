@@ -1,13 +1,15 @@
 """Every Python snippet of README.md and docs/*.md runs as written, each in a fresh interpreter.
 
 A snippet that joins a process group (it says it is launched by torchrun) gets what torchrun would
-set for a one-process job: RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT. Nothing else is
+set for a one-process job: RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT; one that joins a
+fault-tolerant run (it reads MTDAO_LIGHTHOUSE) gets a lighthouse there. Nothing else is
 substituted; the README keeps its sizes small so that this stays fast. A snippet launched with
 several processes (``--nproc-per-node N``) runs in N processes in tests/test_sharded_train.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -29,6 +31,17 @@ SNIPPETS = [
 ONE_PROCESS_SNIPPETS = [s for s in SNIPPETS if "--nproc-per-node" not in s]
 
 
+@contextlib.contextmanager
+def lighthouse():
+    """A torchft lighthouse in this process for one replica; yields its host:port."""
+    torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+    server = torchft.start_lighthouse("127.0.0.1:0", 1, join_timeout=1.0, heartbeat_timeout=1.0)
+    try:
+        yield server.address().split("://")[-1]
+    finally:
+        server.shutdown()
+
+
 def test_the_readme_has_python_snippets():
     assert re.search(r"```python\n", README.read_text())  # the plain PyTorch loop
     assert len(SNIPPETS) >= 4  # with docs/library.md's
@@ -43,14 +56,17 @@ def test_readme_snippet_runs_as_written(snippet, tmp_path):
         env.update(
             RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(unused_port())
         )
-    done = subprocess.run(
-        [sys.executable, "-c", snippet],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with contextlib.ExitStack() as stack:
+        if "MTDAO_LIGHTHOUSE" in snippet:
+            env["MTDAO_LIGHTHOUSE"] = stack.enter_context(lighthouse())
+        done = subprocess.run(
+            [sys.executable, "-c", snippet],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     if "sync.traffic" in snippet:
         assert "sent per worker" in done.stdout, done.stdout

@@ -3,7 +3,10 @@
 Each replica group holds a full copy of the model and optimizer and is one worker of the sync
 engine: one process, or several sharding it with FSDP2 (``shard_group``, see :mod:`.shards`). A
 torchft lighthouse keeps track of the live replicas; each replica has a torchft ``Manager`` (one
-per process). A round runs in three parts:
+per process). A loop gets a replica from :func:`fault_tolerant_replica` (:mod:`.joining`: the
+run's secret, bind host and the config every replica must share) and hands it to
+:class:`~mtdao.sync.engine.LocalUpdateSync` as its communicator; ``mtdao train --fault-tolerant``
+does the same. A round runs in three parts:
 
 1. :meth:`ReplicaGroups.prepare`, which the engine calls before the forward pass of every step
    (:meth:`~mtdao.sync.engine.LocalUpdateSync.prepare`; ``attached()`` does it after each step),
@@ -38,7 +41,7 @@ alike, since each opens at a quorum); healed state travels signed and without pi
 server behind a front that refuses its unauthenticated ``Kill`` call (:mod:`.manager_front`).
 See docs/security.md.
 
-Modules: :mod:`.replicas` (the communicator), :mod:`.quorum` (the manager and its current
+Modules: :mod:`.joining` (a replica of any loop), :mod:`.replicas` (the communicator), :mod:`.quorum` (the manager and its current
 quorum), :mod:`.transport` (the round's collectives in that quorum), :mod:`.layouts` (a
 replica's layout), :mod:`.connection` (its manager, and the lighthouse going and
 coming back), :mod:`.healing` (the state a healing replica receives), :mod:`.shards` (replicas of
@@ -47,12 +50,16 @@ several processes), :mod:`.manager_front` (the manager server behind its front),
 """
 
 from mtdao.sync.torchft.healing import engine_state
+from mtdao.sync.torchft.joining import SharedConfig, config_digest, fault_tolerant_replica
 from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.sync.torchft.plumbing import QuorumError, ReplicaRefused, start_lighthouse
 from mtdao.sync.torchft.replicas import Heal, ReplicaGroups, ReplicaSettings, RoundStart
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
 __all__ = [
+    "SharedConfig",
+    "config_digest",
+    "fault_tolerant_replica",
     "Heal",
     "QuorumError",
     "ReplicaGroups",

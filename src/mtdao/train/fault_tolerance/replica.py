@@ -22,7 +22,6 @@ was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON li
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import signal
 import threading
@@ -112,24 +111,17 @@ class ReplicaDriver(LoopHooks):
         """The replica's first process: it speaks, and writes the replica's records."""
 
     def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
-        from mtdao.sync.torchft.auth import read_token, run_key
-
-        key = run_key(read_token(config.auth_token_file), config.bind_host)
-        settings = self.torchft.ReplicaSettings(
-            replica_id=config.replica_id,
-            lighthouse=config.lighthouse,
+        self.replicas = self.torchft.fault_tolerant_replica(
+            config.replica_id,
+            config.lighthouse,
+            auth_token_file=config.auth_token_file,
+            bind_host=config.bind_host,
+            shared_config=shared_config(config),
             connect_timeout=config.connect_timeout,
             quorum_timeout=config.quorum_timeout,
             collective_timeout=config.collective_timeout,
-            bind_host=config.bind_host,
-            key=key,
-            config_digest=config_digest(config),
         )
-        self.replicas = self.torchft.ReplicaGroups(settings)
         self.is_main = process.rank == 0
-        # the config before the engine (which registers itself as it is built): a replica that
-        # differs is refused before its state is overwritten
-        self.replicas.track_state("config", SharedConfig(self))
         run = build_run(config, process, communicator=self.replicas, worker_index=config.replica_id)
         self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id, self.is_main)
         for observer in OBSERVERS:
@@ -137,7 +129,7 @@ class ReplicaDriver(LoopHooks):
         self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
         self._say(f"serving on {config.bind_host}: {self.replicas.listeners()}")
-        if not key.is_secret:
+        if not self.replicas.settings.key.is_secret:
             self._say(
                 "no --auth-token-file or $MTDAO_AUTH_TOKEN: any process on this machine can join "
                 "this run (see docs/security.md)"
@@ -156,24 +148,6 @@ class ReplicaDriver(LoopHooks):
             "heals": self.heals,
             "discarded_rounds": self.discarded,
         }
-
-    # -- the config every replica must share --------------------------------------------------
-
-    def _config_state(self) -> dict[str, Any]:
-        return {"replica_id": self.config.replica_id, "config": self.config.to_dict()}
-
-    def _check_config(self, state: dict[str, Any]) -> None:
-        theirs, mine = state["config"], self.config.to_dict()
-        differences = [
-            f"{name}: {theirs.get(name)!r} there, {value!r} here"
-            for name, value in mine.items()
-            if name not in REPLICA_FIELDS and theirs.get(name) != value
-        ]
-        if differences:
-            raise self.torchft.ReplicaRefused(
-                f"replica {self.config.replica_id}'s config differs from the quorum's (replica "
-                f"{state['replica_id']}): " + "; ".join(differences)
-            )
 
     # -- the training loop's hooks -------------------------------------------------------------
 
@@ -296,19 +270,6 @@ class ReplicaDriver(LoopHooks):
             say(self.config.replica_id, line)
 
 
-class SharedConfig:
-    """The config a healing replica checks against its source's (tracked state)."""
-
-    def __init__(self, driver: ReplicaDriver) -> None:
-        self.driver = driver
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.driver._config_state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.driver._check_config(state)
-
-
 class ReplicaEvents:
     """``replicas.jsonl``: what the quorums did, as this replica saw it, one JSON line each
     (written by the replica's first process only, when ``enabled``)."""
@@ -333,10 +294,9 @@ def _ids(replicas) -> str:
     return ", ".join(str(r) for r in replicas)
 
 
-def config_digest(config: TrainConfig) -> str:
-    """A digest of the settings every replica must share (all but REPLICA_FIELDS)."""
-    shared = {k: v for k, v in config.to_dict().items() if k not in REPLICA_FIELDS}
-    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
+def shared_config(config: TrainConfig) -> dict[str, Any]:
+    """The settings every replica must share: all but REPLICA_FIELDS."""
+    return {k: v for k, v in config.to_dict().items() if k not in REPLICA_FIELDS}
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -1,0 +1,114 @@
+"""Fault-tolerant replicas of a plain training loop: an MLP on generated data, no mtdao harness.
+
+One process per replica; a lighthouse knows which are alive. Kill a replica (even with kill -9)
+and start it again with the same command: it heals from a live one (parameters, optimizer
+states, the engine's rounds and its data position) and carries on where the others are; every
+replica ends with the same model (the final round).
+
+    mtdao lighthouse --port 29510 --min-replicas 3 &
+    for i in 0 1 2; do
+        python examples/fault_tolerant_loop.py --lighthouse localhost:29510 --replica-id $i \\
+            --steps 200 --out /tmp/ft-loop/r$i &
+    done
+
+Each writes ``OUT/result.json``: the steps trained and a SHA-256 of the final parameters' bytes
+(in ``model.parameters()`` order), the same on every replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import mtdao
+from mtdao.sync import LocalUpdateSync, SyncCodecs, unified
+from mtdao.sync.torchft import fault_tolerant_replica
+
+FEATURES, CLASSES, BATCH, LR = 32, 8, 64, 3e-3
+
+
+class GeneratedData:
+    """Replica r's batches: batch i is drawn from a generator seeded by (r, i), so the position
+    (batches drawn) is the whole state, and a healed replica carries on with its own data."""
+
+    def __init__(self, replica_id: int) -> None:
+        self.replica_id, self.drawn = replica_id, 0
+        self.teacher = torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(0))
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(1_000_003 * self.replica_id + self.drawn)
+        self.drawn += 1
+        inputs = torch.randn(BATCH, FEATURES, generator=generator)
+        return inputs, (inputs @ self.teacher).argmax(dim=1)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.drawn = state["drawn"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lighthouse", required=True, help="the lighthouse's host:port")
+    parser.add_argument("--replica-id", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    parser.add_argument("--out", required=True, help="where result.json goes")
+    parser.add_argument("--auth-token-file", help="the run's secret (else $MTDAO_AUTH_TOKEN)")
+    parser.add_argument("--sync-period", type=int, default=8, help="K: local steps per round")
+    parser.add_argument("--sync-delay", type=int, default=0, help="D: rounds overlap D steps")
+    parser.add_argument("--sync-dtype", nargs="+", help="e.g. int8: what crosses the link")
+    parser.add_argument("--error-feedback", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(0)  # every replica builds the same model (the first quorum aligns them)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 64), torch.nn.GELU(), torch.nn.Linear(64, CLASSES)
+    )
+    optimizer = mtdao.MTAdam(model.parameters(), lr=LR, betas=(0.99,), omegas=(0.9,), beta2=0.95)
+    # what every replica must share: a joiner with other values is refused, naming them
+    shared = {k: v for k, v in vars(args).items() if k not in ("replica_id", "out")}
+    replica = fault_tolerant_replica(
+        args.replica_id,
+        args.lighthouse,
+        auth_token_file=args.auth_token_file,
+        shared_config=shared,
+    )
+    codecs = SyncCodecs.parse(args.sync_dtype or (), args.error_feedback)
+    sync = LocalUpdateSync(
+        optimizer, unified(args.sync_period), replica, delay=args.sync_delay, codecs=codecs
+    )
+    data = GeneratedData(args.replica_id)
+    replica.track_state("data", data)  # healed with the model: a joiner goes on from here
+    with sync.attached():  # joins (a new replica heals); the final round at the end
+        while sync.step_count < args.steps:  # a healed replica is at its source's step
+            for group in optimizer.param_groups:  # the LR from the step: nothing to heal
+                group["lr"] = LR * 0.5 * (1 + math.cos(math.pi * sync.step_count / args.steps))
+            inputs, targets = data.next_batch()
+            F.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()  # every K steps: a round with the live replicas
+            optimizer.zero_grad()
+            if sync.step_count % args.sync_period == 0:
+                print(f"replica {args.replica_id}: step {sync.step_count}", flush=True)
+    replica.shutdown()
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    result = {"step": sync.step_count, "params_sha256": digest.hexdigest()}
+    result["discarded_rounds"] = len(sync.discarded_rounds)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "result.json").write_text(json.dumps(result) + "\n")
+    print(f"replica {args.replica_id}: {json.dumps(result)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""A fault-tolerant replica of any training loop: :func:`fault_tolerant_replica`.
+
+Give its result to :class:`~mtdao.sync.engine.LocalUpdateSync` as the communicator and train in
+``sync.attached()``: the engine prepares each round's quorum (where a new replica, or one that
+fell behind, heals from a live one), averages through it and, at the end, runs the final round
+through one too. ``mtdao train --fault-tolerant`` builds its replicas with the same function.
+
+What a healing replica receives: the engine's trained state (parameters, every optimizer state,
+the engine's step, anchors, rounds in flight and residuals), and whatever the loop registers
+with :meth:`~mtdao.sync.torchft.replicas.ReplicaGroups.track_state` (a data loader's position,
+an LR scheduler, RNG: anything with ``state_dict`` and ``load_state_dict``). It is taken where
+the source prepares a round, inside its ``optimizer.step()``, after the step: so change such
+state before ``optimizer.step()`` in the loop (draw the batch first), or derive it from
+``sync.step_count``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
+from mtdao.sync.torchft.auth import read_token, run_key
+from mtdao.sync.torchft.plumbing import ReplicaRefused
+from mtdao.sync.torchft.replicas import ReplicaGroups, ReplicaSettings
+
+logger = logging.getLogger(__name__)
+
+LIGHTHOUSE_VARIABLE = "MTDAO_LIGHTHOUSE"
+
+
+def fault_tolerant_replica(
+    replica_id: int,
+    lighthouse: str | None = None,
+    *,
+    auth_token_file: str | None = None,
+    bind_host: str = "127.0.0.1",
+    shared_config: Mapping[str, Any] | None = None,
+    connect_timeout: float = 30.0,
+    quorum_timeout: float = 600.0,
+    collective_timeout: float = 300.0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    shard_group: dist.ProcessGroup | None = None,
+) -> ReplicaGroups:
+    """Replica ``replica_id`` of the run whose lighthouse is at ``lighthouse`` (``host:port``;
+    default ``$MTDAO_LIGHTHOUSE``): a communicator for :class:`~mtdao.sync.engine.LocalUpdateSync`.
+
+    ``auth_token_file``: a file holding the run's secret, the same for every replica (else
+    ``$MTDAO_AUTH_TOKEN``); a peer without it is neither averaged with nor healed from. Required
+    unless ``bind_host``, the address every listener of this replica serves on, is loopback (see
+    docs/security.md). ``shared_config``: the settings every replica must share (steps, learning
+    rate, round options, ...; JSON-able values): every round checks that its members hold the
+    same, and a joining replica whose values differ from its source's is refused, naming them.
+    Timeouts in seconds: reaching the lighthouse or a peer, waiting for a quorum (longer than the
+    time between two rounds), one collective or heal transfer. ``shard_group``: this replica is
+    that group of processes sharding its model with FSDP2 (every process calls this).
+    """
+    lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)
+    if not lighthouse:
+        raise ValueError(
+            f"no lighthouse: pass lighthouse='host:port' or set ${LIGHTHOUSE_VARIABLE}"
+        )
+    key = run_key(read_token(auth_token_file), bind_host)
+    if not key.is_secret:
+        logger.warning(
+            "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: any process on this machine "
+            "can join this run (see docs/security.md)",
+            replica_id,
+        )
+    shared = dict(shared_config or {})
+    settings = ReplicaSettings(
+        replica_id=replica_id,
+        lighthouse=lighthouse,
+        connect_timeout=connect_timeout,
+        quorum_timeout=quorum_timeout,
+        collective_timeout=collective_timeout,
+        bucket_bytes=bucket_bytes,
+        bind_host=bind_host,
+        key=key,
+        config_digest=config_digest(shared) if shared else "",
+    )
+    replicas = ReplicaGroups(settings, shard_group)
+    # before the engine's state: a replica that differs is refused before anything is loaded
+    replicas.track_state("config", SharedConfig(replica_id, shared))
+    return replicas
+
+
+def config_digest(shared: Mapping[str, Any]) -> str:
+    """A digest of the settings every replica must share (carried by every round)."""
+    text = json.dumps(dict(shared), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class SharedConfig:
+    """The settings every replica must share, as a healing replica checks them against its
+    source's (tracked state: nothing is loaded)."""
+
+    def __init__(self, replica_id: int, shared: Mapping[str, Any]) -> None:
+        self.replica_id, self.shared = replica_id, dict(shared)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "config": self.shared}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        theirs, mine = state["config"], self.shared
+        names = [*mine, *(name for name in theirs if name not in mine)]
+        differences = [
+            f"{name}: {theirs.get(name)!r} there, {mine.get(name)!r} here"
+            for name in names
+            if theirs.get(name) != mine.get(name)
+        ]
+        if differences:
+            raise ReplicaRefused(
+                f"replica {self.replica_id}'s config differs from the quorum's (replica "
+                f"{state['replica_id']}): " + "; ".join(differences)
+            )

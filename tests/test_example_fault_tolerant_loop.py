@@ -1,0 +1,75 @@
+"""examples/fault_tolerant_loop.py: fault tolerance in a plain loop through the library's API.
+
+A lighthouse and 3 replicas of the example on localhost; one is killed with SIGKILL midway and
+started again with the same command. All three finish their steps and write the same SHA-256 of
+their final parameters, with plain rounds and with delayed int8 rounds with error feedback (and
+the run's secret); no process is left behind (the drill kills what is still running)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtdao.testing.fault_drill import Drill
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fault_tolerant_loop.py"
+STEPS, PERIOD = 96, 8
+TIMEOUT_S = 240.0
+ROUND_OPTIONS = {
+    "plain rounds": [],
+    "delayed int8 rounds with error feedback": [
+        "--sync-delay",
+        "2",
+        "--sync-dtype",
+        "int8",
+        "--error-feedback",
+    ],  # fmt: skip
+}
+
+
+def steps_said(drill: Drill, name: str) -> list[int]:
+    """The steps a replica's progress lines name (one after each round)."""
+    return [int(line.split()[-1]) for line in drill.log(name).splitlines() if ": step " in line]
+
+
+def reached(drill: Drill, name: str, step: int) -> bool:
+    said = steps_said(drill, name)
+    return bool(said) and said[-1] >= step
+
+
+@pytest.mark.parametrize("options", ROUND_OPTIONS.values(), ids=ROUND_OPTIONS.keys())
+def test_a_replica_killed_midway_and_restarted_ends_with_the_same_model(tmp_path, options):
+    flags = [*options]
+    if options:  # the run's secret, from a file
+        (tmp_path / "token").write_text("a-secret-the-three-replicas-share\n")
+        flags += ["--auth-token-file", str(tmp_path / "token")]
+    with Drill(tmp_path, []) as drill:
+        # three replicas needed for a quorum: the survivors wait at their next round for the
+        # killed one to come back, however slowly this machine starts it
+        drill.start_lighthouse(min_replicas=3)
+
+        def command(replica: int) -> list[str]:
+            out = tmp_path / f"r{replica}"
+            argv = [sys.executable, str(EXAMPLE), "--lighthouse", drill.lighthouse]
+            argv += ["--replica-id", str(replica), "--steps", str(STEPS), "--out", str(out)]
+            return argv + ["--sync-period", str(PERIOD), *flags]
+
+        for replica in range(3):
+            drill._spawn(f"r{replica}", command(replica))
+        drill.wait_for(lambda: reached(drill, "r1", STEPS // 3), TIMEOUT_S, "r1 a third through")
+        drill.kill("r1")
+        drill._spawn("r1-again", command(1))  # the same command line
+        exits = [drill.wait_exit(name, TIMEOUT_S) for name in ("r0", "r1-again", "r2")]
+        assert exits == [0, 0, 0], drill.tails()
+        # the restarted replica healed to where the others were, not from step 0
+        assert steps_said(drill, "r1-again")[0] > STEPS // 3, drill.tails()
+    results = [json.loads((tmp_path / f"r{r}" / "result.json").read_text()) for r in range(3)]
+    assert [r["step"] for r in results] == [STEPS] * 3
+    assert len({r["params_sha256"] for r in results}) == 1, results
