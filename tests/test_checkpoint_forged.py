@@ -113,6 +113,29 @@ def test_a_metadata_pointing_at_another_file_is_refused(two_checkpoints):
     assert store.load().path == older
 
 
+def test_a_metadata_pointing_past_the_end_of_its_data_file_falls_back(two_checkpoints, caplog):
+    """Built from DCP's classes and naming the checkpoint's own file, but a slice's offset lies
+    past its end (the resume used to end in an EOFError traceback, and every later one too)."""
+    store, (older, newest) = two_checkpoints
+    path = newest / MODEL_DIR / ".metadata"
+    with open(path, "rb") as file:
+        metadata = pickle.load(file)
+    size = (newest / MODEL_DIR / "__0_0.distcp").stat().st_size
+    for where in metadata.storage_data.values():
+        where.offset = size + 1000
+    forge(newest, f"{MODEL_DIR}/.metadata", pickle.dumps(metadata))
+    with pytest.raises(ValueError, match="past the end of __0_0.distcp"):
+        read_metadata(path, {"__0_0.distcp"})
+    with caplog.at_level(logging.WARNING):
+        loaded = store.load()
+    assert loaded.path == older and loaded.state["worker"]["step"] == 3
+    (warning,) = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert "past the end" in warning and "\n" not in warning
+    target = {"worker0": {"model": {"w": torch.zeros(4, 3)}, "step": 0}}
+    load_sharded(loaded.path, target)
+    assert torch.equal(target["worker0"]["model"]["w"], torch.full((4, 3), 3.0))
+
+
 def test_a_forged_plain_checkpoint_runs_nothing_and_the_one_before_is_used(tmp_path, caplog):
     store = ckpt.CheckpointStore(tmp_path)
     older = store.save(3, {"step": 3, "w": torch.ones(2)}, {"config": {}})

@@ -7,7 +7,8 @@ no defence: whoever replaces the file can rewrite that too). Here it is read by 
 builds only DCP's own metadata classes and the few plain types they hold (torch.Size, dtypes,
 layouts, paths); anything else is refused before it is built. Every slice it points to must lie
 in a file the checkpoint's ``meta.json`` lists (so checksummed), inside the checkpoint's ``model``
-directory: a forged metadata cannot make DCP read another file.
+directory, and within that file's bytes: a forged metadata can make DCP read neither another file
+nor past the end of its own.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def read_metadata(path: Path, data_files: set[str] | None = None):
         raise ValueError(
             f"{path} is refused: it holds a {type(metadata).__name__}, not DCP metadata"
         )
+    sizes: dict[Path, int] = {}
     for index, where in metadata.storage_data.items():
         if not isinstance(where, _StorageInfo) or not isinstance(where.relative_path, str):
             raise ValueError(f"{path} is refused: slice {index} has no file")
@@ -82,7 +84,29 @@ def read_metadata(path: Path, data_files: set[str] | None = None):
             raise ValueError(
                 f"{path} is refused: a slice lies in {name!r}, not a file of this checkpoint"
             )
+        problem = _outside(where, path.parent / name, sizes)
+        if problem:
+            raise ValueError(f"{path} is refused: slice {index.fqn!r} {problem}")
     return metadata
+
+
+def _outside(where, data_file: Path, sizes: dict[Path, int]) -> str | None:
+    """Why the slice ``where`` does not lie inside ``data_file`` (None: it does); ``sizes``
+    caches the files' sizes. DCP would read past the end and fail in an EOFError."""
+    offset, length = where.offset, where.length
+    if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+        return f"has offset {offset!r} and length {length!r}"
+    if data_file not in sizes:
+        try:
+            sizes[data_file] = data_file.stat().st_size
+        except OSError as error:
+            return f"lies in {data_file.name}, which cannot be read ({error.strerror})"
+    if offset + length > sizes[data_file]:
+        return (
+            f"lies at bytes {offset} .. {offset + length}, past the end of {data_file.name} "
+            f"({sizes[data_file]} bytes)"
+        )
+    return None
 
 
 def safe_reader(directory: Path, data_files: set[str] | None = None):
