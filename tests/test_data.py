@@ -103,6 +103,42 @@ def test_local_directory_is_sorted_split_by_file_and_skips_hidden_and_binary(tmp
     assert 1 <= len(corpus.val_docs) < 15
     assert load_corpus(str(tmp_path), val_fraction=0.2) == corpus  # deterministic
     assert corpus.name == f"local:{tmp_path.resolve()}"
+    # every skipped file is named with why (it used to be skipped without a word)
+    assert corpus.skipped == [
+        ("empty.txt", "empty"),
+        ("image.bin", "binary (a NUL byte at offset 4)"),
+        ("latin1.txt", "not UTF-8 (byte 0xe9 at offset 3: Latin-1 or another encoding?)"),
+    ]
+
+
+def test_the_data_line_counts_the_skipped_files_and_names_each_once(tmp_path):
+    from mtdao.train.setup import SKIPPED_NAMED, skipped_files
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(f"text of {name}\n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "blob.bin").write_bytes(b"ab\x00cd")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    note = skipped_files(load_corpus(str(tmp_path)))
+    first, *named = note.split("\n")
+    assert first == "; 3 files skipped"
+    assert named == [
+        "data: skipped blob.bin: binary (a NUL byte at offset 2)",
+        "data: skipped latin1.txt: not UTF-8 (byte 0xe9 at offset 3: Latin-1 or another encoding?)",
+        "data: skipped loop: a symlink that leads to no file (broken, or a loop)",
+    ]
+    for index in range(SKIPPED_NAMED + 5):
+        (tmp_path / f"z{index:03d}.bin").write_bytes(b"\x00")
+    note = skipped_files(load_corpus(str(tmp_path)))
+    assert note.count("data: skipped ") == SKIPPED_NAMED
+    assert note.endswith("data: ... and 8 more skipped files")
+
+
+def test_a_corpus_path_that_is_a_symlink_loop_is_one_clear_error(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(DataError, match=r"cannot be followed: .*a \(a symlink loop\)"):
+        load_corpus(str(tmp_path / "a"))
 
 
 def test_small_directory_still_gets_a_validation_file(tmp_path):

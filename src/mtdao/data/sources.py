@@ -14,7 +14,7 @@ import platform
 import socket
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -29,6 +29,9 @@ class Corpus:
     """Names the source (for people); caches are keyed on the content itself (``fingerprint``)."""
     train_docs: list[str]
     val_docs: list[str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(file, why) for each file of a local directory that was not read: binary, not UTF-8,
+    empty or unreadable."""
 
     @functools.cached_property
     def train_fingerprint(self) -> str:
@@ -119,16 +122,23 @@ def _split_one_text(text: str, val_fraction: float, source: str) -> tuple[list[s
 
 def _read_text(path: Path) -> str | None:
     """The file's text, or None if it looks binary (a NUL byte or invalid UTF-8)."""
+    return _text_or_why_not(path)[0]
+
+
+def _text_or_why_not(path: Path) -> tuple[str | None, str]:
+    """(the file's text, "") or (None, why it is not text: unreadable, binary, not UTF-8)."""
     try:
         data = path.read_bytes()
-    except OSError:
-        return None
-    if b"\x00" in data:
-        return None
+    except OSError as error:
+        return None, f"cannot be read ({error.strerror or error})"
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        return None, f"binary (a NUL byte at offset {nul})"
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+        return data.decode("utf-8"), ""
+    except UnicodeDecodeError as error:
+        where = f"byte 0x{data[error.start]:02x} at offset {error.start}"
+        return None, f"not UTF-8 ({where}: Latin-1 or another encoding?)"
 
 
 def _stdlib_corpus(val_fraction: float) -> Corpus:
@@ -148,30 +158,43 @@ def _stdlib_corpus(val_fraction: float) -> Corpus:
 
 
 def _local_corpus(path: Path, val_fraction: float) -> Corpus:
-    name = f"local:{path.resolve()}"
-    if not path.exists():
-        raise DataError(f"corpus path does not exist: {path}")
+    try:
+        resolved = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise DataError(f"corpus path does not exist: {path}") from None
+    except (RuntimeError, OSError) as error:  # a symlink loop: RuntimeError up to Python 3.12
+        why = "a symlink loop" if "loop" in str(error).lower() else (error.strerror or error)
+        raise DataError(f"corpus path cannot be followed: {path} ({why})") from None
+    name = f"local:{resolved}"
     if path.is_file():
-        text = _read_text(path)
+        text, why_not = _text_or_why_not(path)
         if text is None:
-            raise DataError(f"corpus file is not UTF-8 text (binary or wrong encoding): {path}")
+            raise DataError(f"corpus file is not UTF-8 text: {path} is {why_not}")
         if not text:
             raise DataError(f"corpus file is empty: {path}")
         return Corpus(name, *_split_one_text(text, val_fraction, f"corpus file {path}"))
 
-    keyed_docs = []
+    keyed_docs, skipped = [], []
     for file in sorted(path.rglob("*")):
         relative = file.relative_to(path)
-        if any(part.startswith(".") for part in relative.parts) or not file.is_file():
+        if any(part.startswith(".") for part in relative.parts) or file.is_dir():
             continue
-        text = _read_text(file)
-        if text:  # binary and empty files in a directory are skipped, not fatal
+        if not file.is_file():  # a broken symlink, a symlink loop, a socket or a device
+            why = "a symlink that leads to no file (broken, or a loop)" if file.is_symlink() else ""
+            skipped.append((relative.as_posix(), why or "not a regular file"))
+            continue
+        text, why_not = _text_or_why_not(file)
+        if text:  # binary, non-UTF-8 and empty files in a directory are skipped, not fatal
             keyed_docs.append((relative.as_posix(), text))
+        else:
+            skipped.append((relative.as_posix(), why_not or "empty"))
     if not keyed_docs:
         raise DataError(f"corpus directory has no non-empty UTF-8 text files: {path}")
     if len(keyed_docs) == 1:
-        return Corpus(name, *_split_one_text(keyed_docs[0][1], val_fraction, f"corpus {path}"))
-    return Corpus(name, *_split_by_key(keyed_docs, val_fraction))
+        split = _split_one_text(keyed_docs[0][1], val_fraction, f"corpus {path}")
+    else:
+        split = _split_by_key(keyed_docs, val_fraction)
+    return Corpus(name, *split, skipped=skipped)
 
 
 def _hf_corpus(target: str, val_fraction: float, max_chars: int) -> Corpus:

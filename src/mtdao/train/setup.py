@@ -235,4 +235,20 @@ def load_data(config: TrainConfig, process: ProcessInfo, worker_index: int | Non
         f"validation documents, {train_tokens:,} and {len(tokens.val):,} tokens "
         f"({config.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size})"
     )
-    return shards, val_batches, tokenizer.vocab_size, summary
+    return shards, val_batches, tokenizer.vocab_size, summary + skipped_files(corpus)
+
+
+SKIPPED_NAMED = 20
+"""Skipped files named one per line; a directory of many more (images beside text) gets a count."""
+
+
+def skipped_files(corpus) -> str:
+    """The data line's note of the files a local corpus directory skipped, each named once."""
+    if not corpus.skipped:
+        return ""
+    count = len(corpus.skipped)
+    lines = [f"; {count} file{'s' * (count != 1)} skipped"]
+    lines += [f"\ndata: skipped {name}: {why}" for name, why in corpus.skipped[:SKIPPED_NAMED]]
+    if count > SKIPPED_NAMED:
+        lines.append(f"\ndata: ... and {count - SKIPPED_NAMED} more skipped files")
+    return "".join(lines)
