@@ -1,11 +1,13 @@
 """The run's secret, signed quorum claims and the heal transport, each on its own: no lighthouse,
-no training. The multi-process attacks are in test_ft_attacks.py."""
+no training. Replays are in test_ft_replay.py, the multi-process attacks in test_ft_attacks.py."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
+import stat
 import subprocess
 import sys
 import threading
@@ -25,20 +27,25 @@ from mtdao.sync import (
     unified,
 )
 from mtdao.sync.compression import SyncCodecs
-from mtdao.sync.torchft.auth import TOKEN_ENV, RunKey, read_token, run_key
-from mtdao.sync.torchft.proofs import Claim, exchange_claims
+from mtdao.sync.torchft.auth import TOKEN_ENV, RunKey, machine_secret, read_token, run_key
+from mtdao.sync.torchft.proofs import Claim, claim_data, confirm_quorum, read_claim
 from mtdao.sync.torchft.round_identity import exchange_positions, sitting_out
 
 pytest.importorskip("torchft")
 
-from mtdao.sync.torchft.safe_transport import HealRefused, SignedHealTransport  # noqa: E402
+from mtdao.sync.torchft.safe_transport import (  # noqa: E402
+    HealBinding,
+    HealRefused,
+    Quorum,
+    SignedHealTransport,
+)
 
 SECRET = b"0123456789abcdef0123"
 TIMEOUT = timedelta(seconds=5)
 
 
 class DictStore:
-    """The part of a c10d store the claim exchange uses."""
+    """The part of a c10d store the quorum confirmations use."""
 
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
@@ -74,43 +81,91 @@ def test_a_short_or_missing_secret_file_is_one_clear_error(tmp_path):
         read_token(str(tmp_path / "nope"), {})
 
 
-def test_a_secret_is_required_unless_every_listener_is_on_loopback():
-    assert not run_key(None, "127.0.0.1").is_secret
-    assert not run_key(None, "::1").is_secret
+def test_a_secret_is_required_off_loopback_and_on_loopback_the_accounts_own_stands_in(tmp_path):
+    """Without one, replicas on loopback prove themselves with this account's secret on this
+    machine, which a process of another account cannot read (it used to be an empty key that
+    anyone running mtdao could sign with)."""
+    key = run_key(None, "127.0.0.1", secret_dir=tmp_path / "mtdao")
+    assert key.is_secret and "this account's secret" in key.origin
+    assert run_key(None, "::1", secret_dir=tmp_path / "mtdao").sign("x") == key.sign("x")
+    assert RunKey(b"").sign("x") != key.sign("x")
     with pytest.raises(ValueError, match="--bind-host 10.0.0.5 serves other machines"):
         run_key(None, "10.0.0.5")
     assert run_key(SECRET, "10.0.0.5").is_secret
     assert "0123" not in repr(run_key(SECRET, "10.0.0.5"))
 
 
+def test_the_accounts_secret_is_private_and_made_once(tmp_path):
+    directory = tmp_path / "mtdao"
+    first = machine_secret(directory)
+    assert machine_secret(directory) == first and len(first) >= 32
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "loopback.secret").stat().st_mode) == 0o600
+    (directory / "loopback.secret").chmod(0o644)
+    with pytest.raises(ValueError, match="other accounts could read it; chmod 600"):
+        machine_secret(directory)
+    (directory / "loopback.secret").chmod(0o600)
+    directory.chmod(0o755)
+    with pytest.raises(ValueError, match="other accounts could read it; chmod 700"):
+        machine_secret(directory)
+
+
 # -- claims -------------------------------------------------------------------------------------
 
 
 def claim(replica: int, commits: int = 3, step: int = 12, config: str = "c") -> Claim:
-    return Claim(replica, commits, step, config)
+    return Claim(
+        replica_id=replica,
+        member=f"{replica}:uuid-{replica}",
+        commits=commits,
+        step=step,
+        config=config,
+        shards=1,
+        store=f"store-{replica}:1",
+        heal=("http://127.0.0.1:1/heal/",),
+        nonce=f"nonce-{replica}-{commits}",
+    )
 
 
-def test_a_claim_signed_with_another_secret_or_replayed_elsewhere_is_not_proven():
-    store, key = DictStore(), RunKey(SECRET)
-    exchange_claims(store, RunKey(b"another-secret-0000"), "q1", 1, 2, claim(1), 0.1)
-    claims = exchange_claims(store, key, "q1", 0, 2, claim(0), 0.1)
-    assert claims == [claim(0), None]
-    # a claim copied to another quorum (or another rank) does not verify there
-    replayed = DictStore()
-    replayed.values["claim/1"] = store.values["claim/0"]
-    assert exchange_claims(replayed, key, "q1", 0, 2, claim(0), 0.1)[1] is None
-    assert exchange_claims(DictStore(), key, "q2", 0, 1, claim(0), 0.1) == [claim(0)]
+def test_a_claim_signed_with_another_secret_or_naming_another_member_proves_nothing():
+    key, mine = RunKey(SECRET), claim(1)
+    assert read_claim(mine.member, claim_data(mine, key), key) == (mine, "")
+    _, why = read_claim(mine.member, claim_data(mine, RunKey(b"another-secret-0000")), key)
+    assert why == "its claim is not signed with this run's secret"
+    _, why = read_claim("2:uuid-2", claim_data(mine, key), key)  # handed in under another id
+    assert why.startswith("its claim was made by another member (1:uuid-1)")
+    tampered = json.loads(claim_data(mine, key)["mtdao"])
+    tampered["claim"] = tampered["claim"].replace('"commits": 3', '"commits": 9')
+    _, why = read_claim(mine.member, {"mtdao": json.dumps(tampered)}, key)
+    assert why == "its claim is not signed with this run's secret"
 
 
-def test_a_member_that_never_posts_is_not_proven():
-    claims = exchange_claims(DictStore(), RunKey(SECRET), "q", 0, 3, claim(0), 0.05)
-    assert claims == [claim(0), None, None]
+def test_a_peer_that_sends_no_claim_is_refused_at_once():
+    for data in (None, {}, {"mtdao": "not json"}, {"other": "x"}):
+        found, why = read_claim("7:rogue", data, RunKey(SECRET))
+        assert found is None and why, data
+
+
+def test_a_member_confirms_the_quorum_in_its_store_and_reads_everyone_elses():
+    key = RunKey(SECRET)
+    members = [claim(r) for r in range(3)]
+    stores = {c.store: DictStore() for c in members}
+    for c in members[1:]:  # the others confirm the quorum in their own stores
+        confirm_quorum(stores.__getitem__, key, "digest", c, members, 0.1)
+    assert confirm_quorum(stores.__getitem__, key, "digest", members[0], members, 0.1) == {}
+    # a member that confirms another quorum (or nothing) is not confirmed in this one
+    for store in stores.values():
+        store.values.clear()
+    confirm_quorum(stores.__getitem__, key, "another digest", members[1], members, 0.1)
+    unconfirmed = confirm_quorum(stores.__getitem__, key, "digest", members[0], members, 0.1)
+    assert set(unconfirmed) == {members[1].member, members[2].member}
+    assert "did not confirm this quorum within 0.1 s" in unconfirmed[members[2].member]
 
 
 def test_members_that_prove_different_sets_form_separate_groups():
     """Two members with the run's secret and one with another, in one quorum: the two sum over
-    each other only, the third over itself (they used to overwrite each other's gloo addresses
-    in the quorum's store, and no group formed)."""
+    each other only, the third over itself (members that prove different sets meet under
+    different rendezvous keys: with one they overwrote each other's gloo addresses)."""
     script = Path(__file__).with_name("membership_members.py")
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120
@@ -139,9 +194,13 @@ def test_every_member_reads_every_members_step_from_one_sum():
 # -- the heal transport -------------------------------------------------------------------------
 
 
-def transports(judge=lambda rank: ("take", f"replica {rank}"), receiver_secret=SECRET):
-    sender = SignedHealTransport(RunKey(SECRET), "127.0.0.1", TIMEOUT, judge)
-    receiver = SignedHealTransport(RunKey(receiver_secret), "127.0.0.1", TIMEOUT, judge)
+BINDING = HealBinding("digest", "0:source", "1:receiver", 0, 7)
+
+
+def transports(receiver_secret=SECRET):
+    sender = SignedHealTransport(RunKey(SECRET), "127.0.0.1", TIMEOUT)
+    receiver = SignedHealTransport(RunKey(receiver_secret), "127.0.0.1", TIMEOUT)
+    sender.open(Quorum("digest", "0:source", 0, frozenset({"1:receiver"})))
     return sender, receiver
 
 
@@ -149,8 +208,8 @@ def test_a_state_travels_as_tensors_and_plain_data():
     sender, receiver = transports()
     state = {"user": {"w": torch.arange(4.0), "betas": (0.9, 0.95), "n": {1: None}}}
     try:
-        sender.send_checkpoint([1], 7, state, TIMEOUT)
-        received = receiver.recv_checkpoint(0, sender.metadata(), 7, TIMEOUT)
+        sender.serve(7, state)
+        received = receiver.fetch(sender.metadata(), BINDING, "replica 0")
     finally:
         sender.shutdown(), receiver.shutdown()
     assert torch.equal(received["user"]["w"], state["user"]["w"])
@@ -158,12 +217,13 @@ def test_a_state_travels_as_tensors_and_plain_data():
     assert receiver.received_bytes > 0
 
 
-def test_a_peer_with_another_secret_neither_fetches_nor_serves_a_state():
+def test_a_peer_with_another_secret_neither_fetches_nor_serves_a_state(monkeypatch):
+    monkeypatch.setattr("mtdao.sync.torchft.safe_transport.QUORUM_SKEW_S", 0.1)
     sender, receiver = transports(receiver_secret=b"another-secret-0000")
     try:
-        sender.send_checkpoint([1], 7, {"user": {"w": torch.ones(2)}}, TIMEOUT)
-        with pytest.raises(HealRefused, match="replica 0 at .* not signed with this run's secret"):
-            receiver.recv_checkpoint(0, sender.metadata(), 7, TIMEOUT)
+        sender.serve(7, {"user": {"w": torch.ones(2)}})
+        with pytest.raises(HealRefused, match="replica 0 at .* did not send its state: .*403"):
+            receiver.fetch(sender.metadata(), BINDING, "replica 0")
     finally:
         sender.shutdown(), receiver.shutdown()
 
@@ -198,27 +258,27 @@ def test_a_pickle_from_a_peer_is_refused_before_a_byte_of_it_is_read(tmp_path):
     url = f"http://127.0.0.1:{server.server_address[1]}/heal/"
     try:
         with pytest.raises(HealRefused, match="nothing of it was read"):
-            receiver.recv_checkpoint(0, url, 7, TIMEOUT)
+            receiver.fetch(url, BINDING, "replica 0")
         with pytest.raises(HealRefused, match="is no URL"):
-            receiver.recv_checkpoint(0, "file:///etc/passwd", 7, TIMEOUT)
+            receiver.fetch("file:///etc/passwd", BINDING, "replica 0")
     finally:
         server.shutdown(), receiver.shutdown()
     assert not marker.exists()
 
 
-def test_a_source_the_judge_rejects_is_never_contacted():
-    def judge(rank):
-        return ("keep", "x") if rank == 0 else ("refuse", "the peer claiming replica id 9")
-
-    _, receiver = transports(judge=judge)
+def test_a_signed_state_that_does_not_load_is_refused_in_one_line():
+    """A faulty member's state, signed yet cut short: refused in one line (the replicas used to
+    stand still until the collective timeout)."""
+    sender, receiver = transports()
     try:
-        kept = receiver.recv_checkpoint(0, "http://unreachable.invalid:1/heal/", 7, TIMEOUT)
-        with pytest.raises(HealRefused, match="not healing from the peer claiming replica id 9"):
-            receiver.recv_checkpoint(1, "http://unreachable.invalid:1/heal/", 7, TIMEOUT)
+        sender.serve(7, {"user": {"w": torch.ones(2)}})
+        step, payload, _ = sender._served
+        cut = payload[: len(payload) // 2]
+        sender._served = (step, cut, hashlib.sha256(cut).hexdigest())
+        with pytest.raises(HealRefused, match="replica 0 sent a state that does not load: "):
+            receiver.fetch(sender.metadata(), BINDING, "replica 0")
     finally:
-        receiver.shutdown()
-    assert kept["torchft"] == {"step": 0, "batches_committed": 0}
-    assert kept["user"]["engine"] is kept["user"]
+        sender.shutdown(), receiver.shutdown()
 
 
 ENGINES = {

@@ -153,9 +153,22 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_joiner_is_measured_against_most_replicas_at_the_newest_step():
-    from mtdao.sync.torchft.plumbing import reference_shard_count
+    from mtdao.sync.torchft.proofs import Claim
+    from mtdao.sync.torchft.quorum_plan import plan_quorum, reference_shard_count
 
-    # posted by each replica's first process: replica id, --shards, torchft step
-    assert reference_shard_count([["0", "2", "12"], ["1", "2", "0"], ["2", "1", "0"]]) == 2
-    assert reference_shard_count([["0", "1", "7"], ["1", "2", "7"], ["2", "2", "7"]]) == 2
-    assert reference_shard_count([["0", "2", "0"], ["1", "1", "0"]]) is None  # no majority
+    def claims(*replicas):  # (--shards, commits) of each replica
+        return [
+            Claim(r, f"{r}:m", commits, 0, "c", shards, f"store{r}:1", ("http://x/heal/",))
+            for r, (shards, commits) in enumerate(replicas)
+        ]
+
+    # the shard counts of the replicas at the newest step
+    assert reference_shard_count([2]) == 2 and reference_shard_count([1, 2, 2]) == 2
+    assert reference_shard_count([2, 1]) is None  # no majority
+    # a joiner with 1 among replicas at the newest step with 2 is refused; with 2, it is the
+    # replica with 1 that fails its round (it is not joining)
+    joiner = plan_quorum(claims((2, 12), (2, 0), (1, 0)), "2:m", 0, "p")
+    assert "this replica has --shards 1, but replica 0 has --shards 2" in joiner.refusal
+    running = plan_quorum(claims((1, 12), (2, 0), (2, 12)), "0:m", 0, "p")
+    assert running.refusal is None and running.failure.endswith("this replica 1")
+    assert plan_quorum(claims((2, 0), (1, 0)), "1:m", 0, "p").refusal  # no majority to join

@@ -53,6 +53,7 @@ from mtdao.sync.torchft.healing import engine_state
 from mtdao.sync.torchft.joining import SharedConfig, config_digest, fault_tolerant_replica
 from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.sync.torchft.plumbing import QuorumError, ReplicaRefused, start_lighthouse
+from mtdao.sync.torchft.refusals import RefusalLog
 from mtdao.sync.torchft.replicas import Heal, ReplicaGroups, ReplicaSettings, RoundStart
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
@@ -62,6 +63,7 @@ __all__ = [
     "fault_tolerant_replica",
     "Heal",
     "QuorumError",
+    "RefusalLog",
     "ReplicaGroups",
     "ReplicaLayout",
     "ReplicaProcesses",

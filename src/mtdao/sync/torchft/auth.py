@@ -4,7 +4,13 @@ Every replica of a fault-tolerant run holds the same secret (``--auth-token-file
 ``MTDAO_AUTH_TOKEN`` environment variable). What a replica tells its peers (who it is and where it
 stands at a quorum) and the state it hands a healing peer carry an HMAC-SHA256 made with that
 secret: a peer without it can neither claim a place in a round nor hand anyone a state. The secret
-itself never travels. This module imports neither torch nor torchft.
+itself never travels.
+
+A run on loopback may go without one: its replicas then use this account's own secret on this
+machine (:func:`machine_secret`), made on first use in a file only the account can read. Replicas
+the same account starts share it; a process of another account, or anything that does not read
+that file, is refused as a stranger from another machine would be. This module imports neither
+torch nor torchft.
 """
 
 from __future__ import annotations
@@ -13,19 +19,24 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import secrets
+import stat
 from pathlib import Path
 
 TOKEN_ENV = "MTDAO_AUTH_TOKEN"
 MIN_TOKEN_CHARS = 16
 NO_TOKEN = b""
-"""The key of a run without a secret (loopback only): anyone on this machine can sign."""
+"""An empty secret: anyone who runs mtdao can sign with it (tests of the signatures only)."""
+MACHINE_SECRET_FILE = "loopback.secret"
 
 
 class RunKey:
-    """HMAC-SHA256 signatures with the run's secret over a sequence of fields."""
+    """HMAC-SHA256 signatures with the run's secret over a sequence of fields; ``origin`` says
+    where the secret came from (for people: never the secret itself)."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, origin: str = "") -> None:
         self._secret = secret
+        self.origin = origin
 
     @property
     def is_secret(self) -> bool:
@@ -67,17 +78,65 @@ def read_token(token_file: str | None, environ=os.environ) -> bytes | None:
     return text.encode()
 
 
-def run_key(token: bytes | None, bind_host: str) -> RunKey:
+def run_key(token: bytes | None, bind_host: str, secret_dir: Path | None = None) -> RunKey:
     """The key of a replica serving on ``bind_host``: a secret is required unless it serves on
-    loopback only."""
+    loopback only, where this account's secret on this machine stands in for it."""
     if token is not None:
-        return RunKey(token)
+        return RunKey(token, "the run's secret")
     if not is_loopback(bind_host):
         raise ValueError(
             f"--bind-host {bind_host} serves other machines: give the run a secret with "
             f"--auth-token-file PATH or ${TOKEN_ENV} (the same on every replica)"
         )
-    return RunKey(NO_TOKEN)
+    directory = secret_dir or machine_secret_dir()
+    return RunKey(machine_secret(directory), f"this account's secret on this machine ({directory})")
+
+
+def machine_secret_dir() -> Path:
+    """``$XDG_CONFIG_HOME/mtdao`` (default ``~/.config/mtdao``)."""
+    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config).expanduser() / "mtdao"
+
+
+def machine_secret(directory: Path) -> bytes:
+    """This account's secret for loopback runs: read from ``directory``/loopback.secret, made
+    there on first use (a 0600 file in a 0700 directory; replicas starting together agree on the
+    first one written). Refused when another account could read or replace it."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private(directory, "directory", 0o700)
+    path = directory / MACHINE_SECRET_FILE
+    if not path.exists():
+        draft = directory / f".{MACHINE_SECRET_FILE}.{os.getpid()}"
+        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(secrets.token_hex(32) + "\n")
+        try:
+            os.link(draft, path)  # fails if another replica's is there first: that one is used
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
+    _private(path, "file", 0o600)
+    secret = path.read_text().strip()
+    if len(secret) < MIN_TOKEN_CHARS:
+        raise ValueError(f"{path} holds no secret: delete it, and the next replica makes one")
+    return secret.encode()
+
+
+def _private(path: Path, kind: str, mode: int) -> None:
+    """Refuse ``path`` unless this account owns it and no other account can read or write it."""
+    status = path.lstat()
+    if stat.S_ISLNK(status.st_mode) or status.st_uid != os.geteuid():
+        raise ValueError(
+            f"{path}, where replicas on loopback keep this account's secret, is not this "
+            "account's own; remove it, or give the run a secret with --auth-token-file"
+        )
+    if status.st_mode & 0o077:
+        raise ValueError(
+            f"the {kind} {path}, where replicas on loopback keep this account's secret, has "
+            f"mode {stat.S_IMODE(status.st_mode):o}: other accounts could read it; "
+            f"chmod {mode:o} {path}"
+        )
 
 
 def is_loopback(host: str) -> bool:

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 from urllib.parse import urlsplit
 
 from torchft import Manager
 
 from mtdao.sync.torchft.manager_front import FrontUnavailable, manager_bound_to
 from mtdao.sync.torchft.plumbing import first_line
-from mtdao.sync.torchft.safe_transport import keeps_own_state
+from mtdao.sync.torchft.proven_manager import ProvenManager
 
 
 def start_manager(
@@ -40,7 +39,8 @@ def start_manager(
     collective = timedelta(seconds=settings.collective_timeout)
     with manager_bound_to(settings.bind_host):
         try:
-            manager = Manager(
+            manager = ProvenManager(  # its quorums hold proven members only
+                allow_non_finite=settings.allow_non_finite,
                 pg=process_group,
                 load_state_dict=None,
                 state_dict=None,
@@ -133,13 +133,3 @@ def watching_the_lighthouse(settings, manager: Manager) -> Iterator[threading.Ev
         done.set()
         if thread.is_alive():
             thread.join()
-
-
-def unless_kept(load_state_dict: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``load_state_dict``, doing nothing for a heal that keeps this replica's own state."""
-
-    def load(state: Any) -> None:
-        if not keeps_own_state(state):
-            load_state_dict(state)
-
-    return load

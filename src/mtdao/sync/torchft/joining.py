@@ -47,19 +47,22 @@ def fault_tolerant_replica(
     collective_timeout: float = 300.0,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     shard_group: dist.ProcessGroup | None = None,
+    allow_non_finite: bool = False,
 ) -> ReplicaGroups:
     """Replica ``replica_id`` of the run whose lighthouse is at ``lighthouse`` (``host:port``;
     default ``$MTDAO_LIGHTHOUSE``): a communicator for :class:`~mtdao.sync.engine.LocalUpdateSync`.
 
     ``auth_token_file``: a file holding the run's secret, the same for every replica (else
     ``$MTDAO_AUTH_TOKEN``); a peer without it is neither averaged with nor healed from. Required
-    unless ``bind_host``, the address every listener of this replica serves on, is loopback (see
-    docs/security.md). ``shared_config``: the settings every replica must share (steps, learning
+    unless ``bind_host``, the address every listener of this replica serves on, is loopback,
+    where this account's own secret on this machine stands in (see docs/security.md). ``shared_config``: the settings every replica must share (steps, learning
     rate, round options, ...; JSON-able values): every round checks that its members hold the
     same, and a joining replica whose values differ from its source's is refused, naming them.
     Timeouts in seconds: reaching the lighthouse or a peer, waiting for a quorum (longer than the
     time between two rounds), one collective or heal transfer. ``shard_group``: this replica is
     that group of processes sharding its model with FSDP2 (every process calls this).
+    ``allow_non_finite``: a heal state may hold NaN/inf (else such a state is refused, and the
+    replica keeps its own).
     """
     lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)
     if not lighthouse:
@@ -67,11 +70,12 @@ def fault_tolerant_replica(
             f"no lighthouse: pass lighthouse='host:port' or set ${LIGHTHOUSE_VARIABLE}"
         )
     key = run_key(read_token(auth_token_file), bind_host)
-    if not key.is_secret:
+    if key.origin != "the run's secret":
         logger.warning(
-            "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: any process on this machine "
-            "can join this run (see docs/security.md)",
+            "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
+            "%s; only this account's processes on this machine can join (see docs/security.md)",
             replica_id,
+            key.origin,
         )
     shared = dict(shared_config or {})
     settings = ReplicaSettings(
@@ -84,6 +88,7 @@ def fault_tolerant_replica(
         bind_host=bind_host,
         key=key,
         config_digest=config_digest(shared) if shared else "",
+        allow_non_finite=allow_non_finite,
     )
     replicas = ReplicaGroups(settings, shard_group)
     # before the engine's state: a replica that differs is refused before anything is loaded

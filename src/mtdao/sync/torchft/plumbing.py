@@ -1,15 +1,13 @@
-"""What mtdao adds to torchft's pieces: a process group that knows who is in each quorum and
-forms only with the members that prove they belong to the run (:mod:`.proofs`), the store and
-gloo on the replica's ``--bind-host`` (its manager server: :mod:`.manager_front`), quiet logs,
-and the lighthouse. Heal state travels over
-:mod:`.safe_transport`.
+"""What mtdao adds to torchft's pieces: a process group that forms with the proven members of
+each quorum only (who they are is settled before: :mod:`.proven_manager`), with its rendezvous
+bounded by ``--connect-timeout`` and its sockets on the replica's ``--bind-host``; the store on
+the bind host; quiet logs; and the lighthouse.
 
 This package is the only place that imports torchft.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -27,10 +25,8 @@ from torch import Tensor
 os.environ.setdefault("RUST_LOG", "warn")
 
 from torchft import ProcessGroupGloo  # noqa: E402
-from torchft.process_group import create_store_client  # noqa: E402
 
-from mtdao.sync.torchft.auth import NO_TOKEN, RunKey  # noqa: E402
-from mtdao.sync.torchft.proofs import Claim, exchange_claims  # noqa: E402
+from mtdao.sync.torchft.auth import RunKey  # noqa: E402
 
 # torchft reports what went wrong to its manager, which hands it to us; its own log lines
 # (tracebacks of every failed collective) would bury the one line that matters.
@@ -53,138 +49,57 @@ class QuorumView:
     quorum_id: int = -1
 
 
+@dataclass
+class Refusal:
+    """A quorum member that did not prove it belongs to the run."""
+
+    peer: str
+    """Who it is (its torchft member id): what a refusal is counted by."""
+    line: str
+    """What to say about it."""
+
+
 class MembershipGloo(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group, formed only with the members of each quorum that
-    prove they belong to the run (see :mod:`.proofs`), and remembering who each configuration
-    holds. A joining replica (torchft ``step`` 0) refuses a quorum in which its replica id is
-    taken twice, or whose replicas shard differently from it (process s of each replica averages
-    with process s of every other, so every replica needs the same number of processes); a
-    replica already running discards that round instead. Gloo serves on ``bind_host``."""
+    """torchft's reconfigurable gloo group, formed with the proven members of each quorum only,
+    remembering who they are; with what a replica proves itself with at each quorum (its step,
+    commit count and config: see :mod:`.proofs`).
+
+    The group's rendezvous waits ``rendezvous_timeout`` seconds at most for a member (one that
+    proved itself but does not come), its collectives ``timeout``; gloo serves on
+    ``bind_host``."""
 
     def __init__(
         self,
         replica_id: int,
         timeout: timedelta,
-        key: RunKey | None = None,
+        key: RunKey,
         bind_host: str = "127.0.0.1",
-        proof_wait_s: float = 30.0,
+        rendezvous_timeout: float = 30.0,
     ) -> None:
-        super().__init__(timeout=timeout)
+        super().__init__(timeout=timedelta(seconds=rendezvous_timeout))
+        self.collective_timeout = timeout
         self.replica_id = replica_id
-        self.key = key or RunKey(NO_TOKEN)
-        self.bind_host, self.proof_wait_s = bind_host, proof_wait_s
+        self.key = key
+        self.bind_host = bind_host
         self.quorum = QuorumView()
-        self.group_rank = 0  # this process's rank in its replica
-        self.replica_store: Any = None
-        """The store this replica's processes share (set before a replica of several joins)."""
         self.step = 0
         """torchft's step of this replica at the quorum being formed (0: it is joining)."""
         self.training_step = 0
         """The training step this replica has taken, at the quorum being formed."""
         self.config_digest = ""
         self.refusal: ReplicaRefused | None = None
-        self.refused: list[str] = []
+        self.refused: list[Refusal] = []
         """The members of the last quorum that did not prove they belong to the run."""
-        self._proven: set[int] = set()  # torchft quorum ranks of the proven members
-        self._ranked: list[int] = []  # torchft quorum rank -> replica id
+        self.notes: list[str] = []
+        """What the last quorums did that the replica should say (a refused heal), drained by
+        its driver."""
 
-    def configure(
-        self,
-        store_addr,
-        replica_id,
-        rank,
-        world_size,
-        quorum_id=None,
-        group_rank=None,
-        group_world_size=None,
-        global_ranks=None,
-    ):
-        shards, self.group_rank = group_world_size or 1, group_rank or 0
-        # torchft numbers the processes of a quorum replica_id * shards + group_rank
-        global_ranks = list(global_ranks or [])
-        replicas = [(g - self.group_rank) // shards for g in global_ranks]
-        quorum_id = quorum_id if quorum_id is not None else -1
-        proven = self._prove(store_addr, replicas, rank, world_size, quorum_id)
-        view = QuorumView([replicas[r] for r in proven], proven.index(rank), quorum_id)
-        # members that prove different sets (one with another secret proves only itself) meet
-        # under different keys: with one prefix they overwrote each other's gloo addresses and
-        # shard counts, and no group formed
-        members = "-".join(map(str, proven))
-        self._check_shard_counts(store_addr, members, view, len(proven), shards)
-        # join the group even when refusing: the others then see this replica leave at once,
-        # instead of waiting for it until their collective timeout
-        super().configure(
-            f"{store_addr}/proven/{members}",
-            replica_id,
-            view.rank,
-            len(proven),
-            quorum_id,
-            group_rank,
-            group_world_size,
-            [global_ranks[r] for r in proven],
-        )
-        self.quorum = view
-        if self.step == 0 and view.replicas.count(self.replica_id) > 1:
-            self.refusal = ReplicaRefused(
-                f"replica id {self.replica_id} is already taken in the quorum (replicas "
-                f"{', '.join(map(str, sorted(view.replicas)))}); give each replica its own "
-                "--replica-id"
-            )
-
-    def _prove(
-        self, store_addr: str, replicas: list[int], rank: int, world_size: int, quorum_id: int
-    ) -> list[int]:
-        """The torchft ranks of the quorum members that prove they belong to the run. The first
-        process of each replica exchanges signed claims (every replica has one), and hands the
-        verdict to the replica's other processes through the replica's store."""
-        self._ranked = replicas
-        verdict_key = f"proven/{quorum_id}"
-        if self.group_rank == 0:
-            proven = self._exchange_claims(store_addr, replicas, rank, world_size, quorum_id)
-            if self.replica_store is not None:
-                self.replica_store.set(verdict_key, json.dumps(proven))
-        else:
-            self.replica_store.wait([verdict_key], self._timeout)
-            proven = json.loads(self.replica_store.get(verdict_key))
-        self._proven = set(proven)
-        self.refused = [
-            f"{self._peer(r)}: it did not prove it belongs to the run (no claim signed with this "
-            "run's secret: wrong or missing --auth-token-file / $MTDAO_AUTH_TOKEN); it is not "
-            "averaged with nor healed from"
-            for r in range(world_size)
-            if r not in self._proven
-        ]
-        return proven
-
-    def _exchange_claims(
-        self, store_addr: str, replicas: list[int], rank: int, world_size: int, quorum_id: int
-    ) -> list[int]:
-        mine = Claim(self.replica_id, self.step, self.training_step, self.config_digest)
-        store = create_store_client(f"{store_addr}/claims", self._timeout)
-        context = f"{quorum_id}|{store_addr}|{','.join(map(str, replicas))}"
-        claims = exchange_claims(
-            store, self.key, context, rank, world_size, mine, self.proof_wait_s
-        )
-        proven = [  # a claim must name the replica at its place
-            r for r, c in enumerate(claims) if c is not None and c.replica_id == replicas[r]
-        ]
-        if rank not in proven:
-            raise RuntimeError("this replica's own claim did not verify in the quorum's store")
-        return proven
-
-    def _peer(self, rank: int) -> str:
-        replica = self._ranked[rank] if rank < len(self._ranked) else "?"
-        return f"the peer claiming replica id {replica} (quorum rank {rank})"
-
-    def judge_heal_source(self, rank: int) -> tuple[str, str]:
-        """Whether to take the state of torchft's heal source ``rank`` (see :mod:`.safe_transport`):
-        ``take`` it from a proven member; from any other, ``keep`` this replica's own (its round
-        then checks the step: a replica that was behind sits it out and heals at the next
-        quorum, from a proven member)."""
-        peer = self._peer(rank)
-        if rank in self._proven:
-            return "take", peer
-        return "keep", f"{peer}: it did not prove it belongs to the run"
+    def _opts_hook(self, opts: Any) -> Any:
+        """Every collective waits up to the collective timeout (the group itself was formed
+        with the rendezvous timeout)."""
+        if hasattr(opts, "timeout") and opts.timeout.total_seconds() <= 0:
+            opts.timeout = self.collective_timeout
+        return opts
 
     def _create_pg(self, store, rank: int, world_size: int):
         """torchft's gloo group, its sockets on ``bind_host``."""
@@ -205,70 +120,6 @@ class MembershipGloo(ProcessGroupGloo):
             backend.options.global_ranks_in_group = self._global_ranks
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
         return pg
-
-    def _check_shard_counts(
-        self, store_addr: str, members: str, quorum: QuorumView, world_size: int, shards: int
-    ):
-        """Refuse to pair up with replicas that shard differently: a process with no partner
-        would wait out its collective timeout. So nobody forms a group and the round fails
-        everywhere; a joining replica refuses itself unless its count is the one of most
-        replicas at the newest step (those it would heal from), the others retry at the next
-        quorum.
-
-        torchft gives group rank s of every replica a store of its own (that replicas with fewer
-        processes never reach), so the first process of each replica compares the counts in
-        group rank 0's store, and hands its verdict to the replica's other processes through the
-        replica's own store (``replica_store``)."""
-        verdict_key = f"shards/{quorum.quorum_id}"
-        if self.group_rank == 0:
-            verdict = self._compare_shard_counts(
-                store_addr, members, quorum.rank, world_size, shards
-            )
-            if shards > 1:
-                self.replica_store.set(verdict_key, verdict)
-        else:
-            self.replica_store.wait([verdict_key], self._timeout)
-            verdict = self.replica_store.get(verdict_key).decode()
-        if not verdict:
-            return
-        self.abort(errored=False)
-        self.quorum = quorum
-        decision, theirs = verdict.split(" ", 1)
-        if decision == "refuse":
-            self.refusal = ReplicaRefused(
-                f"this replica has --shards {shards}, but {theirs} in the quorum: the processes "
-                "of replicas pair up shard by shard, so every replica needs the same --shards"
-            )
-        raise RuntimeError(f"{theirs}, this replica {shards}")
-
-    def _compare_shard_counts(
-        self, store_addr: str, members: str, rank: int, world_size: int, shards: int
-    ):
-        """'' when every proven replica of the quorum has ``shards`` processes, else
-        ``refuse|fail`` and who differs (each replica's first process posts its count and
-        torchft step)."""
-        # torchft's address of this group is <store>/torchft/<quorum>/<group rank>
-        quorum_store = store_addr.rsplit("/", 1)[0]
-        store = create_store_client(f"{quorum_store}/shards/{members}", self._timeout)
-        store.set(str(rank), f"{self.replica_id} {shards} {self.step}")
-        store.wait([str(r) for r in range(world_size)], self._timeout)
-        posted = [store.get(str(r)).decode().split() for r in range(world_size)]
-        counts = {int(replica): int(count) for replica, count, _ in posted}
-        if all(count == shards for count in counts.values()):
-            return ""
-        theirs = ", ".join(
-            f"replica {r} has --shards {n}" for r, n in sorted(counts.items()) if n != shards
-        )
-        refuse = self.step == 0 and reference_shard_count(posted) != shards
-        return f"{'refuse' if refuse else 'fail'} {theirs}"
-
-
-def reference_shard_count(posted: list[list[str]]) -> int | None:
-    """The number of processes most replicas at the newest step have (None: no majority)."""
-    newest = max(int(step) for _, _, step in posted)
-    counts = [int(count) for _, count, step in posted if int(step) == newest]
-    common = max(set(counts), key=counts.count)
-    return common if 2 * counts.count(common) > len(counts) else None
 
 
 def listening_store(bind_host: str) -> dist.TCPStore:

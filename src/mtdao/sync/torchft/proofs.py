@@ -1,63 +1,182 @@
-"""Who is in a quorum, proven: every member signs who it is.
+"""Who is in a quorum, proven: every member signs who it is, fresh for each quorum.
 
-torchft's lighthouse lets any process that reaches it into a quorum, and its step (the number of
-commits) is what decides who heals from whom. So whenever the membership changes (torchft then
-configures a new process group) every member posts a signed :class:`Claim` (its replica id,
-commit count, training step and config digest, bound to the quorum and the member's place in it)
-to the quorum's store and checks everyone else's. A member whose claim is missing or does not
-verify is not one of the run's replicas: nobody forms a process group with it or takes its state.
-Whether the members agree on step and config is checked at every round (:mod:`.round_identity`).
+torchft's lighthouse lets any process that reaches it into a quorum, with whatever step it
+claims. So each replica asks the lighthouse for its quorum with a signed :class:`Claim` attached
+(its replica id, torchft member id, commit count, training step, config digest, where it serves,
+and a nonce drawn for this request), and the lighthouse hands every member every claim with the
+quorum. A member is proven in two steps, both bounded in time:
+
+1. **Its claim verifies** (:func:`read_claim`): signed with this run's secret (HMAC-SHA256, see
+   :mod:`.auth`), naming the member that sent it, with a nonce not seen before. A peer without
+   the secret has nothing that verifies and is refused at once, whatever it claims; nothing waits
+   for it.
+2. **It confirms this very quorum** (:func:`confirm_quorum`): a claim is public once a quorum
+   carried it, so a stranger could hand one in again under the member's id. Each candidate
+   therefore signs the quorum's digest (every candidate's nonce and the lighthouse's quorum id:
+   :func:`quorum_digest`) into its own store, under a key only holders of the secret can name,
+   and every member reads each candidate's confirmation from the store its claim names. A
+   replayed claim names a store where no such confirmation appears (its owner is gone, or it
+   did not send that claim and confirms nothing): refused after at most ``wait_s``.
+
+Members then form their round with the proven members only (:mod:`.quorum_plan`), heal only from
+them, and bind heal states and their requests to the same digest (:mod:`.safe_transport`).
+Whether the members stand at one step and config is checked at every round
+(:mod:`.round_identity`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import time
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
 from mtdao.sync.torchft.auth import RunKey
 
+DATA_KEY = "mtdao"
+"""Where a claim travels in a member's quorum request (torchft's ``data``)."""
+
 
 @dataclass(frozen=True)
 class Claim:
     replica_id: int
+    """The replica's ``--replica-id``."""
+    member: str
+    """torchft's id of this replica's manager (``<replica id>:<uuid>``): one per manager life."""
     commits: int
     """torchft's step: rounds this replica committed."""
     step: int
     """The training step this replica has taken."""
     config: str
     """Digest of the settings every replica must share."""
+    shards: int
+    """The replica's processes (``--shards``)."""
+    store: str
+    """``host:port`` of the replica's store (its confirmations, and a round's rendezvous)."""
+    heal: tuple[str, ...]
+    """The heal server of each of its processes, in process order."""
+    commit_failures: int = 0
+    """Rounds this replica failed to commit in a row (the round's group is rebuilt then)."""
+    nonce: str = ""
+    """Drawn for this one quorum request."""
+
+    def body(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
 
 
-def exchange_claims(
-    store: Any, key: RunKey, context: str, rank: int, world_size: int, mine: Claim, wait_s: float
-) -> list[Claim | None]:
-    """Post this member's signed claim at ``rank`` and read every member's: a claim that is
-    missing after ``wait_s`` seconds, or whose signature fails, is None."""
-    body = json.dumps(asdict(mine), sort_keys=True)
-    store.set(f"claim/{rank}", json.dumps({"claim": body, "sig": key.sign(context, rank, body)}))
-    deadline = time.monotonic() + wait_s
-    claims: list[Claim | None] = []
-    for other in range(world_size):
-        remaining = max(0.05, deadline - time.monotonic())
-        try:
-            store.wait([f"claim/{other}"], timedelta(seconds=remaining))
-            posted = json.loads(store.get(f"claim/{other}"))
-        except Exception:  # never posted (a timeout), or not JSON: unproven either way
-            claims.append(None)
-            continue
-        claims.append(verified(posted, key, context, other))
-    return claims
+def new_nonce() -> str:
+    return secrets.token_hex(16)
 
 
-def verified(posted: Any, key: RunKey, context: str, rank: int) -> Claim | None:
-    if not isinstance(posted, dict):
-        return None
-    if not key.verifies(posted.get("sig"), context, rank, posted.get("claim")):
-        return None
+def claim_data(claim: Claim, key: RunKey) -> dict[str, str]:
+    """The ``data`` of a quorum request carrying ``claim``, signed."""
+    body = claim.body()
+    return {DATA_KEY: json.dumps({"claim": body, "sig": key.sign("claim", body)})}
+
+
+def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, str]:
+    """(the claim quorum member ``member_id`` sent, "") or (None, why it proves nothing)."""
+    posted = data.get(DATA_KEY) if isinstance(data, dict) else None
+    if posted is None:
+        return None, "it sent no claim (not an mtdao replica of this run)"
     try:
-        return Claim(**json.loads(posted["claim"]))
-    except (TypeError, ValueError):
-        return None
+        posted = json.loads(posted)
+        body, signature = posted["claim"], posted["sig"]
+    except (TypeError, ValueError, KeyError):
+        return None, "its claim is not readable"
+    if not key.verifies(signature, "claim", body):
+        return None, "its claim is not signed with this run's secret"
+    try:
+        fields = json.loads(body)
+        fields["heal"] = tuple(fields["heal"])
+        claim = Claim(**fields)
+    except (TypeError, ValueError, KeyError):
+        return None, "its claim is not readable"
+    if claim.member != member_id:
+        return None, f"its claim was made by another member ({_short(claim.member)})"
+    return claim, ""
+
+
+class SeenNonces:
+    """The nonces of the claims this replica has read, the newest ``limit``: a claim handed in
+    again (a replay) has one of them; a member's own claims never repeat one."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def first_time(self, nonce: str) -> bool:
+        if not nonce or nonce in self._seen:
+            return False
+        self._seen[nonce] = None
+        if len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
+        return True
+
+
+def quorum_digest(quorum_id: int, claims: Sequence[Claim]) -> str:
+    """What binds everything signed in one quorum to it: the lighthouse's quorum id (which a
+    restarted lighthouse repeats) and every candidate's nonce (which nobody repeats)."""
+    digest = hashlib.sha256()
+    for field in [str(quorum_id), *sorted(f"{c.member}|{c.nonce}" for c in claims)]:
+        data = field.encode()  # length-prefixed: no two lists of fields hash alike
+        digest.update(len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
+
+
+def confirmation_key(key: RunKey, digest: str) -> str:
+    """Where a member's confirmation of quorum ``digest`` lies in its store: a key only holders
+    of the secret can name (a stranger who reaches the store can neither find nor overwrite
+    it)."""
+    return f"mtdao/confirm/{key.sign('confirmation key', digest)[:32]}"
+
+
+def confirm_quorum(
+    open_store: Callable[[str], Any],
+    key: RunKey,
+    digest: str,
+    me: Claim,
+    candidates: Sequence[Claim],
+    wait_s: float,
+    keep: bool = True,
+) -> dict[str, str]:
+    """Post this member's confirmation of quorum ``digest`` in its own store (unless ``keep`` is
+    False: this member does not stand behind the quorum's claim in its name), then read every
+    other candidate's from the store its claim names, all at once, for at most ``wait_s``.
+    Returns {member: why it is not confirmed} for the candidates that are not.
+    ``open_store(address)`` gives a store client for ``host:port``."""
+    name = confirmation_key(key, digest)
+    if keep:
+        open_store(me.store).set(name, key.sign("confirm", digest, me.member))
+    others = [c for c in candidates if c.member != me.member]
+
+    def confirmation(claim: Claim) -> str:
+        try:
+            store = open_store(claim.store)
+            store.wait([name], timedelta(seconds=wait_s))
+            signature = store.get(name).decode()
+        except Exception as error:  # unreachable, or nothing posted in time
+            return f"it did not confirm this quorum within {wait_s:g} s ({_first_line(error)})"
+        if not key.verifies(signature, "confirm", digest, claim.member):
+            return "its confirmation of this quorum is not signed with this run's secret"
+        return ""
+
+    if not others:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(others))) as pool:
+        verdicts = list(pool.map(confirmation, others))
+    return {c.member: why for c, why in zip(others, verdicts) if why}
+
+
+def _short(member: str) -> str:
+    return member if len(member) <= 48 else member[:45] + "..."
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:120] if text else type(error).__name__

@@ -38,6 +38,9 @@ class Quorum:
         """The step whose round the open quorum was formed for (None: none, or it failed)."""
         self.unreachable: str | None = None
         """Why no quorum can form now (the lighthouse is away), or None."""
+        self.discarded: str | None = None
+        """Why the round of the open quorum was discarded before it began (its group did not
+        form: the step trains on locally), or None."""
         self.before_collective: Callable[[], None] | None = None
         """Called before each blocking sum of a round (a fault drill holds a replica there)."""
 
@@ -59,6 +62,8 @@ class Quorum:
         """Raise unless a round is open (a discard while the lighthouse is away)."""
         if self.unreachable is not None:
             raise RoundNotCommitted(f"no round: {self.unreachable}")
+        if self.discarded is not None:
+            raise RoundNotCommitted(self.discarded)
         if not self.open:
             raise RuntimeError(
                 "no round in progress: the engine prepares each round's quorum before the step "

@@ -15,16 +15,16 @@ from torch import Tensor
 from torchft import Manager
 
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
-from mtdao.sync.communicator import Communicator, Stateful
+from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.torchft import connection, round_identity
-from mtdao.sync.torchft.auth import NO_TOKEN, RunKey
+from mtdao.sync.torchft.auth import RunKey, run_key
 from mtdao.sync.torchft.healing import HealedState
 from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.sync.torchft.plumbing import (
     MembershipGloo,
     QuorumError,
-    create_store_client,
+    Refusal,
     first_line,
     listening_store,
 )
@@ -54,10 +54,13 @@ class ReplicaSettings:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     bind_host: str = "127.0.0.1"
     """The address every listener of this replica serves on (manager, store, gloo, heal)."""
-    key: RunKey = field(default_factory=lambda: RunKey(NO_TOKEN), repr=False)
-    """The run's secret: what a peer proves it belongs to the run with (see :mod:`.auth`)."""
+    key: RunKey | None = field(default=None, repr=False)
+    """The run's secret: what a peer proves it belongs to the run with (see :mod:`.auth`);
+    None: this account's secret on this machine (a replica on loopback only)."""
     config_digest: str = ""
     """Digest of the settings every replica must share: a member with another sits out."""
+    allow_non_finite: bool = False
+    """Whether a heal state may hold NaN/inf (a run that leaves non-finite replicas out)."""
 
     @property
     def lighthouse_url(self) -> str:
@@ -107,12 +110,13 @@ class ReplicaGroups(Communicator):
     ) -> None:
         self.settings = settings
         self.replica_id = settings.replica_id
+        self.key = settings.key or run_key(None, settings.bind_host)
         self.process_group = MembershipGloo(
             settings.replica_id,
             timedelta(seconds=settings.collective_timeout),
-            settings.key,
+            self.key,
             settings.bind_host,
-            proof_wait_s=settings.connect_timeout,
+            rendezvous_timeout=settings.connect_timeout,
         )
         self.process_group.config_digest = settings.config_digest
         self.quorum = Quorum(self.process_group, ReplicaProcesses())
@@ -172,8 +176,7 @@ class ReplicaGroups(Communicator):
         """A heal transport and this process's manager (group rank 0's first); why not, if so."""
         settings = self.settings
         timeout = timedelta(seconds=settings.collective_timeout)
-        judge = self.process_group.judge_heal_source
-        self.heal_transport = SignedHealTransport(settings.key, settings.bind_host, timeout, judge)
+        self.heal_transport = SignedHealTransport(self.key, settings.bind_host, timeout)
         store, failure, manager = None, None, None
         start = (settings, self.processes, self.process_group, self.heal_transport)
         if self.processes.rank == 0:
@@ -186,14 +189,8 @@ class ReplicaGroups(Communicator):
             self.heal_transport.shutdown(wait=False)
             return failure
         self.quorum.manager = manager
-        if self.processes.size > 1:
-            address = f"{store[0]}:{store[1]}/mtdao"
-            self.process_group.replica_store = create_store_client(address, timeout)
-        self.heal_transport.own_progress = manager.state_dict
         for key, state in self._tracked.items():
-            manager.register_state_dict_fn(
-                key, connection.unless_kept(state.load_state_dict), state.state_dict
-            )
+            manager.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
         return None
 
     def _back_in_touch(self, step: int) -> bool:
@@ -244,11 +241,17 @@ class ReplicaGroups(Communicator):
         """The replicas of the current quorum whose state goes into its round (not the stale)."""
         return [r for r in self.replicas if r not in self._sitting_out]
 
-    @property
-    def refused(self) -> list[str]:
-        """The peers of the last quorum formed that did not prove they belong to the run, also
-        when that quorum's group then failed to form."""
-        return list(self.process_group.refused)
+    def refused(self) -> list[Refusal]:
+        """The peers that did not prove they belong to the run in the quorums since the last
+        call (also when a quorum's group then failed to form), each refusal once."""
+        refused, self.process_group.refused = self.process_group.refused, []
+        return refused
+
+    def notes(self) -> list[str]:
+        """What the quorums since the last call did that this replica should say (a heal state
+        it refused), each once."""
+        notes, self.process_group.notes = self.process_group.notes, []
+        return notes
 
     @property
     def quorum_rank(self) -> int:
@@ -311,13 +314,19 @@ class ReplicaGroups(Communicator):
         coming = self._training_step + 1  # after a heal, the step its source takes next
         self.quorum.prepared = coming
         self.process_group.training_step = self._training_step
-        self.quorum.check()  # a group that did not form (a peer's gloo timed out): discarded
-        self._sitting_out, self._stale = round_identity.check(  # see round_identity
-            self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.settings
-        )
+        try:
+            self.quorum.check()  # a group that did not form (a member did not come)
+            self._sitting_out, self._stale = round_identity.check(  # see round_identity
+                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.settings
+            )
+            if not (self._final or round_due(coming)):
+                self._empty_round()
+        except RoundNotCommitted as failure:
+            if not self._joined:  # a joiner asks again at once (not before: see below)
+                raise
+            self.quorum.discarded, self.quorum.prepared = str(failure), coming
+            return start  # the step trains on locally; its round is discarded in it
         start.stale = self._stale
-        if not (self._final or round_due(coming)):
-            self._empty_round()
         self._joined = True  # not before: a joiner whose first quorum failed asks again at once
         return start
 
@@ -332,7 +341,7 @@ class ReplicaGroups(Communicator):
         before = list(self.replicas)
         self.process_group.step = self.manager.current_step()
         self._heal, self._fresh = None, False
-        self._stale, self._sitting_out = None, []
+        self._stale, self._sitting_out, self.quorum.discarded = None, [], None
         if self.before_quorum is not None:
             self.before_quorum()
         started = time.perf_counter()

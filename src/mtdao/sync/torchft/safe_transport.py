@@ -1,17 +1,16 @@
-"""Heal state over HTTP that cannot carry code, from proven peers only.
+"""Heal state over HTTP that cannot carry code, bound to one quorum, one sender and one receiver.
 
 torchft's own HTTP transport unpickles what a peer sends (``weights_only=False``): a process that
 joins a quorum claiming a later step runs code in every replica that heals from it. This transport
-replaces it. A state is sent as ``torch.save`` bytes of tensors and plain data, signed with the
-run's secret (HMAC over the step and the bytes); the receiver checks the signature before reading
-a byte of it and reads it with ``torch.load(weights_only=True)``, which builds tensors and plain
-containers only. A request for a state must be signed too (the state is the model). It serves on
-the replica's ``--bind-host``.
-
-Before fetching, the transport asks its ``judge`` about the peer torchft chose as the source:
-``take`` its state, ``keep`` this replica's own (the source is not a proven member, and this
-replica is at the round's reference: nothing to heal), or ``refuse`` (raise :class:`HealRefused`,
-so this replica's round fails and it heals at a later quorum).
+replaces it. A state is sent as ``torch.save`` bytes of tensors and plain data; a healing member
+asks a proven source for it (:mod:`.proven_manager` chooses which), with a request signed with the
+run's secret over the quorum's digest (:func:`~.proofs.quorum_digest`), the source, itself, its
+process and the step; the source answers only a request it can verify, from a member of its
+quorum, and signs its answer over the same fields and the bytes' SHA-256. The receiver checks
+that signature before reading a byte and loads the bytes with ``torch.load(weights_only=True)``,
+which builds tensors and plain containers only. So a captured request or state is good for
+nothing else: another quorum (or lighthouse life), another receiver, another process, another
+step all fail their signatures. Every heal server is on the replica's ``--bind-host``.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import io
 import re
 import socket
 import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -33,36 +32,48 @@ from torchft.checkpointing.transport import CheckpointTransport
 from mtdao.sync.torchft.auth import RunKey
 
 SIGNATURE_HEADER = "X-Mtdao-Signature"
+RECEIVER_HEADER = "X-Mtdao-Receiver"
 URL_PATTERN = re.compile(r"^http://[^/?#\s]+/heal/$")
+QUORUM_SKEW_S = 5.0
+"""How long a heal request signed for a quorum this replica has not opened yet waits for it."""
 
 
 class HealRefused(ConnectionError):
-    """A peer's heal state was not taken: the peer did not prove it belongs to the run."""
+    """A peer's heal state was not taken (unreachable, unsigned, not loadable)."""
 
 
-class KeepOwnState(dict):
-    """The 'user' part of a heal that keeps every tracked state as it is."""
+@dataclass(frozen=True)
+class HealBinding:
+    """What a state and its request are bound to: the quorum, the source, the receiver, the
+    process (group rank: each process of a replica heals its own shards) and the step."""
 
-    def __missing__(self, key: str) -> KeepOwnState:
-        return self
+    digest: str
+    source: str
+    receiver: str
+    group_rank: int
+    step: int
+
+    def fields(self) -> tuple[object, ...]:
+        return (self.digest, self.source, self.receiver, self.group_rank, self.step)
 
 
-def keeps_own_state(state: Any) -> bool:
-    return isinstance(state, KeepOwnState)
+@dataclass(frozen=True)
+class Quorum:
+    """The quorum this process serves in: its digest, this replica's member id, this process,
+    and the members that may ask for its state."""
+
+    digest: str
+    member: str
+    group_rank: int
+    receivers: frozenset[str]
 
 
 class SignedHealTransport(CheckpointTransport):
-    def __init__(
-        self,
-        key: RunKey,
-        bind_host: str,
-        timeout: timedelta,
-        judge: Callable[[int], tuple[str, str]],
-    ) -> None:
-        self.key, self.judge, self.timeout = key, judge, timeout
+    def __init__(self, key: RunKey, bind_host: str, timeout: timedelta) -> None:
+        self.key, self.timeout = key, timeout
         self.received_bytes = 0
-        self.own_progress: Callable[[], dict] = lambda: {"step": 0, "batches_committed": 0}
-        self._served: tuple[int, bytes, str] | None = None  # step, payload, signature
+        self.quorum: Quorum | None = None
+        self._served: tuple[int, bytes, str] | None = None  # step, payload, its SHA-256
         self._ready = threading.Condition()
         self._server = _server(bind_host, self)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -76,20 +87,51 @@ class SignedHealTransport(CheckpointTransport):
         host, port = self._server.advertised, self._server.server_address[1]
         return f"http://{host}:{port}/heal/"
 
-    def send_checkpoint(self, dst_ranks, step: int, state_dict: Any, timeout) -> None:
+    def open(self, quorum: Quorum) -> None:
+        """Answer requests signed for ``quorum`` from now on (before its state is ready: a
+        request waits for that)."""
+        with self._ready:
+            self.quorum = quorum
+            self._ready.notify_all()
+
+    def serve(self, step: int, state_dict: Any) -> None:
+        """Serve ``state_dict`` (a CPU copy) as this process's state at ``step`` in the quorum
+        opened last, until :meth:`disallow_checkpoint`."""
         buffer = io.BytesIO()
         torch.save(state_dict, buffer)
         payload = buffer.getvalue()
         with self._ready:
-            self._served = (step, payload, self.key.sign("heal", step, _sha(payload)))
+            self._served = (step, payload, _sha(payload))
             self._ready.notify_all()
+
+    def send_checkpoint(self, dst_ranks, step: int, state_dict: Any, timeout) -> None:
+        raise NotImplementedError("a state is served bound to its quorum: serve()")
 
     def disallow_checkpoint(self) -> None:
         with self._ready:
             self._served = None  # the healed peers have it by now
 
+    def verified(self, step: int, receiver: str, signature: str | None) -> HealBinding | None:
+        """The binding of a request for the state at ``step`` that verifies (None: it does not,
+        or ``receiver`` is no member of the quorum). A request may come from a member that
+        learned of a new quorum a moment before this replica did: it waits up to
+        QUORUM_SKEW_S for this replica to open that quorum."""
+        with self._ready:
+            binding = None
+
+            def matches() -> bool:
+                nonlocal binding
+                quorum = self.quorum
+                if quorum is None or receiver not in quorum.receivers:
+                    return False
+                fields = (quorum.digest, quorum.member, receiver, quorum.group_rank, step)
+                binding = HealBinding(*fields)
+                return self.key.verifies(signature, "fetch", *binding.fields())
+
+            return binding if self._ready.wait_for(matches, QUORUM_SKEW_S) else None
+
     def served(self, step: int) -> tuple[bytes, str] | None:
-        """The state for ``step``, once it is ready (None after the timeout)."""
+        """The state served at ``step`` and its SHA-256, once ready (None after the timeout)."""
         with self._ready:
             ready = self._ready.wait_for(
                 lambda: self._served is not None and self._served[0] == step,
@@ -97,29 +139,35 @@ class SignedHealTransport(CheckpointTransport):
             )
             return self._served[1:] if ready else None
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout) -> Any:
-        verdict, peer = self.judge(src_rank)
-        if verdict == "keep":
-            return {"torchft": self.own_progress(), "user": KeepOwnState()}
-        if verdict == "refuse":
-            raise HealRefused(f"not healing from {peer}")
-        if not isinstance(metadata, str) or not URL_PATTERN.match(metadata):
-            raise HealRefused(f"not healing from {peer}: its heal address {metadata!r} is no URL")
-        url = f"{metadata}{step}"
-        request = Request(url, headers={SIGNATURE_HEADER: self.key.sign("fetch", step)})
+    def fetch(self, url: str, binding: HealBinding, peer: str) -> Any:
+        """The state ``peer`` serves at ``url`` (its heal address), as ``binding`` names it;
+        HealRefused says why not (``peer`` describes the source for people)."""
+        if not isinstance(url, str) or not URL_PATTERN.match(url):
+            raise HealRefused(f"not healing from {peer}: its heal address {url!r} is no URL")
+        url = f"{url}{binding.step}"
+        headers = {
+            SIGNATURE_HEADER: self.key.sign("fetch", *binding.fields()),
+            RECEIVER_HEADER: binding.receiver,
+        }
         try:
-            with urlopen(request, timeout=timeout.total_seconds()) as response:
-                signature, payload = response.headers.get(SIGNATURE_HEADER), response.read()
+            with urlopen(Request(url, headers=headers), timeout=self.timeout.total_seconds()) as r:
+                signature, payload = r.headers.get(SIGNATURE_HEADER), r.read()
         except OSError as error:
             raise HealRefused(f"{peer} at {url} did not send its state: {error}") from None
-        if not self.key.verifies(signature, "heal", step, _sha(payload)):
+        if not self.key.verifies(signature, "heal", *binding.fields(), _sha(payload)):
             raise HealRefused(
-                f"{peer} at {url} sent a state not signed with this run's secret (wrong or "
-                "missing --auth-token-file / $MTDAO_AUTH_TOKEN): refused, nothing of it was read"
+                f"{peer} at {url} sent a state not signed for this quorum and this replica with "
+                "this run's secret: refused, nothing of it was read"
             )
-        state = torch.load(io.BytesIO(payload), weights_only=True)
+        try:
+            state = torch.load(io.BytesIO(payload), weights_only=True)
+        except Exception as error:  # signed, yet damaged: a faulty member, not an attack
+            raise HealRefused(f"{peer} sent a state that does not load: {_first(error)}") from None
         self.received_bytes = len(payload)
         return state
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout) -> Any:
+        raise NotImplementedError("a state is fetched bound to its quorum: fetch()")
 
     def shutdown(self, wait: bool = True) -> None:
         self._server.shutdown()
@@ -129,7 +177,7 @@ class SignedHealTransport(CheckpointTransport):
 
 
 class HealRequests(BaseHTTPRequestHandler):
-    """``GET /heal/<step>`` with a signed request: the state served for that step."""
+    """``GET /heal/<step>``, signed for this quorum, this source and the receiver it names."""
 
     server: Any
 
@@ -139,19 +187,20 @@ class HealRequests(BaseHTTPRequestHandler):
         if match is None:
             self.send_error(404)
             return
-        step = int(match.group(1))
-        if not transport.key.verifies(self.headers.get(SIGNATURE_HEADER), "fetch", step):
-            self.send_error(403, "not signed with this run's secret")
+        step, receiver = int(match.group(1)), self.headers.get(RECEIVER_HEADER, "")
+        binding = transport.verified(step, receiver, self.headers.get(SIGNATURE_HEADER))
+        if binding is None:
+            self.send_error(403, "not signed for this quorum with this run's secret")
             return
         served = transport.served(step)
         if served is None:
             self.send_error(409, f"no state served for step {step}")
             return
-        payload, signature = served
+        payload, sha = served
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(payload)))
-        self.send_header(SIGNATURE_HEADER, signature)
+        self.send_header(SIGNATURE_HEADER, transport.key.sign("heal", *binding.fields(), sha))
         self.end_headers()
         self.wfile.write(payload)
 
@@ -181,3 +230,8 @@ def advertised_host(bind_host: str) -> str:
 
 def _sha(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
+
+
+def _first(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:200]

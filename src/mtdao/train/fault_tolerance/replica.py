@@ -106,7 +106,7 @@ class ReplicaDriver(LoopHooks):
         self.discarded: list[dict[str, Any]] = []
         self.quorums = 0
         self.lighthouse_away = False  # rounds are skipped until a quorum forms again
-        self.refused: set[str] = set()  # the unproven peers of the last quorum
+        self.refusals = None  # what is said of the unproven peers (a RefusalLog, once built)
         self.is_main = True
         """The replica's first process: it speaks, and writes the replica's records."""
 
@@ -120,7 +120,9 @@ class ReplicaDriver(LoopHooks):
             connect_timeout=config.connect_timeout,
             quorum_timeout=config.quorum_timeout,
             collective_timeout=config.collective_timeout,
+            allow_non_finite=config.on_non_finite == "skip",
         )
+        self.refusals = self.torchft.RefusalLog()
         self.is_main = process.rank == 0
         run = build_run(config, process, communicator=self.replicas, worker_index=config.replica_id)
         self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id, self.is_main)
@@ -129,10 +131,12 @@ class ReplicaDriver(LoopHooks):
         self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
         self._say(f"serving on {config.bind_host}: {self.replicas.listeners()}")
-        if not self.replicas.settings.key.is_secret:
+        key = self.replicas.key
+        if key.origin != "the run's secret":
             self._say(
-                "no --auth-token-file or $MTDAO_AUTH_TOKEN: any process on this machine can join "
-                "this run (see docs/security.md)"
+                f"no --auth-token-file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
+                f"{key.origin}; only this account's processes on this machine can join (see "
+                "docs/security.md)"
             )
         return run
 
@@ -243,12 +247,10 @@ class ReplicaDriver(LoopHooks):
         self.events.write(record)
 
     def _report_refused(self, run: Run) -> None:
-        """The unproven peers of the last quorum, each once while it stays in the quorums."""
-        refused = self.replicas.refused
-        for peer in refused:
-            if peer not in self.refused:
-                self._say(f"step {run.step}: refused {peer}")
-        self.refused = set(refused)
+        """The unproven peers of the last quorum (each once a minute at most, see
+        :mod:`mtdao.sync.torchft.refusals`) and the heal states refused since the last report."""
+        for line in self.refusals.lines(self.replicas.refused()) + self.replicas.notes():
+            self._say(f"step {run.step}: {line}")
 
     def _discarded(self, run: Run, failure: RoundNotCommitted) -> None:
         self._report_refused(run)  # also for a quorum whose group did not form

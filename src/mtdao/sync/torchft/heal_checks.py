@@ -1,0 +1,217 @@
+"""Whether a heal state may be applied: checked against the receiving replica's own state first.
+
+A member with the run's secret is trusted not to be malicious, but it can be faulty (a bug, a
+bit flip, a diverged replica), and the replica that heals from it would carry its fault on, or
+stop: a NaN became "training loss is NaN at step 1 ... lower --lr", an int64 tensor was cast
+silently into a float32 state, a state of the wrong shape stopped the healthy receiver. So before
+anything is loaded, every tensor of the state must have the key, shape and dtype the receiver's
+own tensor has, and a finite value unless the run allows non-finite states; the state must be at
+the commit count and training step its sender proved at the quorum. What the receiver does not
+hold yet (optimizer states before its first step, rounds in flight) must fit what it does hold:
+an optimizer state is a counter or shaped like its parameter, an element of a list is shaped like
+the list's first element here. :func:`heal_problem` names the first key that fails, in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+TRAINED_STATE = frozenset({"params", "optimizer", "sync"})
+"""The keys of a trained state (:class:`~mtdao.sync.trained_state.TrainedState`)."""
+
+
+def heal_problem(
+    received: Any, own: dict[str, Any], commits: int, step: int, allow_non_finite: bool = False
+) -> str | None:
+    """Why ``received`` (a heal state: ``{"torchft": {...}, "user": {key: state}}``) may not
+    replace this replica's ``own`` user state (None: it may). ``commits`` and ``step`` are the
+    commit count and training step its sender proved."""
+    checker = _Checker(allow_non_finite, step)
+    if not isinstance(received, dict) or set(received) != {"torchft", "user"}:
+        return "the state is not a heal state (it needs 'torchft' and 'user')"
+    progress = received["torchft"]
+    if not isinstance(progress, dict) or progress.get("step") != commits:
+        found = progress.get("step") if isinstance(progress, dict) else progress
+        return f"torchft.step is {found!r}, its sender proved {commits} commits"
+    return checker.compare(received["user"], own, "")
+
+
+class _Checker:
+    def __init__(self, allow_non_finite: bool, step: int) -> None:
+        self.allow_non_finite, self.step = allow_non_finite, step
+
+    def compare(self, received: Any, own: Any, path: str) -> str | None:
+        if isinstance(own, Tensor):
+            return self._tensor(received, own, path)
+        if isinstance(own, dict):
+            if not isinstance(received, dict):
+                return f"{path or 'the state'} is a {_kind(received)}, here a dict"
+            if set(own) >= TRAINED_STATE:
+                return self._trained(received, own, path)
+            return self._dict(received, own, path)
+        if isinstance(own, (list, tuple)):
+            return self._sequence(received, own, path)
+        return _scalar(received, own, path)
+
+    def _tensor(self, received: Any, own: Tensor | None, path: str) -> str | None:
+        if not isinstance(received, Tensor):
+            return f"{path} is a {_kind(received)}, here a tensor"
+        if own is not None and received.dtype != own.dtype:
+            return f"{path} is {_dtype(received)}, here {_dtype(own)}"
+        if own is not None and received.shape != own.shape:
+            return f"{path} has shape {_shape(received)}, here {_shape(own)}"
+        if not self.allow_non_finite and _non_finite(received):
+            return f"{path} holds NaN/inf"
+        return None
+
+    def _dict(self, received: dict, own: dict, path: str) -> str | None:
+        if not _holds_tensors(own) and not _holds_tensors(received):
+            return None  # plain records (counters by kind, settings) may differ
+        # a record by index (residuals by tensor) fills as rounds come: the entries this
+        # replica does not hold yet are checked for what can be checked without them
+        by_index = all(_is_index(key) for key in (*own, *received))
+        for key in own:
+            if key not in received and not by_index:
+                return f"{_join(path, key)} is missing"
+        for key in received:
+            if key not in own and not by_index:
+                return f"{_join(path, key)} is no part of this replica's state"
+        for key, value in received.items():
+            where = _join(path, key)
+            problem = (
+                self.compare(value, own[key], where) if key in own else self._leaves(value, where)
+            )
+            if problem:
+                return problem
+        return None
+
+    def _sequence(self, received: Any, own: Sequence, path: str) -> str | None:
+        if not isinstance(received, (list, tuple)):
+            return f"{path} is a {_kind(received)}, here a list"
+        if len(received) == len(own):
+            pairs = zip(received, own)
+        else:  # a record that grows (rounds, events): each element like this replica's first
+            pairs = ((item, own[0] if own else None) for item in received)
+        for index, (item, mine) in enumerate(pairs):
+            where = _join(path, index)
+            problem = self._leaves(item, where) if mine is None else self.compare(item, mine, where)
+            if problem:
+                return problem
+        return None
+
+    def _trained(self, received: dict, own: dict, path: str) -> str | None:
+        """A trained state: the parameters exactly; the optimizer's states like this replica's
+        where it has them, else shaped like their parameter; the engine at the proven step."""
+        optimizer, own_optimizer = received.get("optimizer"), own["optimizer"]
+        rest = {key: value for key, value in received.items() if key != "optimizer"}
+        own_rest = {key: value for key, value in own.items() if key != "optimizer"}
+        problem = self._dict({**rest, "optimizer": None}, {**own_rest, "optimizer": None}, path)
+        if problem:
+            return problem
+        sync_step = received["sync"].get("step")
+        if sync_step != self.step:
+            where = _join(path, "sync.step")
+            return f"{where} is {sync_step!r}, its sender proved step {self.step}"
+        params = list(own["params"].values())
+        return self._optimizer(optimizer, own_optimizer, params, _join(path, "optimizer"))
+
+    def _optimizer(self, received: Any, own: dict, params: list[Tensor], path: str) -> str | None:
+        if not isinstance(received, dict) or set(received) != set(own):
+            return f"{path} is not an optimizer's state_dict like this replica's"
+        groups = f"{path}.param_groups"
+        problem = self.compare(received["param_groups"], own["param_groups"], groups)
+        if problem:
+            return problem
+        states, own_states = received["state"], own["state"]
+        if not isinstance(states, dict):
+            return f"{path}.state is a {_kind(states)}, here a dict"
+        for index, state in states.items():
+            where = f"{path}.state.{index}"
+            if not isinstance(index, int) or not 0 <= index < len(params):
+                return f"{where} names no parameter of this replica"
+            if index in own_states:
+                problem = self.compare(state, own_states[index], where)
+            else:  # no step taken here yet: each state a counter or shaped like its parameter
+                problem = self._fresh_state(state, params[index], where)
+            if problem:
+                return problem
+        return None
+
+    def _fresh_state(self, state: Any, param: Tensor, path: str) -> str | None:
+        if not isinstance(state, dict):
+            return f"{path} is a {_kind(state)}, here a dict"
+        for key, value in state.items():
+            where = _join(path, key)
+            if isinstance(value, Tensor) and value.dim() > 0:
+                if value.shape != param.shape:
+                    return f"{where} has shape {_shape(value)}, its parameter {_shape(param)}"
+                if value.is_floating_point() != param.is_floating_point():
+                    return f"{where} is {_dtype(value)}, its parameter {_dtype(param)}"
+            problem = self._leaves(value, where)
+            if problem:
+                return problem
+        return None
+
+    def _leaves(self, value: Any, path: str) -> str | None:
+        """What is left to check of a value this replica has no counterpart of: finite."""
+        if isinstance(value, Tensor):
+            return self._tensor(value, None, path)
+        if isinstance(value, dict):
+            items: Any = value.items()
+        else:
+            items = enumerate(value) if isinstance(value, (list, tuple)) else ()
+        for key, item in items:
+            problem = self._leaves(item, _join(path, key))
+            if problem:
+                return problem
+        return None
+
+
+def _scalar(received: Any, own: Any, path: str) -> str | None:
+    """A plain value (a counter, a setting) may differ; a tensor or container in its place may
+    not."""
+    if isinstance(received, (Tensor, dict, list, tuple)):
+        return f"{path} is a {_kind(received)}, here a {_kind(own)}"
+    return None
+
+
+def _is_index(key: object) -> bool:
+    return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(item) for item in value)
+    return False
+
+
+def _non_finite(tensor: Tensor) -> bool:
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return not bool(torch.isfinite(tensor).all())
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"{_dtype(value)} tensor"
+    return type(value).__name__
+
+
+def _dtype(tensor: Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _shape(tensor: Tensor) -> str:
+    return str(tuple(tensor.shape))

@@ -1,0 +1,362 @@
+"""A replica's torchft Manager whose quorums hold proven members only, and whose heals are checked.
+
+torchft's Manager asks its own manager server for each quorum, which asks the lighthouse and
+computes, from every member the lighthouse let in, who heals from whom and where the round's
+group meets: a stranger that claims the highest step becomes every replica's heal source and
+hosts the rendezvous (a rogue on loopback froze a run for as long as it lived). Here the quorum
+step of the Manager (``_async_quorum``) is mtdao's:
+
+1. the replica's first process asks the lighthouse itself, with its signed claim attached
+   (:mod:`.proofs`); the lighthouse hands every member every claim with the quorum;
+2. it proves the members (claims that verify, nonces never seen, confirmations of this very
+   quorum, each within a bounded wait) and hands the verdict to the replica's other processes
+   through the replica's store;
+3. each process plans the quorum over the proven members only (:mod:`.quorum_plan`): its rank,
+   its heal sources by the commit counts they proved, the store where its group meets;
+4. it forms the round's gloo group with them when the membership changed (or a round failed),
+   its rendezvous bounded by ``--connect-timeout``;
+5. up-to-date members serve their state when anyone heals, bound to the quorum, the source and
+   the receiver (:mod:`.safe_transport`); a healing member fetches it from its first source,
+   checks it against its own state (:mod:`.heal_checks`) and, when it is refused, tries the next
+   source: it keeps its own state when none fits, and its round fails (it heals at a later
+   quorum). No healthy replica stops because a peer sent something wrong.
+
+torchft's manager server still carries the replica's heartbeats to the lighthouse and gathers the
+commit votes of its processes (``should_commit``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torchft import Manager
+from torchft._torchft import LighthouseClient
+from torchft.manager import REPLICA_ID_KEY
+from torchft.process_group import create_store_client
+
+from mtdao.sync.torchft.heal_checks import heal_problem
+from mtdao.sync.torchft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
+from mtdao.sync.torchft.proofs import (
+    Claim,
+    SeenNonces,
+    claim_data,
+    confirm_quorum,
+    new_nonce,
+    quorum_digest,
+    read_claim,
+)
+from mtdao.sync.torchft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
+from mtdao.sync.torchft.safe_transport import HealBinding, HealRefused, Quorum
+
+CONFIRM_WAIT_S = 5.0
+"""How long a member waits for another's confirmation of a quorum (at most ``--connect-timeout``):
+what a replayed claim, or a member that died since it asked, costs a quorum."""
+RELAY = "mtdao/quorum"
+KEPT = 1000
+"""Refusals and notes kept for the replica's driver to say (a flood is counted, not kept)."""
+
+
+class ProvenManager(Manager):
+    """torchft's ``Manager`` (same arguments, ``pg`` a
+    :class:`~mtdao.sync.torchft.plumbing.MembershipGloo`) with the quorum step described in the
+    module docstring. ``allow_non_finite``: whether a heal state may hold NaN/inf."""
+
+    def __init__(self, *, allow_non_finite: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._lighthouse_addr = kwargs["lighthouse_addr"]
+        self._store_address = f"{kwargs['store_addr']}:{kwargs['store_port']}"
+        self._member = self._store.get(REPLICA_ID_KEY).decode()
+        self._allow_non_finite = allow_non_finite
+        self._confirm_wait_s = min(CONFIRM_WAIT_S, self._connect_timeout.total_seconds())
+        self._seen = SeenNonces()
+        self._formed: tuple[int, tuple[str, ...]] | None = (
+            None  # quorum id and members of the group
+        )
+        self._quorums = 0  # counted alike by every process of the replica: the relay's key
+        self._stores: dict[str, Any] = {}
+        self._stores_lock = threading.Lock()
+        self._lighthouse: LighthouseClient | None = None
+        self._store.set(self._heal_key(self._group_rank), self._checkpoint_transport.metadata())
+
+    @property
+    def pg(self):
+        return self._pg
+
+    @property
+    def member(self) -> str:
+        """torchft's id of this replica's manager (``<replica id>:<uuid>``)."""
+        return self._member
+
+    # -- the quorum ----------------------------------------------------------------------------
+
+    def _async_quorum(
+        self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta, curr_device: int
+    ) -> None:
+        self._quorums += 1
+        relay = f"{RELAY}/{self._member}/{self._quorums}"
+        if self._group_rank == 0:
+            try:
+                verdict = self._proven_quorum(shrink_only, quorum_timeout)
+            except Exception as error:
+                self._store.set(relay, json.dumps({"error": f"{type(error).__name__}: {error}"}))
+                raise
+            self._store.set(relay, json.dumps(verdict))
+        else:
+            self._store.wait([relay], quorum_timeout + timedelta(seconds=self._confirm_wait_s))
+            verdict = json.loads(self._store.get(relay))
+            if "error" in verdict:
+                raise QuorumError(verdict["error"])
+        proven = [_claim(fields) for fields in verdict["proven"]]
+        digest, quorum_id = verdict["digest"], verdict["quorum_id"]
+        if verdict.get("failure"):  # this replica is in no proven round: it trains on alone
+            self.pg.quorum = QuorumView([self.pg.replica_id], 0, quorum_id)
+            self.report_error(RuntimeError(verdict["failure"]))
+            return
+        members = tuple(sorted(c.member for c in proven))
+        meeting = rendezvous(self.pg.key, digest, proven)
+        plan = plan_quorum(proven, self._member, self._group_rank, meeting)
+        self.pg.quorum = QuorumView(plan.replica_ids, plan.rank, quorum_id)
+        self._participating_replica_rank = plan.rank
+        self._participating_replica_world_size = len(plan.members)
+        if not self._form_group(plan, digest, quorum_id, members):
+            return
+        if allow_heal:
+            self._heal(plan, digest)
+
+    def _proven_quorum(self, shrink_only: bool, quorum_timeout: timedelta) -> dict[str, Any]:
+        """Ask the lighthouse for a quorum with this replica's signed claim; prove its members.
+        The verdict, in plain data for the replica's other processes."""
+        pg, key = self.pg, self.pg.key
+        mine = Claim(
+            replica_id=pg.replica_id,
+            member=self._member,
+            commits=self._step,
+            step=pg.training_step,
+            config=pg.config_digest,
+            shards=self._group_world_size,
+            store=self._store_address,
+            heal=self._heal_urls(),
+            commit_failures=self._commit_failures,
+            nonce=new_nonce(),
+        )
+        if self._lighthouse is None:
+            self._lighthouse = LighthouseClient(self._lighthouse_addr, self._connect_timeout)
+        try:
+            quorum = self._lighthouse.quorum(
+                replica_id=self._member,
+                timeout=quorum_timeout,
+                address=self._manager.address(),
+                store_address=self._store_address,
+                step=self._step,
+                world_size=self._group_world_size,
+                shrink_only=shrink_only,
+                data=claim_data(mine, key),
+            )
+        except Exception:
+            self._lighthouse = None  # a restarted lighthouse needs a new connection
+            raise
+        claims, refused, failure = [], [], "the lighthouse formed a quorum without this replica"
+        for member in quorum.participants:
+            claim, why = read_claim(member.replica_id, member.data, key)
+            if member.replica_id == self._member:
+                failure = "" if claim == mine else (
+                    "another process asked the lighthouse for this quorum under this replica's "
+                    "id (a replayed claim)"
+                )  # fmt: skip
+                continue
+            if claim is not None and not self._seen.first_time(claim.nonce):
+                claim, why = None, "its claim was handed in before (a replay)"
+            if claim is None:
+                refused.append(_refusal(member, why))
+            else:
+                claims.append(claim)
+        pg.refused = (pg.refused + refused)[-KEPT:]  # said by the replica's driver, then dropped
+        verdict = {"quorum_id": quorum.quorum_id, "failure": failure}
+        if failure:
+            return {**verdict, "digest": "", "proven": []}
+        self._seen.first_time(mine.nonce)
+        claims.append(mine)
+        digest = quorum_digest(quorum.quorum_id, claims)
+        unconfirmed = confirm_quorum(
+            self._open_store, key, digest, mine, claims, self._confirm_wait_s
+        )
+        proven = [c for c in claims if c.member not in unconfirmed]
+        for claim in claims:
+            if claim.member in unconfirmed:
+                pg.refused.append(_refusal_of(claim, unconfirmed[claim.member]))
+        return {**verdict, "digest": digest, "proven": [json.loads(c.body()) for c in proven]}
+
+    def _heal_urls(self) -> tuple[str, ...]:
+        """The heal server of each process of this replica (each posts its own at start-up)."""
+        keys = [self._heal_key(rank) for rank in range(self._group_world_size)]
+        self._store.wait(keys, self._timeout)
+        return tuple(self._store.get(key).decode() for key in keys)
+
+    def _heal_key(self, group_rank: int) -> str:
+        return f"mtdao/heal/{self._member}/{group_rank}"
+
+    def _open_store(self, address: str) -> Any:
+        """A client of the store at ``host:port`` (kept while it answers)."""
+        with self._stores_lock:
+            store = self._stores.get(address)
+        if store is None:
+            timeout = timedelta(seconds=self._confirm_wait_s)
+            store = _Forgetting(create_store_client(f"{address}/", timeout), self, address)
+            with self._stores_lock:
+                self._stores[address] = store
+        return store
+
+    def _forget_store(self, address: str) -> None:
+        with self._stores_lock:
+            self._stores.pop(address, None)
+
+    # -- the group -----------------------------------------------------------------------------
+
+    def _form_group(
+        self, plan: QuorumPlan, digest: str, quorum_id: int, members: tuple[str, ...]
+    ) -> bool:
+        """Form the round's group when the membership changed or a member failed a round;
+        False when this quorum cannot hold a round (the failure reported to torchft)."""
+        if plan.refusal is not None:  # this replica leaves: the others fail their round now
+            self.pg.refusal = ReplicaRefused(plan.refusal)
+            if plan.failure is None:  # they form a group with it: join it, then leave at once
+                with contextlib.suppress(Exception):
+                    self._configure(plan, digest)
+                self.pg.abort(errored=False)
+            return False
+        if plan.failure is not None:
+            self.report_error(RuntimeError(plan.failure))
+            return False
+        failures = any(c.commit_failures for c in plan.members)
+        if not failures and self._formed == (quorum_id, members):
+            return True
+        self._formed = None
+        try:
+            self._configure(plan, digest)
+        except Exception as error:  # a member that proved itself did not come in time
+            self.report_error(error)
+            return False
+        self._formed = (quorum_id, members)
+        return True
+
+    def _configure(self, plan: QuorumPlan, digest: str) -> None:
+        self._quorum_id = int(digest[:15], 16)
+        group_world = self._group_world_size
+        self.pg.configure(
+            f"{plan.store}/{self._group_rank}",
+            self._member,
+            plan.rank,
+            len(plan.members),
+            self._quorum_id,
+            self._group_rank,
+            group_world,
+            [c.replica_id * group_world + self._group_rank for c in plan.members],
+        )
+
+    # -- the heal ------------------------------------------------------------------------------
+
+    def _heal(self, plan: QuorumPlan, digest: str) -> None:
+        transport = self._checkpoint_transport
+        receivers = frozenset(c.member for c in plan.members)
+        transport.open(Quorum(digest, self._member, self._group_rank, receivers))
+        if plan.serves:
+            transport.serve(plan.max_commits, self._manager_state_dict())
+        if not plan.heals:
+            return
+        self._healing = True
+        state = self._fetch_heal(plan, digest)
+        if state is None:  # keep this replica's own state; its round fails, a later one heals it
+            self.report_error(HealRefused("no proven source sent a state that fits this replica"))
+            self.pg.abort()  # its peers fail this round now rather than wait for it
+            return
+        self._pending_state_dict = state
+        self.load_state_dict(state["torchft"])
+        self._step = plan.max_commits
+
+    def _fetch_heal(self, plan: QuorumPlan, digest: str) -> dict[str, Any] | None:
+        """The first state one of ``plan``'s sources sends that fits this replica, or None."""
+        mine = plan.members[plan.rank]
+        own: dict[str, Any] | None = None
+        for index in plan.sources:
+            source = plan.members[index]
+            peer = f"replica {source.replica_id} ({_short(source.member)})"
+            if len(source.heal) <= self._group_rank:
+                self._note(f"not healing from {peer}: it names no heal server for process "
+                           f"{self._group_rank}")  # fmt: skip
+                continue
+            binding = HealBinding(
+                digest, source.member, self._member, self._group_rank, plan.max_commits
+            )
+            try:
+                state = self._checkpoint_transport.fetch(
+                    source.heal[self._group_rank], binding, peer
+                )
+            except HealRefused as refused:
+                self._note(f"{refused}; trying the next source")
+                continue
+            if source.config != mine.config:  # no source has this replica's config: it differs
+                return state  # (its config check names the differences and refuses it)
+            if own is None:
+                own = {key: state_dict() for key, state_dict in self._user_state_dicts.items()}
+            problem = heal_problem(state, own, source.commits, source.step, self._allow_non_finite)
+            if problem is None:
+                return state
+            self._note(
+                f"refused the heal state of {peer}: {problem}; this replica keeps its own state"
+            )
+        return None
+
+    def _note(self, line: str) -> None:
+        if self._group_rank == 0:
+            self.pg.notes = [*self.pg.notes[-KEPT:], line]
+
+
+class _Forgetting:
+    """A store client that drops itself from its manager's cache when a call fails."""
+
+    def __init__(self, store: Any, manager: ProvenManager, address: str) -> None:
+        self._store, self._manager, self._address = store, manager, address
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._store, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except Exception:
+                self._manager._forget_store(self._address)
+                raise
+
+        return call
+
+
+def _claim(fields: dict[str, Any]) -> Claim:
+    return Claim(**{**fields, "heal": tuple(fields["heal"])})
+
+
+def _refusal(member: Any, why: str) -> Refusal:
+    """A quorum member whose claim proves nothing, as it presents itself to the lighthouse."""
+    name = member.replica_id.split(":")[0]
+    replica = name if name.isdigit() else repr(_short(name))
+    line = (
+        f"the peer claiming replica id {replica} ({_short(member.replica_id)}, step "
+        f"{member.step}): {why}; it is not averaged with nor healed from"
+    )
+    return Refusal(peer=member.replica_id, line=line)
+
+
+def _refusal_of(claim: Claim, why: str) -> Refusal:
+    line = (
+        f"the peer claiming replica id {claim.replica_id} ({_short(claim.member)}): {why}; it "
+        "is not averaged with nor healed from"
+    )
+    return Refusal(peer=claim.member, line=line)
+
+
+def _short(member: str) -> str:
+    return member if len(member) <= 48 else member[:45] + "..."

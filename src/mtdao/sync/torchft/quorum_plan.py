@@ -1,0 +1,130 @@
+"""What a quorum of proven members means for one process of one replica: its rank, who heals from
+whom, and where the round's group meets.
+
+torchft computes this from every member the lighthouse let in, trusting the step each claims: the
+member claiming the highest step becomes everyone's heal source and hosts the group's
+rendezvous. Here the same rules run over the proven members only (:mod:`.proofs`), with the commit
+counts their signed claims carry, so an outsider's claimed step decides nothing:
+
+* the members in order of their torchft ids give the quorum ranks;
+* the members at the highest commit count are up to date; every other member heals from one of
+  them (all but one heal from it on a first quorum, when no member has committed yet), spread as
+  torchft spreads them, and a healing member may fall back on the other up-to-date members, so
+  every up-to-date member serves its state when anyone heals;
+* a healing member prefers sources with its own config: when no up-to-date member has it, this
+  replica is the one that differs (its heal then names the differences and refuses it);
+* the round's group meets in the store of an up-to-date member, under a prefix only holders of
+  the run's secret can name;
+* a joining replica (no commit yet) is refused when its replica id is taken in the quorum, or
+  when it shards differently from most up-to-date replicas; a running one with another shard
+  count fails the round instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtdao.sync.torchft.auth import RunKey
+from mtdao.sync.torchft.proofs import Claim
+
+
+@dataclass
+class QuorumPlan:
+    members: list[Claim]
+    """The proven members in quorum rank order."""
+    rank: int
+    """This replica's quorum rank."""
+    max_commits: int
+    """The commit count of the up-to-date members: every member's after this quorum."""
+    sources: list[int]
+    """Where this replica heals from, in the order to try (empty: it is up to date)."""
+    serves: bool
+    """Whether this replica serves its state (it is up to date, and someone heals)."""
+    store: str
+    """``host:port/prefix`` where this process's group of the round meets."""
+    refusal: str | None = None
+    """Why this replica may not join (a joiner whose id is taken or whose shards differ)."""
+    failure: str | None = None
+    """Why no member forms this round's group (replicas that shard differently)."""
+
+    @property
+    def replica_ids(self) -> list[int]:
+        return [c.replica_id for c in self.members]
+
+    @property
+    def heals(self) -> bool:
+        return bool(self.sources)
+
+
+def plan_quorum(
+    proven: list[Claim], me: str, group_rank: int, rendezvous: str, init_sync: bool = True
+) -> QuorumPlan:
+    """The plan for process ``group_rank`` of member ``me`` (which must be proven), its group
+    meeting under prefix ``rendezvous`` in the chosen store."""
+    members = sorted(proven, key=lambda claim: claim.member)
+    rank = next(r for r, claim in enumerate(members) if claim.member == me)
+    mine = members[rank]
+    max_commits = max(claim.commits for claim in members)
+    up_to_date = [r for r, claim in enumerate(members) if claim.commits == max_commits]
+    primary = up_to_date[group_rank % len(up_to_date)]
+    first_quorum = init_sync and max_commits == 0
+    healing = [
+        r
+        for r, claim in enumerate(members)
+        if claim.commits != max_commits or (first_quorum and r != primary)
+    ]
+    ready = [r for r in range(len(members)) if r not in healing]
+    sources: list[int] = []
+    if rank in healing:
+        first = (healing.index(rank) + group_rank) % len(ready)
+        rotated = ready[first:] + ready[:first]
+        # a source with this replica's config first: one with another would refuse it
+        sources = sorted(rotated, key=lambda r: members[r].config != mine.config)
+    plan = QuorumPlan(
+        members=members,
+        rank=rank,
+        max_commits=max_commits,
+        sources=sources,
+        serves=rank in ready and bool(healing),
+        store=f"{members[primary].store}/{rendezvous}",
+    )
+    _check_membership(plan, mine, up_to_date)
+    return plan
+
+
+def rendezvous(key: RunKey, digest: str, proven: list[Claim]) -> str:
+    """The prefix under which the round's group meets in its store: only holders of the run's
+    secret can name it (a stranger who reaches the store cannot slip into the group), and members
+    that proved different sets meet apart (rather than overwrite each other's addresses)."""
+    members = sorted(claim.member for claim in proven)
+    return f"mtdao/{key.sign('rendezvous', digest, *members)[:32]}"
+
+
+def _check_membership(plan: QuorumPlan, mine: Claim, up_to_date: list[int]) -> None:
+    members = plan.members
+    joining = mine.commits == 0
+    ids = plan.replica_ids
+    if joining and ids.count(mine.replica_id) > 1:
+        plan.refusal = (
+            f"replica id {mine.replica_id} is already taken in the quorum (replicas "
+            f"{', '.join(map(str, sorted(ids)))}); give each replica its own --replica-id"
+        )
+        return
+    others = {c.replica_id: c.shards for c in members if c.shards != mine.shards}
+    if not others:
+        return
+    theirs = ", ".join(f"replica {r} has --shards {n}" for r, n in sorted(others.items()))
+    reference = reference_shard_count([members[r].shards for r in up_to_date])
+    plan.failure = f"{theirs}, this replica {mine.shards}"  # no member forms a group
+    if joining and reference != mine.shards:
+        plan.refusal = (
+            f"this replica has --shards {mine.shards}, but {theirs} in the quorum: the "
+            "processes of replicas pair up shard by shard, so every replica needs the same "
+            "--shards"
+        )
+
+
+def reference_shard_count(counts: list[int]) -> int | None:
+    """The number of processes most up-to-date replicas have (None: no majority)."""
+    common = max(set(counts), key=counts.count)
+    return common if 2 * counts.count(common) > len(counts) else None

@@ -1,0 +1,66 @@
+"""Who heals from whom and where a round meets, decided over the proven members only: an
+outsider's claimed step decides nothing (torchft picks the member claiming the highest step as
+every replica's heal source and the host of the round's rendezvous)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtdao.sync.torchft.proofs import Claim
+from mtdao.sync.torchft.quorum_plan import plan_quorum
+
+pytest.importorskip("torchft")
+
+
+def member(replica: int, commits: int, config: str = "c", shards: int = 1) -> Claim:
+    return Claim(
+        replica_id=replica,
+        member=f"{replica}:uuid",
+        commits=commits,
+        step=4 * commits,
+        config=config,
+        shards=shards,
+        store=f"host{replica}:100",
+        heal=(f"http://host{replica}:200/heal/", f"http://host{replica}:201/heal/"),
+    )
+
+
+def test_the_proven_members_at_the_highest_commit_count_are_the_sources():
+    proven = [member(0, 40), member(1, 40), member(2, 0)]
+    joiner = plan_quorum(proven, "2:uuid", 0, "meet")
+    assert joiner.heals and joiner.max_commits == 40
+    assert sorted(joiner.members[r].replica_id for r in joiner.sources) == [0, 1]
+    assert joiner.store == "host0:100/meet"  # an up-to-date member's store
+    for me in ("0:uuid", "1:uuid"):
+        source = plan_quorum(proven, me, 0, "meet")
+        assert source.serves and not source.heals and source.max_commits == 40
+
+
+def test_joiners_are_spread_over_the_sources_and_fall_back_on_the_others():
+    proven = [member(0, 9), member(1, 9), member(2, 3), member(3, 0)]
+    first = [plan_quorum(proven, f"{r}:uuid", 0, "m").sources for r in (2, 3)]
+    assert [s[0] for s in first] == [0, 1]  # each its own source first
+    assert [sorted(s) for s in first] == [[0, 1], [0, 1]]  # and the other one behind it
+    assert plan_quorum(proven, "2:uuid", 1, "m").sources[0] == 1  # process 1 elsewhere
+
+
+def test_a_first_quorum_heals_everyone_from_one_member():
+    proven = [member(0, 0), member(1, 0), member(2, 0)]
+    plans = [plan_quorum(proven, f"{r}:uuid", 0, "m") for r in range(3)]
+    assert [p.heals for p in plans] == [False, True, True]
+    assert plans[0].serves and all(p.sources == [0] for p in plans[1:])
+
+
+def test_a_source_with_this_replicas_config_comes_first():
+    proven = [member(0, 9, config="other"), member(1, 9), member(2, 0)]
+    assert plan_quorum(proven, "2:uuid", 0, "m").sources == [1, 0]
+
+
+def test_a_joiner_whose_replica_id_is_taken_is_refused():
+    proven = [member(0, 9), member(1, 9), Claim(**{**member(1, 0).__dict__, "member": "1:b"})]
+    plan = plan_quorum(proven, "1:b", 0, "m")
+    assert plan.refusal == (
+        "replica id 1 is already taken in the quorum (replicas 0, 1, 1); give each replica its "
+        "own --replica-id"
+    )
+    assert plan_quorum(proven, "1:uuid", 0, "m").refusal is None  # the running one goes on
