@@ -189,10 +189,11 @@ class GrpcFront:
             count = self.refused
         if count <= 10 or str(count).rstrip("0") == "1":
             where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+            served = ", ".join(sorted(p.decode().rsplit("/", 1)[-1] for p in allowed))
+            served = f"only {served} calls are" if served else "no call is"
             self.report(
-                f"{self.name}'s front: refused {what} from {where}; only "
-                f"{', '.join(sorted(p.decode().rsplit('/', 1)[-1] for p in allowed))} "
-                f"calls are served to it ({count} refused so far)"
+                f"{self.name}'s front: refused {what} from {where}; {served} served to it "
+                f"({count} refused so far)"
             )
 
     def _http1_refusal(self) -> bytes:

@@ -1,14 +1,16 @@
-"""A replica's torchft manager server, behind a front that refuses its ``Kill`` call.
+"""A replica's torchft manager server, behind a front that refuses every call but the one a run
+makes of it.
 
 Every replica's first process runs torchft's ``ManagerServer`` (Rust, gRPC service
-``torchft.ManagerService``). Besides the calls a run needs, ``Quorum`` and ``ShouldCommit`` (the
-replica's own processes) and ``CheckpointMetadata`` (a healing peer), it answers ``Kill``, which
-ends the process, from anyone who reaches the port, and torchft offers no way to turn it off. So
-the server runs on a loopback address and the replica's ``--bind-host`` is served by a
-:class:`~mtdao.sync.grpc_front.GrpcFront` that forwards those three calls and refuses the rest;
-``Quorum`` and ``ShouldCommit`` only from this machine (a replica's processes share one, see
-:mod:`.shards`), since a stranger's could set the step the replica claims, the heal address it
-hands its peers, or its commit votes.
+``torchft.ManagerService``), which keeps the replica's heartbeats to the lighthouse going and
+gathers the commit votes of the replica's processes (``ShouldCommit``). It also answers
+``Kill``, which ends the process, ``Quorum`` and ``CheckpointMetadata``, from anyone who reaches
+the port, and torchft offers no way to turn them off (mtdao's replicas ask the lighthouse for
+their quorums themselves and find each other's heal servers in their signed claims:
+:mod:`.proven_manager`). So the server runs on a loopback address and the replica's
+``--bind-host`` is served by a :class:`~mtdao.sync.grpc_front.GrpcFront` that forwards
+``ShouldCommit`` from this machine only (a replica's processes share one, see :mod:`.shards`;
+a stranger's could change the replica's commit votes) and refuses the rest.
 
 The front must sit on the port torchft advertises: the server's ``address()``, which it hands the
 lighthouse (and so healing peers, in their quorum results) and the replica's other processes
@@ -36,8 +38,8 @@ from torchft._torchft import ManagerServer as TorchftManagerServer
 from mtdao.sync.grpc_front import GrpcFront, listen
 
 SERVICE = b"/torchft.ManagerService/"
-OWN_PROCESS_CALLS = frozenset(SERVICE + method for method in (b"Quorum", b"ShouldCommit"))
-MANAGER_CALLS = OWN_PROCESS_CALLS | {SERVICE + b"CheckpointMetadata"}
+OWN_PROCESS_CALLS = frozenset({SERVICE + b"ShouldCommit"})
+MANAGER_CALLS = OWN_PROCESS_CALLS
 LOOPBACK_CANDIDATES = ("127.0.0.1", "127.0.0.2", "::1")
 PORT_ATTEMPTS = 20
 
