@@ -60,7 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--replica-id", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
     parser.add_argument("--out", required=True, help="where result.json goes")
-    parser.add_argument("--auth-token-file", help="the run's secret (else $MTDAO_AUTH_TOKEN)")
+    parser.add_argument(
+        "--auth-token-file", help="the run's secret, the lighthouse's too (else $MTDAO_AUTH_TOKEN)"
+    )
     parser.add_argument("--sync-period", type=int, default=8, help="K: local steps per round")
     parser.add_argument("--sync-delay", type=int, default=0, help="D: rounds overlap D steps")
     parser.add_argument("--sync-dtype", nargs="+", help="e.g. int8: what crosses the link")

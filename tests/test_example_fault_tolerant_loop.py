@@ -46,14 +46,15 @@ def reached(drill: Drill, name: str, step: int) -> bool:
 
 @pytest.mark.parametrize("options", ROUND_OPTIONS.values(), ids=ROUND_OPTIONS.keys())
 def test_a_replica_killed_midway_and_restarted_ends_with_the_same_model(tmp_path, options):
-    flags = [*options]
-    if options:  # the run's secret, from a file
+    flags, secret = [*options], []
+    if options:  # the run's secret, from a file (the lighthouse admits only its holders)
         (tmp_path / "token").write_text("a-secret-the-three-replicas-share\n")
-        flags += ["--auth-token-file", str(tmp_path / "token")]
+        secret = ["--auth-token-file", str(tmp_path / "token")]
+        flags += secret
     with Drill(tmp_path, []) as drill:
         # three replicas needed for a quorum: the survivors wait at their next round for the
         # killed one to come back, however slowly this machine starts it
-        drill.start_lighthouse(min_replicas=3)
+        drill.start_lighthouse(min_replicas=3, flags=secret)
 
         def command(replica: int) -> list[str]:
             out = tmp_path / f"r{replica}"

@@ -9,8 +9,10 @@ on a loopback address and serves the address its peers use through a :class:`Grp
 forwards a connection only when it speaks HTTP/2 (gRPC) and each request on it calls one of the
 allowed methods (its ``:path``, read from the request's headers before they are forwarded);
 some of them may be served only to processes on this machine (``local_only``: a connection
-whose source is a loopback address or the very address it reached). An HTTP/1 request gets a
-403; a forbidden HTTP/2 request ends its connection. Every refusal is
+whose source is a loopback address or the very address it reached), and some only when their
+request message passes a check (``inspect``: the message is read whole before anything of the
+request goes on, e.g. the lighthouse's check of a replica's signed claim). An HTTP/1 request gets
+a 403; a forbidden HTTP/2 request ends its connection. Every refusal is
 counted (``refused``) and reported in one line naming the front, the peer and what it asked for
 (the first ten, then every tenfold count, so a flood cannot fill the log).
 
@@ -30,8 +32,9 @@ from collections.abc import Callable
 import hpack
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-HEADERS, CONTINUATION = 0x1, 0x9
-END_HEADERS, PADDED, PRIORITY = 0x4, 0x8, 0x20
+DATA, HEADERS, CONTINUATION = 0x0, 0x1, 0x9
+END_STREAM, END_HEADERS, PADDED, PRIORITY = 0x1, 0x4, 0x8, 0x20
+MAX_INSPECTED_BYTES = 1 << 20  # a request message the front reads whole before it decides
 SHOWN_PATH_CHARS = 80
 
 
@@ -49,8 +52,10 @@ class GrpcFront:
 
     ``name`` says whose front it is in refusal lines (``lighthouse``, ``manager``); ``allowed``
     holds the full gRPC paths that may be called (``/package.Service/Method``), ``local_only``
-    those of them served only to connections from this machine; ``report`` receives each
-    refusal line (by default, standard error)."""
+    those of them served only to connections from this machine; ``inspect`` maps some of them
+    to a check of the request's message (its protobuf bytes, and the peer) that returns whether
+    it may go on (the check says why not itself); ``report`` receives each refusal line (by
+    default, standard error)."""
 
     def __init__(
         self,
@@ -60,9 +65,11 @@ class GrpcFront:
         allowed: frozenset[bytes],
         report: Callable[[str], None] | None = None,
         local_only: frozenset[bytes] = frozenset(),
+        inspect: dict[bytes, Callable[[bytes, object], bool]] | None = None,
     ) -> None:
         self.name, self.listener, self.upstream, self.allowed = name, listener, upstream, allowed
         self.local_only = local_only & allowed
+        self.inspect = inspect or {}
         self.report = report or _to_stderr
         self.refused = 0
         self._count_lock = threading.Lock()
@@ -131,8 +138,8 @@ class GrpcFront:
                 allowed = self.allowed if local else self.allowed - self.local_only
                 forbidden = None
                 if _send(server, preface):
-                    forbidden = self._forward_requests(client, server, allowed)
-                if forbidden is not None:
+                    forbidden = self._forward_requests(client, server, allowed, peer)
+                if forbidden is not None and forbidden is not INSPECTED:
                     mine = forbidden in self.local_only
                     where = " (served to this machine's processes only)" if mine else ""
                     self._refuse(peer, f"a call of {_shown(forbidden)}{where}", allowed)
@@ -152,12 +159,15 @@ class GrpcFront:
                 self._open -= {client, server}
 
     def _forward_requests(
-        self, client: socket.socket, server: socket.socket, allowed: frozenset[bytes]
+        self, client: socket.socket, server: socket.socket, allowed: frozenset[bytes], peer
     ) -> bytes | None:
         """Copy HTTP/2 frames from the client, checking each request's path before its headers
-        go on; the first forbidden path (None: either side ended the connection)."""
+        go on (and its message, for an inspected path, before anything after them goes on); the
+        first forbidden path, INSPECTED for a message its check refused (None: either side ended
+        the connection)."""
         decoder = hpack.Decoder()
         block, held = b"", b""
+        inspected: _Inspected | None = None  # a request held until its message is read
         while True:
             head = _read(client, 9)
             if len(head) < 9:
@@ -166,6 +176,17 @@ class GrpcFront:
             payload = _read(client, length)
             if len(payload) < length:
                 return None
+            if inspected is not None:  # everything waits behind it (header blocks keep order)
+                inspected.hold(head + payload, kind, flags, payload)
+                verdict = inspected.verdict()
+                if verdict is None:
+                    continue
+                if not verdict:
+                    return INSPECTED
+                if not _send(server, inspected.held):
+                    return None
+                inspected = None
+                continue
             if kind == HEADERS:
                 block, held = _header_fragment(payload, flags), b""
             elif kind == CONTINUATION:
@@ -177,6 +198,10 @@ class GrpcFront:
                 path = _path(decoder, block)
                 if path not in allowed:
                     return path
+                if path in self.inspect:
+                    stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+                    inspected = _Inspected(stream, held, lambda m, p=path: self.inspect[p](m, peer))
+                    continue
                 if not _send(server, held):
                     return None
                 continue
@@ -203,6 +228,39 @@ class GrpcFront:
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
+
+
+INSPECTED = b"(inspected)"
+"""What :meth:`GrpcFront._forward_requests` returns for a request its check refused."""
+
+
+class _Inspected:
+    """One request held back until its gRPC message has arrived and been checked, with every
+    frame the client sent behind it."""
+
+    def __init__(self, stream: int, held: bytes, check: Callable[[bytes], bool]) -> None:
+        self.stream, self.held, self.check = stream, held, check
+        self.message, self.ended = b"", False
+
+    def hold(self, frame: bytes, kind: int, flags: int, payload: bytes) -> None:
+        self.held += frame
+        stream = int.from_bytes(frame[5:9], "big") & 0x7FFFFFFF
+        if kind == DATA and stream == self.stream:
+            if flags & PADDED and payload:
+                payload = payload[1 : len(payload) - payload[0]]
+            self.message += payload
+            self.ended = bool(flags & END_STREAM)
+
+    def verdict(self) -> bool | None:
+        """Whether the request may go on; None while its message is still coming."""
+        message = self.message
+        if len(message) >= 5:
+            size = int.from_bytes(message[1:5], "big")
+            if message[0] == 0 and len(message) >= 5 + size:  # not compressed, and whole
+                return self.check(message[5 : 5 + size])
+            if message[0] != 0 or size > MAX_INSPECTED_BYTES:
+                return False
+        return False if self.ended or len(self.held) > MAX_INSPECTED_BYTES else None
 
 
 def from_this_machine(client: socket.socket, peer) -> bool:

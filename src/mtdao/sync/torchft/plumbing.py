@@ -27,6 +27,7 @@ os.environ.setdefault("RUST_LOG", "warn")
 from torchft import ProcessGroupGloo  # noqa: E402
 
 from mtdao.sync.torchft.auth import RunKey  # noqa: E402
+from mtdao.sync.torchft.collective_watch import Peer  # noqa: E402
 
 # torchft reports what went wrong to its manager, which hands it to us; its own log lines
 # (tracebacks of every failed collective) would bury the one line that matters.
@@ -90,6 +91,9 @@ class MembershipGloo(ProcessGroupGloo):
         self.refusal: ReplicaRefused | None = None
         self.refused: list[Refusal] = []
         """The members of the last quorum that did not prove they belong to the run."""
+        self.peers: list[Peer] = []
+        """The other members of the current quorum, where a probe reaches this process's
+        counterpart in each (its heal server)."""
         self.notes: list[str] = []
         """What the last quorums did that the replica should say (a refused heal), drained by
         its driver."""

@@ -29,16 +29,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from torchft import Manager
 from torchft._torchft import LighthouseClient
 from torchft.manager import REPLICA_ID_KEY
 from torchft.process_group import create_store_client
 
+from mtdao.sync.torchft.collective_watch import Peer
 from mtdao.sync.torchft.heal_checks import heal_problem
 from mtdao.sync.torchft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
 from mtdao.sync.torchft.proofs import (
@@ -121,6 +124,7 @@ class ProvenManager(Manager):
         meeting = rendezvous(self.pg.key, digest, proven)
         plan = plan_quorum(proven, self._member, self._group_rank, meeting)
         self.pg.quorum = QuorumView(plan.replica_ids, plan.rank, quorum_id)
+        self.pg.peers = _peers(plan, self._group_rank)
         self._participating_replica_rank = plan.rank
         self._participating_replica_world_size = len(plan.members)
         if not self._form_group(plan, digest, quorum_id, members):
@@ -157,8 +161,15 @@ class ProvenManager(Manager):
                 shrink_only=shrink_only,
                 data=claim_data(mine, key),
             )
-        except Exception:
+        except Exception as error:
             self._lighthouse = None  # a restarted lighthouse needs a new connection
+            if _accepts_connections(self._lighthouse_addr):  # it is there: it ended the call
+                raise QuorumError(
+                    f"the lighthouse at {self._lighthouse_addr} ended this replica's quorum "
+                    f"request ({_first(error)}): an mtdao lighthouse refuses replicas that do "
+                    "not prove the run's secret (is --auth-token-file / $MTDAO_AUTH_TOKEN the "
+                    "one the lighthouse and the other replicas have?)"
+                ) from None
             raise
         claims, refused, failure = [], [], "the lighthouse formed a quorum without this replica"
         for member in quorum.participants:
@@ -360,3 +371,28 @@ def _refusal_of(claim: Claim, why: str) -> Refusal:
 
 def _short(member: str) -> str:
     return member if len(member) <= 48 else member[:45] + "..."
+
+
+def _accepts_connections(url: str) -> bool:
+    address = urlsplit(url)
+    try:
+        socket.create_connection((address.hostname, address.port or 80), timeout=2.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def _first(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:160]
+
+
+def _peers(plan: QuorumPlan, group_rank: int) -> list[Peer]:
+    """The other members' counterparts of this process, at their heal servers."""
+    peers = []
+    for rank, claim in enumerate(plan.members):
+        if rank != plan.rank and group_rank < len(claim.heal):
+            address = urlsplit(claim.heal[group_rank])
+            if address.hostname and address.port:
+                peers.append(Peer(claim.replica_id, address.hostname, address.port))
+    return peers

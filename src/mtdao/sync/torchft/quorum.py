@@ -13,6 +13,7 @@ the quorums.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from torch import Tensor
 from torchft import Manager
 
 from mtdao.sync.communicator import RoundNotCommitted
+from mtdao.sync.torchft.collective_watch import CollectiveWatch
 from mtdao.sync.torchft.plumbing import MembershipGloo, first_line
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
@@ -43,6 +45,8 @@ class Quorum:
         form: the step trains on locally), or None."""
         self.before_collective: Callable[[], None] | None = None
         """Called before each blocking sum of a round (a fault drill holds a replica there)."""
+        self.collectives = CollectiveWatch(say=_to_stderr)
+        """Watches every collective of a round (says what it waits for, gives a lost peer up)."""
 
     @property
     def members(self) -> list[int]:
@@ -78,6 +82,11 @@ class Quorum:
         self.require_open()
         work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
         return ManagerWork(self, work, [flat]).wait()[0]
+
+    def wait_for(self, work) -> None:
+        """Wait for a collective of the open round, watched (see :mod:`.collective_watch`)."""
+        what = f"the round of the quorum at step {self.group.training_step}"
+        self.collectives.wait(work, what, self.group.peers)
 
     def check(self) -> None:
         """Discard the round now if any collective of it failed (in any process of the
@@ -123,7 +132,7 @@ class ManagerWork:
             return self.outputs
         if self.work is not None:
             try:
-                self.work.wait()
+                self.quorum.wait_for(self.work)  # watched: see collective_watch
             except Exception as error:
                 self.quorum.manager.report_error(error)
         self.done = True
@@ -131,3 +140,7 @@ class ManagerWork:
         if self.after is not None:
             self.outputs, self.after = self.after(self.outputs), None
         return self.outputs
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.torchft import connection, round_identity
 from mtdao.sync.torchft.auth import RunKey, run_key
+from mtdao.sync.torchft.collective_watch import CollectiveWatch
 from mtdao.sync.torchft.healing import HealedState
 from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.sync.torchft.plumbing import (
@@ -141,6 +142,11 @@ class ReplicaGroups(Communicator):
     @property
     def manager(self) -> Manager | None:
         return self.quorum.manager
+
+    @property
+    def collectives(self) -> CollectiveWatch:
+        """Watches every collective of a round (says what it waits for, gives a lost peer up)."""
+        return self.quorum.collectives
 
     @property
     def before_collective(self) -> Callable[[], None] | None:

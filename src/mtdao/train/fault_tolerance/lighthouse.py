@@ -6,7 +6,10 @@ no training state: while it is away the replicas skip their rounds and train on 
 register again once it is back on the same address. It serves on ``--bind-host`` through
 :mod:`mtdao.sync.grpc_front`: the two calls of torchft's lighthouse service the replicas make
 (quorum and heartbeat), not torchft's unauthenticated web dashboard (which lists replica
-addresses and can stop a replica).
+addresses and can stop a replica). With the run's secret (``--auth-token-file``,
+``$MTDAO_AUTH_TOKEN``, or on loopback this account's own, as the replicas' on this machine), it
+lets only replicas that prove they belong to the run into its quorums
+(:mod:`mtdao.sync.torchft.lighthouse_gate`).
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--quorum-tick", type=float, default=0.1, help="seconds between checks for a quorum"
     )
+    parser.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="the run's secret (as the replicas': also $MTDAO_AUTH_TOKEN; on loopback, this "
+        "account's own by default): quorum requests not signed with it are refused",
+    )
     parser.set_defaults(func=run_lighthouse)
 
 
@@ -86,7 +95,14 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
     from mtdao.sync.grpc_front import GrpcFront, listen
+    from mtdao.sync.torchft.auth import is_loopback, read_token, run_key
+    from mtdao.sync.torchft.lighthouse_gate import LighthouseGate
     from mtdao.sync.torchft.safe_transport import advertised_host
+
+    token = read_token(args.auth_token_file)
+    gate = None
+    if token is not None or is_loopback(host):
+        gate = LighthouseGate(run_key(token, host), _say)
 
     # torchft's lighthouse on a loopback port of its own; the replicas reach it through the
     # front, which lets the replicas' calls through and not its dashboard (see grpc_front)
@@ -101,7 +117,10 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         server.shutdown()
         reason = error.strerror
         raise ValueError(f"cannot serve the lighthouse on {host}:{args.port}: {reason}") from None
-    front = GrpcFront("lighthouse", listener, ("127.0.0.1", internal), LIGHTHOUSE_CALLS)
+    front = GrpcFront(
+        "lighthouse", listener, ("127.0.0.1", internal), LIGHTHOUSE_CALLS,
+        inspect=gate.inspectors() if gate else None,
+    )  # fmt: skip
     address = f"http://{advertised_host(host)}:{front.port}"
     print(
         f"lighthouse: serving at {address} (min replicas {args.min_replicas}, heartbeat timeout "
@@ -110,6 +129,14 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         f"with mtdao train --fault-tolerant --lighthouse {address.split('://')[-1]} ...",
         flush=True,
     )
+    if gate is None:
+        _say(
+            "lighthouse: no --auth-token-file or $MTDAO_AUTH_TOKEN: any process that reaches it "
+            "can join its quorums and hold them open (the replicas still refuse it; see "
+            "docs/security.md)"
+        )
+    else:
+        _say(f"lighthouse: only replicas that hold {gate.key.origin} join its quorums")
     try:
         while not stop.wait(1.0):
             pass
@@ -118,3 +145,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         server.shutdown()
     print("lighthouse: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

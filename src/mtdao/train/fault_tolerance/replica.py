@@ -122,6 +122,7 @@ class ReplicaDriver(LoopHooks):
             collective_timeout=config.collective_timeout,
             allow_non_finite=config.on_non_finite == "skip",
         )
+        self.replicas.collectives.say = self._say
         self.refusals = self.torchft.RefusalLog()
         self.is_main = process.rank == 0
         run = build_run(config, process, communicator=self.replicas, worker_index=config.replica_id)

@@ -1,0 +1,93 @@
+"""No silent wait in a round: a collective that takes long says what it waits for, and one whose
+peer is gone is given up within seconds, not at ``--collective-timeout``.
+
+A gloo collective waits until its timeout (180 s by default) for a peer that is cut off: nothing
+tells it the peer is gone (a partition sends no reset), and a replica stood still that long
+without a word. So while a round's collective is pending, :class:`CollectiveWatch` (in the waiting
+thread) says after ``say_after_s`` seconds which round it is and which replicas it waits for, and
+probes each of them every ``probe_every_s`` seconds (a TCP connection to its heal server, which a
+live replica always serves, whatever it is busy with). A replica that fails ``misses`` probes in a
+row is gone: the watch raises :class:`PeerLost`, the round is discarded and the replica trains on;
+the next quorum goes on without the lost peer. A peer that answers probes but is slow (a large
+model on a slow link) is waited for up to the collective timeout, saying so now and then.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class PeerLost(ConnectionError):
+    """A peer of the round stopped answering while a collective waited for it."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    replica_id: int
+    host: str
+    port: int
+
+
+class CollectiveWatch:
+    def __init__(
+        self,
+        say: Callable[[str], None],
+        say_after_s: float = 5.0,
+        probe_every_s: float = 1.0,
+        misses: int = 3,
+        probe_timeout_s: float = 1.0,
+    ) -> None:
+        self.say = say
+        self.say_after_s, self.probe_every_s = say_after_s, probe_every_s
+        self.misses, self.probe_timeout_s = misses, probe_timeout_s
+
+    def wait(self, work: Any, what: str, peers: list[Peer]) -> None:
+        """Wait for ``work`` (a collective of the round ``what`` names, e.g. "the all-reduce of
+        the round opened at step 12") with ``peers``; raises what the collective raises, or
+        PeerLost."""
+        done = threading.Event()
+        _future_of(work).add_done_callback(lambda _: done.set())
+        started = time.monotonic()
+        if not done.wait(self.say_after_s):
+            self._watch(done, started, what, peers)
+        work.wait()
+
+    def _watch(self, done: threading.Event, started: float, what: str, peers: list[Peer]) -> None:
+        names = ", ".join(str(p.replica_id) for p in peers) or "none"
+        self.say(
+            f"waiting {time.monotonic() - started:.0f} s for {what} with replicas {names}; "
+            "probing them"
+        )
+        missed = {peer: 0 for peer in peers}
+        say_at = 6 * self.say_after_s
+        while not done.wait(self.probe_every_s):
+            for peer in peers:
+                missed[peer] = 0 if _answers(peer, self.probe_timeout_s) else missed[peer] + 1
+            lost = [peer for peer in peers if missed[peer] >= self.misses]
+            waited = time.monotonic() - started
+            if lost:
+                gone = ", ".join(f"replica {p.replica_id} ({p.host}:{p.port})" for p in lost)
+                raise PeerLost(
+                    f"{gone} stopped answering while {what} waited for it ({waited:.0f} s)"
+                )
+            if waited >= say_at:
+                self.say(f"still waiting {waited:.0f} s for {what} with replicas {names}")
+                say_at *= 2
+
+
+def _future_of(work: Any):
+    """The future of a collective: torchft's managed work wraps the process group's."""
+    return getattr(work, "_work", work).get_future()
+
+
+def _answers(peer: Peer, timeout: float) -> bool:
+    try:
+        socket.create_connection((peer.host.strip("[]"), peer.port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True

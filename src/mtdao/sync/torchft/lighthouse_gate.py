@@ -1,0 +1,148 @@
+"""What ``mtdao lighthouse`` lets into its quorums: replicas that prove they belong to the run.
+
+torchft's lighthouse counts every process that asks it for a quorum, or only sends it heartbeats,
+as a live replica: one in the last quorum that does not ask again holds the next one open for the
+whole ``--join-timeout``, and a flood of heartbeats alone makes it refuse to form any new quorum
+(it waits for half the replicas it hears from). The replicas refuse such peers themselves
+(:mod:`.proofs`), but cannot stop the lighthouse waiting for them. So the lighthouse's front
+(:mod:`mtdao.sync.grpc_front`) reads each request message before it goes on:
+
+* a ``Quorum`` request goes on only with a claim signed with the run's secret, naming the replica
+  that asks, with a nonce not seen before (a replayed claim is refused);
+* a ``Heartbeat`` goes on only from a replica id whose quorum request went on (a replica's first
+  heartbeats, sent before it first asks for a quorum, are refused and counted, not said).
+
+A refused request ends its connection before torchft's lighthouse hears of it. Refused quorum
+requests are said once a minute per peer with a count (:mod:`.refusals`), refused heartbeats once
+a minute in one line. Whoever holds the secret is trusted here as in the replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from mtdao.sync.torchft.auth import RunKey
+from mtdao.sync.torchft.plumbing import Refusal
+from mtdao.sync.torchft.proofs import SeenNonces, read_claim
+from mtdao.sync.torchft.refusals import RefusalLog
+
+SERVICE = b"/torchft.LighthouseService/"
+QUORUM, HEARTBEAT = SERVICE + b"Quorum", SERVICE + b"Heartbeat"
+FORGET_S = 600.0
+"""A replica id that neither asked for a quorum nor sent a heartbeat for this long is forgotten."""
+
+
+class LighthouseGate:
+    def __init__(
+        self,
+        key: RunKey,
+        report: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.key, self.report, self.clock = key, report, clock
+        self.proven: dict[str, float] = {}  # replica id -> when it was last let through
+        self.refusals = RefusalLog(clock=clock)
+        self._seen = SeenNonces()
+        self._heartbeats_refused = 0
+        self._heartbeats_said_at = clock()
+        self._lock = threading.Lock()  # the front serves each connection in a thread
+
+    def inspectors(self) -> dict[bytes, Callable[[bytes, Any], bool]]:
+        """The checks to hand the lighthouse's front, by gRPC path."""
+        return {QUORUM: self.quorum, HEARTBEAT: self.heartbeat}
+
+    def quorum(self, message: bytes, peer: Any) -> bool:
+        """Whether a ``LighthouseQuorumRequest`` may go on."""
+        try:
+            requester = _string_fields(dict(_fields(message)).get(1, b""))
+            member = requester.get(1, "")
+            data = json.loads(requester.get(7) or "null")
+        except ValueError:
+            member, data = "", None
+        claim, why = read_claim(member, data, self.key)
+        with self._lock:
+            if claim is not None and not self._seen.first_time(claim.nonce):
+                claim, why = None, "its claim was handed in before (a replay)"
+            if claim is not None:
+                self.proven[member] = self.clock()
+                self._forget()
+                return True
+            shown = member[:48] or "(no replica id)"
+            line = f"a quorum request of {shown!r} from {_address(peer)}: {why}"
+            lines = self.refusals.lines([Refusal(peer=member or _address(peer), line=line)])
+        for said in lines:
+            self.report(f"lighthouse: {said}")
+        return False
+
+    def heartbeat(self, message: bytes, peer: Any) -> bool:
+        """Whether a ``LighthouseHeartbeatRequest`` may go on."""
+        try:
+            member = _string_fields(message).get(1, "")
+        except ValueError:
+            member = ""
+        with self._lock:
+            now = self.clock()
+            if member in self.proven:
+                self.proven[member] = now
+                return True
+            self._heartbeats_refused += 1
+            said = None
+            if now - self._heartbeats_said_at >= self.refusals.every_s:
+                said = (
+                    f"lighthouse: refused {self._heartbeats_refused} heartbeats in the last "
+                    f"{now - self._heartbeats_said_at:.0f} s from replica ids that sent no quorum "
+                    "request signed with the run's secret (a replica's own, before its first "
+                    "quorum, among them)"
+                )
+                self._heartbeats_refused, self._heartbeats_said_at = 0, now
+        if said:
+            self.report(said)
+        return False
+
+    def _forget(self) -> None:
+        horizon = self.clock() - FORGET_S
+        if len(self.proven) > 1000:
+            self.proven = {m: t for m, t in self.proven.items() if t >= horizon}
+
+
+def _fields(message: bytes) -> Iterator[tuple[int, Any]]:
+    """The (field number, value) pairs of a protobuf message: varints as int, length-delimited
+    fields as bytes (the two kinds torchft's lighthouse requests use). Raises ValueError."""
+    offset = 0
+    while offset < len(message):
+        key, offset = _varint(message, offset)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, offset = _varint(message, offset)
+        elif wire == 2:
+            size, offset = _varint(message, offset)
+            value, offset = message[offset : offset + size], offset + size
+            if offset > len(message):
+                raise ValueError("a field runs past the message")
+        else:
+            raise ValueError(f"wire type {wire} is not one of the lighthouse's requests")
+        yield number, value
+
+
+def _string_fields(message: bytes) -> dict[int, str]:
+    return {n: v.decode() for n, v in _fields(message) if isinstance(v, bytes)}
+
+
+def _varint(data: bytes, offset: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if offset >= len(data) or shift > 63:
+            raise ValueError("a truncated varint")
+        byte = data[offset]
+        value |= (byte & 0x7F) << shift
+        offset, shift = offset + 1, shift + 7
+        if not byte & 0x80:
+            return value, offset
+
+
+def _address(peer: Any) -> str:
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
