@@ -1,20 +1,27 @@
-"""A peer that does not belong to the run, as an attacker who reaches the lighthouse would run it.
+"""Peers that do not belong to the run, as an attacker who reaches the lighthouse would run them.
 
 ``python tests/rogue_peer.py LIGHTHOUSE MARKER REPLICA_ID`` registers a stock torchft Manager with
 the lighthouse, claims a far-ahead step (so torchft picks it as everyone's heal source) and serves,
 as its heal state, a pickle that creates the file MARKER when it is unpickled, and joins every
-quorum it can until it is killed. Used by tests/test_ft_attacks.py.
+quorum it can until it is killed.
+
+``python tests/rogue_peer.py flood LIGHTHOUSE COUNT`` registers COUNT bogus replica ids, each of
+which asks for quorums (claiming a far-ahead step) and sends heartbeats, ten times a second,
+until it is killed. Used by tests/test_ft_attacks.py and tests/test_ft_stranger_cost.py.
 """
 
 from __future__ import annotations
 
 import socket
 import sys
+import threading
 import time
+import uuid
 from datetime import timedelta
 
 import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
+from torchft._torchft import LighthouseClient
 from torchft.checkpointing import HTTPTransport
 
 CLAIMED_STEP = 10**6
@@ -78,5 +85,30 @@ def main(lighthouse: str, marker: str, replica_id: str) -> None:
         time.sleep(0.05)
 
 
+def flood(lighthouse: str, count: str) -> None:
+    def bogus(index: int) -> None:
+        member = f"{100 + index}:{uuid.uuid4()}"
+        while True:
+            try:
+                client = LighthouseClient(f"http://{lighthouse}", timedelta(seconds=2))
+                client.heartbeat(member, timeout=timedelta(seconds=1))
+                client.quorum(
+                    replica_id=member, timeout=timedelta(seconds=1), step=CLAIMED_STEP,
+                    address="http://127.0.0.1:1", store_address="127.0.0.1:1", world_size=1,
+                )  # fmt: skip
+            except Exception:  # noqa: BLE001 - refused: ask again
+                pass
+            time.sleep(0.1)
+
+    for index in range(int(count)):
+        threading.Thread(target=bogus, args=(index,), daemon=True).start()
+    print(f"rogue: flooding with {count} replica ids", flush=True)
+    while True:
+        time.sleep(60)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "flood":
+        flood(*sys.argv[2:4])
+    else:
+        main(*sys.argv[1:4])

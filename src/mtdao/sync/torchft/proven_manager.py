@@ -163,7 +163,8 @@ class ProvenManager(Manager):
             )
         except Exception as error:
             self._lighthouse = None  # a restarted lighthouse needs a new connection
-            if _accepts_connections(self._lighthouse_addr):  # it is there: it ended the call
+            ended = "transport error" in str(error)  # the connection ended, not a timeout
+            if ended and _accepts_connections(self._lighthouse_addr):  # it is there: it ended it
                 raise QuorumError(
                     f"the lighthouse at {self._lighthouse_addr} ended this replica's quorum "
                     f"request ({_first(error)}): an mtdao lighthouse refuses replicas that do "
