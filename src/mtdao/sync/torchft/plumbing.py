@@ -12,6 +12,8 @@ import logging
 import os
 import re
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -60,6 +62,12 @@ class Refusal:
     """What to say about it."""
 
 
+def _leave_group(group: Any, linger_s: float) -> None:
+    """Abort ``group`` and keep it until a collective pending on it has timed out."""
+    group.abort()
+    time.sleep(linger_s)
+
+
 class MembershipGloo(ProcessGroupGloo):
     """torchft's reconfigurable gloo group, formed with the proven members of each quorum only,
     remembering who they are; with what a replica proves itself with at each quorum (its step,
@@ -97,6 +105,33 @@ class MembershipGloo(ProcessGroupGloo):
         self.notes: list[str] = []
         """What the last quorums did that the replica should say (a refused heal), drained by
         its driver."""
+        self._in_flight: list[Any] = []
+        """The futures of this group's collectives that may still be running."""
+
+    def abort(self, errored: bool = True) -> None:
+        """Leave the current group. A collective still in flight on it (one given up on: a lost
+        peer, :mod:`.collective_watch`) would hold the next quorum's group until the collective
+        timeout: torch's abort waits for it, and dropping the group while it is pending blocks
+        the whole process in the group's destructor. So such a group is aborted in a thread of
+        its own that holds it until the collective timeout has passed. The thread is not a
+        daemon: a process that ends sooner waits for it (gloo ends the process otherwise)."""
+        group, self._pg = self._pg, None
+        pending, self._in_flight = [f for f in self._in_flight if not f.done()], []
+        if group is None:
+            return
+        if not pending:
+            group.abort()
+            return
+        linger_s = self.collective_timeout.total_seconds()
+        threading.Thread(
+            target=_leave_group, args=(group, linger_s), name="mtdao-gloo-leave"
+        ).start()
+
+    def _wrap_work(self, work: Any, opts: object) -> Any:
+        """Remember the collectives in flight (see :meth:`abort`)."""
+        self._in_flight = [f for f in self._in_flight if not f.done()]
+        self._in_flight.append(work.get_future())
+        return work
 
     def _opts_hook(self, opts: Any) -> Any:
         """Every collective waits up to the collective timeout (the group itself was formed
