@@ -153,8 +153,8 @@ def test_connections_ended_before_the_first_frame_goes_on_end_quietly(front, mon
     register = front._forwarding
 
     @contextlib.contextmanager
-    def register_then_end(client, server):
-        with register(client, server):
+    def register_then_end(client):
+        with register(client):
             front.end_connections()
             yield
 

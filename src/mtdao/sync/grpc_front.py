@@ -73,7 +73,7 @@ class GrpcFront:
         self.report = report or _to_stderr
         self.refused = 0
         self._count_lock = threading.Lock()
-        self._open: set[socket.socket] = set()  # both ends of every forwarded connection
+        self._open: set[socket.socket] = set()  # the client's end of every connection served
         self._open_lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
@@ -99,7 +99,7 @@ class GrpcFront:
         for end in ends:
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)
-        return len(ends) // 2
+        return len(ends)
 
     def _accept(self) -> None:
         while True:
@@ -121,45 +121,34 @@ class GrpcFront:
                     client.sendall(self._http1_refusal())
                 return
             client.settimeout(None)
-            try:
-                server = socket.create_connection(self.upstream, timeout=30.0)
-            except OSError:
-                return  # the server behind is gone: the client sees its connection end
-            with server, self._forwarding(client, server):
-                server.settimeout(None)
-                # frames are passed on one by one: without this, Nagle's algorithm holds each
-                # small one until the last is acknowledged, 40 ms per call with delayed ACKs
-                for end in (client, server):
-                    with contextlib.suppress(OSError):
-                        end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                back = threading.Thread(target=_copy, args=(server, client), daemon=True)
-                back.start()
+            with contextlib.suppress(OSError):  # frames go on one by one (see _Upstream)
+                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            server = _Upstream(self.upstream, client)
+            with self._forwarding(client), server:
                 local = from_this_machine(client, peer)
                 allowed = self.allowed if local else self.allowed - self.local_only
                 forbidden = None
-                if _send(server, preface):
+                if server.send(preface):
                     forbidden = self._forward_requests(client, server, allowed, peer)
                 if forbidden is not None and forbidden is not INSPECTED:
                     mine = forbidden in self.local_only
                     where = " (served to this machine's processes only)" if mine else ""
                     self._refuse(peer, f"a call of {_shown(forbidden)}{where}", allowed)
-                for end in (client, server):
-                    with contextlib.suppress(OSError):
-                        end.shutdown(socket.SHUT_RDWR)
-                back.join(timeout=5.0)
+                with contextlib.suppress(OSError):
+                    client.shutdown(socket.SHUT_RDWR)
 
     @contextlib.contextmanager
-    def _forwarding(self, client: socket.socket, server: socket.socket):
+    def _forwarding(self, client: socket.socket):
         with self._open_lock:
-            self._open |= {client, server}
+            self._open.add(client)
         try:
             yield
         finally:
             with self._open_lock:
-                self._open -= {client, server}
+                self._open.discard(client)
 
     def _forward_requests(
-        self, client: socket.socket, server: socket.socket, allowed: frozenset[bytes], peer
+        self, client: socket.socket, server: _Upstream, allowed: frozenset[bytes], peer
     ) -> bytes | None:
         """Copy HTTP/2 frames from the client, checking each request's path before its headers
         go on (and its message, for an inspected path, before anything after them goes on); the
@@ -183,7 +172,7 @@ class GrpcFront:
                     continue
                 if not verdict:
                     return INSPECTED
-                if not _send(server, inspected.held):
+                if not server.send(inspected.held):
                     return None
                 inspected = None
                 continue
@@ -202,10 +191,10 @@ class GrpcFront:
                     stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
                     inspected = _Inspected(stream, held, lambda m, p=path: self.inspect[p](m, peer))
                     continue
-                if not _send(server, held):
+                if not server.send(held):
                     return None
                 continue
-            if not _send(server, head + payload):
+            if not server.send(head + payload):
                 return None
 
     def _refuse(self, peer, what: str, allowed: frozenset[bytes]) -> None:
@@ -228,6 +217,53 @@ class GrpcFront:
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
+
+
+class _Upstream:
+    """The connection to the server behind a front, opened when the client's first request goes
+    on: what the client sent before it (the preface, its settings) is held until then, so a
+    connection whose first request is refused (a stranger's flood) costs the server behind, and
+    the front, no connection of their own. The server's answers are copied back to the client
+    by a thread of their own."""
+
+    def __init__(self, address: tuple[str, int], client: socket.socket) -> None:
+        self.address, self.client = address, client
+        self.socket: socket.socket | None = None
+        self.pending = b""
+        self._back: threading.Thread | None = None
+
+    def send(self, data: bytes) -> bool:
+        """Whether ``data`` went on (or is held until a request goes on)."""
+        if self.socket is not None:
+            return _send(self.socket, data)
+        self.pending += data
+        if data.startswith(PREFACE) or data[3:4] != bytes([HEADERS]):
+            return True
+        try:
+            self.socket = socket.create_connection(self.address, timeout=30.0)
+        except OSError:
+            return False  # the server behind is gone: the client sees its connection end
+        self.socket.settimeout(None)
+        # frames are passed on one by one: without this, Nagle's algorithm holds each small
+        # one until the last is acknowledged, 40 ms per call with delayed ACKs
+        with contextlib.suppress(OSError):
+            self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._back = threading.Thread(target=_copy, args=(self.socket, self.client), daemon=True)
+        self._back.start()
+        data, self.pending = self.pending, b""
+        return _send(self.socket, data)
+
+    def __enter__(self) -> _Upstream:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.socket is None:
+            return
+        with contextlib.suppress(OSError):
+            self.socket.shutdown(socket.SHUT_RDWR)
+        if self._back is not None:
+            self._back.join(timeout=5.0)
+        self.socket.close()
 
 
 INSPECTED = b"(inspected)"
