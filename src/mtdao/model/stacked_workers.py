@@ -10,14 +10,14 @@ Depends on torch only; the sync package re-exports :func:`stack_workers` (``mtda
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mtdao.model.vmapped_attention import attention_that_vmaps
 
 
 def _check_num_workers(num_workers: int) -> int:
@@ -26,18 +26,6 @@ def _check_num_workers(num_workers: int) -> int:
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"Invalid number of workers: {num_workers} (must be >= 1)")
     return num_workers
-
-
-def attention_that_vmaps(device: torch.device):
-    """On a GPU, attention by its plain matrix-product kernel while the workers are vmapped.
-
-    torch's fused CUDA attention kernels, batched over the workers by vmap, gave NaN gradients in
-    bf16 and failed in float32 ("LSE is not correctly aligned") on torch 2.11 and an H200, where
-    the same model unbatched trains (BENCHMARKS.md section 9). At the sequence lengths simulated
-    workers run, the math kernel costs little. On CPU vmap loops over the fused kernel instead."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return sdpa_kernel(SDPBackend.MATH)
 
 
 class StackedWorkers(nn.Module):
