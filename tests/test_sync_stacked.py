@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.testing import assert_close
 
+from mtdao.model import Llama, ModelConfig
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, stack_workers, unified
 from mtdao.sync.testing import PeerFailure, RecordingCommunicator, ScriptedCommunicator
 
@@ -118,6 +119,65 @@ def test_a_bad_number_of_workers_is_refused_as_the_simulator_refuses_it(count):
             ValueError, match=rf"^Invalid number of workers: {count} \(must be >= 1\)$"
         ):
             build()
+
+
+class CountedModel(TiedModel):
+    """TiedModel counting its forward calls: under vmap, one per vmapped call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(tokens)
+
+
+def small_llama() -> nn.Module:
+    config = ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, max_seq_len=5)
+    return Llama(config)
+
+
+@pytest.mark.parametrize("make_model", [CountedModel, small_llama], ids=["tied", "llama"])
+def test_workers_per_call_chunks_the_workers_and_changes_no_result_bit_for_bit(make_model):
+    num_workers = 7  # chunks of 1, 3 (the last one short) and 4 (the last one short), or all
+    torch.manual_seed(0)
+    model = make_model()
+    tokens = torch.randint(0, 11, (num_workers, 4, 5))
+    targets = torch.randint(0, 11, (num_workers, 4, 5))
+    perturbation = {
+        n: 0.1 * torch.randn(num_workers, *p.shape) for n, p in model.named_parameters()
+    }
+
+    def run(workers_per_call):
+        workers = stack_workers(model, num_workers, workers_per_call=workers_per_call)
+        with torch.no_grad():
+            for name, p in workers.named_parameters():
+                p.add_(perturbation[name])
+        model.calls = 0
+        outputs = workers(tokens)
+        losses = workers.losses(
+            lambda logits, t: nn.functional.cross_entropy(logits.reshape(-1, 11), t.reshape(-1)),
+            tokens,
+            targets,
+        )
+        losses.sum().backward()
+        grads = [p.grad for p in workers.parameters()]
+        return outputs, losses, grads, model.calls
+
+    outputs, losses, grads, _ = run(None)
+    for workers_per_call, calls in ((1, 7), (3, 3), (4, 2), (7, 1), (8, 1)):
+        chunked = run(workers_per_call)
+        assert torch.equal(chunked[0], outputs) and torch.equal(chunked[1], losses)
+        assert all(torch.equal(a, b) for a, b in zip(chunked[2], grads))
+        if isinstance(model, CountedModel):
+            assert chunked[3] == 2 * calls, workers_per_call  # the forward and the losses
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 2.5, "8"])
+def test_a_bad_number_of_workers_per_call_is_refused(value):
+    with pytest.raises(ValueError, match=r"^Invalid workers per call: .*must be an int >= 1"):
+        stack_workers(nn.Linear(2, 2), 4, workers_per_call=value)
 
 
 def test_stacking_a_model_imports_nothing_of_the_sync_package():

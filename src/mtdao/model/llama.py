@@ -115,8 +115,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=-1)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Under vmap on CPU the fused kernel has no batch rule: torch warns once and loops over
-        # workers, at about the speed of a hand-written attention.
+        # Simulated workers (vmapped) run this as one call over all of them:
+        # mtdao.model.vmapped_attention.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 

@@ -10,14 +10,14 @@ Depends on torch only; the sync package re-exports :func:`stack_workers` (``mtda
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mtdao.model.vmapped_attention import attention_that_vmaps
 
 
 def _check_num_workers(num_workers: int) -> int:
@@ -28,16 +28,18 @@ def _check_num_workers(num_workers: int) -> int:
     return num_workers
 
 
-def attention_that_vmaps(device: torch.device):
-    """On a GPU, attention by its plain matrix-product kernel while the workers are vmapped.
-
-    torch's fused CUDA attention kernels, batched over the workers by vmap, gave NaN gradients in
-    bf16 and failed in float32 ("LSE is not correctly aligned") on torch 2.11 and an H200, where
-    the same model unbatched trains (BENCHMARKS.md section 9). At the sequence lengths simulated
-    workers run, the math kernel costs little. On CPU vmap loops over the fused kernel instead."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return sdpa_kernel(SDPBackend.MATH)
+def _check_workers_per_call(workers_per_call: int | None) -> int | None:
+    if workers_per_call is None:
+        return None
+    if (
+        isinstance(workers_per_call, bool)
+        or not isinstance(workers_per_call, int)
+        or workers_per_call < 1
+    ):
+        raise ValueError(
+            f"Invalid workers per call: {workers_per_call!r} (must be an int >= 1, or None for all)"
+        )
+    return workers_per_call
 
 
 class StackedWorkers(nn.Module):
@@ -46,11 +48,20 @@ class StackedWorkers(nn.Module):
     Parameter and buffer names are the original module's, so optimizer groups, sync policies and
     checkpoints see the names they would with one worker. Buffers are shared by all workers (not
     stacked); tied parameters (an output layer sharing the embedding) stay tied.
+
+    ``workers_per_call`` workers run in one vmapped call, and the calls run one after the other
+    (None, the default: all workers in one call). Smaller calls hold less memory at the peak of a
+    step, at some speed (benchmarks/simulator_scaling.py ``--workers-per-call``). The chunking
+    changes no deterministic result: every op computes each worker's slice on its own, whichever
+    other workers share its call (random draws, such as dropout's, come out in another order).
     """
 
-    def __init__(self, module: nn.Module, num_workers: int) -> None:
+    def __init__(
+        self, module: nn.Module, num_workers: int, workers_per_call: int | None = None
+    ) -> None:
         super().__init__()
         self.num_workers = _check_num_workers(num_workers)
+        self.workers_per_call = _check_workers_per_call(workers_per_call)
         self._template = [module]  # in a list: its parameters are not this module's
         for name, param in module.named_parameters():
             owner, leaf = self._owner(name)
@@ -113,8 +124,11 @@ class StackedWorkers(nn.Module):
         return self._vmapped(one_worker, in_dims, params, buffers, inputs, *targets)
 
     def _vmapped(self, function: Callable, in_dims: tuple, *args):
-        """``function`` of every worker at once (vmapped), with attention that vmaps."""
-        call = vmap(function, in_dims=in_dims, randomness="different")
+        """``function`` of every worker (vmapped, ``workers_per_call`` at a time), with attention
+        that vmaps."""
+        chunk = self.workers_per_call
+        chunk = None if chunk is None or chunk >= self.num_workers else chunk
+        call = vmap(function, in_dims=in_dims, randomness="different", chunk_size=chunk)
         with attention_that_vmaps(next(self.parameters()).device):
             return call(*args)
 
@@ -127,12 +141,15 @@ class StackedWorkers(nn.Module):
         return model
 
 
-def stack_workers(module: nn.Module, num_workers: int) -> StackedWorkers:
+def stack_workers(
+    module: nn.Module, num_workers: int, workers_per_call: int | None = None
+) -> StackedWorkers:
     """M simulated workers of ``module``, all starting from its parameters.
 
     Train them with an optimizer over ``workers.parameters()`` and a
     ``LocalUpdateSync(optimizer, policy, SimulatedWorkers(num_workers))``; feed each worker its own
     batch along a leading dimension of size ``num_workers``. The module's forward runs under
-    ``torch.func.vmap``, so it must not branch on tensor values or call ``.item()``.
+    ``torch.func.vmap``, so it must not branch on tensor values or call ``.item()``;
+    ``workers_per_call`` of them at a time (None: all at once).
     """
-    return StackedWorkers(module, num_workers)
+    return StackedWorkers(module, num_workers, workers_per_call)

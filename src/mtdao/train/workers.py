@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -19,10 +18,6 @@ from torch import Tensor, nn
 
 from mtdao.model.stacked_workers import stack_workers
 from mtdao.sync.layout import WorkerLayout
-
-# On CPU, vmap has no batching rule for the fused attention kernel and falls back to a loop over
-# workers, which measured as fast as an explicit matmul attention; the warning is only noise.
-warnings.filterwarnings("ignore", message=".*batching rule for aten::_scaled_dot_product.*")
 
 
 def language_model_loss(logits: Tensor, targets: Tensor) -> Tensor:
