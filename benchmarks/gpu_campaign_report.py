@@ -152,14 +152,16 @@ def optimizer_step_section(data: dict, results: dict) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in of_size:
-            bandwidth = row["ideal_bytes"] / (row["median_ms"] / 1e3)
+            seconds = row["median_ms"] / 1e3
+            bandwidth = row["ideal_bytes"] / seconds if "ideal_bytes" in row else None
             ratio = row["median_ms"] / baseline["median_ms"] if baseline else None
             lines.append(
                 f"| {row['label']} | {row['layout']} | {row['kernel']} | {_number(row['median_ms'])} | "
-                f"{_number(row['fastest_ms'])} | {_number(ratio)}x | {bandwidth / 1e9:.0f} | "
-                f"{100 * bandwidth / H200_BYTES_PER_S:.0f}% | {_number(row.get('gather_ms'))} | "
-                f"{_number(row.get('kernel_ms'))} | {_number(row.get('first_step_s'))} | "
-                f"{_number(row.get('peak_memory_gb'))} |"
+                f"{_number(row.get('fastest_ms'))} | {_number(ratio)}x | "
+                f"{_number(bandwidth and bandwidth / 1e9)} | "
+                f"{_number(bandwidth and 100 * bandwidth / H200_BYTES_PER_S, 2)}% | "
+                f"{_number(row.get('gather_ms'))} | {_number(row.get('kernel_ms'))} | "
+                f"{_number(row.get('first_step_s'))} | {_number(row.get('peak_memory_gb'))} |"
             )
         if baseline:
             lines += [""] + _targets(of_size, baseline) + _default_check(of_size)
