@@ -83,11 +83,11 @@ class PartPlan:
 PLAN = [
     PartPlan("environment", 30, 10),
     PartPlan("exactness", 60, 15),
-    PartPlan("optimizer_step", 130, 30),
+    PartPlan("optimizer_step", 115, 30),
     PartPlan("train", 75, 20),
     PartPlan("vmapped_workers", 40, 10),
     PartPlan("sharded", 60, 15),
-    PartPlan("torchrun", 45, 15),
+    PartPlan("torchrun", 60, 15),
     PartPlan("paper_16m", None, 60),
 ]
 assert [p.name for p in PLAN] == list(PARTS)
