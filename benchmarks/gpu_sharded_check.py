@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,16 +41,28 @@ BF16_LOSS_TOLERANCE = 0.05  # bf16 compute moves a tiny model's loss by ~1e-2 ov
 STEPS, BATCH, SEQ_LEN = 30, 8, 64
 
 
-def report(name: str, passed: bool, details: str) -> bool:
+@dataclass(frozen=True)
+class Check:
+    """One check's verdict (true when it passed) and its figures."""
+
+    name: str
+    passed: bool
+    details: str
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def report(name: str, passed: bool, details: str) -> Check:
     print(f"{'PASS' if passed else 'FAIL'} {name}: {details}", flush=True)
-    return passed
+    return Check(name, passed, details)
 
 
 # -- 1. FSDP2 on one GPU, in this process ---------------------------------------------------------
 
 
-def small_llama(sharded: bool, mesh):
-    """(model, worker set, optimizer, engine) of a small Llama on this GPU, sharded or not."""
+def small_llama(sharded: bool, mesh, device: str = "cuda"):
+    """(model, worker set, optimizer, engine) of a small Llama on ``device``, sharded or not."""
     from mtdao.model import Llama, ModelConfig, split_weight_decay
     from mtdao.sync.process_group import ProcessGroupWorkers
     from mtdao.train.config import TrainConfig, resolve
@@ -59,7 +72,7 @@ def small_llama(sharded: bool, mesh):
     from mtdao.train.workers import ProcessWorkerSet
 
     torch.manual_seed(0)
-    model = Llama(ModelConfig(256, 128, 4, 4, SEQ_LEN)).cuda()
+    model = Llama(ModelConfig(256, 128, 4, 4, SEQ_LEN)).to(device)
     if sharded:
         shard_model(model, mesh, bf16=True)
         shard_group = mesh.get_group("shard")
@@ -75,15 +88,15 @@ def small_llama(sharded: bool, mesh):
     return model, workers, optimizer, build_sync(config, optimizer, communicator, workers)
 
 
-def train_small_llama(sharded: bool, mesh) -> dict:
-    model, workers, optimizer, sync = small_llama(sharded, mesh)
+def train_small_llama(sharded: bool, mesh, device: str = "cuda", steps: int = STEPS) -> dict:
+    model, workers, optimizer, sync = small_llama(sharded, mesh, device)
     named = workers.named_parameters()
     generator = torch.Generator().manual_seed(1)
     losses, grad_dtypes = [], set()
-    for _ in range(STEPS):
+    for _ in range(steps):
         # a learnable stream: each token is the previous one plus one
         starts = torch.randint(0, 256, (BATCH, 1), generator=generator)
-        tokens = ((starts + torch.arange(SEQ_LEN + 1)) % 256).cuda()
+        tokens = ((starts + torch.arange(SEQ_LEN + 1)) % 256).to(device)
         loss = workers.losses(tokens[:, :-1], tokens[:, 1:])
         loss.sum().backward()
         grad_dtypes |= {p.grad.dtype for _, p in named}
@@ -101,14 +114,14 @@ def train_small_llama(sharded: bool, mesh) -> dict:
     }
 
 
-def dcp_round_trip(run: dict, mesh, directory: Path) -> bool:
+def dcp_round_trip(run: dict, mesh, directory: Path, device: str = "cuda") -> bool:
     """Save the trained run with DCP, load it into a fresh (untrained) one: equal bit for bit?"""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(run["model"], run["optimizer"])
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
-    model, _, optimizer, _ = small_llama(True, mesh)
+    model, _, optimizer, _ = small_llama(True, mesh, device)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     loaded = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(loaded, checkpoint_id=directory)
@@ -127,17 +140,22 @@ def dcp_round_trip(run: dict, mesh, directory: Path) -> bool:
     return same
 
 
-def check_fsdp_on_cuda(out: Path) -> bool:
+def check_fsdp(out: Path, device: str = "cuda", steps: int = STEPS) -> Check:
+    """``fsdp-cuda`` (on a CPU, with gloo and without bf16 compute, the same code at work)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(unused_port()))
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo")
     try:
-        mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
-        sharded, unsharded = train_small_llama(True, mesh), train_small_llama(False, mesh)
+        mesh = init_device_mesh(device, (1, 1), mesh_dim_names=("replicate", "shard"))
+        sharded = train_small_llama(True, mesh, device, steps)
+        unsharded = train_small_llama(False, mesh, device, steps)
         fp32 = torch.float32
         types_ok = sharded["param_types"] == {("DTensor", fp32)}
         types_ok &= sharded["grad_dtypes"] == {fp32}
@@ -145,7 +163,7 @@ def check_fsdp_on_cuda(out: Path) -> bool:
         first, last = sharded["losses"][0], sharded["losses"][-1]
         gap = abs(last - unsharded["losses"][-1])
         learning = math.isfinite(last) and last < first
-        round_trip = dcp_round_trip(sharded, mesh, out / "dcp")
+        round_trip = dcp_round_trip(sharded, mesh, out / "dcp", device)
         grads = sorted(map(str, sharded["grad_dtypes"]))
         details = (
             f"parameters {sorted(map(str, sharded['param_types']))}, gradients {grads}, states "
@@ -154,7 +172,7 @@ def check_fsdp_on_cuda(out: Path) -> bool:
             f"{'exact' if round_trip else 'DIFFERS'}"
         )
         passed = types_ok and learning and gap < BF16_LOSS_TOLERANCE and round_trip
-        return report("fsdp-cuda", passed, details)
+        return report(f"fsdp-{device}", passed, details)
     finally:
         dist.destroy_process_group()
 
@@ -190,7 +208,7 @@ def vmapped_gradient_gap(device: str, dtype: torch.dtype) -> float:
     return worst
 
 
-def check_vmapped_workers(device: str = "cuda") -> bool:
+def check_vmapped_workers(device: str = "cuda") -> Check:
     gaps = {}
     for dtype in VMAP_TOLERANCE:
         try:
@@ -220,14 +238,14 @@ def mtdao_train(processes: int, flags: list[str], out: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-def check_harness_unsharded(out: Path) -> bool:
+def check_harness_unsharded(out: Path) -> Check:
     results = mtdao_train(1, ["--workers", "2"], out / "s1")
     loss = results.get("final_val_loss")
     passed = loss is not None and math.isfinite(loss)
     return report("harness-s1", passed, f"final_val_loss {loss} {results.get('error', '')}")
 
 
-def check_harness_sharded(out: Path) -> bool:
+def check_harness_sharded(out: Path) -> Check:
     two = mtdao_train(2, ["--workers", "2", "--shards", "1"], out / "M2-S1")
     four = mtdao_train(4, ["--workers", "2", "--shards", "2"], out / "M2-S2")
     if "error" in two or "error" in four:
@@ -244,7 +262,7 @@ def check_harness_sharded(out: Path) -> bool:
     return report("harness-s2", passed and halved, details)
 
 
-def check_cpu_sharded() -> bool:
+def check_cpu_sharded() -> Check:
     tests = ["tests/test_sharded_sync.py", "tests/test_sharded_train.py"]
     tests.append("tests/test_sharded_config.py")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -264,7 +282,7 @@ def main() -> int:
     gpus = torch.cuda.device_count()
     print(f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [check_fsdp_on_cuda(args.out), check_vmapped_workers()]
+    results = [check_fsdp(args.out), check_vmapped_workers()]
     results.append(check_harness_unsharded(args.out))
     if gpus >= 4:
         results.append(check_harness_sharded(args.out))

@@ -11,10 +11,17 @@ The update is memory-bound, so each optimizer is also given as a bandwidth: the 
 single pass moves (read x, g and every state; write x and every state) over the time per step,
 beside the bandwidth of the copy (read + write), the practical limit of this machine.
 
-``--breakdown`` adds two rows that split a fused MTAdam step: its kernel (on the CPU the C++
-kernel, elsewhere the compiled ones) called directly on the same tensors (the rest of the step is
-the optimizer's bookkeeping: step counters, bucketing, coefficients), and called on a single flat
-copy of all tensors (the difference to the former is the cost of many tensors over one).
+Each optimizer steps its own copy of the parameters (all with the same gradients): the flat layout
+(``flat=True``, the CUDA default, :mod:`mtdao.optim.flat`) moves the parameters' data into its
+buffers, which two optimizers would take from each other at every step. The rows without a layout
+in their name take the device's default (on the CPU the tensors where they are, on CUDA flat).
+
+``--breakdown`` adds rows that split the default MTAdam step. With the tensors where they are: its
+kernel (on the CPU the C++ kernel, elsewhere the compiled ones) called directly on the same tensors
+(the rest of the step is the optimizer's bookkeeping: step counters, bucketing, coefficients), and
+called on a single flat copy of all tensors (the difference to the former is the cost of many
+tensors over one). In flat buffers: the gather of the gradients into the buffer alone, and the
+kernel alone over the buffers (the rest is the bookkeeping).
 
     python benchmarks/optimizer_step.py                      # ~25M params in 100 tensors, CPU
     python benchmarks/optimizer_step.py --breakdown          # where a fused step's time goes
@@ -68,20 +75,33 @@ CANDIDATES: dict[str, Candidate] = {
     "MTAdam N=2 omegas=(.45,.45)": mt(MTAdam, 3, fused=True, **N2),
     "MTAdopt N=1": mt(MTAdopt, 2, fused=True),
     "MTSGD N=1": mt(MTSGD, 1, fused=True),
-    "MTAdam N=1 (0.9,) foreach": mt(MTAdam, 2, foreach=True),
-    "MTAdam N=2 foreach": mt(MTAdam, 3, foreach=True, **N2),
+    "MTAdam N=1 (0.9,) per-tensor": mt(MTAdam, 2, fused=True, flat=False),
+    "MTAdam N=1 (0.9,) flat": mt(MTAdam, 2, fused=True, flat=True),
+    "MTAdam N=1 (0.9,) foreach": mt(MTAdam, 2, foreach=True, flat=False),
+    "MTAdam N=2 foreach": mt(MTAdam, 3, foreach=True, flat=False, **N2),
 }
 
 
 def make_parameters(total: int, count: int, device: torch.device) -> list[torch.Tensor]:
     size = total // count
-    generator = torch.Generator().manual_seed(0)
     params = []
-    for _ in range(count):
-        p = torch.randn(size, generator=generator).mul_(0.02).to(device).requires_grad_(True)
-        p.grad = torch.randn(size, generator=generator).to(device)
+    for index in range(count):
+        generator = torch.Generator(device).manual_seed(index)
+        options = dict(generator=generator, device=device)
+        p = torch.randn(size, **options).mul_(0.02).requires_grad_(True)
+        p.grad = torch.randn(size, **options)
         params.append(p)
     return params
+
+
+def own_copy(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters' values in tensors of their own, with the same gradient tensors."""
+    copies = []
+    for p in params:
+        copy = p.detach().clone().requires_grad_(True)
+        copy.grad = p.grad
+        copies.append(copy)
+    return copies
 
 
 def synchronize(device: torch.device) -> None:
@@ -103,8 +123,35 @@ BREAKDOWN_OF = "MTAdam N=1 omegas=(0.9,)"
 
 
 def breakdown_calls(optimizer: MTAdam) -> dict[str, Callable[[], object]]:
-    """Where a fused step's time goes: the same kernel calls without the optimizer's
-    bookkeeping, and the same update on a single flat copy of the tensors."""
+    """Where a fused step's time goes (after a step: the optimizer has its states)."""
+    if optimizer._flat_groups:
+        return flat_breakdown_calls(optimizer)
+    return per_tensor_breakdown_calls(optimizer)
+
+
+def flat_breakdown_calls(optimizer: MTAdam) -> dict[str, Callable[[], object]]:
+    """The gather of the gradients into the flat buffer alone, and the kernel alone over the
+    buffers."""
+    (bucket,) = [b for flat_group in optimizer._flat_groups.values() for b in flat_group.buckets]
+    group = optimizer.param_groups[0]
+    hyper = {k: group[k] for k in ("betas", "omegas", "beta2", "eps", "weight_decay")}
+    params, grads, momenta, second_moment = bucket.tensors()
+    spec = ADAM.spec(1, params, momenta[0])
+    c = coefficient_tensor(adam_coefficients(step=10, **hyper), group["lr"], params)
+
+    @torch.no_grad()
+    def kernel_only() -> None:
+        run_kernels(ADAM, spec, [params], [grads], [[u] for u in momenta], [second_moment], c)
+
+    return {
+        BREAKDOWN_OF + ": gather only": bucket.gather_gradients,
+        BREAKDOWN_OF + ": kernel only": kernel_only,
+    }
+
+
+def per_tensor_breakdown_calls(optimizer: MTAdam) -> dict[str, Callable[[], object]]:
+    """The same kernel calls without the optimizer's bookkeeping, and the same update on a
+    single flat copy of the tensors."""
     group = optimizer.param_groups[0]
     params = group["params"]
     states = [optimizer.state[p] for p in params]
@@ -169,7 +216,7 @@ def main() -> None:
     calls: dict[str, Callable[[], object]] = {COPY: lambda: target.copy_(source)}
     first_step: dict[str, float] = {}
     for name, candidate in CANDIDATES.items():
-        optimizer = candidate.make(params)
+        optimizer = candidate.make(own_copy(params))
         # the first step allocates state and, for fused MT-DAO, compiles (or loads) its kernel
         first_step[name] = time_calls(optimizer.step, 1, device)
         time_calls(optimizer.step, args.warmup, device)  # and passes ADOPT's v-only call
@@ -193,8 +240,8 @@ def main() -> None:
         for name, times in samples.items()
     }
     moved = {name: bytes_per_step(c.states, numel, 4) for name, c in CANDIDATES.items()}
-    moved[COPY] = 2 * numel * 4
-    for name in names:  # breakdown rows move what the step they break down moves
+    moved[COPY] = moved[BREAKDOWN_OF + ": gather only"] = 2 * numel * 4
+    for name in names:  # other breakdown rows move what the step they break down moves
         moved.setdefault(name, moved[BREAKDOWN_OF])
     bandwidth = {name: moved[name] / fastest[name] / 1e9 for name in names}
     environment = {

@@ -16,8 +16,11 @@ from mtdao import MTSGD, MTAdam, MTAdopt
 SHAPES = [(), (6,), (4, 3)]
 STEPS = 80
 WEIGHT_DECAY = 0.05
-# How each implementation is asked for (see MultiTimescaleOptimizer).
-PATHS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
+# How each implementation is asked for (see MultiTimescaleOptimizer): the tensors where they are,
+# or in flat buffers, each with every kind of kernel.
+KERNELS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
+PATHS = {name: dict(flat=False, **options) for name, options in KERNELS.items()}
+PATHS.update({f"flat-{name}": dict(flat=True, **options) for name, options in KERNELS.items()})
 
 
 def lr_at(step: int, peak: float) -> float:
@@ -80,7 +83,8 @@ def assert_trajectories_match(actual, expected, exact: bool = False):
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_mtadam_one_momentum_full_weight_is_adamw(path):
     hyper = dict(eps=1e-8, weight_decay=WEIGHT_DECAY)
-    torch_path = dict(foreach=False) if path == "loop" else PATHS[path]
+    kernel = path.removeprefix("flat-")
+    torch_path = dict(foreach=False) if kernel == "loop" else KERNELS[kernel]
     expected = run_optimizer(
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.99), **hyper, **torch_path), 1e-2
     )
@@ -91,8 +95,9 @@ def test_mtadam_one_momentum_full_weight_is_adamw(path):
         1e-2,
     )
     # foreach and loop: the same operations in the same order as torch's AdamW, equal to the last
-    # bit; fused: compiled code against torch's hand-written kernel, equal to float rounding.
-    assert_trajectories_match(actual, expected, exact=path != "fused")
+    # bit (also over flat buffers); fused: compiled code against torch's hand-written kernel, equal
+    # to float rounding.
+    assert_trajectories_match(actual, expected, exact=kernel != "fused")
 
 
 # --------------------------------------------------------------------------------------------

@@ -51,8 +51,11 @@ def make_gradient(noise: torch.Tensor, x: torch.Tensor, step: int) -> torch.Tens
     return g
 
 
-# How each implementation is asked for (see MultiTimescaleOptimizer).
-PATHS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
+# How each implementation is asked for (see MultiTimescaleOptimizer): the tensors where they are,
+# or in flat buffers, each with every kind of kernel.
+KERNELS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
+PATHS = {name: dict(flat=False, **options) for name, options in KERNELS.items()}
+PATHS.update({f"flat-{name}": dict(flat=True, **options) for name, options in KERNELS.items()})
 
 
 def run_fast_and_reference(variant: str, num_momenta: int, path: str):

@@ -43,10 +43,12 @@ from mtdao.optim.native import native_available, native_launch
 #   extra passes over memory (cheap while tensors sit in cache) cross at ~8K elements per tensor;
 # - once per process, compiling costs seconds (BENCHMARKS.md section 1), which a bucket of 4M
 #   elements earns back within a few hundred steps; smaller models keep the foreach path.
-# On CUDA the compiled kernels lost to foreach at every size measured (an H200, 25M parameters in
-# 100 tensors: 4.1 ms a step against 1.3 ms; the kernels alone on one flat buffer take 0.2 ms): a
-# launch per tensor costs more than the passes it saves, so fused=None keeps foreach there.
+# On CUDA (an H200, 25M parameters in 100 tensors) a compiled launch per tensor cost ~40 us, 4.2 ms
+# a step against foreach's 1.3 ms, while the same kernel over one flat buffer took 0.23 ms: the
+# kernel pays there once per bucket of flat buffers (mtdao.optim.flat), or per tensor of at least
+# ~1M elements (where 40 us is what the foreach path's extra passes cost).
 FUSED_MIN_MEAN_NUMEL = 1 << 13
+FUSED_MIN_MEAN_NUMEL_CUDA = 1 << 20
 FUSED_MIN_NUMEL = 1 << 22
 
 # --------------------------------------------------------------------------------------------
@@ -107,11 +109,12 @@ def sgd_update(x: Tensor, g: Tensor, momenta: list[Tensor], v: None, c: Tensor) 
 
 
 def fusing_pays(params: list[Tensor]) -> bool:
-    """Whether the fused kernel beats the foreach path for these tensors (``fused=None``)."""
-    if params and params[0].device.type == "cuda":
-        return False
+    """Whether the fused kernel beats the foreach path for these tensors (``fused=None``); a flat
+    bucket comes as one tensor."""
+    cuda = bool(params) and params[0].device.type == "cuda"
+    min_mean_numel = FUSED_MIN_MEAN_NUMEL_CUDA if cuda else FUSED_MIN_MEAN_NUMEL
     numel = sum(p.numel() for p in params)
-    return numel >= FUSED_MIN_NUMEL and numel >= FUSED_MIN_MEAN_NUMEL * len(params)
+    return numel >= FUSED_MIN_NUMEL and numel >= min_mean_numel * len(params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,10 +220,17 @@ def coefficient_tensor(coefficients: Coefficients, lr: float | Tensor, like: Ten
     constant, per_lr = coefficients
     options = dict(dtype=torch.float64, device=like.device)
     if isinstance(lr, Tensor):
-        return torch.tensor(constant, **options) + lr.to(**options) * torch.tensor(
-            per_lr, **options
-        )
-    return torch.tensor([a + lr * b for a, b in zip(constant, per_lr)], **options)
+        return _on_device(constant, like) + lr.to(**options) * _on_device(per_lr, like)
+    return _on_device([a + lr * b for a, b in zip(constant, per_lr)], like)
+
+
+def _on_device(values: list[float], like: Tensor) -> Tensor:
+    """``values`` as a float64 tensor on ``like``'s device. To a GPU through pinned memory, without
+    waiting: a plain copy from pageable memory waits for the GPU's queue, every step."""
+    host = torch.tensor(values, dtype=torch.float64)
+    if like.device.type != "cuda":
+        return host.to(like.device)
+    return host.pin_memory().to(like.device, non_blocking=True)
 
 
 @torch.no_grad()

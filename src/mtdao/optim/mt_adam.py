@@ -35,6 +35,7 @@ class MTAdam(MultiTimescaleOptimizer):
         weight_decay: float = 0.0,
         foreach: bool | None = None,
         fused: bool | None = None,
+        flat: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -45,5 +46,6 @@ class MTAdam(MultiTimescaleOptimizer):
             weight_decay=weight_decay,
             foreach=foreach,
             fused=fused,
+            flat=flat,
         )
         super().__init__(params, defaults)

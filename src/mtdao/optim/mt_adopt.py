@@ -36,6 +36,7 @@ class MTAdopt(MultiTimescaleOptimizer):
         clip: bool = True,
         foreach: bool | None = None,
         fused: bool | None = None,
+        flat: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -47,5 +48,6 @@ class MTAdopt(MultiTimescaleOptimizer):
             clip=bool(clip),
             foreach=foreach,
             fused=fused,
+            flat=flat,
         )
         super().__init__(params, defaults)

@@ -34,6 +34,7 @@ class MTSGD(MultiTimescaleOptimizer):
         weight_decay: float = 0.0,
         foreach: bool | None = None,
         fused: bool | None = None,
+        flat: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -42,5 +43,6 @@ class MTSGD(MultiTimescaleOptimizer):
             weight_decay=weight_decay,
             foreach=foreach,
             fused=fused,
+            flat=flat,
         )
         super().__init__(params, defaults)
