@@ -72,3 +72,26 @@ def test_a_slow_peer_that_answers_is_waited_for_and_said_so():
         listener.close()
     assert lines[0] == "waiting 0 s for the round with replicas 1; probing them"
     assert lines[1].startswith("still waiting 2 s for the round with replicas 1")
+
+
+def test_a_group_left_with_a_collective_given_up_on_is_held_only_until_it_ends():
+    """The group is kept while the given-up collective is pending (dropping it then would block
+    the process in gloo's destructor), and let go as soon as it ends, not after the whole
+    collective timeout: a replica whose last round lost a peer used to wait that long to exit."""
+    pytest.importorskip("torchft")
+    from mtdao.sync.torchft.plumbing import _leave_group
+
+    class Group:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    group, collective = Group(), Collective()
+    leaving = threading.Thread(target=_leave_group, args=(group, [collective.future], 60.0))
+    leaving.start()
+    time.sleep(0.3)
+    assert group.aborted and leaving.is_alive()  # held while the collective is pending
+    collective.finish()
+    leaving.join(timeout=5.0)
+    assert not leaving.is_alive()

@@ -62,10 +62,17 @@ class Refusal:
     """What to say about it."""
 
 
-def _leave_group(group: Any, linger_s: float) -> None:
-    """Abort ``group`` and keep it until a collective pending on it has timed out."""
+LEAVE_POLL_S = 0.05
+
+
+def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
+    """Abort ``group`` and keep it until the collectives ``pending`` on it have ended (failed,
+    as a lost peer's do, or timed out), ``linger_s`` at most: no longer, so that a process
+    that ends meanwhile is not held for the whole collective timeout."""
     group.abort()
-    time.sleep(linger_s)
+    deadline = time.monotonic() + linger_s
+    while time.monotonic() < deadline and not all(future.done() for future in pending):
+        time.sleep(LEAVE_POLL_S)
 
 
 class MembershipGloo(ProcessGroupGloo):
@@ -113,8 +120,9 @@ class MembershipGloo(ProcessGroupGloo):
         peer, :mod:`.collective_watch`) would hold the next quorum's group until the collective
         timeout: torch's abort waits for it, and dropping the group while it is pending blocks
         the whole process in the group's destructor. So such a group is aborted in a thread of
-        its own that holds it until the collective timeout has passed. The thread is not a
-        daemon: a process that ends sooner waits for it (gloo ends the process otherwise)."""
+        its own that holds it until those collectives end (a lost peer's fail at once) or the
+        collective timeout passes. The thread is not a daemon: a process that ends sooner waits
+        for it (gloo ends the process otherwise)."""
         group, self._pg = self._pg, None
         pending, self._in_flight = [f for f in self._in_flight if not f.done()], []
         if group is None:
@@ -124,7 +132,7 @@ class MembershipGloo(ProcessGroupGloo):
             return
         linger_s = self.collective_timeout.total_seconds()
         threading.Thread(
-            target=_leave_group, args=(group, linger_s), name="mtdao-gloo-leave"
+            target=_leave_group, args=(group, pending, linger_s), name="mtdao-gloo-leave"
         ).start()
 
     def _wrap_work(self, work: Any, opts: object) -> Any:
