@@ -13,29 +13,28 @@ from torch import Tensor
 from mtdao.sync.collectives import InFlightMean
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.sharded_layout import ShardGroupSums
-from mtdao.sync.torchft.quorum import Quorum
 from mtdao.sync.torchft.transport import ManagerTransport
 
 
 class ReplicaLayout(WorkerLayout):
-    """This replica among the replicas of ``quorum``; its gathers go through ``transport`` and
-    belong to the round in progress (a failure discards the round)."""
+    """This replica among the replicas of the transport's quorum; its gathers go through
+    ``transport`` and belong to the round in progress (a failure discards the round)."""
 
-    def __init__(self, quorum: Quorum, transport: ManagerTransport) -> None:
-        self.quorum, self.transport = quorum, transport
+    def __init__(self, transport: ManagerTransport) -> None:
+        self.transport = transport
 
     @property
     def num_workers(self) -> int:  # type: ignore[override]
-        return self.quorum.size
+        return self.transport.num_workers
 
     @property
     def rank(self) -> int:  # type: ignore[override]
-        return self.quorum.rank
+        return self.transport.rank
 
     def gather(self, values: Tensor) -> Tensor:
         """Inside a round, every replica's value; between rounds (no coordination) this
         replica's own, and NaN for the others."""
-        in_round = self.quorum.open
+        in_round = self.transport.quorum.open
         slots = torch.full((self.num_workers,), 0.0 if in_round else float("nan"))
         slots = slots.to(dtype=torch.float64, device=values.device)
         slots[self.rank] = values.reshape(()).to(torch.float64)
@@ -49,8 +48,6 @@ class ShardedReplicaLayout(ShardGroupSums, ReplicaLayout):
     """A replica of ``shard_group``'s processes among the replicas of the quorum: a sum over a
     worker adds the replica's shards first (see :mod:`.shards`)."""
 
-    def __init__(
-        self, quorum: Quorum, transport: ManagerTransport, shard_group: dist.ProcessGroup
-    ) -> None:
-        super().__init__(quorum, transport)
+    def __init__(self, transport: ManagerTransport, shard_group: dist.ProcessGroup) -> None:
+        super().__init__(transport)
         self._join_shard_group(shard_group)

@@ -122,7 +122,7 @@ class ReplicaGroups(Communicator):
         self.process_group.config_digest = settings.config_digest
         self.quorum = Quorum(self.process_group, ReplicaProcesses())
         transport = ManagerTransport(self.quorum, settings.bucket_bytes)
-        super().__init__(ReplicaLayout(self.quorum, transport))
+        super().__init__(ReplicaLayout(transport))
         self.transport = transport
         if shard_group is not None:
             self.shard_over(shard_group)
@@ -160,7 +160,7 @@ class ReplicaGroups(Communicator):
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
         self.quorum.processes = ReplicaProcesses(shard_group)
-        self.layout = ShardedReplicaLayout(self.quorum, self.transport, shard_group)
+        self.layout = ShardedReplicaLayout(self.transport, shard_group)
 
     @property
     def processes(self) -> ReplicaProcesses:
