@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dict_store import DictStore
 
 from mtdao.sync import (
     LocalUpdateSync,
@@ -42,24 +43,6 @@ from mtdao.sync.torchft.safe_transport import (  # noqa: E402
 
 SECRET = b"0123456789abcdef0123"
 TIMEOUT = timedelta(seconds=5)
-
-
-class DictStore:
-    """The part of a c10d store the quorum confirmations use."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.values[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.values[key]
-
-    def wait(self, keys, timeout) -> None:
-        missing = [k for k in keys if k not in self.values]
-        if missing:
-            raise TimeoutError(f"{missing} not set")
 
 
 # -- the secret ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from urllib.request import Request, urlopen
 
 import pytest
 import torch
+from dict_store import DictStore
 
 from mtdao.sync.torchft.auth import RunKey
 from mtdao.sync.torchft.proofs import (
@@ -42,21 +43,6 @@ from mtdao.sync.torchft.safe_transport import (  # noqa: E402
 
 KEY = RunKey(b"0123456789abcdef0123")
 TIMEOUT = timedelta(seconds=5)
-
-
-class DictStore:
-    def __init__(self) -> None:
-        self.values: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.values[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.values[key]
-
-    def wait(self, keys, timeout) -> None:
-        if any(k not in self.values for k in keys):
-            raise TimeoutError("not set")
 
 
 def claim(replica: int) -> Claim:
