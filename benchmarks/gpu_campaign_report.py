@@ -87,6 +87,13 @@ def _verdict(passed: Any) -> str:
     return {True: "pass", False: "**FAIL**"}.get(passed, "-")
 
 
+def _log_block(record: dict, title: str | None = None) -> list[str]:
+    """The end of a run's log as a fenced block (nothing when none was kept)."""
+    if not record.get("log_tail"):
+        return []
+    return ["", *([title, ""] if title else []), "```", record["log_tail"].rstrip(), "```"]
+
+
 # -- sections ------------------------------------------------------------------------------------
 
 
@@ -219,15 +226,7 @@ def train_section(data: dict, results: dict) -> list[str]:
             f"{_number(run.get('compute_s_per_worker_step'))} | {_verdict(run.get('passed'))} |"
         )
     for run in data.get("runs", []):
-        if run.get("log_tail"):
-            lines += [
-                "",
-                f"`{run['run']}` (exit code {run['exit_code']}):",
-                "",
-                "```",
-                run["log_tail"].rstrip(),
-                "```",
-            ]
+        lines += _log_block(run, f"`{run['run']}` (exit code {run['exit_code']}):")
     return lines
 
 
@@ -273,8 +272,7 @@ def torchrun_section(data: dict, results: dict) -> list[str]:
             f"{_number(run.get('final_val_loss'), 4)}, losses finite {run.get('all_finite', '-')} "
             "(at world size 1 the harness joins no process group)."
         )
-        if run.get("log_tail"):
-            lines += ["", "```", run["log_tail"].rstrip(), "```", ""]
+        lines += [*_log_block(run), ""] if run.get("log_tail") else []
     group = data.get("group")
     if group:
         losses = group.get("losses") or []
@@ -285,8 +283,7 @@ def torchrun_section(data: dict, results: dict) -> list[str]:
             f"process-group communicator, optimizer layout {group.get('optimizer_layout')} "
             f"({_verdict(group.get('passed'))}): {trend}, exit code {group['exit_code']}."
         )
-        if group.get("log_tail"):
-            lines += ["", "```", group["log_tail"].rstrip(), "```"]
+        lines += _log_block(group)
     return lines
 
 
