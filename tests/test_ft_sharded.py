@@ -5,7 +5,7 @@ replica 0. A replica of another --shards then tries to join and is refused. One 
 (mtdao.testing.fault_drill) runs it all; the tests read its record.
 
 ``OMP_NUM_THREADS=1 python -m pytest -s tests/test_ft_sharded.py`` prints the timings that
-BENCHMARKS.md section 10 quotes.
+section 10 of the results notebook quoted (`git show 1bbf067:BENCHMARKS.md`).
 """
 
 from __future__ import annotations

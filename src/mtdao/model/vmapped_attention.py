@@ -119,7 +119,7 @@ def attention_that_vmaps(device: torch.device):
 
     torch's fused CUDA attention kernels, batched over the workers by vmap, gave NaN gradients in
     bf16 and failed in float32 ("LSE is not correctly aligned") on torch 2.11 and an H200, where
-    the same model unbatched trains (BENCHMARKS.md section 9). At the sequence lengths simulated
+    the same model unbatched trains (`git show 1bbf067:BENCHMARKS.md`, section 9). At the sequence lengths simulated
     workers run, the math kernel costs little."""
     on_gpu = sdpa_kernel(SDPBackend.MATH) if device.type == "cuda" else contextlib.nullcontext()
     with FoldWorkersIntoAttention(), on_gpu:

@@ -2,7 +2,7 @@
 
 On a GPU each kernel launch costs microseconds of driver and Python time whatever its size, so a
 step that launches per tensor (or per chunk of tensors) over a model of many tensors spends most of
-its time launching (BENCHMARKS.md section 1, "CUDA"). Here the parameters of one param group, device
+its time launching (BENCHMARKS.md, "How fast is the optimizer step?"). Here the parameters of one param group, device
 and dtype form a *bucket*: their data, their gradients and each of their optimizer states live in
 one flat buffer each, and a step gathers the gradients into the bucket's buffer (one multi-tensor
 copy) and runs the update once over the whole buffers.
@@ -32,7 +32,7 @@ ALIGNMENT_BYTES = 256
 # fused=None, flat=None: the device types whose parameters are laid out flat by default.
 # - CUDA: one launch per tensor costs more than the step's arithmetic (an H200, 25M parameters in
 #   100 tensors: the compiled kernels per tensor 4.2 ms a step, foreach 1.3 ms, the same compiled
-#   kernel over one flat buffer 0.23 ms, fused AdamW 0.50 ms; BENCHMARKS.md section 1).
+#   kernel over one flat buffer 0.23 ms, fused AdamW 0.50 ms; BENCHMARKS.md, the step on a GPU).
 # - CPU: the C++ kernel already walks all tensors of a bucket in one call, as fast as over one flat
 #   copy of them (within 2%, same section); a flat layout would only add the gather of the
 #   gradients, so the CPU keeps its per-tensor buckets.

@@ -41,7 +41,7 @@ from mtdao.optim.native import native_available, native_launch
 # C++ build), as measured on the 2-core CPU of BENCHMARKS.md:
 # - per step, the kernel's fixed cost per tensor (~7-30 us of Python) against the foreach path's
 #   extra passes over memory (cheap while tensors sit in cache) cross at ~8K elements per tensor;
-# - once per process, compiling costs seconds (BENCHMARKS.md section 1), which a bucket of 4M
+# - once per process, compiling costs seconds (`git show 1bbf067:BENCHMARKS.md`, section 1), which a bucket of 4M
 #   elements earns back within a few hundred steps; smaller models keep the foreach path.
 # On CUDA (an H200, 25M parameters in 100 tensors) a compiled launch per tensor cost ~40 us, 4.2 ms
 # a step against foreach's 1.3 ms, while the same kernel over one flat buffer took 0.23 ms: the
