@@ -64,9 +64,9 @@ def report(name: str, passed: bool, details: str) -> Check:
 def small_llama(sharded: bool, mesh, device: str = "cuda"):
     """(model, worker set, optimizer, engine) of a small Llama on ``device``, sharded or not."""
     from mtdao.model import Llama, ModelConfig, split_weight_decay
+    from mtdao.optim.named import build_optimizer
     from mtdao.sync.process_group import ProcessGroupWorkers
     from mtdao.train.config import TrainConfig, resolve
-    from mtdao.train.methods import build_optimizer
     from mtdao.train.setup import build_sync
     from mtdao.train.sharding import ShardedWorkerSet, shard_model
     from mtdao.train.workers import ProcessWorkerSet
@@ -84,7 +84,9 @@ def small_llama(sharded: bool, mesh, device: str = "cuda"):
     workers.autocast_dtype = torch.bfloat16
     config = resolve(TrainConfig(method="mtdao", workers=1, sync_period=4))
     named = workers.named_parameters()
-    optimizer = build_optimizer(split_weight_decay(named, config.weight_decay), config)
+    optimizer = build_optimizer(
+        split_weight_decay(named, config.weight_decay), config, config.lr, config.weight_decay
+    )
     return model, workers, optimizer, build_sync(config, optimizer, communicator, workers)
 
 

@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
+from mtdao.state_files import explain_load_error
 from mtdao.train.checkpoint import store as ckpt
-from mtdao.train.checkpoint.agreement import explain_load_error
 from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore
 from mtdao.train.durable import file_checksum
 

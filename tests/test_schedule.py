@@ -9,17 +9,13 @@ import re
 
 import pytest
 
+from mtdao.optim.warmups import BetaWarmup, OmegaWarmup, ramp, step_capped_beta, warmed_beta
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.schedule import (
-    BetaWarmup,
     LRSchedule,
-    OmegaWarmup,
     lr_multiplier,
     lr_schedule_of,
-    ramp,
-    step_capped_beta,
     steps_change,
-    warmed_beta,
     warmup_steps_of,
 )
 from mtdao.train.trainer import build_run, set_hyperparameters, train_step

@@ -11,10 +11,11 @@ from torch import nn
 from mtdao import cli
 from mtdao.model import Llama, model_config
 from mtdao.sync.dtensors import process_share
+from mtdao.sync.shard_mesh import check_shardable
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.distributed import ProcessInfo
-from mtdao.train.sharding import check_shardable, check_topology, worker_of
+from mtdao.train.sharding import check_topology, worker_of
 
 
 def test_shards_must_be_a_positive_integer():

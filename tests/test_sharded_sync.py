@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from mtdao.model import Llama, ModelConfig, split_weight_decay
+from mtdao.optim.named import build_optimizer
 from mtdao.sync import NonFiniteError, SimulatedWorkers
 from mtdao.sync.dtensors import local_shard, process_share
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
 from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.evaluate import evaluate
-from mtdao.train.methods import build_optimizer
 from mtdao.train.setup import build_sync
 from mtdao.train.sharding import shard_model
 from mtdao.train.workers import ProcessWorkerSet, SimulatedWorkerSet
@@ -91,7 +91,9 @@ def train(config: TrainConfig, build, workers_here: list[int], nan_at: tuple | N
     torch.manual_seed(0)
     communicator, workers = build(Llama(MODEL))
     named = workers.named_parameters()
-    optimizer = build_optimizer(split_weight_decay(named, config.weight_decay), config)
+    optimizer = build_optimizer(
+        split_weight_decay(named, config.weight_decay), config, config.lr, config.weight_decay
+    )
     sync = build_sync(config, optimizer, communicator, workers)
     sends = count_sends(communicator)
     losses, val_losses = [], []
@@ -171,7 +173,9 @@ def without_shard_group(mesh) -> str:
     torch.manual_seed(0)
     model = shard_model(Llama(MODEL), mesh, bf16=False)
     config = config_of("mtdao")
-    optimizer = build_optimizer(split_weight_decay(model.named_parameters(), 0.0), config)
+    optimizer = build_optimizer(
+        split_weight_decay(model.named_parameters(), 0.0), config, config.lr, config.weight_decay
+    )
     communicator = ProcessGroupWorkers(mesh.get_group("replicate"))
     try:
         build_sync(config, optimizer, communicator, ProcessWorkerSet(model, communicator.layout))

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mtdao import MTAdam
+from mtdao.optim.named import build_optimizer
 from mtdao.sync import (
     LocalUpdateSync,
     NonFiniteError,
@@ -25,10 +26,10 @@ from mtdao.sync import (
     state_decays,
     unified,
 )
+from mtdao.sync.methods import build_policy
 from mtdao.sync.policy import communication_per_step
 from mtdao.sync.testing import PeerFailure, RecordingCommunicator, ScriptedCommunicator
 from mtdao.train.config import TrainConfig, resolve
-from mtdao.train.methods import build_optimizer, build_policy
 
 D_IN, D_OUT, BATCH = 4, 3, 8
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -387,7 +388,7 @@ def test_nan_gradient_under_gradient_averaging_is_caught():
 
 def checkpoint_run(method: str, params: list[Tensor], broadcast_initial: bool = True):
     config = resolve(TrainConfig(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
-    optimizer = build_optimizer(named_groups(params), config)
+    optimizer = build_optimizer(named_groups(params), config, config.lr, config.weight_decay)
     policy = build_policy(method, 4, optimizer)
     sync = LocalUpdateSync(
         optimizer, policy, SimulatedWorkers(3), broadcast_initial=broadcast_initial

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mtdao import MTAdam
+from mtdao.optim.named import build_optimizer
 from mtdao.sync import (
     Communicator,
     LocalUpdateSync,
@@ -22,11 +23,11 @@ from mtdao.sync import (
     SimulatedWorkers,
     unified,
 )
+from mtdao.sync.methods import METHODS, build_policy
 from mtdao.sync.policy import desloc
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
 from mtdao.train.config import TrainConfig, resolve
-from mtdao.train.methods import METHODS, build_optimizer, build_policy
 
 pytestmark = [
     pytest.mark.slow,
@@ -90,7 +91,9 @@ def data(communicator: Communicator, workers: list[int] | None, step: int):
 def train(method: str, communicator: Communicator, stacked: bool) -> dict:
     params, workers = setup(communicator, stacked)
     config = resolve(TrainConfig(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
-    optimizer = build_optimizer([{"params": params, "names": NAMES}], config)
+    optimizer = build_optimizer(
+        [{"params": params, "names": NAMES}], config, config.lr, config.weight_decay
+    )
     sync = LocalUpdateSync(optimizer, build_policy(method, SYNC_PERIOD, optimizer), communicator)
     for step in range(STEPS):
         optimizer.zero_grad()

@@ -19,8 +19,8 @@ import torch
 
 import mtdao
 from mtdao.cli import main
+from mtdao.sync.methods import METHODS
 from mtdao.train import trainer
-from mtdao.train.methods import METHODS
 from mtdao.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")

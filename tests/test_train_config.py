@@ -13,7 +13,9 @@ import torch
 
 from mtdao.cli import build_parser
 from mtdao.flags import add_dataclass_arguments
+from mtdao.optim.named import BASE_OPTIMIZERS
 from mtdao.sync import SyncCodecs
+from mtdao.sync.methods import METHODS, build_policy
 from mtdao.sync.round_options import check_round_options
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import (
@@ -24,7 +26,6 @@ from mtdao.train.config import (
     describe_default,
     resolve,
 )
-from mtdao.train.methods import BASE_OPTIMIZERS, METHODS, build_policy
 
 
 def test_defaults_resolve():

@@ -8,9 +8,10 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mtdao import MTSGD, MTAdam, MTAdopt
+from mtdao.optim.named import BASE_OPTIMIZERS, build_optimizer
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, SingleWorker
+from mtdao.sync.methods import METHODS, build_policy
 from mtdao.train.config import TrainConfig, resolve
-from mtdao.train.methods import BASE_OPTIMIZERS, METHODS, build_optimizer, build_policy
 
 D_IN, D_OUT, BATCH = 5, 2, 16
 SYNC_PERIOD, STEPS = 2, 13  # rounds at even steps; desloc's second moment syncs at step 12
@@ -45,7 +46,7 @@ def run(method: str, base: str, num_workers: int | None) -> tuple[list[Tensor], 
         params = [p.expand(num_workers, *p.shape).clone() for p in params]
     params = [torch.nn.Parameter(p) for p in params]
     config = resolve(TrainConfig(method=method, optimizer=base, lr=LR[base], weight_decay=0.0))
-    optimizer = build_optimizer(params, config)
+    optimizer = build_optimizer(params, config, config.lr, config.weight_decay)
     policy = build_policy(method, SYNC_PERIOD, optimizer)
     communicator = SingleWorker() if num_workers is None else SimulatedWorkers(num_workers)
     sync = LocalUpdateSync(optimizer, policy, communicator)
@@ -101,13 +102,13 @@ def test_build_optimizer_types():
     param = torch.nn.Parameter(torch.zeros(3))
     for name, kind in [("adam", MTAdam), ("adopt", MTAdopt), ("sgdm", MTSGD)]:
         config = resolve(TrainConfig(method="mtdao", optimizer=name))
-        assert type(build_optimizer([param], config)) is kind
+        assert type(build_optimizer([param], config, config.lr)) is kind
 
 
 def test_build_policy_per_method():
     param = torch.nn.Parameter(torch.zeros(3))
     slow = resolve(TrainConfig(method="mtdao", betas=(0.99,), omegas=(0.9,)))
-    optimizer = build_optimizer([param], slow)
+    optimizer = build_optimizer([param], slow, slow.lr)
     ddp = build_policy("ddp", 32, optimizer)
     assert ddp.average_gradients and ddp.params.period is None and ddp.name == "ddp"
     diloco = build_policy("diloco", 32, optimizer)
@@ -119,7 +120,8 @@ def test_build_policy_per_method():
     assert half_life.state_rule("exp_avg_0").period == 64
     assert half_life.state_rule("exp_avg_sq").period == 32
     assert build_policy("desloc", 32, optimizer).state_rule("exp_avg_sq").period == 192
-    sgdm = build_optimizer([param], resolve(TrainConfig(method="desloc", optimizer="sgdm")))
+    sgdm_config = resolve(TrainConfig(method="desloc", optimizer="sgdm"))
+    sgdm = build_optimizer([param], sgdm_config, sgdm_config.lr)
     sgdm_desloc = build_policy("desloc", 32, sgdm)  # no second moment to name
     assert sgdm_desloc.periods() == {"params": 32, "other states": 96}
 

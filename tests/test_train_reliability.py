@@ -18,8 +18,8 @@ from test_train_cli import assert_one_line_error, tiny_args
 from test_train_resume import assert_runs_equal, tiny_config, train_until_interrupted
 
 from mtdao.cli import main
+from mtdao.state_files import first_unsavable
 from mtdao.train import trainer
-from mtdao.train.checkpoint.agreement import first_unsavable
 from mtdao.train.checkpoint.checkpointer import Checkpointer
 from mtdao.train.metrics import read_metrics
 from mtdao.train.run_lock import RunLock

@@ -1,6 +1,6 @@
 """Where people already train: adapters from other trainers onto mtdao's optimizers and engine.
 
-Each adapter is thin: it builds the optimizer, the policy and the engine with the harness's own
-builders (:mod:`mtdao.train.methods`, :mod:`mtdao.train.setup`) and only translates the other
-trainer's hooks. ``mtdao.integrations.hf`` needs the ``hf`` extra (``pip install -e ".[hf]"``).
+Each adapter is thin: it builds the optimizer, the policy and the engine with the library's
+builders (:mod:`mtdao.sync.config`, the same the harness builds with) and only translates the other
+trainer's hooks; nothing here imports the harness (:mod:`mtdao.train`). ``mtdao.integrations.hf`` needs the ``hf`` extra (``pip install -e ".[hf]"``).
 """

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args, dataclass_to_argv
+from mtdao.sync.methods import METHOD_TABLE
 from mtdao.train.config import OPTIMIZER_DEFAULTS, TrainConfig, describe_default
-from mtdao.train.methods import METHOD_TABLE
 
 SUMMARY_KEYS = (
     "method",

@@ -2,7 +2,7 @@
 
 A :class:`TrainConfig` holds what the user asked for; fields left ``None`` take a default that
 depends on the method and the base optimizer (:data:`OPTIMIZER_DEFAULTS`, in
-:mod:`mtdao.train.optimizer_defaults`; the method table in :mod:`mtdao.train.methods`).
+:mod:`mtdao.sync.optimizer_defaults`; the method table in :mod:`mtdao.sync.methods`).
 :func:`resolve` validates a config once (:mod:`mtdao.train.config_checks`) and fills in every
 default; the resolved config is what a run uses, what ``config.json`` and ``results.json`` hold,
 and what a resume is compared with. Resolving is idempotent, so a saved resolved config resolves
@@ -22,19 +22,17 @@ from pathlib import Path
 
 from mtdao.data.batches import SPLITS as DATA_SPLITS
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.optim.base import check_momenta
-from mtdao.sync.compression import SyncCodecs
+from mtdao.optim.named import BASE_OPTIMIZERS
+from mtdao.sync.config import NON_FINITE_ACTIONS, OUTER_STEPS, method_defaults
+from mtdao.sync.methods import METHOD_TABLE, METHODS, SYNC_POLICIES
+from mtdao.sync.optimizer_defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
+from mtdao.sync.optimizer_defaults import default_lr as default_lr
 from mtdao.train.config_checks import check_config
 from mtdao.train.config_checks import config_warnings as config_warnings
-from mtdao.train.methods import BASE_OPTIMIZERS, METHOD_TABLE, METHODS, SYNC_POLICIES
-from mtdao.train.optimizer_defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
-from mtdao.train.optimizer_defaults import default_lr as default_lr
 from mtdao.train.schedule import DEFAULT_WARMUP_FRACTION, DEFAULT_WARMUP_STEPS, warmup_steps_of
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
-NON_FINITE_ACTIONS = ("raise", "skip")
-OUTER_STEPS = ("average", "nesterov")
 DEFAULT_STEPS = 1200
 EVALUATIONS_PER_RUN = 10
 
@@ -286,41 +284,11 @@ WARMUP_FIELDS = frozenset({"warmup", "warmup_steps"})
 def resolve(config: TrainConfig) -> TrainConfig:
     """``config`` validated, with every default filled in; raises ValueError naming a bad flag."""
     check_config(config)
-    table = OPTIMIZER_DEFAULTS[config.optimizer]
-    method = METHOD_TABLE[config.method]
-    betas = config.betas
-    if betas is None:
-        betas = table.mtdao_betas if method.multi_timescale else table.betas
-    omegas = config.omegas
-    if omegas is None and method.multi_timescale and config.betas is None:
-        omegas = table.mtdao_omegas
-    elif omegas is None:  # the user's own momenta share 0.9 (multi-timescale) or 1 equally
-        share = 0.9 if method.multi_timescale else 1.0
-        omegas = (share / len(betas),) * len(betas) if betas else ()
-    try:
-        betas, omegas = check_momenta(betas, omegas)
-    except ValueError as error:
-        raise ValueError(f"--betas/--omegas: {error}") from None
-    beta_warmup = config.beta_warmup
-    # the default warm-ups belong to the default momenta, not a user's
-    default_momenta = method.multi_timescale and config.betas is None
-    if beta_warmup is None:
-        beta_warmup = table.mtdao_beta_warmup if default_momenta else 0.0
-    beta_ramp = config.beta_ramp
-    if beta_ramp is None:
-        beta_ramp = table.mtdao_beta_ramp if default_momenta else 0.0
     steps = config.total_steps()
     return dataclasses.replace(
         config,
         lr=config.lr if config.lr is not None else default_lr(config.method, config.optimizer),
-        betas=betas,
-        omegas=omegas,
-        beta_warmup=beta_warmup,
-        beta_ramp=beta_ramp,
-        beta2=config.beta2 if config.beta2 is not None else table.beta2,
-        eps=config.eps if config.eps is not None else table.eps,
-        sync_policy=config.sync_policy or method.period_rule,
-        sync_dtype=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback).spec(),
+        **method_defaults(config),  # the library's: mtdao.sync.config
         steps=steps,
         tokens=None,
         eval_every=config.eval_every or max(1, steps // EVALUATIONS_PER_RUN),

@@ -2,9 +2,9 @@
 
 :func:`check_config` refuses a bad config with a one-line ValueError naming the flag (``resolve``
 calls it before filling in any default); :func:`config_warnings` lists the settings of a resolved
-config that are allowed but probably not what was meant. The rules of the round options (delay,
-fragments, dtypes) are the sync package's own (:mod:`mtdao.sync.round_options`), applied here to
-the flags.
+config that are allowed but probably not what was meant. The method's settings (its periods, round
+options and hyperparameters) are checked by the library's rules (:func:`mtdao.sync.config.check_method`),
+applied here to the flags.
 
 The config is taken as it comes (``Any``): this module sits below :mod:`mtdao.train.config`,
 which imports it.
@@ -16,16 +16,9 @@ import dataclasses
 import math
 from typing import Any
 
-from mtdao.sync.compression import SyncCodecs
-from mtdao.sync.round_options import (
-    check_delay_lands,
-    check_delay_value,
-    check_fragments,
-    refuse_without_rounds,
-)
-from mtdao.train.methods import METHOD_TABLE, STATE_AVERAGING_METHODS
-from mtdao.train.optimizer_defaults import OPTIMIZER_DEFAULTS
-from mtdao.train.schedule import BETA_WARMUP_START, step_capped_beta
+from mtdao.optim.warmups import BETA_WARMUP_START, step_capped_beta
+from mtdao.sync.config import check_method, flag, non_negative, positive, positive_int
+from mtdao.sync.methods import METHOD_TABLE
 
 
 def check_config(config: Any) -> None:
@@ -35,11 +28,11 @@ def check_config(config: Any) -> None:
         value = getattr(config, f.name)
         if choices and value is not None and value not in choices:
             raise ValueError(
-                f"--{_flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
+                f"--{flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
             )
     names = ("workers", "shards", "sync_period", "batch_size", "seq_len", "eval_tokens")
     for name in names + ("log_every", "keep_checkpoints"):
-        _positive_int(name, getattr(config, name))
+        positive_int(name, getattr(config, name))
     if config.eval_tokens < config.seq_len:
         raise ValueError(
             f"--eval-tokens {config.eval_tokens} is less than one window of --seq-len "
@@ -50,34 +43,16 @@ def check_config(config: Any) -> None:
             f"--batch-size {config.batch_size} does not split over --shards {config.shards} "
             "(each process of a worker takes batch-size / shards of its sequences)"
         )
-    for name in ("steps", "tokens", "eval_every", "checkpoint_every", "state_sync_period"):
+    for name in ("steps", "tokens", "eval_every", "checkpoint_every"):
         if getattr(config, name) is not None:
-            _positive_int(name, getattr(config, name))
+            positive_int(name, getattr(config, name))
     if config.steps is not None and config.tokens is not None:
         raise ValueError("give --steps or --tokens, not both")
-    if config.state_sync_period is not None and config.method not in STATE_AVERAGING_METHODS:
-        raise ValueError(f"--state-sync-period: {config.method} does not average optimizer states")
-    if config.sync_policy is not None and config.method not in STATE_AVERAGING_METHODS:
-        raise ValueError(
-            f"--sync-policy: {config.method} does not average optimizer states; "
-            "a sync policy does not apply"
-        )
-    _check_round_options(config)
-    for name in ("weight_decay", "grad_clip", "min_lr_ratio", "lr", "eps"):
+    check_method(config)  # the method's settings: the library's rules (mtdao.sync.config)
+    for name in ("weight_decay", "grad_clip", "min_lr_ratio", "lr"):
         if getattr(config, name) is not None:
-            _non_negative(name, getattr(config, name))
-    if config.beta2 is not None and not 0.0 <= config.beta2 < 1.0:
-        raise ValueError(f"--beta2: {config.beta2} is outside [0, 1)")
-    for name in ("beta2", "eps"):
-        if (
-            getattr(config, name) is not None
-            and getattr(OPTIMIZER_DEFAULTS[config.optimizer], name) is None
-        ):
-            raise ValueError(f"--{name}: {config.optimizer} has no {name}")
-    for name in ("outer_lr", "collective_timeout"):
-        _positive(name, getattr(config, name))
-    if not 0.0 <= config.outer_momentum < 1.0:
-        raise ValueError(f"--outer-momentum must lie in [0, 1), got {config.outer_momentum}")
+            non_negative(name, getattr(config, name))
+    positive("collective_timeout", config.collective_timeout)
     if config.min_lr_ratio > 1.0:
         raise ValueError(
             f"--min-lr-ratio must lie in [0, 1] (the final learning rate as a fraction of the "
@@ -87,12 +62,10 @@ def check_config(config: Any) -> None:
         raise ValueError("give --resume (continue the run in --out) or --overwrite, not both")
     if config.extend and not config.resume:
         raise ValueError("--extend re-plans a resumed run: it needs --resume")
-    if config.outer_step == "nesterov" and METHOD_TABLE[config.method].averages_gradients:
-        raise ValueError(f"--outer-step: {config.method} averages gradients, not parameters")
-    for name in ("warmup", "decay_fraction", "omega_warmup", "beta_warmup"):
+    for name in ("warmup", "decay_fraction"):
         value = getattr(config, name)
         if value is not None and not 0.0 <= value <= 1.0:
-            raise ValueError(f"--{_flag(name)} must lie in [0, 1], got {value}")
+            raise ValueError(f"--{flag(name)} must lie in [0, 1], got {value}")
     if config.warmup is not None and config.warmup_steps is not None:
         raise ValueError(
             "give --warmup (a fraction of --steps) or --warmup-steps (a number of steps), not both"
@@ -104,10 +77,6 @@ def check_config(config: Any) -> None:
             f"--warmup-steps must be a whole number of steps from 0 to the run's "
             f"{config.total_steps()}, got {config.warmup_steps!r}"
         )
-    if config.beta_ramp is not None and not (
-        math.isfinite(config.beta_ramp) and config.beta_ramp >= 0
-    ):
-        raise ValueError(f"--beta-ramp must be a finite number >= 0, got {config.beta_ramp}")
     _check_fault_tolerance(config)
 
 
@@ -115,13 +84,13 @@ def _check_fault_tolerance(config: Any) -> None:
     for name in ("connect_timeout", "quorum_timeout"):
         value = getattr(config, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"--{_flag(name)} must be a number of seconds > 0, got {value!r}")
+            raise ValueError(f"--{flag(name)} must be a number of seconds > 0, got {value!r}")
     if not config.bind_host or not config.bind_host.strip():
         raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
     if not config.fault_tolerant:
         for name in ("replica_id", "lighthouse", "auth_token_file"):
             if getattr(config, name) is not None:
-                raise ValueError(f"--{_flag(name)} needs --fault-tolerant")
+                raise ValueError(f"--{flag(name)} needs --fault-tolerant")
         return
     if config.replica_id is None or config.lighthouse is None:
         raise ValueError("--fault-tolerant needs --replica-id and --lighthouse")
@@ -141,39 +110,6 @@ def _check_fault_tolerance(config: Any) -> None:
         )
     if not config.lighthouse.strip():
         raise ValueError("--lighthouse is empty; give the lighthouse's host:port")
-
-
-def _check_round_options(config: Any) -> None:
-    """Delay, fragments and dtypes: the sync package's own rules (one place, one message each),
-    given what the flags say of the method and its periods, before any policy is built."""
-    fragments = check_fragments(config.sync_fragments)
-    delay = check_delay_value(config.sync_delay)
-    codecs = SyncCodecs.parse(config.sync_dtype or (), config.error_feedback)
-    if METHOD_TABLE[config.method].averages_gradients:
-        refuse_without_rounds(config.method, delay=delay, fragments=fragments, codecs=codecs)
-    periods = [config.sync_period, config.state_sync_period]
-    shortest = min(p for p in periods if p is not None)
-    which = "--sync-period" if shortest == config.sync_period else "--state-sync-period"
-    check_delay_lands(delay, shortest, f"{which} {shortest}")
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"--{_flag(name)} must be a positive integer, got {value!r}")
-
-
-def _positive(name: str, value) -> None:
-    if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-        raise ValueError(f"--{_flag(name)} must be a finite number > 0, got {value!r}")
-
-
-def _non_negative(name: str, value) -> None:
-    if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
-        raise ValueError(f"--{_flag(name)} must be a finite number >= 0, got {value!r}")
 
 
 # The shortest run of the defaults card (BENCHMARKS.md): below it, MT-DAO's default is unmeasured.

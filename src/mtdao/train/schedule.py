@@ -1,20 +1,21 @@
-"""Hyperparameter schedules: the learning rate and the warm-ups of the omegas and of the slow
-momentum decays, as objects the harness applies to the optimizer before each step.
+"""The learning-rate schedule the harness applies to the optimizer before each step, and the
+re-planning of a run for other --steps. The warm-ups of the omegas and the slow momentum decays
+are the library's (:mod:`mtdao.optim.warmups`).
 
-The multipliers are pure functions of the step (:func:`lr_multiplier`, :func:`ramp`,
-:func:`warmed_beta`); the objects hold what they scale (the peak LR, the target omegas and betas)
-so that nothing is stashed in the optimizer's param groups, and carry their definition in
-``state_dict``.
+The multiplier is a pure function of the step (:func:`lr_multiplier`); the schedule holds what it
+scales (the peak LR) and carries its definition in ``state_dict``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch.optim import Optimizer
+
+from mtdao.optim.warmups import DefinedSchedule
+from mtdao.sync.config import warmups_of
 
 if TYPE_CHECKING:
     from mtdao.train.config import TrainConfig
@@ -69,58 +70,8 @@ def lr_multiplier(
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def ramp(step: int, ramp_steps: int) -> float:
-    """Linear ramp from 0 to 1 over ``ramp_steps`` (1 everywhere when ramp_steps is 0)."""
-    if ramp_steps <= 0:
-        return 1.0
-    return min(1.0, (step + 1) / ramp_steps)
-
-
-# A warmed-up momentum decay starts from Adam's usual fast value.
-BETA_WARMUP_START = 0.9
-
-
-def warmed_beta(target: float, progress: float, start: float = BETA_WARMUP_START) -> float:
-    """Momentum decay at ``progress`` (0 .. 1) of a warm-up from ``start`` to ``target``.
-
-    As in AdEMAMix, the half-life ln(0.5) / ln(beta) grows linearly from start's to target's, so
-    1 / ln(beta) is interpolated linearly. A target no slower than ``start`` is left unchanged,
-    and the target itself is returned once the warm-up is over.
-    """
-    if progress >= 1.0 or target <= start:
-        return target
-    inverse_log = (1.0 - progress) / math.log(start) + progress / math.log(target)
-    return math.exp(1.0 / inverse_log)
-
-
-def step_capped_beta(
-    target: float, steps_taken: int, ramp: float, floor: float = BETA_WARMUP_START
-) -> float:
-    """``min(target, max(floor, 1 - ramp / t))`` at step ``t`` (counted from 1).
-
-    The half-life of ``1 - ramp / t`` is about ln 2 * t / ramp: a slow momentum never remembers
-    more than a fixed fraction of the steps taken, whatever the planned length of the run, so a
-    short run and the start of a long one use the same decays. A target no slower than ``floor``
-    and ``ramp`` 0 leave ``target`` unchanged.
-    """
-    if ramp <= 0.0 or target <= floor:
-        return target
-    return min(target, max(floor, 1.0 - ramp / max(1, steps_taken)))
-
-
-class _Definition:
-    """``state_dict`` / ``load_state_dict`` of a schedule: its defining fields."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            setattr(self, name, tuple(value) if isinstance(value, list) else value)
-
-
 @dataclass
-class LRSchedule(_Definition):
+class LRSchedule(DefinedSchedule):
     """Linear warmup to ``peak_lr``, then cosine, warmup-stable-decay (wsd) or constant."""
 
     peak_lr: float
@@ -150,49 +101,6 @@ class LRSchedule(_Definition):
             group["lr"] = lr
 
 
-@dataclass
-class OmegaWarmup(_Definition):
-    """The mixing weights ramp linearly from 0 to ``target_omegas`` over ``ramp_steps``."""
-
-    target_omegas: tuple[float, ...]
-    ramp_steps: int = 0
-
-    def __call__(self, step: int) -> tuple[float, ...]:
-        """The omegas of 0-based ``step``."""
-        scale = ramp(step, self.ramp_steps)
-        return tuple(w * scale for w in self.target_omegas)
-
-    def apply(self, optimizer: Optimizer, step: int) -> None:
-        omegas = self(step)
-        for group in optimizer.param_groups:
-            group["omegas"] = omegas
-
-
-@dataclass
-class BetaWarmup(_Definition):
-    """Each momentum decay above 0.9 rises from 0.9 to its target over ``ramp_steps``
-    (:func:`warmed_beta`) and, with ``step_ramp`` C, never exceeds 1 - C / t at step t
-    (:func:`step_capped_beta`); the optimizer uses the current decay in its averages and its
-    bias correction."""
-
-    target_betas: tuple[float, ...]
-    ramp_steps: int = 0
-    step_ramp: float = 0.0
-
-    def __call__(self, step: int) -> tuple[float, ...]:
-        """The betas of 0-based ``step``."""
-        progress = ramp(step, self.ramp_steps)
-        return tuple(
-            min(warmed_beta(beta, progress), step_capped_beta(beta, step + 1, self.step_ramp))
-            for beta in self.target_betas
-        )
-
-    def apply(self, optimizer: Optimizer, step: int) -> None:
-        betas = self(step)
-        for group in optimizer.param_groups:
-            group["betas"] = betas
-
-
 def lr_schedule_of(config: TrainConfig) -> LRSchedule:
     """The learning-rate schedule of a resolved config."""
     steps = config.total_steps()
@@ -204,15 +112,6 @@ def lr_schedule_of(config: TrainConfig) -> LRSchedule:
         config.min_lr_ratio,
         config.decay_fraction,
     )
-
-
-def omega_warmup_of(config: TrainConfig) -> OmegaWarmup:
-    return OmegaWarmup(config.omegas, round(config.omega_warmup * config.total_steps()))
-
-
-def beta_warmup_of(config: TrainConfig) -> BetaWarmup:
-    steps = round(config.beta_warmup * config.total_steps())
-    return BetaWarmup(config.betas, steps, config.beta_ramp)
 
 
 # -- re-planning a run for other --steps (``--resume --extend``) --------------------------------
@@ -268,8 +167,7 @@ class StepsChange:
 def steps_change(old: TrainConfig, new: TrainConfig, step: int) -> StepsChange:
     """Compare the schedules of two resolved configs that differ in their length, at ``step``."""
     plans = [
-        (lr_schedule_of(config), omega_warmup_of(config), beta_warmup_of(config))
-        for config in (old, new)
+        (lr_schedule_of(config), *warmups_of(config, config.total_steps())) for config in (old, new)
     ]
     old_lr, new_lr = plans[0][0], plans[1][0]
     first_difference = next(

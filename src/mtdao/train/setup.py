@@ -12,21 +12,15 @@ import torch
 from mtdao.data import WorkerShard, encode_corpus, load_corpus, load_tokenizer
 from mtdao.data.batches import validation_batches
 from mtdao.model import Llama, model_config, split_weight_decay
+from mtdao.optim.named import build_optimizer
+from mtdao.optim.warmups import BetaWarmup, OmegaWarmup
 from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers, WorkerLayout
-from mtdao.sync.compression import SyncCodecs
-from mtdao.sync.policy import OuterOptimizerConfig
+from mtdao.sync import config as sync_config
+from mtdao.sync.config import warmups_of
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
-from mtdao.train.methods import METHOD_TABLE, build_optimizer, build_policy
-from mtdao.train.schedule import (
-    BetaWarmup,
-    LRSchedule,
-    OmegaWarmup,
-    beta_warmup_of,
-    lr_schedule_of,
-    omega_warmup_of,
-)
+from mtdao.train.schedule import LRSchedule, lr_schedule_of
 from mtdao.train.sharding import (
     build_sharded_replica,
     build_sharded_workers,
@@ -124,9 +118,9 @@ def build_run(
     shards, val_batches, vocab_size, data_summary = load_data(config, process, worker_index)
     model = Llama(model_config(config.model, vocab_size, config.seq_len)).to(device)
     communicator, workers = build_workers(model, config, process, device, communicator)
-    optimizer = build_optimizer(
-        split_weight_decay(workers.named_parameters(), config.weight_decay), config
-    )
+    groups = split_weight_decay(workers.named_parameters(), config.weight_decay)
+    optimizer = build_optimizer(groups, config, config.lr, config.weight_decay)
+    omega_warmup, beta_warmup = warmups_of(config, config.total_steps())
     return Run(
         config=config,
         run_dir=Path(config.out),
@@ -138,8 +132,8 @@ def build_run(
         optimizer=optimizer,
         sync=build_sync(config, optimizer, communicator, workers),
         lr_schedule=lr_schedule_of(config),
-        omega_warmup=omega_warmup_of(config),
-        beta_warmup=beta_warmup_of(config),
+        omega_warmup=omega_warmup,
+        beta_warmup=beta_warmup,
         data_summary=data_summary,
     )
 
@@ -175,34 +169,13 @@ def build_sync(
     config: TrainConfig, optimizer, communicator: Communicator, workers: WorkerSet
 ) -> LocalUpdateSync:
     """The engine carrying out the method's policy, with per-worker gradient clipping."""
-    policy = build_policy(
-        config.method,
-        config.sync_period,
+    clip = config.grad_clip
+    return sync_config.build_sync(
+        config,
         optimizer,
-        config.sync_policy,
-        _outer_step(config),
-        config.state_sync_period,
-    )
-    sync = LocalUpdateSync(
-        optimizer,
-        policy,
         communicator,
-        on_non_finite=config.on_non_finite,
-        track_alignment=config.track_alignment,
-        fragments=config.sync_fragments,
-        delay=config.sync_delay,
-        codecs=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback),
+        (lambda: workers.clip_grad_norm_(clip)) if clip > 0 else None,
     )
-    if config.grad_clip > 0:  # between gradient averaging and the step, on each worker
-        sync.register_gradient_hook(lambda: workers.clip_grad_norm_(config.grad_clip))
-    return sync
-
-
-def _outer_step(config: TrainConfig) -> OuterOptimizerConfig | None:
-    """DiLoCo's outer step, or one a local method adds with --outer-step nesterov."""
-    if not (METHOD_TABLE[config.method].outer_step or config.outer_step == "nesterov"):
-        return None
-    return OuterOptimizerConfig(lr=config.outer_lr, momentum=config.outer_momentum)
 
 
 def load_data(config: TrainConfig, process: ProcessInfo, worker_index: int | None = None):

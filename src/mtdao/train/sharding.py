@@ -19,7 +19,6 @@ replicas.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -27,13 +26,11 @@ from torch import Tensor, nn
 
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.process_group import ProcessGroupWorkers
+from mtdao.sync.shard_mesh import build_mesh, check_shardable
 from mtdao.sync.sharded_layout import ShardedWorkerLayout
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.workers import WorkerSet, language_model_loss
-
-MESH_DIMENSIONS = ("replicate", "shard")
-
 
 # -- topology -------------------------------------------------------------------------------------
 
@@ -86,30 +83,6 @@ def check_topology(config: TrainConfig, process: ProcessInfo) -> None:
 def worker_of(process: ProcessInfo, shards: int) -> int:
     """The worker this process belongs to."""
     return process.rank // shards
-
-
-def check_shardable(model: nn.Module, shards: int) -> None:
-    """Refuse a model that does not shard over ``shards`` processes: FSDP2 cuts each parameter's
-    dim 0 into chunks of ceil(rows / S) rows, so a parameter with too few rows (or none: a scalar)
-    would leave a process of every worker holding none of it."""
-    for name, param in model.named_parameters():
-        rows = param.shape[0] if param.dim() > 0 else 0
-        chunk = math.ceil(rows / shards)
-        if rows == 0 or chunk * (shards - 1) >= rows:
-            raise ValueError(
-                f"--shards {shards}: the model does not shard: parameter {name} "
-                f"{tuple(param.shape)} has {rows} rows along dim 0, which leaves process "
-                f"{shards - 1} of every worker none of it; use fewer shards"
-            )
-
-
-def build_mesh(device: torch.device, workers: int, shards: int):
-    """The (replicate, shard) device mesh of all processes: row w holds worker w's processes."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return init_device_mesh(device.type, (workers, shards), mesh_dim_names=MESH_DIMENSIONS)
 
 
 def shard_model(model: nn.Module, mesh, bf16: bool) -> nn.Module:

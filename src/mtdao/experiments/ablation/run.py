@@ -29,8 +29,8 @@ from mtdao.experiments.common.suite import (
     parse_lr_pins,
     run_suite,
 )
+from mtdao.sync.methods import SYNC_POLICIES
 from mtdao.train.config import TrainConfig, default_lr
-from mtdao.train.methods import SYNC_POLICIES
 
 EPILOG = """
 examples:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.model.presets import MODEL_PRESETS
+from mtdao.optim.named import BASE_OPTIMIZERS
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import (
     DATA_SPLITS,
@@ -40,7 +41,6 @@ from mtdao.train.config import (
     describe_default,
     resolve,
 )
-from mtdao.train.methods import BASE_OPTIMIZERS
 from mtdao.train.run_lock import RunLock, RunLockedError
 from mtdao.train.schedule import warmup_steps_of
 from mtdao.train.threads import available_cores

@@ -31,8 +31,8 @@ from mtdao.experiments.common.suite import (
 )
 from mtdao.experiments.compare.presets import add_preset_argument, apply_preset
 from mtdao.flags import argv_from_namespace
+from mtdao.sync.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
 from mtdao.train.config import TrainConfig, default_lr, resolve
-from mtdao.train.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
 
 EPILOG = """
 examples:

@@ -38,7 +38,7 @@ from mtdao.experiments.rosenbrock.problem import (
 )
 from mtdao.optim import MTAdam
 from mtdao.sync import LocalUpdateSync, NonFiniteError, SimulatedWorkers
-from mtdao.train.methods import build_policy
+from mtdao.sync.methods import build_policy
 
 DDP_BETA = 0.9  # the reference's first momentum: plain synchronous Adam
 CURVE_POINTS = 400  # loss curve and trajectory are kept at about this many steps

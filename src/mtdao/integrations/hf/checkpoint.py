@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mtdao.integrations.hf.local_updates import LocalRun
-from mtdao.train.checkpoint.agreement import first_unsavable, read_state_file
+from mtdao.state_files import first_unsavable, read_state_file
 
 FORMAT = 1
 

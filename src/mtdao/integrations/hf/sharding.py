@@ -7,25 +7,21 @@ from __future__ import annotations
 from torch import nn
 
 from mtdao.sync.process_group import ProcessGroupWorkers
-from mtdao.train.config import TrainConfig
-from mtdao.train.sharding import ShardedWorkerSet, build_mesh, check_shardable
+from mtdao.sync.shard_mesh import build_mesh, check_shardable
 
 
-def shard_workers(model: nn.Module, config: TrainConfig):
-    """(communicator over the replicate groups, this process's part of its worker); shards
-    ``model`` in place: each block of a class named in ``model._no_split_modules``, then the
-    rest (embeddings, tied output layer, final norm) as one unit."""
+def shard_workers(model: nn.Module, workers: int, shards: int) -> ProcessGroupWorkers:
+    """The communicator over the replicate groups; shards ``model`` in place: each block of a
+    class named in ``model._no_split_modules``, then the rest (embeddings, tied output layer,
+    final norm) as one unit."""
     from torch.distributed.fsdp import fully_shard
 
-    check_shardable(model, config.shards)
+    check_shardable(model, shards)
     device = next(model.parameters()).device
-    mesh = build_mesh(device, config.workers, config.shards)
+    mesh = build_mesh(device, workers, shards)
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if module is not model and type(module).__name__ in block_classes:
             fully_shard(module, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    communicator = ProcessGroupWorkers(
-        mesh.get_group("replicate"), shard_group=mesh.get_group("shard")
-    )
-    return communicator, ShardedWorkerSet(model, communicator.layout, mesh)
+    return ProcessGroupWorkers(mesh.get_group("replicate"), shard_group=mesh.get_group("shard"))

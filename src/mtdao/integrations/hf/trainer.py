@@ -90,11 +90,15 @@ class LocalUpdateTrainer(Trainer):
         if self.optimizer is None:
             model = self.model if model is None else model
             args = self.args
-            config = self.local_updates.resolve(
-                args.learning_rate, args.weight_decay, args.max_grad_norm, args.max_steps
-            )
             decayed = set(self.get_decay_parameter_names(model))
-            self.local_run = build_local_run(model, config, decayed)
+            self.local_run = build_local_run(
+                model,
+                self.local_updates,
+                args.learning_rate,
+                args.weight_decay,
+                args.max_grad_norm,
+                decayed,
+            )
             self.optimizer = self.local_run.optimizer
             self._warmups = self.local_run.warmups(max(1, args.max_steps))
             self.optimizer.register_step_pre_hook(lambda *_: self._before_step())

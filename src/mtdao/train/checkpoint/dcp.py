@@ -26,8 +26,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtdao.state_files import read_state_file
 from mtdao.sync.dtensors import local_shard
-from mtdao.train.checkpoint.agreement import read_state_file
 from mtdao.train.checkpoint.dcp_metadata import read_metadata, safe_reader
 from mtdao.train.checkpoint.index import CheckpointInfo, read_meta, verify_files
 from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore

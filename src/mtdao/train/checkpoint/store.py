@@ -37,13 +37,8 @@ from typing import Any
 
 import torch
 
-from mtdao.train.checkpoint.agreement import (
-    BarrierOnly,
-    Collective,
-    SingleProcess,
-    first_unsavable,
-    read_state_file,
-)
+from mtdao.state_files import first_unsavable, read_state_file
+from mtdao.train.checkpoint.agreement import BarrierOnly, Collective, SingleProcess
 from mtdao.train.checkpoint.index import (
     CHECKPOINTS_DIR,
     FORMAT,

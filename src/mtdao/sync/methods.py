@@ -9,19 +9,17 @@
 | desloc      | Adam / ADOPT / SGDM          | parameters every K, momenta 3K, second moment 6K   |
 | mtdao       | MT-DAO optimizer             | parameters and states, unified or half-life        |
 
-This module is the one home of the method, optimizer and period-rule names; the default
-hyperparameters of each live in :mod:`mtdao.train.config`.
+This module is the one home of the method and period-rule names (the base optimizers' are
+:mod:`mtdao.optim.named`'s); the default hyperparameters of each live in
+:mod:`mtdao.sync.optimizer_defaults`, a method's settings in :class:`mtdao.sync.config.SyncConfig`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from torch.optim import Optimizer
 
-from mtdao.optim import MTSGD, MTAdam, MTAdopt
 from mtdao.sync import policy as policies
 from mtdao.sync.policy import OuterOptimizerConfig, SyncPolicy
 
@@ -67,25 +65,10 @@ METHOD_TABLE = {
     ),
 }
 METHODS = tuple(METHOD_TABLE)
-BASE_OPTIMIZERS = ("adam", "adopt", "sgdm")
 SYNC_POLICIES = ("unified", "half-life", "desloc")
 MULTI_TIMESCALE_METHODS = tuple(m for m, spec in METHOD_TABLE.items() if spec.multi_timescale)
 GRADIENT_AVERAGING_METHODS = tuple(m for m, spec in METHOD_TABLE.items() if spec.averages_gradients)
 STATE_AVERAGING_METHODS = tuple(m for m, spec in METHOD_TABLE.items() if spec.period_rule)
-
-
-def build_optimizer(param_groups: Iterable, config: Any) -> Optimizer:
-    """The optimizer of a resolved config (``optimizer``, ``lr``, ``betas``, ``omegas``, ...)."""
-    common = dict(
-        lr=config.lr, betas=config.betas, omegas=config.omegas, weight_decay=config.weight_decay
-    )
-    if config.optimizer == "adam":
-        return MTAdam(param_groups, beta2=config.beta2, eps=config.eps, **common)
-    if config.optimizer == "adopt":
-        return MTAdopt(param_groups, beta2=config.beta2, eps=config.eps, **common)
-    if config.optimizer == "sgdm":
-        return MTSGD(param_groups, **common)
-    raise ValueError(f"Unknown optimizer {config.optimizer!r}; choose from {BASE_OPTIMIZERS}")
 
 
 def build_policy(

@@ -1,0 +1,30 @@
+"""The base optimizers by name, as a method's configuration names them (``optimizer="adam"``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch.optim import Optimizer
+
+from mtdao.optim.mt_adam import MTAdam
+from mtdao.optim.mt_adopt import MTAdopt
+from mtdao.optim.mt_sgd import MTSGD
+
+BASE_OPTIMIZERS = ("adam", "adopt", "sgdm")
+
+
+def build_optimizer(
+    param_groups: Iterable, config: Any, lr: float, weight_decay: float = 0.0
+) -> Optimizer:
+    """The optimizer ``config.optimizer`` names, with the config's resolved ``betas``,
+    ``omegas``, ``beta2`` and ``eps`` (:class:`mtdao.sync.config.SyncConfig`, or the harness's
+    config), the peak ``lr`` and the ``weight_decay`` of groups that do not set their own."""
+    common = dict(lr=lr, betas=config.betas, omegas=config.omegas, weight_decay=weight_decay)
+    if config.optimizer == "adam":
+        return MTAdam(param_groups, beta2=config.beta2, eps=config.eps, **common)
+    if config.optimizer == "adopt":
+        return MTAdopt(param_groups, beta2=config.beta2, eps=config.eps, **common)
+    if config.optimizer == "sgdm":
+        return MTSGD(param_groups, **common)
+    raise ValueError(f"Unknown optimizer {config.optimizer!r}; choose from {BASE_OPTIMIZERS}")

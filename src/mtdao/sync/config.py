@@ -1,0 +1,275 @@
+"""A method's settings, as one value: what ``mtdao train``'s method flags and the Hugging Face
+integration's ``LocalUpdates`` both say, and the builders that turn it into an optimizer, an
+engine and warm-ups.
+
+:class:`SyncConfig` holds the method, its base optimizer, its periods, its round options and the
+hyperparameters that depend on the method; the learning rate, its schedule, the weight decay and
+the gradient-clipping norm belong to the training loop. The harness's config carries the same
+fields under the same names (and its own flags on top), so every function here takes either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.optim import Optimizer
+
+from mtdao.optim.base import check_momenta
+from mtdao.optim.named import BASE_OPTIMIZERS
+from mtdao.optim.warmups import BetaWarmup, OmegaWarmup
+from mtdao.sync.communicator import Communicator
+from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.engine import LocalUpdateSync
+from mtdao.sync.methods import (
+    METHOD_TABLE,
+    METHODS,
+    STATE_AVERAGING_METHODS,
+    SYNC_POLICIES,
+    build_policy,
+)
+from mtdao.sync.optimizer_defaults import OPTIMIZER_DEFAULTS
+from mtdao.sync.policy import OuterOptimizerConfig
+from mtdao.sync.round_options import (
+    check_delay_lands,
+    check_delay_value,
+    check_fragments,
+    refuse_without_rounds,
+)
+
+NON_FINITE_ACTIONS = ("raise", "skip")
+OUTER_STEPS = ("average", "nesterov")
+CHOICES = {
+    "method": METHODS,
+    "optimizer": BASE_OPTIMIZERS,
+    "sync_policy": SYNC_POLICIES,
+    "outer_step": OUTER_STEPS,
+    "on_non_finite": NON_FINITE_ACTIONS,
+}
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """A method and its options; ``None`` fields take the method's default (:meth:`resolved`)."""
+
+    method: str = "mtdao"
+    """ddp, qh-ddp, local-adam, diloco, desloc or mtdao (``mtdao train --help``)."""
+    optimizer: str = "adam"
+    """Base optimizer: adam, adopt or sgdm."""
+    sync_period: int = 32
+    """K: local steps between parameter averages."""
+    sync_policy: str | None = None
+    """Period rule of the optimizer states: unified, half-life or desloc (default: the method's)."""
+    state_sync_period: int | None = None
+    """Average every optimizer state every N steps, whatever the period rule."""
+    sync_delay: int = 0
+    """D: each round is sent D steps before it is applied, its collectives overlapping steps."""
+    sync_fragments: int = 1
+    """P: the layers and their states in P fragments synced at staggered steps."""
+    sync_dtype: tuple[str, ...] | None = None
+    """What crosses the link (fp32, bf16, fp8, int8, ...; or KIND=DTYPE per kind)."""
+    error_feedback: bool = False
+    """Carry each worker's quantization error of the parameters into its next round."""
+    final_round: bool = True
+    """At the last step, land the rounds in flight and average what is still apart, so that
+    every worker ends with the same model."""
+    betas: tuple[float, ...] | None = None
+    """First-momentum decays (default: the method's)."""
+    omegas: tuple[float, ...] | None = None
+    """Mixing weights of the momenta; the raw gradient gets 1 - sum."""
+    beta2: float | None = None
+    """Second-moment decay."""
+    eps: float | None = None
+    """Denominator epsilon."""
+    omega_warmup: float = 0.0
+    """Fraction of the run over which the omegas ramp from 0."""
+    beta_warmup: float | None = None
+    """Fraction of the run over which each decay above 0.9 rises from 0.9 (default: the method's)."""
+    beta_ramp: float | None = None
+    """C: each decay above 0.9 is at most 1 - C / t at step t (default: the method's)."""
+    outer_step: str = "average"
+    """average, or nesterov: DiLoCo's outer step on each parameter average."""
+    outer_lr: float = 0.7
+    """Outer learning rate (diloco, or outer_step nesterov)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum."""
+    on_non_finite: str = "raise"
+    """A NaN/inf in a round: raise, or skip the worker and heal it."""
+    track_alignment: bool = True
+    """Record each worker's pseudo-gradient alignment at every parameter sync."""
+
+    def resolved(self) -> SyncConfig:
+        """Checked (a ValueError names the first bad field), every default filled in."""
+        check_method(self)
+        return dataclasses.replace(self, **method_defaults(self))
+
+
+def sync_fields(config: Any) -> dict[str, Any]:
+    """The :class:`SyncConfig` fields of ``config`` (a SyncConfig or the harness's config)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(SyncConfig)}
+
+
+def check_method(config: Any) -> None:
+    """Raise ValueError naming the first bad method setting of ``config`` (flags spelled as
+    ``mtdao train`` spells them)."""
+    for name, choices in CHOICES.items():
+        value = getattr(config, name)
+        if value is not None and value not in choices:
+            raise ValueError(
+                f"--{flag(name)}: unknown value {value!r}; choose from {', '.join(choices)}"
+            )
+    positive_int("sync_period", config.sync_period)
+    if config.state_sync_period is not None:
+        positive_int("state_sync_period", config.state_sync_period)
+    if config.state_sync_period is not None and config.method not in STATE_AVERAGING_METHODS:
+        raise ValueError(f"--state-sync-period: {config.method} does not average optimizer states")
+    if config.sync_policy is not None and config.method not in STATE_AVERAGING_METHODS:
+        raise ValueError(
+            f"--sync-policy: {config.method} does not average optimizer states; "
+            "a sync policy does not apply"
+        )
+    _check_round_options(config)
+    if config.eps is not None:
+        non_negative("eps", config.eps)
+    if config.beta2 is not None and not 0.0 <= config.beta2 < 1.0:
+        raise ValueError(f"--beta2: {config.beta2} is outside [0, 1)")
+    for name in ("beta2", "eps"):
+        if (
+            getattr(config, name) is not None
+            and getattr(OPTIMIZER_DEFAULTS[config.optimizer], name) is None
+        ):
+            raise ValueError(f"--{name}: {config.optimizer} has no {name}")
+    positive("outer_lr", config.outer_lr)
+    if not 0.0 <= config.outer_momentum < 1.0:
+        raise ValueError(f"--outer-momentum must lie in [0, 1), got {config.outer_momentum}")
+    if config.outer_step == "nesterov" and METHOD_TABLE[config.method].averages_gradients:
+        raise ValueError(f"--outer-step: {config.method} averages gradients, not parameters")
+    for name in ("omega_warmup", "beta_warmup"):
+        value = getattr(config, name)
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"--{flag(name)} must lie in [0, 1], got {value}")
+    if config.beta_ramp is not None and not (
+        math.isfinite(config.beta_ramp) and config.beta_ramp >= 0
+    ):
+        raise ValueError(f"--beta-ramp must be a finite number >= 0, got {config.beta_ramp}")
+
+
+def _check_round_options(config: Any) -> None:
+    """Delay, fragments and dtypes: the rules of :mod:`mtdao.sync.round_options` (one place, one
+    message each), given what the config says of the method and its periods."""
+    fragments = check_fragments(config.sync_fragments)
+    delay = check_delay_value(config.sync_delay)
+    codecs = SyncCodecs.parse(config.sync_dtype or (), config.error_feedback)
+    if METHOD_TABLE[config.method].averages_gradients:
+        refuse_without_rounds(config.method, delay=delay, fragments=fragments, codecs=codecs)
+    periods = [config.sync_period, config.state_sync_period]
+    shortest = min(p for p in periods if p is not None)
+    which = "--sync-period" if shortest == config.sync_period else "--state-sync-period"
+    check_delay_lands(delay, shortest, f"{which} {shortest}")
+
+
+def method_defaults(config: Any) -> dict[str, Any]:
+    """The method's defaults for the fields ``config`` leaves unset, and the canonical spelling
+    of its dtypes: the fields to replace in a checked config."""
+    table = OPTIMIZER_DEFAULTS[config.optimizer]
+    method = METHOD_TABLE[config.method]
+    betas = config.betas
+    if betas is None:
+        betas = table.mtdao_betas if method.multi_timescale else table.betas
+    omegas = config.omegas
+    if omegas is None and method.multi_timescale and config.betas is None:
+        omegas = table.mtdao_omegas
+    elif omegas is None:  # the user's own momenta share 0.9 (multi-timescale) or 1 equally
+        share = 0.9 if method.multi_timescale else 1.0
+        omegas = (share / len(betas),) * len(betas) if betas else ()
+    try:
+        betas, omegas = check_momenta(betas, omegas)
+    except ValueError as error:
+        raise ValueError(f"--betas/--omegas: {error}") from None
+    # the default warm-ups belong to the default momenta, not a user's
+    default_momenta = method.multi_timescale and config.betas is None
+    beta_warmup = config.beta_warmup
+    if beta_warmup is None:
+        beta_warmup = table.mtdao_beta_warmup if default_momenta else 0.0
+    beta_ramp = config.beta_ramp
+    if beta_ramp is None:
+        beta_ramp = table.mtdao_beta_ramp if default_momenta else 0.0
+    return dict(
+        betas=betas,
+        omegas=omegas,
+        beta_warmup=beta_warmup,
+        beta_ramp=beta_ramp,
+        beta2=config.beta2 if config.beta2 is not None else table.beta2,
+        eps=config.eps if config.eps is not None else table.eps,
+        sync_policy=config.sync_policy or method.period_rule,
+        sync_dtype=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback).spec(),
+    )
+
+
+def build_sync(
+    config: Any,
+    optimizer: Optimizer,
+    communicator: Communicator,
+    clip_gradients: Callable[[], object] | None = None,
+) -> LocalUpdateSync:
+    """The engine carrying out a resolved config's method over ``communicator``;
+    ``clip_gradients`` runs between gradient averaging and each step (on each worker)."""
+    policy = build_policy(
+        config.method,
+        config.sync_period,
+        optimizer,
+        config.sync_policy,
+        outer_step_of(config),
+        config.state_sync_period,
+    )
+    sync = LocalUpdateSync(
+        optimizer,
+        policy,
+        communicator,
+        on_non_finite=config.on_non_finite,
+        track_alignment=config.track_alignment,
+        fragments=config.sync_fragments,
+        delay=config.sync_delay,
+        codecs=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback),
+    )
+    if clip_gradients is not None:
+        sync.register_gradient_hook(clip_gradients)
+    return sync
+
+
+def outer_step_of(config: Any) -> OuterOptimizerConfig | None:
+    """DiLoCo's outer step, or one a local method adds with ``outer_step="nesterov"``."""
+    if not (METHOD_TABLE[config.method].outer_step or config.outer_step == "nesterov"):
+        return None
+    return OuterOptimizerConfig(lr=config.outer_lr, momentum=config.outer_momentum)
+
+
+def warmups_of(config: Any, total_steps: int) -> tuple[OmegaWarmup, BetaWarmup]:
+    """The omega and beta warm-ups of a resolved config over a run of ``total_steps`` steps."""
+    return (
+        OmegaWarmup(config.omegas, round(config.omega_warmup * total_steps)),
+        BetaWarmup(config.betas, round(config.beta_warmup * total_steps), config.beta_ramp),
+    )
+
+
+def flag(name: str) -> str:
+    """A field's flag, as ``mtdao train`` spells it (without the dashes)."""
+    return name.replace("_", "-")
+
+
+def positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--{flag(name)} must be a positive integer, got {value!r}")
+
+
+def positive(name: str, value) -> None:
+    if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+        raise ValueError(f"--{flag(name)} must be a finite number > 0, got {value!r}")
+
+
+def non_negative(name: str, value) -> None:
+    if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+        raise ValueError(f"--{flag(name)} must be a finite number >= 0, got {value!r}")

@@ -1,0 +1,93 @@
+"""The library stands without the harness: the Hugging Face integration imports nothing of
+``mtdao.train`` (any import statement, wherever it stands), and the method settings it shares
+with ``mtdao train`` are one definition, :class:`mtdao.sync.config.SyncConfig`, whose fields the
+harness's config carries under the same names and defaults."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mtdao.sync.config import SyncConfig, check_method, method_defaults
+from mtdao.train.config import TrainConfig, resolve
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mtdao"
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_the_integrations_import_nothing_of_the_harness():
+    files = sorted((SRC / "integrations").rglob("*.py"))
+    assert len(files) >= 5
+    reaching = {
+        str(path.relative_to(SRC)): sorted(
+            name for name in imports_of(path) if name.split(".")[:2] == ["mtdao", "train"]
+        )
+        for path in files
+    }
+    assert {path: names for path, names in reaching.items() if names} == {}
+
+
+def test_the_import_check_sees_a_function_level_import(tmp_path):
+    hidden = tmp_path / "hidden.py"
+    hidden.write_text("def f():\n    from mtdao.train.config import TrainConfig\n")
+    assert "mtdao.train.config" in imports_of(hidden)
+
+
+def test_every_method_setting_is_a_harness_flag_with_the_same_default():
+    harness = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for shared in dataclasses.fields(SyncConfig):
+        assert shared.name in harness, shared.name
+        assert harness[shared.name].default == shared.default, shared.name
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"method": "ddp"},
+        {"method": "desloc", "optimizer": "sgdm"},
+        {"method": "mtdao", "optimizer": "adopt", "sync_policy": "half-life"},
+        {"method": "mtdao", "betas": (0.9, 0.99), "omegas": (0.3, 0.6)},
+        {"method": "local-adam", "sync_dtype": ("int8",), "error_feedback": True},
+    ],
+)
+def test_the_library_resolves_a_method_as_the_harness_does(settings):
+    library = SyncConfig(**settings).resolved()
+    harness = resolve(TrainConfig(**settings))
+    assert dataclasses.asdict(library) == {
+        name: getattr(harness, name) for name in dataclasses.asdict(library)
+    }
+    assert method_defaults(harness) == {
+        name: getattr(harness, name) for name in method_defaults(harness)
+    }
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"method": "lamb"}, "--method: unknown value 'lamb'"),
+        ({"sync_period": 0}, "--sync-period must be a positive integer"),
+        ({"method": "ddp", "sync_policy": "unified"}, "--sync-policy: ddp does not average"),
+        ({"optimizer": "sgdm", "beta2": 0.9}, "--beta2: sgdm has no beta2"),
+        ({"method": "ddp", "sync_delay": 2}, "ddp"),
+        ({"beta_ramp": float("nan")}, "--beta-ramp must be a finite number"),
+    ],
+)
+def test_a_bad_method_setting_is_refused_alike_by_both(settings, message):
+    for config in (SyncConfig(**settings), TrainConfig(**settings)):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            resolve(config) if isinstance(config, TrainConfig) else config.resolved()
+    with pytest.raises(ValueError):
+        check_method(SyncConfig(**settings))
