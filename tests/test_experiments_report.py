@@ -343,3 +343,13 @@ def test_ablation_end_to_end(tmp_path):
     text = (out / "report.md").read_text()
     assert ablation_report.render_ablation_report(summary) == text
     assert (out / "degradation_vs_k.png").stat().st_size > 0
+
+
+def test_a_suite_takes_the_thread_count_omp_num_threads_asks_for(monkeypatch):
+    """Two threads per run on a busy 2-core machine are many times slower than one: a set
+    OMP_NUM_THREADS is the default, not cores // jobs."""
+    for value, expected in (("1", 1), ("3", 3), ("0", None), ("two", None), ("", None)):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert suite.omp_threads() == expected, value
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert suite.omp_threads() is None

@@ -165,7 +165,8 @@ def run_suite(
     """Train every run not finished yet (none with ``train`` False, to report on a suite still
     running elsewhere); return all results, finished earlier or now.
 
-    Each run gets ``threads`` torch threads (default ``max(1, cores // jobs)``).
+    Each run gets ``threads`` torch threads (default: ``OMP_NUM_THREADS`` when set, else
+    ``max(1, cores // jobs)``).
 
     Raises ValueError before training anything if a finished run in ``out`` has other settings
     than asked for now (its results would silently stand in for a different experiment).
@@ -209,12 +210,19 @@ def run_suite(
             suite.failures[name] = error or "unknown error"
             log(f"[{next(counter)}/{total}] {name:<34} FAILED: {suite.failures[name]}")
 
-    threads = threads or max(1, (cores or available_cores()) // jobs)
+    threads = threads or omp_threads() or max(1, (cores or available_cores()) // jobs)
     if jobs == 1:
         _train_one_after_another(pending, out, threads, finished)
     else:
         _train_in_subprocesses(pending, out, jobs, threads, finished)
     return suite
+
+
+def omp_threads() -> int | None:
+    """The thread count ``OMP_NUM_THREADS`` asks for (None when unset or not a count): a user
+    who set it to 1 on a busy machine gets 1 thread per run, not cores // jobs."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def evaluations(config: TrainConfig) -> int:
@@ -380,8 +388,8 @@ def add_budget_arguments(
     add(
         "--threads",
         type=int,
-        help="torch threads per run (default: cores // jobs; 1 is often fastest for tiny "
-        "models on a busy machine)",
+        help="torch threads per run (default: $OMP_NUM_THREADS when set, else cores // jobs; 1 "
+        "is often fastest for tiny models on a busy machine)",
     )
     add("--out", default=out, help=f"output directory (default: {out})")
     parser.set_defaults(on_interrupt=interrupted_suite)
