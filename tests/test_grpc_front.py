@@ -110,6 +110,24 @@ def test_kill_is_refused_before_it_reaches_the_server(front):
     assert line.endswith("only Quorum calls are served to it (1 refused so far)")
 
 
+def test_a_connection_refused_at_its_first_call_is_held_before_it_ends(front):
+    """A caller that asks again at once is refused once per hold, not as fast as it can
+    reconnect (a 200-id flood on a loopback run kept 40% of its pace so, 86% held)."""
+    front, recorder, lines, address = front
+    front.refusal_hold_s = 0.5
+    started = time.monotonic()
+    received = grpc_call(address, KILL, kill_request())
+    assert headers_frames(received) == 0 and front.refused == 1
+    assert 0.45 <= time.monotonic() - started < 5.0
+    front.refusal_hold_s = 30.0  # ending the connections ends a hold at once
+    caller = threading.Thread(target=grpc_call, args=(address, KILL, kill_request()))
+    caller.start()
+    time.sleep(0.5)
+    assert caller.is_alive() and front.end_connections() == 1
+    caller.join(timeout=5.0)
+    assert not caller.is_alive() and recorder.headers() == 0
+
+
 def test_kill_after_an_allowed_call_ends_the_connection_there(front):
     front, recorder, lines, address = front
     encoder = hpack.Encoder()  # one connection, one header table: the front must follow it

@@ -12,7 +12,9 @@ some of them may be served only to processes on this machine (``local_only``: a 
 whose source is a loopback address or the very address it reached), and some only when their
 request message passes a check (``inspect``: the message is read whole before anything of the
 request goes on, e.g. the lighthouse's check of a replica's signed claim). An HTTP/1 request gets
-a 403; a forbidden HTTP/2 request ends its connection. Every refusal is
+a 403; a forbidden HTTP/2 request ends its connection (one refused at its first request after a
+second in which nothing more of it goes on, so a caller that retries at once, or a flood, is
+refused at that pace, not as fast as it can reconnect). Every refusal is
 counted (``refused``) and reported in one line naming the front, the peer and what it asked for
 (the first ten, then every tenfold count, so a flood cannot fill the log).
 
@@ -27,6 +29,7 @@ import ipaddress
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import hpack
@@ -35,6 +38,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, CONTINUATION = 0x0, 0x1, 0x9
 END_STREAM, END_HEADERS, PADDED, PRIORITY = 0x1, 0x4, 0x8, 0x20
 MAX_INSPECTED_BYTES = 1 << 20  # a request message the front reads whole before it decides
+REFUSAL_HOLD_S = 1.0
+"""How long a refused HTTP/2 connection is held open before it ends (see GrpcFront._hold)."""
 SHOWN_PATH_CHARS = 80
 
 
@@ -71,6 +76,7 @@ class GrpcFront:
         self.local_only = local_only & allowed
         self.inspect = inspect or {}
         self.report = report or _to_stderr
+        self.refusal_hold_s = REFUSAL_HOLD_S
         self.refused = 0
         self._count_lock = threading.Lock()
         self._open: set[socket.socket] = set()  # the client's end of every connection served
@@ -134,8 +140,23 @@ class GrpcFront:
                     mine = forbidden in self.local_only
                     where = " (served to this machine's processes only)" if mine else ""
                     self._refuse(peer, f"a call of {_shown(forbidden)}{where}", allowed)
+                if forbidden is not None and server.socket is None:  # a stranger's first ask
+                    self._hold(client)
                 with contextlib.suppress(OSError):
                     client.shutdown(socket.SHUT_RDWR)
+
+    def _hold(self, client: socket.socket) -> None:
+        """Keep a connection refused at its first request open for ``refusal_hold_s``,
+        forwarding nothing (what it sends meanwhile is dropped): a caller that asks again at
+        once (a client retrying its call, a flood) is refused at that pace instead of as fast as
+        it can reconnect, so refusals cost this process, and the machine, little. The peer
+        closing, or ``end_connections``, ends the wait sooner."""
+        deadline = time.monotonic() + self.refusal_hold_s
+        with contextlib.suppress(OSError, ValueError):
+            while (left := deadline - time.monotonic()) > 0:
+                client.settimeout(left)
+                if not client.recv(1 << 16):  # the peer closed
+                    return
 
     @contextlib.contextmanager
     def _forwarding(self, client: socket.socket):
