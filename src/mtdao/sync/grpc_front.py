@@ -12,9 +12,9 @@ some of them may be served only to processes on this machine (``local_only``: a 
 whose source is a loopback address or the very address it reached), and some only when their
 request message passes a check (``inspect``: the message is read whole before anything of the
 request goes on, e.g. the lighthouse's check of a replica's signed claim). An HTTP/1 request gets
-a 403; a forbidden HTTP/2 request ends its connection (one refused at its first request after a
-second in which nothing more of it goes on, so a caller that retries at once, or a flood, is
-refused at that pace, not as fast as it can reconnect). Every refusal is
+a 403; a forbidden HTTP/2 request ends its connection (from a host refused ten times within a
+second, a connection refused at its first request ends after a second in which nothing more of
+it goes on, so a flood is refused at that pace, not as fast as it can reconnect). Every refusal is
 counted (``refused``) and reported in one line naming the front, the peer and what it asked for
 (the first ten, then every tenfold count, so a flood cannot fill the log).
 
@@ -24,6 +24,7 @@ This module knows nothing of torchft: its users name the calls (``mtdao lighthou
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import socket
@@ -40,6 +41,9 @@ END_STREAM, END_HEADERS, PADDED, PRIORITY = 0x1, 0x4, 0x8, 0x20
 MAX_INSPECTED_BYTES = 1 << 20  # a request message the front reads whole before it decides
 REFUSAL_HOLD_S = 1.0
 """How long a refused HTTP/2 connection is held open before it ends (see GrpcFront._hold)."""
+HOLD_AFTER = 10
+"""Refusals of one host within a second from which its refused connections are held."""
+MAX_HOSTS_TRACKED = 4096
 SHOWN_PATH_CHARS = 80
 
 
@@ -77,6 +81,8 @@ class GrpcFront:
         self.inspect = inspect or {}
         self.report = report or _to_stderr
         self.refusal_hold_s = REFUSAL_HOLD_S
+        self.hold_after = HOLD_AFTER
+        self._recent: dict[str, collections.deque] = {}  # each host's last refusal times
         self.refused = 0
         self._count_lock = threading.Lock()
         self._open: set[socket.socket] = set()  # the client's end of every connection served
@@ -140,10 +146,22 @@ class GrpcFront:
                     mine = forbidden in self.local_only
                     where = " (served to this machine's processes only)" if mine else ""
                     self._refuse(peer, f"a call of {_shown(forbidden)}{where}", allowed)
-                if forbidden is not None and server.socket is None:  # a stranger's first ask
+                if forbidden is not None and server.socket is None and self._flooding(peer):
                     self._hold(client)
                 with contextlib.suppress(OSError):
                     client.shutdown(socket.SHUT_RDWR)
+
+    def _flooding(self, peer) -> bool:
+        """Whether ``peer``'s host had ``hold_after`` refusals within the last second, this one
+        included: a replica's own first heartbeats, refused before its first quorum, are a few
+        and go unheld; a flood is held."""
+        host, now = peer[0] if isinstance(peer, tuple) else str(peer), time.monotonic()
+        with self._count_lock:
+            if len(self._recent) > MAX_HOSTS_TRACKED:  # many hosts: forget the quiet ones
+                self._recent = {h: t for h, t in self._recent.items() if now - t[-1] < 1.0}
+            recent = self._recent.setdefault(host, collections.deque(maxlen=self.hold_after))
+            recent.append(now)
+            return len(recent) == self.hold_after and now - recent[0] < 1.0
 
     def _hold(self, client: socket.socket) -> None:
         """Keep a connection refused at its first request open for ``refusal_hold_s``,
