@@ -43,6 +43,7 @@ def report_module():
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # every part of the campaign, ~100 s
 def test_dry_run_reports_every_part(tmp_path, corpus_dir):
     out = tmp_path / "campaign"
     done = campaign("--dry-run", "--out", str(out), "--data", str(corpus_dir), timeout=600)

@@ -276,6 +276,7 @@ def drill_command(out: Path, scenario: Path, steps: int = 256, extra=()) -> list
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a whole drill across emulated sites, 60-100 s
 def test_a_short_drill_survives_its_events_checks_them_and_cleans_up(can_emulate, tmp_path):
     scenario = tmp_path / "short.json"
     # at steps, not seconds: the machine's speed varies; the kill comes last, with steps enough
