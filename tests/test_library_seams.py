@@ -1,48 +1,16 @@
-"""The library stands without the harness: the Hugging Face integration imports nothing of
-``mtdao.train`` (any import statement, wherever it stands), and the method settings it shares
-with ``mtdao train`` are one definition, :class:`mtdao.sync.config.SyncConfig`, whose fields the
-harness's config carries under the same names and defaults."""
+"""The method settings the library and ``mtdao train`` share are one definition,
+:class:`mtdao.sync.config.SyncConfig`, whose fields the harness's config carries under the same
+names and defaults, checked and resolved by the same code (that the integrations built on it
+import nothing of the harness: tests/test_run_state.py)."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-from pathlib import Path
 
 import pytest
 
 from mtdao.sync.config import SyncConfig, check_method, method_defaults
 from mtdao.train.config import TrainConfig, resolve
-
-SRC = Path(__file__).resolve().parents[1] / "src" / "mtdao"
-
-
-def imports_of(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    return found
-
-
-def test_the_integrations_import_nothing_of_the_harness():
-    files = sorted((SRC / "integrations").rglob("*.py"))
-    assert len(files) >= 5
-    reaching = {
-        str(path.relative_to(SRC)): sorted(
-            name for name in imports_of(path) if name.split(".")[:2] == ["mtdao", "train"]
-        )
-        for path in files
-    }
-    assert {path: names for path, names in reaching.items() if names} == {}
-
-
-def test_the_import_check_sees_a_function_level_import(tmp_path):
-    hidden = tmp_path / "hidden.py"
-    hidden.write_text("def f():\n    from mtdao.train.config import TrainConfig\n")
-    assert "mtdao.train.config" in imports_of(hidden)
 
 
 def test_every_method_setting_is_a_harness_flag_with_the_same_default():

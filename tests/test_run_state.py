@@ -206,8 +206,12 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_the_sync_package_imports_nothing_of_the_harness():
-    for path in sorted((SRC / "sync").rglob("*.py")):
+@pytest.mark.parametrize("package", ["sync", "integrations"])
+def test_the_library_imports_nothing_of_the_harness(package):
+    """The engine, and the integrations built on the library's API (mtdao.sync.config)."""
+    paths = sorted((SRC / package).rglob("*.py"))
+    assert len(paths) >= 5
+    for path in paths:
         harness = {name for name in imported_modules(path) if name.startswith("mtdao.train")}
         assert not harness, f"{path.relative_to(SRC)} imports {sorted(harness)}"
 
