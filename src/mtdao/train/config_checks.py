@@ -30,7 +30,8 @@ def check_config(config: Any) -> None:
             raise ValueError(
                 f"--{flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
             )
-    names = ("workers", "shards", "sync_period", "batch_size", "seq_len", "eval_tokens")
+    # sync_period is the method's: check_method below
+    names = ("workers", "shards", "batch_size", "seq_len", "eval_tokens")
     for name in names + ("log_every", "keep_checkpoints"):
         positive_int(name, getattr(config, name))
     if config.eval_tokens < config.seq_len:
