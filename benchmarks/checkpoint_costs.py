@@ -43,7 +43,7 @@ def build_tiny_run(model: str, work: Path):
     for module in ("argparse", "textwrap", "csv", "string"):
         source = inspect.getsource(__import__(module))
         (corpus / f"{module}.py").write_text(source)
-    config = TrainConfig(
+    config = TrainConfig.of(
         model=model, workers=2, batch_size=2, seq_len=32, steps=10_000, data=str(corpus),
         out=str(work / "run"), device="cpu", progress=False,
     )  # fmt: skip

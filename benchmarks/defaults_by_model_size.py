@@ -37,7 +37,7 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, TrainConfig]]:
     for seed in args.seeds:
         for model in args.models:
             for method in METHODS:
-                config = TrainConfig(method=method, model=model, steps=args.steps,
+                config = TrainConfig.of(method=method, model=model, steps=args.steps,
                                      sync_period=args.sync_period, seed=seed, progress=False)  # fmt: skip
                 runs.append((run_name(model, args.steps, args.sync_period, method, seed), config))
     return runs

@@ -179,7 +179,7 @@ def simulated_loss(root: Path, seed: int, steps: int, period: int) -> float:
         options = dict(
             sync_delay=DELAY, sync_fragments=2, sync_dtype=("int8",), error_feedback=True
         )
-    config = TrainConfig(
+    config = TrainConfig.of(
         workers=3, model="micro", steps=steps, sync_period=period, seed=seed, batch_size=8,
         seq_len=64, eval_tokens=8192, progress=False, out=str(root / f"simulated-{seed}"),
         **options,

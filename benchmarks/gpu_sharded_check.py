@@ -82,10 +82,13 @@ def small_llama(sharded: bool, mesh, device: str = "cuda"):
         communicator = ProcessGroupWorkers(mesh.get_group("replicate"))
         workers = ProcessWorkerSet(model, communicator.layout)
     workers.autocast_dtype = torch.bfloat16
-    config = resolve(TrainConfig(method="mtdao", workers=1, sync_period=4))
+    config = resolve(TrainConfig.of(method="mtdao", workers=1, sync_period=4))
     named = workers.named_parameters()
     optimizer = build_optimizer(
-        split_weight_decay(named, config.weight_decay), config, config.lr, config.weight_decay
+        split_weight_decay(named, config.training.weight_decay),
+        config.sync,
+        config.lr_schedule.lr,
+        config.training.weight_decay,
     )
     return model, workers, optimizer, build_sync(config, optimizer, communicator, workers)
 

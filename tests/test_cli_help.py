@@ -87,16 +87,16 @@ def test_short_runs_do_not_evaluate_every_step(command):
         return apply_preset(args) if command == "compare" else args
 
     config = base_config(parsed("--steps", "40"), 0)
-    assert config.eval_every == 10 and evaluations(config) == 4
+    assert config.job.eval_every == 10 and evaluations(config) == 4
     long = base_config(parsed("--steps", "3000"), 0)
-    assert long.eval_every == 100  # about 30 evaluations per run, as before
+    assert long.job.eval_every == 100  # about 30 evaluations per run, as before
 
 
 def test_a_suite_says_what_is_coming():
     from mtdao.experiments.common.suite import workload
     from mtdao.train.config import TrainConfig
 
-    line = workload([TrainConfig(steps=40, eval_every=10, eval_tokens=4096)] * 3)
+    line = workload([TrainConfig.of(steps=40, eval_every=10, eval_tokens=4096)] * 3)
     assert line.startswith("to train: 3 run(s), 120 steps in all, 12 evaluations (4,096 held-out ")
     assert "a rerun of this command skips the runs that finished" in line
 
@@ -200,7 +200,7 @@ def test_a_suite_says_its_data_line_once(monkeypatch, tmp_path):
     monkeypatch.setattr(trainer, "train", fake_train)
     said: set[str] = set()
     for name in ("a", "b", "c"):
-        suite._train_in_process(name, TrainConfig(steps=2), tmp_path, lambda *_: None, said)
+        suite._train_in_process(name, TrainConfig.of(steps=2), tmp_path, lambda *_: None, said)
     assert shown == ["data: x", "", ""]
 
 

@@ -32,7 +32,7 @@ PER_RUN = {"method", "model", "steps", "sync_period", "data", "seed", "progress"
 
 def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
     runs = card_runs(FULL, DATA)
-    defaults = TrainConfig().to_dict()
+    defaults = TrainConfig.of().to_dict()
     entry_settings = {entry.name: set(entry.settings) for entry in ENTRIES}
     for name, config in runs:
         entry = next(e for e in entry_settings if f"-{e}-s" in name)
@@ -52,7 +52,7 @@ def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
 
 def test_the_card_runs_every_cell_at_the_first_seed_first_current_entries_first():
     runs = card_runs(FULL, DATA)
-    seeds = [config.seed for _, config in runs]
+    seeds = [config.training.seed for _, config in runs]
     first_other = seeds.index(1)
     assert set(seeds[:first_other]) == {0} and 0 not in seeds[first_other:]
     seed_0 = runs[:first_other]
@@ -60,8 +60,8 @@ def test_the_card_runs_every_cell_at_the_first_seed_first_current_entries_first(
     earlier = [i for i, (name, _) in enumerate(seed_0) if not any(e in name for e in current_names)]
     assert earlier == list(range(earlier[0], len(seed_0)))  # earlier defaults, candidates last
     current = seed_0[: earlier[0]]
-    assert {config.steps for _, config in current} == {300, 1000, 2400, 3000, 10000}
-    steps = [config.steps for _, config in current]
+    assert {config.training.steps for _, config in current} == {300, 1000, 2400, 3000, 10000}
+    steps = [config.training.steps for _, config in current]
     tiers = [0 if n <= 1000 else 1 if n <= 3000 else 2 for n in steps]
     assert tiers == sorted(tiers)  # short runs first within an entry group
 
@@ -71,16 +71,18 @@ def test_the_former_schedule_is_run_for_mtdao_and_for_each_baseline_alike():
     for entry in ("mtdao", "ddp", "local-adam"):
         period = "" if entry == "ddp" else "-K128"
         current = runs[f"vim-1000{period}-{entry}-s2"]
-        assert current.schedule == "wsd" and current.warmup is None  # the defaults
+        assert (
+            current.lr_schedule.schedule == "wsd" and current.lr_schedule.warmup is None
+        )  # the defaults
         former = runs[f"vim-1000{period}-{entry}-cosine-s2"]
-        assert former == dataclasses.replace(current, schedule="cosine", warmup=0.05)
+        assert former == current.replace(schedule="cosine", warmup=0.05)
         fraction = runs[f"vim-1000{period}-{entry}-lr-warmup-0.05-s2"]
-        assert fraction == dataclasses.replace(current, warmup=0.05)
+        assert fraction == current.replace(warmup=0.05)
 
 
 def test_a_missing_corpus_leaves_its_cells_out():
     runs = card_runs(FULL, {"builtin": "builtin"})
-    assert runs and all(config.data == "builtin" for _, config in runs)
+    assert runs and all(config.text.data == "builtin" for _, config in runs)
 
 
 def test_the_gnu_info_corpus_is_whole_nodes_without_control_characters(tmp_path):

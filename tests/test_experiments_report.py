@@ -256,7 +256,7 @@ def test_parse_lr_pins():
 
 
 def test_suite_reuses_finished_runs_and_refuses_stale_ones(tmp_path):
-    config = TrainConfig(model="micro", steps=3, progress=False)
+    config = TrainConfig.of(model="micro", steps=3, progress=False)
     run_dir = suite.run_dir_of(tmp_path, "a")
     run_dir.mkdir(parents=True)
     (run_dir / "results.json").write_text(
@@ -266,21 +266,21 @@ def test_suite_reuses_finished_runs_and_refuses_stale_ones(tmp_path):
     result = suite.run_suite([("a", config)], tmp_path, log=lines.append)
     assert result.results["a"]["final_val_loss"] == 1.0 and "1/1 runs already finished" in lines[0]
     with pytest.raises(ValueError, match="steps: 3 -> 4"):
-        suite.run_suite([("a", TrainConfig(model="micro", steps=4))], tmp_path)
+        suite.run_suite([("a", TrainConfig.of(model="micro", steps=4))], tmp_path)
 
 
 def test_half_finished_run_dir_is_resumed_or_wiped(tmp_path):
-    config = TrainConfig(model="micro", steps=3, progress=False)
+    config = TrainConfig.of(model="micro", steps=3, progress=False)
     run_dir = tmp_path / "r"
     checkpoint = run_dir / "checkpoints" / "step-00000002"
     checkpoint.mkdir(parents=True)
     meta = {"step": 2, "sequence": 1, "world_size": 1, "files": {}, "config": config.to_dict()}
     (checkpoint / "meta.json").write_text(json.dumps(meta))
-    assert suite._prepare(run_dir, config).resume
+    assert suite._prepare(run_dir, config).job.resume
     assert run_dir.exists()
-    other = TrainConfig(model="micro", steps=3, lr=1e-3)
+    other = TrainConfig.of(model="micro", steps=3, lr=1e-3)
     launched = suite._prepare(run_dir, other)
-    assert not launched.resume and not run_dir.exists() and launched.out == str(run_dir)
+    assert not launched.job.resume and not run_dir.exists() and launched.job.out == str(run_dir)
 
 
 def test_a_run_another_process_is_training_is_left_alone_and_reported_failed(tmp_path):
@@ -288,7 +288,7 @@ def test_a_run_another_process_is_training_is_left_alone_and_reported_failed(tmp
     neither wipes its directory nor trains beside it; it reports the run failed, naming why."""
     from mtdao.train.run_lock import RunLock
 
-    config = TrainConfig(model="micro", steps=3, progress=False)
+    config = TrainConfig.of(model="micro", steps=3, progress=False)
     run_dir = suite.run_dir_of(tmp_path, "a")
     with RunLock(run_dir):
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')

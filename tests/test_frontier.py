@@ -3,7 +3,6 @@ and frontier.json, and the whole command over finished runs (nothing trained).""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -52,7 +51,7 @@ def test_every_point_of_both_grids_resolves_and_names_itself_uniquely():
         points = grid()
         assert len({p.name for p in points}) == len(points)
         for point in points:
-            resolve(dataclasses.replace(TrainConfig(model="micro", steps=64), **point.fields()))
+            resolve(TrainConfig.of(model="micro", steps=64).replace(**point.fields()))
     assert {p.method for p in quick_grid()} == {"ddp", "local-adam", "diloco", "desloc", "mtdao"}
     assert {p.sync_period for p in full_grid() if p.sync_period} == {32, 64, 128, 256, 512}
 
@@ -76,7 +75,7 @@ def test_a_points_argv_is_every_changed_flag_and_rebuilds_its_run():
     assert "--out" not in argv and "--workers" not in argv  # 4 workers is the default
     parsed = build_parser().parse_args(["train", *argv, "--seed", "2", "--no-progress"])
     rebuilt = config_from_args(parsed)
-    assert resolve(rebuilt) == resolve(dataclasses.replace(config, out=None, progress=False))
+    assert resolve(rebuilt) == resolve(config.replace(out=None, progress=False))
 
 
 def test_pareto_front_keeps_what_no_cheaper_point_beats():

@@ -20,16 +20,16 @@ FT = dict(fault_tolerant=True, replica_id=1, lighthouse="host:29510", workers=3)
 
 
 def test_the_flags_round_trip():
-    config = TrainConfig(**FT, quorum_timeout=30.0, collective_timeout=12.5, connect_timeout=4.0)
+    config = TrainConfig.of(**FT, quorum_timeout=30.0, collective_timeout=12.5, connect_timeout=4.0)
     argv = config_to_argv(config)
     assert "--fault-tolerant" in argv and argv[argv.index("--replica-id") + 1] == "1"
     assert config_from_args(build_parser().parse_args(["train", *argv])) == config
 
 
 def test_each_replica_gets_its_own_run_directory():
-    config = resolve(TrainConfig(**FT, steps=10))
-    assert config.out == "runs/mtdao-adam-M3-K32-seed0/replica-1"
-    assert resolve(TrainConfig(steps=10)).out == "runs/mtdao-adam-M4-K32-seed0"
+    config = resolve(TrainConfig.of(**FT, steps=10))
+    assert config.job.out == "runs/mtdao-adam-M3-K32-seed0/replica-1"
+    assert resolve(TrainConfig.of(steps=10)).job.out == "runs/mtdao-adam-M4-K32-seed0"
 
 
 @pytest.mark.parametrize(
@@ -49,14 +49,14 @@ def test_each_replica_gets_its_own_run_directory():
 )
 def test_bad_settings_are_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        resolve(TrainConfig(**{**FT, **changes}))
+        resolve(TrainConfig.of(**{**FT, **changes}))
 
 
 def test_every_round_option_is_taken_by_a_fault_tolerant_replica():
     options = dict(sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedback=True)
-    resolved = resolve(TrainConfig(**{**FT, **options}))
-    assert (resolved.sync_delay, resolved.sync_fragments) == (2, 2)
-    assert resolved.sync_dtype == ("int8",) and resolved.error_feedback
+    resolved = resolve(TrainConfig.of(**{**FT, **options}))
+    assert (resolved.sync.sync_delay, resolved.sync.sync_fragments) == (2, 2)
+    assert resolved.sync.sync_dtype == ("int8",) and resolved.sync.error_feedback
 
 
 def test_a_bad_setting_is_one_line_on_the_command_line(capsys):
@@ -88,23 +88,37 @@ def check(mine: TrainConfig, theirs: TrainConfig) -> None:
     from mtdao.sync.torchft import SharedConfig
 
     shared = fault_tolerant.shared_config
-    SharedConfig(mine.replica_id, shared(resolve(mine))).load_state_dict(
+    SharedConfig(mine.fault_tolerance.replica_id, shared(resolve(mine))).load_state_dict(
         {"replica_id": 0, "config": shared(resolve(theirs))}
     )
 
 
 def test_a_joining_replica_must_share_the_quorums_config():
     torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
-    mine = TrainConfig(**FT, steps=100, lr=0.01, sync_period=16)
+    mine = TrainConfig.of(**FT, steps=100, lr=0.01, sync_period=16)
     with pytest.raises(torchft.ReplicaRefused) as refused:
-        check(mine, TrainConfig(**{**FT, "replica_id": 0}, steps=100, sync_period=8))
+        check(mine, TrainConfig.of(**{**FT, "replica_id": 0}, steps=100, sync_period=8))
     assert str(refused.value) == (
         "replica 1's config differs from the quorum's (replica 0): sync_period: 8 there, 16 "
         "here; lr: 0.008 there, 0.01 here"
     )
     # what is each replica's own may differ
     own = dict(replica_id=0, lighthouse="other:1", out="elsewhere", quorum_timeout=5.0)
-    check(mine, TrainConfig(**{**FT, **own}, steps=100, lr=0.01, sync_period=16, progress=False))
+    check(mine, TrainConfig.of(**{**FT, **own}, steps=100, lr=0.01, sync_period=16, progress=False))
+
+
+def test_the_settings_marked_replica_local_are_the_ones_a_replica_may_have_its_own():
+    torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+    own = dict(replica_id=0, lighthouse="other:1", out="elsewhere", resume=True, progress=False)
+    own |= dict(log_every=3, eval_every=5, eval_tokens=4096, checkpoint_every=7, device="cpu")
+    own |= dict(connect_timeout=3.0, quorum_timeout=5.0, collective_timeout=9.0)
+    own |= dict(bind_host="127.0.0.2", auth_token_file="token")
+    assert set(own) == fault_tolerant.REPLICA_FIELDS  # the marks on the fields
+    mine = TrainConfig.of(**FT, steps=100)
+    for name, value in own.items():
+        check(mine, mine.replace(**{name: value}))
+    with pytest.raises(torchft.ReplicaRefused, match="seed: 1 there, 0 here"):
+        check(mine, mine.replace(seed=1))
 
 
 def test_without_torchft_the_error_says_how_to_install_it(monkeypatch, tmp_path, capsys):
@@ -112,7 +126,7 @@ def test_without_torchft_the_error_says_how_to_install_it(monkeypatch, tmp_path,
     for name in [name for name in sys.modules if name.startswith("mtdao.sync.torchft")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.delattr(mtdao.sync, "torchft", raising=False)
-    config = resolve(TrainConfig(**FT, steps=2, out=str(tmp_path)))
+    config = resolve(TrainConfig.of(**FT, steps=2, out=str(tmp_path)))
     with pytest.raises(ValueError, match=r"--fault-tolerant needs torchft: pip install .*\[ft\]"):
         fault_tolerant.train_replica(config)
     assert main(["lighthouse"]) == 2

@@ -42,11 +42,11 @@ def final_state(run_dir: Path, rank: int) -> dict:
 def train_both(corpus_dir, root: Path, final_round: bool) -> dict[str, list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = dict(FLAGS, final_round=final_round)
-    config = TrainConfig(data=str(corpus_dir), out=str(root / "torchrun"), **flags)
+    config = TrainConfig.of(data=str(corpus_dir), out=str(root / "torchrun"), **flags)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     argv += ["2", "-m", "mtdao", "train", *config_to_argv(config)]
     job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    flags = config_to_argv(TrainConfig(data=str(corpus_dir), **flags))
+    flags = config_to_argv(TrainConfig.of(data=str(corpus_dir), **flags))
     with Drill(root / "ft", flags) as drill:
         drill.start_lighthouse(min_replicas=2)
         for replica in range(2):

@@ -223,7 +223,7 @@ def test_the_run_ends_identical_everywhere_and_close_to_an_uninterrupted_one(
     losses = {name: results(drill, name)["final_val_loss"] for name in finals}
     assert len(set(losses.values())) == 1
     reference = trainer.train(
-        TrainConfig(data=str(corpus_dir), out=str(tmp_path), progress=False, **FLAGS)
+        TrainConfig.of(data=str(corpus_dir), out=str(tmp_path), progress=False, **FLAGS)
     )
     gap = losses["r0"] - reference["final_val_loss"]
     print(f"final val loss {losses['r0']:.4f}, uninterrupted {reference['final_val_loss']:.4f}")

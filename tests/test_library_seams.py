@@ -1,23 +1,26 @@
 """The method settings the library and ``mtdao train`` share are one definition,
-:class:`mtdao.sync.config.SyncConfig`, whose fields the harness's config carries under the same
-names and defaults, checked and resolved by the same code (that the integrations built on it
-import nothing of the harness: tests/test_run_state.py)."""
+:class:`mtdao.sync.config.SyncConfig`, the harness's config's ``sync`` section, checked and
+resolved by the same code (that the integrations built on it import nothing of the harness:
+tests/test_run_state.py)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
 
+from mtdao.flags import add_dataclass_arguments
 from mtdao.sync.config import SyncConfig, check_method, method_defaults
 from mtdao.train.config import TrainConfig, resolve
 
 
-def test_every_method_setting_is_a_harness_flag_with_the_same_default():
-    harness = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    for shared in dataclasses.fields(SyncConfig):
-        assert shared.name in harness, shared.name
-        assert harness[shared.name].default == shared.default, shared.name
+def test_the_harness_holds_the_library_method_and_every_setting_of_it_is_a_flag():
+    assert TrainConfig.of().sync == SyncConfig()
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, TrainConfig)
+    flags = {action.dest for action in parser._actions}
+    assert {f.name for f in dataclasses.fields(SyncConfig)} <= flags
 
 
 @pytest.mark.parametrize(
@@ -33,12 +36,10 @@ def test_every_method_setting_is_a_harness_flag_with_the_same_default():
 )
 def test_the_library_resolves_a_method_as_the_harness_does(settings):
     library = SyncConfig(**settings).resolved()
-    harness = resolve(TrainConfig(**settings))
-    assert dataclasses.asdict(library) == {
-        name: getattr(harness, name) for name in dataclasses.asdict(library)
-    }
-    assert method_defaults(harness) == {
-        name: getattr(harness, name) for name in method_defaults(harness)
+    harness = resolve(TrainConfig.of(**settings))
+    assert library == harness.sync
+    assert method_defaults(harness.sync) == {
+        name: getattr(harness.sync, name) for name in method_defaults(harness.sync)
     }
 
 
@@ -54,7 +55,7 @@ def test_the_library_resolves_a_method_as_the_harness_does(settings):
     ],
 )
 def test_a_bad_method_setting_is_refused_alike_by_both(settings, message):
-    for config in (SyncConfig(**settings), TrainConfig(**settings)):
+    for config in (SyncConfig(**settings), TrainConfig.of(**settings)):
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             resolve(config) if isinstance(config, TrainConfig) else config.resolved()
     with pytest.raises(ValueError):

@@ -166,7 +166,7 @@ def test_the_plain_checkpoint_holds_what_older_checkpoints_hold(tmp_path, corpus
     from mtdao.train.config import TrainConfig, resolve
     from mtdao.train.setup import build_run
 
-    config = TrainConfig(
+    config = TrainConfig.of(
         model="micro",
         method="mtdao",
         steps=2,

@@ -136,11 +136,13 @@ def test_the_step_ramp_does_not_depend_on_the_planned_length():
     assert [short(step) for step in range(300)] == [long(step) for step in range(300)]
     flat = dict(schedule="constant", warmup=0.0)
     ramped = [
-        resolve(TrainConfig(steps=n, beta_warmup=0.0, beta_ramp=9.0, **flat)) for n in (300, 3000)
+        resolve(TrainConfig.of(steps=n, beta_warmup=0.0, beta_ramp=9.0, **flat))
+        for n in (300, 3000)
     ]
     assert steps_change(*ramped, step=200).exact  # extending a ramped run is exact
     warmed = [
-        resolve(TrainConfig(steps=n, beta_warmup=0.3, beta_ramp=0.0, **flat)) for n in (300, 3000)
+        resolve(TrainConfig.of(steps=n, beta_warmup=0.3, beta_ramp=0.0, **flat))
+        for n in (300, 3000)
     ]
     assert not steps_change(*warmed, step=200).exact  # a fraction of --steps is not
     both = BetaWarmup((0.99,), ramp_steps=100, step_ramp=9.0)  # with a warm-up too: the slower
@@ -152,7 +154,7 @@ def test_the_step_ramp_does_not_depend_on_the_planned_length():
 
 def two_momenta_run(corpus_dir, tmp_path, **schedule):
     """A tiny 2-worker run of 8 steps with two momenta (0.9, 0.99) weighted (0.3, 0.6)."""
-    config = TrainConfig(
+    config = TrainConfig.of(
         model="tiny",
         workers=2,
         sync_period=2,
@@ -216,7 +218,7 @@ def test_trainer_applies_beta_warmup(one_thread, corpus_dir, tmp_path):
 
 
 def planned(steps: int, **fields) -> TrainConfig:
-    return resolve(TrainConfig(steps=steps, **fields))
+    return resolve(TrainConfig.of(steps=steps, **fields))
 
 
 def test_wsd_replanned_in_its_stable_phase_is_exact():
@@ -274,14 +276,14 @@ def test_the_default_warmup_keeps_a_replan_exact_up_to_3000_steps():
     [(40, 20), (300, 150), (1000, 150), (3000, 150), (6000, 300), (10000, 500)],
 )
 def test_the_default_warmup_is_150_steps_or_5_percent_at_most_half_the_run(steps, expected):
-    config = resolve(TrainConfig(steps=steps))
+    config = resolve(TrainConfig.of(steps=steps))
     assert warmup_steps_of(config) == lr_schedule_of(config).warmup_steps == expected
 
 
 def test_a_warmup_given_as_a_fraction_or_in_steps():
-    assert warmup_steps_of(resolve(TrainConfig(steps=1000, warmup=0.05))) == 50
-    assert warmup_steps_of(resolve(TrainConfig(steps=1000, warmup_steps=70))) == 70
-    assert warmup_steps_of(resolve(TrainConfig(steps=1000, warmup=0.0))) == 0
+    assert warmup_steps_of(resolve(TrainConfig.of(steps=1000, warmup=0.05))) == 50
+    assert warmup_steps_of(resolve(TrainConfig.of(steps=1000, warmup_steps=70))) == 70
+    assert warmup_steps_of(resolve(TrainConfig.of(steps=1000, warmup=0.0))) == 0
 
 
 @pytest.mark.parametrize(
@@ -296,7 +298,7 @@ def test_a_warmup_given_as_a_fraction_or_in_steps():
 )
 def test_a_bad_warmup_is_refused_naming_it(given, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        resolve(TrainConfig(**given))
+        resolve(TrainConfig.of(**given))
 
 
 def test_the_default_beta_ramp_keeps_a_replan_exact():

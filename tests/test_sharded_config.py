@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from torch import nn
@@ -20,13 +18,13 @@ from mtdao.train.sharding import check_topology, worker_of
 
 def test_shards_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="--shards must be a positive integer, got 0"):
-        resolve(TrainConfig(shards=0))
+        resolve(TrainConfig.of(shards=0))
 
 
 def test_each_process_of_a_worker_takes_an_equal_part_of_its_batch():
     with pytest.raises(ValueError, match="--batch-size 16 does not split over --shards 3"):
-        resolve(TrainConfig(shards=3, batch_size=16))
-    assert resolve(TrainConfig(shards=4, batch_size=16)).shards == 4
+        resolve(TrainConfig.of(shards=3, batch_size=16))
+    assert resolve(TrainConfig.of(shards=4, batch_size=16)).parallel.shards == 4
 
 
 @pytest.mark.parametrize(
@@ -44,7 +42,7 @@ def test_each_process_of_a_worker_takes_an_equal_part_of_its_batch():
 def test_a_launch_that_does_not_make_workers_times_shards_is_refused(
     workers, shards, world_size, message
 ):
-    config = TrainConfig(workers=workers, shards=shards)
+    config = TrainConfig.of(workers=workers, shards=shards)
     with pytest.raises(ValueError) as error:
         check_topology(config, ProcessInfo(rank=0, world_size=world_size))
     assert str(error.value).startswith(message)
@@ -52,9 +50,9 @@ def test_a_launch_that_does_not_make_workers_times_shards_is_refused(
 
 
 def test_launches_that_make_workers_times_shards_pass():
-    check_topology(TrainConfig(workers=2, shards=2), ProcessInfo(rank=3, world_size=4))
-    check_topology(TrainConfig(workers=2, shards=1), ProcessInfo(rank=1, world_size=2))
-    check_topology(TrainConfig(workers=4, shards=1), ProcessInfo())  # simulated
+    check_topology(TrainConfig.of(workers=2, shards=2), ProcessInfo(rank=3, world_size=4))
+    check_topology(TrainConfig.of(workers=2, shards=1), ProcessInfo(rank=1, world_size=2))
+    check_topology(TrainConfig.of(workers=4, shards=1), ProcessInfo())  # simulated
     assert [worker_of(ProcessInfo(rank, 6), 3) for rank in range(6)] == [0, 0, 0, 1, 1, 1]
 
 
@@ -101,13 +99,13 @@ def test_a_scalar_parameter_does_not_shard():
 
 
 def test_shards_travel_with_the_config():
-    config = resolve(TrainConfig(workers=2, shards=2, batch_size=4))
+    config = resolve(TrainConfig.of(workers=2, shards=2, batch_size=4))
     assert "--shards" in config_to_argv(config)
     assert config.run_name() == "mtdao-adam-M2-S2-K32-seed0"
-    assert resolve(TrainConfig(workers=2)).run_name() == "mtdao-adam-M2-K32-seed0"
+    assert resolve(TrainConfig.of(workers=2)).run_name() == "mtdao-adam-M2-K32-seed0"
     # a sharded checkpoint reshards: a resume may change the shards per worker, not the workers
-    assert resolve(TrainConfig(shards=2)).differences(resolve(TrainConfig(shards=4))) == []
-    assert resolve(TrainConfig(workers=2)).differences(resolve(TrainConfig(workers=4)))
+    assert resolve(TrainConfig.of(shards=2)).differences(resolve(TrainConfig.of(shards=4))) == []
+    assert resolve(TrainConfig.of(workers=2)).differences(resolve(TrainConfig.of(workers=4)))
 
 
 def test_an_unsharded_process_holds_and_sends_every_tensor_whole():
@@ -119,8 +117,8 @@ def test_an_unsharded_process_holds_and_sends_every_tensor_whole():
 )
 def test_sync_options_are_accepted_with_shards_and_by_fault_tolerant_replicas(changes):
     expected = (changes.get("sync_delay", 0), changes.get("sync_fragments", 1))
-    config = resolve(TrainConfig(shards=2, batch_size=4, **changes))
-    assert (config.sync_delay, config.sync_fragments) == expected
-    ft = TrainConfig(shards=2, batch_size=4, workers=2, fault_tolerant=True, **changes)
-    ft = resolve(replace(ft, replica_id=0, lighthouse="localhost:29510"))
-    assert (ft.sync_delay, ft.sync_fragments) == expected
+    config = resolve(TrainConfig.of(shards=2, batch_size=4, **changes))
+    assert (config.sync.sync_delay, config.sync.sync_fragments) == expected
+    ft = TrainConfig.of(shards=2, batch_size=4, workers=2, fault_tolerant=True, **changes)
+    ft = resolve(ft.replace(replica_id=0, lighthouse="localhost:29510"))
+    assert (ft.sync.sync_delay, ft.sync.sync_fragments) == expected

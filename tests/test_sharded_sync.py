@@ -9,7 +9,6 @@ or reported, by every process alike.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -62,8 +61,8 @@ def options_config(options: dict) -> TrainConfig:
 
 def config_of(method: str, **changes) -> TrainConfig:
     # a small clip, so that clipping acts (by the norm of a whole worker)
-    config = TrainConfig(method=method, workers=WORKERS, sync_period=SYNC_PERIOD, lr=1e-2)
-    return resolve(dataclasses.replace(config, **{"grad_clip": 0.05, **changes}))
+    config = TrainConfig.of(method=method, workers=WORKERS, sync_period=SYNC_PERIOD, lr=1e-2)
+    return resolve(config.replace(**{"grad_clip": 0.05, **changes}))
 
 
 def nan_config(action: str) -> TrainConfig:
@@ -92,7 +91,10 @@ def train(config: TrainConfig, build, workers_here: list[int], nan_at: tuple | N
     communicator, workers = build(Llama(MODEL))
     named = workers.named_parameters()
     optimizer = build_optimizer(
-        split_weight_decay(named, config.weight_decay), config, config.lr, config.weight_decay
+        split_weight_decay(named, config.training.weight_decay),
+        config.sync,
+        config.lr_schedule.lr,
+        config.training.weight_decay,
     )
     sync = build_sync(config, optimizer, communicator, workers)
     sends = count_sends(communicator)
@@ -174,7 +176,10 @@ def without_shard_group(mesh) -> str:
     model = shard_model(Llama(MODEL), mesh, bf16=False)
     config = config_of("mtdao")
     optimizer = build_optimizer(
-        split_weight_decay(model.named_parameters(), 0.0), config, config.lr, config.weight_decay
+        split_weight_decay(model.named_parameters(), 0.0),
+        config.sync,
+        config.lr_schedule.lr,
+        config.training.weight_decay,
     )
     communicator = ProcessGroupWorkers(mesh.get_group("replicate"))
     try:

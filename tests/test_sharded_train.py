@@ -15,7 +15,6 @@ import re
 import shutil
 import signal
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,18 +140,18 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sharded-train")
     data = dict(data=str(corpus_dir), **FLAGS)
     configs = {
-        "mtdao": TrainConfig(method="mtdao", out=str(root / "mtdao"), **data),
-        "options": TrainConfig(method="mtdao", out=str(root / "options"), **data, **OPTIONS),
+        "mtdao": TrainConfig.of(method="mtdao", out=str(root / "mtdao"), **data),
+        "options": TrainConfig.of(method="mtdao", out=str(root / "options"), **data, **OPTIONS),
         # one worker of 4 shards, resumed below with 2 shards per worker from step 6, where a
         # round is in flight and error feedback holds residuals; 7 steps: no round is sent after
         # the resume, so the two runs end within float rounding
-        "diloco-4": TrainConfig(
+        "diloco-4": TrainConfig.of(
             method="diloco",
             out=str(root / "diloco-4"),
             **{**data, "workers": 1, "shards": 4, "steps": 7, **OPTIONS},
         ),
     }
-    killed = replace(configs["options"], out=str(root / "killed"))
+    killed = configs["options"].replace(out=str(root / "killed"))
     codes = launch(4, [*configs.values(), "recipe", "die", killed], root / "first")
     assert codes[1] == -signal.SIGKILL, codes
     assert not (root / "killed" / "results.json").exists()
@@ -166,8 +165,8 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
     newest = ckpt.latest_checkpoint(forged).path
     forge(newest, "model/.metadata", pickle.dumps(Payload(root / "payload-ran")))
     resumes = [
-        replace(killed, resume=True),
-        replace(configs["mtdao"], out=str(forged), resume=True),
+        killed.replace(resume=True),
+        configs["mtdao"].replace(out=str(forged), resume=True),
     ]
     launch(4, resumes, root / "resumed-processes")
     # the 4-shard run's step-6 checkpoint, resumed by 2 processes
@@ -177,9 +176,9 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
         if path.name != "step-00000006":
             shutil.rmtree(path)
     (resharded / "results.json").unlink()
-    again = replace(configs["diloco-4"], out=str(resharded), shards=2, resume=True)
+    again = configs["diloco-4"].replace(out=str(resharded), shards=2, resume=True)
     launch(2, [again], root / "resharded-processes")
-    return {name: Path(config.out) for name, config in configs.items()} | {
+    return {name: Path(config.job.out) for name, config in configs.items()} | {
         "killed": root / "killed",
         "diloco-2": resharded,
         "forged": forged,
@@ -218,7 +217,9 @@ def flatten(tree, prefix: str = "") -> dict[str, torch.Tensor]:
 def simulated(corpus_dir, tmp_path_factory, one_thread) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("simulated")
     flags = {**FLAGS, "shards": 1, "data": str(corpus_dir)}
-    return {"mtdao": trainer.train(TrainConfig(method="mtdao", out=str(root / "mtdao"), **flags))}
+    return {
+        "mtdao": trainer.train(TrainConfig.of(method="mtdao", out=str(root / "mtdao"), **flags))
+    }
 
 
 # -- the comparisons ----------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
         torch.testing.assert_close(ranks[1]["params"][name], value, rtol=0, atol=0)
 
     # ... and are the simulated 2-worker run
-    config = TrainConfig(
+    config = TrainConfig.of(
         method="mtdao",
         betas=(0.95,),
         omegas=(0.7,),

@@ -387,8 +387,10 @@ def test_nan_gradient_under_gradient_averaging_is_caught():
 
 
 def checkpoint_run(method: str, params: list[Tensor], broadcast_initial: bool = True):
-    config = resolve(TrainConfig(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
-    optimizer = build_optimizer(named_groups(params), config, config.lr, config.weight_decay)
+    config = resolve(TrainConfig.of(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
+    optimizer = build_optimizer(
+        named_groups(params), config.sync, config.lr_schedule.lr, config.training.weight_decay
+    )
     policy = build_policy(method, 4, optimizer)
     sync = LocalUpdateSync(
         optimizer, policy, SimulatedWorkers(3), broadcast_initial=broadcast_initial

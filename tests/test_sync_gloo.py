@@ -90,9 +90,12 @@ def data(communicator: Communicator, workers: list[int] | None, step: int):
 
 def train(method: str, communicator: Communicator, stacked: bool) -> dict:
     params, workers = setup(communicator, stacked)
-    config = resolve(TrainConfig(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
+    config = resolve(TrainConfig.of(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
     optimizer = build_optimizer(
-        [{"params": params, "names": NAMES}], config, config.lr, config.weight_decay
+        [{"params": params, "names": NAMES}],
+        config.sync,
+        config.lr_schedule.lr,
+        config.training.weight_decay,
     )
     sync = LocalUpdateSync(optimizer, build_policy(method, SYNC_PERIOD, optimizer), communicator)
     for step in range(STEPS):

@@ -164,7 +164,7 @@ def test_bad_codec_names_are_refused_with_the_problem_named(spec, message):
     with pytest.raises(ValueError, match=message):
         SyncCodecs.parse(spec)
     with pytest.raises(ValueError, match=message):
-        resolve(TrainConfig(method="mtdao", sync_dtype=tuple(spec)))
+        resolve(TrainConfig.of(method="mtdao", sync_dtype=tuple(spec)))
 
 
 def test_low_bit_codecs_refuse_blocks_they_cannot_pack():
@@ -178,13 +178,13 @@ def test_low_bit_codecs_refuse_blocks_they_cannot_pack():
 
 def test_per_kind_low_bit_codecs_round_trip_through_the_config():
     config = resolve(
-        TrainConfig(
+        TrainConfig.of(
             method="mtdao",
             sync_dtype=("params=top8", "momenta=int2", "second-moment=int4"),
             error_feedback=True,
         )
     )
-    codecs = SyncCodecs.parse(config.sync_dtype, config.error_feedback)
+    codecs = SyncCodecs.parse(config.sync.sync_dtype, config.sync.error_feedback)
     assert codecs.codec("params") == Codec("top8")
     assert codecs.codec("exp_avg_0") == Codec("int2")
     assert codecs.codec("exp_avg_sq") == Codec("int4", "positive")

@@ -28,9 +28,10 @@ def test_runs_cover_every_option_setting_and_seed_and_skip_impossible_delays():
     assert len(runs) == (options * settings - 1) * 2
     assert "state16-delay16-seed0" not in runs and "k32-delay16-seed1" in runs
     combo = resolve(runs["state16-combo-seed1"])
-    assert (combo.sync_delay, combo.sync_fragments, combo.sync_dtype) == (4, 4, ("int8",))
-    assert combo.error_feedback and combo.state_sync_period == 16 and combo.seed == 1
-    assert resolve(runs["k32-fp32-seed0"]).sync_dtype == ("fp32",)
+    sync = combo.sync
+    assert (sync.sync_delay, sync.sync_fragments, sync.sync_dtype) == (4, 4, ("int8",))
+    assert sync.error_feedback and sync.state_sync_period == 16 and combo.training.seed == 1
+    assert resolve(runs["k32-fp32-seed0"]).sync.sync_dtype == ("fp32",)
     assert sync_options.option_flags("combo") == (
         "--sync-delay 4 --sync-fragments 4 --sync-dtype int8 --error-feedback"
     )

@@ -343,6 +343,6 @@ def test_flags_parse_back_into_the_config_they_were_written_from():
     from mtdao.train.command import config_from_argv, config_to_argv
     from mtdao.train.config import TrainConfig
 
-    config = TrainConfig(method="diloco", sync_delay=2, sync_fragments=4, sync_dtype=("int8",))
+    config = TrainConfig.of(method="diloco", sync_delay=2, sync_fragments=4, sync_dtype=("int8",))
     assert config_from_argv(config_to_argv(config)) == config
-    assert config_from_argv(["--sync-fragments=4"]).sync_fragments == 4
+    assert config_from_argv(["--sync-fragments=4"]).sync.sync_fragments == 4

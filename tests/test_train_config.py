@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtdao.cli import build_parser
-from mtdao.flags import add_dataclass_arguments
+from mtdao.flags import add_dataclass_arguments, flat_values
 from mtdao.optim.named import BASE_OPTIMIZERS
 from mtdao.sync import SyncCodecs
 from mtdao.sync.methods import METHODS, build_policy
@@ -20,6 +20,7 @@ from mtdao.sync.round_options import check_round_options
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import (
     RESUMABLE_FIELDS,
+    SETTINGS,
     WARMUP_FIELDS,
     TrainConfig,
     config_warnings,
@@ -29,17 +30,17 @@ from mtdao.train.config import (
 
 
 def test_defaults_resolve():
-    config = resolve(TrainConfig())
-    assert config.total_steps() == config.steps == 1200
+    config = resolve(TrainConfig.of())
+    assert config.total_steps() == config.training.steps == 1200
     assert config.run_name() == "mtdao-adam-M4-K32-seed0"
-    assert config.out == "runs/mtdao-adam-M4-K32-seed0"
-    assert TrainConfig(method="ddp").run_name() == "ddp-adam-M4-seed0"  # no K: nothing periodic
+    assert config.job.out == "runs/mtdao-adam-M4-K32-seed0"
+    assert TrainConfig.of(method="ddp").run_name() == "ddp-adam-M4-seed0"  # no K: nothing periodic
 
 
 @pytest.mark.parametrize("optimizer", BASE_OPTIMIZERS)
 @pytest.mark.parametrize("method", METHODS)
 def test_resolved_configs_are_complete_and_resolve_to_themselves(method, optimizer):
-    config = resolve(TrainConfig(method=method, optimizer=optimizer, tokens=100_000))
+    config = resolve(TrainConfig.of(method=method, optimizer=optimizer, tokens=100_000))
     assert resolve(config) == config
     not_applicable = {"state_sync_period", "checkpoint_every", "tokens"}
     not_applicable |= {"replica_id", "lighthouse", "auth_token_file"}  # only with --fault-tolerant
@@ -52,18 +53,24 @@ def test_resolved_configs_are_complete_and_resolve_to_themselves(method, optimiz
         not_applicable.add("sync_policy")  # these never average optimizer states
     unset = {name for name, value in config.to_dict().items() if value is None}
     assert unset == not_applicable
-    assert config.steps == math.ceil(100_000 / config.tokens_per_step)
+    assert config.training.steps == math.ceil(100_000 / config.tokens_per_step)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.lr = 1.0  # type: ignore[misc]
+        config.lr_schedule.lr = 1.0  # type: ignore[misc]
 
 
 def test_mtdao_adam_defaults_to_the_paper_momentum_with_a_step_counted_ramp():
-    config = resolve(TrainConfig())
-    assert (config.betas, config.omegas) == ((0.99,), (0.9,))
-    assert (config.beta_ramp, config.beta_warmup, config.omega_warmup) == (9.0, 0.0, 0.0)
-    assert resolve(TrainConfig(method="qh-ddp")).beta_ramp == 9.0  # the same optimizer
+    config = resolve(TrainConfig.of())
+    assert (config.sync.betas, config.sync.omegas) == ((0.99,), (0.9,))
+    assert (config.sync.beta_ramp, config.sync.beta_warmup, config.sync.omega_warmup) == (
+        9.0,
+        0.0,
+        0.0,
+    )
+    assert resolve(TrainConfig.of(method="qh-ddp")).sync.beta_ramp == 9.0  # the same optimizer
     # every method's default learning rate is the same, each one's own best at 1000 steps
-    assert {resolve(TrainConfig(method=m)).lr for m in ("ddp", "local-adam", "mtdao")} == {8e-3}
+    assert {
+        resolve(TrainConfig.of(method=m)).lr_schedule.lr for m in ("ddp", "local-adam", "mtdao")
+    } == {8e-3}
 
 
 @pytest.mark.parametrize(
@@ -75,29 +82,35 @@ def test_mtdao_adam_defaults_to_the_paper_momentum_with_a_step_counted_ramp():
     ],
 )
 def test_the_default_beta_ramp_applies_to_the_default_adam_momenta_only(given):
-    assert resolve(TrainConfig(**given)).beta_ramp == 0.0
+    assert resolve(TrainConfig.of(**given)).sync.beta_ramp == 0.0
 
 
 def test_a_given_beta_warmup_or_ramp_survives_resolution():
-    assert resolve(TrainConfig(beta_warmup=0.0)).beta_warmup == 0.0
-    assert resolve(TrainConfig(betas=(0.9, 0.99), beta_warmup=0.2)).beta_warmup == 0.2
-    assert resolve(TrainConfig(beta_ramp=0.0)).beta_ramp == 0.0
-    assert resolve(TrainConfig(betas=(0.9, 0.99), beta_ramp=4.0)).beta_ramp == 4.0
+    assert resolve(TrainConfig.of(beta_warmup=0.0)).sync.beta_warmup == 0.0
+    assert resolve(TrainConfig.of(betas=(0.9, 0.99), beta_warmup=0.2)).sync.beta_warmup == 0.2
+    assert resolve(TrainConfig.of(beta_ramp=0.0)).sync.beta_ramp == 0.0
+    assert resolve(TrainConfig.of(betas=(0.9, 0.99), beta_ramp=4.0)).sync.beta_ramp == 4.0
 
 
 def test_a_config_of_an_earlier_version_is_refused_in_one_line():
     """Every field is saved, so a config.json without one (beta_ramp: a run of before the ramp)
     was written by an earlier version, whose defaults this one would silently change."""
-    old = resolve(TrainConfig(beta_warmup=0.3, beta_ramp=0.0)).to_dict()
+    old = resolve(TrainConfig.of(beta_warmup=0.3, beta_ramp=0.0)).to_dict()
     del old["beta_ramp"]
     with pytest.raises(ValueError, match=r"without the field\(s\) \['beta_ramp'\], written by an "):
         TrainConfig.from_dict(old)
 
 
 def test_given_values_survive_resolution():
-    given = TrainConfig(lr=1e-3, betas=(0.9, 0.99), omegas=(0.3, 0.6), beta2=0.9, eps=1e-6)
+    given = TrainConfig.of(lr=1e-3, betas=(0.9, 0.99), omegas=(0.3, 0.6), beta2=0.9, eps=1e-6)
     config = resolve(given)
-    assert (config.lr, config.betas, config.omegas, config.beta2, config.eps) == (
+    assert (
+        config.lr_schedule.lr,
+        config.sync.betas,
+        config.sync.omegas,
+        config.sync.beta2,
+        config.sync.eps,
+    ) == (
         1e-3,
         (0.9, 0.99),
         (0.3, 0.6),
@@ -157,29 +170,29 @@ def test_given_values_survive_resolution():
 )
 def test_resolve_names_the_bad_flag(field, value, match):
     with pytest.raises(ValueError) as error:
-        resolve(TrainConfig(**{field: value}))
+        resolve(TrainConfig.of(**{field: value}))
     assert match in str(error.value)
 
 
 def test_resolve_cross_field_rules():
     with pytest.raises(ValueError, match="give --steps or --tokens, not both"):
-        resolve(TrainConfig(steps=10, tokens=1000))
+        resolve(TrainConfig.of(steps=10, tokens=1000))
     with pytest.raises(ValueError, match=r"has 2 weights but betas \(0.9,\) has 1 momenta"):
-        resolve(TrainConfig(betas=(0.9,), omegas=(0.3, 0.3)))
+        resolve(TrainConfig.of(betas=(0.9,), omegas=(0.3, 0.3)))
     with pytest.raises(ValueError, match="--beta2: sgdm has no beta2"):
-        resolve(TrainConfig(optimizer="sgdm", beta2=0.9))
+        resolve(TrainConfig.of(optimizer="sgdm", beta2=0.9))
     with pytest.raises(ValueError, match="--sync-policy: ddp does not average optimizer states"):
-        resolve(TrainConfig(method="ddp", sync_policy="unified"))
-    resolve(TrainConfig(betas=(0.9, 0.99), omegas=(0.3, 0.6)))
+        resolve(TrainConfig.of(method="ddp", sync_policy="unified"))
+    resolve(TrainConfig.of(betas=(0.9, 0.99), omegas=(0.3, 0.6)))
     for method in ("ddp", "qh-ddp"):
         with pytest.raises(ValueError, match=f"--outer-step: {method} averages gradients"):
-            resolve(TrainConfig(method=method, outer_step="nesterov"))
+            resolve(TrainConfig.of(method=method, outer_step="nesterov"))
     for method in ("local-adam", "desloc", "mtdao", "diloco"):
-        resolve(TrainConfig(method=method, outer_step="nesterov"))
+        resolve(TrainConfig.of(method=method, outer_step="nesterov"))
     with pytest.raises(ValueError, match="give --resume .* or --overwrite, not both"):
-        resolve(TrainConfig(resume=True, overwrite=True))
+        resolve(TrainConfig.of(resume=True, overwrite=True))
     with pytest.raises(ValueError, match="--extend re-plans a resumed run: it needs --resume"):
-        resolve(TrainConfig(extend=True))
+        resolve(TrainConfig.of(extend=True))
 
 
 @pytest.mark.parametrize(
@@ -206,7 +219,7 @@ def test_the_round_option_rules_are_the_sync_packages(fields, engine, config_say
     """The config refuses a bad delay, fragment count or dtype by the rule the engine applies, in
     the same words: only the subject (the method's flag, the policy) differs."""
     with pytest.raises(ValueError) as by_config:
-        resolve(TrainConfig(**fields))
+        resolve(TrainConfig.of(**fields))
     method = fields.get("method", "mtdao")
     policy = build_policy(method, fields.get("sync_period", 8), torch.optim.SGD([torch.zeros(1)]))
     with pytest.raises(ValueError) as by_engine:
@@ -218,11 +231,11 @@ def test_the_round_option_rules_are_the_sync_packages(fields, engine, config_say
 def test_a_sync_period_longer_than_the_run_is_warned():
     """Allowed (M independent runs, averaged only for evaluation) but rarely meant: one line."""
     no_ramp = dict(beta_ramp=0.0)  # its own warning for runs this short: see below
-    assert config_warnings(resolve(TrainConfig(steps=64, sync_period=64, **no_ramp))) == []
-    (warning,) = config_warnings(resolve(TrainConfig(steps=64, sync_period=65, **no_ramp)))
+    assert config_warnings(resolve(TrainConfig.of(steps=64, sync_period=64, **no_ramp))) == []
+    (warning,) = config_warnings(resolve(TrainConfig.of(steps=64, sync_period=65, **no_ramp)))
     assert "--sync-period 65 is larger than --steps 64" in warning and "never average" in warning
-    assert config_warnings(resolve(TrainConfig(method="ddp", steps=8, sync_period=32))) == []
-    short = TrainConfig(steps=8, sync_period=4, state_sync_period=9, **no_ramp)
+    assert config_warnings(resolve(TrainConfig.of(method="ddp", steps=8, sync_period=32))) == []
+    short = TrainConfig.of(steps=8, sync_period=4, state_sync_period=9, **no_ramp)
     (warning,) = config_warnings(resolve(short))
     assert "--state-sync-period 9 is larger than --steps 8" in warning
 
@@ -230,32 +243,32 @@ def test_a_sync_period_longer_than_the_run_is_warned():
 def test_a_run_that_ends_before_the_slow_momentum_has_ramped_up_is_warned():
     """A run shorter than the ramp (min(0.99, 1 - 9 / t), 0.99 from step 900) says where the ramp
     leaves it; below the defaults card's shortest runs (300 steps) that it was never measured."""
-    (warning,) = config_warnings(resolve(TrainConfig(steps=200)))
+    (warning,) = config_warnings(resolve(TrainConfig.of(steps=200)))
     assert "--steps 200 is shorter than any run MT-DAO's default was measured at" in warning
     assert "ends this run at decay 0.955 (target 0.99 from step 900)" in warning
-    (warning,) = config_warnings(resolve(TrainConfig(steps=300)))
+    (warning,) = config_warnings(resolve(TrainConfig.of(steps=300)))
     assert "--steps 300 is a short run for MT-DAO's default" in warning
     assert "ends this run at decay 0.970 (target 0.99 from step 900)" in warning
-    assert config_warnings(resolve(TrainConfig(steps=900))) == []
-    assert config_warnings(resolve(TrainConfig(steps=200, method="local-adam"))) == []
-    assert config_warnings(resolve(TrainConfig(steps=200, beta_ramp=0.0))) == []
+    assert config_warnings(resolve(TrainConfig.of(steps=900))) == []
+    assert config_warnings(resolve(TrainConfig.of(steps=200, method="local-adam"))) == []
+    assert config_warnings(resolve(TrainConfig.of(steps=200, beta_ramp=0.0))) == []
 
 
 def test_step_budget_from_tokens():
-    config = TrainConfig(workers=2, batch_size=2, seq_len=32)  # 128 tokens per step
-    assert dataclasses.replace(config, steps=7).total_steps() == 7
-    assert dataclasses.replace(config, tokens=1280).total_steps() == 10
-    assert dataclasses.replace(config, tokens=1281).total_steps() == 11  # rounds up
-    assert dataclasses.replace(config, tokens=1).total_steps() == 1
+    config = TrainConfig.of(workers=2, batch_size=2, seq_len=32)  # 128 tokens per step
+    assert config.replace(steps=7).total_steps() == 7
+    assert config.replace(tokens=1280).total_steps() == 10
+    assert config.replace(tokens=1281).total_steps() == 11  # rounds up
+    assert config.replace(tokens=1).total_steps() == 1
 
 
 def test_json_round_trip():
-    config = TrainConfig(betas=(0.9, 0.99), omegas=(0.3, 0.6), lr=1e-3, data="hf:x", tokens=99)
+    config = TrainConfig.of(betas=(0.9, 0.99), omegas=(0.3, 0.6), lr=1e-3, data="hf:x", tokens=99)
     restored = TrainConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert restored == config
     resolved = resolve(config)
     assert TrainConfig.from_dict(json.loads(json.dumps(resolved.to_dict()))) == resolved
-    assert isinstance(restored.betas, tuple) and isinstance(restored.omegas, tuple)
+    assert isinstance(restored.sync.betas, tuple) and isinstance(restored.sync.omegas, tuple)
     with pytest.raises(ValueError, match=r"unknown config field\(s\) \['colour'\]"):
         TrainConfig.from_dict({**config.to_dict(), "colour": "blue"})
 
@@ -263,16 +276,16 @@ def test_json_round_trip():
 def test_a_study_run_on_another_split_is_stale():
     from mtdao.experiments.common.suite import stale_settings
 
-    saved = TrainConfig(method="mtdao", steps=100, data_split="contiguous").to_dict()
-    assert TrainConfig().data_split == "shuffled"
-    stale = stale_settings({"config": saved}, TrainConfig(method="mtdao", steps=100))
+    saved = TrainConfig.of(method="mtdao", steps=100, data_split="contiguous").to_dict()
+    assert TrainConfig.of().text.data_split == "shuffled"
+    stale = stale_settings({"config": saved}, TrainConfig.of(method="mtdao", steps=100))
     assert stale == ["data_split: 'contiguous' -> 'shuffled'"]
     assert not stale_settings(
-        {"config": saved}, TrainConfig(method="mtdao", steps=100, data_split="contiguous")
+        {"config": saved}, TrainConfig.of(method="mtdao", steps=100, data_split="contiguous")
     )
     # the split of an earlier version's name ("iid", which cut the path order) is no split now
     old = {**saved, "data_split": "iid"}
-    assert stale_settings({"config": old}, TrainConfig(method="mtdao", steps=100)) == [
+    assert stale_settings({"config": old}, TrainConfig.of(method="mtdao", steps=100)) == [
         "the saved config is unusable (--data-split: unknown value 'iid'; choose from shuffled, "
         "by-file, contiguous)"
     ]
@@ -284,8 +297,8 @@ def test_a_run_saved_with_the_former_warmup_fraction_is_the_default_where_the_st
     from mtdao.experiments.common.suite import stale_settings
 
     for steps, differs in ((3000, False), (1000, True)):
-        saved = resolve(TrainConfig(steps=steps, warmup=0.05))
-        today = resolve(TrainConfig(steps=steps))
+        saved = resolve(TrainConfig.of(steps=steps, warmup=0.05))
+        today = resolve(TrainConfig.of(steps=steps))
         stale = stale_settings({"config": saved.to_dict()}, today)
         assert stale == (["warmup_steps: 50 -> 150"] if differs else [])
         expected = ["LR warm-up: 50 -> 150 steps (of 1000)"] if differs else []
@@ -293,46 +306,43 @@ def test_a_run_saved_with_the_former_warmup_fraction_is_the_default_where_the_st
 
 
 def test_differences_ignore_exactly_the_resumable_fields():
-    base = TrainConfig()
+    base = TrainConfig.of()
     changed_values = {
         str: "changed",
         int: 7,
         float: 0.123,
         bool: None,  # flipped below
     }
-    for field in dataclasses.fields(TrainConfig):
-        current = getattr(base, field.name)
+    for name, current in flat_values(base).items():
         if isinstance(current, bool):
             other = not current
         elif current is None:
-            other = (0.5,) if field.name in ("betas", "omegas") else 3
+            other = (0.5,) if name in ("betas", "omegas") else 3
         else:
             other = changed_values[type(current)]
-        differences = base.differences(dataclasses.replace(base, **{field.name: other}))
-        if field.name in RESUMABLE_FIELDS:
-            assert differences == [], field.name
-        elif field.name in WARMUP_FIELDS:  # compared by the steps they come to
+        differences = base.differences(base.replace(**{name: other}))
+        if name in RESUMABLE_FIELDS:
+            assert differences == [], name
+        elif name in WARMUP_FIELDS:  # compared by the steps they come to
             assert len(differences) == 1 and differences[0].startswith("LR warm-up: 150 -> ")
         else:
-            assert len(differences) == 1 and differences[0].startswith(f"{field.name}: "), (
-                field.name
-            )
-    assert base.differences(dataclasses.replace(base, lr=0.01)) == ["lr: None -> 0.01"]
+            assert len(differences) == 1 and differences[0].startswith(f"{name}: "), name
+    assert base.differences(base.replace(lr=0.01)) == ["lr: None -> 0.01"]
     assert {"steps", "tokens", "out", "resume"} <= RESUMABLE_FIELDS
     assert not {"method", "lr", "workers", "seed", "data", "sync_period"} & RESUMABLE_FIELDS
 
 
 def test_cli_flags_map_onto_every_field():
-    """`mtdao train` with no flags is TrainConfig(); each flag lands in its field."""
+    """`mtdao train` with no flags is TrainConfig.of(); each flag lands in its field."""
     parser = build_parser()
-    assert config_from_args(parser.parse_args(["train"])) == TrainConfig()
+    assert config_from_args(parser.parse_args(["train"])) == TrainConfig.of()
     args = parser.parse_args(
         ["train", "--sync-period", "8", "--betas", "0.9", "0.99", "--omegas", "0.3", "0.6"]
         + ["--no-bf16", "--no-alignment", "--no-progress", "--resume", "--tokens", "5000"]
         + ["--on-non-finite", "skip", "--schedule", "wsd", "--data-split", "by-file"]
     )
     config = config_from_args(args)
-    assert config == TrainConfig(
+    assert config == TrainConfig.of(
         sync_period=8,
         betas=(0.9, 0.99),
         omegas=(0.3, 0.6),
@@ -348,33 +358,42 @@ def test_cli_flags_map_onto_every_field():
 
 
 def test_state_sync_period_only_for_methods_that_average_states():
-    assert resolve(TrainConfig(method="local-adam", state_sync_period=16)).state_sync_period == 16
+    assert (
+        resolve(TrainConfig.of(method="local-adam", state_sync_period=16)).sync.state_sync_period
+        == 16
+    )
     for method in ("ddp", "qh-ddp", "diloco"):
         with pytest.raises(ValueError, match="--state-sync-period"):
-            resolve(TrainConfig(method=method, state_sync_period=16))
+            resolve(TrainConfig.of(method=method, state_sync_period=16))
     with pytest.raises(ValueError, match="--state-sync-period"):
-        resolve(TrainConfig(state_sync_period=0))
+        resolve(TrainConfig.of(state_sync_period=0))
 
 
 def test_a_config_saved_before_the_warmup_default_keeps_its_settings():
     """A run resumed from a config.json of the former default (0.95 / 0.7, warm-up 0) stays so."""
-    old = resolve(TrainConfig(betas=(0.95,), omegas=(0.7,))).to_dict()
+    old = resolve(TrainConfig.of(betas=(0.95,), omegas=(0.7,))).to_dict()
     config = resolve(TrainConfig.from_dict(old))
-    assert (config.betas, config.omegas, config.beta_warmup) == ((0.95,), (0.7,), 0.0)
+    assert (config.sync.betas, config.sync.omegas, config.sync.beta_warmup) == (
+        (0.95,),
+        (0.7,),
+        0.0,
+    )
 
 
 def test_a_config_saved_with_unset_fields_resolves_to_todays_values():
     """config.json as older versions wrote it (nulls for method defaults) is read, not refused."""
-    old = {**TrainConfig(method="desloc", steps=100).to_dict()}
+    old = {**TrainConfig.of(method="desloc", steps=100).to_dict()}
     assert old["lr"] is None and old["betas"] is None
-    assert resolve(TrainConfig.from_dict(old)) == resolve(TrainConfig(method="desloc", steps=100))
+    assert resolve(TrainConfig.from_dict(old)) == resolve(
+        TrainConfig.of(method="desloc", steps=100)
+    )
 
 
 @pytest.mark.parametrize(
     "config",
     [
-        TrainConfig(),
-        TrainConfig(
+        TrainConfig.of(),
+        TrainConfig.of(
             method="mtdao",
             betas=(0.95, 0.99),
             omegas=(0.3, 0.4),
@@ -389,7 +408,7 @@ def test_a_config_saved_with_unset_fields_resolves_to_todays_values():
             data="x.txt",
             resume=True,
         ),
-        resolve(TrainConfig(method="ddp", optimizer="sgdm", tokens=5000, eval_tokens=4096)),
+        resolve(TrainConfig.of(method="ddp", optimizer="sgdm", tokens=5000, eval_tokens=4096)),
     ],
 )
 def test_config_to_argv_is_the_inverse_of_the_train_parser(config):
@@ -401,7 +420,7 @@ def test_help_shows_every_default():
     parser = argparse.ArgumentParser()
     add_dataclass_arguments(parser, TrainConfig, describe_default)
     helps = {action.dest: action.help for action in parser._actions if action.dest != "help"}
-    assert set(helps) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(helps) == set(SETTINGS)
     without = [name for name, text in helps.items() if "(default: " not in text]
     # the alternative to --steps, whose default is shown; and the --no- switches, whose help says
     # what giving them does (tests/test_cli_help.py)
@@ -432,4 +451,4 @@ def test_help_shows_every_default():
 def test_workers_default_to_torchruns_processes(monkeypatch, world_size, flags, workers):
     monkeypatch.setenv("WORLD_SIZE", world_size)
     args = build_parser("train").parse_args(["train", *flags])
-    assert config_from_args(args).workers == workers
+    assert config_from_args(args).parallel.workers == workers

@@ -45,8 +45,10 @@ def run(method: str, base: str, num_workers: int | None) -> tuple[list[Tensor], 
     if num_workers is not None:
         params = [p.expand(num_workers, *p.shape).clone() for p in params]
     params = [torch.nn.Parameter(p) for p in params]
-    config = resolve(TrainConfig(method=method, optimizer=base, lr=LR[base], weight_decay=0.0))
-    optimizer = build_optimizer(params, config, config.lr, config.weight_decay)
+    config = resolve(TrainConfig.of(method=method, optimizer=base, lr=LR[base], weight_decay=0.0))
+    optimizer = build_optimizer(
+        params, config.sync, config.lr_schedule.lr, config.training.weight_decay
+    )
     policy = build_policy(method, SYNC_PERIOD, optimizer)
     communicator = SingleWorker() if num_workers is None else SimulatedWorkers(num_workers)
     sync = LocalUpdateSync(optimizer, policy, communicator)
@@ -83,8 +85,8 @@ def test_diloco_outer_step_is_not_the_identity(base):
 
 
 def settings(method: str, optimizer: str = "adam", **given) -> tuple:
-    config = resolve(TrainConfig(method=method, optimizer=optimizer, **given))
-    return config.betas, config.omegas, config.beta2, config.eps
+    config = resolve(TrainConfig.of(method=method, optimizer=optimizer, **given))
+    return config.sync.betas, config.sync.omegas, config.sync.beta2, config.sync.eps
 
 
 def test_resolved_defaults():
@@ -101,14 +103,14 @@ def test_resolved_defaults():
 def test_build_optimizer_types():
     param = torch.nn.Parameter(torch.zeros(3))
     for name, kind in [("adam", MTAdam), ("adopt", MTAdopt), ("sgdm", MTSGD)]:
-        config = resolve(TrainConfig(method="mtdao", optimizer=name))
-        assert type(build_optimizer([param], config, config.lr)) is kind
+        config = resolve(TrainConfig.of(method="mtdao", optimizer=name))
+        assert type(build_optimizer([param], config.sync, config.lr_schedule.lr)) is kind
 
 
 def test_build_policy_per_method():
     param = torch.nn.Parameter(torch.zeros(3))
-    slow = resolve(TrainConfig(method="mtdao", betas=(0.99,), omegas=(0.9,)))
-    optimizer = build_optimizer([param], slow, slow.lr)
+    slow = resolve(TrainConfig.of(method="mtdao", betas=(0.99,), omegas=(0.9,)))
+    optimizer = build_optimizer([param], slow.sync, slow.lr_schedule.lr)
     ddp = build_policy("ddp", 32, optimizer)
     assert ddp.average_gradients and ddp.params.period is None and ddp.name == "ddp"
     diloco = build_policy("diloco", 32, optimizer)
@@ -120,8 +122,8 @@ def test_build_policy_per_method():
     assert half_life.state_rule("exp_avg_0").period == 64
     assert half_life.state_rule("exp_avg_sq").period == 32
     assert build_policy("desloc", 32, optimizer).state_rule("exp_avg_sq").period == 192
-    sgdm_config = resolve(TrainConfig(method="desloc", optimizer="sgdm"))
-    sgdm = build_optimizer([param], sgdm_config, sgdm_config.lr)
+    sgdm_config = resolve(TrainConfig.of(method="desloc", optimizer="sgdm"))
+    sgdm = build_optimizer([param], sgdm_config.sync, sgdm_config.lr_schedule.lr)
     sgdm_desloc = build_policy("desloc", 32, sgdm)  # no second moment to name
     assert sgdm_desloc.periods() == {"params": 32, "other states": 96}
 

@@ -15,7 +15,7 @@ K = 3
 
 
 def run_for(tmp_path, corpus_dir, name: str, **overrides):
-    config = TrainConfig(
+    config = TrainConfig.of(
         model="tiny",
         method="mtdao",
         workers=2,

@@ -38,7 +38,7 @@ def tiny_config(out: Path, data: Path, **overrides) -> TrainConfig:
         progress=False,
     )
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.of(**values)
 
 
 class Interrupted(Exception):

@@ -40,7 +40,7 @@ pytestmark = [
 
 
 def train_flags(run: str, data: Path, out: Path) -> list[str]:
-    config = TrainConfig(data=str(data), out=str(out), **FLAGS, **RUNS[run])
+    config = TrainConfig.of(data=str(data), out=str(out), **FLAGS, **RUNS[run])
     return config_to_argv(config)
 
 
@@ -78,7 +78,7 @@ def test_torchrun_equals_simulated(run, corpus_dir, torchrun_results, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        config = TrainConfig(data=str(corpus_dir), out=str(tmp_path), **FLAGS, **RUNS[run])
+        config = TrainConfig.of(data=str(corpus_dir), out=str(tmp_path), **FLAGS, **RUNS[run])
         simulated = trainer.train(config)
     finally:
         torch.set_num_threads(threads)

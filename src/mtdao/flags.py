@@ -5,8 +5,10 @@ the help text is the docstring written under the field, followed by its default.
 ``metadata`` may name ``choices``, a switch spelling (``flag``: ``--no-bf16`` for a field that
 defaults to True) and a mutually ``exclusive`` group. A switch that turns a default-on field off
 says what the *flag* does in ``metadata["off"]`` ("Hide the progress bar."): the field's docstring
-describes the field, which is the opposite of what its ``--no-`` flag does. :func:`argv_from_namespace` is the inverse of
-any parser's options: the argv that parses back to the same namespace; :func:`dataclass_to_argv`
+describes the field, which is the opposite of what its ``--no-`` flag does. A config in sections
+(fields that are dataclasses themselves) gets one flag per setting of each section, under the
+section's title in ``--help``; a setting's name is unique across the sections.
+:func:`argv_from_namespace` is the inverse of any parser's options: the argv that parses back to the same namespace; :func:`dataclass_to_argv`
 applies it to a config, so that whatever launches ``mtdao train`` in a subprocess reproduces a
 config exactly.
 """
@@ -26,6 +28,61 @@ from typing import Any
 
 def no_description(name: str) -> str | None:
     return None
+
+
+def choice(default: str, choices: tuple[str, ...], **metadata: Any) -> Any:
+    """A field whose flag takes one of ``choices``."""
+    return dataclasses.field(default=default, metadata={"choices": choices, **metadata})
+
+
+def switch_off(flag: str, off: str, **metadata: Any) -> Any:
+    """A field that defaults to True, turned off by ``flag``, whose help says ``off``."""
+    return dataclasses.field(default=True, metadata={"flag": flag, "off": off, **metadata})
+
+
+def sections(cls: type) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that are config dataclasses themselves (a config in sections)."""
+    hints = typing.get_type_hints(cls)
+    return [f for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])]
+
+
+def leaf_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
+    """(the class that declares it, field) for every setting of ``cls``, in its sections' order
+    when it has sections: one flag each."""
+    hints = typing.get_type_hints(cls)
+    parts = sections(cls)
+    if not parts:
+        return [(cls, f) for f in dataclasses.fields(cls)]
+    return [(hints[part.name], f) for part in parts for f in dataclasses.fields(hints[part.name])]
+
+
+def flat_values(config: Any) -> dict[str, Any]:
+    """Every setting of ``config`` by its field name, across its sections."""
+    parts = sections(type(config))
+    if not parts:
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {
+        f.name: getattr(getattr(config, part.name), f.name)
+        for part in parts
+        for f in dataclasses.fields(getattr(config, part.name))
+    }
+
+
+def from_flat(cls: type, values: dict[str, Any]):
+    """The ``cls`` holding ``values`` (setting name -> value; the others keep their defaults);
+    a TypeError names a setting ``cls`` does not have."""
+    parts = sections(cls)
+    if not parts:
+        return cls(**values)
+    hints = typing.get_type_hints(cls)
+    owner = {f.name: part.name for part in parts for f in dataclasses.fields(hints[part.name])}
+    unknown = sorted(set(values) - set(owner))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no setting(s) {unknown}")
+    grouped: dict[str, dict[str, Any]] = {part.name: {} for part in parts}
+    for name, value in values.items():
+        grouped[owner[name]][name] = value
+    return cls(**{part.name: hints[part.name](**grouped[part.name]) for part in parts})
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -63,21 +120,22 @@ def add_dataclass_arguments(
     cls: type,
     describe_default: Callable[[str], str | None] = no_description,
 ) -> None:
-    """One flag per field of ``cls``; ``describe_default(name)`` explains a default of None."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    groups: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
-        kind, is_tuple = _value_type(hints[field.name])
+    """One flag per setting of ``cls`` (a section's settings under its title in ``--help``);
+    ``describe_default(name)`` explains a default of None."""
+    groups: dict[Any, Any] = {}
+    for owner, field in leaf_fields(cls):
+        kind, is_tuple = _value_type(typing.get_type_hints(owner)[field.name])
+        if owner not in groups:
+            groups[owner] = parser if owner is cls else parser.add_argument_group(_title(owner))
         exclusive = field.metadata.get("exclusive")
         if exclusive and exclusive not in groups:
-            groups[exclusive] = parser.add_mutually_exclusive_group()
-        target = groups[exclusive] if exclusive else parser
-        help_text = docs.get(field.name, "").replace("%", "%%")
+            groups[exclusive] = groups[owner].add_mutually_exclusive_group()
+        target = groups[exclusive] if exclusive else groups[owner]
+        help_text = field_docs(owner).get(field.name, "").replace("%", "%%")
         options: dict[str, Any] = dict(dest=field.name, default=field.default)
         if kind is bool and field.default:
             options["action"] = "store_false"
-            help_text = _off_help(cls, field)
+            help_text = _off_help(owner, field)
         elif kind is bool:
             options["action"] = "store_true"
             help_text += " (default: off)"
@@ -89,6 +147,11 @@ def add_dataclass_arguments(
             if is_tuple:
                 options["nargs"] = "+"
         target.add_argument(flag_name(field), help=help_text, **options)
+
+
+def _title(section: type) -> str:
+    """A section's title in ``--help``: the first line of its docstring."""
+    return inspect.cleandoc(section.__doc__ or section.__name__).splitlines()[0].rstrip(".")
 
 
 def _off_help(cls: type, field: dataclasses.Field) -> str:
@@ -104,9 +167,9 @@ def _off_help(cls: type, field: dataclasses.Field) -> str:
 
 def dataclass_from_args(cls: type, args: argparse.Namespace):
     """The ``cls`` instance that parsed flags describe (lists become tuples)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    values = {f.name: getattr(args, f.name) for _, f in leaf_fields(cls)}
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return cls(**values)
+    return from_flat(cls, values)
 
 
 def argv_from_namespace(parser: argparse.ArgumentParser, namespace: Any) -> list[str]:
@@ -136,7 +199,7 @@ def dataclass_to_argv(config: Any, describe_default=no_description) -> list[str]
     """Flags that rebuild ``config`` through :func:`add_dataclass_arguments`' parser."""
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_arguments(parser, type(config), describe_default)
-    return argv_from_namespace(parser, config)
+    return argv_from_namespace(parser, argparse.Namespace(**flat_values(config)))
 
 
 def _text(value: Any) -> str:

@@ -4,8 +4,8 @@ engine and warm-ups.
 
 :class:`SyncConfig` holds the method, its base optimizer, its periods, its round options and the
 hyperparameters that depend on the method; the learning rate, its schedule, the weight decay and
-the gradient-clipping norm belong to the training loop. The harness's config carries the same
-fields under the same names (and its own flags on top), so every function here takes either.
+the gradient-clipping norm belong to the training loop. The harness's config holds one as its
+``sync`` section, each field the ``mtdao train`` flag of its name.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.optim import Optimizer
 
+from mtdao.flags import choice, switch_off
 from mtdao.optim.base import check_momenta
 from mtdao.optim.named import BASE_OPTIMIZERS
 from mtdao.optim.warmups import BetaWarmup, OmegaWarmup
@@ -42,42 +43,47 @@ from mtdao.sync.round_options import (
 
 NON_FINITE_ACTIONS = ("raise", "skip")
 OUTER_STEPS = ("average", "nesterov")
-CHOICES = {
-    "method": METHODS,
-    "optimizer": BASE_OPTIMIZERS,
-    "sync_policy": SYNC_POLICIES,
-    "outer_step": OUTER_STEPS,
-    "on_non_finite": NON_FINITE_ACTIONS,
-}
 
 
 @dataclass(frozen=True)
 class SyncConfig:
-    """A method and its options; ``None`` fields take the method's default (:meth:`resolved`)."""
+    """The method and its options.
 
-    method: str = "mtdao"
-    """ddp, qh-ddp, local-adam, diloco, desloc or mtdao (``mtdao train --help``)."""
-    optimizer: str = "adam"
-    """Base optimizer: adam, adopt or sgdm."""
+    ``None`` fields take the method's default (:meth:`resolved`). Each field is the ``mtdao
+    train`` flag of its name, and its docstring that flag's help.
+    """
+
+    method: str = choice("mtdao", METHODS)
+    """Training method (see the method table below)."""
+    optimizer: str = choice("adam", BASE_OPTIMIZERS)
+    """Base optimizer."""
     sync_period: int = 32
-    """K: local steps between parameter averages."""
-    sync_policy: str | None = None
-    """Period rule of the optimizer states: unified, half-life or desloc (default: the method's)."""
+    """K: local steps between parameter averages (local methods)."""
+    sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
+    """Period rule for the optimizer states of local methods."""
     state_sync_period: int | None = None
     """Average every optimizer state every N steps, whatever the period rule."""
     sync_delay: int = 0
-    """D: each round is sent D steps before it is applied, its collectives overlapping steps."""
+    """D: apply each sync round D steps after it starts, its collectives running meanwhile and
+    the local progress merged in (0: blocking rounds)."""
     sync_fragments: int = 1
-    """P: the layers and their states in P fragments synced at staggered steps."""
+    """P: split the layers and their states into P fragments synced at staggered steps."""
     sync_dtype: tuple[str, ...] | None = None
-    """What crosses the link (fp32, bf16, fp8, int8, ...; or KIND=DTYPE per kind)."""
+    """What crosses the link: one dtype for every kind, or KIND=DTYPE per kind (params, momenta,
+    second-moment); dtypes fp32, bf16, fp8, int8, int4, int2, top<k> (k of every 256 values kept,
+    e.g. top8; not for the second moment); parameters go as pseudo-gradients."""
     error_feedback: bool = False
     """Carry each worker's quantization error of the parameters into its next round."""
-    final_round: bool = True
-    """At the last step, land the rounds in flight and average what is still apart, so that
-    every worker ends with the same model."""
+    final_round: bool = switch_off(
+        "--no-final-round",
+        "Do not average at the end: each worker keeps its own model.",
+        resumable=True,
+    )
+    """When training ends, land the rounds in flight and average whatever is still apart, so
+    every worker (or replica) holds the same global model (nothing is sent when the last step
+    synced everything)."""
     betas: tuple[float, ...] | None = None
-    """First-momentum decays (default: the method's)."""
+    """First-momentum decays, e.g. --betas 0.9 0.99."""
     omegas: tuple[float, ...] | None = None
     """Mixing weights of the momenta; the raw gradient gets 1 - sum."""
     beta2: float | None = None
@@ -85,21 +91,28 @@ class SyncConfig:
     eps: float | None = None
     """Denominator epsilon."""
     omega_warmup: float = 0.0
-    """Fraction of the run over which the omegas ramp from 0."""
+    """Fraction of the run over which the omegas ramp linearly from 0 to their value."""
     beta_warmup: float | None = None
-    """Fraction of the run over which each decay above 0.9 rises from 0.9 (default: the method's)."""
+    """Fraction of the run over which each momentum decay above 0.9 rises from 0.9 to its value,
+    its half-life growing linearly (AdEMAMix's schedule for its slow momentum)."""
     beta_ramp: float | None = None
-    """C: each decay above 0.9 is at most 1 - C / t at step t (default: the method's)."""
-    outer_step: str = "average"
-    """average, or nesterov: DiLoCo's outer step on each parameter average."""
+    """C: each momentum decay above 0.9 is at most 1 - C / t at step t, so its half-life (about
+    0.69 t / C) grows with the steps taken, not with --steps (0: off)."""
+    outer_step: str = choice("average", OUTER_STEPS)
+    """local-adam, desloc, mtdao: at each parameter sync take the plain worker average, or
+    DiLoCo's Nesterov outer step on it (--outer-lr, --outer-momentum); diloco always takes it."""
     outer_lr: float = 0.7
-    """Outer learning rate (diloco, or outer_step nesterov)."""
+    """Outer learning rate (diloco, or --outer-step nesterov)."""
     outer_momentum: float = 0.9
-    """Outer Nesterov momentum."""
-    on_non_finite: str = "raise"
-    """A NaN/inf in a round: raise, or skip the worker and heal it."""
-    track_alignment: bool = True
-    """Record each worker's pseudo-gradient alignment at every parameter sync."""
+    """Outer Nesterov momentum (diloco, or --outer-step nesterov)."""
+    on_non_finite: str = choice("raise", NON_FINITE_ACTIONS)
+    """NaN/inf in a worker at a sync: stop (raise), or leave that worker out and heal it with the
+    others' average of everything it holds (skip; evaluation and checkpoints meanwhile leave it
+    out or heal it first). Large finite values are averaged like any other (docs/design.md)."""
+    track_alignment: bool = switch_off(
+        "--no-alignment", "Do not log the worker/global pseudo-gradient cosine and drift at syncs."
+    )
+    """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
 
     def resolved(self) -> SyncConfig:
         """Checked (a ValueError names the first bad field), every default filled in."""
@@ -107,19 +120,14 @@ class SyncConfig:
         return dataclasses.replace(self, **method_defaults(self))
 
 
-def sync_fields(config: Any) -> dict[str, Any]:
-    """The :class:`SyncConfig` fields of ``config`` (a SyncConfig or the harness's config)."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(SyncConfig)}
-
-
-def check_method(config: Any) -> None:
+def check_method(config: SyncConfig) -> None:
     """Raise ValueError naming the first bad method setting of ``config`` (flags spelled as
     ``mtdao train`` spells them)."""
-    for name, choices in CHOICES.items():
-        value = getattr(config, name)
-        if value is not None and value not in choices:
+    for setting in dataclasses.fields(SyncConfig):
+        choices, value = setting.metadata.get("choices"), getattr(config, setting.name)
+        if choices and value is not None and value not in choices:
             raise ValueError(
-                f"--{flag(name)}: unknown value {value!r}; choose from {', '.join(choices)}"
+                f"--{flag(setting.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
             )
     positive_int("sync_period", config.sync_period)
     if config.state_sync_period is not None:
@@ -157,7 +165,7 @@ def check_method(config: Any) -> None:
         raise ValueError(f"--beta-ramp must be a finite number >= 0, got {config.beta_ramp}")
 
 
-def _check_round_options(config: Any) -> None:
+def _check_round_options(config: SyncConfig) -> None:
     """Delay, fragments and dtypes: the rules of :mod:`mtdao.sync.round_options` (one place, one
     message each), given what the config says of the method and its periods."""
     fragments = check_fragments(config.sync_fragments)
@@ -171,7 +179,7 @@ def _check_round_options(config: Any) -> None:
     check_delay_lands(delay, shortest, f"{which} {shortest}")
 
 
-def method_defaults(config: Any) -> dict[str, Any]:
+def method_defaults(config: SyncConfig) -> dict[str, Any]:
     """The method's defaults for the fields ``config`` leaves unset, and the canonical spelling
     of its dtypes: the fields to replace in a checked config."""
     table = OPTIMIZER_DEFAULTS[config.optimizer]
@@ -210,7 +218,7 @@ def method_defaults(config: Any) -> dict[str, Any]:
 
 
 def build_sync(
-    config: Any,
+    config: SyncConfig,
     optimizer: Optimizer,
     communicator: Communicator,
     clip_gradients: Callable[[], object] | None = None,
@@ -240,14 +248,14 @@ def build_sync(
     return sync
 
 
-def outer_step_of(config: Any) -> OuterOptimizerConfig | None:
+def outer_step_of(config: SyncConfig) -> OuterOptimizerConfig | None:
     """DiLoCo's outer step, or one a local method adds with ``outer_step="nesterov"``."""
     if not (METHOD_TABLE[config.method].outer_step or config.outer_step == "nesterov"):
         return None
     return OuterOptimizerConfig(lr=config.outer_lr, momentum=config.outer_momentum)
 
 
-def warmups_of(config: Any, total_steps: int) -> tuple[OmegaWarmup, BetaWarmup]:
+def warmups_of(config: SyncConfig, total_steps: int) -> tuple[OmegaWarmup, BetaWarmup]:
     """The omega and beta warm-ups of a resolved config over a run of ``total_steps`` steps."""
     return (
         OmegaWarmup(config.omegas, round(config.omega_warmup * total_steps)),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args, dataclass_to_argv
 from mtdao.sync.methods import METHOD_TABLE
-from mtdao.train.config import OPTIMIZER_DEFAULTS, TrainConfig, describe_default
+from mtdao.train.config import OPTIMIZER_DEFAULTS, ParallelSettings, TrainConfig, describe_default
 
 SUMMARY_KEYS = (
     "method",
@@ -87,7 +87,7 @@ def default_workers(shards: int, fault_tolerant: bool) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not fault_tolerant and shards >= 1 and world_size % shards == 0:
         return world_size // shards
-    return TrainConfig.workers
+    return ParallelSettings.workers
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
@@ -142,7 +142,7 @@ def interrupted_train(args: argparse.Namespace, argv: list[str]) -> str | None:
         config = resolve(config_from_args(args))
     except ValueError:  # a config that never started: nothing to continue
         return "mtdao train: interrupted"
-    run_dir = Path(config.out)
+    run_dir = Path(config.job.out)
     words = [word for word in argv if word != "--overwrite"]  # --resume keeps what is there
     words += [] if "--resume" in words else ["--resume"]
     command = shlex.join(["mtdao", *words])
@@ -152,5 +152,5 @@ def interrupted_train(args: argparse.Namespace, argv: list[str]) -> str | None:
     if latest is None:
         saved = f"no checkpoint in {run_dir} yet (--checkpoint-every N saves them)"
         return f"mtdao train: interrupted; {saved}; start it again with: {command}"
-    where = f"{latest.path} (step {latest.step} of {config.steps})"
+    where = f"{latest.path} (step {latest.step} of {config.training.steps})"
     return f"mtdao train: interrupted; last checkpoint: {where}; continue with: {command}"

@@ -12,10 +12,10 @@ which imports it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
+from mtdao.flags import flat_values, leaf_fields
 from mtdao.optim.warmups import BETA_WARMUP_START, step_capped_beta
 from mtdao.sync.config import check_method, flag, non_negative, positive, positive_int
 from mtdao.sync.methods import METHOD_TABLE
@@ -23,9 +23,10 @@ from mtdao.sync.methods import METHOD_TABLE
 
 def check_config(config: Any) -> None:
     """Raise ValueError naming the first bad field of a :class:`~mtdao.train.config.TrainConfig`."""
-    for f in dataclasses.fields(config):
+    settings = flat_values(config)
+    for _, f in leaf_fields(type(config)):
         choices = f.metadata.get("choices")
-        value = getattr(config, f.name)
+        value = settings[f.name]
         if choices and value is not None and value not in choices:
             raise ValueError(
                 f"--{flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
@@ -33,55 +34,56 @@ def check_config(config: Any) -> None:
     # sync_period is the method's: check_method below
     names = ("workers", "shards", "batch_size", "seq_len", "eval_tokens")
     for name in names + ("log_every", "keep_checkpoints"):
-        positive_int(name, getattr(config, name))
-    if config.eval_tokens < config.seq_len:
+        positive_int(name, settings[name])
+    if config.text.eval_tokens < config.text.seq_len:
         raise ValueError(
-            f"--eval-tokens {config.eval_tokens} is less than one window of --seq-len "
-            f"{config.seq_len}: raise --eval-tokens or lower --seq-len"
+            f"--eval-tokens {config.text.eval_tokens} is less than one window of --seq-len "
+            f"{config.text.seq_len}: raise --eval-tokens or lower --seq-len"
         )
-    if config.batch_size % config.shards != 0:
+    if config.text.batch_size % config.parallel.shards != 0:
         raise ValueError(
-            f"--batch-size {config.batch_size} does not split over --shards {config.shards} "
+            f"--batch-size {config.text.batch_size} does not split over --shards {config.parallel.shards} "
             "(each process of a worker takes batch-size / shards of its sequences)"
         )
     for name in ("steps", "tokens", "eval_every", "checkpoint_every"):
-        if getattr(config, name) is not None:
-            positive_int(name, getattr(config, name))
-    if config.steps is not None and config.tokens is not None:
+        if settings[name] is not None:
+            positive_int(name, settings[name])
+    if config.training.steps is not None and config.training.tokens is not None:
         raise ValueError("give --steps or --tokens, not both")
-    check_method(config)  # the method's settings: the library's rules (mtdao.sync.config)
+    check_method(config.sync)  # the method's settings: the library's rules (mtdao.sync.config)
     for name in ("weight_decay", "grad_clip", "min_lr_ratio", "lr"):
-        if getattr(config, name) is not None:
-            non_negative(name, getattr(config, name))
-    positive("collective_timeout", config.collective_timeout)
-    if config.min_lr_ratio > 1.0:
+        if settings[name] is not None:
+            non_negative(name, settings[name])
+    positive("collective_timeout", config.parallel.collective_timeout)
+    if config.lr_schedule.min_lr_ratio > 1.0:
         raise ValueError(
             f"--min-lr-ratio must lie in [0, 1] (the final learning rate as a fraction of the "
-            f"peak), got {config.min_lr_ratio}"
+            f"peak), got {config.lr_schedule.min_lr_ratio}"
         )
-    if config.resume and config.overwrite:
+    if config.job.resume and config.job.overwrite:
         raise ValueError("give --resume (continue the run in --out) or --overwrite, not both")
-    if config.extend and not config.resume:
+    if config.job.extend and not config.job.resume:
         raise ValueError("--extend re-plans a resumed run: it needs --resume")
     for name in ("warmup", "decay_fraction"):
-        value = getattr(config, name)
+        value = settings[name]
         if value is not None and not 0.0 <= value <= 1.0:
             raise ValueError(f"--{flag(name)} must lie in [0, 1], got {value}")
-    if config.warmup is not None and config.warmup_steps is not None:
+    if config.lr_schedule.warmup is not None and config.lr_schedule.warmup_steps is not None:
         raise ValueError(
             "give --warmup (a fraction of --steps) or --warmup-steps (a number of steps), not both"
         )
-    if config.warmup_steps is not None and not (
-        isinstance(config.warmup_steps, int) and 0 <= config.warmup_steps <= config.total_steps()
+    if config.lr_schedule.warmup_steps is not None and not (
+        isinstance(config.lr_schedule.warmup_steps, int)
+        and 0 <= config.lr_schedule.warmup_steps <= config.total_steps()
     ):
         raise ValueError(
             f"--warmup-steps must be a whole number of steps from 0 to the run's "
-            f"{config.total_steps()}, got {config.warmup_steps!r}"
+            f"{config.total_steps()}, got {config.lr_schedule.warmup_steps!r}"
         )
-    _check_fault_tolerance(config)
+    _check_fault_tolerance(config.fault_tolerance, config.parallel.workers)
 
 
-def _check_fault_tolerance(config: Any) -> None:
+def _check_fault_tolerance(config: Any, workers: int) -> None:
     for name in ("connect_timeout", "quorum_timeout"):
         value = getattr(config, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -104,10 +106,10 @@ def _check_fault_tolerance(config: Any) -> None:
         )
     if isinstance(config.replica_id, bool) or not isinstance(config.replica_id, int):
         raise ValueError(f"--replica-id must be an integer, got {config.replica_id!r}")
-    if not 0 <= config.replica_id < config.workers:
+    if not 0 <= config.replica_id < workers:
         raise ValueError(
-            f"--replica-id {config.replica_id} is outside 0 .. {config.workers - 1} "
-            f"(--workers {config.workers} replicas, one data shard each)"
+            f"--replica-id {config.replica_id} is outside 0 .. {workers - 1} "
+            f"(--workers {workers} replicas, one data shard each)"
         )
     if not config.lighthouse.strip():
         raise ValueError("--lighthouse is empty; give the lighthouse's host:port")
@@ -121,16 +123,16 @@ def config_warnings(config: Any) -> list[str]:
     """Settings of a resolved ``config`` that are allowed but probably not what was meant."""
     found = []
     steps = config.total_steps()
-    if not METHOD_TABLE[config.method].averages_gradients and config.sync_period > steps:
+    if not METHOD_TABLE[config.sync.method].averages_gradients and config.sync.sync_period > steps:
         found.append(
-            f"--sync-period {config.sync_period} is larger than --steps {steps}: the workers never "
+            f"--sync-period {config.sync.sync_period} is larger than --steps {steps}: the workers never "
             "average their parameters in this run (evaluation still averages them)"
         )
-    slowest = max(config.betas or (0.0,))
-    ramped = config.beta_ramp and slowest > BETA_WARMUP_START
-    ramped_at = round(config.beta_ramp / (1 - slowest)) if ramped else 0
+    slowest = max(config.sync.betas or (0.0,))
+    ramped = config.sync.beta_ramp and slowest > BETA_WARMUP_START
+    ramped_at = round(config.sync.beta_ramp / (1 - slowest)) if ramped else 0
     if steps < ramped_at:  # the run ends while its slow momentum is still ramping up
-        final = step_capped_beta(slowest, steps, config.beta_ramp)
+        final = step_capped_beta(slowest, steps, config.sync.beta_ramp)
         measured = (
             f"shorter than any run MT-DAO's default was measured at ({SHORTEST_MEASURED_RUN} "
             "steps and up)"
@@ -144,9 +146,9 @@ def config_warnings(config: Any) -> list[str]:
             f"momentum is still ramping up and ends this run at decay {final:.3f} (target "
             f"{slowest:g} from step {ramped_at})"
         )
-    if config.state_sync_period is not None and config.state_sync_period > steps:
+    if config.sync.state_sync_period is not None and config.sync.state_sync_period > steps:
         found.append(
-            f"--state-sync-period {config.state_sync_period} is larger than --steps {steps}: the "
+            f"--state-sync-period {config.sync.state_sync_period} is larger than --steps {steps}: the "
             "optimizer states are never averaged in this run"
         )
     return found

@@ -46,7 +46,7 @@ def run_evaluation(run: Run, log: MetricsLog) -> float:
     one; the global model is then the average of the other workers (the record lists the workers
     left out, and the log says so)."""
     started = time.perf_counter()
-    excluded = non_finite_workers(run) if run.config.on_non_finite == "skip" else []
+    excluded = non_finite_workers(run) if run.config.sync.on_non_finite == "skip" else []
     if len(excluded) == run.workers.layout.num_workers:
         raise NonFiniteError(
             f"the parameters are NaN/inf at step {run.step} on every worker; none is left to "
@@ -55,7 +55,7 @@ def run_evaluation(run: Run, log: MetricsLog) -> float:
     model = run.workers.global_model(excluded)
     with run.workers.autocast():
         val_loss = evaluate(model, run.val_batches, run.device)
-    if not math.isfinite(val_loss) and run.config.on_non_finite == "raise":
+    if not math.isfinite(val_loss) and run.config.sync.on_non_finite == "raise":
         raise NonFiniteError(
             f"validation loss of the averaged model is NaN/inf at step {run.step}; lower --lr"
         )

@@ -28,7 +28,7 @@ class LoopHooks:
 
     def describe(self, run: Run) -> str:
         """The progress bar's label."""
-        return run.config.method
+        return run.config.sync.method
 
     def tokens_per_step(self, run: Run) -> int:
         """The tokens one step trains in the processes this loop speaks for (throughput)."""
@@ -69,7 +69,7 @@ def check_finite_losses(
         return
     diverged = torch.nonzero(~finite).flatten().tolist()
     every = len(diverged) == len(worker_losses)
-    if run.config.on_non_finite == "skip" and not every:
+    if run.config.sync.on_non_finite == "skip" and not every:
         return
     where = f"worker(s) {diverged}" if not every else "every worker"
     text = f"training loss is NaN/inf at step {run.step} on {where}"
@@ -79,7 +79,7 @@ def check_finite_losses(
             f"bad (rename it to {resumed[1].name}.damaged to resume from the one before it), or "
             "the run diverged right there (lower --lr)"
         )
-    elif every and run.config.on_non_finite == "skip":
+    elif every and run.config.sync.on_non_finite == "skip":
         text += "; none is left to average (lower --lr)"
     else:
         text += "; lower --lr, or pass --on-non-finite skip to leave diverged workers out"

@@ -35,15 +35,17 @@ def explain(
 ) -> str:
     tried = _TRIED.search(str(error))
     what = f" (it tried to allocate {tried.group(1)})" if tried else ""
-    per_step = config.batch_size * config.seq_len
+    per_step = config.text.batch_size * config.text.seq_len
     others = ["a smaller --model"]
-    if simulated and config.workers > 1:
-        others.append(f"fewer --workers (all {config.workers} are simulated in this process)")
+    if simulated and config.parallel.workers > 1:
+        others.append(
+            f"fewer --workers (all {config.parallel.workers} are simulated in this process)"
+        )
     if not simulated:
         others.append("more --shards per worker")
     return (
-        f"out of memory on {device}{what}: lower --batch-size (now {config.batch_size} "
-        f"sequences of --seq-len {config.seq_len}, {per_step:,} tokens per worker per step), "
+        f"out of memory on {device}{what}: lower --batch-size (now {config.text.batch_size} "
+        f"sequences of --seq-len {config.text.seq_len}, {per_step:,} tokens per worker per step), "
         f"or use {' or '.join(others)}"
     )
 

@@ -19,11 +19,11 @@ def summarize(run: Run) -> dict[str, Any]:
     steady_steps = run.step - run.step % full_cycle(run.sync.policy, state_keys)
     params = [p for _, p in run.workers.named_parameters()]
     return {
-        "method": config.method,
-        "optimizer": config.optimizer,
-        "workers": config.workers,
-        "shards": config.shards,
-        "sync_period": config.sync_period,
+        "method": config.sync.method,
+        "optimizer": config.sync.optimizer,
+        "workers": config.parallel.workers,
+        "shards": config.parallel.shards,
+        "sync_period": config.sync.sync_period,
         "sync_policy": run.sync.policy.name,
         "periods": run.sync.policy.periods(),
         "steps": run.step,
@@ -58,13 +58,13 @@ def summarize(run: Run) -> dict[str, Any]:
         "alignment": run.sync.alignment,
         "skipped_rounds": run.sync.skipped_rounds,
         "settings": {
-            "lr": config.lr,
+            "lr": config.lr_schedule.lr,
             "warmup_steps": run.lr_schedule.warmup_steps,
-            "betas": list(config.betas or ()),
-            "omegas": list(config.omegas or ()),
-            "beta2": config.beta2,
-            "omega_warmup": config.omega_warmup,
-            "beta_warmup": config.beta_warmup,
+            "betas": list(config.sync.betas or ()),
+            "omegas": list(config.sync.omegas or ()),
+            "beta2": config.sync.beta2,
+            "omega_warmup": config.sync.omega_warmup,
+            "beta_warmup": config.sync.beta_warmup,
         },
         "config": config.to_dict(),
     }

@@ -35,10 +35,10 @@ def warmup_steps_of(config: TrainConfig, steps: int | None = None) -> int:
     --warmup's fraction of them, else --warmup-steps, else the default: DEFAULT_WARMUP_STEPS,
     or DEFAULT_WARMUP_FRACTION of the run when that is longer, at most half the run."""
     steps = config.total_steps() if steps is None else steps
-    if config.warmup is not None:
-        return round(config.warmup * steps)
-    if config.warmup_steps is not None:
-        return config.warmup_steps
+    if config.lr_schedule.warmup is not None:
+        return round(config.lr_schedule.warmup * steps)
+    if config.lr_schedule.warmup_steps is not None:
+        return config.lr_schedule.warmup_steps
     default = max(DEFAULT_WARMUP_STEPS, round(DEFAULT_WARMUP_FRACTION * steps))
     return min(default, steps // 2)
 
@@ -105,12 +105,12 @@ def lr_schedule_of(config: TrainConfig) -> LRSchedule:
     """The learning-rate schedule of a resolved config."""
     steps = config.total_steps()
     return LRSchedule(
-        config.lr,
+        config.lr_schedule.lr,
         steps,
-        config.schedule,
+        config.lr_schedule.schedule,
         warmup_steps_of(config),
-        config.min_lr_ratio,
-        config.decay_fraction,
+        config.lr_schedule.min_lr_ratio,
+        config.lr_schedule.decay_fraction,
     )
 
 
@@ -167,7 +167,8 @@ class StepsChange:
 def steps_change(old: TrainConfig, new: TrainConfig, step: int) -> StepsChange:
     """Compare the schedules of two resolved configs that differ in their length, at ``step``."""
     plans = [
-        (lr_schedule_of(config), *warmups_of(config, config.total_steps())) for config in (old, new)
+        (lr_schedule_of(config), *warmups_of(config.sync, config.total_steps()))
+        for config in (old, new)
     ]
     old_lr, new_lr = plans[0][0], plans[1][0]
     first_difference = next(
@@ -175,7 +176,7 @@ def steps_change(old: TrainConfig, new: TrainConfig, step: int) -> StepsChange:
         None,
     )
     return StepsChange(
-        schedule=new.schedule,
+        schedule=new.lr_schedule.schedule,
         step=step,
         old_steps=old.total_steps(),
         new_steps=new.total_steps(),

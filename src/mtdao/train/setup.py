@@ -109,21 +109,28 @@ def build_run(
     With a ``communicator``, this process is one worker that averages through it, reading data
     shard ``worker_index`` (a fault-tolerant replica: :mod:`mtdao.train.fault_tolerance.replica`).
     """
-    if config.out is None or config.steps is None or config.lr is None or config.omegas is None:
+    if (
+        config.job.out is None
+        or config.training.steps is None
+        or config.lr_schedule.lr is None
+        or config.sync.omegas is None
+    ):
         raise ValueError("build_run needs a resolved config (mtdao.train.config.resolve)")
-    device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
+    device = pick_device(config.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     process = process or init_process_group(device)
     check_topology(config, process)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.training.seed)
     shards, val_batches, vocab_size, data_summary = load_data(config, process, worker_index)
-    model = Llama(model_config(config.model, vocab_size, config.seq_len)).to(device)
+    model = Llama(model_config(config.training.model, vocab_size, config.text.seq_len)).to(device)
     communicator, workers = build_workers(model, config, process, device, communicator)
-    groups = split_weight_decay(workers.named_parameters(), config.weight_decay)
-    optimizer = build_optimizer(groups, config, config.lr, config.weight_decay)
-    omega_warmup, beta_warmup = warmups_of(config, config.total_steps())
+    groups = split_weight_decay(workers.named_parameters(), config.training.weight_decay)
+    optimizer = build_optimizer(
+        groups, config.sync, config.lr_schedule.lr, config.training.weight_decay
+    )
+    omega_warmup, beta_warmup = warmups_of(config.sync, config.total_steps())
     return Run(
         config=config,
-        run_dir=Path(config.out),
+        run_dir=Path(config.job.out),
         process=process,
         device=device,
         workers=workers,
@@ -148,19 +155,19 @@ def build_workers(
     """The communicator and the workers: one per process (or per --shards processes) under
     torchrun, else simulated; or one worker in this process, averaging through a given
     communicator."""
-    if communicator is not None and config.shards > 1:  # a replica of --shards processes
+    if communicator is not None and config.parallel.shards > 1:  # a replica of --shards processes
         workers: WorkerSet = build_sharded_replica(model, config, device, communicator)
     elif communicator is not None:  # no coordination outside its rounds: the losses are its own
         workers = ProcessWorkerSet(model, WorkerLayout())
-    elif config.shards > 1:
+    elif config.parallel.shards > 1:
         communicator, workers = build_sharded_workers(model, config, device)
     elif process.distributed:
         communicator = ProcessGroupWorkers()
         workers = ProcessWorkerSet(model, communicator.layout)
     else:
-        communicator = SimulatedWorkers(config.workers)
+        communicator = SimulatedWorkers(config.parallel.workers)
         workers = SimulatedWorkerSet(model, communicator.layout)
-    if device.type == "cuda" and config.bf16:
+    if device.type == "cuda" and config.training.bf16:
         workers.autocast_dtype = torch.bfloat16
     return communicator, workers
 
@@ -169,9 +176,9 @@ def build_sync(
     config: TrainConfig, optimizer, communicator: Communicator, workers: WorkerSet
 ) -> LocalUpdateSync:
     """The engine carrying out the method's policy, with per-worker gradient clipping."""
-    clip = config.grad_clip
+    clip = config.training.grad_clip
     return sync_config.build_sync(
-        config,
+        config.sync,
         optimizer,
         communicator,
         (lambda: workers.clip_grad_norm_(clip)) if clip > 0 else None,
@@ -180,11 +187,13 @@ def build_sync(
 
 def load_data(config: TrainConfig, process: ProcessInfo, worker_index: int | None = None):
     """(this process's worker shards, validation batches, vocabulary size, a one-line summary)."""
-    corpus = load_corpus(config.data)
-    tokenizer = load_tokenizer(config.tokenizer, corpus, default_cache_dir())
+    corpus = load_corpus(config.text.data)
+    tokenizer = load_tokenizer(config.text.tokenizer, corpus, default_cache_dir())
     tokens = encode_corpus(corpus, tokenizer, default_cache_dir())
     my_workers = (
-        [worker_of(process, config.shards)] if process.distributed else range(config.workers)
+        [worker_of(process, config.parallel.shards)]
+        if process.distributed
+        else range(config.parallel.workers)
     )
     if worker_index is not None:
         my_workers = [worker_index]
@@ -192,21 +201,23 @@ def load_data(config: TrainConfig, process: ProcessInfo, worker_index: int | Non
         WorkerShard(
             tokens,
             w,
-            config.workers,
-            config.batch_size,
-            config.seq_len,
-            config.seed,
-            config.data_split,
+            config.parallel.workers,
+            config.text.batch_size,
+            config.text.seq_len,
+            config.training.seed,
+            config.text.data_split,
         )
         for w in my_workers
     ]
-    eval_batch = max(1, min(32, config.eval_tokens // config.seq_len))
-    val_batches = validation_batches(tokens.val, eval_batch, config.seq_len, config.eval_tokens)
+    eval_batch = max(1, min(32, config.text.eval_tokens // config.text.seq_len))
+    val_batches = validation_batches(
+        tokens.val, eval_batch, config.text.seq_len, config.text.eval_tokens
+    )
     train_tokens = sum(len(doc) for doc in tokens.train)
     summary = (
         f"data: {corpus.name}: {len(corpus.train_docs)} training and {len(corpus.val_docs)} "
         f"validation documents, {train_tokens:,} and {len(tokens.val):,} tokens "
-        f"({config.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size})"
+        f"({config.text.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size})"
     )
     return shards, val_batches, tokenizer.vocab_size, summary + skipped_files(corpus)
 

@@ -37,14 +37,14 @@ from mtdao.train.workers import WorkerSet, language_model_loss
 
 def launched_workers(config: TrainConfig) -> int:
     """The workers this launch's processes make: ``--workers``, or one fault-tolerant replica."""
-    return 1 if config.fault_tolerant else config.workers
+    return 1 if config.fault_tolerance.fault_tolerant else config.parallel.workers
 
 
 def check_topology(config: TrainConfig, process: ProcessInfo) -> None:
     """Refuse a launch whose processes do not make ``--workers`` x ``--shards`` (one line), or,
     for a fault-tolerant replica, ``--shards``."""
-    workers, shards = config.workers, config.shards
-    if config.fault_tolerant:
+    workers, shards = config.parallel.workers, config.parallel.shards
+    if config.fault_tolerance.fault_tolerant:
         if process.world_size != shards:
             need = "one process" if shards == 1 else f"{shards} processes, one per shard"
             how = "" if shards == 1 else f" (torchrun --nproc-per-node {shards})"
@@ -107,9 +107,9 @@ def build_sharded_workers(
     model: nn.Module, config: TrainConfig, device: torch.device
 ) -> tuple[ProcessGroupWorkers, ShardedWorkerSet]:
     """The communicator over the replicate groups and this process's part of its worker."""
-    check_shardable(model, config.shards)
-    mesh = build_mesh(device, config.workers, config.shards)
-    shard_model(model, mesh, config.bf16)
+    check_shardable(model, config.parallel.shards)
+    mesh = build_mesh(device, config.parallel.workers, config.parallel.shards)
+    shard_model(model, mesh, config.training.bf16)
     communicator = ProcessGroupWorkers(
         mesh.get_group("replicate"), shard_group=mesh.get_group("shard")
     )
@@ -123,9 +123,9 @@ def build_sharded_replica(
     and ``communicator`` (a :class:`mtdao.sync.torchft.ReplicaGroups`) averaging its shards with
     the same process of the other replicas. Between rounds the replica reaches no other worker:
     its losses, clipping and evaluation are its own."""
-    check_shardable(model, config.shards)
-    mesh = build_mesh(device, 1, config.shards)
-    shard_model(model, mesh, config.bf16)
+    check_shardable(model, config.parallel.shards)
+    mesh = build_mesh(device, 1, config.parallel.shards)
+    shard_model(model, mesh, config.training.bf16)
     communicator.shard_over(mesh.get_group("shard"))
     return ShardedWorkerSet(model, ShardedWorkerLayout(mesh.get_group("shard")), mesh)
 

@@ -62,7 +62,7 @@ def agree(collective: Collective, error: Exception | None, elsewhere: str) -> No
 def lock_run_dir(config: TrainConfig, process: ProcessInfo, collective: Collective) -> RunLock:
     """Process 0 takes the run directory's lock (a second run on it is refused, naming the
     holder's pid); returns the lock (held on process 0 only) once every process agrees."""
-    run_dir, lock, error = Path(config.out), RunLock(Path(config.out)), None
+    run_dir, lock, error = Path(config.job.out), RunLock(Path(config.job.out)), None
     try:
         check_run_dir(run_dir)
         if process.rank == 0:
@@ -83,8 +83,8 @@ def lock_run_dir(config: TrainConfig, process: ProcessInfo, collective: Collecti
 
 def choose_start(config: TrainConfig, process: ProcessInfo, store: ckpt.CheckpointStore) -> Start:
     """Decide how the run in ``config.out`` starts (the lock is held); see the module notes."""
-    run_dir, collective = Path(config.out), store.collective
-    if config.resume:
+    run_dir, collective = Path(config.job.out), store.collective
+    if config.job.resume:
         loaded = store.load()
         if loaded is not None:
             return _resumed(config, loaded)
@@ -97,7 +97,7 @@ def choose_start(config: TrainConfig, process: ProcessInfo, store: ckpt.Checkpoi
         return Start(notes=[f"--resume: no checkpoint in {run_dir} yet; starting fresh"])
     error, removed = None, []
     try:
-        if config.overwrite:
+        if config.job.overwrite:
             if process.rank == 0:
                 removed = clear_run_files(run_dir)
         else:
@@ -123,7 +123,7 @@ def fall_back(
     earlier = store.load()
     if earlier is None:
         raise ckpt.CheckpointError(
-            f"--resume: no usable checkpoint in {config.out}: {loaded.path} does not fit this "
+            f"--resume: no usable checkpoint in {config.job.out}: {loaded.path} does not fit this "
             f"run ({problem}); it was set aside"
         )
     return _resumed(config, earlier)
@@ -173,7 +173,7 @@ def _check_fresh_resume(run_dir: Path, config: TrainConfig) -> None:
 
 def _resumed(config: TrainConfig, loaded: ckpt.LoadedCheckpoint) -> Start:
     """Check that ``loaded`` can continue as ``config`` asks; refuse in one line if not."""
-    run_dir, step = Path(config.out), loaded.step
+    run_dir, step = Path(config.job.out), loaded.step
     saved = saved_config(loaded.meta)
     differences = saved.differences(config)
     if differences:
@@ -188,7 +188,7 @@ def _resumed(config: TrainConfig, loaded: ckpt.LoadedCheckpoint) -> Start:
     if new_steps == old_steps:
         return Start(checkpoint=loaded)
     change = steps_change(saved, config, step)
-    if not config.extend:
+    if not config.job.extend:
         raise ValueError(
             f"--resume: --steps {new_steps} differs from the run's {old_steps} (checkpoint at "
             f"step {step}). Keep --steps {old_steps} to continue it exactly, or pass --extend to "

@@ -103,15 +103,15 @@ def train(
     """
     started = time.perf_counter()
     config = resolve(config)
-    if config.fault_tolerant and hooks is None:
+    if config.fault_tolerance.fault_tolerant and hooks is None:
         raise ValueError(
             "a fault-tolerant replica is trained by mtdao.train.train (or mtdao train), which "
             "connects it to the lighthouse"
         )
-    device = pick_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
+    device = pick_device(config.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     launched = ProcessInfo(world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    with collective_errors(launched, config.collective_timeout):
-        process = init_process_group(device, config.collective_timeout)
+    with collective_errors(launched, config.parallel.collective_timeout):
+        process = init_process_group(device, config.parallel.collective_timeout)
         check_topology(config, process)  # --workers x --shards processes, before any file
         if process.rank == 0:
             for warning in config_warnings(config):
@@ -207,7 +207,7 @@ def loop(run: Run, outputs: Outputs, hooks: LoopHooks) -> None:
     progress = tqdm(
         total=run.total_steps,
         initial=run.step,
-        disable=not (config.progress and run.is_main),
+        disable=not (config.job.progress and run.is_main),
         desc=hooks.describe(run),
         unit="step",
         dynamic_ncols=True,
@@ -229,13 +229,16 @@ def loop(run: Run, outputs: Outputs, hooks: LoopHooks) -> None:
                 if losses is not None:
                     throughput.add(hooks.tokens_per_step(run), elapsed)
                     record_losses(run, outputs, hooks, progress, losses, throughput)
-            if run.step == run.total_steps and config.final_round:
+            if run.step == run.total_steps and config.sync.final_round:
                 final_round(run, hooks)
             progress.update(run.step - progress.n)
-            if run.step % config.eval_every == 0 or run.step == run.total_steps:
+            if run.step % config.job.eval_every == 0 or run.step == run.total_steps:
                 complete_transfers(run)
                 run_evaluation(run, outputs.log)
-            due = config.checkpoint_every and run.step % config.checkpoint_every == 0
+            due = (
+                config.checkpoint.checkpoint_every
+                and run.step % config.checkpoint.checkpoint_every == 0
+            )
             if due and hooks.may_checkpoint(run):
                 outputs.checkpointer.save(run)
                 outputs.last_saved = run.step
@@ -245,7 +248,7 @@ def loop(run: Run, outputs: Outputs, hooks: LoopHooks) -> None:
 
 def record_losses(run: Run, outputs: Outputs, hooks: LoopHooks, progress, losses, throughput):
     """Check the step's losses and log them when a log line is due."""
-    should_log = run.step % run.config.log_every == 0 or run.step == run.total_steps
+    should_log = run.step % run.config.job.log_every == 0 or run.step == run.total_steps
     if should_log or not run.process.distributed:
         # every worker's loss (a tiny uncounted gather on real workers: log steps only)
         worker_losses = run.workers.layout.gather(losses.float())

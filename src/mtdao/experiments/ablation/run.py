@@ -17,7 +17,6 @@ and plot drawn in :mod:`.report`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,8 +79,7 @@ def run_name(variant: Variant, period: int, seed: int) -> str:
 def variant_config(
     base: TrainConfig, variant: Variant, period: int, lr: float, state_period: int | None = None
 ) -> TrainConfig:
-    return dataclasses.replace(
-        base,
+    return base.replace(
         method=variant.method,
         sync_period=period,
         lr=lr,
@@ -101,8 +99,7 @@ def ablation_runs(
 ) -> list[tuple[str, TrainConfig]]:
     """DDP once per seed, then every variant at every K and seed."""
     runs = [
-        (f"ddp-seed{s}", dataclasses.replace(base_config(args, s), method="ddp", lr=lrs["ddp"]))
-        for s in seeds
+        (f"ddp-seed{s}", base_config(args, s).replace(method="ddp", lr=lrs["ddp"])) for s in seeds
     ]
     for variant in variants:
         for period in periods:

@@ -16,7 +16,6 @@ The shared flags of the experiment commands (model size, budget, seeds, LR pins)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
@@ -37,6 +36,7 @@ from mtdao.train.config import (
     DATA_SPLITS,
     SCHEDULES,
     WARMUP_FIELDS,
+    TextSettings,
     TrainConfig,
     describe_default,
     resolve,
@@ -115,13 +115,13 @@ def _prepare(run_dir: Path, config: TrainConfig) -> TrainConfig:
     from mtdao.train.checkpoint.store import latest_checkpoint
 
     latest = latest_checkpoint(run_dir)
-    config = dataclasses.replace(config, out=str(run_dir), resume=False, progress=False)
+    config = config.replace(out=str(run_dir), resume=False, progress=False)
     if latest is not None:
         try:
             meta = latest.meta
             same = not stale_settings({"config": meta["config"]}, config)
             if same and int(meta["step"]) <= config.total_steps():
-                return dataclasses.replace(config, resume=True)
+                return config.replace(resume=True)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: start over
     if run_dir.exists():
@@ -228,16 +228,16 @@ def omp_threads() -> int | None:
 def evaluations(config: TrainConfig) -> int:
     """How many times a run evaluates: every ``eval_every`` steps and at its last step."""
     resolved = resolve(config)
-    steps, every = resolved.steps, resolved.eval_every
+    steps, every = resolved.training.steps, resolved.job.eval_every
     return steps // every + (1 if steps % every else 0)
 
 
 def workload(configs: Sequence[TrainConfig]) -> str:
     """The line said before a suite trains: runs, steps and evaluations to come."""
     resolved = [resolve(config) for config in configs]
-    steps = sum(config.steps for config in resolved)
+    steps = sum(config.training.steps for config in resolved)
     evals = sum(evaluations(config) for config in configs)
-    tokens = {config.eval_tokens for config in resolved}
+    tokens = {config.text.eval_tokens for config in resolved}
     each = f"{tokens.pop():,} held-out tokens each" if len(tokens) == 1 else "held-out tokens"
     return (
         f"to train: {len(configs)} run(s), {steps:,} steps in all, {evals} evaluations ({each}); "
@@ -363,9 +363,9 @@ def add_budget_arguments(
     add("--tokenizer", default="byte", help="byte | bpe:VOCAB | hf:NAME (default: byte)")
     add(
         "--data-split",
-        default=TrainConfig.data_split,
+        default=TextSettings.data_split,
         choices=DATA_SPLITS,
-        help=f"worker shards (default: {TrainConfig.data_split}; contiguous: the split of "
+        help=f"worker shards (default: {TextSettings.data_split}; contiguous: the split of "
         "figures before 2026-12-02)",
     )
     add_study_schedule_arguments(parser)
@@ -412,7 +412,7 @@ def default_eval_every(steps: int) -> int:
 
 def base_config(args: argparse.Namespace, seed: int) -> TrainConfig:
     """The TrainConfig every run of an experiment shares before its method's own settings."""
-    return TrainConfig(
+    return TrainConfig.of(
         optimizer=args.optimizer,
         workers=args.workers,
         steps=args.steps,

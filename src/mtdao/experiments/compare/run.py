@@ -16,7 +16,6 @@ here; the numbers are computed in :mod:`.summary`, report.md drawn in
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import shlex
 from pathlib import Path
@@ -82,19 +81,16 @@ def add_parser(subparsers) -> None:
 
 def method_config(args: argparse.Namespace, method: str, seed: int, lr: float) -> TrainConfig:
     """The run of ``method`` at ``lr`` and ``seed``; identical budget for every method."""
-    config = dataclasses.replace(
-        base_config(args, seed), method=method, sync_period=args.sync_period, lr=lr
-    )
+    config = base_config(args, seed).replace(method=method, sync_period=args.sync_period, lr=lr)
     if method in MULTI_TIMESCALE_METHODS:
-        config = dataclasses.replace(
-            config,
+        config = config.replace(
             betas=tuple(args.betas) if args.betas else None,
             omegas=tuple(args.omegas) if args.omegas else None,
             omega_warmup=args.omega_warmup,
             beta_warmup=args.beta_warmup,
         )
     if method == "mtdao":
-        config = dataclasses.replace(config, sync_policy=args.sync_policy)
+        config = config.replace(sync_policy=args.sync_policy)
     return config
 
 
@@ -233,14 +229,14 @@ def resolved_settings(args, methods, chosen, pins, sweep, all_results) -> dict[s
         "data_split": args.data_split,
         "tokenizer": args.tokenizer,
         "optimizer": args.optimizer,
-        "schedule": config.schedule,
+        "schedule": config.lr_schedule.schedule,
         "workers": args.workers,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "steps": args.steps,
         "tokens": args.steps * config.tokens_per_step,
         "sync_period": args.sync_period,
-        "eval_every": config.eval_every,
+        "eval_every": config.job.eval_every,
         "eval_tokens": args.eval_tokens,
         "seeds": args.seeds,
         "lrs": chosen,

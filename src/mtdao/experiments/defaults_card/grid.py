@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtdao.train.config import TrainConfig
+from mtdao.train.config import TextSettings, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def run_name(corpus: str, steps: int, sync_period: int, entry: str, seed: int) -
 
 
 def card_runs(
-    grid: Grid, data: dict[str, str], data_split: str = TrainConfig.data_split
+    grid: Grid, data: dict[str, str], data_split: str = TextSettings.data_split
 ) -> list[tuple[str, TrainConfig]]:
     """Every run of ``grid`` on the corpora found (``data``: corpus -> --data, sharded by
     ``data_split``), in the order an interrupted card shows the most: the first seed of every
@@ -179,7 +179,7 @@ def card_runs(
         name = run_name(corpus, steps, sync_period, entry.name, seed)
         runs.setdefault(
             name,
-            TrainConfig(
+            TrainConfig.of(
                 method=entry.method,
                 model=MODEL,
                 steps=steps,

@@ -8,7 +8,7 @@ from typing import Any
 
 from mtdao.experiments.common.figures import STYLE, pyplot, save
 from mtdao.experiments.common.formatting import MISSING, failures_section, pm, signed, table
-from mtdao.train.config import TrainConfig
+from mtdao.train.config import TextSettings
 
 ENTRY_COLORS = {
     "ddp": "#222222",
@@ -68,7 +68,7 @@ def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str
         f"Worker shards: `--data-split {split}`"
         + (
             " (the default)."
-            if split == TrainConfig.data_split
+            if split == TextSettings.data_split
             else f" ({SPLIT_NOTES.get(split, '')})."
         ),
         "",

@@ -42,7 +42,7 @@ def run_defaults_card(args: argparse.Namespace) -> int:
         print(f"defaults card: corpus {corpus} left out: {reason}")
     runs = card_runs(grid, data, args.data_split)
     resolved = [resolve(config) for _, config in runs]  # bad settings fail before training
-    evaluations = sum(config.total_steps() // config.eval_every for config in resolved)
+    evaluations = sum(config.total_steps() // config.job.eval_every for config in resolved)
     print(
         f"defaults card{' (quick)' if args.quick else ''}: {len(runs)} runs "
         f"({len(grid.cells())} cells x {len(grid.entries)} entries x {len(grid.seeds)} seeds, "

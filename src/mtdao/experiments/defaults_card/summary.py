@@ -12,7 +12,7 @@ from typing import Any
 from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, stats
 from mtdao.experiments.common.steps_to_loss import steps_to_reference_loss
 from mtdao.experiments.defaults_card.grid import CURRENT_ENTRIES, ENTRIES, Grid, run_name
-from mtdao.train.config import TrainConfig
+from mtdao.train.config import TextSettings
 
 KIND, SCHEMA = "defaults-card", 1  # results.json (see mtdao.experiments.common.results)
 
@@ -25,7 +25,7 @@ def summarize_card(
     missing: dict[str, str],
     results: dict[str, dict[str, Any]],
     failures: dict[str, str],
-    data_split: str = TrainConfig.data_split,
+    data_split: str = TextSettings.data_split,
 ) -> dict[str, Any]:
     entries = [entry for entry in ENTRIES if entry.name in grid.entries]
     cells = []

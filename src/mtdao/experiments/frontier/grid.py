@@ -9,7 +9,6 @@ method's own rule, or an explicit ``--state-sync-period``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -129,9 +128,9 @@ def select(points: Sequence[FrontierPoint], names: Sequence[str] | None) -> list
 def changed_flags(config: TrainConfig) -> list[str]:
     """The ``mtdao train`` flags of ``config`` that differ from the defaults (seed and output
     directory aside): the point's exact argument list; add ``--seed S`` for one of its runs."""
-    config = dataclasses.replace(config, seed=0, out=None, progress=True, resume=False)
-    default = flag_groups(config_to_argv(TrainConfig()))
-    changed = ["--method", config.method]  # always first, default or not
+    config = config.replace(seed=0, out=None, progress=True, resume=False)
+    default = flag_groups(config_to_argv(TrainConfig.of()))
+    changed = ["--method", config.sync.method]  # always first, default or not
     for flag, values in flag_groups(config_to_argv(config)):
         if (flag, values) not in default and flag != "--method":
             changed += [flag, *values]

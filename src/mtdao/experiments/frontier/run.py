@@ -27,7 +27,6 @@ new LR loses none of them, and report.md lists them beside the chosen row.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import shlex
 import sys
@@ -130,10 +129,9 @@ def parse_lr_factors(values, methods: list[str]) -> dict[str, list[float]]:
 
 
 def point_config(args, point: FrontierPoint, lr: float, seed: int) -> TrainConfig:
-    config = dataclasses.replace(base_config(args, seed), lr=lr, **point.fields())
+    config = base_config(args, seed).replace(lr=lr, **point.fields())
     if point.method == "mtdao":
-        config = dataclasses.replace(
-            config,
+        config = config.replace(
             betas=tuple(args.betas) if args.betas else None,
             omegas=tuple(args.omegas) if args.omegas else None,
         )
@@ -176,7 +174,7 @@ class Study:
         runs = [(name, config) for name, config in runs if name not in self.results]
         if self.earlier:
             for name, config in runs:
-                earlier = self.earlier.get((tuple(changed_flags(config)), config.seed))
+                earlier = self.earlier.get((tuple(changed_flags(config)), config.training.seed))
                 if earlier is not None and load_results(run_dir_of(self.out, name)) is None:
                     self.results[name] = earlier
                     self.reused.add(name)

@@ -85,7 +85,7 @@ def run_specs(args: argparse.Namespace) -> list[RunSpec]:
     for name, flags in args.variant:
         if any(spec.name == name for spec in specs):
             raise ValueError(f"--variant {name}: the name is taken")
-        method = parse_train_flags(shlex.split(flags)).method
+        method = parse_train_flags(shlex.split(flags)).sync.method
         spec = RunSpec(name, method, flags)
         train_argv(spec, args, Path("unused"))  # refuses bad flags in one line, now
         specs.append(spec)
@@ -117,7 +117,7 @@ def train_argv(spec: RunSpec, args: argparse.Namespace, run_dir: Path) -> list[s
 
 def base_config(method: str, args: argparse.Namespace, run_dir: Path) -> TrainConfig:
     multi_timescale = method in MULTI_TIMESCALE_METHODS
-    return TrainConfig(
+    return TrainConfig.of(
         method=method,
         workers=args.workers,
         steps=args.steps if method in GRADIENT_AVERAGING_METHODS else local_steps(args),

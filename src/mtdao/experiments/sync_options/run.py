@@ -14,7 +14,6 @@ Output in ``--out``: runs/, results.json, report.md, options.png. The numbers ar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import sys
@@ -78,8 +77,7 @@ def option_runs(args: argparse.Namespace) -> list[tuple[str, TrainConfig]]:
             if OPTIONS[option].get("sync_delay", 0) >= shortest:
                 continue
             for seed in args.seeds:
-                config = dataclasses.replace(
-                    base_config(args, seed),
+                config = base_config(args, seed).replace(
                     method="mtdao",
                     sync_period=args.sync_period,
                     state_sync_period=state_period,

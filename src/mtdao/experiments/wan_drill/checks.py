@@ -92,7 +92,7 @@ def _rounds_keep_local_progress(record: dict[str, Any]) -> bool:
     from mtdao.train.command import config_from_argv
 
     config = config_from_argv(list(record.get("scenario", {}).get("replica_flags", [])))
-    return config.sync_delay > 0 or config.sync_fragments > 1
+    return config.sync.sync_delay > 0 or config.sync.sync_fragments > 1
 
 
 def metrics_gaps(replica: dict[str, Any], log_every: int) -> list[str]:

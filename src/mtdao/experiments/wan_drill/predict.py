@@ -64,7 +64,9 @@ def frontier_settings(frontier: Mapping[str, Any]) -> dict[str, LocalSetting]:
     if not ddp:
         raise ValueError("the frontier has no DDP point to measure bytes per parameter against")
     ddp_loss = ddp[0]["final_val_loss_mean"]
-    bytes_per_parameter = ddp[0]["bytes_per_worker"] / (config_from_argv(ddp[0]["argv"]).steps * 4)
+    bytes_per_parameter = ddp[0]["bytes_per_worker"] / (
+        config_from_argv(ddp[0]["argv"]).training.steps * 4
+    )
     settings = {}
     for method in FP32_SETTINGS:
         own = [p for p in points if p["method"] == method]
@@ -77,8 +79,8 @@ def frontier_settings(frontier: Mapping[str, Any]) -> dict[str, LocalSetting]:
         config = config_from_argv(chosen["argv"])
         settings[method] = LocalSetting(
             method,
-            config.sync_period,
-            chosen["bytes_per_worker"] / (bytes_per_parameter * config.steps),
+            config.sync.sync_period,
+            chosen["bytes_per_worker"] / (bytes_per_parameter * config.training.steps),
             _described(chosen["argv"]),
             chosen["final_val_loss_mean"] / ddp_loss - 1,
         )

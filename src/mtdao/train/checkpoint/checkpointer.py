@@ -30,7 +30,9 @@ class Checkpointer:
     files otherwise. Every process of the run calls every method together."""
 
     def __init__(self, config: TrainConfig, process: ProcessInfo, device: torch.device) -> None:
-        self.format = (DcpFormat if config.shards > 1 else PlainFormat)(config, process, device)
+        self.format = (DcpFormat if config.parallel.shards > 1 else PlainFormat)(
+            config, process, device
+        )
 
     @property
     def store(self) -> CheckpointStore:
@@ -50,7 +52,7 @@ class Checkpointer:
         stops with one line naming the step, the tensor and the last finite checkpoint, which
         stays on disk.
         """
-        if run.config.on_non_finite == "skip":
+        if run.config.sync.on_non_finite == "skip":
             run.sync.heal_non_finite_workers()
         meta = {"config": run.config.to_dict()}
         return self.store.save(run.step, self.format.state(run), meta)

@@ -69,7 +69,7 @@ class RunState:
         """The key of this process's worker in the DCP state dict: under it each worker saves its
         own copy (DCP would otherwise take the workers for replicas of one tensor and keep one of
         them, while between syncs, and for states never averaged, their values differ)."""
-        return f"worker{worker_of(self.run.process, self.run.config.shards)}"
+        return f"worker{worker_of(self.run.process, self.run.config.parallel.shards)}"
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"sharded": DCP state dict, "worker": the worker file}``: the trained part's tensors

@@ -35,11 +35,11 @@ class DcpFormat:
     def __init__(self, config: TrainConfig, process: ProcessInfo, device: torch.device) -> None:
         # every process agrees over the default process group (on NCCL through ``device``)
         self.store = ShardedCheckpointStore(
-            Path(config.out),
+            Path(config.job.out),
             rank=process.rank,
             workers=launched_workers(config),  # a fault-tolerant replica: its own run directory
-            shards=config.shards,
-            keep=config.keep_checkpoints,
+            shards=config.parallel.shards,
+            keep=config.checkpoint.keep_checkpoints,
             collective=ProcessGroupCollective(device=device if device.type == "cuda" else None),
         )
 

@@ -34,10 +34,10 @@ class PlainFormat:
         if process.distributed:  # the processes agree through the process group
             collective = ProcessGroupCollective(device=device if device.type == "cuda" else None)
         self.store = CheckpointStore(
-            Path(config.out),
+            Path(config.job.out),
             rank=process.rank,
             world_size=process.world_size,
-            keep=config.keep_checkpoints,
+            keep=config.checkpoint.keep_checkpoints,
             collective=collective,
         )
 

@@ -34,19 +34,15 @@ import torch
 from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.sync.engine import NonFiniteError
 from mtdao.train import trainer
-from mtdao.train.config import TrainConfig
+from mtdao.train.config import TrainConfig, marked
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.loop_hooks import LoopHooks
 from mtdao.train.metrics import write_json
 from mtdao.train.setup import Run, build_run
 
-# Settings that may differ between the replicas of one run; every other field must match the
-# quorum's, or the replica is refused when it first heals.
-REPLICA_FIELDS = frozenset(
-    {"replica_id", "lighthouse", "out", "resume", "progress", "log_every", "eval_every"}
-    | {"eval_tokens", "checkpoint_every", "device", "connect_timeout", "quorum_timeout"}
-    | {"collective_timeout", "bind_host", "auth_token_file"}
-)
+# Settings that may differ between the replicas of one run (marked replica_local on the field);
+# every other must match the quorum's, or the replica is refused when it first heals.
+REPLICA_FIELDS = marked("replica_local")
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
 
@@ -90,7 +86,7 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
     results["simulated"] = False
     results["fault_tolerance"] = driver.summary()
     if driver.is_main:
-        write_json(Path(config.out) / "results.json", results)
+        write_json(Path(config.job.out) / "results.json", results)
     return results
 
 
@@ -111,27 +107,28 @@ class ReplicaDriver(LoopHooks):
         """The replica's first process: it speaks, and writes the replica's records."""
 
     def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
+        ft = config.fault_tolerance
         self.replicas = self.torchft.fault_tolerant_replica(
-            config.replica_id,
-            config.lighthouse,
-            auth_token_file=config.auth_token_file,
-            bind_host=config.bind_host,
+            ft.replica_id,
+            ft.lighthouse,
+            auth_token_file=ft.auth_token_file,
+            bind_host=ft.bind_host,
             shared_config=shared_config(config),
-            connect_timeout=config.connect_timeout,
-            quorum_timeout=config.quorum_timeout,
-            collective_timeout=config.collective_timeout,
-            allow_non_finite=config.on_non_finite == "skip",
+            connect_timeout=ft.connect_timeout,
+            quorum_timeout=ft.quorum_timeout,
+            collective_timeout=config.parallel.collective_timeout,
+            allow_non_finite=config.sync.on_non_finite == "skip",
         )
         self.replicas.collectives.say = self._say
         self.refusals = self.torchft.RefusalLog()
         self.is_main = process.rank == 0
-        run = build_run(config, process, communicator=self.replicas, worker_index=config.replica_id)
-        self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", config.replica_id, self.is_main)
+        run = build_run(config, process, communicator=self.replicas, worker_index=ft.replica_id)
+        self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", ft.replica_id, self.is_main)
         for observer in OBSERVERS:
             observer.before_connect(run, self.replicas)
         self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
-        self._say(f"serving on {config.bind_host}: {self.replicas.listeners()}")
+        self._say(f"serving on {ft.bind_host}: {self.replicas.listeners()}")
         key = self.replicas.key
         if key.origin != "the run's secret":
             self._say(
@@ -147,7 +144,7 @@ class ReplicaDriver(LoopHooks):
 
     def summary(self) -> dict[str, Any]:
         return {
-            "replica_id": self.config.replica_id,
+            "replica_id": self.config.fault_tolerance.replica_id,
             "replicas_at_end": list(self.replicas.replicas) if self.replicas else [],
             "quorums": self.quorums,
             "heals": self.heals,
@@ -157,10 +154,10 @@ class ReplicaDriver(LoopHooks):
     # -- the training loop's hooks -------------------------------------------------------------
 
     def describe(self, run: Run) -> str:
-        return f"{run.config.method} replica {run.config.replica_id}"
+        return f"{run.config.sync.method} replica {run.config.fault_tolerance.replica_id}"
 
     def tokens_per_step(self, run: Run) -> int:
-        return run.config.batch_size * run.config.seq_len  # this replica's worker
+        return run.config.text.batch_size * run.config.text.seq_len  # this replica's worker
 
     def before_step(self, run: Run) -> None:
         raise_if_asked_to_stop()
@@ -177,10 +174,11 @@ class ReplicaDriver(LoopHooks):
     def check_losses(self, run: Run, worker_losses: torch.Tensor, resumed) -> None:
         """This replica's own loss: with --on-non-finite skip a diverged replica goes on and
         takes the others' average at the next sync."""
-        if bool(torch.isfinite(worker_losses).all()) or run.config.on_non_finite != "raise":
+        if bool(torch.isfinite(worker_losses).all()) or run.config.sync.on_non_finite != "raise":
             return
         raise NonFiniteError(
-            f"training loss is NaN/inf at step {run.step} on replica {run.config.replica_id}; "
+            f"training loss is NaN/inf at step {run.step} on replica "
+            f"{run.config.fault_tolerance.replica_id}; "
             "lower --lr, or pass --on-non-finite skip to leave it out of the next sync (it "
             "then takes the others' average)"
         )
@@ -270,7 +268,7 @@ class ReplicaDriver(LoopHooks):
 
     def _say(self, line: str) -> None:
         if self.is_main:
-            say(self.config.replica_id, line)
+            say(self.config.fault_tolerance.replica_id, line)
 
 
 class ReplicaEvents:
