@@ -8,9 +8,9 @@ says what the *flag* does in ``metadata["off"]`` ("Hide the progress bar."): the
 describes the field, which is the opposite of what its ``--no-`` flag does. A config in sections
 (fields that are dataclasses themselves) gets one flag per setting of each section, under the
 section's title in ``--help``; a setting's name is unique across the sections.
-:func:`argv_from_namespace` is the inverse of any parser's options: the argv that parses back to the same namespace; :func:`dataclass_to_argv`
-applies it to a config, so that whatever launches ``mtdao train`` in a subprocess reproduces a
-config exactly.
+:func:`argv_from_namespace` is the inverse of any parser's options: the argv that parses back to
+the same namespace; :func:`dataclass_to_argv` applies it to a config, so that whatever launches
+``mtdao train`` in a subprocess reproduces a config exactly.
 """
 
 from __future__ import annotations
@@ -123,15 +123,18 @@ def add_dataclass_arguments(
     """One flag per setting of ``cls`` (a section's settings under its title in ``--help``);
     ``describe_default(name)`` explains a default of None."""
     groups: dict[Any, Any] = {}
+    docs: dict[type, dict[str, str]] = {}  # per section: its source is read once
+    hints: dict[type, dict[str, Any]] = {}
     for owner, field in leaf_fields(cls):
-        kind, is_tuple = _value_type(typing.get_type_hints(owner)[field.name])
         if owner not in groups:
             groups[owner] = parser if owner is cls else parser.add_argument_group(_title(owner))
+            docs[owner], hints[owner] = field_docs(owner), typing.get_type_hints(owner)
+        kind, is_tuple = _value_type(hints[owner][field.name])
         exclusive = field.metadata.get("exclusive")
         if exclusive and exclusive not in groups:
             groups[exclusive] = groups[owner].add_mutually_exclusive_group()
         target = groups[exclusive] if exclusive else groups[owner]
-        help_text = field_docs(owner).get(field.name, "").replace("%", "%%")
+        help_text = docs[owner].get(field.name, "").replace("%", "%%")
         options: dict[str, Any] = dict(dest=field.name, default=field.default)
         if kind is bool and field.default:
             options["action"] = "store_false"
