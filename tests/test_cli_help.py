@@ -44,14 +44,20 @@ def test_every_negative_switch_says_what_it_turns_off():
     assert {"--no-bf16", "--no-alignment", "--no-progress", "--no-train"} <= set(negative)
 
 
-def test_a_default_on_field_needs_the_help_of_its_switch():
-    @dataclasses.dataclass
-    class Settings:
-        progress: bool = dataclasses.field(default=True, metadata={"flag": "--no-progress"})
-        """Show a progress bar."""
+@dataclasses.dataclass
+class Settings:
+    progress: bool = dataclasses.field(default=True, metadata={"flag": "--no-progress"})
+    """Show a progress bar."""
 
+
+@dataclasses.dataclass
+class SettingsConfig:  # a config is in sections
+    job: Settings = dataclasses.field(default_factory=Settings)
+
+
+def test_a_default_on_field_needs_the_help_of_its_switch():
     with pytest.raises(TypeError, match=r"Settings.progress defaults to True.*metadata\["):
-        add_dataclass_arguments(argparse.ArgumentParser(), Settings)
+        add_dataclass_arguments(argparse.ArgumentParser(), SettingsConfig)
 
 
 def test_the_command_list_matches_each_command():

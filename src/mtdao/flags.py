@@ -1,16 +1,17 @@
-"""Command-line flags generated from a config dataclass, and the one way back from flags to argv.
+"""Command-line flags generated from a config dataclass in sections, and the one way back from
+flags to argv.
 
-:func:`add_dataclass_arguments` gives every field a flag (``--sync-period`` for ``sync_period``);
-the help text is the docstring written under the field, followed by its default. A field's
-``metadata`` may name ``choices``, a switch spelling (``flag``: ``--no-bf16`` for a field that
-defaults to True) and a mutually ``exclusive`` group. A switch that turns a default-on field off
-says what the *flag* does in ``metadata["off"]`` ("Hide the progress bar."): the field's docstring
-describes the field, which is the opposite of what its ``--no-`` flag does. A config in sections
-(fields that are dataclasses themselves) gets one flag per setting of each section, under the
-section's title in ``--help``; a setting's name is unique across the sections.
-:func:`argv_from_namespace` is the inverse of any parser's options: the argv that parses back to
-the same namespace; :func:`dataclass_to_argv` applies it to a config, so that whatever launches
-``mtdao train`` in a subprocess reproduces a config exactly.
+A config's fields are its sections, each a dataclass of settings; a setting's name is unique
+across the sections. :func:`add_dataclass_arguments` gives every setting a flag
+(``--sync-period`` for ``sync_period``), under its section's title in ``--help``; the help text
+is the docstring written under the field, followed by its default. A field's ``metadata`` may
+name ``choices``, a switch spelling (``flag``: ``--no-bf16`` for a field that defaults to True)
+and a mutually ``exclusive`` group. A switch that turns a default-on field off says what the
+*flag* does in ``metadata["off"]`` ("Hide the progress bar."): the field's docstring describes
+the field, which is the opposite of what its ``--no-`` flag does. :func:`argv_from_namespace` is
+the inverse of any parser's options: the argv that parses back to the same namespace;
+:func:`dataclass_to_argv` applies it to a config, so that whatever launches ``mtdao train`` in a
+subprocess reproduces a config exactly.
 """
 
 from __future__ import annotations
@@ -40,49 +41,36 @@ def switch_off(flag: str, off: str, **metadata: Any) -> Any:
     return dataclasses.field(default=True, metadata={"flag": flag, "off": off, **metadata})
 
 
-def sections(cls: type) -> list[dataclasses.Field]:
-    """The fields of ``cls`` that are config dataclasses themselves (a config in sections)."""
+def sections(cls: type) -> list[tuple[str, type]]:
+    """(name, class) of each section of a config in sections: its fields, each a dataclass."""
     hints = typing.get_type_hints(cls)
-    return [f for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])]
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
 
 
 def leaf_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
-    """(the class that declares it, field) for every setting of ``cls``, in its sections' order
-    when it has sections: one flag each."""
-    hints = typing.get_type_hints(cls)
-    parts = sections(cls)
-    if not parts:
-        return [(cls, f) for f in dataclasses.fields(cls)]
-    return [(hints[part.name], f) for part in parts for f in dataclasses.fields(hints[part.name])]
+    """(the section class that declares it, field) for every setting of ``cls``, in the
+    sections' order: one flag each."""
+    return [(part, f) for _, part in sections(cls) for f in dataclasses.fields(part)]
 
 
 def flat_values(config: Any) -> dict[str, Any]:
     """Every setting of ``config`` by its field name, across its sections."""
-    parts = sections(type(config))
-    if not parts:
-        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    return {
-        f.name: getattr(getattr(config, part.name), f.name)
-        for part in parts
-        for f in dataclasses.fields(getattr(config, part.name))
-    }
+    parts = [getattr(config, name) for name, _ in sections(type(config))]
+    return {f.name: getattr(part, f.name) for part in parts for f in dataclasses.fields(part)}
 
 
 def from_flat(cls: type, values: dict[str, Any]):
     """The ``cls`` holding ``values`` (setting name -> value; the others keep their defaults);
     a TypeError names a setting ``cls`` does not have."""
     parts = sections(cls)
-    if not parts:
-        return cls(**values)
-    hints = typing.get_type_hints(cls)
-    owner = {f.name: part.name for part in parts for f in dataclasses.fields(hints[part.name])}
+    owner = {f.name: name for name, part in parts for f in dataclasses.fields(part)}
     unknown = sorted(set(values) - set(owner))
     if unknown:
         raise TypeError(f"{cls.__name__} has no setting(s) {unknown}")
-    grouped: dict[str, dict[str, Any]] = {part.name: {} for part in parts}
+    grouped: dict[str, dict[str, Any]] = {name: {} for name, _ in parts}
     for name, value in values.items():
         grouped[owner[name]][name] = value
-    return cls(**{part.name: hints[part.name](**grouped[part.name]) for part in parts})
+    return cls(**{name: part(**grouped[name]) for name, part in parts})
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -127,7 +115,7 @@ def add_dataclass_arguments(
     hints: dict[type, dict[str, Any]] = {}
     for owner, field in leaf_fields(cls):
         if owner not in groups:
-            groups[owner] = parser if owner is cls else parser.add_argument_group(_title(owner))
+            groups[owner] = parser.add_argument_group(_title(owner))
             docs[owner], hints[owner] = field_docs(owner), typing.get_type_hints(owner)
         kind, is_tuple = _value_type(hints[owner][field.name])
         exclusive = field.metadata.get("exclusive")
