@@ -18,7 +18,8 @@ def build_optimizer(
     param_groups: Iterable, config: Any, lr: float, weight_decay: float = 0.0
 ) -> Optimizer:
     """The optimizer ``config.optimizer`` names, with the ``betas``, ``omegas``, ``beta2`` and
-    ``eps`` of ``config`` (a resolved :class:`mtdao.sync.config.SyncConfig`), the peak ``lr`` and the ``weight_decay`` of groups that do not set their own."""
+    ``eps`` of ``config`` (a resolved :class:`mtdao.sync.config.SyncConfig`), the peak ``lr``
+    and the ``weight_decay`` of groups that do not set their own."""
     common = dict(lr=lr, betas=config.betas, omegas=config.omegas, weight_decay=weight_decay)
     if config.optimizer == "adam":
         return MTAdam(param_groups, beta2=config.beta2, eps=config.eps, **common)

@@ -40,9 +40,10 @@ def check_config(config: Any) -> None:
             f"--eval-tokens {config.text.eval_tokens} is less than one window of --seq-len "
             f"{config.text.seq_len}: raise --eval-tokens or lower --seq-len"
         )
-    if config.text.batch_size % config.parallel.shards != 0:
+    batch_size, shards = config.text.batch_size, config.parallel.shards
+    if batch_size % shards != 0:
         raise ValueError(
-            f"--batch-size {config.text.batch_size} does not split over --shards {config.parallel.shards} "
+            f"--batch-size {batch_size} does not split over --shards {shards} "
             "(each process of a worker takes batch-size / shards of its sequences)"
         )
     for name in ("steps", "tokens", "eval_every", "checkpoint_every"):
@@ -121,18 +122,18 @@ SHORTEST_MEASURED_RUN = 300
 
 def config_warnings(config: Any) -> list[str]:
     """Settings of a resolved ``config`` that are allowed but probably not what was meant."""
-    found = []
+    found, sync = [], config.sync
     steps = config.total_steps()
-    if not METHOD_TABLE[config.sync.method].averages_gradients and config.sync.sync_period > steps:
+    if not METHOD_TABLE[sync.method].averages_gradients and sync.sync_period > steps:
         found.append(
-            f"--sync-period {config.sync.sync_period} is larger than --steps {steps}: the workers never "
+            f"--sync-period {sync.sync_period} is larger than --steps {steps}: the workers never "
             "average their parameters in this run (evaluation still averages them)"
         )
-    slowest = max(config.sync.betas or (0.0,))
-    ramped = config.sync.beta_ramp and slowest > BETA_WARMUP_START
-    ramped_at = round(config.sync.beta_ramp / (1 - slowest)) if ramped else 0
+    slowest = max(sync.betas or (0.0,))
+    ramped = sync.beta_ramp and slowest > BETA_WARMUP_START
+    ramped_at = round(sync.beta_ramp / (1 - slowest)) if ramped else 0
     if steps < ramped_at:  # the run ends while its slow momentum is still ramping up
-        final = step_capped_beta(slowest, steps, config.sync.beta_ramp)
+        final = step_capped_beta(slowest, steps, sync.beta_ramp)
         measured = (
             f"shorter than any run MT-DAO's default was measured at ({SHORTEST_MEASURED_RUN} "
             "steps and up)"
@@ -146,9 +147,9 @@ def config_warnings(config: Any) -> list[str]:
             f"momentum is still ramping up and ends this run at decay {final:.3f} (target "
             f"{slowest:g} from step {ramped_at})"
         )
-    if config.sync.state_sync_period is not None and config.sync.state_sync_period > steps:
+    if sync.state_sync_period is not None and sync.state_sync_period > steps:
         found.append(
-            f"--state-sync-period {config.sync.state_sync_period} is larger than --steps {steps}: the "
+            f"--state-sync-period {sync.state_sync_period} is larger than --steps {steps}: the "
             "optimizer states are never averaged in this run"
         )
     return found
