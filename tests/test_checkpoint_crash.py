@@ -29,12 +29,15 @@ import time
 
 import pytest
 import torch
+from wait_limits import limit_s
 
 from mtdao.train import durable
 from mtdao.train.checkpoint import store as ckpt
 from mtdao.train.checkpoint.store import CheckpointStore
 
 FILE_OPERATIONS = ("replace", "rename", "mkdir", "fsync", "unlink", "rmdir")
+# a child process: one start's work at most (a forked one imports nothing, then saves once)
+CHILD_S = limit_s(starts=1)
 
 
 class Injector:
@@ -196,7 +199,7 @@ def crash_in_child(run_dir, keep: int, crash_at: int) -> int:
         except BaseException:
             code = 4
         os._exit(code)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + CHILD_S
     try:
         while time.monotonic() < deadline:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -265,7 +268,7 @@ gc.collect()
 print("still running")
 """
     child = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=CHILD_S
     )
     assert child.returncode == 0 and "still running" in child.stdout, child.stderr
     assert not (tmp_path / "state.pt").exists()

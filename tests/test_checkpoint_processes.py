@@ -12,6 +12,11 @@ import sys
 import textwrap
 
 import pytest
+from wait_limits import limit_s
+
+# both ranks start at once, then save and load a few small checkpoints
+RANKS_S = limit_s(starts=1, processes=2)
+KILLED_S = 10  # a SIGKILLed process ends at once: this only stops a hang
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -69,12 +74,12 @@ def test_two_processes_agree_on_fallback_and_on_refusal(tmp_path):
         for rank in range(2)
     ]
     try:
-        outputs = [process.communicate(timeout=60) for process in ranks]
+        outputs = [process.communicate(timeout=RANKS_S) for process in ranks]
     finally:
         for process in ranks:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
+                process.wait(timeout=KILLED_S)
     for process, (_, err) in zip(ranks, outputs):
         assert process.returncode == 0, err
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]

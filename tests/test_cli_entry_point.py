@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+from wait_limits import limit_s
+
+TIMEOUT_S = limit_s(starts=1)  # the program's start (it fails before any work)
+
 # The command fails (exit 2) before any process group is needed; the atexit line shows whether
 # the interpreter was torn down.
 PROGRAM = """
@@ -31,7 +35,7 @@ def run_program(*argv: str, **environment: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=TIMEOUT_S,
     )
 
 

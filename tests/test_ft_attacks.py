@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from grpc_calls import KILL, grpc_call, headers_frames, kill_request
+from wait_limits import limit_s
 
 from mtdao.testing.fault_drill import Drill
 
@@ -36,7 +37,10 @@ FLAGS = dict(model="micro", batch_size=2, seq_len=16, eval_tokens=256, sync_peri
 # connect: gloo pairs of a busy 2-core machine take seconds to form; a shorter limit splits the
 # first quorum
 TIMEOUTS = ["--collective-timeout", "20", "--connect-timeout", "10", "--quorum-timeout", "60"]
-EXIT_TIMEOUT_S = 150.0
+# No wait here sits out a timeout: the strangers are refused, no replica dies. A wait counts a
+# start (wait_limits) when it takes in a launch or, after the last step, an evaluation, a
+# checkpoint and the exit.
+ROGUE_UP_S = limit_s()  # the rogue's start: torch, torchft and a manager
 
 
 def flags(corpus, workers: int, steps: int) -> list[str]:
@@ -55,17 +59,20 @@ def test_a_rogue_peer_runs_no_code_and_a_peer_with_another_secret_is_refused(cor
     """The lighthouse (given the run's secret) refuses both before they reach a quorum: the
     rogue's heartbeats and quorum requests carry no claim (it never gets a quorum), the
     outsider's claim is signed with another secret, which it is told in one line."""
-    marker = tmp_path / "payload-ran"
-    with Drill(tmp_path / "drill", flags(corpus_dir, 3, 12), join_timeout=10.0) as drill:
+    marker, steps = tmp_path / "payload-ran", 12
+    run_s = limit_s(steps=steps, processes=3)  # r0, r1 and the outsider; the rogue counts little
+    with Drill(tmp_path / "drill", flags(corpus_dir, 3, steps), join_timeout=10.0) as drill:
         drill.env[TOKEN_ENV] = SECRET
         drill.start_lighthouse(min_replicas=2)
         drill._spawn("rogue", [sys.executable, str(ROGUE), drill.lighthouse, str(marker), "7"])
-        drill.wait_for(lambda: "registered" in drill.log("rogue"), 60, "the rogue to register")
+        drill.wait_for(
+            lambda: "registered" in drill.log("rogue"), ROGUE_UP_S, "the rogue to register"
+        )
         drill.start("r0", 0)
         drill.start("r1", 1)
         drill.env[TOKEN_ENV] = "another-secret-than-the-runs-0123"
         drill.start("outsider", 2)
-        exits = {name: drill.wait_exit(name, EXIT_TIMEOUT_S) for name in ("r0", "r1", "outsider")}
+        exits = {name: drill.wait_exit(name, run_s) for name in ("r0", "r1", "outsider")}
         assert not marker.exists(), f"the rogue's payload ran\n{drill.tails()}"
         assert exits == {"r0": 0, "r1": 0, "outsider": 2}, drill.tails()
         lighthouse = drill.log("lighthouse")
@@ -85,13 +92,14 @@ def test_a_replica_at_another_step_sits_the_round_out_and_heals(corpus_dir, tmp_
     """r2 goes back to its state after the round at step 4 once it has committed the round at
     8: its commit count matches the others', its step is 4 behind."""
     steps = 6 * K
+    run_s = limit_s(steps=steps + K, processes=3)  # r2 takes K steps twice; the others wait for it
     with Drill(tmp_path / "drill", flags(corpus_dir, 3, steps), join_timeout=20.0) as drill:
         drill.start_lighthouse(min_replicas=3)
         (drill.root / "r2.rewind").write_text(f"{K} {2 * K}")
         for replica in range(3):
             drill.start(f"r{replica}", replica)
         for name in ("r0", "r1"):
-            assert drill.wait_exit(name, EXIT_TIMEOUT_S) == 0, drill.tails()
+            assert drill.wait_exit(name, run_s) == 0, drill.tails()
         assert "rewound to step 4" in drill.log("r2"), drill.tails()
         # every round r2 took part in, it took at the step the others took it at
         steps_of_r2 = [e["step"] for e in committed(drill, "r2")]
@@ -99,7 +107,7 @@ def test_a_replica_at_another_step_sits_the_round_out_and_heals(corpus_dir, tmp_
             if 2 in event["replicas"]:
                 assert event["step"] in steps_of_r2, (event, steps_of_r2, drill.tails())
         assert steps_of_r2 == sorted(set(steps_of_r2)), steps_of_r2  # no step committed twice
-        assert drill.wait_exit("r2", EXIT_TIMEOUT_S) == 0, drill.tails()
+        assert drill.wait_exit("r2", run_s) == 0, drill.tails()
         assert "sitting this round out (it is at step" in drill.log("r2"), drill.tails()
         assert any(e.get("heal") for e in drill.events("r2", "quorum")[1:]), drill.tails()
         finals = {drill.rounds(f"r{r}")[steps] for r in range(3)}
@@ -121,7 +129,9 @@ def test_a_stranger_cannot_stop_a_replica_through_its_manager_port(corpus_dir, t
         drill.start("r0", 0)
         drill.start("r1", 1)
         at_gate = lambda: all(drill.status(n) == ("waiting", K) for n in ("r0", "r1"))  # noqa: E731
-        drill.wait_for(at_gate, EXIT_TIMEOUT_S, "both replicas after their first round")
+        drill.wait_for(
+            at_gate, limit_s(steps=K, processes=2), "both replicas after their first round"
+        )
         for name in ("r0", "r1"):
             answer = grpc_call(manager_address(drill.log(name)), KILL, kill_request())
             assert headers_frames(answer) == 0, answer  # no gRPC answer: the call was refused
@@ -129,7 +139,7 @@ def test_a_stranger_cannot_stop_a_replica_through_its_manager_port(corpus_dir, t
         assert drill.returncode("r0") is None and drill.returncode("r1") is None, drill.tails()
         drill.gate(None)
         for name in ("r0", "r1"):
-            assert drill.wait_exit(name, EXIT_TIMEOUT_S) == 0, drill.tails()
+            assert drill.wait_exit(name, limit_s(steps=steps - K, processes=2)) == 0, drill.tails()
             refusal = f"manager's front: refused a call of {KILL} from 127.0.0.1:"
             assert refusal in drill.log(name), drill.tails()
         assert drill.rounds("r0") == drill.rounds("r1") and steps in drill.rounds("r0")

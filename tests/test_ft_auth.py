@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from dict_store import DictStore
+from wait_limits import limit_s
 
 from mtdao.sync import (
     LocalUpdateSync,
@@ -150,8 +151,9 @@ def test_members_that_prove_different_sets_form_separate_groups():
     each other only, the third over itself (members that prove different sets meet under
     different rendezvous keys: with one they overwrote each other's gloo addresses)."""
     script = Path(__file__).with_name("membership_members.py")
+    limit = limit_s()  # one process's start: its members are threads, taking no step
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=limit
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.splitlines()[-1]) == {"0": 3.0, "1": 3.0, "2": 10.0}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from wait_limits import limit_s
 
 from mtdao import MTAdam
 from mtdao.sync import (
@@ -33,7 +34,7 @@ torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 D_IN, D_OUT = 4, 3
-THREAD_TIMEOUT_S = 60.0
+TIMEOUTS = dict(connect_timeout=5, quorum_timeout=30, collective_timeout=10)  # each replica's
 
 
 def initial(replica: int) -> list[torch.Tensor]:
@@ -74,9 +75,7 @@ class Replica:
         self.replica_id, self.steps = replica_id, steps
         self.params = [torch.nn.Parameter(t) for t in initial(replica_id)]
         self.optimizer = optimizer_for(self.params)
-        settings = torchft.ReplicaSettings(
-            replica_id, address, connect_timeout=5, quorum_timeout=30, collective_timeout=10
-        )
+        settings = torchft.ReplicaSettings(replica_id, address, **TIMEOUTS)
         self.communicator = torchft.ReplicaGroups(settings)
         self.sync = LocalUpdateSync(self.optimizer, policy, self.communicator, **engine)
         self.rounds: dict[int, dict] = {}  # step -> the whole state after that committed round
@@ -144,9 +143,19 @@ def assert_same(a, b, where: str = "state") -> None:
         assert a == b, where
 
 
+def threads_limit_s(replicas: list[Replica], delays: dict[int, float] | None = None) -> float:
+    """How long replica threads take to their end (wait_limits): no process starts; their steps,
+    all at once, after the longest delay; and what one may wait on a peer before it fails and
+    says so, its connect, quorum and collective timeouts."""
+    steps = max(replica.steps for replica in replicas)
+    waits = max((delays or {}).values(), default=0.0) + sum(TIMEOUTS.values())
+    return limit_s(starts=0, steps=steps, processes=len(replicas), sat_out_s=waits)
+
+
 def run_threads(replicas: list[Replica], delays: dict[int, float] | None = None) -> None:
     """Run every replica to its end in daemon threads (a hung one cannot outlive the test);
     ``delays`` by position in ``replicas``."""
+    limit = threads_limit_s(replicas, delays)
     delays = delays or {}
 
     def target(index: int, replica: Replica) -> None:
@@ -158,7 +167,7 @@ def run_threads(replicas: list[Replica], delays: dict[int, float] | None = None)
     ]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + THREAD_TIMEOUT_S
+    deadline = time.monotonic() + limit
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     assert not any(thread.is_alive() for thread in threads), "a replica thread did not finish"
@@ -256,7 +265,10 @@ def gloo_rank_runs() -> dict[str, list[torch.Tensor]]:
 @pytest.fixture(scope="module")
 def gloo_runs(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("gloo-options")
-    return run_on_gloo(gloo_rank_runs, 3, root, preload=[__name__], timeout_s=THREAD_TIMEOUT_S)
+    # a fork server's start, then its ranks each run every policy, all at once
+    steps = OPTION_STEPS * len(OPTION_POLICIES)
+    limit = limit_s(steps=steps, processes=3)
+    return run_on_gloo(gloo_rank_runs, 3, root, preload=[__name__], timeout_s=limit)
 
 
 @pytest.mark.parametrize("lighthouse", [3], indirect=True)
@@ -292,18 +304,19 @@ def run_with_a_late_joiner(replicas: list[Replica]) -> Replica:
     slowly the machine runs them. Returns the late one."""
     started = threading.Event()
     others_waiting = threading.Semaphore(0)
+    limit = threads_limit_s(replicas)  # each wait below waits for a part of the run
 
     def wait_for_the_late_one(replica: Replica) -> None:
         if replica.sync.step_count == 10:
             others_waiting.release()
-            assert started.wait(THREAD_TIMEOUT_S)
+            assert started.wait(limit)
 
     late = replicas[-1]
     run_late = late.run
 
     def run_once_the_others_wait() -> None:
         for _ in replicas[:-1]:
-            if not others_waiting.acquire(timeout=THREAD_TIMEOUT_S):
+            if not others_waiting.acquire(timeout=limit):
                 late.error = TimeoutError("the other replicas never reached step 10")
                 return
         run_late()
@@ -405,9 +418,11 @@ def test_a_second_replica_with_a_taken_id_is_refused(lighthouse):
     first = Replica(0, lighthouse, unified(2), steps=30)
     second = Replica(0, lighthouse, unified(2), steps=30)
     ready = threading.Event()
+    delays = {1: 1.0}
+    limit = threads_limit_s([first, second], delays)  # the second's start: a part of the run
     second.before_step = lambda replica: ready.set()
-    first.before_step = lambda replica: replica.sync.step_count == 6 and ready.wait(30)
-    run_threads([first, second], delays={1: 1.0})
+    first.before_step = lambda replica: replica.sync.step_count == 6 and ready.wait(limit)
+    run_threads([first, second], delays=delays)
     assert first.error is None, repr(first.error)
     assert isinstance(second.error, torchft.ReplicaRefused)
     assert "replica id 0 is already taken in the quorum (replicas 0, 0)" in str(second.error)

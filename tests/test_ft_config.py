@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from wait_limits import limit_s
 
 import mtdao.sync
 from mtdao.cli import build_parser, main
@@ -137,6 +138,7 @@ def test_without_torchft_the_error_says_how_to_install_it(monkeypatch, tmp_path,
 
 @pytest.mark.slow
 def test_plain_runs_do_not_import_torchft(corpus_dir, tmp_path):
+    steps, workers = 2, 2
     script = textwrap.dedent(
         f"""
         import contextlib, io, sys
@@ -144,14 +146,15 @@ def test_plain_runs_do_not_import_torchft(corpus_dir, tmp_path):
         for argv in (["--help"], ["train", "--help"], ["lighthouse", "--help"]):
             with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
                 main(argv)
-        flags = ["--model", "micro", "--steps", "2", "--workers", "2", "--batch-size", "2",
-                 "--seq-len", "16", "--eval-tokens", "64", "--no-progress"]
+        flags = ["--model", "micro", "--steps", "{steps}", "--workers", "{workers}",
+                 "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "64", "--no-progress"]
         assert main(["train", *flags, "--data", {str(corpus_dir)!r}, "--out", {str(tmp_path)!r}]) == 0
         assert "torchft" not in sys.modules, "torchft was imported"
         """
     )
+    limit = limit_s(steps=steps * workers)  # one process, its workers simulated in it
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=limit
     )
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_ft_communicator import assert_same
+from wait_limits import limit_s
 
 from mtdao.testing.fault_drill import Drill
 from mtdao.train.command import config_to_argv
@@ -31,7 +32,9 @@ STEPS = 16
 FLAGS = dict(workers=2, model="micro", steps=STEPS, sync_period=4, batch_size=2, seq_len=32)
 FLAGS.update(eval_every=8, eval_tokens=512, log_every=4, device="cpu", progress=False)
 FLAGS.update(sync_delay=2, sync_fragments=2, sync_dtype=("int8",), error_feedback=True)
-TIMEOUT_S = 300.0
+PROCESSES = 2 * FLAGS["workers"]  # the replicas and torchrun's workers, at once
+REPLICA_LIMIT_S = limit_s(steps=STEPS, processes=PROCESSES)  # launch to exit
+TORCHRUN_LIMIT_S = limit_s(starts=2, steps=STEPS, processes=PROCESSES)  # torchrun, then workers
 
 
 def final_state(run_dir: Path, rank: int) -> dict:
@@ -51,10 +54,10 @@ def train_both(corpus_dir, root: Path, final_round: bool) -> dict[str, list[dict
         drill.start_lighthouse(min_replicas=2)
         for replica in range(2):
             drill.start(f"r{replica}", replica)
-        exits = [drill.wait_exit(f"r{replica}", TIMEOUT_S) for replica in range(2)]
+        exits = [drill.wait_exit(f"r{replica}", REPLICA_LIMIT_S) for replica in range(2)]
         assert exits == [0, 0], drill.tails()
         drill.stop("lighthouse")
-    output, _ = job.communicate(timeout=TIMEOUT_S)
+    output, _ = job.communicate(timeout=TORCHRUN_LIMIT_S)
     assert job.returncode == 0, output.decode()[-4000:]
     return {
         "torchrun": [final_state(root / "torchrun", rank) for rank in range(2)],

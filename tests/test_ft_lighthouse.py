@@ -26,8 +26,10 @@ from pathlib import Path
 
 import pytest
 from grpc_calls import headers_frames, http2_request
+from wait_limits import limit_s
 
-from mtdao.testing.fault_drill import Drill
+from mtdao.sync.torchft.connection import WATCH_EVERY_S, WATCH_GRACE_S, WATCH_MISSES
+from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S, Drill
 
 pytest.importorskip("torchft")
 
@@ -35,9 +37,16 @@ pytestmark = pytest.mark.slow
 
 K = 4
 FLAGS = dict(model="micro", batch_size=2, seq_len=16, eval_tokens=256, sync_period=K, workers=2)
-TIMEOUTS = ["--collective-timeout", "10", "--connect-timeout", "3", "--quorum-timeout", "60"]
-PHASE_TIMEOUT_S = 90.0
+CONNECT_S = 3
+TIMEOUTS = ["--collective-timeout", "10", "--connect-timeout", str(CONNECT_S)]
+TIMEOUTS += ["--quorum-timeout", "60"]
 LIGHTHOUSE_AWAY_S = 10.0  # the shortest outage the issue reproduced
+# A replica's quorum gives a dead lighthouse up after a grace and WATCH_MISSES probes a second
+# apart, each failing within the connect timeout (at once on loopback)
+LIGHTHOUSE_GIVE_UP_S = WATCH_GRACE_S + WATCH_MISSES * (WATCH_EVERY_S + CONNECT_S)
+REQUEST_S = 10  # the lighthouse on loopback answers in milliseconds: longer is a hang
+# A wait counts a start (wait_limits) when it takes in a launch or, after the last step, an
+# evaluation, a checkpoint and the exit. A lighthouse that is gone refuses connections at once.
 
 
 def flags(corpus, steps: int) -> list[str]:
@@ -86,11 +95,12 @@ def test_every_listener_is_on_the_bind_host_and_is_printed(corpus_dir, tmp_path)
         drill.start("r0", 0, ["--bind-host", "127.0.0.2"])
         drill.start("r1", 1, ["--bind-host", "127.0.0.3"])
         ready = lambda: all(drill.status(n) == ("waiting", K) for n in ("r0", "r1"))  # noqa: E731
-        drill.wait_for(ready, PHASE_TIMEOUT_S, "both replicas after their first round")
+        first_round_s = limit_s(steps=K, processes=2)
+        drill.wait_for(ready, first_round_s, "both replicas after their first round")
         seen = {name: listening(drill.processes[name].pid) for name in ("lighthouse", "r0", "r1")}
         drill.gate(None)
         for name in ("r0", "r1"):
-            assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
+            assert drill.wait_exit(name, limit_s(steps=2 * K, processes=2)) == 0, drill.tails()
     # the lighthouse: its front on the bind host, torchft's own server behind it on loopback
     front = {a for a in seen["lighthouse"] if not a.startswith("127.0.0.1:")}
     assert front == {f"127.0.0.4:{drill.port}"} and len(seen["lighthouse"]) == 2, seen
@@ -117,9 +127,10 @@ def kill_the_lighthouse_when_both_replicas_reach(drill: Drill, step: int) -> Non
     drill.gate(step)
     drill.start("r0", 0)
     drill.start("r1", 1)
-    drill.wait_for(lambda: both_at(drill, step), PHASE_TIMEOUT_S, "both replicas at the gate")
+    at_gate_s = limit_s(steps=step, processes=2)
+    drill.wait_for(lambda: both_at(drill, step), at_gate_s, "both replicas at the gate")
     drill.processes["lighthouse"].send_signal(signal.SIGKILL)
-    drill.processes["lighthouse"].wait(timeout=30)
+    drill.processes["lighthouse"].wait(timeout=EXIT_AFTER_SIGNAL_S)
 
 
 def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir, tmp_path):
@@ -128,16 +139,15 @@ def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir
         kill_the_lighthouse_when_both_replicas_reach(drill, 2 * K)
         away_since = time.time()
         drill.gate(4 * K)  # two rounds without a lighthouse
-        drill.wait_for(
-            lambda: both_at(drill, 4 * K), PHASE_TIMEOUT_S, "both replicas past the outage"
-        )
+        outage_s = limit_s(starts=0, steps=2 * K, processes=2)  # no round waits for it
+        drill.wait_for(lambda: both_at(drill, 4 * K), outage_s, "both replicas past the outage")
         time.sleep(max(0.0, LIGHTHOUSE_AWAY_S - (time.time() - away_since)))
         drill.start_lighthouse(min_replicas=2)  # the same address
         serving = lambda: "serving at" in drill.log("lighthouse")  # noqa: E731
-        drill.wait_for(serving, PHASE_TIMEOUT_S, "the restarted lighthouse")
+        drill.wait_for(serving, limit_s(), "the restarted lighthouse")  # the replicas are held
         drill.gate(None)
-        for name in ("r0", "r1"):
-            assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
+        for name in ("r0", "r1"):  # the rest: a new manager each and the first quorum
+            assert drill.wait_exit(name, limit_s(steps=4 * K, processes=2)) == 0, drill.tails()
         for name in ("r0", "r1"):
             log = drill.log(name)
             assert "unreachable; training on locally until it is back" in log, drill.tails()
@@ -156,18 +166,22 @@ def test_a_quorum_waiting_on_a_lighthouse_that_dies_fails_at_once(corpus_dir, tm
         drill.gate(K)
         drill.start("r0", 0)
         drill.start("r1", 1)
-        drill.wait_for(lambda: both_at(drill, K), PHASE_TIMEOUT_S, "both replicas at the gate")
+        first_round_s = limit_s(steps=K, processes=2)
+        drill.wait_for(lambda: both_at(drill, K), first_round_s, "both replicas at the gate")
         drill.kill("r1")  # r0's next quorum waits for a second replica that never comes
         drill.gate(None)
         at_round = lambda: drill.status("r0")[1] >= 2 * K - 1  # noqa: E731
-        drill.wait_for(at_round, PHASE_TIMEOUT_S, "r0 at its second round's quorum")
+        at_round_s = limit_s(starts=0, steps=K - 1, processes=1)  # r0 alone
+        drill.wait_for(at_round, at_round_s, "r0 at its second round's quorum")
         time.sleep(3.0)  # the quorum is waiting in the lighthouse
         drill.processes["lighthouse"].send_signal(signal.SIGKILL)
-        drill.processes["lighthouse"].wait(timeout=30)
+        drill.processes["lighthouse"].wait(timeout=EXIT_AFTER_SIGNAL_S)
+        # the watch gives the lighthouse up; r0 says so at the step it trains on
+        away_s = limit_s(starts=0, steps=1, processes=1, sat_out_s=LIGHTHOUSE_GIVE_UP_S)
         away = lambda: "unreachable; training on locally" in drill.log("r0")  # noqa: E731
-        waited = drill.wait_for(away, PHASE_TIMEOUT_S, "r0 to give the quorum up")
+        waited = drill.wait_for(away, away_s, "r0 to give the quorum up")
         assert waited < 20.0, drill.tails()  # --quorum-timeout is 60 s
-        assert drill.wait_exit("r0", PHASE_TIMEOUT_S) == 0, drill.tails()
+        assert drill.wait_exit("r0", limit_s(steps=2 * K, processes=1)) == 0, drill.tails()
         assert drill.events("r0", "discarded")[-1]["step"] == steps, drill.tails()
 
 
@@ -182,8 +196,8 @@ def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(
     with Drill(tmp_path / "drill", argv, join_timeout=10.0) as drill:
         kill_the_lighthouse_when_both_replicas_reach(drill, 2 * K)  # gone for the last round
         drill.gate(None)
-        for name in ("r0", "r1"):
-            assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
+        for name in ("r0", "r1"):  # the last K steps, the final round, the end
+            assert drill.wait_exit(name, limit_s(steps=K, processes=2)) == 0, drill.tails()
             assert [e["step"] for e in drill.events(name, "discarded")] == discarded, drill.tails()
             records = [json.loads(line) for line in (drill.root / name / "metrics.jsonl").open()]
             evaluations = [r for r in records if "val_loss" in r]
@@ -199,14 +213,15 @@ def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(cor
         drill.start("r0", 0)
         drill.start("r1", 1)
         running = lambda: all(drill.status(n)[1] > 2 * K for n in ("r0", "r1"))  # noqa: E731
-        drill.wait_for(running, PHASE_TIMEOUT_S, "both replicas past their first rounds")
+        running_s = limit_s(steps=2 * K + 1, processes=2)
+        drill.wait_for(running, running_s, "both replicas past their first rounds")
         url = f"http://{drill.lighthouse}"
         for request in (
             urllib.request.Request(f"{url}/status"),
             urllib.request.Request(f"{url}/replica/0/kill", method="POST"),
         ):
             with pytest.raises(urllib.error.HTTPError, match="403"):
-                urllib.request.urlopen(request, timeout=10)
+                urllib.request.urlopen(request, timeout=REQUEST_S)
         for path in ("/replica/0/kill", "/status", "/"):  # gRPC's protocol, the dashboard's paths
             assert headers_frames(http2_request(drill.lighthouse, "POST", path)) == 0
         time.sleep(1.0)
@@ -214,5 +229,7 @@ def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(cor
         assert drill.stop("r1") == 130, drill.tails()  # SIGTERM: as Ctrl-C, no crash
         assert "mtdao train: interrupted" in drill.log("r1")
         drill.gate(None)
-        assert drill.wait_exit("r0", PHASE_TIMEOUT_S) == 0, drill.tails()
+        # r0's rest alone; its next quorum waits until the lighthouse stops counting r1
+        rest_s = limit_s(steps=40 * K, processes=1, sat_out_s=drill.heartbeat_timeout)
+        assert drill.wait_exit("r0", rest_s) == 0, drill.tails()
         assert "replica 1 left" in drill.log("r0"), drill.tails()

@@ -21,6 +21,8 @@ from mtdao.sync.torchft.proofs import Claim, claim_data, new_nonce  # noqa: E402
 from mtdao.train.fault_tolerance.lighthouse import LIGHTHOUSE_CALLS  # noqa: E402
 
 KEY = RunKey(b"0123456789abcdef0123")
+# a call to the lighthouse in this process answers in milliseconds (a quorum of one forms at once,
+# at worst after the 1 s join timeout): longer is a hang
 TIMEOUT = timedelta(seconds=5)
 
 

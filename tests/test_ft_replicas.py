@@ -14,8 +14,9 @@ import re
 import time
 
 import pytest
+from wait_limits import limit_s
 
-from mtdao.testing.fault_drill import Drill
+from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S, Drill
 from mtdao.testing.ports import unused_port
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig
@@ -25,12 +26,28 @@ pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
 K, STEPS = 4, 96
+FIRST_GATE = 2 * K
 FLAGS = dict(workers=3, model="micro", batch_size=4, seq_len=32, eval_tokens=1024)
 FLAGS.update(steps=STEPS, sync_period=K)
-TIMEOUTS = ["--collective-timeout", "10", "--connect-timeout", "20", "--quorum-timeout", "60"]
+TIMEOUTS_S = dict(collective=10, connect=20, quorum=60)
+TIMEOUTS = [arg for name, s in TIMEOUTS_S.items() for arg in (f"--{name}-timeout", str(s))]
+NOWHERE_CONNECT_S = 3  # the replica with no lighthouse to reach gives up after it
 HEARTBEAT_S = 1.0
 JOIN_PACE_S = 1.0  # the group's rounds, while a joiner's first quorum request is on its way
-PHASE_TIMEOUT_S = 90.0  # a loaded machine starts Python slowly; nothing waits this long normally
+REPLICAS = 3  # training at once, at most (a joiner included)
+# How long each phase may take (wait_limits): a joiner held before it connects ends its start
+# (quorum, heal, first step) once released; the run's end (evaluation, checkpoint) counts a start.
+JOIN_LIMIT_S = limit_s()  # released: to its first quorum request, the others at the gate
+# a round of the group, a joiner's first (the end of its start) among them; a peer killed before
+# it is dropped once the lighthouse misses its heartbeats
+ROUND_LIMIT_S = limit_s(steps=K, processes=REPLICAS, sat_out_s=HEARTBEAT_S)
+IN_ROUND_LIMIT_S = limit_s(starts=0, steps=K, processes=REPLICAS)  # to the next round's all-reduce
+# a peer killed inside the all-reduce: the others' fails (at the latest at the collective
+# timeout), the round after goes on without it once the lighthouse misses its heartbeats
+KILLED_IN_ROUND_LIMIT_S = limit_s(
+    starts=0, steps=K, processes=REPLICAS, sat_out_s=TIMEOUTS_S["collective"] + HEARTBEAT_S
+)
+END_LIMIT_S = limit_s(steps=STEPS, processes=REPLICAS)  # the steps left and the end
 LOSS_BOUND = 0.15  # |final val loss - uninterrupted run|; see BENCHMARKS.md for what it measures
 
 
@@ -45,7 +62,7 @@ class Scenario:
     """Moves the gate one round at a time and records what each phase saw."""
 
     def __init__(self, drill: Drill) -> None:
-        self.drill, self.gate, self.seen = drill, 8, {}
+        self.drill, self.gate, self.seen = drill, FIRST_GATE, {}
 
     def at_gate(self, names) -> bool:
         return all(self.drill.status(n) == ("waiting", self.gate) for n in names)
@@ -61,14 +78,14 @@ class Scenario:
             self.gate += K
             self.drill.gate(self.gate)
             self.drill.wait_for(
-                lambda: done() or self.at_gate(names), PHASE_TIMEOUT_S, f"{names} at {self.gate}"
+                lambda: done() or self.at_gate(names), ROUND_LIMIT_S, f"{names} at {self.gate}"
             )
             if not done():
                 time.sleep(max(0.0, opened + pace - time.monotonic()))
         self.settle(names)
 
-    def settle(self, names) -> None:
-        self.drill.wait_for(lambda: self.at_gate(names), PHASE_TIMEOUT_S, f"{names} at the gate")
+    def settle(self, names, limit: float = ROUND_LIMIT_S) -> None:
+        self.drill.wait_for(lambda: self.at_gate(names), limit, f"{names} at the gate")
 
     def join(self, name: str, group) -> None:
         """Let a held replica connect; run the group until it has committed a round. The gate
@@ -77,7 +94,7 @@ class Scenario:
         machine) is taken in by a later one."""
         drill = self.drill
         drill.release(name)
-        drill.wait_for(lambda: drill.asked_quorum(name), PHASE_TIMEOUT_S, f"{name} to ask to join")
+        drill.wait_for(lambda: drill.asked_quorum(name), JOIN_LIMIT_S, f"{name} to ask to join")
         self.advance(group, lambda: bool(drill.rounds(name)), pace=JOIN_PACE_S)
         self.settle([*group, name])
 
@@ -87,13 +104,14 @@ def drill(corpus_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("drill")
     with Drill(root, train_flags(corpus_dir), heartbeat_timeout=HEARTBEAT_S) as drill:
         drill.start_lighthouse(min_replicas=2)
-        drill.gate(8)
+        drill.gate(FIRST_GATE)
         drill.start("r0", 0)
         drill.start("r1", 1)
         for name, replica_id in (("r2", 2), ("r1b", 1), ("r2b", 2)):
             drill.start(name, replica_id, hold=True)
         drill.start("other-config", 2, ["--lr", "0.01"], hold=True)
-        nowhere = ["--lighthouse", f"localhost:{unused_port()}", "--connect-timeout", "3"]
+        nowhere = ["--lighthouse", f"localhost:{unused_port()}"]
+        nowhere += ["--connect-timeout", str(NOWHERE_CONNECT_S)]
         drill.start("no-lighthouse", 0, nowhere)
         scenario = Scenario(drill)
         run_scenario(drill, scenario)
@@ -102,7 +120,8 @@ def drill(corpus_dir, tmp_path_factory):
 
 def run_scenario(drill: Drill, scenario: Scenario) -> None:
     seen = scenario.seen
-    scenario.settle(["r0", "r1"])
+    started = len(drill.processes) - 1  # every replica starts at once, held or not
+    scenario.settle(["r0", "r1"], limit_s(steps=FIRST_GATE, processes=started))
 
     scenario.join("r2", ["r0", "r1"])  # late, at a step > 0
 
@@ -118,24 +137,24 @@ def run_scenario(drill: Drill, scenario: Scenario) -> None:
     drill.gate(scenario.gate)
     drill.wait_for(
         lambda: drill.entered_round("r2", round_step) and drill.entered_round("r1b", round_step),
-        PHASE_TIMEOUT_S,
+        IN_ROUND_LIMIT_S,
         "r2 and r1b inside the all-reduce",
     )
     drill.kill("r2")
     drill.release_round("r0", round_step)
-    scenario.settle(["r0", "r1b"])
+    scenario.settle(["r0", "r1b"], KILLED_IN_ROUND_LIMIT_S)
     seen["round_step"] = round_step
 
     drill.release("other-config")
-    drill.wait_for(lambda: drill.status("other-config")[0] == "running", PHASE_TIMEOUT_S, "other")
+    drill.wait_for(lambda: drill.status("other-config")[0] == "running", JOIN_LIMIT_S, "other")
     scenario.advance(["r0", "r1b"], lambda: "error:" in drill.log("other-config"))
-    drill.wait_exit("other-config", PHASE_TIMEOUT_S)
+    drill.wait_exit("other-config", EXIT_AFTER_SIGNAL_S)  # it exits after its error, as if stopped
 
     scenario.join("r2b", ["r0", "r1b"])
     drill.gate(None)
     for name in ("r0", "r1b", "r2b"):
-        assert drill.wait_exit(name, PHASE_TIMEOUT_S) == 0, drill.tails()
-    drill.wait_exit("no-lighthouse", PHASE_TIMEOUT_S)
+        assert drill.wait_exit(name, END_LIMIT_S) == 0, drill.tails()
+    drill.wait_exit("no-lighthouse", limit_s(processes=started, sat_out_s=NOWHERE_CONNECT_S))
     seen["lighthouse_exit"] = drill.stop("lighthouse")
 
 

@@ -11,6 +11,7 @@ difference.) One drill (mtdao.testing.fault_drill) per layout; the tests read it
 from __future__ import annotations
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.testing.fault_drill import Drill, process_label
 
@@ -22,9 +23,9 @@ K, STEPS, KILLED_AT = 4, 32, 8  # rounds open at every even step and land 2 step
 FLAGS = dict(workers=3, model="micro", batch_size=4, seq_len=32, eval_tokens=1024)
 FLAGS.update(steps=STEPS, sync_period=K, sync_delay=2, sync_fragments=2)
 OPTIONS = ["--sync-dtype", "int8", "--error-feedback"]
-TIMEOUTS = ["--collective-timeout", "20", "--connect-timeout", "20", "--quorum-timeout", "60"]
+TIMEOUTS_S = dict(collective=20, connect=20, quorum=60)
+TIMEOUTS = [arg for name, s in TIMEOUTS_S.items() for arg in (f"--{name}-timeout", str(s))]
 HEARTBEAT_S = 1.0
-PHASE_TIMEOUT_S = 120.0  # a loaded machine starts Python slowly; nothing waits this long normally
 LAYOUTS = {"one process": (1, ["r0", "r1", "r2"]), "2 shards": (2, ["r0", "r1"])}
 
 
@@ -39,18 +40,34 @@ def at_gate(drill: Drill, name: str, step: int, shards: int) -> bool:
     return all(drill.status(process_label(name, r)) == ("waiting", step) for r in range(shards))
 
 
-def run_to(drill: Drill, gate: int, names, shards: int) -> None:
+def limits(shards: int, replicas: int) -> dict[str, float]:
+    """How long each phase of the drill may take (wait_limits): torchrun counts a start before
+    its workers', the run's end (evaluation, checkpoint) one too."""
+    processes, launch = shards * replicas, 1 if shards == 1 else 2
+    # the survivors' exchange with the killed one fails (at the latest at the collective timeout);
+    # their next round goes on without it once the lighthouse misses its heartbeats
+    dropped_s = TIMEOUTS_S["collective"] + HEARTBEAT_S
+    return dict(
+        # launch to the round in flight (a start ends with the first step, past gate 0)
+        start=limit_s(starts=launch, steps=KILLED_AT, processes=processes),
+        killed=limit_s(starts=0, steps=2 * K, processes=processes, sat_out_s=dropped_s),
+        restart=limit_s(processes=shards),  # its processes start again, the others at the gate
+        # the restarted one's first step (the end of its start, a heal in it), the rest, the end
+        end=limit_s(steps=STEPS, processes=processes),
+    )
+
+
+def run_to(drill: Drill, gate: int, names, shards: int, limit: float) -> None:
     drill.gate(gate)
     drill.wait_for(
-        lambda: all(at_gate(drill, n, gate, shards) for n in names),
-        PHASE_TIMEOUT_S,
-        f"{names} at {gate}",
+        lambda: all(at_gate(drill, n, gate, shards) for n in names), limit, f"{names} at {gate}"
     )
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def drill(request, corpus_dir, tmp_path_factory):
     shards, names = LAYOUTS[request.param]
+    limit = limits(shards, len(names))
     root = tmp_path_factory.mktemp("drill-options")
     with Drill(root, train_flags(corpus_dir), heartbeat_timeout=HEARTBEAT_S) as drill:
         drill.start_lighthouse(min_replicas=len(names) - 1)  # the survivors go on without it
@@ -60,23 +77,23 @@ def drill(request, corpus_dir, tmp_path_factory):
                 drill.start(name, replica_id)
             else:  # torchrun restarts the killed one (--resume: the same command line)
                 drill.start(name, replica_id, ["--resume"], shards=shards, max_restarts=1)
-        run_to(drill, 0, names, shards)
-        run_to(drill, KILLED_AT, names, shards)  # the round opened at step 8 is in flight
+        run_to(drill, 0, names, shards, limit["start"])
+        run_to(drill, KILLED_AT, names, shards, limit["start"])  # the round opened at 8: in flight
         killed = names[1]
         for rank in range(shards):
             drill.kill_process(killed, rank)
         survivors = [n for n in names if n != killed]
-        run_to(drill, KILLED_AT + 2 * K, survivors, shards)
+        run_to(drill, KILLED_AT + 2 * K, survivors, shards, limit["killed"])
         rejoined = "r1b" if shards == 1 else killed  # torchrun restarts a sharded one itself
         if shards == 1:
             drill.start(rejoined, 1)
         asking = lambda: all(  # noqa: E731  (at its first quorum, until the others come)
             drill.status(process_label(rejoined, r)) == ("running", 0) for r in range(shards)
         )
-        drill.wait_for(asking, PHASE_TIMEOUT_S, f"{rejoined} to start again")
+        drill.wait_for(asking, limit["restart"], f"{rejoined} to start again")
         replicas = [*survivors, rejoined]
         drill.gate(None)  # the survivors' next round opens with it, and heals it
-        exits = {name: drill.wait_exit(name, PHASE_TIMEOUT_S) for name in replicas}
+        exits = {name: drill.wait_exit(name, limit["end"]) for name in replicas}
         drill.stop("lighthouse")
         yield drill, dict(shards=shards, survivors=survivors, rejoined=rejoined, exits=exits)
 

@@ -7,6 +7,7 @@ the same global state after every round. Real processes on loopback (mtdao.testi
 from __future__ import annotations
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.testing.fault_drill import Drill
 
@@ -20,7 +21,7 @@ K, STEPS = 4, 16
 FLAGS = dict(model="micro", batch_size=2, seq_len=16, eval_tokens=256, sync_period=K)
 FLAGS.update(workers=2, steps=STEPS, sync_delay=1, sync_dtype="int8")
 TIMEOUTS = ["--collective-timeout", "10", "--connect-timeout", "10", "--quorum-timeout", "60"]
-EXIT_TIMEOUT_S = 150.0
+RUN_S = limit_s(steps=STEPS, processes=2)  # both replicas' whole runs: no peer dies, no timeout
 
 
 def flags(corpus) -> list[str]:
@@ -36,7 +37,7 @@ def test_replicas_with_a_secret_and_every_round_option_agree(corpus_dir, tmp_pat
         drill.start_lighthouse(min_replicas=2)
         for replica in range(2):
             drill.start(f"r{replica}", replica)
-        exits = {name: drill.wait_exit(name, EXIT_TIMEOUT_S) for name in ("r0", "r1")}
+        exits = {name: drill.wait_exit(name, RUN_S) for name in ("r0", "r1")}
         assert exits == {"r0": 0, "r1": 0}, drill.tails()
         for name in ("r0", "r1"):
             assert not drill.events(name, "discarded"), drill.tails()

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.testing.fault_drill import Drill, process_label
 
@@ -24,10 +25,22 @@ pytestmark = pytest.mark.slow
 K, STEPS, SHARDS = 4, 32, 2
 FLAGS = dict(workers=3, model="micro", batch_size=4, seq_len=32, eval_tokens=1024)
 FLAGS.update(steps=STEPS, sync_period=K)
-TIMEOUTS = ["--collective-timeout", "20", "--connect-timeout", "20", "--quorum-timeout", "60"]
+TIMEOUTS_S = dict(collective=20, connect=20, quorum=60)
+TIMEOUTS = [arg for name, s in TIMEOUTS_S.items() for arg in (f"--{name}-timeout", str(s))]
 HEARTBEAT_S = 1.0
-PHASE_TIMEOUT_S = 90.0  # a loaded machine starts Python slowly; nothing waits this long normally
 RANKS = range(SHARDS)
+PROCESSES = 2 * SHARDS  # the two replicas'
+# How long each phase may take (wait_limits): torchrun counts a start before its workers', a held
+# replica ends its start once released, the run's end (evaluation, checkpoint) counts one too.
+# Launch to gate 2K, the held one-shard replica starting beside them (a start ends with the first
+# step, past gate 0):
+START_LIMIT_S = limit_s(starts=2, steps=2 * K, processes=PROCESSES + 1)
+# From the kill on: torchrun starts replica 1's workers again while replica 0 takes 2K steps alone
+# (once the lighthouse misses replica 1's heartbeats); replica 1 then heals at its first step:
+RESTART_LIMIT_S = limit_s(steps=2 * K, processes=PROCESSES, sat_out_s=HEARTBEAT_S)
+# The one-shard replica released, to its exit: refused at its first quorum, the next sync
+ONE_SHARD_LIMIT_S = limit_s(steps=K, processes=PROCESSES + 1)
+END_LIMIT_S = limit_s(steps=STEPS, processes=PROCESSES)  # the steps left and the end
 
 
 def train_flags(corpus) -> list[str]:
@@ -42,11 +55,9 @@ def at_gate(drill: Drill, name: str, step: int) -> bool:
     return all(drill.status(process_label(name, r)) == ("waiting", step) for r in RANKS)
 
 
-def run_to(drill: Drill, gate: int, names) -> None:
+def run_to(drill: Drill, gate: int, names, limit: float) -> None:
     drill.gate(gate)
-    drill.wait_for(
-        lambda: all(at_gate(drill, n, gate) for n in names), PHASE_TIMEOUT_S, f"{names} at {gate}"
-    )
+    drill.wait_for(lambda: all(at_gate(drill, n, gate) for n in names), limit, f"{names} at {gate}")
 
 
 @pytest.fixture(scope="module")
@@ -59,28 +70,29 @@ def drill(corpus_dir, tmp_path_factory):
         drill.start("r0", 0, shards=SHARDS, max_restarts=0)
         drill.start("r1", 1, ["--resume"], shards=SHARDS, max_restarts=1)
         drill.start("one-shard", 2, hold=True)
-        run_to(drill, 0, ["r0", "r1"])
-        run_to(drill, 2 * K, ["r0", "r1"])
+        run_to(drill, 0, ["r0", "r1"], START_LIMIT_S)
+        run_to(drill, 2 * K, ["r0", "r1"], START_LIMIT_S)
 
         killed = {r: drill.pid(process_label("r1", r)) for r in RANKS}
         for rank in RANKS:  # between two syncs: the whole replica dies
             drill.kill_process("r1", rank)
         seen["killed"] = killed
-        run_to(drill, 4 * K, ["r0"])  # replica 0 goes on alone
+        run_to(drill, 4 * K, ["r0"], RESTART_LIMIT_S)  # replica 0 goes on alone
         restarted = lambda: all(  # noqa: E731
             drill.pid(process_label("r1", r)) != killed[r]
             and drill.status(process_label("r1", r))[0] == "running"
             for r in RANKS
         )
-        drill.wait_for(restarted, PHASE_TIMEOUT_S, "torchrun to restart replica 1")
-        run_to(drill, 6 * K, ["r0", "r1"])  # replica 1 joins at the next sync and heals
+        drill.wait_for(restarted, RESTART_LIMIT_S, "torchrun to restart replica 1")
+        # replica 1 joins at the next sync and heals
+        run_to(drill, 6 * K, ["r0", "r1"], RESTART_LIMIT_S)
 
         drill.release("one-shard")  # it asks to join the next sync, and is refused there
         running = lambda: drill.status("one-shard")[0] == "running"  # noqa: E731
-        drill.wait_for(running, PHASE_TIMEOUT_S, "the one-shard replica to connect")
+        drill.wait_for(running, ONE_SHARD_LIMIT_S, "the one-shard replica to connect")
         drill.gate(None)
-        drill.wait_exit("one-shard", PHASE_TIMEOUT_S)
-        seen["exits"] = {name: drill.wait_exit(name, PHASE_TIMEOUT_S) for name in ("r0", "r1")}
+        drill.wait_exit("one-shard", ONE_SHARD_LIMIT_S)
+        seen["exits"] = {name: drill.wait_exit(name, END_LIMIT_S) for name in ("r0", "r1")}
         seen["pids"] = [drill.pid(process_label(n, r)) for n in ("r0", "r1") for r in RANKS]
         seen["lighthouse_exit"] = drill.stop("lighthouse")
         yield drill, seen

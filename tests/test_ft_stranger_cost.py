@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.testing.fault_drill import Drill
 from mtdao.testing.ports import unused_port
@@ -32,8 +33,11 @@ TOKEN_ENV = "MTDAO_AUTH_TOKEN"
 K = 4
 FLAGS = dict(model="micro", batch_size=2, seq_len=16, eval_tokens=256, sync_period=K)
 TIMEOUTS = ["--collective-timeout", "20", "--connect-timeout", "10", "--quorum-timeout", "60"]
-EXIT_TIMEOUT_S = 240.0
 FLOOD = 20
+JOIN_S = 5.0  # the join timeout of torchft's own lighthouse (the second test)
+# A wait counts a start (wait_limits) when it takes in a launch or, after the last step, an
+# evaluation, a checkpoint and the exit.
+ROGUE_UP_S = limit_s(processes=2)  # the rogue's start (torch, torchft, a manager), the outsider's
 
 
 def flags(corpus, workers: int, steps: int) -> list[str]:
@@ -55,6 +59,9 @@ def intervals(times: list[tuple[int, float]], since: float, until: float) -> lis
 
 def test_strangers_on_a_loopback_run_without_a_secret_cost_no_round(corpus_dir, tmp_path):
     steps = 480
+    quarter_s = limit_s(steps=steps // 4, processes=2)
+    # the strangers cost no timeout (the lighthouse refuses them), but run beside the replicas
+    rest_s = limit_s(steps=steps - steps // 4, processes=4)
     with Drill(tmp_path / "drill", flags(corpus_dir, 2, steps), join_timeout=10.0) as drill:
         drill.env["XDG_CONFIG_HOME"] = str(tmp_path / "config")  # this account's secret, here
         drill.env.pop(TOKEN_ENV, None)
@@ -62,11 +69,11 @@ def test_strangers_on_a_loopback_run_without_a_secret_cost_no_round(corpus_dir, 
         drill.start("r0", 0)
         drill.start("r1", 1)
         past = lambda step: lambda: min(drill.status(n)[1] for n in ("r0", "r1")) >= step  # noqa: E731
-        drill.wait_for(past(steps // 4), EXIT_TIMEOUT_S, "both replicas a quarter through")
+        drill.wait_for(past(steps // 4), quarter_s, "both replicas a quarter through")
         came = drill.events("r0", "committed")[-1]["time"]
         drill._spawn("rogue", [sys.executable, str(ROGUE), drill.lighthouse, "/dev/null", "7"])
         drill._spawn("flood", [sys.executable, str(ROGUE), "flood", drill.lighthouse, str(FLOOD)])
-        exits = {name: drill.wait_exit(name, EXIT_TIMEOUT_S) for name in ("r0", "r1")}
+        exits = {name: drill.wait_exit(name, rest_s) for name in ("r0", "r1")}
         assert exits == {"r0": 0, "r1": 0}, drill.tails()
         assert "flooding" in drill.log("flood") and drill.returncode("flood") is None
         for name in ("r0", "r1"):
@@ -86,29 +93,35 @@ def test_a_restarted_replica_heals_from_its_proven_peer_while_strangers_claim_mo
     corpus_dir, tmp_path
 ):
     steps = 40 * K
+    # r1b's start, the rest of the steps beside the outsider (the rogue counts little); r0's
+    # rounds while r1b starts each wait out the join timeout (for the killed r1, then r1b), and
+    # the round after r1b joins one more
+    rest_s = limit_s(steps=steps - 4 * K, processes=3, sat_out_s=2 * JOIN_S)
     with Drill(tmp_path / "drill", flags(corpus_dir, 3, steps), join_timeout=5.0) as drill:
         drill.env[TOKEN_ENV] = "a-secret-of-this-test-run-0123456789"
         port = unused_port()
         drill.lighthouse = f"127.0.0.1:{port}"  # torchft's own: it lets anyone in
         drill._spawn("lighthouse", [
             "torchft_lighthouse", "--bind", drill.lighthouse, "--min_replicas", "2",
-            "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000",
+            "--join_timeout_ms", str(int(JOIN_S * 1000)), "--heartbeat_timeout_ms", "1000",
         ])  # fmt: skip
         drill.gate(4 * K)
         drill.start("r0", 0)
         drill.start("r1", 1)
         at_gate = lambda: all(drill.status(n) == ("waiting", 4 * K) for n in ("r0", "r1"))  # noqa: E731
-        drill.wait_for(at_gate, EXIT_TIMEOUT_S, "both replicas at the gate")
+        drill.wait_for(at_gate, limit_s(steps=4 * K, processes=2), "both replicas at the gate")
         drill._spawn("rogue", [sys.executable, str(ROGUE), drill.lighthouse, "/dev/null", "7"])
         drill.env[TOKEN_ENV] = "another-secret-than-the-runs-0123"
         drill.start("outsider", 2, ["--steps", str(10**4)])
         drill.env[TOKEN_ENV] = "a-secret-of-this-test-run-0123456789"
-        drill.wait_for(lambda: "registered" in drill.log("rogue"), 60, "the rogue to register")
+        drill.wait_for(
+            lambda: "registered" in drill.log("rogue"), ROGUE_UP_S, "the rogue to register"
+        )
         drill.kill("r1")
         drill.gate(None)
         drill.start("r1b", 1)
-        assert drill.wait_exit("r0", EXIT_TIMEOUT_S) == 0, drill.tails()
-        assert drill.wait_exit("r1b", EXIT_TIMEOUT_S) == 0, drill.tails()
+        assert drill.wait_exit("r0", rest_s) == 0, drill.tails()
+        assert drill.wait_exit("r1b", rest_s) == 0, drill.tails()
         heals = [e for e in drill.events("r1b", "quorum") if e.get("heal")]
         assert heals and heals[0]["heal"]["source"] == 0, drill.tails()
         waited = heals[0]["time"] - drill.started_at["r1b"]

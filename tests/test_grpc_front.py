@@ -45,6 +45,10 @@ from mtdao.sync.grpc_front import GrpcFront, listen  # noqa: E402
 
 QUORUM = "/torchft.ManagerService/Quorum"
 ALLOWED = frozenset({QUORUM.encode()})
+# connecting to a server on this machine, already listening, or seeing the front take a connection
+# up or down: milliseconds; these limits only stop a hang
+LOCAL_S = 10
+KILLED_S = 30  # torchft's Kill call ends its server's process at once: this only stops a hang
 
 
 class Recorder:
@@ -143,7 +147,7 @@ def test_kill_after_an_allowed_call_ends_the_connection_there(front):
     for stream, path in ((1, QUORUM), (3, KILL), (5, QUORUM)):
         block = encoder.encode([*headers, (":path", path)])
         frames += frame(HEADERS, END_HEADERS | END_STREAM, stream, block)
-    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as connection:
+    with socket.create_connection(("127.0.0.1", front.port), timeout=LOCAL_S) as connection:
         connection.sendall(frames)
         while connection.recv(65536):
             pass
@@ -154,9 +158,9 @@ def test_kill_after_an_allowed_call_ends_the_connection_there(front):
 
 def test_ending_the_connections_fails_a_waiting_call_and_the_front_serves_on(front):
     front, recorder, lines, address = front
-    waiting = socket.create_connection(("127.0.0.1", front.port), timeout=10)
+    waiting = socket.create_connection(("127.0.0.1", front.port), timeout=LOCAL_S)
     waiting.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))  # a call the server never answers
-    deadline = time.time() + 10
+    deadline = time.time() + LOCAL_S
     while not front._open and time.time() < deadline:
         time.sleep(0.01)
     started = time.perf_counter()
@@ -184,10 +188,10 @@ def test_connections_ended_before_the_first_frame_goes_on_end_quietly(front, mon
             yield
 
     monkeypatch.setattr(front, "_forwarding", register_then_end)
-    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as waiting:
+    with socket.create_connection(("127.0.0.1", front.port), timeout=LOCAL_S) as waiting:
         waiting.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
         assert waiting.recv(65536) == b""
-    deadline = time.time() + 5
+    deadline = time.time() + LOCAL_S
     while front._open and time.time() < deadline:
         time.sleep(0.01)
     assert not front._open and [e.exc_value for e in errors] == []
@@ -232,7 +236,7 @@ def test_a_connection_from_this_machine_is_told_apart():
 
 def test_http1_gets_a_403_and_is_reported(front):
     front, recorder, lines, address = front
-    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as connection:
+    with socket.create_connection(("127.0.0.1", front.port), timeout=LOCAL_S) as connection:
         connection.sendall(b"POST /replica/0/kill HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = connection.recv(65536)
     assert answer.startswith(b"HTTP/1.1 403 Forbidden")
@@ -243,7 +247,7 @@ def test_http1_gets_a_403_and_is_reported(front):
 
 def test_a_connection_that_asks_nothing_is_no_refusal(front):
     front, recorder, lines, address = front
-    socket.create_connection(("127.0.0.1", front.port), timeout=10).close()  # a port check
+    socket.create_connection(("127.0.0.1", front.port), timeout=LOCAL_S).close()  # a port check
     assert recorder.headers() == 0 and front.refused == 0 and lines == []
 
 
@@ -301,11 +305,11 @@ def test_a_real_manager_behind_its_front_serves_its_calls_and_not_kill():
     try:
         port = advertised.rsplit(":", 1)[1]
         assert advertised.startswith("127.0.0.1:") and internal in bound_beside("127.0.0.1", port)
-        client = ManagerClient(f"http://{advertised}", connect_timeout=timedelta(seconds=10))
+        client = ManagerClient(f"http://{advertised}", connect_timeout=timedelta(seconds=LOCAL_S))
         seconds = []
         for step in range(20):
             started = time.perf_counter()  # torchft's own answer: the replica's one vote
-            assert client.should_commit(0, step, True, timeout=timedelta(seconds=10))
+            assert client.should_commit(0, step, True, timeout=timedelta(seconds=LOCAL_S))
             seconds.append(time.perf_counter() - started)
         # a call is two small frames each way: held back by Nagle's algorithm, 40 ms or more
         assert statistics.median(seconds) < 0.02, seconds
@@ -313,7 +317,7 @@ def test_a_real_manager_behind_its_front_serves_its_calls_and_not_kill():
         time.sleep(1.0)
         assert process.poll() is None, process.stderr.read()
         grpc_call(internal, KILL, kill_request(), timeout=5.0)  # the server itself: it obeys
-        assert process.wait(timeout=30) == 1
+        assert process.wait(timeout=KILLED_S) == 1
         assert f"manager's front: refused a call of {KILL}" in process.stderr.read()
     finally:
         process.kill()

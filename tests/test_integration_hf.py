@@ -31,9 +31,16 @@ from mtdao.testing.ports import unused_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from integration_hf_run import PERIOD, Blocks, tiny_llama, training_args  # noqa: E402
+from wait_limits import limit_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN_TIMEOUT_S = 300
+# An HF process's start costs two of the model's: transformers beside torch, 10 s of CPU against
+# mtdao train's 5.5 s (its steps, under 10 ms here, cost less than a micro model's).
+HF_STARTS = 2
+# The three jobs at once (2 + 2 + 4 processes): torchrun's start, then its workers'; the longest
+# job, the checks, runs four Trainer runs and a plain loop in turn, of at most 3 K + 2 steps each.
+CHECK_STEPS = 5 * (3 * PERIOD + 2)
+TORCHRUN_TIMEOUT_S = limit_s(starts=1 + HF_STARTS, steps=CHECK_STEPS, processes=2 + 2 + 4)
 
 
 def make_trainer(out: Path, steps: int, method: LocalUpdates, save_steps: int = 0, **kwargs):

@@ -12,10 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.train.checkpoint.index import latest_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+CHECKPOINT_EVERY, RESUMED_STEPS = 2, 12
+READY_S = limit_s(starts=1, steps=CHECKPOINT_EVERY)  # a start, then steps to a checkpoint
+# after Ctrl-C, up to a start's work: a run's first step and evaluation if still starting, the
+# lighthouse's torchft server shut down; then the interpreter's end
+ENDING_S = limit_s(starts=1)
+RESUMED_S = limit_s(starts=1, steps=RESUMED_STEPS)
 
 
 def train_argv(out: Path, data: Path, steps: int) -> list[str]:
@@ -23,7 +30,8 @@ def train_argv(out: Path, data: Path, steps: int) -> list[str]:
         "train",
         *("--model", "micro", "--workers", "2", "--sync-period", "4", "--batch-size", "2"),
         *("--seq-len", "32", "--steps", str(steps), "--eval-every", "1000", "--eval-tokens", "256"),
-        *("--checkpoint-every", "2", "--data", str(data), "--out", str(out), "--no-progress"),
+        *("--checkpoint-every", str(CHECKPOINT_EVERY), "--data", str(data)),
+        *("--out", str(out), "--no-progress"),
     ]
 
 
@@ -44,13 +52,13 @@ def start_train(argv: list[str], cwd: Path) -> subprocess.Popen:
         signal.signal(signal.SIGINT, previous)
 
 
-def interrupt_when(process: subprocess.Popen, ready, timeout: float = 120) -> tuple[str, str]:
+def interrupt_when(process: subprocess.Popen, ready, timeout: float = READY_S) -> tuple[str, str]:
     deadline = time.monotonic() + timeout
     while not ready() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     process.send_signal(signal.SIGINT)
     try:
-        return process.communicate(timeout=60)
+        return process.communicate(timeout=ENDING_S)
     finally:
         process.kill()
 
@@ -71,15 +79,15 @@ def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path, corpus_dir
     # the command does what it says: the run continues from that checkpoint (to a shorter end,
     # re-planned with --extend so that it ends quickly)
     resumed = subprocess.run(
-        [sys.executable, "-m", "mtdao", *command[1:], "--steps", "12", "--extend"],
+        [sys.executable, "-m", "mtdao", *command[1:], "--steps", str(RESUMED_STEPS), "--extend"],
         capture_output=True,
         text=True,
         env=ENV,
         cwd=tmp_path,
-        timeout=300,
+        timeout=RESUMED_S,
     )
-    if "past --steps 12" in resumed.stderr:  # the interrupt came late: nothing left to check
-        pytest.skip("the run was past step 12 when interrupted")
+    if f"past --steps {RESUMED_STEPS}" in resumed.stderr:  # the interrupt came late
+        pytest.skip(f"the run was past step {RESUMED_STEPS} when interrupted")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step " in resumed.stderr
 
@@ -111,7 +119,7 @@ def test_ctrl_c_stops_the_lighthouse_without_a_traceback(after):
         assert process.stdout.readline().startswith("lighthouse: serving at ")
         time.sleep(after)
         process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=60)
+        _, err = process.communicate(timeout=ENDING_S)
     finally:
         process.kill()
     assert process.returncode == 0, err

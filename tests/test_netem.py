@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.testing.network.netem import (
     LinkUnavailable,
@@ -21,6 +22,12 @@ from mtdao.testing.network.netem import (
 from mtdao.testing.network.relay_link import emulation_of, slow_link
 
 PREFIX = "mtdaotest"
+# a plain Python client (no torch) against servers already listening: one start at most
+CLIENT_S = limit_s(starts=1)
+TRANSFER_S = 2  # seconds of traffic at the link's rate that the throughput test sends
+# the sender's start beside the receiver, then the transfer at the link's rate
+THROUGHPUT_S = limit_s(starts=1, processes=2, sat_out_s=TRANSFER_S)
+TEARDOWN_S = 60  # `ip netns del` per namespace: ip commands, slow under load, not CPU work
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +61,7 @@ while True:
 ECHO_CLIENT = """
 import socket, sys
 for address in sys.argv[1:]:
-    connection = socket.create_connection((address, 7000), timeout=5)
+    connection = socket.create_connection((address, 7000), timeout=5)  # listening: a hang guard
     connection.sendall(address.encode()); assert connection.recv(64) == address.encode()
 print("ok", flush=True)
 """
@@ -66,7 +73,8 @@ def test_throughput_matches_rate_and_teardown_is_complete():
         names = [link.hub, *link.hosts]
         assert link.addresses == ["10.213.0.1", "10.213.0.2"]
         assert all(name in namespaces() for name in names)
-        measured = measure_throughput_mbit(link, 0, 1, megabytes=rate_mbit * 2 / 8)
+        megabytes = rate_mbit * TRANSFER_S / 8
+        measured = measure_throughput_mbit(link, 0, 1, megabytes=megabytes, timeout_s=THROUGHPUT_S)
         print(f"measured {measured:.1f} Mbit/s over a {rate_mbit} Mbit/s link")
         assert 0.5 * rate_mbit < measured < 1.2 * rate_mbit
     assert leftovers(names) == []
@@ -83,7 +91,7 @@ def test_every_host_reaches_every_other_over_tcp():
         for i in range(3):
             others = [address for j, address in enumerate(link.addresses) if j != i]
             client = link.run(i, [sys.executable, "-c", ECHO_CLIENT, *others], **pipes)
-            assert client.communicate(timeout=60)[0].strip() == "ok"
+            assert client.communicate(timeout=CLIENT_S)[0].strip() == "ok"
     # The echo servers never exit by themselves: teardown must have killed them.
     assert all(server.poll() is not None for server in servers)
 
@@ -114,7 +122,7 @@ def test_teardown_when_process_is_signalled(signum):
         names = process.stdout.readline().split()
         assert len(names) == 3 and all(name in namespaces() for name in names)
         process.send_signal(signum)
-        process.wait(timeout=60)  # teardown runs `ip netns del` per namespace: slow under load
+        process.wait(timeout=TEARDOWN_S)
     finally:
         if process.poll() is None:
             process.kill()
@@ -143,7 +151,7 @@ def test_cleanup_stale_removes_only_dead_runs():
 CONNECT_PROBE = textwrap.dedent("""
     import socket, sys, time
     start = time.perf_counter()
-    socket.create_connection((sys.argv[1], 7000), timeout=5).close()
+    socket.create_connection((sys.argv[1], 7000), timeout=5).close()  # listening: a hang guard
     print(time.perf_counter() - start)
 """)
 
@@ -154,7 +162,7 @@ def connect_seconds(link) -> float:
     server = link.run(1, [sys.executable, "-c", ECHO_SERVER, link.addresses[1]], **pipes)
     assert server.stdout.readline().strip() == "ready"
     client = link.run(0, [sys.executable, "-c", CONNECT_PROBE, link.addresses[1]], **pipes)
-    return float(client.communicate(timeout=60)[0])
+    return float(client.communicate(timeout=CLIENT_S)[0])
 
 
 def test_delay_is_applied():

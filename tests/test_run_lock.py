@@ -10,11 +10,14 @@ import sys
 import textwrap
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.train import run_lock
 from mtdao.train.run_lock import RunDirError, RunLock, RunLockedError
 
 pytestmark = pytest.mark.skipif(run_lock.fcntl is None, reason="flock is POSIX only")
+PROBE_S = limit_s(starts=1)  # a Python start without torch, refused at once
+KILLED_S = 10  # a SIGKILLed process ends at once: this only stops a hang
 
 # The holder process loads run_lock.py by path: no torch import, so it starts in milliseconds.
 HOLDER = textwrap.dedent(
@@ -44,7 +47,7 @@ def start_holder(run_dir) -> subprocess.Popen:
 def stop(holder: subprocess.Popen) -> None:
     if holder.poll() is None:
         os.killpg(holder.pid, signal.SIGKILL)
-    holder.wait(timeout=10)
+    holder.wait(timeout=KILLED_S)
 
 
 def test_second_holder_is_refused_with_the_pid_of_the_first(tmp_path):
@@ -69,7 +72,7 @@ def test_lock_is_released_when_its_process_is_killed(tmp_path):
         with pytest.raises(RunLockedError, match=rf"\(pid {holder.pid}\)"):
             RunLock(run_dir).acquire()
         os.kill(holder.pid, signal.SIGKILL)  # no handler, no cleanup runs
-        holder.wait(timeout=10)
+        holder.wait(timeout=KILLED_S)
         assert holder.returncode == -signal.SIGKILL
         with RunLock(run_dir) as lock:
             assert lock.held
@@ -84,7 +87,7 @@ def test_lock_in_another_process_refuses_this_one(tmp_path):
             [sys.executable, "-c", HOLDER, run_lock.__file__, str(run_dir)],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=PROBE_S,
         )
     assert probe.returncode != 0
     assert f"RunLockedError: {run_dir} is in use by another run (pid {os.getpid()})" in probe.stderr

@@ -14,6 +14,7 @@ import pickle
 import re
 import shutil
 import signal
+import time
 import traceback
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_checkpoint_forged import Payload, forge
 from torch.testing import assert_close
+from wait_limits import limit_s
 
 from mtdao.testing.ports import unused_port
 from mtdao.train import trainer
@@ -39,7 +41,6 @@ pytestmark = [
     ),
 ]
 
-TIMEOUT_S = 120
 # Imported once by the fork server instead of by every process (the sync test shares it).
 FORKSERVER_PRELOAD = [
     "torch._dynamo",
@@ -52,6 +53,7 @@ FORKSERVER_PRELOAD = [
 LIBRARY = Path(__file__).resolve().parents[1] / "docs" / "library.md"
 SNIPPETS = re.findall(r"```python\n(.*?)```", LIBRARY.read_text(), flags=re.DOTALL)
 RECIPE = next(s for s in SNIPPETS if "--nproc-per-node 4" in s)
+RECIPE_STEPS = int(re.search(r"for step in range\((\d+)\)", RECIPE)[1])
 # checkpoints at steps 3 and 6, between the syncs at 4 and 8: the workers differ there
 FLAGS = dict(workers=2, shards=2, steps=8, sync_period=4, checkpoint_every=3, model="micro")
 # evaluations at steps 2 and 6 too, in the middle of rounds: they must not change the training
@@ -100,6 +102,14 @@ def _process(rank: int, world: int, ports: list, jobs: list, out: str) -> None:
         raise
 
 
+def launch_limit_s(world: int, jobs: list) -> float:
+    """The fork server's start, then each process's jobs in turn, ``world`` at once: a run's setup,
+    evaluations and checkpoints (at most a start's work, the imports done) and its steps."""
+    runs = [job for job in jobs if job != "die"]
+    steps = sum(RECIPE_STEPS if job == "recipe" else job.total_steps() for job in runs)
+    return limit_s(starts=1 + len(runs), steps=steps, processes=world)
+
+
 def launch(world: int, jobs: list, out: Path) -> list[int]:
     """Run ``jobs`` in ``world`` processes (see _process); their exit codes."""
     out.mkdir(parents=True, exist_ok=True)
@@ -114,15 +124,16 @@ def launch(world: int, jobs: list, out: Path) -> list[int]:
         for rank in range(world)
     ]
     dies = "die" in jobs
+    deadline = time.monotonic() + launch_limit_s(world, jobs)
     try:
         for process in processes:
             process.start()
         if dies:
-            processes[1].join(TIMEOUT_S)
+            processes[1].join(max(0.0, deadline - time.monotonic()))
             for process in processes:
                 process.kill()
         for process in processes:
-            process.join(TIMEOUT_S)
+            process.join(max(0.0, deadline - time.monotonic()))
     finally:
         for process in processes:
             if process.is_alive():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from wait_limits import limit_s
 
 from mtdao.cli import main
 from mtdao.experiments.slow_link import run as slow_link
@@ -24,6 +25,9 @@ from mtdao.train.checkpoint.store import checkpoint_path
 from mtdao.train.config import TrainConfig, resolve
 
 STEPS, SYNC_PERIOD = 4, 2
+TINY_STEP = 5  # micro steps a tiny step costs: 0.09 - 0.11 s of CPU against 0.020 - 0.025 s
+# one run (the experiment's --timeout): its two workers' start and steps, across a fast link
+RUN_S = limit_s(starts=1, steps=STEPS * TINY_STEP, processes=2)
 
 
 def require_link() -> None:
@@ -49,7 +53,7 @@ def test_two_workers_across_a_link_agree_with_each_other_and_the_simulation(
     argv += ["--steps", str(STEPS), "--local-steps", str(STEPS), "--sync-period", str(SYNC_PERIOD)]
     argv += ["--model", "tiny", "--betas", "0.95", "--omegas", "0.7"]
     argv += ["--batch-size", "2", "--seq-len", "32", "--eval-tokens", "512"]
-    argv += ["--data", str(corpus_dir), "--timeout", "90", "--out", str(out)]
+    argv += ["--data", str(corpus_dir), "--timeout", f"{RUN_S:.0f}", "--out", str(out)]
     # (the variant without the final round: its int8 rounds against the float32 ones)
     argv += ["--variant", "overlap", "--sync-delay 1 --sync-dtype int8 --no-final-round"]
     assert main(argv) == 0

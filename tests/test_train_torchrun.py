@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from wait_limits import limit_s
 
 from mtdao.train import trainer
 from mtdao.train.command import config_to_argv
@@ -32,6 +33,9 @@ FLAGS = dict(
     workers=2, steps=8, sync_period=4, model="tiny", batch_size=2, seq_len=32, eval_every=4
 )
 FLAGS.update(eval_tokens=512, log_every=4, device="cpu", progress=False)
+TINY_STEP = 5  # micro steps a tiny step costs: 0.09 - 0.11 s of CPU against 0.020 - 0.025 s
+# every job at once: torchrun's start, then its workers' and their steps
+JOB_S = limit_s(starts=2, steps=FLAGS["steps"] * TINY_STEP, processes=len(RUNS) * FLAGS["workers"])
 
 pytestmark = [
     pytest.mark.slow,
@@ -60,7 +64,7 @@ def torchrun_results(corpus_dir, tmp_path_factory) -> dict[str, dict]:
     results = {}
     try:
         for method, job in jobs.items():
-            output = job.communicate(timeout=120)[0]
+            output = job.communicate(timeout=JOB_S)[0]
             assert job.returncode == 0, output[-8000:]
             # only rank 0 prints the summary line
             assert output.count('"final_val_loss"') == 1, output[-8000:]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.experiments.wan_drill.checks import check_loss, loss_band, mean_final_loss, run_checks
 from mtdao.experiments.wan_drill.drill import LIGHTHOUSE_PORT, DrillSettings, WanDrill
@@ -231,6 +232,17 @@ def test_a_drill_and_its_no_event_drills_are_judged_by_the_same_mean():
 # -- real drills ---------------------------------------------------------------------------------
 
 PREFIX = f"wantest{os.getpid() % 10000}"
+REPLICAS, SYNC_PERIOD = 2, 16
+HEARTBEAT_S, COLLECTIVE_S = 1, 6  # the replicas' timeouts: short, so that a drill is quick
+PARTITION_S, KILL_S = 5, 1  # how long the short drill's events last
+JOIN_S = DrillSettings().join_timeout_s  # the lighthouse waits this long for a returning replica
+SITES_S = 30  # building or removing a drill's sites: dozens of `ip` commands, slow under load
+# a round across the default links (20 ms, 100 Mbit/s): the quorum, all-reduce and commit calls
+# cross them; 0.3 - 0.8 s measured
+ROUND_S = 0.8
+# the longest a live replica's step stays put: a restarted replica's start, dropped by the
+# heartbeat and admitted again by the lighthouse (a partition's stall, 5 + 6 s, is shorter)
+HANG_S = limit_s(starts=1, processes=REPLICAS + 2, sat_out_s=HEARTBEAT_S + JOIN_S)
 
 
 @pytest.fixture
@@ -268,11 +280,28 @@ def test_namespaces_of_a_dead_drill_are_removed_and_a_live_ones_kept(can_emulate
         (NETNS_ETC / live).rmdir()
 
 
+def deadline_s(steps: int) -> float:
+    """A drill's --deadline, from its first replica started: the replicas' start and a killed
+    one's restart, every step beside the lighthouse and the relay, and what they sit out: each
+    round across the links, the events, a timed-out round, the heartbeat and join timeouts."""
+    rounds = steps // SYNC_PERIOD
+    waits = rounds * ROUND_S + PARTITION_S + COLLECTIVE_S + KILL_S + HEARTBEAT_S + JOIN_S
+    return limit_s(starts=2, steps=steps, processes=REPLICAS + 2, sat_out_s=waits)
+
+
+def drill_s(steps: int) -> float:
+    """``mtdao wan-drill`` in all: its start and its relay's, the sites built and removed, the
+    drill's deadline, then its report and plots (a start's work)."""
+    return limit_s(starts=3, sat_out_s=2 * SITES_S + deadline_s(steps))
+
+
 def drill_command(out: Path, scenario: Path, steps: int = 256, extra=()) -> list[str]:
     argv = [sys.executable, "-m", "mtdao", "wan-drill", "--scenario", str(scenario)]
-    argv += ["--replicas", "2", "--steps", str(steps), "--sync-period", "16", "--out", str(out)]
-    argv += ["--prefix", PREFIX, "--heartbeat-timeout", "1", "--collective-timeout", "6"]
-    return [*argv, "--hang-limit", "60", "--deadline", "400", *extra]
+    argv += ["--replicas", str(REPLICAS), "--steps", str(steps)]
+    argv += ["--sync-period", str(SYNC_PERIOD), "--out", str(out), "--prefix", PREFIX]
+    argv += ["--heartbeat-timeout", str(HEARTBEAT_S), "--collective-timeout", str(COLLECTIVE_S)]
+    argv += ["--hang-limit", f"{HANG_S:.0f}", "--deadline", f"{deadline_s(steps):.0f}"]
+    return [*argv, *extra]
 
 
 @pytest.mark.slow
@@ -282,8 +311,8 @@ def test_a_short_drill_survives_its_events_checks_them_and_cleans_up(can_emulate
     # at steps, not seconds: the machine's speed varies; the kill comes last, with steps enough
     # left for the restarted replica's start-up while the other trains on alone (or the run
     # ends with two models, rightly failed)
-    events = [{"at_step": 64, "kind": "partition", "site": "r1", "for_s": 5},
-              {"at_step": 192, "kind": "kill", "site": "r1", "for_s": 1}]  # fmt: skip
+    events = [{"at_step": 64, "kind": "partition", "site": "r1", "for_s": PARTITION_S},
+              {"at_step": 192, "kind": "kill", "site": "r1", "for_s": KILL_S}]  # fmt: skip
     scenario.write_text(json.dumps({"events": events}))
     # no-event drills far from any real loss: the loss check must fail, and only it
     fakes = []
@@ -293,8 +322,9 @@ def test_a_short_drill_survives_its_events_checks_them_and_cleans_up(can_emulate
         fake = {"settings": {"seed": seed}, "t0": 0, "samples": [], "replicas": {"r0": replica}}
         fakes[-1].write_text(json.dumps(fake))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = drill_command(tmp_path / "out", scenario, 800, ["--baseline", *map(str, fakes)])
-    done = subprocess.run(command, capture_output=True, text=True, timeout=500, env=env)
+    steps = 800
+    command = drill_command(tmp_path / "out", scenario, steps, ["--baseline", *map(str, fakes)])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=drill_s(steps), env=env)
     lines = done.stdout.splitlines()
     assert done.returncode == 1, done.stdout + done.stderr
     assert [line for line in lines if line.startswith("FAIL")] == [
@@ -310,6 +340,12 @@ def test_a_short_drill_survives_its_events_checks_them_and_cleans_up(can_emulate
     assert leftovers(PREFIX) == []
 
 
+# to replica r1's start: the drill's start and its relay's, the sites built; after SIGTERM, its
+# processes SIGKILLed and the sites removed
+STARTED_S = limit_s(starts=2, sat_out_s=SITES_S)
+ENDED_S = limit_s(starts=0, sat_out_s=SITES_S)
+
+
 @pytest.mark.slow  # builds the sites and starts the replicas of a drill
 def test_sigterm_mid_drill_leaves_no_namespace_and_no_process(can_emulate, tmp_path):
     scenario = tmp_path / "none.json"
@@ -319,13 +355,13 @@ def test_sigterm_mid_drill_leaves_no_namespace_and_no_process(can_emulate, tmp_p
     drill = subprocess.Popen(drill_command(out, scenario, extra=["--baseline-seeds"]), env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + STARTED_S
         while not list((out / "drill").glob("r1.log")) and time.time() < deadline:
             time.sleep(0.2)
         time.sleep(2)  # replicas starting inside their sites
         assert leftovers(PREFIX), "the drill built no namespaces"
         drill.send_signal(signal.SIGTERM)
-        assert drill.wait(timeout=60) != 0
+        assert drill.wait(timeout=ENDED_S) != 0
     finally:
         if drill.poll() is None:
             drill.kill()

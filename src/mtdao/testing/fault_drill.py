@@ -42,6 +42,10 @@ from mtdao.testing.digests import global_digest, state_digest
 from mtdao.testing.ports import unused_port
 
 POLL_S = 0.02
+# A process sent SIGKILL is gone once the kernel reaps it; one sent SIGTERM ends its step and
+# exits as on Ctrl-C (under a second, measured beside two busy processes on two cores). Waiting
+# longer than this means it hangs.
+EXIT_AFTER_SIGNAL_S = 30.0
 
 Launch = Callable[[str, list[str], dict[str, str], IO], subprocess.Popen]
 """How a drill starts process ``name``: (name, argv, environment, log file) -> the process."""
@@ -270,7 +274,7 @@ class Drill:
         """SIGKILL, as a machine that dies would."""
         self.killed_at[name] = time.time()
         self.processes[name].send_signal(signal.SIGKILL)
-        self.processes[name].wait(timeout=30)
+        self.processes[name].wait(timeout=EXIT_AFTER_SIGNAL_S)
 
     def kill_process(self, name: str, rank: int) -> None:
         """SIGKILL process ``rank`` of replica ``name`` (one started under torchrun)."""
@@ -281,7 +285,7 @@ class Drill:
     def pid(self, label: str) -> int:
         return int((self.root / f"{label}.pid").read_text())
 
-    def stop(self, name: str, timeout: float = 30.0) -> int:
+    def stop(self, name: str, timeout: float = EXIT_AFTER_SIGNAL_S) -> int:
         """SIGTERM, as an operator stopping a process would; returns its exit code."""
         self.processes[name].send_signal(signal.SIGTERM)
         return self.wait_exit(name, timeout)
@@ -365,7 +369,7 @@ class Drill:
                     os.kill(pid, signal.SIGKILL)
         for process in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=30)
+                process.wait(timeout=EXIT_AFTER_SIGNAL_S)
 
 
 if __name__ == "__main__":
