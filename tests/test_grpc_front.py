@@ -40,6 +40,7 @@ from grpc_calls import (  # noqa: E402
     http2_request,
     kill_request,
 )
+from wait_limits import first_line, limit_s  # noqa: E402
 
 from mtdao.sync.grpc_front import GrpcFront, listen  # noqa: E402
 
@@ -291,7 +292,7 @@ def serve_a_manager(host: str) -> tuple[subprocess.Popen, str, str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    advertised, internal = process.stdout.readline().split()
+    advertised, internal = first_line(process, limit_s()).split()
     return process, advertised, internal
 
 

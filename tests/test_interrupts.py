@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from wait_limits import limit_s
+from wait_limits import first_line, limit_s
 
 from mtdao.train.checkpoint.index import latest_checkpoint
 
@@ -116,7 +116,7 @@ def test_ctrl_c_stops_the_lighthouse_without_a_traceback(after):
         env=ENV,
     )
     try:
-        assert process.stdout.readline().startswith("lighthouse: serving at ")
+        assert first_line(process, limit_s()).startswith("lighthouse: serving at ")
         time.sleep(after)
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=ENDING_S)

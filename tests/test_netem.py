@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from wait_limits import limit_s
+from wait_limits import first_line, limit_s
 
 from mtdao.testing.network.netem import (
     LinkUnavailable,
@@ -87,7 +87,8 @@ def test_every_host_reaches_every_other_over_tcp():
             link.run(i, [sys.executable, "-c", ECHO_SERVER, address], **pipes)
             for i, address in enumerate(link.addresses)
         ]
-        assert all(server.stdout.readline().strip() == "ready" for server in servers)
+        started_s = limit_s(processes=len(servers))
+        assert all(first_line(server, started_s).strip() == "ready" for server in servers)
         for i in range(3):
             others = [address for j, address in enumerate(link.addresses) if j != i]
             client = link.run(i, [sys.executable, "-c", ECHO_CLIENT, *others], **pipes)
@@ -119,7 +120,7 @@ def test_teardown_when_process_is_signalled(signum):
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     try:
-        names = process.stdout.readline().split()
+        names = first_line(process, limit_s()).split()
         assert len(names) == 3 and all(name in namespaces() for name in names)
         process.send_signal(signum)
         process.wait(timeout=TEARDOWN_S)
@@ -160,7 +161,7 @@ def connect_seconds(link) -> float:
     """Seconds host 0 takes to open a TCP connection to host 1 (one round trip)."""
     pipes = {"stdout": subprocess.PIPE, "text": True}
     server = link.run(1, [sys.executable, "-c", ECHO_SERVER, link.addresses[1]], **pipes)
-    assert server.stdout.readline().strip() == "ready"
+    assert first_line(server, limit_s()).strip() == "ready"
     client = link.run(0, [sys.executable, "-c", CONNECT_PROBE, link.addresses[1]], **pipes)
     return float(client.communicate(timeout=CLIENT_S)[0])
 

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from wait_limits import limit_s
+from wait_limits import first_line, limit_s
 
 from mtdao.train import run_lock
 from mtdao.train.run_lock import RunDirError, RunLock, RunLockedError
@@ -40,7 +40,7 @@ def start_holder(run_dir) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
-    assert holder.stdout.readline().strip() == "locked"
+    assert first_line(holder, limit_s()).strip() == "locked"
     return holder
 
 

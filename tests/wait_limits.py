@@ -20,6 +20,11 @@ wakes on crowded cores, writes what the test reads, and the test's next poll see
 
 from __future__ import annotations
 
+import os
+import select
+import subprocess
+import time
+
 HEADROOM = 3.0  # three runs in a row beside busy processes took up to 1.4x the first
 START_S = 8.0  # core-seconds from launch to the end of a first step
 STEP_S = 0.03  # core-seconds per step of the micro model (batch 2 or 4, sequences of 16 - 32)
@@ -44,3 +49,20 @@ def limit_s(
     and pauses that the processes (or the test) wait out on the way."""
     work = starts * START_S + steps * STEP_S + WAKE_S
     return HEADROOM * work * crowding(processes) + sat_out_s
+
+
+def first_line(process: subprocess.Popen, timeout_s: float) -> str:
+    """The first line ``process`` writes to its stdout pipe, within ``timeout_s``: one that hangs
+    before it prints fails its test instead of hanging it. Read from the pipe itself, byte by
+    byte, so that the pipe's buffered reader (``communicate``) still has all the rest."""
+    fd, line = process.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout_s
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError(f"no line from {process.args!r} in {timeout_s:g} s: {line!r}")
+        byte = os.read(fd, 1)
+        if not byte:  # it exited without a whole line
+            break
+        line += byte
+    return line.decode()
