@@ -14,9 +14,10 @@ import textwrap
 import pytest
 from wait_limits import limit_s
 
+from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S
+
 # both ranks start at once, then save and load a few small checkpoints
 RANKS_S = limit_s(starts=1, processes=2)
-KILLED_S = 10  # a SIGKILLed process ends at once: this only stops a hang
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -79,7 +80,7 @@ def test_two_processes_agree_on_fallback_and_on_refusal(tmp_path):
         for process in ranks:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=KILLED_S)
+                process.wait(timeout=EXIT_AFTER_SIGNAL_S)
     for process, (_, err) in zip(ranks, outputs):
         assert process.returncode == 0, err
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]

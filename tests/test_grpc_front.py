@@ -43,13 +43,13 @@ from grpc_calls import (  # noqa: E402
 from wait_limits import first_line, limit_s  # noqa: E402
 
 from mtdao.sync.grpc_front import GrpcFront, listen  # noqa: E402
+from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S  # noqa: E402
 
 QUORUM = "/torchft.ManagerService/Quorum"
 ALLOWED = frozenset({QUORUM.encode()})
 # connecting to a server on this machine, already listening, or seeing the front take a connection
 # up or down: milliseconds; these limits only stop a hang
 LOCAL_S = 10
-KILLED_S = 30  # torchft's Kill call ends its server's process at once: this only stops a hang
 
 
 class Recorder:
@@ -318,7 +318,7 @@ def test_a_real_manager_behind_its_front_serves_its_calls_and_not_kill():
         time.sleep(1.0)
         assert process.poll() is None, process.stderr.read()
         grpc_call(internal, KILL, kill_request(), timeout=5.0)  # the server itself: it obeys
-        assert process.wait(timeout=KILLED_S) == 1
+        assert process.wait(timeout=EXIT_AFTER_SIGNAL_S) == 1
         assert f"manager's front: refused a call of {KILL}" in process.stderr.read()
     finally:
         process.kill()

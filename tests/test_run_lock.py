@@ -12,12 +12,12 @@ import textwrap
 import pytest
 from wait_limits import first_line, limit_s
 
+from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S
 from mtdao.train import run_lock
 from mtdao.train.run_lock import RunDirError, RunLock, RunLockedError
 
 pytestmark = pytest.mark.skipif(run_lock.fcntl is None, reason="flock is POSIX only")
 PROBE_S = limit_s(starts=1)  # a Python start without torch, refused at once
-KILLED_S = 10  # a SIGKILLed process ends at once: this only stops a hang
 
 # The holder process loads run_lock.py by path: no torch import, so it starts in milliseconds.
 HOLDER = textwrap.dedent(
@@ -47,7 +47,7 @@ def start_holder(run_dir) -> subprocess.Popen:
 def stop(holder: subprocess.Popen) -> None:
     if holder.poll() is None:
         os.killpg(holder.pid, signal.SIGKILL)
-    holder.wait(timeout=KILLED_S)
+    holder.wait(timeout=EXIT_AFTER_SIGNAL_S)
 
 
 def test_second_holder_is_refused_with_the_pid_of_the_first(tmp_path):
@@ -72,7 +72,7 @@ def test_lock_is_released_when_its_process_is_killed(tmp_path):
         with pytest.raises(RunLockedError, match=rf"\(pid {holder.pid}\)"):
             RunLock(run_dir).acquire()
         os.kill(holder.pid, signal.SIGKILL)  # no handler, no cleanup runs
-        holder.wait(timeout=KILLED_S)
+        holder.wait(timeout=EXIT_AFTER_SIGNAL_S)
         assert holder.returncode == -signal.SIGKILL
         with RunLock(run_dir) as lock:
             assert lock.held

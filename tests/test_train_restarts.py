@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from wait_limits import limit_s
 
+from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S
 from mtdao.testing.ports import unused_port
 from mtdao.train.distributed import (
     CollectiveError,
@@ -36,7 +37,6 @@ FLAGS = [
     *("--model", "micro", "--workers", "2", "--sync-period", "4", "--batch-size", "2"),
     *("--seq-len", "32", "--eval-tokens", "512", "--log-every", "1", "--no-progress"),
 ]
-KILLED_S = 30  # a SIGKILLed process group ends at once: this only stops a hang
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -79,7 +79,7 @@ def test_a_failed_collective_reads_as_one_line_naming_what_to_do():
 def kill_group(process: subprocess.Popen) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=KILLED_S)
+    process.wait(timeout=EXIT_AFTER_SIGNAL_S)
 
 
 def children(pid: int) -> dict[int, int]:
@@ -232,7 +232,7 @@ def test_a_frozen_worker_ends_the_others_within_the_collective_timeout(tmp_path,
         for worker in workers:
             if worker.poll() is None:
                 os.kill(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=KILLED_S)
+            worker.wait(timeout=EXIT_AFTER_SIGNAL_S)
     lines = [line for line in err.strip().splitlines() if line.startswith("mtdao")]
     assert workers[0].returncode == 2 and "Traceback" not in err, err
     assert lines == [
