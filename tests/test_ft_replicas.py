@@ -14,7 +14,7 @@ import re
 import time
 
 import pytest
-from wait_limits import limit_s
+from wait_limits import limit_s, timeout_flags
 
 from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S, Drill
 from mtdao.testing.ports import unused_port
@@ -30,7 +30,7 @@ FIRST_GATE = 2 * K
 FLAGS = dict(workers=3, model="micro", batch_size=4, seq_len=32, eval_tokens=1024)
 FLAGS.update(steps=STEPS, sync_period=K)
 TIMEOUTS_S = dict(collective=10, connect=20, quorum=60)
-TIMEOUTS = [arg for name, s in TIMEOUTS_S.items() for arg in (f"--{name}-timeout", str(s))]
+TIMEOUTS = timeout_flags(TIMEOUTS_S)
 NOWHERE_CONNECT_S = 3  # the replica with no lighthouse to reach gives up after it
 HEARTBEAT_S = 1.0
 JOIN_PACE_S = 1.0  # the group's rounds, while a joiner's first quorum request is on its way

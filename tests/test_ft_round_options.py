@@ -11,7 +11,7 @@ difference.) One drill (mtdao.testing.fault_drill) per layout; the tests read it
 from __future__ import annotations
 
 import pytest
-from wait_limits import limit_s
+from wait_limits import limit_s, timeout_flags
 
 from mtdao.testing.fault_drill import Drill, process_label
 
@@ -24,7 +24,7 @@ FLAGS = dict(workers=3, model="micro", batch_size=4, seq_len=32, eval_tokens=102
 FLAGS.update(steps=STEPS, sync_period=K, sync_delay=2, sync_fragments=2)
 OPTIONS = ["--sync-dtype", "int8", "--error-feedback"]
 TIMEOUTS_S = dict(collective=20, connect=20, quorum=60)
-TIMEOUTS = [arg for name, s in TIMEOUTS_S.items() for arg in (f"--{name}-timeout", str(s))]
+TIMEOUTS = timeout_flags(TIMEOUTS_S)
 HEARTBEAT_S = 1.0
 LAYOUTS = {"one process": (1, ["r0", "r1", "r2"]), "2 shards": (2, ["r0", "r1"])}
 

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from wait_limits import limit_s
+from wait_limits import limit_s, timeout_flags
 
 from mtdao.testing.fault_drill import Drill, process_label
 
@@ -26,7 +26,7 @@ K, STEPS, SHARDS = 4, 32, 2
 FLAGS = dict(workers=3, model="micro", batch_size=4, seq_len=32, eval_tokens=1024)
 FLAGS.update(steps=STEPS, sync_period=K)
 TIMEOUTS_S = dict(collective=20, connect=20, quorum=60)
-TIMEOUTS = [arg for name, s in TIMEOUTS_S.items() for arg in (f"--{name}-timeout", str(s))]
+TIMEOUTS = timeout_flags(TIMEOUTS_S)
 HEARTBEAT_S = 1.0
 RANKS = range(SHARDS)
 PROCESSES = 2 * SHARDS  # the two replicas'

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from wait_limits import limit_s
+from wait_limits import TINY_STEP, limit_s
 
 from mtdao.cli import main
 from mtdao.experiments.slow_link import run as slow_link
@@ -25,7 +25,6 @@ from mtdao.train.checkpoint.store import checkpoint_path
 from mtdao.train.config import TrainConfig, resolve
 
 STEPS, SYNC_PERIOD = 4, 2
-TINY_STEP = 5  # micro steps a tiny step costs: 0.09 - 0.11 s of CPU against 0.020 - 0.025 s
 # one run (the experiment's --timeout): its two workers' start and steps, across a fast link
 RUN_S = limit_s(starts=1, steps=STEPS * TINY_STEP, processes=2)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from wait_limits import limit_s
+from wait_limits import TINY_STEP, limit_s
 
 from mtdao.train import trainer
 from mtdao.train.command import config_to_argv
@@ -33,7 +33,6 @@ FLAGS = dict(
     workers=2, steps=8, sync_period=4, model="tiny", batch_size=2, seq_len=32, eval_every=4
 )
 FLAGS.update(eval_tokens=512, log_every=4, device="cpu", progress=False)
-TINY_STEP = 5  # micro steps a tiny step costs: 0.09 - 0.11 s of CPU against 0.020 - 0.025 s
 # every job at once: torchrun's start, then its workers' and their steps
 JOB_S = limit_s(starts=2, steps=FLAGS["steps"] * TINY_STEP, processes=len(RUNS) * FLAGS["workers"])
 

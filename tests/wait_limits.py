@@ -29,6 +29,7 @@ HEADROOM = 3.0  # three runs in a row beside busy processes took up to 1.4x the 
 START_S = 8.0  # core-seconds from launch to the end of a first step
 STEP_S = 0.03  # core-seconds per step of the micro model (batch 2 or 4, sequences of 16 - 32)
 WAKE_S = 0.5  # core-seconds: a few time slices of a crowded core, a flushed write, a poll
+TINY_STEP = 5  # micro steps a tiny step costs: 0.09 - 0.11 s of CPU against 0.020 - 0.025 s
 CORES = 2  # the machine the tests must pass on: CI's
 BUSY = 2  # processes beside the suite that never wait (the test condition: two `yes`)
 # the suite runs two test files at once (pytest -n 2): the other one's processes crowd the cores
@@ -49,6 +50,12 @@ def limit_s(
     and pauses that the processes (or the test) wait out on the way."""
     work = starts * START_S + steps * STEP_S + WAKE_S
     return HEADROOM * work * crowding(processes) + sat_out_s
+
+
+def timeout_flags(seconds: dict[str, float]) -> list[str]:
+    """``{"collective": 10}`` -> ``["--collective-timeout", "10"]``: a test's timeout flags built
+    from the numbers its limits add up, so that changing one moves both."""
+    return [arg for name, s in seconds.items() for arg in (f"--{name}-timeout", str(s))]
 
 
 def first_line(process: subprocess.Popen, timeout_s: float) -> str:
