@@ -1,0 +1,231 @@
+"""Does MT-DAO's gap to DDP grow with the number of workers? Every method at its defaults at
+M = 4, 16 and 64 workers.
+
+    OMP_NUM_THREADS=1 python benchmarks/defaults_by_workers.py --corpora vim builtin \
+        --workers 4 16 64 --seeds 0 --jobs 2 --threads 1 --out runs/workers \
+        --report reports/workers-scaling
+
+Every run is ``mtdao train --method METHOD --model micro --steps 3000 --workers M --batch-size B
+--data CORPUS --seed S`` and nothing else (K = 32 and every other setting at the method's
+defaults). The global batch is fixed at 64 sequences (B = 64 / M: each step costs the same and
+DDP is the same optimizer at every M); ``--per-worker-batch B`` fixes each worker's batch instead
+(the global batch then grows with M). Finished runs are kept in ``--out`` and not trained again.
+Prints, per corpus and M, each method's final validation loss (mean ± std over the seeds that
+finished) and MT-DAO's relative gap to DDP and to Local Adam under the defaults card's
+significance rule; ``--report DIR`` also writes report.md, results.json and workers.png there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mtdao.experiments.common.corpora import corpus_paths
+from mtdao.experiments.common.figures import STYLE, color, pyplot
+from mtdao.experiments.common.formatting import LABELS, SIGNIFICANCE_RULE, compare_losses, pm, stats
+from mtdao.experiments.common.suite import run_suite
+from mtdao.train.config import TrainConfig
+
+METHODS = ("ddp", "local-adam", "diloco", "desloc", "mtdao")
+GLOBAL_BATCH = 64
+
+
+def batch_of(args: argparse.Namespace, workers: int) -> int:
+    if args.per_worker_batch:
+        return args.per_worker_batch
+    if GLOBAL_BATCH % workers:
+        raise SystemExit(f"--workers {workers} does not divide the global batch of {GLOBAL_BATCH}")
+    return GLOBAL_BATCH // workers
+
+
+def run_name(corpus: str, workers: int, batch: int, method: str, seed: int, steps: int) -> str:
+    return f"{corpus}-{steps}-M{workers}x{batch}-{method}-s{seed}"
+
+
+def planned_runs(args: argparse.Namespace, data: dict[str, str]) -> list[tuple[str, TrainConfig]]:
+    """Seed by seed, then corpus and M in the order given, so that an interrupted study has its
+    first cells complete."""
+    runs = []
+    for seed in args.seeds:
+        for corpus in args.corpora:
+            for workers in args.workers:
+                batch = batch_of(args, workers)
+                for method in args.methods:
+                    config = TrainConfig.of(
+                        method=method, model="micro", steps=args.steps, workers=workers,
+                        batch_size=batch, data=data[corpus], seed=seed, progress=False,
+                    )  # fmt: skip
+                    name = run_name(corpus, workers, batch, method, seed, args.steps)
+                    runs.append((name, config))
+    return runs
+
+
+def gap(mine: dict | None, theirs: dict | None) -> str:
+    if mine is None or theirs is None:
+        return ""
+    relative = (mine["mean"] - theirs["mean"]) / theirs["mean"]
+    verdict = compare_losses(mine, theirs) if min(mine["n"], theirs["n"]) > 1 else "one seed"
+    return f"{relative * 100:+.1f}% ({verdict})"
+
+
+def cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:
+    """One cell per corpus and M: each method's stats over the seeds that finished."""
+    table = []
+    for corpus in args.corpora:
+        for workers in args.workers:
+            batch = batch_of(args, workers)
+            entry = {"corpus": corpus, "workers": workers, "batch_size": batch, "methods": {}}
+            for method in args.methods:
+                names = [
+                    run_name(corpus, workers, batch, method, s, args.steps) for s in args.seeds
+                ]
+                finished = {
+                    s: results[n]["final_val_loss"]
+                    for s, n in zip(args.seeds, names)
+                    if n in results and results[n].get("final_val_loss") is not None
+                }
+                entry["methods"][method] = {
+                    "stats": stats(finished.values()),
+                    "by_seed": finished,
+                    "bytes_per_worker": next(
+                        (results[n].get("bytes_per_worker") for n in names if n in results), None
+                    ),
+                }
+            table.append(entry)
+    return table
+
+
+def markdown(args: argparse.Namespace, table: list[dict]) -> str:
+    batch_rule = (
+        f"{args.per_worker_batch} sequences per worker"
+        if args.per_worker_batch
+        else f"a global batch of {GLOBAL_BATCH} sequences (64 / M per worker)"
+    )
+    lines = [
+        f"Micro model, K = 32, {args.steps} steps, {batch_rule}, every method at its defaults; "
+        f"final validation loss, mean ± std over the seeds named; {SIGNIFICANCE_RULE}.",
+        "",
+        "| corpus | M | seeds | " + " | ".join(LABELS[m] for m in args.methods)
+        + " | MT-DAO vs DDP | MT-DAO vs Local Adam |",
+        "|---|---|---|" + "---|" * len(args.methods) + "---|---|",
+    ]  # fmt: skip
+    per_seed = []
+    for cell in table:
+        by = {m: cell["methods"][m]["stats"] for m in args.methods}
+        seeds = sorted({s for m in args.methods for s in cell["methods"][m]["by_seed"]})
+        if not seeds:
+            continue
+        lines.append(
+            f"| {cell['corpus']} | {cell['workers']} | {', '.join(map(str, seeds))} | "
+            + " | ".join(pm(by[m]) for m in args.methods)
+            + f" | {gap(by.get('mtdao'), by.get('ddp'))} | "
+            f"{gap(by.get('mtdao'), by.get('local-adam'))} |"
+        )
+        per_seed.append(
+            f"- {cell['corpus']}, M = {cell['workers']}: "
+            + "; ".join(
+                f"{LABELS[m]} "
+                + ", ".join(f"s{s} {v:.4f}" for s, v in cell["methods"][m]["by_seed"].items())
+                for m in args.methods
+                if cell["methods"][m]["by_seed"]
+            )
+        )
+    return "\n".join([*lines, "", "Final validation loss of each seed:", "", *per_seed])
+
+
+def plot(args: argparse.Namespace, table: list[dict], path: Path) -> None:
+    """Final loss against M per method (one panel per corpus), MT-DAO's gaps beside them."""
+    with pyplot().rc_context(STYLE):
+        plt = pyplot()
+        figure, axes = plt.subplots(
+            len(args.corpora), 2, figsize=(10, 3.6 * len(args.corpora)), squeeze=False
+        )
+        for row, corpus in enumerate(args.corpora):
+            mine = [c for c in table if c["corpus"] == corpus]
+            loss_axis, gap_axis = axes[row]
+            for method in args.methods:
+                points = [
+                    (c["workers"], c["methods"][method]["stats"])
+                    for c in mine
+                    if c["methods"][method]["stats"]
+                ]
+                if not points:
+                    continue
+                xs = [m for m, _ in points]
+                loss_axis.errorbar(
+                    xs, [s["mean"] for _, s in points], yerr=[s["std"] for _, s in points],
+                    marker="o", capsize=3, color=color(method), label=LABELS[method],
+                )  # fmt: skip
+            for other, style in (("ddp", "-"), ("local-adam", "--")):
+                points = [
+                    (c["workers"], c["methods"]["mtdao"]["stats"], c["methods"][other]["stats"])
+                    for c in mine
+                    if c["methods"]["mtdao"]["stats"] and c["methods"][other]["stats"]
+                ]
+                if points:
+                    gap_axis.plot(
+                        [m for m, _, _ in points],
+                        [100 * (a["mean"] - b["mean"]) / b["mean"] for _, a, b in points],
+                        style, marker="o", color=color(other),
+                        label=f"MT-DAO − {LABELS[other]}",
+                    )  # fmt: skip
+            for axis in (loss_axis, gap_axis):
+                axis.set_xscale("log", base=2)
+                axis.set_xticks(args.workers, [str(m) for m in args.workers])
+                axis.set_xlabel("workers M")
+            gap_axis.axhline(0, color="#888888", linewidth=0.8)
+            loss_axis.set_ylabel("final validation loss")
+            gap_axis.set_ylabel("relative gap (%)")
+            loss_axis.set_title(f"{corpus}: final loss vs workers")
+            gap_axis.set_title(f"{corpus}: MT-DAO's gap (below 0: MT-DAO better)")
+            loss_axis.legend(fontsize=8)
+            gap_axis.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpora", nargs="+", default=["builtin", "vim"])
+    parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--per-worker-batch", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("runs/workers"))
+    parser.add_argument("--collect", action="store_true", help="report on finished runs only")
+    parser.add_argument("--report", type=Path, help="also write report.md, results.json and "
+                        "workers.png into this folder")  # fmt: skip
+    args = parser.parse_args(argv)
+    if "mtdao" not in args.methods:
+        parser.error("--methods must include mtdao (the study compares it)")
+    data, missing = corpus_paths(args.corpora, args.out / "corpora")
+    if missing:
+        parser.error("; ".join(f"corpus {name}: {why}" for name, why in missing.items()))
+    suite = run_suite(planned_runs(args, data), args.out, jobs=args.jobs, threads=args.threads,
+                      train=not args.collect)  # fmt: skip
+    table = cells(args, suite.results)
+    text = markdown(args, table)
+    print(text)
+    if args.report:
+        args.report.mkdir(parents=True, exist_ok=True)
+        command = "python " + " ".join(sys.argv)
+        (args.report / "report.md").write_text(
+            f"# MT-DAO's gap to DDP by number of workers\n\n    {command}\n\n"
+            f"![final loss vs workers](workers.png)\n\n{text}\n"
+        )
+        (args.report / "results.json").write_text(json.dumps(
+            {"kind": "workers-scaling", "command": command, "steps": args.steps,
+             "per_worker_batch": args.per_worker_batch, "global_batch": GLOBAL_BATCH,
+             "data": data, "cells": table}, indent=1) + "\n")  # fmt: skip
+        plot(args, table, args.report / "workers.png")
+    return 1 if suite.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
