@@ -173,7 +173,11 @@ class LocalUpdateSync:
                 if needs_anchor and policy.params.period is not None
                 else []
             )
-        self.outer = NesterovOuterStep(policy.outer, self.anchors) if policy.outer else None
+        self.outer = (
+            NesterovOuterStep(policy.outer, self.anchors, policy.params.period)
+            if policy.outer
+            else None
+        )
         if self.communicator.heals_joiners:  # a worker joining late takes all this from a peer
             self.communicator.attach_trained_state(TrainedState(self))
 
@@ -538,7 +542,7 @@ class LocalUpdateSync:
             # step over the whole round
             new_params = averages
         elif self.outer is not None:
-            self.outer.apply(anchors, averages, indices)
+            self.outer.apply(anchors, averages, indices, pending.land_step)
             new_params = anchors
         else:
             for anchor, average in zip(anchors, averages):

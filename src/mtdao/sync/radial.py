@@ -57,9 +57,7 @@ def check_radial_groups(groups: Sequence[str]) -> tuple[str, ...]:
     return tuple(group for group in RADIAL_GROUPS if group in groups)
 
 
-def radial_update(
-    norm_mean: Tensor, unit_mean: Tensor, numel: int, layout: WorkerLayout
-) -> Tensor:
+def radial_update(norm_mean: Tensor, unit_mean: Tensor, numel: int, layout: WorkerLayout) -> Tensor:
     """``mean norm * u / ||u||`` of a global ``unit_mean`` (of ``numel`` elements in all), zero
     where the unit vectors cancelled to within rounding."""
     direction_norm = layout.global_sum(unit_mean.square()).sqrt()
