@@ -116,9 +116,7 @@ class SyncConfig:
     --outer-momentum-final (0: off)."""
     outer_momentum_final: float = 0.0
     """The outer momentum at the last step, with --outer-momentum-decay."""
-    radial_directional: tuple[str, ...] | None = field(
-        default=None, metadata={"choices": RADIAL_GROUPS}
-    )
+    radial_directional: tuple[str, ...] = field(default=(), metadata={"choices": RADIAL_GROUPS})
     """Average each tensor's update of these kinds (params, momenta) as the workers' mean norm
     along their mean unit direction, not as a plain mean; one more scalar per tensor on the
     link (docs/design.md)."""
@@ -141,13 +139,7 @@ def check_method(config: SyncConfig) -> None:
     """Raise ValueError naming the first bad method setting of ``config`` (flags spelled as
     ``mtdao train`` spells them)."""
     for setting in dataclasses.fields(SyncConfig):
-        choices, value = setting.metadata.get("choices"), getattr(config, setting.name)
-        values = value if isinstance(value, tuple) else (value,)  # a tuple: each of its values
-        for unknown in [v for v in values if choices and v is not None and v not in choices]:
-            raise ValueError(
-                f"--{flag(setting.name)}: unknown value {unknown!r}; "
-                f"choose from {', '.join(choices)}"
-            )
+        check_choice(setting, getattr(config, setting.name))
     positive_int("sync_period", config.sync_period)
     if config.state_sync_period is not None:
         positive_int("state_sync_period", config.state_sync_period)
@@ -186,6 +178,17 @@ def check_method(config: SyncConfig) -> None:
         raise ValueError(f"--beta-ramp must be a finite number >= 0, got {config.beta_ramp}")
 
 
+def check_choice(setting: dataclasses.Field, value: Any) -> None:
+    """Raise ValueError if ``value`` (or, a tuple, one of its values) is not among the
+    ``choices`` of the field ``setting`` (None: unset, fine)."""
+    choices = setting.metadata.get("choices")
+    values = value if isinstance(value, tuple) else (value,)
+    for unknown in [v for v in values if choices and v is not None and v not in choices]:
+        raise ValueError(
+            f"--{flag(setting.name)}: unknown value {unknown!r}; choose from {', '.join(choices)}"
+        )
+
+
 def _check_outer_schedule(config: SyncConfig) -> None:
     """The outer momentum's warm-up and decay, and radial-directional averaging."""
     warmup = config.outer_momentum_warmup
@@ -201,7 +204,7 @@ def _check_outer_schedule(config: SyncConfig) -> None:
                 f"--{flag(name)}: {config.method} takes no outer step; add --outer-step nesterov"
             )
     radial = config.radial_directional
-    if radial is not None and METHOD_TABLE[config.method].averages_gradients:
+    if radial and METHOD_TABLE[config.method].averages_gradients:
         raise ValueError(
             f"--radial-directional: {config.method} averages gradients, not parameters or states"
         )
@@ -286,7 +289,7 @@ def build_sync(
         fragments=config.sync_fragments,
         delay=config.sync_delay,
         codecs=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback),
-        radial_directional=config.radial_directional or (),
+        radial_directional=config.radial_directional,
     )
     if clip_gradients is not None:
         sync.register_gradient_hook(clip_gradients)
