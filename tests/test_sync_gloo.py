@@ -6,6 +6,7 @@ process and each rank is compared with its row of the stacked tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -88,7 +89,17 @@ def data(communicator: Communicator, workers: list[int] | None, step: int):
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
-def train(method: str, communicator: Communicator, stacked: bool) -> dict:
+# options of the round or the outer step, each on a method whose rounds it changes
+OPTIONS = {
+    "local-adam, radial-directional": ("local-adam", dict(radial=("params", "momenta"))),
+    "diloco, outer momentum warm-up and decay": (
+        "diloco",
+        dict(outer=dict(momentum_warmup=2, momentum_decay_from=6, momentum_decay_to=9)),
+    ),
+}
+
+
+def train(method: str, communicator: Communicator, stacked: bool, radial=(), outer=None) -> dict:
     params, workers = setup(communicator, stacked)
     config = resolve(TrainConfig.of(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
     optimizer = build_optimizer(
@@ -97,7 +108,10 @@ def train(method: str, communicator: Communicator, stacked: bool) -> dict:
         config.lr_schedule.lr,
         config.training.weight_decay,
     )
-    sync = LocalUpdateSync(optimizer, build_policy(method, SYNC_PERIOD, optimizer), communicator)
+    policy = build_policy(method, SYNC_PERIOD, optimizer)
+    if outer is not None:
+        policy = dataclasses.replace(policy, outer=dataclasses.replace(policy.outer, **outer))
+    sync = LocalUpdateSync(optimizer, policy, communicator, radial_directional=radial)
     for step in range(STEPS):
         optimizer.zero_grad()
         loss_fn(params, *data(communicator, workers, step)).backward()
@@ -151,6 +165,8 @@ def nan_run(communicator: Communicator, stacked: bool, bad_worker: int, action: 
 
 def rank_work() -> dict:
     results = {method: train(method, ProcessGroupWorkers(), False) for method in METHODS}
+    for name, (method, options) in OPTIONS.items():
+        results[name] = train(method, ProcessGroupWorkers(), False, **options)
     small = ProcessGroupWorkers(bucket_bytes=SMALL_BUCKET_BYTES)
     results["mtdao-small-buckets"] = train("mtdao", small, False)
     results["nan-raise"] = nan_run(ProcessGroupWorkers(), False, 2, "raise")
@@ -167,6 +183,8 @@ def gloo_results(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def simulated_results() -> dict:
     results = {method: train(method, SimulatedWorkers(WORLD_SIZE), True) for method in METHODS}
+    for name, (method, options) in OPTIONS.items():
+        results[name] = train(method, SimulatedWorkers(WORLD_SIZE), True, **options)
     results["nan-raise"] = nan_run(SimulatedWorkers(WORLD_SIZE), True, 2, "raise")
     results["nan-skip"] = nan_run(SimulatedWorkers(WORLD_SIZE), True, 1, "skip")
     return results
@@ -184,7 +202,7 @@ def assert_rank_matches(real: Tensor, stacked: Tensor, rank: int) -> None:
 # -- the comparisons ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS, *OPTIONS])
 def test_gloo_matches_simulated(method, gloo_results, simulated_results):
     simulated = simulated_results[method]
     for rank, results in enumerate(gloo_results):
@@ -207,6 +225,18 @@ def test_gloo_matches_simulated(method, gloo_results, simulated_results):
         assert simulated["traffic"]["rounds"] == STEPS // SYNC_PERIOD
     # two dtypes: float64 and float32 travel in separate collectives
     assert simulated["traffic"]["collectives"] == 2 * simulated["traffic"]["rounds"]
+
+
+def test_options_change_the_training_they_are_compared_on(simulated_results):
+    radial = simulated_results["local-adam, radial-directional"]
+    # each round: 3 parameters and their 3 first momenta, one float64 norm each
+    assert radial["traffic"]["bytes_by_kind"]["norms"] == STEPS // SYNC_PERIOD * 6 * 8
+    for name, plain in (
+        ("local-adam, radial-directional", "local-adam"),
+        ("diloco, outer momentum warm-up and decay", "diloco"),
+    ):
+        changed, unchanged = simulated_results[name]["params"], simulated_results[plain]["params"]
+        assert not all(torch.allclose(a, b) for a, b in zip(changed, unchanged)), name
 
 
 def test_gloo_small_buckets_split_collectives_not_results(gloo_results, simulated_results):
