@@ -13,6 +13,7 @@ from torch.testing import assert_close
 
 from mtdao.sync import (
     LocalUpdateSync,
+    NonFiniteError,
     OuterOptimizerConfig,
     SimulatedWorkers,
     SyncCodecs,
@@ -272,3 +273,25 @@ def test_bad_settings_are_refused(policy, radial, options, message):
             radial_directional=radial,
             **options,
         )
+
+
+def test_a_worker_left_out_for_nan_is_left_out_of_norms_and_directions():
+    x0 = [torch.randn(4, dtype=torch.float64)]
+    params, sync = params_sync(SyncPolicy(params=SyncRule(1)), x0, on_non_finite="skip")
+    d = deltas(10, 4)
+    d[1, 2] = float("nan")
+    step_with(sync, params, [d])
+    kept = d[[0, 2, 3]]
+    expected = x0[0] - reference(kept)
+    assert_close(params[0].detach(), expected.expand_as(params[0]), **EXACT)
+    assert sync.skipped_rounds[0]["workers"] == [1]
+
+
+def test_a_nan_worker_is_named_by_its_tensor_not_by_its_norm():
+    params, sync = params_sync(
+        SyncPolicy(params=SyncRule(1)), [torch.zeros(4, dtype=torch.float64)]
+    )
+    d = deltas(11, 4)
+    d[2, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match="worker 2: param 0 of group 0"):
+        step_with(sync, params, [d])
