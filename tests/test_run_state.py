@@ -32,6 +32,10 @@ ENGINES = {
     "diloco (anchors, outer momentum)": lambda: dict(
         policy=explicit(4, outer=OuterOptimizerConfig())
     ),
+    # a delayed radial-directional round (its norms) is in flight, the momenta have anchors
+    "delay radial-directional": lambda: dict(
+        policy=unified(4), delay=2, radial_directional=("params", "momenta")
+    ),
 }
 
 
@@ -103,7 +107,10 @@ def test_the_engines_sharded_state_resumes_bit_identically(name):
     trained = TrainedState(sync).state_dict()
     sharded, plain = copy.deepcopy(sync.sharded_state_dict())
     assert not tensors_of(plain), "every tensor of the engine goes to DCP"
-    if name.startswith("delay"):
+    if name == "delay radial-directional":
+        assert sync.pending.rounds and set(sharded) == {"anchors", "rounds", "radial_anchors"}
+        assert plain["pending"][0]["norms"]["averages"]
+    elif name.startswith("delay"):
         assert sync.pending.rounds and set(sharded) >= {"anchors", "rounds", "residuals"}
     else:
         assert set(sharded) == {"anchors", "outer_momentum"}

@@ -207,6 +207,31 @@ def test_outer_step_sign_and_scale_with_a_mocked_collective():
     assert_close(sync.anchors[0], x1, **EXACT)
 
 
+def test_outer_momentum_warm_up_starts_each_run_at_its_start_value():
+    """W = 1 from 0: the first outer step has no momentum, the second the configured one."""
+    workers = 3
+    x0 = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    param = torch.nn.Parameter(x0.expand(workers, 5).clone())
+    optimizer = torch.optim.SGD([param], lr=1.0)  # worker w moves to x - grad_w
+    outer = OuterOptimizerConfig(lr=0.7, momentum=0.9, momentum_warmup=1, momentum_start=0.0)
+    sync = LocalUpdateSync(
+        optimizer, SyncPolicy(params=SyncRule(2), outer=outer), SimulatedWorkers(workers)
+    )
+    gen = torch.Generator().manual_seed(2)
+    d, e = (torch.randn(workers, 5, dtype=torch.float64, generator=gen) for _ in range(2))
+    for grad in (d, torch.zeros_like(d)):  # the round of steps 1-2 moves each worker by -d
+        param.grad = grad.clone()
+        sync.step()
+    x1 = x0 - 0.7 * d.mean(dim=0)  # momentum 0: buffer = step = the pseudo-gradient
+    assert_close(param.detach(), x1.expand(workers, 5), **EXACT)
+    for grad in (e, torch.zeros_like(e)):
+        param.grad = grad.clone()
+        sync.step()
+    buffer = 0.9 * d.mean(dim=0) + e.mean(dim=0)
+    x2 = x1 - 0.7 * (e.mean(dim=0) + 0.9 * buffer)
+    assert_close(param.detach(), x2.expand(workers, 5), **EXACT)
+
+
 def test_outer_step_on_simulated_workers_two_rounds():
     workers = 3
     x0 = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -88,7 +88,14 @@ def data(communicator: Communicator, workers: list[int] | None, step: int):
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
-def train(method: str, communicator: Communicator, stacked: bool) -> dict:
+# options of the round, each on a method whose rounds it changes (the outer momentum's schedule
+# sends nothing: a function of the step, tests/test_sync_engine.py)
+OPTIONS = {
+    "local-adam, radial-directional": ("local-adam", dict(radial=("params", "momenta"))),
+}
+
+
+def train(method: str, communicator: Communicator, stacked: bool, radial=()) -> dict:
     params, workers = setup(communicator, stacked)
     config = resolve(TrainConfig.of(method=method, optimizer="adam", lr=2e-2, weight_decay=0.0))
     optimizer = build_optimizer(
@@ -97,7 +104,8 @@ def train(method: str, communicator: Communicator, stacked: bool) -> dict:
         config.lr_schedule.lr,
         config.training.weight_decay,
     )
-    sync = LocalUpdateSync(optimizer, build_policy(method, SYNC_PERIOD, optimizer), communicator)
+    policy = build_policy(method, SYNC_PERIOD, optimizer)
+    sync = LocalUpdateSync(optimizer, policy, communicator, radial_directional=radial)
     for step in range(STEPS):
         optimizer.zero_grad()
         loss_fn(params, *data(communicator, workers, step)).backward()
@@ -151,6 +159,8 @@ def nan_run(communicator: Communicator, stacked: bool, bad_worker: int, action: 
 
 def rank_work() -> dict:
     results = {method: train(method, ProcessGroupWorkers(), False) for method in METHODS}
+    for name, (method, options) in OPTIONS.items():
+        results[name] = train(method, ProcessGroupWorkers(), False, **options)
     small = ProcessGroupWorkers(bucket_bytes=SMALL_BUCKET_BYTES)
     results["mtdao-small-buckets"] = train("mtdao", small, False)
     results["nan-raise"] = nan_run(ProcessGroupWorkers(), False, 2, "raise")
@@ -167,6 +177,8 @@ def gloo_results(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def simulated_results() -> dict:
     results = {method: train(method, SimulatedWorkers(WORLD_SIZE), True) for method in METHODS}
+    for name, (method, options) in OPTIONS.items():
+        results[name] = train(method, SimulatedWorkers(WORLD_SIZE), True, **options)
     results["nan-raise"] = nan_run(SimulatedWorkers(WORLD_SIZE), True, 2, "raise")
     results["nan-skip"] = nan_run(SimulatedWorkers(WORLD_SIZE), True, 1, "skip")
     return results
@@ -184,7 +196,7 @@ def assert_rank_matches(real: Tensor, stacked: Tensor, rank: int) -> None:
 # -- the comparisons ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS, *OPTIONS])
 def test_gloo_matches_simulated(method, gloo_results, simulated_results):
     simulated = simulated_results[method]
     for rank, results in enumerate(gloo_results):
@@ -207,6 +219,14 @@ def test_gloo_matches_simulated(method, gloo_results, simulated_results):
         assert simulated["traffic"]["rounds"] == STEPS // SYNC_PERIOD
     # two dtypes: float64 and float32 travel in separate collectives
     assert simulated["traffic"]["collectives"] == 2 * simulated["traffic"]["rounds"]
+
+
+def test_radial_directional_changes_the_training_it_is_compared_on(simulated_results):
+    radial = simulated_results["local-adam, radial-directional"]
+    # each round: 3 parameters and their 3 first momenta, one float64 norm each
+    assert radial["traffic"]["bytes_by_kind"]["norms"] == STEPS // SYNC_PERIOD * 6 * 8
+    plain = simulated_results["local-adam"]["params"]
+    assert not all(torch.allclose(a, b) for a, b in zip(radial["params"], plain))
 
 
 def test_gloo_small_buckets_split_collectives_not_results(gloo_results, simulated_results):

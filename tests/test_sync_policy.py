@@ -59,6 +59,48 @@ def test_bad_outer_hyperparameters_are_refused(lr, momentum):
         OuterOptimizerConfig(lr=lr, momentum=momentum)
 
 
+def test_outer_momentum_is_constant_without_a_schedule():
+    config = OuterOptimizerConfig(momentum=0.9)
+    assert {config.momentum_at(step, 4) for step in range(1, 200)} == {0.9}
+
+
+def test_outer_momentum_warms_up_over_the_first_syncs_then_decays_to_its_final_value():
+    config = OuterOptimizerConfig(
+        momentum=0.9,
+        momentum_warmup=3,
+        momentum_start=0.5,
+        momentum_decay_from=80,
+        momentum_decay_to=100,
+        momentum_final=0.5,
+    )
+    # syncs 1, 2, 3 ramp (every K = 4 steps), sync 4 reaches 0.9; a delayed or fragment's
+    # step counts with the sync it belongs to
+    assert config.momentum_at(4, 4) == pytest.approx(0.5, abs=1e-15)
+    assert config.momentum_at(3, 4) == pytest.approx(0.5, abs=1e-15)
+    assert config.momentum_at(8, 4) == pytest.approx(0.5 + 0.4 / 3, abs=1e-15)
+    assert config.momentum_at(12, 4) == pytest.approx(0.5 + 0.8 / 3, abs=1e-15)
+    assert config.momentum_at(16, 4) == pytest.approx(0.9, abs=1e-15)
+    assert config.momentum_at(80, 4) == pytest.approx(0.9, abs=1e-15)
+    assert config.momentum_at(90, 4) == pytest.approx(0.7, abs=1e-15)
+    assert config.momentum_at(100, 4) == pytest.approx(0.5, abs=1e-15)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(momentum_start=1.0), "momentum_start"),
+        (dict(momentum_final=-0.1), "momentum_final"),
+        (dict(momentum_warmup=-1), "momentum_warmup"),
+        (dict(momentum_warmup=2.5), "momentum_warmup"),
+        (dict(momentum_decay_from=10), "decay steps"),
+        (dict(momentum_decay_from=10, momentum_decay_to=10), "decay steps"),
+    ],
+)
+def test_bad_outer_momentum_schedules_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        OuterOptimizerConfig(**settings)
+
+
 def test_unknown_state_names_are_refused_with_the_valid_names():
     param = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
     optimizer = MTAdam([param], lr=1e-2, betas=(0.9,), omegas=(1.0,))

@@ -166,6 +166,11 @@ def test_given_values_survive_resolution():
         ("beta_ramp", -1.0, "--beta-ramp must be a finite number >= 0"),
         ("beta_ramp", math.inf, "--beta-ramp must be a finite number >= 0"),
         ("outer_step", "sgd", "--outer-step: unknown value 'sgd'"),
+        ("outer_momentum_start", 1.0, "--outer-momentum-start must lie in [0, 1)"),
+        ("outer_momentum_final", -0.5, "--outer-momentum-final must lie in [0, 1)"),
+        ("outer_momentum_warmup", -2, "--outer-momentum-warmup must be an integer >= 0"),
+        ("outer_momentum_decay", 1.5, "--outer-momentum-decay must lie in [0, 1]"),
+        ("radial_directional", ("exp_avg_sq",), "--radial-directional: unknown value 'exp_avg_sq'"),
     ],
 )
 def test_resolve_names_the_bad_flag(field, value, match):
@@ -189,6 +194,14 @@ def test_resolve_cross_field_rules():
             resolve(TrainConfig.of(method=method, outer_step="nesterov"))
     for method in ("local-adam", "desloc", "mtdao", "diloco"):
         resolve(TrainConfig.of(method=method, outer_step="nesterov"))
+    with pytest.raises(ValueError, match="--outer-momentum-warmup: mtdao takes no outer step"):
+        resolve(TrainConfig.of(outer_momentum_warmup=3))
+    with pytest.raises(ValueError, match="--outer-momentum-decay: local-adam takes no outer"):
+        resolve(TrainConfig.of(method="local-adam", outer_momentum_decay=0.1))
+    with pytest.raises(ValueError, match="--radial-directional: ddp averages gradients"):
+        resolve(TrainConfig.of(method="ddp", radial_directional=("params",)))
+    resolve(TrainConfig.of(method="diloco", outer_momentum_warmup=3, outer_momentum_decay=0.1))
+    resolve(TrainConfig.of(radial_directional=("params", "momenta")))
     with pytest.raises(ValueError, match="give --resume .* or --overwrite, not both"):
         resolve(TrainConfig.of(resume=True, overwrite=True))
     with pytest.raises(ValueError, match="--extend re-plans a resumed run: it needs --resume"):
@@ -312,6 +325,7 @@ def test_differences_ignore_exactly_the_resumable_fields():
         int: 7,
         float: 0.123,
         bool: None,  # flipped below
+        tuple: ("changed",),
     }
     for name, current in flat_values(base).items():
         if isinstance(current, bool):

@@ -68,3 +68,25 @@ def test_first_sync_is_a_nesterov_step_on_the_average(tmp_path, corpus_dir):
         for key, value in plain.optimizer.state[p_plain].items():
             torch.testing.assert_close(outer.optimizer.state[p_outer][key], value)
         assert torch.equal(p_outer[0], p_outer[1])  # every worker restarts from the outer step
+
+
+def test_the_outer_momentum_schedule_and_radial_averaging_reach_the_engine(tmp_path, corpus_dir):
+    run = run_for(
+        tmp_path,
+        corpus_dir,
+        "scheduled",
+        outer_step="nesterov",
+        outer_momentum_warmup=1,
+        outer_momentum_start=0.3,
+        outer_momentum_decay=0.5,
+        outer_momentum_final=0.6,
+        radial_directional=("momenta", "params"),
+    )
+    outer = run.sync.policy.outer
+    # a run of 2 K = 6 steps decays over its last half: from step 3 to step 6
+    assert (outer.momentum_decay_from, outer.momentum_decay_to) == (3, 2 * K)
+    assert [outer.momentum_at(step, K) for step in (K, 2 * K)] == [0.3, 0.6]
+    assert run.sync.plan.radial.groups == ("params", "momenta")
+    plain = run_for(tmp_path, corpus_dir, "plain", outer_step="nesterov")
+    assert plain.sync.policy.outer.momentum_at(K, K) == 0.9
+    assert plain.sync.plan.radial.groups == ()

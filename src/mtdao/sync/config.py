@@ -34,6 +34,7 @@ from mtdao.sync.methods import (
 )
 from mtdao.sync.optimizer_defaults import OPTIMIZER_DEFAULTS
 from mtdao.sync.policy import OuterOptimizerConfig
+from mtdao.sync.radial import RADIAL_GROUPS
 from mtdao.sync.round_options import (
     check_delay_lands,
     check_delay_value,
@@ -105,6 +106,20 @@ class SyncConfig:
     """Outer learning rate (diloco, or --outer-step nesterov)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum (diloco, or --outer-step nesterov)."""
+    outer_momentum_warmup: int = 0
+    """W: the outer momentum rises linearly from --outer-momentum-start at the first parameter
+    sync to --outer-momentum at sync W + 1 (0: off)."""
+    outer_momentum_start: float = 0.0
+    """The outer momentum at the first sync, with --outer-momentum-warmup."""
+    outer_momentum_decay: float = 0.0
+    """Fraction of the run, at its end, over which the outer momentum falls linearly to
+    --outer-momentum-final (0: off)."""
+    outer_momentum_final: float = 0.0
+    """The outer momentum at the last step, with --outer-momentum-decay."""
+    radial_directional: tuple[str, ...] = field(default=(), metadata={"choices": RADIAL_GROUPS})
+    """Average each tensor's update of these kinds (params, momenta) as the workers' mean norm
+    along their mean unit direction, not as a plain mean; one more scalar per tensor on the
+    link (docs/design.md)."""
     on_non_finite: str = choice("raise", NON_FINITE_ACTIONS)
     """NaN/inf in a worker at a sync: stop (raise), or leave that worker out and heal it with the
     others' average of everything it holds (skip; evaluation and checkpoints meanwhile leave it
@@ -124,11 +139,7 @@ def check_method(config: SyncConfig) -> None:
     """Raise ValueError naming the first bad method setting of ``config`` (flags spelled as
     ``mtdao train`` spells them)."""
     for setting in dataclasses.fields(SyncConfig):
-        choices, value = setting.metadata.get("choices"), getattr(config, setting.name)
-        if choices and value is not None and value not in choices:
-            raise ValueError(
-                f"--{flag(setting.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
-            )
+        check_choice(setting, getattr(config, setting.name))
     positive_int("sync_period", config.sync_period)
     if config.state_sync_period is not None:
         positive_int("state_sync_period", config.state_sync_period)
@@ -151,8 +162,10 @@ def check_method(config: SyncConfig) -> None:
         ):
             raise ValueError(f"--{name}: {config.optimizer} has no {name}")
     positive("outer_lr", config.outer_lr)
-    if not 0.0 <= config.outer_momentum < 1.0:
-        raise ValueError(f"--outer-momentum must lie in [0, 1), got {config.outer_momentum}")
+    for name in ("outer_momentum", "outer_momentum_start", "outer_momentum_final"):
+        if not 0.0 <= getattr(config, name) < 1.0:
+            raise ValueError(f"--{flag(name)} must lie in [0, 1), got {getattr(config, name)}")
+    _check_outer_schedule(config)
     if config.outer_step == "nesterov" and METHOD_TABLE[config.method].averages_gradients:
         raise ValueError(f"--outer-step: {config.method} averages gradients, not parameters")
     for name in ("omega_warmup", "beta_warmup"):
@@ -163,6 +176,38 @@ def check_method(config: SyncConfig) -> None:
         math.isfinite(config.beta_ramp) and config.beta_ramp >= 0
     ):
         raise ValueError(f"--beta-ramp must be a finite number >= 0, got {config.beta_ramp}")
+
+
+def check_choice(setting: dataclasses.Field, value: Any) -> None:
+    """Raise ValueError if ``value`` (or, a tuple, one of its values) is not among the
+    ``choices`` of the field ``setting`` (None: unset, fine)."""
+    choices = setting.metadata.get("choices")
+    values = value if isinstance(value, tuple) else (value,)
+    for unknown in [v for v in values if choices and v is not None and v not in choices]:
+        raise ValueError(
+            f"--{flag(setting.name)}: unknown value {unknown!r}; choose from {', '.join(choices)}"
+        )
+
+
+def _check_outer_schedule(config: SyncConfig) -> None:
+    """The outer momentum's warm-up and decay, and radial-directional averaging."""
+    warmup = config.outer_momentum_warmup
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"--outer-momentum-warmup must be an integer >= 0, got {warmup!r}")
+    decay = config.outer_momentum_decay
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"--outer-momentum-decay must lie in [0, 1], got {decay}")
+    has_outer = METHOD_TABLE[config.method].outer_step or config.outer_step == "nesterov"
+    for name, value in (("outer_momentum_warmup", warmup), ("outer_momentum_decay", decay)):
+        if value and not has_outer:
+            raise ValueError(
+                f"--{flag(name)}: {config.method} takes no outer step; add --outer-step nesterov"
+            )
+    radial = config.radial_directional
+    if radial and METHOD_TABLE[config.method].averages_gradients:
+        raise ValueError(
+            f"--radial-directional: {config.method} averages gradients, not parameters or states"
+        )
 
 
 def _check_round_options(config: SyncConfig) -> None:
@@ -222,15 +267,17 @@ def build_sync(
     optimizer: Optimizer,
     communicator: Communicator,
     clip_gradients: Callable[[], object] | None = None,
+    total_steps: int | None = None,
 ) -> LocalUpdateSync:
     """The engine carrying out a resolved config's method over ``communicator``;
-    ``clip_gradients`` runs between gradient averaging and each step (on each worker)."""
+    ``clip_gradients`` runs between gradient averaging and each step (on each worker);
+    ``total_steps``: the run's length, which an outer momentum decay needs."""
     policy = build_policy(
         config.method,
         config.sync_period,
         optimizer,
         config.sync_policy,
-        outer_step_of(config),
+        outer_step_of(config, total_steps),
         config.state_sync_period,
     )
     sync = LocalUpdateSync(
@@ -242,17 +289,35 @@ def build_sync(
         fragments=config.sync_fragments,
         delay=config.sync_delay,
         codecs=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback),
+        radial_directional=config.radial_directional,
     )
     if clip_gradients is not None:
         sync.register_gradient_hook(clip_gradients)
     return sync
 
 
-def outer_step_of(config: SyncConfig) -> OuterOptimizerConfig | None:
-    """DiLoCo's outer step, or one a local method adds with ``outer_step="nesterov"``."""
+def outer_step_of(
+    config: SyncConfig, total_steps: int | None = None
+) -> OuterOptimizerConfig | None:
+    """DiLoCo's outer step, or one a local method adds with ``outer_step="nesterov"``, with its
+    momentum's warm-up and (over the last part of a run of ``total_steps``) decay."""
     if not (METHOD_TABLE[config.method].outer_step or config.outer_step == "nesterov"):
         return None
-    return OuterOptimizerConfig(lr=config.outer_lr, momentum=config.outer_momentum)
+    decay_from = decay_to = None
+    if config.outer_momentum_decay > 0:
+        if total_steps is None:
+            raise ValueError("--outer-momentum-decay needs the run's total steps to end at")
+        decay_to = total_steps
+        decay_from = min(round(total_steps * (1 - config.outer_momentum_decay)), total_steps - 1)
+    return OuterOptimizerConfig(
+        lr=config.outer_lr,
+        momentum=config.outer_momentum,
+        momentum_warmup=config.outer_momentum_warmup,
+        momentum_start=config.outer_momentum_start,
+        momentum_decay_from=decay_from,
+        momentum_decay_to=decay_to,
+        momentum_final=config.outer_momentum_final,
+    )
 
 
 def warmups_of(config: SyncConfig, total_steps: int) -> tuple[OmegaWarmup, BetaWarmup]:

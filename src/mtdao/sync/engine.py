@@ -30,7 +30,9 @@ change how a round travels, each in its own module the engine composes:
   step), merged with the local progress made meanwhile, its collectives running while the
   workers compute;
 * ``codecs`` (:mod:`.compression`, :mod:`.quantize`): a dtype on the link per kind, parameters
-  sent as pseudo-gradients.
+  sent as pseudo-gradients;
+* ``radial_directional`` (:mod:`.radial`): the parameters' and/or momenta's updates averaged
+  as a mean norm and a mean direction apart.
 
 They work on every communicator. One whose transport runs a single round at a time (a torchft
 manager: one quorum, one commit) settles the rounds in flight, landed and committed, before it
@@ -93,6 +95,8 @@ class LocalUpdateSync:
     ``fragments``, ``delay`` and ``codecs`` (a :class:`~mtdao.sync.compression.SyncCodecs`) split,
     overlap and quantize the rounds (see the module docstring); ``state_decays`` gives each state
     key's EMA decay for the delayed merge (default: :func:`~mtdao.sync.policy.state_decays`).
+    ``radial_directional`` names the kinds (``params``, ``momenta``) averaged as norm and
+    direction apart (:mod:`~mtdao.sync.radial`).
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class LocalUpdateSync:
         delay: int = 0,
         codecs: SyncCodecs | None = None,
         state_decays: dict[str, float] | None = None,
+        radial_directional: tuple[str, ...] = (),
     ) -> None:
         self.optimizer = optimizer
         self.policy = policy
@@ -141,6 +146,7 @@ class LocalUpdateSync:
             delay=delay,
             codecs=codecs,
             decays=state_decays,
+            radial=radial_directional,
         )
         self.non_finite = NonFiniteWorkers(
             on_non_finite,
@@ -155,14 +161,23 @@ class LocalUpdateSync:
         with torch.no_grad():
             if broadcast_initial:
                 self.communicator.broadcast_from_first(self.params)
-            needs_anchor = policy.outer is not None or track_alignment or self.plan.pseudo_gradients
+            needs_anchor = (
+                policy.outer is not None
+                or track_alignment
+                or self.plan.pseudo_gradients
+                or self.plan.radial_params
+            )
             # The anchor is the global model after the last parameter sync (DiLoCo's x_start).
             self.anchors = (
                 [self.layout.global_copy(p) for p in self.params]
                 if needs_anchor and policy.params.period is not None
                 else []
             )
-        self.outer = NesterovOuterStep(policy.outer, self.anchors) if policy.outer else None
+        self.outer = (
+            NesterovOuterStep(policy.outer, self.anchors, policy.params.period)
+            if policy.outer
+            else None
+        )
         if self.communicator.heals_joiners:  # a worker joining late takes all this from a peer
             self.communicator.attach_trained_state(TrainedState(self))
 
@@ -440,6 +455,7 @@ class LocalUpdateSync:
         try:
             averages = landing.land()
             checked = self._check(landing, averages, heal=landing.due.kinds[0] != "grads")
+            checked.averages = self.plan.decoded(landing, checked.averages, self.anchors)
             due, num_params = landing.due, len(landing.due.param_indices)
             if num_params and self.track_alignment and self.anchors:
                 # the per-worker gathers are part of the round: a peer lost in them discards it
@@ -526,7 +542,7 @@ class LocalUpdateSync:
             # step over the whole round
             new_params = averages
         elif self.outer is not None:
-            self.outer.apply(anchors, averages, indices)
+            self.outer.apply(anchors, averages, indices, pending.land_step)
             new_params = anchors
         else:
             for anchor, average in zip(anchors, averages):
@@ -567,6 +583,7 @@ class LocalUpdateSync:
             "pseudo_gradients": self.plan.pseudo_gradients.state_dict()
             if self.plan.pseudo_gradients
             else None,
+            "radial": self.plan.radial.state_dict() if self.plan.radial.groups else None,
         }
 
     def _rounds_in_flight(self) -> list[dict[str, Any]]:
@@ -610,6 +627,8 @@ class LocalUpdateSync:
         self.in_sync = {
             (kind, int(index)): int(step) for kind, index, step in state.get("in_sync", [])
         }
+        if self.plan.radial.groups and state.get("radial"):
+            self.plan.radial.load_state_dict(state["radial"])
         self.pending = RoundsInFlight()
         for saved in state.get("pending", []):
             restored = self.plan.restore(saved)
@@ -619,6 +638,8 @@ class LocalUpdateSync:
                 restored.recorded = True
             elif saved["committed"]:  # settled early (one round at a time): only to apply
                 restored.restore_committed()
+                checked = restored.checked
+                checked.averages = self.plan.decoded(restored, checked.averages, self.anchors)
             self.pending.add(restored)
         if self.plan.pseudo_gradients is not None and state.get("pseudo_gradients"):
             self.plan.pseudo_gradients.load_state_dict(state["pseudo_gradients"])

@@ -18,8 +18,11 @@ from mtdao.sync.policy import OuterOptimizerConfig
 class NesterovOuterStep:
     """``pseudo_gradient = anchor - mean(x)``; ``anchor -= lr * nesterov(pseudo_gradient)``."""
 
-    def __init__(self, config: OuterOptimizerConfig, anchors: Sequence[Tensor]) -> None:
+    def __init__(
+        self, config: OuterOptimizerConfig, anchors: Sequence[Tensor], sync_period: int
+    ) -> None:
         self.config = config
+        self.sync_period = sync_period
         self.momentum_buffers = [torch.zeros_like(anchor) for anchor in anchors]
 
     @torch.no_grad()
@@ -27,11 +30,13 @@ class NesterovOuterStep:
         self,
         anchors: Sequence[Tensor],
         averages: Sequence[Tensor],
-        indices: Sequence[int] | None = None,
+        indices: Sequence[int] | None,
+        step: int,
     ) -> None:
         """Move ``anchors`` (in place) by one outer step towards the worker average; ``indices``
-        name the parameters they are when only some are synced (fragments)."""
-        lr, momentum = self.config.lr, self.config.momentum
+        name the parameters they are when only some are synced (fragments); ``step``: the step
+        the sync belongs to, for the momentum's schedule."""
+        lr, momentum = self.config.lr, self.config.momentum_at(step, self.sync_period)
         buffers = self.momentum_buffers
         if indices is not None:
             buffers = [buffers[i] for i in indices]

@@ -22,17 +22,58 @@ NON_AVERAGED_STATE_KEYS = frozenset({"step"})
 
 @dataclass(frozen=True)
 class OuterOptimizerConfig:
-    """DiLoCo's outer step: SGD with Nesterov momentum on the averaged pseudo-gradient."""
+    """DiLoCo's outer step: SGD with Nesterov momentum on the averaged pseudo-gradient.
+
+    The momentum may follow a schedule over the outer steps (:meth:`momentum_at`): a warm-up
+    from ``momentum_start`` over the first ``momentum_warmup`` parameter syncs, and a linear
+    decay to ``momentum_final`` between the steps ``momentum_decay_from`` and
+    ``momentum_decay_to``. Both are off by default: the momentum is ``momentum`` throughout.
+    """
 
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    momentum_warmup: int = 0
+    """W: the momentum is ``momentum_start`` at the first sync and rises linearly to
+    ``momentum`` at sync W + 1 (0: no warm-up)."""
+    momentum_start: float = 0.0
+    momentum_decay_from: int | None = None
+    """The step after which the momentum falls linearly, reaching ``momentum_final`` at step
+    ``momentum_decay_to`` (None: no decay)."""
+    momentum_decay_to: int | None = None
+    momentum_final: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0.0:
             raise ValueError(f"Invalid outer lr: {self.lr} (must be > 0)")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"Invalid outer momentum: {self.momentum} (must lie in [0, 1))")
+        for name in ("momentum", "momentum_start", "momentum_final"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"Invalid outer {name}: {value} (must lie in [0, 1))")
+        warmup = self.momentum_warmup
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"Invalid outer momentum_warmup: {warmup!r} (must be an integer >= 0)")
+        decay = (self.momentum_decay_from, self.momentum_decay_to)
+        if (decay[0] is None) != (decay[1] is None) or (
+            decay[0] is not None and not 0 <= decay[0] < decay[1]
+        ):
+            raise ValueError(
+                f"Invalid outer momentum decay steps {decay} (both None, or 0 <= from < to)"
+            )
+
+    def momentum_at(self, step: int, sync_period: int) -> float:
+        """The momentum of the outer step taken at ``step`` (a parameter sync every
+        ``sync_period`` steps: that step's sync is the ``ceil(step / sync_period)``-th)."""
+        momentum = self.momentum
+        sync = -(-step // sync_period)
+        if self.momentum_warmup and sync <= self.momentum_warmup:  # sync W + 1 reaches it
+            start = self.momentum_start
+            momentum = start + (self.momentum - start) * (sync - 1) / self.momentum_warmup
+        begin, end = self.momentum_decay_from, self.momentum_decay_to
+        if begin is not None and step > begin:
+            fraction = min(1.0, (step - begin) / (end - begin))
+            momentum = momentum + (self.momentum_final - momentum) * fraction
+        return momentum
 
 
 @dataclass(frozen=True)

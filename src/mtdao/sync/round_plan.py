@@ -11,6 +11,9 @@ change a round without changing the policy, and does the parts of a round that d
 * :meth:`RoundPlan.apply`: assign the averages, or merge them into a delayed round's tensors
   (:mod:`.overlap`).
 
+Radial-directional averaging (:mod:`.radial`) is a fourth such option: the kinds it names are
+sent as unit updates with their norms, and decoded (:meth:`RoundPlan.decoded`) once landed.
+
 With the defaults (one fragment, no delay, float32) a round is collected, sent and applied exactly
 as a plain blocking round. A sharded tensor (DTensor) is collected whole (fragments and sizes are
 the whole tensor's) and handled as its local shard from the send on: snapshots, pseudo-gradients,
@@ -33,6 +36,7 @@ from mtdao.sync.fragments import FragmentSchedule
 from mtdao.sync.overlap import POSITIVE_STATE_KEYS, merge, merge_factor
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy, SyncRule, state_decays
 from mtdao.sync.quantize import check_supported
+from mtdao.sync.radial import NORMS_KIND, RadialDirectional
 from mtdao.sync.round_options import check_round_options
 from mtdao.sync.rounds import Round, SyncRound
 
@@ -51,6 +55,7 @@ class RoundPlan:
         delay: int = 0,
         codecs: SyncCodecs | None = None,
         decays: dict[str, float] | None = None,
+        radial: Sequence[str] = (),
     ) -> None:
         codecs = codecs or SyncCodecs()
         delay = check_round_options(policy, delay=delay, fragments=fragments, codecs=codecs)
@@ -77,6 +82,21 @@ class RoundPlan:
             except ValueError:  # an optimizer of unknown decays: the plain delta merge
                 decays = {}
         self.decays = dict(decays or {})
+        self.radial = RadialDirectional(radial, self.layout, communicator.transport.stacked)
+        if "params" in self.radial.groups and policy.params.period is None:
+            raise ValueError(
+                "--radial-directional params: the policy never averages the parameters"
+            )
+        if "params" in self.radial.groups and codecs.error_feedback:
+            raise ValueError(
+                "--radial-directional params: error feedback corrects the pseudo-gradient, not "
+                "the unit vector sent in its place; drop --error-feedback"
+            )
+
+    @property
+    def radial_params(self) -> bool:
+        """Whether the parameters go as norm and direction (they then need anchors)."""
+        return "params" in self.radial.groups
 
     def collect(self, step: int) -> SyncRound:
         """The round sent at ``step``: what is due D steps later (a delayed round lands where a
@@ -136,6 +156,9 @@ class RoundPlan:
             for j, index in enumerate(due.param_indices):
                 residuals_before[index] = self.pseudo_gradients.residuals.get(index)
                 sent[j] = self.pseudo_gradients.payload(index, anchors[index], sent[j])
+        if self.radial.groups:
+            pseudo_gradients_sent = self.pseudo_gradients is not None
+            sent = self.radial.encode(due.kinds, due.owners, sent, anchors, pseudo_gradients_sent)
         land, advance = due.step + delay, due.step + max(1, delay // 2)
         opened = Round(due, sent, snapshots, land, advance, self.pseudo_gradients, residuals_before)
         try:
@@ -146,12 +169,25 @@ class RoundPlan:
         return opened
 
     def average(self, due: SyncRound, sent: Sequence[Tensor], excluded=()) -> Averages:
+        norms = list(sent[len(due.tensors) :])  # radial-directional norms, in float
+        kinds = list(due.kinds) + [NORMS_KIND] * len(norms)
         # a local shard sent goes as a DTensor again: its worker's traffic counts the whole tensor
-        sent = [shard_like(t, value) for t, value in zip(due.tensors, sent)]
+        sent = [shard_like(t, value) for t, value in zip(due.tensors, sent)] + norms
         if not self.codecs.quantizes_anything:
-            return self.communicator.average(sent, due.kinds, excluded)
-        codecs = [self.codecs.codec(kind) for kind in due.kinds]
-        return self.communicator.average(sent, due.kinds, excluded, codecs)
+            return self.communicator.average(sent, kinds, excluded)
+        codecs = [self.codecs.codec(kind) for kind in due.kinds] + [None] * len(norms)
+        return self.communicator.average(sent, kinds, excluded, codecs)
+
+    def decoded(self, pending: Round, averages: list[Tensor], anchors) -> list[Tensor]:
+        """The averages of what the round's tensors sent, one per tensor: radial-directional
+        kinds decoded (:mod:`.radial`), the rest as they are."""
+        if not self.radial.groups:
+            return averages
+        due, pseudo_gradients_sent = pending.due, self.pseudo_gradients is not None
+        numels = [self.layout.worker_numel(t) for t in due.tensors]
+        return self.radial.decode(
+            due.kinds, due.owners, averages, numels, anchors, pseudo_gradients_sent
+        )
 
     def global_params(self, pending: Round, means: list[Tensor], anchors) -> list[Tensor]:
         """The new global parameters from the averages of what the parameters sent."""
@@ -164,6 +200,8 @@ class RoundPlan:
         """Give the round's tensors from position ``first`` on their new global ``values``: one
         assignment, or (a delayed round) a merge into each."""
         tensors = pending.due.tensors[first : first + len(values)]
+        kinds, owners = pending.due.kinds[first:], pending.due.owners[first:]
+        self.radial.remember(kinds, owners, values)
         if pending.snapshots is None:
             self.communicator.assign(tensors, values)
             return

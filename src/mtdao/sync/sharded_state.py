@@ -2,12 +2,14 @@
 
 A process of a sharded worker holds its own shard of everything element-wise the engine keeps:
 the anchors and the outer momentum, each delayed round's tensors (what it sent, its snapshots,
-the averages) and every error-feedback residual. These go to DCP like the parameters, as DTensors
+the averages), every error-feedback residual and the radial-directional momenta's anchors. These go to DCP like the parameters, as DTensors
 named by the tensor they belong to: DCP records their global shapes, so they reshard exactly on a
 resume with another number of shards (each value is element-wise, whatever block it was quantized
 in). The rest (the step, the traffic account, the record of rounds, each round's steps and byte
-counts, which parameters have residuals) is plain and goes to the worker's own file; it says how
-to lay the same DTensors out again before DCP reads into them.
+counts, which parameters have residuals, which states have radial anchors, and a round's
+radial-directional norms: a few scalars per tensor, the same in every process of a worker, kept
+as numbers) is plain and goes to the worker's own file; it says how to lay the same DTensors out
+again before DCP reads into them.
 
 Bytes sent per process (``Traffic.process_bytes``) differ between a worker's processes only by
 their shards' sizes; the plain part keeps every process's count. A run resumed with another number
@@ -94,6 +96,11 @@ class ShardedEngineState:
                 "snapshots": _named(due, _blank(due)),
                 "averages": _named(due, _blank(due)),
             }
+        for key, owner in ((plain or {}).get("radial") or {}).get("anchors_of", []):
+            blank = shard_like(
+                self.params[owner], torch.zeros_like(local_shard(self.params[owner]))
+            )
+            sharded.setdefault("radial_anchors", {})[f"{key} of {self.names[owner]}"] = blank
         residuals_of = ((plain or {}).get("pseudo_gradients") or {}).get("residuals_of")
         if residuals_of is not None:
             sharded["residuals"] = {
@@ -152,10 +159,13 @@ class ShardedEngineState:
             pairs = zip(saved["sent"], saved["snapshots"])
             own_sent = [j for j, (sent, snapshot) in enumerate(pairs) if sent is not snapshot]
             due = pending.due
+            count = len(due.tensors)  # radial-directional norms follow the round's tensors
+            if len(saved["averages"]) > count:
+                saved["norms"] = {key: _numbers(saved[key][count:]) for key in ("sent", "averages")}
             sharded.setdefault("rounds", {})[str(index)] = {
                 "sent": _named(due, saved["sent"], own_sent),
                 "snapshots": _named(due, saved["snapshots"]),
-                "averages": _named(due, saved["averages"]),
+                "averages": _named(due, saved["averages"][:count]),
             }
             for key in ROUND_TENSORS:
                 saved.pop(key)
@@ -167,6 +177,13 @@ class ShardedEngineState:
                 names[int(i)]: shard_like(self.params[int(i)], r) for i, r in residuals.items()
             }
             plain["pseudo_gradients"] = {"residuals_of": sorted(int(i) for i in residuals)}
+        radial_anchors = (plain.get("radial") or {}).get("state_anchors")
+        if radial_anchors:
+            sharded["radial_anchors"] = {
+                f"{key} of {self.names[owner]}": shard_like(self.params[owner], anchor)
+                for key, owner, anchor in radial_anchors
+            }
+            plain["radial"] = {"anchors_of": [[key, owner] for key, owner, _ in radial_anchors]}
         return sharded
 
     def _join_rounds_and_residuals(self, state: dict[str, Any], sharded: dict[str, Any]) -> None:
@@ -183,6 +200,19 @@ class ShardedEngineState:
                 local_shard(tensors["sent"][n]) if j in own else snapshots[j]
                 for j, n in enumerate(names)
             ]
+            norms = saved.pop("norms", {})
+            device = snapshots[0].device
+            for key in ("sent", "averages"):
+                saved[key] += [_tensor(numbers, device) for numbers in norms.get(key, [])]
+        anchors_of = (state.get("radial") or {}).get("anchors_of")
+        if anchors_of is not None:
+            anchors = sharded["radial_anchors"]
+            state["radial"] = {
+                "state_anchors": [
+                    [key, owner, local_shard(anchors[f"{key} of {self.names[owner]}"])]
+                    for key, owner in anchors_of
+                ]
+            }
         residuals_of = (state.get("pseudo_gradients") or {}).get("residuals_of")
         if residuals_of is not None:
             names = self.names
@@ -212,6 +242,15 @@ def _process_bytes_of(saved: list[int | None] | None, worker_bytes: int, layout,
     if saved is not None and None in saved:
         return None
     return round(worker_bytes * share)
+
+
+def _numbers(tensors: Sequence[Tensor]) -> list[dict[str, Any]]:
+    """Small tensors as plain numbers (exact: a float64 holds any float32 or float64)."""
+    return [{"dtype": str(t.dtype).removeprefix("torch."), "values": t.tolist()} for t in tensors]
+
+
+def _tensor(numbers: dict[str, Any], device: torch.device) -> Tensor:
+    return torch.tensor(numbers["values"], dtype=getattr(torch, numbers["dtype"]), device=device)
 
 
 def _blank(due: SyncRound) -> list[Tensor]:

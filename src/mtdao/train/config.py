@@ -258,7 +258,7 @@ class TrainConfig:
                 "mtdao, which this one does not read"
             )
         values = dict(values)
-        for name in ("betas", "omegas", "sync_dtype"):
+        for name in ("betas", "omegas", "sync_dtype", "radial_directional"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls.of(**values)

@@ -17,7 +17,14 @@ from typing import Any
 
 from mtdao.flags import flat_values, leaf_fields
 from mtdao.optim.warmups import BETA_WARMUP_START, step_capped_beta
-from mtdao.sync.config import check_method, flag, non_negative, positive, positive_int
+from mtdao.sync.config import (
+    check_choice,
+    check_method,
+    flag,
+    non_negative,
+    positive,
+    positive_int,
+)
 from mtdao.sync.methods import METHOD_TABLE
 
 
@@ -25,12 +32,7 @@ def check_config(config: Any) -> None:
     """Raise ValueError naming the first bad field of a :class:`~mtdao.train.config.TrainConfig`."""
     settings = flat_values(config)
     for _, f in leaf_fields(type(config)):
-        choices = f.metadata.get("choices")
-        value = settings[f.name]
-        if choices and value is not None and value not in choices:
-            raise ValueError(
-                f"--{flag(f.name)}: unknown value {value!r}; choose from {', '.join(choices)}"
-            )
+        check_choice(f, settings[f.name])
     # sync_period is the method's: check_method below
     names = ("workers", "shards", "batch_size", "seq_len", "eval_tokens")
     for name in names + ("log_every", "keep_checkpoints"):

@@ -182,6 +182,7 @@ def build_sync(
         optimizer,
         communicator,
         (lambda: workers.clip_grad_norm_(clip)) if clip > 0 else None,
+        config.total_steps(),
     )
 
 
