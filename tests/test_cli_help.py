@@ -230,3 +230,32 @@ def test_the_progress_bar_counts_bytes_as_the_summary_does():
     progress = SimpleNamespace(set_postfix=lambda **values: postfix.update(values))
     log_training(run, SimpleNamespace(write=lambda record: None), progress, 1.5, 100.0)
     assert postfix["sent"] == format_bytes(sent) == "371.5 MB"
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["train", "--stepz", "3"],
+            "mtdao train: error: unrecognized arguments: --stepz 3; did you mean --steps? "
+            "(see mtdao train --help)",
+        ),
+        (
+            ["lighthouse", "--prot=1"],
+            "mtdao lighthouse: error: unrecognized arguments: --prot=1; did you mean --port? "
+            "(see mtdao lighthouse --help)",
+        ),
+        (
+            ["toy", "rosenbrock", "--sed", "1", "--bogus"],
+            "mtdao toy rosenbrock: error: unrecognized arguments: --sed 1 --bogus; --sed: did you "
+            "mean --seed or --seeds? (see mtdao toy rosenbrock --help)",
+        ),
+    ],
+)
+def test_a_mistyped_flag_names_the_command_and_the_closest_flags(capsys, argv, expected):
+    from mtdao.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == expected + "\n"
