@@ -70,3 +70,12 @@ def test_readme_snippet_runs_as_written(snippet, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     if "sync.traffic" in snippet:
         assert "sent per worker" in done.stdout, done.stdout
+
+
+def test_the_docs_give_the_quickstart_the_readmes_final_loss():
+    """docs/training.md's account of the quickstart's curves starts from the README's figure."""
+    stated = re.search(r"ends near validation loss (\d\.\d+)", README.read_text())
+    training = (ROOT / "docs" / "training.md").read_text()
+    explained = re.search(r"the quickstart the validation loss ends near\s+(\d\.\d+)", training)
+    assert stated and explained
+    assert explained.group(1) == stated.group(1)
