@@ -259,3 +259,18 @@ def test_a_mistyped_flag_names_the_command_and_the_closest_flags(capsys, argv, e
         main(argv)
     assert stopped.value.code == 2
     assert capsys.readouterr().err == expected + "\n"
+
+
+def test_every_help_states_its_default_once_and_never_as_none():
+    """A default a help text states itself is not followed by the formatter's, and a flag
+    without one (None, a switch, empty) shows no "(default: None)"."""
+    for prog, parser in every_parser(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+                continue
+            text = " ".join(formatter._expand_help(action).split())
+            assert text.count("(default") <= 1, (prog, action.option_strings, text)
+            for nothing in ("None", "False", "True", "[]", ""):
+                assert f"(default: {nothing})" not in text, (prog, action.option_strings, text)
+            assert "default since" not in text and "there the default" not in text, (prog, text)

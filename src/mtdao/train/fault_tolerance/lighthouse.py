@@ -19,6 +19,8 @@ import signal
 import sys
 import threading
 
+from mtdao.flags import DefaultsHelpFormatter
+
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
 LIGHTHOUSE_CALLS = frozenset(
     b"/torchft.LighthouseService/" + method for method in (b"Quorum", b"Heartbeat")
@@ -31,7 +33,7 @@ def add_parser(subparsers) -> None:
         help="start the lighthouse of a fault-tolerant run (mtdao train --fault-tolerant)",
         description="Keep track of the live replicas of a fault-tolerant run and form their "
         "quorums. Runs until interrupted (Ctrl-C or SIGTERM stop it cleanly).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
         "--bind-host",
@@ -65,8 +67,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--auth-token-file",
         default=None,
-        help="the run's secret (as the replicas': also $MTDAO_AUTH_TOKEN; on loopback, this "
-        "account's own by default): quorum requests not signed with it are refused",
+        help="a file holding the run's secret, the replicas' too: quorum requests not signed "
+        "with it are refused (default: $MTDAO_AUTH_TOKEN; without it, on loopback, this "
+        "account's own, as the replicas')",
     )
     parser.set_defaults(func=run_lighthouse)
 
