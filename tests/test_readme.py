@@ -79,3 +79,23 @@ def test_the_docs_give_the_quickstart_the_readmes_final_loss():
     explained = re.search(r"the quickstart the validation loss ends near\s+(\d\.\d+)", training)
     assert stated and explained
     assert explained.group(1) == stated.group(1)
+
+
+def test_every_install_of_mtdao_pins_through_the_constraints():
+    """An install from the clone the docs and examples show takes constraints.txt's versions."""
+    pages = [*DOCS, *sorted((ROOT / "examples").glob("*.py"))]
+    installs = [
+        (page.name, line.strip())
+        for page in pages
+        for line in page.read_text().splitlines()
+        if re.search(r"pip install .*-e ", line)
+    ]
+    assert installs
+    assert [found for found in installs if "-c constraints.txt" not in found[1]] == []
+
+
+def test_the_train_helps_fault_tolerant_example_restarts_with_the_same_line():
+    from mtdao.train.command import EXAMPLES
+
+    (line,) = [line for line in EXAMPLES.splitlines() if "--fault-tolerant" in line]
+    assert "--resume" in line.split()
