@@ -81,11 +81,10 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             flag = name.replace("_", "-")
             raise ValueError(f"--{flag} must be a number of seconds > 0, got {getattr(args, name)}")
-    # Ctrl-C and SIGTERM both end the wait below: no KeyboardInterrupt can land in a thread
-    # or in the middle of shutting the server down
-    stop = threading.Event()
+    # Until the servers start, Ctrl-C and SIGTERM end the start-up where it is (an import, or
+    # the read of a secret from a pipe that nobody writes)
     for signal_number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signal_number, lambda *_: stop.set())
+        signal.signal(signal_number, _stop_starting)
     try:
         from mtdao.sync.torchft import start_lighthouse
     except ModuleNotFoundError as error:
@@ -106,6 +105,11 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     gate = None
     if token is not None or is_loopback(host):
         gate = LighthouseGate(run_key(token, host), _say)
+    # From here they end the wait below: no KeyboardInterrupt can land in a thread or in the
+    # middle of shutting the servers down
+    stop = threading.Event()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, lambda *_: stop.set())
 
     # torchft's lighthouse on a loopback port of its own; the replicas reach it through the
     # front, which lets the replicas' calls through and not its dashboard (see grpc_front)
@@ -148,6 +152,10 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         server.shutdown()
     print("lighthouse: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _stop_starting(*_) -> None:
+    raise KeyboardInterrupt  # mtdao's main says "mtdao lighthouse: interrupted" (exit 130)
 
 
 def _say(line: str) -> None:
