@@ -182,15 +182,12 @@ def test_a_new_loopback_secret_is_said_once_by_the_process_that_made_it(tmp_path
         (directory / "loopback.secret").unlink()
         assert machine_secret(directory) != first
     made = [r.getMessage() for r in caplog.records if "made this account's secret" in r.message]
-    assert (
-        made
-        == [
-            f"made this account's secret for loopback runs in {directory / 'loopback.secret'} (there "
-            "was none): a lighthouse or replica started before it, with a former one, refuses this "
-            "process; restart them"
-        ]
-        * 2
-    )
+    path = directory / "loopback.secret"
+    assert made == 2 * [
+        f"made this account's secret for loopback runs in {path} (there was none): a lighthouse "
+        "or replica that started before it holds a former one and cannot run with this process: "
+        "restart them"
+    ]
 
 
 def test_a_secret_file_that_is_not_text_or_not_a_file_names_it_and_the_fix(tmp_path):

@@ -131,8 +131,8 @@ def machine_secret(directory: Path) -> bytes:
         if not path.exists() and not path.is_symlink() and _make_secret(directory, path):
             logger.warning(
                 "made this account's secret for loopback runs in %s (there was none): a "
-                "lighthouse or replica started before it, with a former one, refuses this "
-                "process; restart them",
+                "lighthouse or replica that started before it holds a former one and cannot "
+                "run with this process: restart them",
                 path,
             )
         _private(path, "file", 0o600)
