@@ -99,3 +99,18 @@ def test_the_train_helps_fault_tolerant_example_restarts_with_the_same_line():
 
     (line,) = [line for line in EXAMPLES.splitlines() if "--fault-tolerant" in line]
     assert "--resume" in line.split()
+
+
+def test_the_fault_tolerant_loop_is_started_alike_in_the_example_and_the_docs():
+    """examples/fault_tolerant_loop.py's usage and docs/library.md start the lighthouse with the
+    same --min-replicas, and both show where the run's secret goes."""
+    usage = (ROOT / "examples" / "fault_tolerant_loop.py").read_text().split('"""')[1]
+    library = " ".join((ROOT / "docs" / "library.md").read_text().split())
+    section = library.split("## Fault-tolerant replicas in your own loop")[1].split("```")[0]
+    lighthouse = re.compile(r"mtdao lighthouse [^`&\n]*")
+    (in_usage,) = lighthouse.findall(usage)
+    (in_docs,) = lighthouse.findall(section)
+    for shown in (in_usage, in_docs):
+        assert "--min-replicas 3" in shown and "--auth-token-file run.token" in shown, shown
+    assert "--auth-token-file run.token" in usage.split("fault_tolerant_loop.py", 1)[1]
+    assert 'auth_token_file="run.token"' in section
