@@ -5,11 +5,16 @@ and start it again with the same command: it heals from a live one (parameters, 
 states, the engine's rounds and its data position) and carries on where the others are; every
 replica ends with the same model (the final round).
 
-    mtdao lighthouse --port 29510 --min-replicas 3 &
+    python -c 'import secrets; print(secrets.token_hex(32))' > run.token  # the run's secret
+    mtdao lighthouse --port 29510 --min-replicas 3 --auth-token-file run.token &
     for i in 0 1 2; do
         python examples/fault_tolerant_loop.py --lighthouse localhost:29510 --replica-id $i \\
-            --steps 200 --out /tmp/ft-loop/r$i &
+            --auth-token-file run.token --steps 200 --out /tmp/ft-loop/r$i &
     done
+
+On one machine the secret may be left out of every command (this account's own stands in; see
+docs/security.md). A replica says when it joins and when it heals, and whom from; one that
+cannot reach the lighthouse or is refused stops with one line (exit code 1).
 
 Each writes ``OUT/result.json``: the steps trained and a SHA-256 of the final parameters' bytes
 (in ``model.parameters()`` order), the same on every replica.
@@ -21,6 +26,7 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -28,7 +34,7 @@ import torch.nn.functional as F
 
 import mtdao
 from mtdao.sync import LocalUpdateSync, SyncCodecs, unified
-from mtdao.sync.torchft import fault_tolerant_replica
+from mtdao.sync.torchft import QuorumError, ReplicaRefused, fault_tolerant_replica
 
 FEATURES, CLASSES, BATCH, LR = 32, 8, 64, 3e-3
 
@@ -63,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--auth-token-file", help="the run's secret, the lighthouse's too (else $MTDAO_AUTH_TOKEN)"
     )
+    parser.add_argument(
+        "--connect-timeout", type=float, default=30.0, help="seconds to reach the lighthouse"
+    )
     parser.add_argument("--sync-period", type=int, default=8, help="K: local steps per round")
     parser.add_argument("--sync-delay", type=int, default=0, help="D: rounds overlap D steps")
     parser.add_argument("--sync-dtype", nargs="+", help="e.g. int8: what crosses the link")
@@ -70,20 +79,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        train(args)
+    except (QuorumError, ReplicaRefused) as error:  # no lighthouse, or not let in: one line
+        print(f"replica {args.replica_id}: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # every replica builds the same model (the first quorum aligns them)
     model = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, 64), torch.nn.GELU(), torch.nn.Linear(64, CLASSES)
     )
     optimizer = mtdao.MTAdam(model.parameters(), lr=LR, betas=(0.99,), omegas=(0.9,), beta2=0.95)
     # what every replica must share: a joiner with other values is refused, naming them
-    shared = {k: v for k, v in vars(args).items() if k not in ("replica_id", "out")}
+    local = ("replica_id", "out", "connect_timeout")
+    shared = {k: v for k, v in vars(args).items() if k not in local}
     replica = fault_tolerant_replica(
         args.replica_id,
         args.lighthouse,
         auth_token_file=args.auth_token_file,
         shared_config=shared,
+        connect_timeout=args.connect_timeout,
     )
     codecs = SyncCodecs.parse(args.sync_dtype or (), args.error_feedback)
     sync = LocalUpdateSync(
@@ -113,4 +133,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

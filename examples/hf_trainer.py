@@ -4,7 +4,7 @@ The model is a tiny Llama (or GPT-2) built from a transformers config; the text 
 interpreter's own standard library (mtdao's built-in corpus), one token per byte. Every process
 of a torchrun job is one worker; only mtdao's engine communicates.
 
-    pip install -e ".[hf]"
+    pip install -c constraints.txt -e ".[hf]"
     python examples/hf_trainer.py --max-steps 64 --output-dir /tmp/hf-mtdao
     torchrun --nproc-per-node 2 examples/hf_trainer.py --max-steps 64 --output-dir /tmp/hf-mtdao
 """

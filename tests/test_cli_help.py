@@ -230,3 +230,47 @@ def test_the_progress_bar_counts_bytes_as_the_summary_does():
     progress = SimpleNamespace(set_postfix=lambda **values: postfix.update(values))
     log_training(run, SimpleNamespace(write=lambda record: None), progress, 1.5, 100.0)
     assert postfix["sent"] == format_bytes(sent) == "371.5 MB"
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["train", "--stepz", "3"],
+            "mtdao train: error: unrecognized arguments: --stepz 3; did you mean --steps? "
+            "(see mtdao train --help)",
+        ),
+        (
+            ["lighthouse", "--prot=1"],
+            "mtdao lighthouse: error: unrecognized arguments: --prot=1; did you mean --port? "
+            "(see mtdao lighthouse --help)",
+        ),
+        (
+            ["toy", "rosenbrock", "--sed", "1", "--bogus"],
+            "mtdao toy rosenbrock: error: unrecognized arguments: --sed 1 --bogus; --sed: did you "
+            "mean --seed or --seeds? (see mtdao toy rosenbrock --help)",
+        ),
+    ],
+)
+def test_a_mistyped_flag_names_the_command_and_the_closest_flags(capsys, argv, expected):
+    from mtdao.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == expected + "\n"
+
+
+def test_every_help_states_its_default_once_and_never_as_none():
+    """A default a help text states itself is not followed by the formatter's, and a flag
+    without one (None, a switch, empty) shows no "(default: None)"."""
+    for prog, parser in every_parser(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+                continue
+            text = " ".join(formatter._expand_help(action).split())
+            assert text.count("(default") <= 1, (prog, action.option_strings, text)
+            for nothing in ("None", "False", "True", "[]", ""):
+                assert f"(default: {nothing})" not in text, (prog, action.option_strings, text)
+            assert "default since" not in text and "there the default" not in text, (prog, text)

@@ -7,6 +7,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import json  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -288,6 +289,14 @@ def test_hf_tokenizer_from_local_file(tmp_path):
 )
 def test_bad_tokenizer_specs(tmp_path, spec, message):
     with pytest.raises(DataError, match=message):
+        load_tokenizer(spec, Corpus("c", ["a"], ["b"]), tmp_path)
+
+
+@pytest.mark.parametrize("spec", ["bpe:4096", "hf:gpt2"])
+def test_a_tokenizer_without_its_package_says_how_to_install_it(tmp_path, monkeypatch, spec):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import now raises ImportError
+    expected = f"{spec} needs the 'tokenizers' package: pip install -c constraints.txt -e "
+    with pytest.raises(DataError, match=re.escape(expected + '".[data]"')):
         load_tokenizer(spec, Corpus("c", ["a"], ["b"]), tmp_path)
 
 

@@ -8,6 +8,8 @@ the run's secret); no process is left behind (the drill kills what is still runn
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 from wait_limits import limit_s
 
 from mtdao.testing.fault_drill import Drill
+from mtdao.testing.ports import unused_port
 
 pytest.importorskip("torchft")
 
@@ -74,8 +77,26 @@ def test_a_replica_killed_midway_and_restarted_ends_with_the_same_model(tmp_path
         drill._spawn("r1-again", command(1))  # the same command line
         exits = [drill.wait_exit(name, REST_S) for name in ("r0", "r1-again", "r2")]
         assert exits == [0, 0, 0], drill.tails()
-        # the restarted replica healed to where the others were, not from step 0
+        # the restarted replica healed to where the others were, not from step 0, and said so
         assert steps_said(drill, "r1-again")[0] > STEPS // 3, drill.tails()
+        joined = [line for line in drill.log("r1-again").splitlines() if " joined at " in line]
+        assert len(joined) == 1, drill.tails()
+        said = re.match(r"replica 1: joined at step (\d+) with replicas 0, 1, 2, healed from "
+                        r"replica [02] \(", joined[0])  # fmt: skip
+        assert said and int(said.group(1)) > STEPS // 3, joined
     results = [json.loads((tmp_path / f"r{r}" / "result.json").read_text()) for r in range(3)]
     assert [r["step"] for r in results] == [STEPS] * 3
     assert len({r["params_sha256"] for r in results}) == 1, results
+
+
+def test_a_replica_that_cannot_reach_the_lighthouse_stops_in_one_line(tmp_path):
+    argv = [sys.executable, str(EXAMPLE), "--lighthouse", f"127.0.0.1:{unused_port()}"]
+    argv += ["--replica-id", "0", "--steps", "8", "--out", str(tmp_path), "--connect-timeout", "1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s(starts=1) + 1)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("replica 0: cannot reach the lighthouse at http://127.0.0.1:")
+    ), done.stderr
+    assert not (tmp_path / "result.json").exists()

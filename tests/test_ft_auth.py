@@ -3,9 +3,12 @@ no training. Replays are in test_ft_replay.py, the multi-process attacks in test
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import logging
+import os
 import pickle
 import stat
 import subprocess
@@ -29,6 +32,7 @@ from mtdao.sync import (
     unified,
 )
 from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.torchft import auth
 from mtdao.sync.torchft.auth import TOKEN_ENV, RunKey, machine_secret, read_token, run_key
 from mtdao.sync.torchft.proofs import Claim, claim_data, confirm_quorum, read_claim
 from mtdao.sync.torchft.round_identity import exchange_positions, sitting_out
@@ -92,6 +96,110 @@ def test_the_accounts_secret_is_private_and_made_once(tmp_path):
     directory.chmod(0o755)
     with pytest.raises(ValueError, match="other accounts could read it; chmod 700"):
         machine_secret(directory)
+
+
+def _fifo(path):
+    os.mkfifo(path, 0o600)
+
+
+def _directory(path):
+    path.mkdir(mode=0o700)
+
+
+def _not_text(path):
+    path.write_bytes(b"\xff\xfe" * 20)
+    path.chmod(0o600)
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (_directory, "it is a directory; delete it"),
+        (_fifo, "it is not a regular file; delete it"),
+        (_not_text, "it is not UTF-8 text; delete it"),
+    ],
+    ids=["directory", "fifo", "not-text"],
+)
+def test_a_loopback_secret_that_is_no_secret_file_is_one_line_naming_it(tmp_path, make, reason):
+    """Refused at once (a FIFO is never waited on), naming the file and the fix."""
+    directory = tmp_path / "mtdao"
+    directory.mkdir(mode=0o700)
+    path = directory / "loopback.secret"
+    make(path)
+    outcome = []
+
+    def read():
+        try:
+            machine_secret(directory)
+        except ValueError as error:
+            outcome.append(str(error))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "waited on the secret"
+    assert outcome == [
+        f"cannot read this account's secret for loopback runs from {path}: {reason}, and the "
+        "next replica or lighthouse makes a new one"
+    ]
+
+
+def test_an_unreadable_loopback_secret_names_the_file_and_the_fix(tmp_path, monkeypatch):
+    directory = tmp_path / "mtdao"
+    machine_secret(directory)
+    path = directory / "loopback.secret"
+
+    def denied(path):  # what an account without read permission gets (root reads anything)
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(auth, "_read_regular_file", denied)
+    with pytest.raises(ValueError) as refused:
+        machine_secret(directory)
+    assert str(refused.value) == (
+        f"cannot read this account's secret for loopback runs from {path}: Permission denied; "
+        f"chmod 600 {path}, or delete it, and the next replica or lighthouse makes a new one"
+    )
+
+
+def test_a_file_in_the_secret_directorys_place_is_one_line(tmp_path):
+    directory = tmp_path / "mtdao"
+    directory.write_text("not a directory")
+    with pytest.raises(ValueError) as refused:
+        machine_secret(directory)
+    assert str(refused.value) == (
+        f"cannot make {directory}, where replicas on loopback keep this account's secret (a file "
+        "is in its place: remove it), or give the run a secret with --auth-token-file"
+    )
+
+
+def test_a_new_loopback_secret_is_said_once_by_the_process_that_made_it(tmp_path, caplog):
+    """Deleted and made again, the secret no longer matches what running processes hold: the
+    process that makes it says so, once; the ones that read it say nothing."""
+    directory = tmp_path / "mtdao"
+    with caplog.at_level(logging.WARNING, logger="mtdao.sync.torchft.auth"):
+        first = machine_secret(directory)
+        assert machine_secret(directory) == first
+        (directory / "loopback.secret").unlink()
+        assert machine_secret(directory) != first
+    made = [r.getMessage() for r in caplog.records if "made this account's secret" in r.message]
+    path = directory / "loopback.secret"
+    assert made == 2 * [
+        f"made this account's secret for loopback runs in {path} (there was none): a lighthouse "
+        "or replica that started before it holds a former one and cannot run with this process: "
+        "restart them"
+    ]
+
+
+def test_a_secret_file_that_is_not_text_or_not_a_file_names_it_and_the_fix(tmp_path):
+    path = tmp_path / "token"
+    path.write_bytes(b"\xff" * 40)
+    with pytest.raises(ValueError, match=rf"^--auth-token-file {path} is not UTF-8 text: write"):
+        read_token(str(path), {})
+    with pytest.raises(ValueError) as refused:
+        read_token(str(tmp_path), {})
+    assert str(refused.value) == (
+        f"--auth-token-file {tmp_path}: Is a directory; give a file holding the run's secret"
+    )
 
 
 # -- claims -------------------------------------------------------------------------------------

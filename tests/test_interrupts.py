@@ -126,3 +126,36 @@ def test_ctrl_c_stops_the_lighthouse_without_a_traceback(after):
     # The lighthouse may first say whom it admits; it ends with one line and no traceback.
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "lighthouse: stopped", err
+
+
+def test_sigterm_stops_a_lighthouse_still_reading_its_secret(tmp_path):
+    """A secret from a pipe nobody writes (--auth-token-file <(...) whose writer stalls): the
+    lighthouse waits in that read, and SIGTERM still ends it in one line."""
+    pytest.importorskip("torchft")
+    pipe = tmp_path / "secret"
+    os.mkfifo(pipe, 0o600)
+    argv = [sys.executable, "-m", "mtdao", "lighthouse", "--port", "0"]
+    process = subprocess.Popen(
+        [*argv, "--auth-token-file", str(pipe)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    writer = None
+    try:
+        deadline = time.monotonic() + limit_s(starts=1)
+        while writer is None:  # opens once the lighthouse has opened the pipe to read it
+            try:
+                writer = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                assert time.monotonic() < deadline and process.poll() is None, "never read"
+                time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=ENDING_S)
+    finally:
+        process.kill()
+        if writer is not None:
+            os.close(writer)
+    assert process.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["mtdao lighthouse: interrupted"], err

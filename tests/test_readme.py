@@ -70,3 +70,47 @@ def test_readme_snippet_runs_as_written(snippet, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     if "sync.traffic" in snippet:
         assert "sent per worker" in done.stdout, done.stdout
+
+
+def test_the_docs_give_the_quickstart_the_readmes_final_loss():
+    """docs/training.md's account of the quickstart's curves starts from the README's figure."""
+    stated = re.search(r"ends near validation loss (\d\.\d+)", README.read_text())
+    training = (ROOT / "docs" / "training.md").read_text()
+    explained = re.search(r"the quickstart the validation loss ends near\s+(\d\.\d+)", training)
+    assert stated and explained
+    assert explained.group(1) == stated.group(1)
+
+
+def test_every_install_of_mtdao_pins_through_the_constraints():
+    """An install from the clone the docs and examples show takes constraints.txt's versions."""
+    pages = [*DOCS, *sorted((ROOT / "examples").glob("*.py"))]
+    installs = [
+        (page.name, line.strip())
+        for page in pages
+        for line in page.read_text().splitlines()
+        if re.search(r"pip install .*-e ", line)
+    ]
+    assert installs
+    assert [found for found in installs if "-c constraints.txt" not in found[1]] == []
+
+
+def test_the_train_helps_fault_tolerant_example_restarts_with_the_same_line():
+    from mtdao.train.command import EXAMPLES
+
+    (line,) = [line for line in EXAMPLES.splitlines() if "--fault-tolerant" in line]
+    assert "--resume" in line.split()
+
+
+def test_the_fault_tolerant_loop_is_started_alike_in_the_example_and_the_docs():
+    """examples/fault_tolerant_loop.py's usage and docs/library.md start the lighthouse with the
+    same --min-replicas, and both show where the run's secret goes."""
+    usage = (ROOT / "examples" / "fault_tolerant_loop.py").read_text().split('"""')[1]
+    library = " ".join((ROOT / "docs" / "library.md").read_text().split())
+    section = library.split("## Fault-tolerant replicas in your own loop")[1].split("```")[0]
+    lighthouse = re.compile(r"mtdao lighthouse [^`&\n]*")
+    (in_usage,) = lighthouse.findall(usage)
+    (in_docs,) = lighthouse.findall(section)
+    for shown in (in_usage, in_docs):
+        assert "--min-replicas 3" in shown and "--auth-token-file run.token" in shown, shown
+    assert "--auth-token-file run.token" in usage.split("fault_tolerant_loop.py", 1)[1]
+    assert 'auth_token_file="run.token"' in section

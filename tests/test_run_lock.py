@@ -138,4 +138,39 @@ def test_overwrite_deletes_only_what_a_run_wrote(tmp_path):
     assert sorted(deleted) == ["checkpoints", "config.json", "loss.png", "metrics.jsonl"] + [
         "results.json"
     ]
-    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt", "run.lock"]
+    # no run left in it: the lock file it made goes too
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
+
+
+def test_a_lock_that_guarded_no_run_removes_what_it_made(tmp_path):
+    made = tmp_path / "a" / "b"
+    RunLock(made).acquire().release()
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "run.lock").write_text("")  # not its own: kept
+    RunLock(tmp_path / "mine").acquire().release()
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["run.lock"]
+
+
+def test_a_lock_that_guarded_a_run_is_left_with_it(tmp_path):
+    with RunLock(tmp_path / "run") as lock:
+        (lock.run_dir / "metrics.jsonl").write_text("{}\n")
+    assert sorted(p.name for p in lock.run_dir.iterdir()) == ["metrics.jsonl", "run.lock"]
+
+
+def test_a_lock_file_removed_while_opened_is_not_taken(tmp_path, monkeypatch):
+    """A start that opened the lock file just before a failed start removed it locks a file
+    nobody else can find: it opens the new one instead."""
+    lock, opened = RunLock(tmp_path / "run"), []
+    real_open = lock._open
+
+    def open_then_lose_the_race():
+        descriptor = real_open()
+        if not opened:  # the releasing start unlinks the file this one opened
+            lock.path.unlink()
+        opened.append(descriptor)
+        return descriptor
+
+    monkeypatch.setattr(lock, "_open", open_then_lose_the_race)
+    with lock:
+        assert len(opened) == 2 and os.path.samestat(os.fstat(opened[1]), os.stat(lock.path))

@@ -187,6 +187,34 @@ def test_resume_with_no_checkpoint_refuses_another_runs_directory(tmp_path, corp
     assert json.loads((out / "config.json").read_text()) == other
 
 
+def test_resume_never_starts_a_run_among_files_that_are_not_a_runs(tmp_path, corpus_dir, capsys):
+    """--resume with a mistyped --out (a folder of the user's own): refused, nothing written."""
+    out = tmp_path / "documents"
+    (out / "photos").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    assert_one_line_error(
+        capsys,
+        tiny_args(out, corpus_dir, "--resume"),
+        f"--resume: {out} holds no run to resume, but other files (notes.txt, photos); a run is "
+        "not started among them: give --out a new or empty directory",
+    )
+    assert sorted(path.name for path in out.iterdir()) == ["notes.txt", "photos"]
+
+
+@pytest.mark.parametrize("resume", [[], ["--resume"]], ids=["fresh", "resume"])
+def test_a_failed_start_leaves_nothing_behind(tmp_path, capsys, resume):
+    """A run that stops before it writes anything (here: no such data) removes its lock file and
+    the directories it made; an existing directory is left as it was found."""
+    missing = tmp_path / "no-such-corpus"
+    made = tmp_path / "new" / "run"
+    assert_one_line_error(capsys, tiny_args(made, missing, *resume), str(missing))
+    assert list(tmp_path.iterdir()) == []
+    existing = tmp_path / "empty"
+    existing.mkdir()
+    assert_one_line_error(capsys, tiny_args(existing, missing, *resume), str(missing))
+    assert list(existing.iterdir()) == []
+
+
 def test_a_repeated_resume_with_every_checkpoint_damaged_never_starts_over(
     tmp_path, corpus_dir, capsys
 ):

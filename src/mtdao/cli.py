@@ -7,6 +7,7 @@ function; this module only collects them and turns expected errors into one clea
 from __future__ import annotations
 
 import argparse
+import difflib
 import faulthandler
 import importlib
 import os
@@ -58,10 +59,32 @@ COMMANDS = {
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage block, no traceback)."""
+    """argparse that reports a bad flag in one line (no usage block, no traceback), from the
+    (sub)command that was given it, with the closest flags that command has."""
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse leaves a subcommand's unknown words to the top parser, which names only
+        # `mtdao`: each parser refuses its own here instead
+        namespace, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self._suggestions(unknown)}")
+        return namespace, unknown
+
+    def _suggestions(self, unknown: list[str]) -> str:
+        """'; did you mean ...' for each unknown flag that resembles one of this command's."""
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        mistyped = [word.split("=", 1)[0] for word in unknown if word.startswith("-")]
+        hints = {}
+        for flag in mistyped:
+            close = difflib.get_close_matches(flag, flags, n=2, cutoff=0.8)
+            if close:
+                hints[flag] = f"did you mean {' or '.join(close)}?"
+        if len(mistyped) == 1:
+            return "".join(f"; {hint}" for hint in hints.values())
+        return "".join(f"; {flag}: {hint}" for flag, hint in hints.items())
 
 
 def command_of(argv: list[str]) -> str | None:

@@ -27,6 +27,19 @@ from collections.abc import Callable
 from typing import Any
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help followed by its default, once: not where the help says its default
+    itself, nor for a switch or a flag whose default is nothing (None, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        nothing = default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+        if "(default" in text or nothing or default in ("", [], ()):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 def no_description(name: str) -> str | None:
     return None
 
@@ -131,7 +144,8 @@ def add_dataclass_arguments(
             options["action"] = "store_true"
             help_text += " (default: off)"
         else:
-            shown = field.default if field.default is not None else describe_default(field.name)
+            shown = describe_default(field.name)  # where the value alone would mislead
+            shown = field.default if shown is None else shown
             if shown is not None:
                 help_text += f" (default: {shown})"
             options.update(type=kind, choices=field.metadata.get("choices"))

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-from mtdao.data.errors import DataError
+from mtdao.data.errors import INSTALL_DATA, DataError
 
 
 @dataclass
@@ -206,9 +206,7 @@ def _hf_corpus(target: str, val_fraction: float, max_chars: int) -> Corpus:
     try:
         import datasets
     except ImportError:
-        raise DataError(
-            f"hf:{target} needs the 'datasets' package: pip install 'mtdao[data]'"
-        ) from None
+        raise DataError(f"hf:{target} needs the 'datasets' package: {INSTALL_DATA}") from None
 
     try:
         dataset = _open_hf_dataset(datasets, dataset_name, config or None)

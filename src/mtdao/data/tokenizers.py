@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import xxhash
 
-from mtdao.data.errors import DataError
+from mtdao.data.errors import INSTALL_DATA, DataError
 from mtdao.data.sources import Corpus
 
 END_OF_TEXT = "<|endoftext|>"
@@ -130,13 +130,17 @@ class HFTokenizer(_WrappedTokenizer):
         super().__init__(f"hf:{name}", _load_pretrained(name))
 
 
-def _load_pretrained(name: str):
+def _tokenizers_package(spec: str):
+    """The ``tokenizers`` package, or a DataError saying how to install it."""
     try:
-        from tokenizers import Tokenizer as Backend
+        import tokenizers
     except ImportError:
-        raise DataError(
-            f"hf:{name} needs the 'tokenizers' package: pip install tokenizers"
-        ) from None
+        raise DataError(f"{spec} needs the 'tokenizers' package: {INSTALL_DATA}") from None
+    return tokenizers
+
+
+def _load_pretrained(name: str):
+    Backend = _tokenizers_package(f"hf:{name}").Tokenizer
     path = Path(name).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
@@ -187,8 +191,7 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 def _cached_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> BPETokenizer:
     # Keyed on the training text itself (an edit that keeps every length still retrains), the
     # training settings, and the library version that trains it.
-    import tokenizers
-
+    tokenizers = _tokenizers_package(f"bpe:{vocab_size}")
     settings = f"bpe-recipe-{BPE_RECIPE}|tokenizers-{tokenizers.__version__}|{vocab_size}"
     key = hashlib.sha256(f"{settings}|{corpus.train_fingerprint}".encode()).hexdigest()[:16]
     name = f"bpe:{vocab_size}-{key}"

@@ -33,8 +33,9 @@ examples:
   mtdao train --out runs/x --resume --steps 2400 --extend   # re-plan it for more steps
   torchrun --nproc-per-node 4 --max-restarts 3 -m mtdao train --workers 4 --resume
                                                 # a restart resumes from the newest checkpoint
-  mtdao train --fault-tolerant --workers 3 --replica-id 0 --lighthouse HOST:29510
+  mtdao train --fault-tolerant --resume --workers 3 --replica-id 0 --lighthouse HOST:29510
                                                 # one replica of a run that survives failures
+                                                # (the same command line restarts it)
 """
 
 

@@ -53,8 +53,7 @@ class ParallelSettings:
     """Workers and processes."""
 
     workers: int = 4
-    """Data-parallel workers M, simulated in one process unless launched by torchrun (there the
-    default is the number of processes / --shards)."""
+    """Data-parallel workers M, simulated in one process unless launched by torchrun."""
     shards: int = _setting(1, resumable=True)
     """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S; for a
     fault-tolerant replica, S)."""
@@ -95,7 +94,7 @@ class LrSchedule:
     """Peak learning rate."""
     schedule: str = choice("wsd", SCHEDULES)
     """Learning-rate schedule after a linear warmup (wsd: warmup-stable-decay, the peak held until
-    the last --decay-fraction of the steps; the default since 2026-12-04, cosine before)."""
+    the last --decay-fraction of the steps)."""
     warmup: float | None = None
     """LR warm-up as a fraction of the steps (instead of --warmup-steps)."""
     warmup_steps: int | None = None
@@ -340,6 +339,7 @@ def describe_default(name: str) -> str | None:
         "eps": _per_optimizer("eps"),
         "lr": _per_optimizer("lr"),
         "steps": str(DEFAULT_STEPS),
+        "workers": "4; under torchrun, the number of processes / --shards",
         "warmup": "--warmup-steps",
         "warmup_steps": f"{DEFAULT_WARMUP_STEPS}, or {DEFAULT_WARMUP_FRACTION:g} of --steps when "
         "that is longer, at most half the run: the same for every run of up to "

@@ -7,6 +7,9 @@ host, for the refusal message only: the lock is the flock, not the file's existe
 children inherit the lock (exec'd ones do not); it is released when all of them have exited.
 
 Under torchrun only process 0 takes the lock: it speaks for the whole job.
+
+A start that fails before the run writes anything leaves the directory as it found it: the lock
+file, and the directory if the lock made it, are removed on release while no run is in it.
 """
 
 from __future__ import annotations
@@ -97,10 +100,15 @@ class RunLock:
     """``with RunLock(run_dir):`` — creates the directory and holds its lock until the block ends
     (or the process does)."""
 
+    ATTEMPTS = 5
+    """Tries to take the lock while a failed start's release removes the file or directory."""
+
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self._descriptor: int | None = None
+        self._made_file = False
+        self._made_dirs: list[Path] = []  # innermost first
 
     @property
     def held(self) -> bool:
@@ -110,23 +118,53 @@ class RunLock:
         """Take the lock or raise RunLockedError naming the holder's pid."""
         if self.held:
             return self
-        check_run_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            if fcntl is not None:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(descriptor)
-            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise RunLockedError(
-                f"{self.run_dir} is in use by another run ({describe_holder(self.path)}); "
-                "wait for it to end or choose another --out"
-            ) from None
+        for attempt in range(self.ATTEMPTS):
+            try:
+                descriptor = self._open()
+            except FileNotFoundError:  # another start removed the directory it had made
+                if attempt + 1 == self.ATTEMPTS:
+                    raise
+                continue
+            try:
+                if fcntl is not None:
+                    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                os.close(descriptor)
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise RunLockedError(
+                    f"{self.run_dir} is in use by another run ({describe_holder(self.path)}); "
+                    "wait for it to end or choose another --out"
+                ) from None
+            if self._still_linked(descriptor) or attempt + 1 == self.ATTEMPTS:
+                break
+            os.close(descriptor)  # locked a file a releasing start had just removed: again
         os.ftruncate(descriptor, 0)
         os.write(descriptor, f"{os.getpid()} {socket.gethostname()}\n".encode())
         self._descriptor = descriptor
         return self
+
+    def _open(self) -> int:
+        """The lock file's descriptor, making it (and the directory) if missing; remembers what
+        it made, for :meth:`release`."""
+        missing = [self.run_dir, *self.run_dir.parents]
+        missing = missing[: next(i for i, path in enumerate(missing) if path.exists())]
+        check_run_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+        self._made_dirs = missing
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+        try:
+            descriptor = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            self._made_file = True
+        except FileExistsError:
+            descriptor = os.open(self.path, flags)
+            self._made_file = False
+        return descriptor
+
+    def _still_linked(self, descriptor: int) -> bool:
+        try:
+            return os.path.samestat(os.fstat(descriptor), os.stat(self.path))
+        except FileNotFoundError:
+            return False
 
     def release(self) -> None:
         if self._descriptor is None:
@@ -134,7 +172,17 @@ class RunLock:
         descriptor, self._descriptor = self._descriptor, None
         with contextlib.suppress(OSError):
             os.ftruncate(descriptor, 0)  # no pid left behind that looks like a holder
+            if not holds_run(self.run_dir):  # a failed start: leave what it found
+                self._remove_what_it_made()
         os.close(descriptor)  # closing the last descriptor releases the flock
+
+    def _remove_what_it_made(self) -> None:
+        """The lock file and the directories this lock made, while they are empty (removed
+        while the flock is held; a start that opened the old file sees it unlinked and retries)."""
+        if self._made_file:
+            self.path.unlink()
+        for directory in self._made_dirs:
+            directory.rmdir()  # OSError (not empty: something else is in it) ends it
 
     def __enter__(self) -> RunLock:
         return self.acquire()

@@ -31,10 +31,12 @@ from mtdao.train.config import TrainConfig, resolve
 from mtdao.train.distributed import ProcessInfo
 from mtdao.train.durable import describe_os_error
 from mtdao.train.run_lock import (
+    LOCK_FILE,
     RunDirError,
     RunLock,
     check_run_dir,
     clear_run_files,
+    holds_run,
     refuse_to_replace_a_run,
 )
 from mtdao.train.schedule import steps_change
@@ -157,6 +159,7 @@ def _check_fresh_resume(run_dir: Path, config: TrainConfig) -> None:
         )
     path = run_dir / "config.json"
     if not path.is_file():
+        _refuse_others_files(run_dir)
         return
     try:
         differences = resolve(TrainConfig.from_dict(json.loads(path.read_text()))).differences(
@@ -168,6 +171,20 @@ def _check_fresh_resume(run_dir: Path, config: TrainConfig) -> None:
         raise RunDirError(
             f"--resume: {run_dir} has no checkpoint yet, and its config.json is another run's "
             f"({'; '.join(differences)}); pass --overwrite to replace it, or choose another --out"
+        )
+
+
+def _refuse_others_files(run_dir: Path) -> None:
+    """A first start under --resume trains in a new or empty directory, or beside what a first
+    attempt wrote: never among files that are not a run's (a mistyped --out)."""
+    if holds_run(run_dir) or not run_dir.is_dir():
+        return
+    others = sorted(entry.name for entry in run_dir.iterdir() if entry.name != LOCK_FILE)
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise RunDirError(
+            f"--resume: {run_dir} holds no run to resume, but other files ({shown}); a run is "
+            "not started among them: give --out a new or empty directory"
         )
 
 

@@ -38,6 +38,7 @@ from mtdao.experiments.wan_drill.report import (
     plot_timeline,
     render_report,
 )
+from mtdao.flags import DefaultsHelpFormatter
 from mtdao.testing.network.netem import LinkUnavailable
 from mtdao.testing.network.scenario import Scenario, load_scenario
 from mtdao.testing.network.sites import WanSites, cleanup_stale, exit_on_sigterm
@@ -114,11 +115,12 @@ def add_parser(subparsers) -> None:
         "wan-drill",
         help="fault-tolerant replicas across emulated WAN sites that fail, checked (root)",
         description=re.sub(r":mod:`[^`]*`|``", "", __doc__.split("\n\n")[1]).replace(" ()", ""),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add = parser.add_argument
     add("--scenario", default="default",
-        help="default (each event once; full: the same), none, or a JSON/YAML file")  # fmt: skip
+        help="the events: default (each event once; full is another name for it), none, or a "
+        "JSON/YAML file")  # fmt: skip
     defaults = DrillSettings()
     for field in fields(DrillSettings):
         if field.name == "emulation":

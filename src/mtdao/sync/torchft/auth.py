@@ -15,9 +15,11 @@ torch nor torchft.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import secrets
 import stat
@@ -28,6 +30,9 @@ MIN_TOKEN_CHARS = 16
 NO_TOKEN = b""
 """An empty secret: anyone who runs mtdao can sign with it (tests of the signatures only)."""
 MACHINE_SECRET_FILE = "loopback.secret"
+MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))' > FILE"
+
+logger = logging.getLogger(__name__)
 
 
 class RunKey:
@@ -60,20 +65,28 @@ def read_token(token_file: str | None, environ=os.environ) -> bytes | None:
     """The run's secret: the first line of ``token_file``, else ``$MTDAO_AUTH_TOKEN``; None when
     neither is set."""
     if token_file is not None:
-        path = Path(token_file).expanduser()
-        try:
-            text = path.read_text().strip()
-        except OSError as error:
-            raise ValueError(f"--auth-token-file {token_file}: {error.strerror}") from None
         source = f"--auth-token-file {token_file}"
+        try:  # a pipe is fine (--auth-token-file <(pass show run)): SIGTERM still stops a wait
+            data = Path(token_file).expanduser().read_bytes()
+        except OSError as error:
+            raise ValueError(
+                f"{source}: {error.strerror}; give a file holding the run's secret"
+            ) from None
     elif environ.get(TOKEN_ENV):
-        text, source = environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}"
+        source = f"${TOKEN_ENV}"
+        data = environ[TOKEN_ENV].encode(errors="surrogateescape")  # its bytes as given
     else:
         return None
+    try:
+        text = data.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{source} is not UTF-8 text: write the secret as text ({MAKE_SECRET})"
+        ) from None
     if len(text) < MIN_TOKEN_CHARS:
         raise ValueError(
             f"{source} holds {len(text)} characters; a run's secret needs at least "
-            f"{MIN_TOKEN_CHARS} (e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+            f"{MIN_TOKEN_CHARS} (e.g. {MAKE_SECRET})"
         )
     return text.encode()
 
@@ -101,26 +114,74 @@ def machine_secret_dir() -> Path:
 def machine_secret(directory: Path) -> bytes:
     """This account's secret for loopback runs: read from ``directory``/loopback.secret, made
     there on first use (a 0600 file in a 0700 directory; replicas starting together agree on the
-    first one written). Refused when another account could read or replace it."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _private(directory, "directory", 0o700)
+    first one written; the one that makes it says so). Refused in one line, naming the path and
+    the fix, when another account could read or replace it or it cannot be read as one."""
     path = directory / MACHINE_SECRET_FILE
-    if not path.exists():
-        draft = directory / f".{MACHINE_SECRET_FILE}.{os.getpid()}"
-        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            file.write(secrets.token_hex(32) + "\n")
-        try:
-            os.link(draft, path)  # fails if another replica's is there first: that one is used
-        except FileExistsError:
-            pass
-        finally:
-            draft.unlink()
-    _private(path, "file", 0o600)
-    secret = path.read_text().strip()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as error:
+        in_its_place = isinstance(error, FileExistsError | NotADirectoryError)
+        fix = "a file is in its place: remove it" if in_its_place else error.strerror
+        raise ValueError(
+            f"cannot make {directory}, where replicas on loopback keep this account's secret "
+            f"({fix}), or give the run a secret with --auth-token-file"
+        ) from None
+    _private(directory, "directory", 0o700)
+    try:
+        if not path.exists() and not path.is_symlink() and _make_secret(directory, path):
+            logger.warning(
+                "made this account's secret for loopback runs in %s (there was none): a "
+                "lighthouse or replica that started before it holds a former one and cannot "
+                "run with this process: restart them",
+                path,
+            )
+        _private(path, "file", 0o600)
+        secret = _read_regular_file(path).decode().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or "it is not UTF-8 text"
+        fix = (
+            f"chmod 600 {path}, or delete it" if isinstance(error, PermissionError) else "delete it"
+        )
+        raise ValueError(
+            f"cannot read this account's secret for loopback runs from {path}: {reason}; "
+            f"{fix}, and the next replica or lighthouse makes a new one"
+        ) from None
     if len(secret) < MIN_TOKEN_CHARS:
         raise ValueError(f"{path} holds no secret: delete it, and the next replica makes one")
     return secret.encode()
+
+
+def _make_secret(directory: Path, path: Path) -> bool:
+    """Write a new secret to ``path`` unless another process's is there first; whether this
+    one made it."""
+    draft = directory / f".{MACHINE_SECRET_FILE}.{os.getpid()}"
+    descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_hex(32) + "\n")
+    try:
+        os.link(draft, path)  # fails if another replica's is there first: that one is used
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        draft.unlink()
+
+
+def _read_regular_file(path: Path) -> bytes:
+    """The bytes of ``path``; a directory, FIFO, socket or device is refused (OSError EINVAL)
+    before it is opened, and checked again once opened without blocking (an open of a FIFO
+    waits for a writer)."""
+    _refuse_irregular(path.lstat().st_mode)
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(descriptor, "rb") as file:
+        _refuse_irregular(os.fstat(descriptor).st_mode)  # replaced since the check above
+        return file.read()
+
+
+def _refuse_irregular(mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise OSError(errno.EINVAL, f"it is {kind}")
 
 
 def _private(path: Path, kind: str, mode: int) -> None:

@@ -3,7 +3,8 @@
 Give its result to :class:`~mtdao.sync.engine.LocalUpdateSync` as the communicator and train in
 ``sync.attached()``: the engine prepares each round's quorum (where a new replica, or one that
 fell behind, heals from a live one), averages through it and, at the end, runs the final round
-through one too. ``mtdao train --fault-tolerant`` builds its replicas with the same function.
+through one too. The replica says when it joins and when it heals (:class:`JoinsAndHeals`).
+``mtdao train --fault-tolerant`` builds its replicas with the same function.
 
 What a healing replica receives: the engine's trained state (parameters, every optimizer state,
 the engine's step, anchors, rounds in flight and residuals), and whatever the loop registers
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 from mtdao.sync.torchft.auth import read_token, run_key
 from mtdao.sync.torchft.plumbing import ReplicaRefused
-from mtdao.sync.torchft.replicas import ReplicaGroups, ReplicaSettings
+from mtdao.sync.torchft.replicas import ReplicaGroups, ReplicaSettings, RoundStart
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,35 @@ def fault_tolerant_replica(
         allow_non_finite=allow_non_finite,
     )
     replicas = ReplicaGroups(settings, shard_group)
+    speaks = shard_group is None or dist.get_rank(shard_group) == 0  # one line per replica
+    replicas.on_quorum = JoinsAndHeals(replica_id) if speaks else None
     # before the engine's state: a replica that differs is refused before anything is loaded
     replicas.track_state("config", SharedConfig(replica_id, shared))
     return replicas
+
+
+class JoinsAndHeals:
+    """Says, as a warning of this module's logger (shown without any logging set up), when the
+    replica joins the run and when it heals: from whom, and at which step."""
+
+    def __init__(self, replica_id: int) -> None:
+        self.replica_id, self.joined = replica_id, False
+
+    def __call__(self, start: RoundStart, step: int) -> None:
+        said = []
+        if not self.joined:
+            self.joined = True
+            members = ", ".join(map(str, start.replicas))
+            said.append(f"joined at step {step} with replicas {members}")
+        if start.heal is not None:
+            heal = start.heal
+            size = f"{heal.bytes / 1e6:.1f} MB" if heal.bytes >= 1e6 else f"{heal.bytes:,} bytes"
+            said.append(
+                f"healed from replica {heal.source}{'' if said else f' at step {step}'} "
+                f"({size} in {heal.seconds:.1f} s)"
+            )
+        if said:
+            logger.warning("replica %d: %s", self.replica_id, ", ".join(said))
 
 
 def config_digest(shared: Mapping[str, Any]) -> str:

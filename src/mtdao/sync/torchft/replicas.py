@@ -138,6 +138,9 @@ class ReplicaGroups(Communicator):
         self._lighthouse_away: int | None = None  # the step whose quorum found it away
         self.before_quorum: Callable[[], None] | None = None
         """Called before each quorum request (a fault drill learns that a joiner has asked)."""
+        self.on_quorum: Callable[[RoundStart, int], None] | None = None
+        """Called with each quorum formed and the step this replica then stands at (a heal
+        moves it): how a loop says that it joined or healed."""
 
     @property
     def manager(self) -> Manager | None:
@@ -334,6 +337,8 @@ class ReplicaGroups(Communicator):
             return start  # the step trains on locally; its round is discarded in it
         start.stale = self._stale
         self._joined = True  # not before: a joiner whose first quorum failed asks again at once
+        if self.on_quorum is not None:
+            self.on_quorum(start, self._training_step)
         return start
 
     def _empty_round(self) -> None:

@@ -19,6 +19,8 @@ import signal
 import sys
 import threading
 
+from mtdao.flags import DefaultsHelpFormatter
+
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
 LIGHTHOUSE_CALLS = frozenset(
     b"/torchft.LighthouseService/" + method for method in (b"Quorum", b"Heartbeat")
@@ -31,7 +33,7 @@ def add_parser(subparsers) -> None:
         help="start the lighthouse of a fault-tolerant run (mtdao train --fault-tolerant)",
         description="Keep track of the live replicas of a fault-tolerant run and form their "
         "quorums. Runs until interrupted (Ctrl-C or SIGTERM stop it cleanly).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
         "--bind-host",
@@ -65,8 +67,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--auth-token-file",
         default=None,
-        help="the run's secret (as the replicas': also $MTDAO_AUTH_TOKEN; on loopback, this "
-        "account's own by default): quorum requests not signed with it are refused",
+        help="a file holding the run's secret, the replicas' too: quorum requests not signed "
+        "with it are refused (default: $MTDAO_AUTH_TOKEN; without it, on loopback, this "
+        "account's own, as the replicas')",
     )
     parser.set_defaults(func=run_lighthouse)
 
@@ -78,11 +81,10 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             flag = name.replace("_", "-")
             raise ValueError(f"--{flag} must be a number of seconds > 0, got {getattr(args, name)}")
-    # Ctrl-C and SIGTERM both end the wait below: no KeyboardInterrupt can land in a thread
-    # or in the middle of shutting the server down
-    stop = threading.Event()
+    # Until the servers start, Ctrl-C and SIGTERM end the start-up where it is (an import, or
+    # the read of a secret from a pipe that nobody writes)
     for signal_number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signal_number, lambda *_: stop.set())
+        signal.signal(signal_number, _stop_starting)
     try:
         from mtdao.sync.torchft import start_lighthouse
     except ModuleNotFoundError as error:
@@ -103,6 +105,11 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     gate = None
     if token is not None or is_loopback(host):
         gate = LighthouseGate(run_key(token, host), _say)
+    # From here they end the wait below: no KeyboardInterrupt can land in a thread or in the
+    # middle of shutting the servers down
+    stop = threading.Event()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, lambda *_: stop.set())
 
     # torchft's lighthouse on a loopback port of its own; the replicas reach it through the
     # front, which lets the replicas' calls through and not its dashboard (see grpc_front)
@@ -145,6 +152,10 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         server.shutdown()
     print("lighthouse: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _stop_starting(*_) -> None:
+    raise KeyboardInterrupt  # mtdao's main says "mtdao lighthouse: interrupted" (exit 130)
 
 
 def _say(line: str) -> None:

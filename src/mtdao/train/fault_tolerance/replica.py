@@ -120,6 +120,7 @@ class ReplicaDriver(LoopHooks):
             allow_non_finite=config.sync.on_non_finite == "skip",
         )
         self.replicas.collectives.say = self._say
+        self.replicas.on_quorum = None  # _report_quorum says joins and heals, with the rest
         self.refusals = self.torchft.RefusalLog()
         self.is_main = process.rank == 0
         run = build_run(config, process, communicator=self.replicas, worker_index=ft.replica_id)
