@@ -85,7 +85,7 @@ def build_local_run(
         non_negative(name, value)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if config.shards > 1:
-        from mtdao.integrations.hf.sharding import shard_workers
+        from mtdao.integrations.sharding import shard_workers
 
         communicator = shard_workers(model, launched_workers(config.shards), config.shards)
     else:  # one worker per process; at world size 1 the engine sends nothing
