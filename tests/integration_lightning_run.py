@@ -9,6 +9,8 @@ Each rank writes ``rank<r>.json`` into the directory given as the only argument:
   hook) over the same batches;
 - ``resume_max_diff``: between a straight run and one resumed from the checkpoint taken at the
   end of the first epoch, mid-round, while the workers differ;
+- ``saved_at_validation_are_own``: whether the checkpoint taken when that epoch's validation
+  ended (the average swapped in) holds this rank's own parameters;
 - ``agree_mid_round`` / ``agree_after_sync``: whether the ranks hold the same parameters before
   and after the last sync (under DDP they would agree at every step), without the final round;
 - ``agree_at_end_between_syncs``: whether they do at the end of a run stopped between syncs,
@@ -83,14 +85,16 @@ class TinyLM(L.LightningModule):
 
 
 class Probe(Callback):
-    """At the end of the first epoch (before its validation): the average's and this rank's own
-    loss over the validation set; after each validation, the loss Lightning logged."""
+    """At the end of the first epoch (before its validation): this rank's own parameters, the
+    average's and its own loss over the validation set; after it, the loss Lightning logged."""
 
     def __init__(self) -> None:
         self.results: dict[str, object] = {}
+        self.own: dict[str, torch.Tensor] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == EPOCH_STEPS:
+            self.own = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
             model = pl_module.model
             self.results["own_model_loss"] = mean_loss(model)
             self.results["averaged_model_loss"] = mean_loss(averaged(model))
@@ -105,9 +109,12 @@ def lightning_run(out: Path, steps: int, method=LOCAL_MODELS, save=False, resume
     stopped; with max_steps it replays part of the epoch a checkpoint ended)."""
     callbacks = [probe] if probe else []
     if save:
+        # at each epoch's end (Lightning resumes exactly from there), and when a validation ends
+        # (the workers' average swapped in for it)
+        callbacks.append(ModelCheckpoint(out, save_top_k=-1, save_on_train_epoch_end=True))
         callbacks.append(
             ModelCheckpoint(
-                dirpath=out, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
+                out / "validated", monitor="val_loss", save_top_k=-1, save_on_train_epoch_end=False
             )
         )
     trainer = L.Trainer(
@@ -184,6 +191,12 @@ def main(out: Path) -> None:
     results["agree_mid_round"] = straight.strategy.workers_agree()  # 2 local steps after a sync
     checkpoint = out / "straight" / f"epoch=0-step={EPOCH_STEPS}.ckpt"
     results["checkpoint_files"] = sorted(p.name for p in Path(f"{checkpoint}.mtdao").iterdir())
+    validated = out / "straight" / "validated" / checkpoint.name
+    rank_file = f"{validated}.mtdao/mtdao-rank{dist.get_rank()}-of-{dist.get_world_size()}.pt"
+    saved = torch.load(rank_file, weights_only=True)["params"]
+    results["saved_at_validation_are_own"] = all(
+        torch.equal(saved[name], p) for name, p in probe.own.items()
+    )
     resumed, resumed_module = lightning_run(out / "resumed", RUN_STEPS, resume=checkpoint)
     results["resume_max_diff"] = max_diff(module, resumed_module)
     results["resumed_engine_step"] = resumed.strategy.sync.step_count

@@ -76,8 +76,15 @@ def fit(out: Path, method: LocalUpdates, module=None, resume=None, **trainer_arg
 
 def test_one_process_trains_with_the_methods_optimizer_and_engine(tmp_path):
     logger = L.pytorch.loggers.CSVLogger(tmp_path, name="")
+    latest = L.pytorch.callbacks.ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=2)
     trainer, module = fit(
-        tmp_path, LocalUpdates(sync_period=4), max_steps=6, logger=logger, log_every_n_steps=2
+        tmp_path,
+        LocalUpdates(sync_period=4),
+        max_steps=6,
+        logger=logger,
+        log_every_n_steps=2,
+        callbacks=[latest],
+        enable_checkpointing=True,
     )
     strategy = trainer.strategy
     assert isinstance(trainer.optimizers[0], MTAdam)
@@ -85,6 +92,11 @@ def test_one_process_trains_with_the_methods_optimizer_and_engine(tmp_path):
     assert strategy.model is module  # not wrapped in DistributedDataParallel
     with open(Path(logger.log_dir) / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row["sync_ddp_bytes_per_worker"]]
+    # the latest checkpoint only (save_top_k=1): each one removed took its per-rank folder along
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=1-step=6.ckpt",
+        "epoch=1-step=6.ckpt.mtdao",
+    ]
     per_step = strategy.sync.traffic.ddp_bytes_per_step
     assert [float(row["sync_ddp_bytes_per_worker"]) for row in rows] == [
         2 * per_step,
@@ -189,6 +201,7 @@ def test_resume_mid_round_is_exact_on_every_rank(torchrun_jobs):
     for rank in torchrun_jobs["ranks"]:
         assert rank["checkpoint_files"] == ["mtdao-rank0-of-2.pt", "mtdao-rank1-of-2.pt"]
         assert rank["resume_max_diff"] == 0.0
+        assert rank["saved_at_validation_are_own"] is True
         assert rank["resumed_engine_step"] == RUN_STEPS
 
 
