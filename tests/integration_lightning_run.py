@@ -18,7 +18,9 @@ Each rank writes ``rank<r>.json`` into the directory given as the only argument:
 - ``val_loss_mid_round``, ``averaged_model_loss``, ``own_model_loss``: Lightning's validation
   at the end of the first epoch (mid-round), the loss of the workers' average model and of this
   rank's own over the same validation set at that step;
-- ``logged_traffic``: the traffic metrics the run logged.
+- ``logged_traffic``: the traffic metrics the run logged;
+- ``ddp_agree_without_final_round``: whether the ranks agree after 3 steps of the ddp method
+  (the engine averages the gradients before each step) with no final round.
 """
 
 from __future__ import annotations
@@ -209,6 +211,8 @@ def main(out: Path) -> None:
     }
     final, _ = lightning_run(out / "final", RUN_STEPS, method=METHOD)
     results["agree_at_end_between_syncs"] = final.strategy.workers_agree()
+    ddp, _ = lightning_run(out / "ddp", 3, method=LocalUpdates(method="ddp", final_round=False))
+    results["ddp_agree_without_final_round"] = ddp.strategy.workers_agree()
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

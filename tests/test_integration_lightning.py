@@ -5,7 +5,8 @@ continues bit for bit, bad settings are refused. Under torchrun with two gloo pr
 (tests/integration_lightning_run.py and examples/lightning_trainer.py): the Lightning run equals
 the README's plain loop over the same batches bit for bit, a resume from a checkpoint taken
 mid-round (the workers differ) is exact, the ranks differ between syncs (no DDP all-reduce) and
-agree after one, a run stopped between syncs ends with one model (the final round), validation
+agree after one (with the ddp method, at every step: the engine averages the gradients inside
+Lightning's step), a run stopped between syncs ends with one model (the final round), validation
 between syncs scores the workers' average, and the example prints its traffic and one model.
 """
 
@@ -37,9 +38,9 @@ from wait_limits import limit_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # A Lightning process's start costs two of the model's, as a transformers one does (lightning
-# beside torch); the checks run four Lightning fits and a plain loop in turn.
+# beside torch); the checks run five Lightning fits and a plain loop in turn.
 LIGHTNING_STARTS = 2
-CHECK_STEPS = 5 * RUN_STEPS
+CHECK_STEPS = 5 * RUN_STEPS + 3
 TORCHRUN_TIMEOUT_S = limit_s(starts=1 + LIGHTNING_STARTS, steps=CHECK_STEPS, processes=2 + 2)
 EPOCH_BATCHES = 5  # one process, batches of 4
 
@@ -211,6 +212,12 @@ def test_workers_drift_between_syncs_and_agree_after_one(torchrun_jobs):
     for rank in torchrun_jobs["ranks"]:
         assert rank["agree_mid_round"] is False
         assert rank["agree_after_sync"] is True
+
+
+@pytest.mark.slow
+def test_the_ddp_method_averages_gradients_inside_lightnings_step(torchrun_jobs):
+    for rank in torchrun_jobs["ranks"]:
+        assert rank["ddp_agree_without_final_round"] is True
 
 
 @pytest.mark.slow

@@ -30,8 +30,9 @@ class LocalUpdates(SyncConfig):
     the same names, with their defaults) and the processes per worker.
 
     The learning rate, its schedule, the weight decay and the gradient-clipping norm stay the
-    trainer's (``TrainingArguments.learning_rate``, ``lr_scheduler_type``, ``weight_decay``,
-    ``max_grad_norm``).
+    trainer's (Hugging Face's ``TrainingArguments.learning_rate``, ``lr_scheduler_type``,
+    ``weight_decay``, ``max_grad_norm``; Lightning's ``configure_optimizers`` and
+    ``gradient_clip_val``).
     """
 
     track_alignment: bool = False
