@@ -137,6 +137,9 @@ class OnAnotherStrategy(TinyLM):
 def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="accumulate_grad_batches=1"):
         fit(tmp_path, LocalUpdates(), max_steps=1, accumulate_grad_batches=2)
+    scaled = L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="does not take precision='16-mixed'"):  # a GPU's
+        fit(tmp_path, LocalUpdates(), max_steps=1, plugins=[scaled])
     with pytest.raises(ValueError, match="returns the one optimizer"):
         fit(tmp_path, LocalUpdates(), OwnOptimizer(), max_steps=1)
     with pytest.raises(ValueError, match="--method: unknown value 'lamb'"):
