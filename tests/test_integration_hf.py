@@ -24,7 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
 from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, traffic_summary  # noqa: E402
-from mtdao.integrations.hf.checkpoint import load_worker_state  # noqa: E402
+from mtdao.integrations.worker_state import load_worker_state  # noqa: E402
 from mtdao.optim import MTAdam  # noqa: E402
 from mtdao.sync.communicator import Traffic  # noqa: E402
 from mtdao.testing.ports import unused_port  # noqa: E402
@@ -85,7 +85,7 @@ def test_one_process_resume_is_exact(tmp_path, method):
 def test_resume_without_mtdao_state_is_refused(tmp_path):
     trainer = make_trainer(tmp_path, 1, LocalUpdates())
     trainer.train()
-    with pytest.raises(FileNotFoundError, match="not saved by LocalUpdateTrainer"):
+    with pytest.raises(FileNotFoundError, match="not saved by an mtdao integration"):
         load_worker_state(tmp_path, trainer.local_run, trainer.model, 0, 1)
 
 

@@ -218,6 +218,8 @@ def test_the_library_imports_nothing_of_the_harness(package):
     """The engine, and the integrations built on the library's API (mtdao.sync.config)."""
     paths = sorted((SRC / package).rglob("*.py"))
     assert len(paths) >= 5
+    if package == "integrations":  # every adapter: Hugging Face's Trainer, Lightning's
+        assert {"hf", "lightning"} <= {path.parent.name for path in paths}
     for path in paths:
         harness = {name for name in imported_modules(path) if name.startswith("mtdao.train")}
         assert not harness, f"{path.relative_to(SRC)} imports {sorted(harness)}"

@@ -6,9 +6,9 @@ process is one worker and only the engine communicates. ``stack_hf_workers`` sim
 of a transformers model in one process. Guide: docs/integrations.md.
 """
 
-from mtdao.integrations.hf.local_updates import LocalUpdates, traffic_summary, workers_agree
 from mtdao.integrations.hf.simulate import stack_hf_workers
 from mtdao.integrations.hf.trainer import LocalUpdateTrainer
+from mtdao.integrations.local_updates import LocalUpdates, traffic_summary, workers_agree
 
 __all__ = [
     "LocalUpdateTrainer",

@@ -26,14 +26,14 @@ import torch.distributed as dist
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from mtdao.integrations.hf.checkpoint import load_worker_state, save_worker_state
-from mtdao.integrations.hf.local_updates import (
+from mtdao.integrations.local_updates import (
     LocalRun,
     LocalUpdates,
     build_local_run,
     traffic_logs,
     workers_agree,
 )
+from mtdao.integrations.worker_state import load_worker_state, save_worker_state
 from mtdao.sync import LocalUpdateSync
 
 

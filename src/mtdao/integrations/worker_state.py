@@ -1,12 +1,12 @@
-"""The part of a Trainer checkpoint that is each worker's own.
+"""The part of a trainer's checkpoint that is each worker's own.
 
-The Trainer saves one model and one optimizer state (process 0's), which is all of the run when
-every process holds the same values, as under DDP. With local updates the workers differ between
-syncs, so each process adds one file to the Trainer's checkpoint folder: the engine's state (its
-step, anchors, outer momentum, rounds in flight, traffic account) and, with more than one
-worker, this worker's own parameters and optimizer state. Resuming loads the Trainer's files,
-then this one on top. (Sharded workers are not checkpointed through the Trainer: see
-``LocalUpdateTrainer``.)
+A trainer (Hugging Face's, Lightning's) saves one model and one optimizer state (process 0's),
+which is all of the run when every process holds the same values, as under DDP. With local
+updates the workers differ between syncs, so each process adds one file to a folder of the
+checkpoint: the engine's state (its step, anchors, outer momentum, rounds in flight, traffic
+account) and, with more than one worker, this worker's own parameters and optimizer state.
+Resuming loads the trainer's files, then this one on top. (Sharded workers are not checkpointed
+through a trainer: see the integrations.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mtdao.integrations.hf.local_updates import LocalRun
+from mtdao.integrations.local_updates import LocalRun
 from mtdao.state_files import first_unsavable, read_state_file
 
 FORMAT = 1
@@ -55,7 +55,7 @@ def load_worker_state(
         found = sorted(p.name for p in Path(checkpoint_dir).glob("mtdao-rank*.pt"))
         raise FileNotFoundError(
             f"{path} is missing: resume with the world size the checkpoint was saved with "
-            f"({', '.join(found) or 'it has no mtdao state: not saved by LocalUpdateTrainer'})"
+            f"({', '.join(found) or 'it has no mtdao state: not saved by an mtdao integration'})"
         )
     try:
         state = read_state_file(path)

@@ -30,8 +30,9 @@ class LocalUpdates(SyncConfig):
     the same names, with their defaults) and the processes per worker.
 
     The learning rate, its schedule, the weight decay and the gradient-clipping norm stay the
-    trainer's (``TrainingArguments.learning_rate``, ``lr_scheduler_type``, ``weight_decay``,
-    ``max_grad_norm``).
+    trainer's (Hugging Face's ``TrainingArguments.learning_rate``, ``lr_scheduler_type``,
+    ``weight_decay``, ``max_grad_norm``; Lightning's ``configure_optimizers`` and
+    ``gradient_clip_val``).
     """
 
     track_alignment: bool = False
@@ -85,7 +86,7 @@ def build_local_run(
         non_negative(name, value)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if config.shards > 1:
-        from mtdao.integrations.hf.sharding import shard_workers
+        from mtdao.integrations.sharding import shard_workers
 
         communicator = shard_workers(model, launched_workers(config.shards), config.shards)
     else:  # one worker per process; at world size 1 the engine sends nothing
