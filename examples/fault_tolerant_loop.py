@@ -3,7 +3,8 @@
 One process per replica; a lighthouse knows which are alive. Kill a replica (even with kill -9)
 and start it again with the same command: it heals from a live one (parameters, optimizer
 states, the engine's rounds and its data position) and carries on where the others are; every
-replica ends with the same model (the final round).
+replica ends with the same model (the final round: one a death breaks is formed again among the
+survivors; when no try commits, the replica says so in one line and exits 1).
 
     mtdao lighthouse --port 29510 --min-replicas 3 &
     for i in 0 1 2; do
@@ -21,13 +22,14 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import mtdao
-from mtdao.sync import LocalUpdateSync, SyncCodecs, unified
+from mtdao.sync import FinalRoundNotCommitted, LocalUpdateSync, SyncCodecs, unified
 from mtdao.sync.torchft import fault_tolerant_replica
 
 FEATURES, CLASSES, BATCH, LR = 32, 8, 64, 3e-3
@@ -113,4 +115,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except FinalRoundNotCommitted as failure:  # no try of the final round committed
+        sys.exit(f"fault_tolerant_loop.py: {failure}")
