@@ -3,7 +3,7 @@ in flight, its quorum formed and the survivors inside its collectives. The survi
 discarded and the final round formed again among them, so both end with bit-identical
 parameters: through ``mtdao train --fault-tolerant`` (the fault drill holds the replica in its
 round) and through the library API (examples/fault_tolerant_loop.py under
-tests/final_round_hold.py, which holds it the same way). No process is left behind (the drill
+tests/steered_example.py, which holds it the same way). No process is left behind (the drill
 kills what still runs)."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_a_replica_killed_in_the_final_round_leaves_the_survivors_one_model(corp
         assert None not in finals.values() and len(set(finals.values())) == 1, finals
 
 
-EXAMPLE_HOLD = Path(__file__).resolve().parent / "final_round_hold.py"
+EXAMPLE_HOLD = Path(__file__).resolve().parent / "steered_example.py"
 PERIOD = 8
 EXAMPLE_STEPS = 3 * PERIOD + 3
 
