@@ -68,6 +68,7 @@ from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError, NonFiniteWork
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import SyncPolicy
+from mtdao.sync.repeated_lines import RepeatedLines
 from mtdao.sync.round_plan import RoundPlan
 from mtdao.sync.rounds import (
     CheckedRound,
@@ -139,6 +140,7 @@ class LocalUpdateSync:
         self.events: list[SyncEvent] = []
         self.skipped_rounds: list[dict[str, Any]] = []
         self.discarded_rounds: list[dict[str, Any]] = []
+        self._repeated_lines = RepeatedLines()  # a discard at every step says one line a minute
         self.in_sync: dict[tuple[str, int], int] = {}
         """(kind, parameter index) -> the step at which a blocking round last assigned that
         tensor on every worker (what the final round may leave out)."""
@@ -244,13 +246,16 @@ class LocalUpdateSync:
             except RoundNotCommitted as failure:
                 self._note_discarded(failure)
 
-    def _note_discarded(self, failure: RoundNotCommitted) -> None:
+    def _note_discarded(self, failure: RoundNotCommitted, then: str = "") -> None:
+        """Record a discarded round; say so, each kind of line once a minute."""
         self.discarded_rounds.append({"step": self.step_count, "reason": str(failure)})
-        logger.warning("step %d: %s; every worker keeps its own state", self.step_count, failure)
+        then = then or "every worker keeps its own state"
+        line = self._repeated_lines.line(f"step {self.step_count}: {failure}; {then}")
+        if line is not None:
+            logger.warning(line)
 
     def _note_final_discarded(self, failure: RoundNotCommitted) -> None:
-        self.discarded_rounds.append({"step": self.step_count, "reason": str(failure)})
-        logger.warning("step %d: final round: %s; forming it again", self.step_count, failure)
+        self._note_discarded(failure, "the final round is formed again")
 
     def prepare(self) -> Any:
         """Before the coming step's forward pass: let a communicator that prepares each round
