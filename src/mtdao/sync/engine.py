@@ -420,8 +420,8 @@ class LocalUpdateSync:
                 last = failure
         raise FinalRoundNotCommitted(
             f"the final round was discarded {FINAL_ROUND_TRIES} times (the last: {last}): the "
-            "workers do not hold the same model; each keeps its own (are enough of them alive, "
-            "and is the lighthouse reachable?)"
+            "workers do not hold the same model (each keeps its own); with enough of them alive "
+            "and reachable, run again from the last checkpoint"
         )
 
     @torch.no_grad()
