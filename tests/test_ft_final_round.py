@@ -2,9 +2,9 @@
 in flight, its quorum formed and the survivors inside its collectives. The survivors' try is
 discarded and the final round formed again among them, so both end with bit-identical
 parameters: through ``mtdao train --fault-tolerant`` (the fault drill holds the replica in its
-round) and through the library API (examples/fault_tolerant_loop.py under
-tests/steered_example.py, which holds it the same way). No process is left behind (the drill
-kills what still runs)."""
+round), with replicas of one process and of two FSDP2 shards, and through the library API
+(examples/fault_tolerant_loop.py under tests/steered_example.py, which holds it the same way).
+No process is left behind (the drill kills what still runs)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from wait_limits import limit_s
+from wait_limits import limit_s, timeout_flags
 
-from mtdao.testing.fault_drill import Drill
+from mtdao.testing.fault_drill import Drill, process_label
 
 pytest.importorskip("torchft")
 
@@ -56,6 +56,41 @@ def test_a_replica_killed_in_the_final_round_leaves_the_survivors_one_model(corp
             assert STEPS in discarded, drill.tails()  # the kill broke a try of the final round
         finals = {name: drill.rounds(name).get(STEPS) for name in SURVIVORS}
         assert None not in finals.values() and len(set(finals.values())) == 1, finals
+
+
+SHARDS = 2
+SHARDED_COLLECTIVE_S = 20  # as tests/test_ft_sharded.py
+
+
+def test_a_sharded_replica_killed_in_the_final_round_leaves_the_survivors_one_model(
+    corpus_dir, tmp_path
+):
+    """Three replicas of two FSDP2 shards each (torchrun); both processes of replica 1 held in
+    the final round, its first killed (torchrun, --max-restarts 0, ends the other): process s
+    of each survivor ends with the same shard."""
+    # (a replica's own processes start apart on a busy machine: its group waits longer)
+    timeouts = timeout_flags(dict(collective=SHARDED_COLLECTIVE_S, connect=20))
+    flags = [*train_flags(corpus_dir), "--batch-size", "4", "--seq-len", "32", *timeouts]
+    with Drill(tmp_path, flags, heartbeat_timeout=HEARTBEAT_S) as drill:
+        drill.start_lighthouse(min_replicas=2)
+        drill.gate(0)  # all three ready before the first quorum: it holds all three
+        drill.hold_round("r1", STEPS)
+        for replica, name in enumerate(("r0", "r1", "r2")):
+            drill.start(name, replica, shards=SHARDS, max_restarts=0)
+        labels = [process_label(n, r) for n in ("r0", "r1", "r2") for r in range(SHARDS)]
+        ready = lambda: all(drill.status(label) == ("waiting", 0) for label in labels)  # noqa: E731
+        drill.wait_for(ready, limit_s(starts=2, processes=3 * SHARDS), "six processes at 0")
+        drill.gate(None)
+        inside = lambda: all(drill.entered_round(label, STEPS) for label in labels)  # noqa: E731
+        drill.wait_for(inside, limit_s(steps=STEPS, processes=3 * SHARDS), "the final round")
+        drill.kill_process("r1", 0)
+        for name in SURVIVORS:
+            limit = limit_s(processes=2 * SHARDS, sat_out_s=SHARDED_COLLECTIVE_S + HEARTBEAT_S)
+            assert drill.wait_exit(name, limit) == 0, drill.tails()
+            assert STEPS in [e["step"] for e in drill.events(name, "discarded")], drill.tails()
+        for rank in range(SHARDS):
+            finals = [drill.rounds(process_label(name, rank)).get(STEPS) for name in SURVIVORS]
+            assert None not in finals and finals[0] == finals[1], finals
 
 
 EXAMPLE_HOLD = Path(__file__).resolve().parent / "steered_example.py"
