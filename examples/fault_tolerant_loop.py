@@ -3,7 +3,8 @@
 One process per replica; a lighthouse knows which are alive. Kill a replica (even with kill -9)
 and start it again with the same command: it heals from a live one (parameters, optimizer
 states, the engine's rounds and its data position) and carries on where the others are; every
-replica ends with the same model (the final round).
+replica ends with the same model (the final round: one a death breaks is formed again among the
+survivors; when no try commits, the replica says so in one line and exits 1).
 
     python -c 'import secrets; print(secrets.token_hex(32))' > run.token  # the run's secret
     mtdao lighthouse --port 29510 --min-replicas 3 --auth-token-file run.token &
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import mtdao
-from mtdao.sync import LocalUpdateSync, SyncCodecs, unified
+from mtdao.sync import FinalRoundNotCommitted, LocalUpdateSync, SyncCodecs, unified
 from mtdao.sync.torchft import QuorumError, ReplicaRefused, fault_tolerant_replica
 
 FEATURES, CLASSES, BATCH, LR = 32, 8, 64, 3e-3
@@ -85,6 +86,9 @@ def main(argv=None) -> int:
         train(args)
     except (QuorumError, ReplicaRefused) as error:  # no lighthouse, or not let in: one line
         print(f"replica {args.replica_id}: {error}", file=sys.stderr, flush=True)
+        return 1
+    except FinalRoundNotCommitted as failure:  # no try of the final round committed
+        print(f"replica {args.replica_id}: {failure}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import traceback
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,46 @@ def _torch_saved(value) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
+
+
+def test_a_metadata_naming_a_stream_transform_falls_back_in_one_line(two_checkpoints, caplog):
+    """Built from DCP's classes, but a slice names a stream transform (mtdao writes none): DCP
+    would stop every resume in a traceback looking it up (its CheckpointException is no
+    Exception)."""
+    store, (older, newest) = two_checkpoints
+    path = newest / MODEL_DIR / ".metadata"
+    with open(path, "rb") as file:
+        metadata = pickle.load(file)
+    for where in metadata.storage_data.values():
+        where.transform_descriptors = ["zstd"]
+    forge(newest, f"{MODEL_DIR}/.metadata", pickle.dumps(metadata))
+    target = {"worker0": {"model": {"w": torch.zeros(4, 3)}, "step": 0}}
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        load_sharded(newest, target)
+    assert str(path) in str(refused.value) and "\n" not in str(refused.value)
+    assert "stream transforms ['zstd']" in str(refused.value)
+    assert "resume from an earlier checkpoint" in str(refused.value)
+    with caplog.at_level(logging.WARNING):
+        loaded = store.load()
+    assert loaded.path == older and loaded.state["worker"]["step"] == 3
+    (warning,) = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert "stream transforms" in warning and "\n" not in warning
+
+
+def test_a_failure_dcp_reports_as_its_checkpoint_exception_is_one_line(
+    two_checkpoints, monkeypatch
+):
+    """DCP's CheckpointException derives from BaseException: it is caught all the same."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def failing(*args, **kwargs):
+        failure = ValueError("Unknown extension name='zstd'")
+        raise CheckpointException("load failed", {0: (failure, traceback.StackSummary())})
+
+    monkeypatch.setattr(dcp, "load", failing)
+    _, (_, newest) = two_checkpoints
+    target = {"worker0": {"model": {"w": torch.zeros(4, 3)}, "step": 0}}
+    with pytest.raises(ckpt.CheckpointError, match="could not be read") as refused:
+        load_sharded(newest, target)
+    assert str(refused.value).endswith("could not be read: Unknown extension name='zstd'")

@@ -19,7 +19,8 @@ from mtdao.sync import (
     gradient_averaging,
     unified,
 )
-from mtdao.sync.communicator import RoundNotCommitted
+from mtdao.sync.communicator import FinalRoundNotCommitted, RoundNotCommitted
+from mtdao.sync.engine import FINAL_ROUND_TRIES
 from mtdao.sync.testing import RecordingCommunicator, ScriptedCommunicator
 
 
@@ -155,3 +156,62 @@ def test_round_due_says_in_advance_which_steps_average(name):
         happened.append(len(communicator.average_kinds()) > calls)
     assert predicted == happened
     assert any(happened)
+
+
+def final_round_engine(discards: tuple[int, ...], delay: int = 0):
+    """An engine one step past its round at step 2 (a round in flight with ``delay``), whose
+    communicator discards the rounds numbered ``discards`` (round 1: the one at step 2)."""
+    params = make_params()
+    optimizer = MTAdam(params, lr=0.1, betas=(0.9,), omegas=(0.5,))
+    communicator = ScriptedCommunicator([shifted] * 16, discard_at=discards)
+    sync = LocalUpdateSync(optimizer, unified(2), communicator, delay=delay)
+    for step in range(3 if not delay else 2):
+        set_gradients(params, step)
+        sync.step()
+    return params, sync, communicator
+
+
+@pytest.mark.parametrize("delay", [0, 1], ids=["blocking", "a round in flight"])
+def test_a_discarded_final_round_is_formed_again_until_it_commits(delay):
+    discards = tuple(range(2, 2 + FINAL_ROUND_TRIES - 1))  # every try but the last
+    params, sync, communicator = final_round_engine(discards, delay)
+    before = [p.detach().clone() for p in params]
+    event = sync.finish()
+    assert event is not None and event.final
+    commits = [call for call in communicator.calls if call.method == "commit"]
+    assert len(commits) == 1 + FINAL_ROUND_TRIES  # the round at step 2, then every try
+    assert [r["reason"] for r in sync.discarded_rounds] == [
+        f"scripted discard of round {n}" for n in discards
+    ]
+    # the try that committed applied its average once: the scripted one, every tensor + 1
+    torch.testing.assert_close([p.detach() for p in params], [b + 1 for b in before])
+
+
+def test_a_final_round_no_try_commits_ends_in_one_line_and_each_keeps_its_own_model():
+    discards = tuple(range(2, 2 + FINAL_ROUND_TRIES))
+    params, sync, communicator = final_round_engine(discards)
+    before = snapshot(sync)
+    seen: list[str] = []
+    with pytest.raises(FinalRoundNotCommitted) as failed:
+        sync.finish(on_discarded=lambda failure: seen.append(str(failure)))
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(f"the final round was discarded {FINAL_ROUND_TRIES} times")
+    assert f"scripted discard of round {discards[-1]}" in message
+    assert seen == [f"scripted discard of round {n}" for n in discards]
+    commits = [call for call in communicator.calls if call.method == "commit"]
+    assert len(commits) == 1 + FINAL_ROUND_TRIES  # bounded: no fourth try
+    before["engine"]["traffic"] = sync.state_dict()["traffic"]
+    assert_same(before, snapshot(sync))  # every try undone
+
+
+def test_attached_raises_when_no_try_of_the_final_round_commits():
+    params = make_params()
+    optimizer = MTAdam(params, lr=0.1, betas=(0.9,), omegas=(0.5,))
+    discards = tuple(range(2, 2 + FINAL_ROUND_TRIES))
+    sync = LocalUpdateSync(optimizer, unified(2), ScriptedCommunicator(discard_at=discards))
+    with pytest.raises(FinalRoundNotCommitted), sync.attached():
+        for step in range(3):
+            set_gradients(params, step)
+            optimizer.step()
+    assert len(sync.discarded_rounds) == FINAL_ROUND_TRIES

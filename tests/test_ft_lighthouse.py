@@ -28,6 +28,7 @@ import pytest
 from grpc_calls import headers_frames, http2_request
 from wait_limits import limit_s
 
+from mtdao.sync.engine import FINAL_ROUND_TRIES
 from mtdao.sync.torchft.connection import WATCH_EVERY_S, WATCH_GRACE_S, WATCH_MISSES
 from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S, Drill
 
@@ -150,7 +151,9 @@ def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir
             assert drill.wait_exit(name, limit_s(steps=4 * K, processes=2)) == 0, drill.tails()
         for name in ("r0", "r1"):
             log = drill.log(name)
-            assert "unreachable; training on locally until it is back" in log, drill.tails()
+            away = "unreachable; training on locally until it is back"
+            discarded = [e for e in drill.events(name, "discarded") if away in e["reason"]]
+            assert len(discarded) >= 2 and log.count(away) == 1, drill.tails()  # once a minute
             assert "the lighthouse is back; averaging over replicas 0, 1" in log, drill.tails()
             steps_committed = [e["step"] for e in drill.events(name, "committed")]
             assert steps_committed[-1] == steps and 3 * K not in steps_committed, steps_committed
@@ -181,29 +184,49 @@ def test_a_quorum_waiting_on_a_lighthouse_that_dies_fails_at_once(corpus_dir, tm
         away = lambda: "unreachable; training on locally" in drill.log("r0")  # noqa: E731
         waited = drill.wait_for(away, away_s, "r0 to give the quorum up")
         assert waited < 20.0, drill.tails()  # --quorum-timeout is 60 s
-        assert drill.wait_exit("r0", limit_s(steps=2 * K, processes=1)) == 0, drill.tails()
+        # the lighthouse stays away: no try of the final round commits, and r0 says so (exit 2)
+        limit = limit_s(steps=2 * K, processes=1, sat_out_s=FINAL_ROUND_TRIES)
+        assert drill.wait_exit("r0", limit) == 2, drill.tails()
         assert drill.events("r0", "discarded")[-1]["step"] == steps, drill.tails()
 
 
-@pytest.mark.parametrize("final_round", [False, True], ids=["no final round", "final round"])
 def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(
-    corpus_dir, tmp_path, final_round
+    corpus_dir, tmp_path
 ):
     steps = 3 * K
-    argv = flags(corpus_dir, steps) + ([] if final_round else ["--no-final-round"])
-    # the last step's round, then the final round (the lighthouse is away for both)
-    discarded = [steps, steps] if final_round else [steps]
-    with Drill(tmp_path / "drill", argv, join_timeout=10.0) as drill:
+    with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
+        drill.train_flags.append("--no-final-round")
         kill_the_lighthouse_when_both_replicas_reach(drill, 2 * K)  # gone for the last round
         drill.gate(None)
-        for name in ("r0", "r1"):  # the last K steps, the final round, the end
+        for name in ("r0", "r1"):  # the last K steps, the end
             assert drill.wait_exit(name, limit_s(steps=K, processes=2)) == 0, drill.tails()
-            assert [e["step"] for e in drill.events(name, "discarded")] == discarded, drill.tails()
+            assert [e["step"] for e in drill.events(name, "discarded")] == [steps], drill.tails()
             records = [json.loads(line) for line in (drill.root / name / "metrics.jsonl").open()]
             evaluations = [r for r in records if "val_loss" in r]
             results = json.loads((drill.root / name / "results.json").read_text())
             assert evaluations[-1]["step"] == steps, evaluations
             assert results["final_val_loss"] == evaluations[-1]["val_loss"]
+
+
+def test_a_final_round_no_try_of_which_commits_ends_the_run_in_one_line(corpus_dir, tmp_path):
+    """The lighthouse is gone for the last round and the final round: each of the final
+    round's FINAL_ROUND_TRIES tries is discarded, and the replicas, which do not hold one
+    model, say so in one line and exit non-zero."""
+    steps = 3 * K
+    with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
+        kill_the_lighthouse_when_both_replicas_reach(drill, 2 * K)
+        drill.gate(None)
+        for name in ("r0", "r1"):  # the last K steps, FINAL_ROUND_TRIES tries a second apart
+            limit = limit_s(steps=K, processes=2, sat_out_s=FINAL_ROUND_TRIES)
+            assert drill.wait_exit(name, limit) == 2, drill.tails()
+            discarded = [e["step"] for e in drill.events(name, "discarded")]
+            assert discarded == [steps] * (1 + FINAL_ROUND_TRIES), drill.tails()
+            errors = [line for line in drill.log(name).splitlines() if "error" in line]
+            assert len(errors) == 1, drill.tails()
+            assert errors[0].startswith(
+                f"mtdao train: error: the final round was discarded {FINAL_ROUND_TRIES} times"
+            ), errors
+            assert "the lighthouse at http://" in errors[0], errors
 
 
 def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(corpus_dir, tmp_path):

@@ -64,3 +64,33 @@ def test_a_joiner_whose_replica_id_is_taken_is_refused():
         "own --replica-id"
     )
     assert plan_quorum(proven, "1:uuid", 0, "m").refusal is None  # the running one goes on
+
+
+def refusing(claim: Claim, *members: str) -> Claim:
+    return Claim(**{**claim.__dict__, "refused": tuple(members)})
+
+
+def test_a_member_whose_heal_state_was_refused_is_no_source_and_heals_itself():
+    """A faulty member ahead in commits whose state a joiner refused: every member plans the
+    same quorum without it as a source; the healthy ones are up to date and it heals."""
+    faulty, joiner = member(0, 50), refusing(member(3, 0), "0:uuid")
+    proven = [faulty, member(1, 9), member(2, 9), joiner]
+    plans = {r: plan_quorum(proven, f"{r}:uuid", 0, "m") for r in range(4)}
+    assert {p.max_commits for p in plans.values()} == {9}
+    assert not plans[1].heals and not plans[2].heals and plans[1].serves
+    assert plans[0].heals and plans[3].heals
+    for healing in (plans[0], plans[3]):
+        assert sorted(healing.members[r].replica_id for r in healing.sources) == [1, 2]
+    assert {p.store for p in plans.values()} == {"host1:100/m"}  # a trusted member's store
+
+
+def test_on_a_first_quorum_the_refused_member_heals_from_a_trusted_one():
+    proven = [member(0, 3), refusing(member(1, 0), "0:uuid"), member(2, 0)]
+    plans = [plan_quorum(proven, f"{r}:uuid", 0, "m") for r in range(3)]
+    assert [p.heals for p in plans] == [True, False, True]
+    assert all(p.sources == [1] for p in (plans[0], plans[2])) and plans[1].serves
+
+
+def test_when_every_member_was_refused_the_commit_counts_decide_again():
+    proven = [refusing(member(0, 9), "1:uuid"), refusing(member(1, 4), "0:uuid")]
+    assert plan_quorum(proven, "1:uuid", 0, "m").sources == [0]

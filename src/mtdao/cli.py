@@ -123,6 +123,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def expected_errors() -> tuple[type[BaseException], ...]:
     """Errors caused by the user's input or environment: reported in one line, exit code 2."""
     from mtdao.data.errors import DataError
+    from mtdao.sync.communicator import FinalRoundNotCommitted
     from mtdao.sync.engine import NonFiniteError
     from mtdao.train.checkpoint.store import CheckpointError
     from mtdao.train.distributed import CollectiveError
@@ -135,6 +136,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
         DataError,
         CheckpointError,
         NonFiniteError,
+        FinalRoundNotCommitted,
         FileNotFoundError,
         WriteError,
         CollectiveError,

@@ -10,7 +10,13 @@ this package. Test doubles:
 """
 
 from mtdao.model.stacked_workers import StackedWorkers, stack_workers
-from mtdao.sync.communicator import Averages, Communicator, SingleWorker, Traffic
+from mtdao.sync.communicator import (
+    Averages,
+    Communicator,
+    FinalRoundNotCommitted,
+    SingleWorker,
+    Traffic,
+)
 from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.engine import LocalUpdateSync, NonFiniteError, SyncEvent
 from mtdao.sync.layout import ProcessGroupLayout, StackedLayout, WorkerLayout
@@ -31,6 +37,7 @@ from mtdao.sync.simulated import SimulatedWorkers
 __all__ = [
     "Averages",
     "Communicator",
+    "FinalRoundNotCommitted",
     "LocalUpdateSync",
     "NonFiniteError",
     "OuterOptimizerConfig",

@@ -136,6 +136,10 @@ class RoundNotCommitted(RuntimeError):
     """A round that must be discarded (a peer failed during it): the engine applies none of it."""
 
 
+class FinalRoundNotCommitted(RuntimeError):
+    """No try of the final round committed: the workers do not hold the same model."""
+
+
 class InFlight(Protocol):
     """Collectives launched for some of a round's tensors, not yet complete."""
 

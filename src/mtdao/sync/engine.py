@@ -57,13 +57,20 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from mtdao.sync.communicator import Communicator, RoundNotCommitted, SingleWorker, Traffic
+from mtdao.sync.communicator import (
+    Communicator,
+    FinalRoundNotCommitted,
+    RoundNotCommitted,
+    SingleWorker,
+    Traffic,
+)
 from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError, NonFiniteWorkers
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import SyncPolicy
+from mtdao.sync.repeated_lines import RepeatedLines
 from mtdao.sync.round_plan import RoundPlan
 from mtdao.sync.rounds import (
     CheckedRound,
@@ -76,9 +83,22 @@ from mtdao.sync.rounds import (
 from mtdao.sync.sharded_state import ShardedEngineState
 from mtdao.sync.trained_state import TrainedState
 
-__all__ = ["LocalUpdateSync", "NonFiniteError", "NON_FINITE_ACTIONS", "SyncEvent"]
+__all__ = [
+    "FINAL_ROUND_TRIES",
+    "FinalRoundNotCommitted",
+    "LocalUpdateSync",
+    "NonFiniteError",
+    "NON_FINITE_ACTIONS",
+    "SyncEvent",
+]
 
 logger = logging.getLogger(__name__)
+
+FINAL_ROUND_TRIES = 3
+"""How many times the final round is formed before the run gives up: a round the communicator
+discards (a peer lost while it was in flight) is formed again among the workers left, each try
+in a quorum of its own (at most ``--quorum-timeout`` to form, ``--collective-timeout`` per
+collective)."""
 
 
 class LocalUpdateSync:
@@ -125,6 +145,7 @@ class LocalUpdateSync:
         self.events: list[SyncEvent] = []
         self.skipped_rounds: list[dict[str, Any]] = []
         self.discarded_rounds: list[dict[str, Any]] = []
+        self._repeated_lines = RepeatedLines()  # a discard at every step says one line a minute
         self.in_sync: dict[tuple[str, int], int] = {}
         """(kind, parameter index) -> the step at which a blocking round last assigned that
         tensor on every worker (what the final round may leave out)."""
@@ -202,7 +223,8 @@ class LocalUpdateSync:
     def attached(self, final_round: bool = True) -> Iterator[LocalUpdateSync]:
         """Hook the engine into ``optimizer.step()`` for the duration of the block; when the
         block ends without an error, the final round (:meth:`finish`; ``final_round=False``
-        leaves each worker its own model).
+        leaves each worker its own model): a final round the communicator discards is formed
+        again, and ``FinalRoundNotCommitted`` raised when no try commits.
 
         A communicator that prepares its rounds ahead (fault-tolerant replicas: a quorum, where
         a joining replica heals) is prepared on entry and after every step, so a plain loop
@@ -217,10 +239,7 @@ class LocalUpdateSync:
             self._prepare_until_ready()
             yield self
             if final_round:
-                try:
-                    self.finish()
-                except RoundNotCommitted as failure:
-                    self._note_discarded(failure)
+                self.finish()
         finally:
             pre.remove()
             post.remove()
@@ -242,9 +261,16 @@ class LocalUpdateSync:
             except RoundNotCommitted as failure:
                 self._note_discarded(failure)
 
-    def _note_discarded(self, failure: RoundNotCommitted) -> None:
+    def _note_discarded(self, failure: RoundNotCommitted, then: str = "") -> None:
+        """Record a discarded round; say so, each kind of line once a minute."""
         self.discarded_rounds.append({"step": self.step_count, "reason": str(failure)})
-        logger.warning("step %d: %s; every worker keeps its own state", self.step_count, failure)
+        then = then or "every worker keeps its own state"
+        line = self._repeated_lines.line(f"step {self.step_count}: {failure}; {then}")
+        if line is not None:
+            logger.warning(line)
+
+    def _note_final_discarded(self, failure: RoundNotCommitted) -> None:
+        self._note_discarded(failure, "the final round is formed again")
 
     def prepare(self) -> Any:
         """Before the coming step's forward pass: let a communicator that prepares each round
@@ -379,8 +405,9 @@ class LocalUpdateSync:
         if discarded is not None:
             raise discarded
 
-    @torch.no_grad()
-    def finish(self) -> SyncEvent | None:
+    def finish(
+        self, on_discarded: Callable[[RoundNotCommitted], None] | None = None
+    ) -> SyncEvent | None:
         """The final round, once training ends: every worker then holds the same global model.
 
         The rounds in flight land first (:meth:`flush`); then one blocking round averages every
@@ -388,14 +415,33 @@ class LocalUpdateSync:
         fragment, except those every worker holds alike already: the tensors a blocking round
         assigned at this very step. Under an outer step (DiLoCo) the parameters take the plain
         average: the outer step belongs to the syncs, and its anchor and momentum stay the last
-        sync's. A run whose last
-        step synced everything without delay sends nothing here, and nothing changes. With a
-        codec the final round is quantized like any other; a communicator that prepares its
-        rounds (a quorum of fault-tolerant replicas) prepares this one too, so replicas that
-        join at its quorum heal and end with the same model. Returns the round's event (None:
-        nothing was left to average); raises ``RoundNotCommitted`` if the communicator
-        discarded it (each worker then keeps its own model). ``attached()`` calls it when its
-        block ends without an error."""
+        sync's. A run whose last step synced everything without delay sends nothing here, and
+        nothing changes. With a codec the final round is quantized like any other; a
+        communicator that prepares its rounds (a quorum of fault-tolerant replicas) prepares
+        this one too, so replicas that join at its quorum heal and end with the same model.
+
+        A final round the communicator discards (a peer lost while it was in flight) is undone
+        and formed again among the workers left, up to :data:`FINAL_ROUND_TRIES` tries in all;
+        each discard goes to ``on_discarded`` (default: recorded in ``discarded_rounds`` and
+        logged). Returns the round's event (None: nothing was left to average); raises
+        ``FinalRoundNotCommitted`` when no try committed (each worker then holds its own
+        model). ``attached()`` calls it when its block ends without an error."""
+        on_discarded = on_discarded or self._note_final_discarded
+        for _ in range(FINAL_ROUND_TRIES):
+            try:
+                return self._final_round()
+            except RoundNotCommitted as failure:
+                on_discarded(failure)
+                last = failure
+        raise FinalRoundNotCommitted(
+            f"the final round was discarded {FINAL_ROUND_TRIES} times (the last: {last}): the "
+            "workers do not hold the same model (each keeps its own); with enough of them alive "
+            "and reachable, run again from the last checkpoint"
+        )
+
+    @torch.no_grad()
+    def _final_round(self) -> SyncEvent | None:
+        """One try of the final round (see :meth:`finish`)."""
         started = time.perf_counter()
         try:
             self.flush()

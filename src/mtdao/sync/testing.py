@@ -12,6 +12,7 @@ test can pin which tensors travel at which step, and what that costs, without a 
     scripted = ScriptedCommunicator([[x0 - d]])       # the first average returns x0 - d
     failing = ScriptedCommunicator(fail_at=3)         # the third average raises (a peer died)
     discarding = ScriptedCommunicator(discard_at=2)   # the second round is not committed
+    flaky = ScriptedCommunicator(discard_at=(2, 3))   # nor the second and third
 
 :func:`run_on_gloo` runs a function in real processes joined in a gloo group, for comparing a
 real run with a simulated one.
@@ -127,9 +128,10 @@ class ScriptedCommunicator(RecordingCommunicator):
     ``averages[i]`` is what the (i+1)-th ``average`` call returns: a list of tensors, or a function
     of the input tensors. Past the end of the script an average is a copy of the inputs.
     ``fail_at`` (1-based) makes that call raise ``error`` (default :class:`PeerFailure`) before it
-    returns anything, as a collective does when a peer dies mid-round. ``discard_at`` (1-based)
-    makes that round's :meth:`commit` raise :class:`RoundNotCommitted`, as a fault-tolerant
-    communicator does when the round's averages arrived but a peer failed before it committed.
+    returns anything, as a collective does when a peer dies mid-round. ``discard_at`` (1-based,
+    one number or several) makes those rounds' :meth:`commit` raise :class:`RoundNotCommitted`,
+    as a fault-tolerant communicator does when the round's averages arrived but a peer failed
+    before it committed.
     """
 
     def __init__(
@@ -138,18 +140,18 @@ class ScriptedCommunicator(RecordingCommunicator):
         *,
         fail_at: int | None = None,
         error: BaseException | None = None,
-        discard_at: int | None = None,
+        discard_at: int | Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.script = list(averages)
         self.fail_at = fail_at
         self.error = error
-        self.discard_at = discard_at
+        self.discard_at = {discard_at} if isinstance(discard_at, int) else set(discard_at or ())
 
     def commit(self) -> None:
         self.calls.append(Call("commit", []))
         number = sum(call.method == "commit" for call in self.calls)
-        if number == self.discard_at:
+        if number in self.discard_at:
             raise RoundNotCommitted(f"scripted discard of round {number}")
 
     def average(

@@ -261,13 +261,11 @@ def record_losses(run: Run, outputs: Outputs, hooks: LoopHooks, progress, losses
 def final_round(run: Run, hooks: LoopHooks) -> None:
     """One global model at the end (``sync.finish``: rounds in flight land, then what is still
     apart is averaged; nothing is sent when the last step synced everything), before the last
-    evaluation and checkpoint; timed as training."""
+    evaluation and checkpoint; timed as training. A try the communicator discards goes to
+    ``hooks.on_discarded`` and is formed again; ``FinalRoundNotCommitted`` when none commits."""
     started, rounds = time.perf_counter(), len(run.sync.events)
     try:
-        run.sync.finish()
-    except RoundNotCommitted as failure:  # each worker keeps its own model
-        hooks.on_discarded(run, failure)
-    else:
+        run.sync.finish(on_discarded=lambda failure: hooks.on_discarded(run, failure))
         if len(run.sync.events) > rounds:
             hooks.after_round(run)
     finally:

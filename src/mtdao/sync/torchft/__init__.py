@@ -28,7 +28,9 @@ does the same. A round runs in three parts:
 
 A round a peer's death breaks raises :class:`~mtdao.sync.communicator.RoundNotCommitted` and the
 engine applies none of it: every replica keeps its local state and the next quorum goes on without
-the dead one. Between rounds nothing is coordinated. A replica healed at this round's quorum has
+the dead one. A final round it breaks is formed again among the survivors (a quorum of its own,
+:data:`~mtdao.sync.engine.FINAL_ROUND_TRIES` tries in all), so every replica that ends holds the
+same model, or the engine raises ``FinalRoundNotCommitted``. Between rounds nothing is coordinated. A replica healed at this round's quorum has
 not run the round's local steps, so it adds nothing to a parameter or state average (it receives
 it); its gradient, computed on the healed state, does count in a gradient round (DDP).
 

@@ -64,6 +64,9 @@ class Claim:
     """Rounds this replica failed to commit in a row (the round's group is rebuilt then)."""
     nonce: str = ""
     """Drawn for this one quorum request."""
+    refused: tuple[str, ...] = ()
+    """The members whose heal state this replica refused, this run: no quorum heals from them
+    (:mod:`.quorum_plan`)."""
 
     def body(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -94,6 +97,7 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
     try:
         fields = json.loads(body)
         fields["heal"] = tuple(fields["heal"])
+        fields["refused"] = tuple(fields.get("refused", ()))
         claim = Claim(**fields)
     except (TypeError, ValueError, KeyError):
         return None, "its claim is not readable"

@@ -19,7 +19,9 @@ step of the Manager (``_async_quorum``) is mtdao's:
    the receiver (:mod:`.safe_transport`); a healing member fetches it from its first source,
    checks it against its own state (:mod:`.heal_checks`) and, when it is refused, tries the next
    source: it keeps its own state when none fits, and its round fails (it heals at a later
-   quorum). No healthy replica stops because a peer sent something wrong.
+   quorum). A member whose state was refused is named in the refuser's claims for the rest of
+   the run, and no later quorum heals from it (:mod:`.quorum_plan`): a faulty source costs a
+   round, not the run. No healthy replica stops because a peer sent something wrong.
 
 torchft's manager server still carries the replica's heartbeats to the lighthouse and gathers the
 commit votes of its processes (``should_commit``).
@@ -84,6 +86,7 @@ class ProvenManager(Manager):
         self._stores: dict[str, Any] = {}
         self._stores_lock = threading.Lock()
         self._lighthouse: LighthouseClient | None = None
+        self._refused: set[str] = set()  # members whose heal state this process refused
         self._store.set(self._heal_key(self._group_rank), self._checkpoint_transport.metadata())
 
     @property
@@ -147,6 +150,7 @@ class ProvenManager(Manager):
             heal=self._heal_urls(),
             commit_failures=self._commit_failures,
             nonce=new_nonce(),
+            refused=self._refused_sources(),
         )
         if self._lighthouse is None:
             self._lighthouse = LighthouseClient(self._lighthouse_addr, self._connect_timeout)
@@ -318,10 +322,30 @@ class ProvenManager(Manager):
             problem = heal_problem(state, own, source.commits, source.step, self._allow_non_finite)
             if problem is None:
                 return state
+            self._refuse_source(source.member)
             self._note(
-                f"refused the heal state of {peer}: {problem}; this replica keeps its own state"
+                f"refused the heal state of {peer}: {problem}; this replica keeps its own state "
+                "and heals from it no more"
             )
         return None
+
+    def _refuse_source(self, member: str) -> None:
+        """Remember, for the run, that ``member``'s heal state was refused: every claim of this
+        replica names it from now on, and no quorum heals from it (:mod:`.quorum_plan`). Each
+        process of the replica posts its own in the replica's store; the first claims them all."""
+        self._refused.add(member)
+        refused = json.dumps(sorted(self._refused)[-KEPT:])
+        self._store.set(f"mtdao/refused/{self._member}/{self._group_rank}", refused)
+
+    def _refused_sources(self) -> tuple[str, ...]:
+        """The members any process of this replica refused a heal state from (see
+        :meth:`_refuse_source`)."""
+        refused = set(self._refused)
+        for rank in range(1, self._group_world_size):
+            key = f"mtdao/refused/{self._member}/{rank}"
+            if self._store.check([key]):
+                refused.update(json.loads(self._store.get(key)))
+        return tuple(sorted(refused)[-KEPT:])
 
     def _note(self, line: str) -> None:
         if self._group_rank == 0:
@@ -348,7 +372,7 @@ class _Forgetting:
 
 
 def _claim(fields: dict[str, Any]) -> Claim:
-    return Claim(**{**fields, "heal": tuple(fields["heal"])})
+    return Claim(**{**fields, "heal": tuple(fields["heal"]), "refused": tuple(fields["refused"])})
 
 
 def _refusal(member: Any, why: str) -> Refusal:

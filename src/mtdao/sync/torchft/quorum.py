@@ -67,6 +67,7 @@ class Quorum:
         if self.unreachable is not None:
             raise RoundNotCommitted(f"no round: {self.unreachable}")
         if self.discarded is not None:
+            self.prepared = None  # a round formed again (the final one) needs a new quorum
             raise RoundNotCommitted(self.discarded)
         if not self.open:
             raise RuntimeError(

@@ -7,8 +7,11 @@ rendezvous. Here the same rules run over the proven members only (:mod:`.proofs`
 counts their signed claims carry, so an outsider's claimed step decides nothing:
 
 * the members in order of their torchft ids give the quorum ranks;
-* the members at the highest commit count are up to date; every other member heals from one of
-  them (all but one heal from it on a first quorum, when no member has committed yet), spread as
+* a member whose heal state a member refused (named in that member's claims for the rest of the
+  run: a faulty source) is never up to date: it heals, from a trusted member, at every quorum,
+  and adds nothing to a round; the commit counts of the others decide;
+* the trusted members at the highest commit count are up to date; every other member heals from
+  one of them (all but one heal from it on a first quorum, when no member has committed yet), spread as
   torchft spreads them, and a healing member may fall back on the other up-to-date members, so
   every up-to-date member serves its state when anyone heals;
 * a healing member prefers sources with its own config: when no up-to-date member has it, this
@@ -64,14 +67,13 @@ def plan_quorum(
     members = sorted(proven, key=lambda claim: claim.member)
     rank = next(r for r, claim in enumerate(members) if claim.member == me)
     mine = members[rank]
-    max_commits = max(claim.commits for claim in members)
-    up_to_date = [r for r, claim in enumerate(members) if claim.commits == max_commits]
+    trusted = trusted_sources(members)
+    max_commits = max(members[r].commits for r in trusted)
+    up_to_date = [r for r in trusted if members[r].commits == max_commits]
     primary = up_to_date[group_rank % len(up_to_date)]
     first_quorum = init_sync and max_commits == 0
     healing = [
-        r
-        for r, claim in enumerate(members)
-        if claim.commits != max_commits or (first_quorum and r != primary)
+        r for r in range(len(members)) if r not in up_to_date or (first_quorum and r != primary)
     ]
     ready = [r for r in range(len(members)) if r not in healing]
     sources: list[int] = []
@@ -90,6 +92,14 @@ def plan_quorum(
     )
     _check_membership(plan, mine, up_to_date)
     return plan
+
+
+def trusted_sources(members: list[Claim]) -> list[int]:
+    """The ranks of the members no member refused a heal state from (all of them when every
+    one was refused: a quorum needs a source)."""
+    refused = {member for claim in members for member in claim.refused}
+    trusted = [r for r, claim in enumerate(members) if claim.member not in refused]
+    return trusted or list(range(len(members)))
 
 
 def rendezvous(key: RunKey, digest: str, proven: list[Claim]) -> str:

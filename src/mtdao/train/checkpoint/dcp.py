@@ -168,9 +168,14 @@ def load_sharded(checkpoint: Path, state_dict: dict[str, Any]) -> None:
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{checkpoint} could not be read: {error}") from None
     reader = safe_reader(checkpoint / MODEL_DIR, data_files)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load(state_dict, storage_reader=reader)
-    except Exception as error:  # DCP gathers every process's failure into one exception
+    except CheckpointException as error:  # a BaseException: each process's failure inside
+        failure = next(iter(error.failures.values()), (error, None))[0]
+        raise CheckpointError(f"{checkpoint} could not be read: {_first_line(failure)}") from None
+    except Exception as error:
         raise CheckpointError(f"{checkpoint} could not be read: {_first_line(error)}") from None
 
 

@@ -8,7 +8,7 @@ builds only DCP's own metadata classes and the few plain types they hold (torch.
 layouts, paths); anything else is refused before it is built. Every slice it points to must lie
 in a file the checkpoint's ``meta.json`` lists (so checksummed), inside the checkpoint's ``model``
 directory, and within that file's bytes: a forged metadata can make DCP read neither another file
-nor past the end of its own.
+nor past the end of its own, nor through a stream transform (mtdao saves without any).
 """
 
 from __future__ import annotations
@@ -84,10 +84,23 @@ def read_metadata(path: Path, data_files: set[str] | None = None):
             raise ValueError(
                 f"{path} is refused: a slice lies in {name!r}, not a file of this checkpoint"
             )
-        problem = _outside(where, path.parent / name, sizes)
+        problem = _transforms(where) or _outside(where, path.parent / name, sizes)
         if problem:
             raise ValueError(f"{path} is refused: slice {index.fqn!r} {problem}")
     return metadata
+
+
+def _transforms(where) -> str | None:
+    """Why the slice ``where`` is refused for the stream transforms it names (None: it names
+    none). mtdao saves without any; DCP would look each up in its extension registry and stop
+    the resume in a traceback (its CheckpointException is no ``Exception``)."""
+    descriptors = getattr(where, "transform_descriptors", None)
+    if not descriptors:
+        return None
+    return (
+        f"names the stream transforms {descriptors!r}, which mtdao never writes (a forged or foreign "
+        "file): resume from an earlier checkpoint, or delete this one"
+    )
 
 
 def _outside(where, data_file: Path, sizes: dict[Path, int]) -> str | None:

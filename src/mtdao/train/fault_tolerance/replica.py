@@ -14,9 +14,11 @@ group's global states, not only its parameters. Its data position stays its own.
 The replica trains in the one training loop (:func:`mtdao.train.trainer.loop`); this module
 builds its run and gives the loop its hooks (:class:`ReplicaDriver`).
 
-Progress lines (stderr, from the replica's first process) say when replicas join or leave, when this replica healed and when a round
-was discarded; ``replicas.jsonl`` in the run directory has the same, one JSON line each (events
-``connect``, ``quorum``, ``discarded``, ``committed``, each with its time and step).
+Progress lines (stderr, from the replica's first process) say when replicas join or leave, when
+this replica healed and when a round was discarded (a line that repeats, a discard at every step
+while the lighthouse is away or a refused heal state, once a minute per kind with a count);
+``replicas.jsonl`` in the run directory has every one, one JSON line each (events ``connect``,
+``quorum``, ``discarded``, ``committed``, each with its time and step).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.sync.engine import NonFiniteError
+from mtdao.sync.repeated_lines import RepeatedLines
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig, marked
 from mtdao.train.distributed import ProcessInfo
@@ -103,6 +106,7 @@ class ReplicaDriver(LoopHooks):
         self.quorums = 0
         self.lighthouse_away = False  # rounds are skipped until a quorum forms again
         self.refusals = None  # what is said of the unproven peers (a RefusalLog, once built)
+        self.repeated_lines = RepeatedLines()  # discards, refused heals: each kind once a minute
         self.is_main = True
         """The replica's first process: it speaks, and writes the replica's records."""
 
@@ -211,7 +215,9 @@ class ReplicaDriver(LoopHooks):
         members = _ids(start.replicas)
         self._report_refused(run)
         if start.stale is not None:
-            self._say(f"step {run.step}: sitting this round out ({start.stale}); healing next")
+            self._say_repeated(
+                f"step {run.step}: sitting this round out ({start.stale}); healing next"
+            )
         record = {
             "event": "quorum",
             "step": run.step,
@@ -249,8 +255,10 @@ class ReplicaDriver(LoopHooks):
     def _report_refused(self, run: Run) -> None:
         """The unproven peers of the last quorum (each once a minute at most, see
         :mod:`mtdao.sync.torchft.refusals`) and the heal states refused since the last report."""
-        for line in self.refusals.lines(self.replicas.refused()) + self.replicas.notes():
+        for line in self.refusals.lines(self.replicas.refused()):
             self._say(f"step {run.step}: {line}")
+        for line in self.replicas.notes():
+            self._say_repeated(f"step {run.step}: {line}")
 
     def _discarded(self, run: Run, failure: RoundNotCommitted) -> None:
         self._report_refused(run)  # also for a quorum whose group did not form
@@ -258,7 +266,7 @@ class ReplicaDriver(LoopHooks):
         self.discarded.append({"step": run.step, "reason": str(failure)})
         self.lighthouse_away = "lighthouse" in str(failure) and "unreachable" in str(failure)
         self.events.write(record)
-        self._say(f"step {run.step}: {failure}; every replica keeps its own state")
+        self._say_repeated(f"step {run.step}: {failure}; every replica keeps its own state")
 
     def _committed(self, run: Run) -> None:
         event = run.sync.events[-1]
@@ -270,6 +278,13 @@ class ReplicaDriver(LoopHooks):
     def _say(self, line: str) -> None:
         if self.is_main:
             say(self.config.fault_tolerance.replica_id, line)
+
+    def _say_repeated(self, line: str) -> None:
+        """A line that may come at every step or quorum: each kind once a minute, with the
+        count held back (:mod:`mtdao.sync.repeated_lines`)."""
+        said = self.repeated_lines.line(line)
+        if said is not None:
+            self._say(said)
 
 
 class ReplicaEvents:
