@@ -21,7 +21,7 @@ import threading
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
 LIGHTHOUSE_CALLS = frozenset(
-    b"/torchft.LighthouseService/" + method for method in (b"Quorum", b"Heartbeat")
+    "/torchft.LighthouseService/" + method for method in ("Quorum", "Heartbeat")
 )
 
 
@@ -94,7 +94,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
-    from mtdao.sync.grpc_front import GrpcFront, listen
+    from mtdao.sync.grpc_front import GrpcFront
     from mtdao.sync.torchft.auth import is_loopback, read_token, run_key
     from mtdao.sync.torchft.lighthouse_gate import LighthouseGate
     from mtdao.sync.torchft.safe_transport import advertised_host
@@ -110,17 +110,17 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         "127.0.0.1:0", args.min_replicas, args.join_timeout, args.heartbeat_timeout,
         args.quorum_tick,
     )  # fmt: skip
-    internal = int(server.address().rsplit(":", 1)[1])
+    internal = server.address().split("://")[-1]
     try:
-        listener = listen(host, args.port)
+        front = GrpcFront(
+            "lighthouse", host, args.port, LIGHTHOUSE_CALLS,
+            inspect=gate.inspectors() if gate else None,
+        )  # fmt: skip
     except OSError as error:
         server.shutdown()
         reason = error.strerror
         raise ValueError(f"cannot serve the lighthouse on {host}:{args.port}: {reason}") from None
-    front = GrpcFront(
-        "lighthouse", listener, ("127.0.0.1", internal), LIGHTHOUSE_CALLS,
-        inspect=gate.inspectors() if gate else None,
-    )  # fmt: skip
+    front.start(internal)
     address = f"http://{advertised_host(host)}:{front.port}"
     print(
         f"lighthouse: serving at {address} (min replicas {args.min_replicas}, heartbeat timeout "
