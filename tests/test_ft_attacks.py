@@ -80,7 +80,7 @@ def test_a_rogue_peer_runs_no_code_and_a_peer_with_another_secret_is_refused(cor
         assert "refused a quorum request of '2:" in lighthouse, drill.tails()
         assert "its claim is not signed with this run's secret" in lighthouse, drill.tails()
         (error,) = [line for line in drill.log("outsider").splitlines() if "error" in line]
-        assert "ended this replica's quorum request" in error and "--auth-token-file" in error
+        assert "refused this replica's quorum request" in error and "--auth-token-file" in error
         # the real replicas averaged with each other only, every round
         for name in ("r0", "r1"):
             rounds = {tuple(e["replicas"]) for e in committed(drill, name)}

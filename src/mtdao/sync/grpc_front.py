@@ -193,11 +193,11 @@ class GrpcFront:
         if path not in served:
             where = " (served to this machine's processes only)" if path in self.local_only else ""
             await self._refuse(context, peer, f"a call of {_shown(path)}{where}", served)
-        message = await _one_message(requests)
+        message, why = await _one_message(requests)
+        if message is None and why is None:  # the caller ended it (its deadline, or it left)
+            await context.abort(grpc.StatusCode.CANCELLED, "the call ended without its message")
         if message is None:
-            await self._refuse(
-                context, peer, f"a call of {_shown(path)} without one whole message", served
-            )
+            await self._refuse(context, peer, f"a call of {_shown(path)} {why}", served)
         check = self.inspect.get(path)
         if check is not None and not check(message, peer):
             await self._refuse(context, peer, None, served)
@@ -224,7 +224,10 @@ class GrpcFront:
             self._say(peer, what, served)
         if self._flooding(peer[0]):
             await self._hold()
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, self._served_line(served))
+        why = self._served_line(served) if what is not None else "it did not pass its check"
+        await context.abort(
+            grpc.StatusCode.PERMISSION_DENIED, f"refused by the {self.name}'s front: {why}"
+        )
 
     async def _hold(self) -> None:
         """Wait ``refusal_hold_s``, or until :meth:`end_calls`."""
@@ -302,21 +305,26 @@ class _Calls(grpc.GenericRpcHandler):
         return grpc.stream_unary_rpc_method_handler(behaviour)
 
 
-async def _one_message(requests) -> bytes | None:
-    """The one request message of a unary call within MESSAGE_S (None: none, several, or
-    late)."""
-    messages = requests.__aiter__()
+async def _one_message(requests) -> tuple[bytes | None, str | None]:
+    """(the one request message of a unary call, None), or (None, why not: None when the
+    caller ended the call before sending one)."""
+    read: list[bytes] = []
+
+    async def read_all() -> None:
+        async for message in requests:
+            read.append(message)
+            if len(read) > 1:
+                return
+
     try:
-        message = await asyncio.wait_for(messages.__anext__(), MESSAGE_S)
-    except (StopAsyncIteration, TimeoutError, aio.AioRpcError):
-        return None
-    try:
-        await asyncio.wait_for(messages.__anext__(), MESSAGE_S)
-    except StopAsyncIteration:
-        return message
-    except (TimeoutError, aio.AioRpcError):
-        return None
-    return None  # a second message: not a unary call
+        await asyncio.wait_for(read_all(), MESSAGE_S)
+    except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+        return None, f"without its message within {MESSAGE_S:g} s"
+    except aio.AioRpcError:
+        return None, None
+    if len(read) > 1:
+        return None, "with more than one message"
+    return (read[0], None) if read else (None, None)
 
 
 _loop: asyncio.AbstractEventLoop | None = None
