@@ -137,6 +137,11 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         )
     else:
         _say(f"lighthouse: only replicas that hold {gate.key.origin} join its quorums")
+    _say(
+        f"lighthouse: torchft's own lighthouse listens behind the front on {internal}, which "
+        "every account on this machine can reach (its dashboard lists and stops replicas); on a "
+        "shared machine give the run a network namespace of its own (see docs/security.md)"
+    )
     try:
         while not stop.wait(1.0):
             pass
