@@ -287,6 +287,13 @@ def test_each_kind_of_refusal_is_said_once_a_minute_with_a_count():
         now[0] = 61.0
         front._say(("127.0.0.1", 1), "a call of /x", ALLOWED)
         assert len(lines) == 3 and lines[2].endswith("(refused 120 times in the last 61 s)")
+        for index in range(100):  # a flood of kinds: SAY_BURST lines a minute, then a count
+            front._say(("127.0.0.1", 1), f"a call of /z{index}", ALLOWED)
+        assert len(lines) == 2 + grpc_front.SAY_BURST
+        now[0] = 122.0
+        front._say(("127.0.0.1", 1), "a call of /x", ALLOWED)
+        assert lines[-2].endswith(f"refused {101 - grpc_front.SAY_BURST} more calls of other kinds "
+                                  "in the last 60 s (lines about them held back)")  # fmt: skip
     finally:
         front.shutdown()
 

@@ -24,7 +24,7 @@ sends reaches torchft but a call the front made itself: an allowed method's one 
   it ends (on the event loop: a held call costs no thread), so a flood is refused at that pace,
   not as fast as it can ask again. Every refusal is counted (``refused``) and said in one line
   naming the front, the peer and what it asked for: each kind the first time, then at most once
-  a minute with a count.
+  a minute with a count; SAY_BURST lines a minute in all, the rest counted in one line.
 
 This module knows nothing of torchft: its users name the calls (``mtdao lighthouse``;
 :mod:`mtdao.sync.torchft.manager_front`).
@@ -72,6 +72,8 @@ HOLD_AFTER = 10
 """Refusals of one host within a second from which its refusals are held."""
 SAY_EVERY_S = 60.0
 """A kind of refusal said again at most this often (with a count)."""
+SAY_BURST = 20
+"""Lines said per SAY_EVERY_S in all (refusals of many kinds: the rest in one line after)."""
 MAX_TRACKED = 4096
 SHOWN_PATH_CHARS = 80
 
@@ -107,6 +109,7 @@ class GrpcFront:
         self.refused = 0
         self._recent: dict[str, collections.deque] = {}  # each host's last refusal times
         self._said: dict[str, list[float]] = {}  # kind of refusal -> [said at, unsaid since]
+        self._window = [-float("inf"), 0, 0]  # [its start, lines said, refusals held back]
         self._upstream: set[aio.UnaryUnaryCall] = set()  # calls waiting on the server behind
         self._held = 0  # refusals being held
         self._end_holds: asyncio.Event | None = None  # set (and replaced) to end every hold
@@ -236,14 +239,24 @@ class GrpcFront:
         ended, self._held = self._end_holds, self._held + 1
         try:
             await asyncio.wait_for(ended.wait(), self.refusal_hold_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
             self._held = max(0, self._held - 1)
 
     def _say(self, peer: tuple[str, int], what: str, served) -> None:
         now = self.clock()
+        if now - self._window[0] >= SAY_EVERY_S:
+            if self._window[2]:
+                self.report(
+                    f"{self.name}'s front: refused {self._window[2]} more calls of other kinds "
+                    f"in the last {SAY_EVERY_S:.0f} s (lines about them held back)"
+                )
+            self._window = [now, 0, 0]
         said = self._said.get(what)
         if said is not None and now - said[0] < SAY_EVERY_S:
             said[1] += 1
+            return
+        if self._window[1] >= SAY_BURST:
+            self._window[2] += 1
             return
         again = ""
         if said is not None:
@@ -251,6 +264,7 @@ class GrpcFront:
         if len(self._said) >= MAX_TRACKED:  # many kinds: forget the quiet ones
             self._said = {k: v for k, v in self._said.items() if now - v[0] < SAY_EVERY_S}
         self._said[what] = [now, 0]
+        self._window[1] += 1
         self.report(
             f"{self.name}'s front: refused {what} from {_address(peer)}; "
             f"{self._served_line(served)}{again}"
