@@ -50,7 +50,7 @@ def gated():
     gate = LighthouseGate(KEY, lines.append)
     front = GrpcFront(
         "lighthouse", "127.0.0.1", 0, LIGHTHOUSE_CALLS, lines.append, inspect=gate.inspectors()
-    ).start(server.address().split("://")[-1])
+    ).start(f"127.0.0.1:{server.address().rsplit(':', 1)[1]}")
     yield f"http://127.0.0.1:{front.port}", lines
     front.shutdown()
     server.shutdown()

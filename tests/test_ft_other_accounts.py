@@ -54,5 +54,6 @@ def test_a_lighthouse_in_a_network_namespace_of_its_own_is_out_of_reach_from_out
         finally:
             process.terminate()
             _, errors = process.communicate(timeout=limit_s())
+    assert "listens behind the front on 127.0.0.1:" in errors, errors
     assert "every account on this machine can reach" in errors, errors
     assert "lighthouse: stopped" in errors, errors

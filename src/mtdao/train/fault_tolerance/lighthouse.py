@@ -110,7 +110,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         "127.0.0.1:0", args.min_replicas, args.join_timeout, args.heartbeat_timeout,
         args.quorum_tick,
     )  # fmt: skip
-    internal = server.address().split("://")[-1]
+    internal = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"  # address() names the host
     try:
         front = GrpcFront(
             "lighthouse", host, args.port, LIGHTHOUSE_CALLS,
