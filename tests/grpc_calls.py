@@ -13,9 +13,10 @@ import sys
 import hpack
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-SETTINGS, HEADERS, DATA = 0x4, 0x1, 0x0
+SETTINGS, HEADERS, DATA, CONTINUATION, RST_STREAM, GOAWAY = 0x4, 0x1, 0x0, 0x9, 0x3, 0x7
 END_STREAM, END_HEADERS = 0x1, 0x4
 KILL = "/torchft.ManagerService/Kill"
+PERMISSION_DENIED = 7  # the gRPC status of a call a front refused
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
@@ -34,7 +35,8 @@ def http2_request(
     address: str, method: str, path: str, body: bytes | None = None, timeout: float = 10.0
 ) -> bytes:
     """Send one HTTP/2 request (prior knowledge, as gRPC does; with ``body``, a gRPC message)
-    and read until the connection ends or goes quiet for ``timeout`` s: all the other side sent."""
+    and read until its answer ends (a gRPC status, or the stream or connection reset), the
+    connection ends, or it goes quiet for ``timeout`` s: all the other side sent."""
     host, port = address.rsplit(":", 1)
     headers = [(":method", method), (":scheme", "http"), (":path", path), (":authority", host)]
     if body is not None:
@@ -50,11 +52,19 @@ def http2_request(
     with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as connection:
         connection.sendall(frames)
         try:
-            while chunk := connection.recv(65536):
+            while not _ended(received) and (chunk := connection.recv(65536)):
                 received += chunk
         except (TimeoutError, ConnectionResetError):
             pass
     return received
+
+
+def _ended(received: bytes) -> bool:
+    """Whether an answer has ended: a gRPC status, a reset stream (RST_STREAM) or the end of
+    the connection (GOAWAY)."""
+    return grpc_status(received) is not None or any(
+        kind in (RST_STREAM, GOAWAY) for kind, _ in _frames(received)
+    )
 
 
 def grpc_call(address: str, path: str, body: bytes, timeout: float = 10.0) -> bytes:
@@ -62,13 +72,35 @@ def grpc_call(address: str, path: str, body: bytes, timeout: float = 10.0) -> by
 
 
 def headers_frames(received: bytes) -> int:
-    """HEADERS frames (responses) among the HTTP/2 frames ``received``."""
-    count, offset = 0, len(PREFACE) if received.startswith(PREFACE) else 0
+    """HEADERS frames (requests, or answers) among the HTTP/2 frames ``received``."""
+    return len(header_blocks(received))
+
+
+def header_blocks(received: bytes) -> list[bytes]:
+    """The payload of each HEADERS frame among the HTTP/2 frames ``received``."""
+    return [payload for kind, payload in _frames(received) if kind == HEADERS]
+
+
+def _frames(received: bytes) -> list[tuple[int, bytes]]:
+    """(type, payload) of each whole HTTP/2 frame in ``received``."""
+    frames, offset = [], len(PREFACE) if received.startswith(PREFACE) else 0
     while offset + 9 <= len(received):
         length, kind = int.from_bytes(received[offset : offset + 3], "big"), received[offset + 3]
-        count += kind == HEADERS
+        if offset + 9 + length > len(received):
+            break
+        frames.append((kind, received[offset + 9 : offset + 9 + length]))
         offset += 9 + length
-    return count
+    return frames
+
+
+def grpc_status(received: bytes) -> int | None:
+    """The gRPC status an answer ``received`` ends with (None: no gRPC answer came)."""
+    decoder, status = hpack.Decoder(), None
+    for block in header_blocks(received):
+        for name, value in decoder.decode(block):
+            if name == "grpc-status":
+                status = int(value)
+    return status
 
 
 if __name__ == "__main__":

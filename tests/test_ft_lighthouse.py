@@ -14,6 +14,7 @@ processes on loopback (mtdao lighthouse and mtdao train --fault-tolerant replica
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from grpc_calls import headers_frames, http2_request
+from grpc_calls import grpc_status, http2_request
 from wait_limits import limit_s
 
 from mtdao.sync.engine import FINAL_ROUND_TRIES
@@ -243,10 +244,10 @@ def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(cor
             urllib.request.Request(f"{url}/status"),
             urllib.request.Request(f"{url}/replica/0/kill", method="POST"),
         ):
-            with pytest.raises(urllib.error.HTTPError, match="403"):
+            with pytest.raises((http.client.HTTPException, OSError)):  # HTTP/1: no answer
                 urllib.request.urlopen(request, timeout=REQUEST_S)
         for path in ("/replica/0/kill", "/status", "/"):  # gRPC's protocol, the dashboard's paths
-            assert headers_frames(http2_request(drill.lighthouse, "POST", path)) == 0
+            assert grpc_status(http2_request(drill.lighthouse, "POST", path)) is None
         time.sleep(1.0)
         assert drill.returncode("r0") is None and drill.returncode("r1") is None, drill.tails()
         assert drill.stop("r1") == 130, drill.tails()  # SIGTERM: as Ctrl-C, no crash

@@ -1,19 +1,36 @@
 """``mtdao lighthouse`` lets only replicas that prove the run's secret into its quorums: a stranger
 that only sends heartbeats, or that asks for quorums it then leaves, used to hold every quorum
 open (torchft's lighthouse waits for every live replica it hears from). torchft's own lighthouse
-behind mtdao's front, asked through torchft's own client, as a replica and an attacker would."""
+behind mtdao's front, asked through torchft's own client, as a replica and an attacker would;
+and raw HTTP/2, as an attacker would: calls held behind a proven member's heartbeat (they once
+went on unchecked), a claim nested 100,000 deep (once a RecursionError traceback per request),
+heartbeats in a member's name from another host."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
 from datetime import timedelta
 
 import pytest
 
 pytest.importorskip("torchft")
+hpack = pytest.importorskip("hpack")
 
+from grpc_calls import (  # noqa: E402
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    PERMISSION_DENIED,
+    PREFACE,
+    SETTINGS,
+    frame,
+)
 from torchft._torchft import LighthouseClient  # noqa: E402
 
-from mtdao.sync.grpc_front import GrpcFront, listen  # noqa: E402
+from mtdao.sync.grpc_front import GrpcFront  # noqa: E402
 from mtdao.sync.torchft import start_lighthouse  # noqa: E402
 from mtdao.sync.torchft.auth import RunKey  # noqa: E402
 from mtdao.sync.torchft.lighthouse_gate import LighthouseGate  # noqa: E402
@@ -31,11 +48,9 @@ def gated():
     server = start_lighthouse("127.0.0.1:0", 1, join_timeout=1.0, heartbeat_timeout=5.0)
     lines: list[str] = []
     gate = LighthouseGate(KEY, lines.append)
-    internal = int(server.address().rsplit(":", 1)[1])
     front = GrpcFront(
-        "lighthouse", listen("127.0.0.1", 0), ("127.0.0.1", internal), LIGHTHOUSE_CALLS,
-        lines.append, inspect=gate.inspectors(),
-    )  # fmt: skip
+        "lighthouse", "127.0.0.1", 0, LIGHTHOUSE_CALLS, lines.append, inspect=gate.inspectors()
+    ).start(f"127.0.0.1:{server.address().rsplit(':', 1)[1]}")
     yield f"http://127.0.0.1:{front.port}", lines
     front.shutdown()
     server.shutdown()
@@ -83,3 +98,97 @@ def test_heartbeats_go_on_only_from_replicas_whose_quorum_request_went_on(gated)
     ask(address, "0:real", claim_data(claim("0:real"), KEY))
     LighthouseClient(address, TIMEOUT).heartbeat("0:real", timeout=TIMEOUT)
     assert lines == []  # a replica's first heartbeats are counted, not said
+
+
+def requester(member: str, data: str) -> bytes:
+    """A LighthouseQuorumRequest {requester: QuorumMember {replica_id = 1, data = 7}}."""
+    member_bytes, data_bytes = member.encode(), data.encode()
+    inner = b"\x0a" + varint(len(member_bytes)) + member_bytes
+    inner += b"\x3a" + varint(len(data_bytes)) + data_bytes
+    return b"\x0a" + varint(len(inner)) + inner
+
+
+def heartbeat_request(member: str) -> bytes:
+    text = member.encode()
+    return b"\x0a" + varint(len(text)) + text
+
+
+def varint(value: int) -> bytes:
+    out = b""
+    while value > 0x7F:
+        out, value = out + bytes([value & 0x7F | 0x80]), value >> 7
+    return out + bytes([value])
+
+
+def test_a_claim_nested_too_deep_is_refused_in_one_line(capfd):
+    lines: list[str] = []
+    gate = LighthouseGate(KEY, lines.append)
+    deep = "[" * 100_000
+    for data in (
+        deep,
+        json.dumps({"mtdao": deep}),
+        json.dumps({"mtdao": json.dumps({"claim": deep})}),
+    ):
+        assert not gate.quorum(requester("7:rogue", data), ("192.0.2.7", 1))
+    assert len(lines) == 1 and "Traceback" not in capfd.readouterr().err
+    assert lines[0].startswith("lighthouse: refused a quorum request of '7:rogue' from 192.0.2.7:1")
+    assert lines[0].endswith("its claim is not readable")
+
+
+def test_a_heartbeat_goes_on_only_from_the_host_that_proved_the_member():
+    lines: list[str] = []
+    gate = LighthouseGate(KEY, lines.append)
+    data = json.dumps(claim_data(claim("0:real"), KEY))
+    assert gate.quorum(requester("0:real", data), ("10.0.0.1", 40000))
+    assert gate.heartbeat(
+        heartbeat_request("0:real"), ("10.0.0.1", 40001)
+    )  # another port: its manager
+    assert not gate.heartbeat(heartbeat_request("0:real"), ("10.0.0.2", 40001))  # another host
+    assert not gate.heartbeat(heartbeat_request("1:never"), ("10.0.0.1", 40001))
+
+
+def test_calls_behind_a_proven_heartbeat_are_each_checked(gated):
+    """One connection: a proven member's heartbeat, then the dashboard's GET /status and a
+    claimless quorum request behind it (which once went on unchecked, and were answered with
+    every member's address and claim)."""
+    address, lines = gated
+    ask(address, "0:real", claim_data(claim("0:real"), KEY))
+    host, port = address.split("://")[1].rsplit(":", 1)
+    encoder = hpack.Encoder()
+    frames = PREFACE + frame(SETTINGS, 0, 0, b"")
+    calls = [
+        (1, "POST", "/torchft.LighthouseService/Heartbeat", heartbeat_request("0:real")),
+        (3, "GET", "/status", b""),
+        (5, "POST", "/torchft.LighthouseService/Quorum", requester("7:rogue", "")),
+    ]
+    for stream, method, path, message in calls:
+        block = encoder.encode(
+            [(":method", method), (":scheme", "http"), (":path", path), (":authority", host),
+             ("content-type", "application/grpc"), ("te", "trailers")]
+        )  # fmt: skip
+        body = b"\x00" + len(message).to_bytes(4, "big") + message
+        frames += frame(HEADERS, END_HEADERS, stream, block) + frame(DATA, END_STREAM, stream, body)
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=2.0) as connection:
+        connection.sendall(frames)
+        with contextlib.suppress(TimeoutError):
+            while chunk := connection.recv(65536):
+                received += chunk
+    statuses = answers_by_stream(received)
+    assert statuses.get(1) == 0 and statuses.get(5) == PERMISSION_DENIED, statuses
+    assert 3 not in statuses and b"0:real" not in received and b"<html" not in received.lower()
+    assert "refused a quorum request of '7:rogue'" in lines[-1]
+
+
+def answers_by_stream(received: bytes) -> dict[int, int]:
+    """The gRPC status each stream's answer ended with."""
+    decoder, statuses, offset = hpack.Decoder(), {}, 0
+    while offset + 9 <= len(received):
+        length, kind = int.from_bytes(received[offset : offset + 3], "big"), received[offset + 3]
+        stream = int.from_bytes(received[offset + 5 : offset + 9], "big") & 0x7FFFFFFF
+        if kind == HEADERS:
+            for name, value in decoder.decode(received[offset + 9 : offset + 9 + length]):
+                if name == "grpc-status":
+                    statuses[stream] = int(value)
+        offset += 9 + length
+    return statuses

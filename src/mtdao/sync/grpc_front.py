@@ -5,18 +5,26 @@ torchft's servers answer calls nobody authenticates and that mtdao cannot turn o
 lighthouse's port also serves a web dashboard (``GET /status`` lists every replica's addresses,
 ``POST /replica/<id>/kill`` stops one), and every replica's manager serves the gRPC call
 ``torchft.ManagerService/Kill``, which ends the replica's process. So mtdao runs each such server
-on a loopback address and serves the address its peers use through a :class:`GrpcFront`, which
-forwards a connection only when it speaks HTTP/2 (gRPC) and each request on it calls one of the
-allowed methods (its ``:path``, read from the request's headers before they are forwarded);
-some of them may be served only to processes on this machine (``local_only``: a connection
-whose source is a loopback address or the very address it reached), and some only when their
-request message passes a check (``inspect``: the message is read whole before anything of the
-request goes on, e.g. the lighthouse's check of a replica's signed claim). An HTTP/1 request gets
-a 403; a forbidden HTTP/2 request ends its connection (from a host refused ten times within a
-second, a connection refused at its first request ends after a second in which nothing more of
-it goes on, so a flood is refused at that pace, not as fast as it can reconnect). Every refusal is
-counted (``refused``) and reported in one line naming the front, the peer and what it asked for
-(the first ten, then every tenfold count, so a flood cannot fill the log).
+on a loopback address and serves the address its peers use through a :class:`GrpcFront`: a
+gRPC server (grpcio's, on one event loop shared by every front of the process) that takes each
+call whole, checks it, and makes it again as a client of the server behind. Nothing a caller
+sends reaches torchft but a call the front made itself: an allowed method's one request message.
+
+* Only the ``allowed`` methods are served; some only to processes on this machine
+  (``local_only``: a caller at a loopback address or at one of this machine's own), some only
+  when their request message passes a check (``inspect``: e.g. the lighthouse's check of a
+  replica's signed claim). Anything else, an HTTP/1 request or a call of the dashboard among
+  them, ends without reaching the server behind.
+* gRPC's own limits hold every connection: CONNECTIONS at once, HEADER_BYTES of headers per call,
+  MESSAGE_BYTES per request, STREAMS calls at once per connection, HANDSHAKE_S to start
+  speaking HTTP/2, IDLE_S without a call; a call's message must arrive within MESSAGE_S. When
+  the process runs out of file descriptors, gRPC leaves new connections waiting and accepts
+  again a second later; the front says so.
+* From a host refused HOLD_AFTER times within a second, a refusal is held REFUSAL_HOLD_S before
+  it ends (on the event loop: a held call costs no thread), so a flood is refused at that pace,
+  not as fast as it can ask again. Every refusal is counted (``refused``) and said in one line
+  naming the front, the peer and what it asked for: each kind the first time, then at most once
+  a minute with a count; SAY_BURST lines a minute in all, the rest counted in one line.
 
 This module knows nothing of torchft: its users name the calls (``mtdao lighthouse``;
 :mod:`mtdao.sync.torchft.manager_front`).
@@ -24,389 +32,383 @@ This module knows nothing of torchft: its users name the calls (``mtdao lighthou
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import contextlib
+import errno
 import ipaddress
+import resource
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
+from urllib.parse import unquote
 
-import hpack
+import grpc
+from grpc import aio
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, CONTINUATION = 0x0, 0x1, 0x9
-END_STREAM, END_HEADERS, PADDED, PRIORITY = 0x1, 0x4, 0x8, 0x20
-MAX_INSPECTED_BYTES = 1 << 20  # a request message the front reads whole before it decides
+CONNECTIONS = 512
+"""Connections a front serves at once (more are closed as they come): below the usual limit of
+1024 file descriptors, so a flood of connections leaves the process descriptors of its own."""
+STREAMS = 16
+"""Calls in flight at once on one connection (a replica makes one or two)."""
+CALLS = 1024
+"""Calls in flight at once on a front (more are answered RESOURCE_EXHAUSTED)."""
+HEADER_BYTES = 16 << 10
+"""A call's headers (a replica's are a few hundred bytes)."""
+MESSAGE_BYTES = 1 << 20
+"""A request message (a replica's signed claim is a few kilobytes)."""
+ANSWER_BYTES = 64 << 20
+"""An answer of the server behind (a quorum carries every member's claim)."""
+HANDSHAKE_S = 10.0
+"""From a connection's start to its HTTP/2 preface and settings."""
+IDLE_S = 60.0
+"""A connection with no call in flight for this long is closed (the caller reconnects)."""
+MESSAGE_S = 10.0
+"""From a call's headers to its whole request message."""
 REFUSAL_HOLD_S = 1.0
-"""How long a refused HTTP/2 connection is held open before it ends (see GrpcFront._hold)."""
+"""How long a refusal is held before it ends, once its host is flooding (HOLD_AFTER)."""
 HOLD_AFTER = 10
-"""Refusals of one host within a second from which its refused connections are held."""
-MAX_HOSTS_TRACKED = 4096
+"""Refusals of one host within a second from which its refusals are held."""
+SAY_EVERY_S = 60.0
+"""A kind of refusal said again at most this often (with a count)."""
+SAY_BURST = 20
+"""Lines said per SAY_EVERY_S in all (refusals of many kinds: the rest in one line after)."""
+MAX_TRACKED = 4096
 SHOWN_PATH_CHARS = 80
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host`` (an address or a name; brackets allowed) and ``port``
-    (0: any free one). Raises OSError."""
-    host = host.strip("[]")
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.create_server(address[:2], family=family, backlog=128)
-    return listener
-
-
 class GrpcFront:
-    """Serves ``listener`` and forwards each allowed connection to ``upstream`` (host, port).
+    """Serves ``host``:``port`` (0: any free port) and makes each allowed call again on the
+    server at ``upstream`` (``host:port``), once :meth:`start` names it.
 
     ``name`` says whose front it is in refusal lines (``lighthouse``, ``manager``); ``allowed``
     holds the full gRPC paths that may be called (``/package.Service/Method``), ``local_only``
-    those of them served only to connections from this machine; ``inspect`` maps some of them
-    to a check of the request's message (its protobuf bytes, and the peer) that returns whether
-    it may go on (the check says why not itself); ``report`` receives each refusal line (by
-    default, standard error)."""
+    those of them served only to callers on this machine; ``inspect`` maps some of them to a
+    check of the request's message (its protobuf bytes, and the caller's (host, port)) that
+    returns whether it may go on (the check says why not itself); ``report`` receives each line
+    (by default, standard error). Raises OSError when ``host``:``port`` cannot be served."""
 
     def __init__(
         self,
         name: str,
-        listener: socket.socket,
-        upstream: tuple[str, int],
-        allowed: frozenset[bytes],
+        host: str,
+        port: int,
+        allowed: frozenset[str],
         report: Callable[[str], None] | None = None,
-        local_only: frozenset[bytes] = frozenset(),
-        inspect: dict[bytes, Callable[[bytes, object], bool]] | None = None,
+        local_only: frozenset[str] = frozenset(),
+        inspect: dict[str, Callable[[bytes, tuple[str, int]], bool]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.name, self.listener, self.upstream, self.allowed = name, listener, upstream, allowed
+        self.name, self.allowed = name, allowed
         self.local_only = local_only & allowed
         self.inspect = inspect or {}
         self.report = report or _to_stderr
-        self.refusal_hold_s = REFUSAL_HOLD_S
-        self.hold_after = HOLD_AFTER
-        self._recent: dict[str, collections.deque] = {}  # each host's last refusal times
+        self.clock = clock
+        self.refusal_hold_s, self.hold_after = REFUSAL_HOLD_S, HOLD_AFTER
         self.refused = 0
-        self._count_lock = threading.Lock()
-        self._open: set[socket.socket] = set()  # the client's end of every connection served
-        self._open_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    @property
-    def port(self) -> int:
-        return self.listener.getsockname()[1]
+        self._recent: dict[str, collections.deque] = {}  # each host's last refusal times
+        self._said: dict[str, list[float]] = {}  # kind of refusal -> [said at, unsaid since]
+        self._window = [-float("inf"), 0, 0]  # [its start, lines said, refusals held back]
+        self._upstream: set[aio.UnaryUnaryCall] = set()  # calls waiting on the server behind
+        self._held = 0  # refusals being held
+        self._end_holds: asyncio.Event | None = None  # set (and replaced) to end every hold
+        self._channel: aio.Channel | None = None
+        self._fd_watch: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._host = numeric_host(host)
+        shown = f"[{self._host}]" if ":" in self._host else self._host
+        self._server, self.port = _on_loop(self._bind(f"{shown}:{port}"))
+        if not self.port:
+            raise OSError(errno.EADDRINUSE, f"cannot serve {shown}:{port}")
 
     @property
     def host(self) -> str:
-        return self.listener.getsockname()[0]
+        return self._host
 
-    def shutdown(self) -> None:
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-
-    def end_connections(self) -> int:
-        """End every connection forwarded now (a call waiting on one fails at once); the
-        listener stays. How many were open."""
-        with self._open_lock:
-            ends = list(self._open)
-        for end in ends:
-            with contextlib.suppress(OSError):
-                end.shutdown(socket.SHUT_RDWR)
-        return len(ends)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, peer = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client, peer), daemon=True).start()
-
-    def _serve(self, client: socket.socket, peer) -> None:
-        with client:
-            client.settimeout(30.0)
-            preface = _read(client, len(PREFACE))
-            if not preface:
-                return  # it left without asking anything: a check that the port is open
-            if preface != PREFACE:
-                self._refuse(peer, "a request that is not HTTP/2 (gRPC)", self.allowed)
-                with contextlib.suppress(OSError):
-                    client.sendall(self._http1_refusal())
-                return
-            client.settimeout(None)
-            with contextlib.suppress(OSError):  # frames go on one by one (see _Upstream)
-                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            server = _Upstream(self.upstream, client)
-            with self._forwarding(client), server:
-                local = from_this_machine(client, peer)
-                allowed = self.allowed if local else self.allowed - self.local_only
-                forbidden = None
-                if server.send(preface):
-                    forbidden = self._forward_requests(client, server, allowed, peer)
-                if forbidden is not None and forbidden is not INSPECTED:
-                    mine = forbidden in self.local_only
-                    where = " (served to this machine's processes only)" if mine else ""
-                    self._refuse(peer, f"a call of {_shown(forbidden)}{where}", allowed)
-                if forbidden is not None and server.socket is None and self._flooding(peer):
-                    self._hold(client)
-                with contextlib.suppress(OSError):
-                    client.shutdown(socket.SHUT_RDWR)
-
-    def _flooding(self, peer) -> bool:
-        """Whether ``peer``'s host had ``hold_after`` refusals within the last second, this one
-        included: a replica's own first heartbeats, refused before its first quorum, are a few
-        and go unheld; a flood is held."""
-        host, now = peer[0] if isinstance(peer, tuple) else str(peer), time.monotonic()
-        with self._count_lock:
-            if len(self._recent) > MAX_HOSTS_TRACKED:  # many hosts: forget the quiet ones
-                self._recent = {h: t for h, t in self._recent.items() if now - t[-1] < 1.0}
-            recent = self._recent.setdefault(host, collections.deque(maxlen=self.hold_after))
-            recent.append(now)
-            return len(recent) == self.hold_after and now - recent[0] < 1.0
-
-    def _hold(self, client: socket.socket) -> None:
-        """Keep a connection refused at its first request open for ``refusal_hold_s``,
-        forwarding nothing (what it sends meanwhile is dropped): a caller that asks again at
-        once (a client retrying its call, a flood) is refused at that pace instead of as fast as
-        it can reconnect, so refusals cost this process, and the machine, little. The peer
-        closing, or ``end_connections``, ends the wait sooner."""
-        deadline = time.monotonic() + self.refusal_hold_s
-        with contextlib.suppress(OSError, ValueError):
-            while (left := deadline - time.monotonic()) > 0:
-                client.settimeout(left)
-                if not client.recv(1 << 16):  # the peer closed
-                    return
-
-    @contextlib.contextmanager
-    def _forwarding(self, client: socket.socket):
-        with self._open_lock:
-            self._open.add(client)
-        try:
-            yield
-        finally:
-            with self._open_lock:
-                self._open.discard(client)
-
-    def _forward_requests(
-        self, client: socket.socket, server: _Upstream, allowed: frozenset[bytes], peer
-    ) -> bytes | None:
-        """Copy HTTP/2 frames from the client, checking each request's path before its headers
-        go on (and its message, for an inspected path, before anything after them goes on); the
-        first forbidden path, INSPECTED for a message its check refused (None: either side ended
-        the connection)."""
-        decoder = hpack.Decoder()
-        block, held = b"", b""
-        inspected: _Inspected | None = None  # a request held until its message is read
-        while True:
-            head = _read(client, 9)
-            if len(head) < 9:
-                return None
-            length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
-            payload = _read(client, length)
-            if len(payload) < length:
-                return None
-            if inspected is not None:  # everything waits behind it (header blocks keep order)
-                inspected.hold(head + payload, kind, flags, payload)
-                verdict = inspected.verdict()
-                if verdict is None:
-                    continue
-                if not verdict:
-                    return INSPECTED
-                if not server.send(inspected.held):
-                    return None
-                inspected = None
-                continue
-            if kind == HEADERS:
-                block, held = _header_fragment(payload, flags), b""
-            elif kind == CONTINUATION:
-                block += payload
-            if kind in (HEADERS, CONTINUATION):
-                held += head + payload
-                if not flags & END_HEADERS:
-                    continue
-                path = _path(decoder, block)
-                if path not in allowed:
-                    return path
-                if path in self.inspect:
-                    stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
-                    inspected = _Inspected(stream, held, lambda m, p=path: self.inspect[p](m, peer))
-                    continue
-                if not server.send(held):
-                    return None
-                continue
-            if not server.send(head + payload):
-                return None
-
-    def _refuse(self, peer, what: str, allowed: frozenset[bytes]) -> None:
-        with self._count_lock:
-            self.refused += 1
-            count = self.refused
-        if count <= 10 or str(count).rstrip("0") == "1":
-            where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-            served = ", ".join(sorted(p.decode().rsplit("/", 1)[-1] for p in allowed))
-            served = f"only {served} calls are" if served else "no call is"
-            self.report(
-                f"{self.name}'s front: refused {what} from {where}; {served} served to it "
-                f"({count} refused so far)"
-            )
-
-    def _http1_refusal(self) -> bytes:
-        body = f"this {self.name} serves torchft's gRPC calls only\n".encode()
-        return (
-            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-
-
-class _Upstream:
-    """The connection to the server behind a front, opened when the client's first request goes
-    on: what the client sent before it (the preface, its settings) is held until then, so a
-    connection whose first request is refused (a stranger's flood) costs the server behind, and
-    the front, no connection of their own. The server's answers are copied back to the client
-    by a thread of their own."""
-
-    def __init__(self, address: tuple[str, int], client: socket.socket) -> None:
-        self.address, self.client = address, client
-        self.socket: socket.socket | None = None
-        self.pending = b""
-        self._back: threading.Thread | None = None
-
-    def send(self, data: bytes) -> bool:
-        """Whether ``data`` went on (or is held until a request goes on)."""
-        if self.socket is not None:
-            return _send(self.socket, data)
-        self.pending += data
-        if data.startswith(PREFACE) or data[3:4] != bytes([HEADERS]):
-            return True
-        try:
-            self.socket = socket.create_connection(self.address, timeout=30.0)
-        except OSError:
-            return False  # the server behind is gone: the client sees its connection end
-        self.socket.settimeout(None)
-        # frames are passed on one by one: without this, Nagle's algorithm holds each small
-        # one until the last is acknowledged, 40 ms per call with delayed ACKs
-        with contextlib.suppress(OSError):
-            self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._back = threading.Thread(target=_copy, args=(self.socket, self.client), daemon=True)
-        self._back.start()
-        data, self.pending = self.pending, b""
-        return _send(self.socket, data)
-
-    def __enter__(self) -> _Upstream:
+    def start(self, upstream: str) -> GrpcFront:
+        """Serve, making each allowed call again on ``upstream`` (``host:port``)."""
+        _on_loop(self._start(upstream))
+        self._fd_watch = threading.Thread(target=self._watch_descriptors, daemon=True)
+        self._fd_watch.start()
         return self
 
-    def __exit__(self, *_: object) -> None:
-        if self.socket is None:
+    def shutdown(self) -> None:
+        self._stopped.set()
+        _on_loop(self._stop())
+
+    def end_calls(self) -> int:
+        """Fail every call waiting on the server behind now (its caller sees it cancelled);
+        the front serves on. How many there were."""
+        return _on_loop(self._cancel_calls())
+
+    async def _bind(self, address: str) -> tuple[aio.Server, int]:
+        server = aio.server(
+            handlers=[_Calls(self)],
+            maximum_concurrent_rpcs=CALLS,
+            options=[
+                ("grpc.so_reuseport", 0),  # no other socket may share the port
+                ("grpc.max_allowed_incoming_connections", CONNECTIONS),
+                ("grpc.max_concurrent_streams", STREAMS),
+                ("grpc.max_metadata_size", HEADER_BYTES),
+                ("grpc.absolute_max_metadata_size", HEADER_BYTES),
+                ("grpc.max_receive_message_length", MESSAGE_BYTES),
+                ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
+                ("grpc.max_connection_idle_ms", int(IDLE_S * 1000)),
+            ],
+        )
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        return server, port
+
+    async def _start(self, upstream: str) -> None:
+        self._channel = aio.insecure_channel(
+            upstream,
+            options=[
+                ("grpc.max_receive_message_length", ANSWER_BYTES),
+                ("grpc.enable_retries", 0),  # a call is made once, as its caller made it
+            ],
+        )
+        await self._server.start()
+
+    async def _stop(self) -> None:
+        await self._server.stop(grace=None)
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _cancel_calls(self) -> int:
+        calls = list(self._upstream)
+        for call in calls:
+            call.cancel()
+        held, self._held = self._held, 0
+        if self._end_holds is not None:
+            self._end_holds.set()
+            self._end_holds = None
+        return len(calls) + held
+
+    async def call(self, path: str, requests, context: aio.ServicerContext) -> bytes:
+        """One call: checked, then made again on the server behind; its answer or its
+        error goes back to the caller."""
+        peer = _peer(context.peer())
+        served = self.allowed if from_this_machine(peer[0]) else self.allowed - self.local_only
+        if path not in served:
+            where = " (served to this machine's processes only)" if path in self.local_only else ""
+            await self._refuse(context, peer, f"a call of {_shown(path)}{where}", served)
+        message, why = await _one_message(requests)
+        if message is None and why is None:  # the caller ended it (its deadline, or it left)
+            await context.abort(grpc.StatusCode.CANCELLED, "the call ended without its message")
+        if message is None:
+            await self._refuse(context, peer, f"a call of {_shown(path)} {why}", served)
+        check = self.inspect.get(path)
+        if check is not None and not check(message, peer):
+            await self._refuse(context, peer, None, served)
+        upstream = self._channel.unary_unary(path)(message, timeout=context.time_remaining())
+        self._upstream.add(upstream)
+        try:
+            return await upstream
+        except aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        except asyncio.CancelledError:
+            if not upstream.cancelled():
+                raise  # the caller went away
+            await context.abort(grpc.StatusCode.CANCELLED, f"ended by the {self.name}'s front")
+        finally:
+            self._upstream.discard(upstream)
+
+    async def _refuse(
+        self, context: aio.ServicerContext, peer: tuple[str, int], what: str | None, served
+    ) -> None:
+        """Count and say a refusal (``what``: None when a check said why itself), hold it when
+        its host is flooding, and end the call."""
+        self.refused += 1
+        if what is not None:
+            self._say(peer, what, served)
+        if self._flooding(peer[0]):
+            await self._hold()
+        why = self._served_line(served) if what is not None else "it did not pass its check"
+        await context.abort(
+            grpc.StatusCode.PERMISSION_DENIED, f"refused by the {self.name}'s front: {why}"
+        )
+
+    async def _hold(self) -> None:
+        """Wait ``refusal_hold_s``, or until :meth:`end_calls`."""
+        if self._end_holds is None:
+            self._end_holds = asyncio.Event()
+        ended, self._held = self._end_holds, self._held + 1
+        try:
+            await asyncio.wait_for(ended.wait(), self.refusal_hold_s)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            self._held = max(0, self._held - 1)
+
+    def _say(self, peer: tuple[str, int], what: str, served) -> None:
+        now = self.clock()
+        if now - self._window[0] >= SAY_EVERY_S:
+            if self._window[2]:
+                self.report(
+                    f"{self.name}'s front: refused {self._window[2]} more calls of other kinds "
+                    f"in the last {SAY_EVERY_S:.0f} s (lines about them held back)"
+                )
+            self._window = [now, 0, 0]
+        said = self._said.get(what)
+        if said is not None and now - said[0] < SAY_EVERY_S:
+            said[1] += 1
             return
-        with contextlib.suppress(OSError):
-            self.socket.shutdown(socket.SHUT_RDWR)
-        if self._back is not None:
-            self._back.join(timeout=5.0)
-        self.socket.close()
+        if self._window[1] >= SAY_BURST:
+            self._window[2] += 1
+            return
+        again = ""
+        if said is not None:
+            again = f" (refused {said[1] + 1} times in the last {now - said[0]:.0f} s)"
+        if len(self._said) >= MAX_TRACKED:  # many kinds: forget the quiet ones
+            self._said = {k: v for k, v in self._said.items() if now - v[0] < SAY_EVERY_S}
+        self._said[what] = [now, 0]
+        self._window[1] += 1
+        self.report(
+            f"{self.name}'s front: refused {what} from {_address(peer)}; "
+            f"{self._served_line(served)}{again}"
+        )
+
+    def _served_line(self, served) -> str:
+        names = ", ".join(sorted(p.rsplit("/", 1)[-1] for p in served))
+        return f"only {names} calls are served to it" if names else "no call is served to it"
+
+    def _flooding(self, host: str) -> bool:
+        """Whether ``host`` had ``hold_after`` refusals within the last second, this one
+        included: a replica's own first heartbeats, refused before its first quorum, are a few
+        and go unheld; a flood is held."""
+        now = time.monotonic()
+        if len(self._recent) > MAX_TRACKED:  # many hosts: forget the quiet ones
+            self._recent = {h: t for h, t in self._recent.items() if now - t[-1] < 1.0}
+        recent = self._recent.setdefault(host, collections.deque(maxlen=self.hold_after))
+        recent.append(now)
+        return len(recent) == self.hold_after and now - recent[0] < 1.0
+
+    def _watch_descriptors(self) -> None:
+        """Say, at most once a minute, when this process has run out of file descriptors:
+        gRPC then leaves new connections waiting (it accepts again a second later), so
+        callers see a front that is slow to answer."""
+        said_at = -float("inf")
+        while not self._stopped.wait(1.0):
+            if not _out_of_descriptors() or self.clock() - said_at < SAY_EVERY_S:
+                continue
+            said_at = self.clock()
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self.report(
+                f"{self.name}'s front: this process has used all {limit} of its file "
+                "descriptors; new connections wait until some close (raise the limit with "
+                "ulimit -n, or firewall the port to the run's machines)"
+            )
 
 
-INSPECTED = b"(inspected)"
-"""What :meth:`GrpcFront._forward_requests` returns for a request its check refused."""
+class _Calls(grpc.GenericRpcHandler):
+    """Every method: a call the front takes whole (its request read as a stream, so a caller
+    that sends headers and no message is bounded by MESSAGE_S) and decides on."""
+
+    def __init__(self, front: GrpcFront) -> None:
+        self.front = front
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        method = details.method
+        path = method if isinstance(method, str) else method.decode("ascii", "backslashreplace")
+
+        async def behaviour(requests, context):
+            return await self.front.call(path, requests, context)
+
+        return grpc.stream_unary_rpc_method_handler(behaviour)
 
 
-class _Inspected:
-    """One request held back until its gRPC message has arrived and been checked, with every
-    frame the client sent behind it."""
+async def _one_message(requests) -> tuple[bytes | None, str | None]:
+    """(the one request message of a unary call, None), or (None, why not: None when the
+    caller ended the call before sending one)."""
+    read: list[bytes] = []
 
-    def __init__(self, stream: int, held: bytes, check: Callable[[bytes], bool]) -> None:
-        self.stream, self.held, self.check = stream, held, check
-        self.message, self.ended = b"", False
+    async def read_all() -> None:
+        async for message in requests:
+            read.append(message)
+            if len(read) > 1:
+                return
 
-    def hold(self, frame: bytes, kind: int, flags: int, payload: bytes) -> None:
-        self.held += frame
-        stream = int.from_bytes(frame[5:9], "big") & 0x7FFFFFFF
-        if kind == DATA and stream == self.stream:
-            if flags & PADDED and payload:
-                payload = payload[1 : len(payload) - payload[0]]
-            self.message += payload
-            self.ended = bool(flags & END_STREAM)
-
-    def verdict(self) -> bool | None:
-        """Whether the request may go on; None while its message is still coming."""
-        message = self.message
-        if len(message) >= 5:
-            size = int.from_bytes(message[1:5], "big")
-            if message[0] == 0 and len(message) >= 5 + size:  # not compressed, and whole
-                return self.check(message[5 : 5 + size])
-            if message[0] != 0 or size > MAX_INSPECTED_BYTES:
-                return False
-        return False if self.ended or len(self.held) > MAX_INSPECTED_BYTES else None
-
-
-def from_this_machine(client: socket.socket, peer) -> bool:
-    """Whether a connection comes from this machine: from a loopback address, or from the
-    address it reached (Linux picks that as the source of a connection to a local address)."""
-    if not isinstance(peer, tuple):
-        return False
     try:
-        source = ipaddress.ip_address(peer[0].split("%", 1)[0])
-        return source.is_loopback or peer[0] == client.getsockname()[0]
-    except (ValueError, OSError):
+        await asyncio.wait_for(read_all(), MESSAGE_S)
+    except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+        return None, f"without its message within {MESSAGE_S:g} s"
+    except aio.AioRpcError:
+        return None, None
+    if len(read) > 1:
+        return None, "with more than one message"
+    return (read[0], None) if read else (None, None)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _on_loop(coroutine):
+    """Run ``coroutine`` on the event loop every front of this process shares (started on
+    first use, in a thread of its own), and return its result."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(
+                target=_loop.run_forever, name="mtdao-grpc-fronts", daemon=True
+            ).start()
+    return asyncio.run_coroutine_threadsafe(coroutine, _loop).result()
+
+
+def from_this_machine(host: str) -> bool:
+    """Whether a caller at ``host`` is on this machine: a loopback address, or one of this
+    machine's own (which a socket can bind)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
         return False
+    if address.is_loopback:
+        return True
+    if address.is_unspecified or address.is_multicast:
+        return False
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _peer(peer: str) -> tuple[str, int]:
+    """gRPC's ``ipv4:1.2.3.4:5`` / ``ipv6:[::1]:5`` as (host, port)."""
+    _, _, address = unquote(peer).partition(":")
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else 0
+
+
+def numeric_host(host: str) -> str:
+    """``host`` (an address or a name; brackets allowed) as a numeric address."""
+    host = host.strip("[]")
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+
+
+def _out_of_descriptors() -> bool:
+    """Whether this process holds as many file descriptors as it may."""
+    try:
+        with open("/dev/null", "rb"):
+            return False
+    except OSError as error:
+        return error.errno in (errno.EMFILE, errno.ENFILE)
+
+
+def _address(peer: tuple[str, int]) -> str:
+    return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
 
 
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _shown(path: bytes) -> str:
+def _shown(path: str) -> str:
     """A requested path as a refusal line shows it: printable, and short."""
-    text = path.decode("ascii", "backslashreplace")
-    text = "".join(c if c.isprintable() else "?" for c in text) or "(no path)"
+    text = "".join(c if c.isprintable() else "?" for c in path) or "(no path)"
     return text if len(text) <= SHOWN_PATH_CHARS else text[:SHOWN_PATH_CHARS] + "..."
-
-
-def _header_fragment(payload: bytes, flags: int) -> bytes:
-    start, end = 0, len(payload)
-    if flags & PADDED:
-        start, end = 1, len(payload) - payload[0]
-    if flags & PRIORITY:
-        start += 5
-    return payload[start:end]
-
-
-def _path(decoder: hpack.Decoder, block: bytes) -> bytes:
-    """The one ``:path`` of a header block (b'' when it has none, several, or does not
-    decode)."""
-    try:
-        headers = decoder.decode(block, raw=True)
-    except hpack.HPACKError:
-        return b""
-    paths = [value for name, value in headers if name == b":path"]
-    return paths[0] if len(paths) == 1 else b""
-
-
-def _read(connection: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        try:
-            chunk = connection.recv(size - len(data))
-        except OSError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
-    return data
-
-
-def _send(connection: socket.socket, data: bytes) -> bool:
-    """Whether ``data`` went; a connection shut meanwhile (end_connections, a reset) is the
-    connection ending, not an error."""
-    try:
-        connection.sendall(data)
-    except OSError:
-        return False
-    return True
-
-
-def _copy(source: socket.socket, target: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while chunk := source.recv(65536):
-            target.sendall(chunk)
-    with contextlib.suppress(OSError):
-        target.shutdown(socket.SHUT_WR)

@@ -52,7 +52,12 @@ several processes), :mod:`.manager_front` (the manager server behind its front),
 """
 
 from mtdao.sync.torchft.healing import engine_state
-from mtdao.sync.torchft.joining import SharedConfig, config_digest, fault_tolerant_replica
+from mtdao.sync.torchft.joining import (
+    OTHER_ACCOUNTS,
+    SharedConfig,
+    config_digest,
+    fault_tolerant_replica,
+)
 from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.sync.torchft.plumbing import QuorumError, ReplicaRefused, start_lighthouse
 from mtdao.sync.torchft.refusals import RefusalLog
@@ -60,6 +65,7 @@ from mtdao.sync.torchft.replicas import Heal, ReplicaGroups, ReplicaSettings, Ro
 from mtdao.sync.torchft.shards import ReplicaProcesses
 
 __all__ = [
+    "OTHER_ACCOUNTS",
     "SharedConfig",
     "config_digest",
     "fault_tolerant_replica",

@@ -34,6 +34,12 @@ from mtdao.sync.torchft.replicas import ReplicaGroups, ReplicaSettings, RoundSta
 logger = logging.getLogger(__name__)
 
 LIGHTHOUSE_VARIABLE = "MTDAO_LIGHTHOUSE"
+OTHER_ACCOUNTS = (
+    "only this account's processes on this machine can join its rounds; other accounts here can "
+    "still reach torchft's servers on loopback (stop or stall a replica, list replica ids): on a "
+    "shared machine give the run a network namespace of its own (see docs/security.md)"
+)
+"""What a run on loopback without a secret protects from this machine's other accounts."""
 
 
 def fault_tolerant_replica(
@@ -74,9 +80,10 @@ def fault_tolerant_replica(
     if key.origin != "the run's secret":
         logger.warning(
             "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
-            "%s; only this account's processes on this machine can join (see docs/security.md)",
+            "%s; %s",
             replica_id,
             key.origin,
+            OTHER_ACCOUNTS,
         )
     shared = dict(shared_config or {})
     settings = ReplicaSettings(

@@ -9,8 +9,10 @@ whole ``--join-timeout``, and a flood of heartbeats alone makes it refuse to for
 
 * a ``Quorum`` request goes on only with a claim signed with the run's secret, naming the replica
   that asks, with a nonce not seen before (a replayed claim is refused);
-* a ``Heartbeat`` goes on only from a replica id whose quorum request went on (a replica's first
-  heartbeats, sent before it first asks for a quorum, are refused and counted, not said).
+* a ``Heartbeat`` goes on only from a replica id whose quorum request went on, and only from the
+  host that sent that request (a replica's first heartbeats, sent before it first asks for a
+  quorum, are refused and counted, not said): a stranger that learned a member's id cannot keep
+  it, or a dead member, alive in torchft's lighthouse.
 
 A refused request ends its connection before torchft's lighthouse hears of it. Refused quorum
 requests are said once a minute per peer with a count (:mod:`.refusals`), refused heartbeats once
@@ -30,8 +32,8 @@ from mtdao.sync.torchft.plumbing import Refusal
 from mtdao.sync.torchft.proofs import SeenNonces, read_claim
 from mtdao.sync.torchft.refusals import RefusalLog
 
-SERVICE = b"/torchft.LighthouseService/"
-QUORUM, HEARTBEAT = SERVICE + b"Quorum", SERVICE + b"Heartbeat"
+SERVICE = "/torchft.LighthouseService/"
+QUORUM, HEARTBEAT = SERVICE + "Quorum", SERVICE + "Heartbeat"
 FORGET_S = 600.0
 """A replica id that neither asked for a quorum nor sent a heartbeat for this long is forgotten."""
 
@@ -44,14 +46,14 @@ class LighthouseGate:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.key, self.report, self.clock = key, report, clock
-        self.proven: dict[str, float] = {}  # replica id -> when it was last let through
+        self.proven: dict[str, tuple[float, str]] = {}  # replica id -> (when let through, host)
         self.refusals = RefusalLog(clock=clock)
         self._seen = SeenNonces()
         self._heartbeats_refused = 0
         self._heartbeats_said_at = clock()
         self._lock = threading.Lock()  # the front serves each connection in a thread
 
-    def inspectors(self) -> dict[bytes, Callable[[bytes, Any], bool]]:
+    def inspectors(self) -> dict[str, Callable[[bytes, Any], bool]]:
         """The checks to hand the lighthouse's front, by gRPC path."""
         return {QUORUM: self.quorum, HEARTBEAT: self.heartbeat}
 
@@ -59,16 +61,20 @@ class LighthouseGate:
         """Whether a ``LighthouseQuorumRequest`` may go on."""
         try:
             requester = _string_fields(dict(_fields(message)).get(1, b""))
-            member = requester.get(1, "")
-            data = json.loads(requester.get(7) or "null")
         except ValueError:
-            member, data = "", None
-        claim, why = read_claim(member, data, self.key)
+            requester = {}
+        member = requester.get(1, "")
+        try:
+            data = json.loads(requester.get(7) or "null")
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
+            claim, why = None, "its claim is not readable"
+        else:
+            claim, why = read_claim(member, data, self.key)
         with self._lock:
             if claim is not None and not self._seen.first_time(claim.nonce):
                 claim, why = None, "its claim was handed in before (a replay)"
             if claim is not None:
-                self.proven[member] = self.clock()
+                self.proven[member] = (self.clock(), _host(peer))
                 self._forget()
                 return True
             shown = member[:48] or "(no replica id)"
@@ -86,8 +92,9 @@ class LighthouseGate:
             member = ""
         with self._lock:
             now = self.clock()
-            if member in self.proven:
-                self.proven[member] = now
+            proven = self.proven.get(member)
+            if proven is not None and proven[1] == _host(peer):
+                self.proven[member] = (now, proven[1])
                 return True
             self._heartbeats_refused += 1
             said = None
@@ -95,8 +102,8 @@ class LighthouseGate:
                 said = (
                     f"lighthouse: refused {self._heartbeats_refused} heartbeats in the last "
                     f"{now - self._heartbeats_said_at:.0f} s from replica ids that sent no quorum "
-                    "request signed with the run's secret (a replica's own, before its first "
-                    "quorum, among them)"
+                    "request signed with the run's secret from the same host (a replica's own, "
+                    "before its first quorum, among them)"
                 )
                 self._heartbeats_refused, self._heartbeats_said_at = 0, now
         if said:
@@ -106,7 +113,7 @@ class LighthouseGate:
     def _forget(self) -> None:
         horizon = self.clock() - FORGET_S
         if len(self.proven) > 1000:
-            self.proven = {m: t for m, t in self.proven.items() if t >= horizon}
+            self.proven = {m: p for m, p in self.proven.items() if p[0] >= horizon}
 
 
 def _fields(message: bytes) -> Iterator[tuple[int, Any]]:
@@ -142,6 +149,10 @@ def _varint(data: bytes, offset: int) -> tuple[int, int]:
         offset, shift = offset + 1, shift + 7
         if not byte & 0x80:
             return value, offset
+
+
+def _host(peer: Any) -> str:
+    return peer[0] if isinstance(peer, tuple) else str(peer)
 
 
 def _address(peer: Any) -> str:

@@ -8,19 +8,20 @@ gathers the commit votes of the replica's processes (``ShouldCommit``). It also 
 the port, and torchft offers no way to turn them off (mtdao's replicas ask the lighthouse for
 their quorums themselves and find each other's heal servers in their signed claims:
 :mod:`.proven_manager`). So the server runs on a loopback address and the replica's
-``--bind-host`` is served by a :class:`~mtdao.sync.grpc_front.GrpcFront` that forwards
-``ShouldCommit`` from this machine only (a replica's processes share one, see :mod:`.shards`;
+``--bind-host`` is served by a :class:`~mtdao.sync.grpc_front.GrpcFront` that makes
+``ShouldCommit`` calls from this machine only (a replica's processes share one, see :mod:`.shards`;
 a stranger's could change the replica's commit votes) and refuses the rest.
 
 The front must sit on the port torchft advertises: the server's ``address()``, which it hands the
 lighthouse (and so healing peers, in their quorum results) and the replica's other processes
-(through the store), is ``http://<hostname>:<port it bound>``. So the front takes a port P on
-the bind host first, and the server then binds the same P on a loopback address the front does
-not cover: 127.0.0.1 for any other host (127.0.0.2 or ::1 when the front is on 127.0.0.1 itself;
-on Linux all of 127.0.0.0/8 is loopback), ::1 when the front serves every IPv4 interface
-(0.0.0.0). A front on ``::`` (every address, loopback included) leaves no such address: the
-configuration refuses it. When no loopback address has P free, the next P is tried, and after
-that the replica stops with one line rather than serve ``Kill``.
+(through the store), is ``http://<hostname>:<port it bound>``. So a port P is held on a
+loopback address the front does not cover: 127.0.0.1 for any other host (127.0.0.2 or ::1 when
+the front is on 127.0.0.1 itself; on Linux all of 127.0.0.0/8 is loopback), ::1 when the front
+serves every IPv4 interface (0.0.0.0: gRPC would serve IPv6 there too, but for ::1 being taken);
+the front then takes P on the bind host, and the server P on that loopback address. A front on
+``::`` (every address, loopback included) leaves no such address: the configuration refuses it.
+When P cannot be had on both, the next P is tried, and after that the replica stops with one
+line rather than serve ``Kill``.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from typing import Any
 import torchft.manager
 from torchft._torchft import ManagerServer as TorchftManagerServer
 
-from mtdao.sync.grpc_front import GrpcFront, listen
+from mtdao.sync.grpc_front import GrpcFront, numeric_host
 
-SERVICE = b"/torchft.ManagerService/"
-OWN_PROCESS_CALLS = frozenset({SERVICE + b"ShouldCommit"})
+SERVICE = "/torchft.ManagerService/"
+OWN_PROCESS_CALLS = frozenset({SERVICE + "ShouldCommit"})
 MANAGER_CALLS = OWN_PROCESS_CALLS
 LOOPBACK_CANDIDATES = ("127.0.0.1", "127.0.0.2", "::1")
 PORT_ATTEMPTS = 20
@@ -74,7 +75,7 @@ class FrontedManagerServer:
     def end_calls(self) -> int:
         """Fail every call waiting on the server now (its own processes' ``Quorum`` among them):
         torchft's server cannot cancel one. How many connections were ended."""
-        return self.front.end_connections()
+        return self.front.end_calls()
 
 
 def start_fronted(
@@ -84,35 +85,40 @@ def start_fronted(
     behind a front on ``bind_host``: on ``port``, or any free one when it is 0. Raises
     FrontUnavailable, or what ``start_server`` raises for another reason than a taken port."""
     last = "none was usable"
+    beside = loopbacks_beside(numeric_host(bind_host))
     for _ in range(1 if port else PORT_ATTEMPTS):
-        try:
-            listener = listen(bind_host, port)
-        except OSError as error:
-            raise FrontUnavailable(
-                f"cannot serve torchft's manager on {bind_host}:{port}: {error.strerror}"
-            ) from None
-        front_host, chosen = listener.getsockname()[:2]
-        for internal in loopbacks_beside(front_host):
-            bind = f"[{internal}]:{chosen}" if ":" in internal else f"{internal}:{chosen}"
-            failure = _bind_failure(internal, chosen)
-            if failure is not None:
-                last = f"{bind}: {failure}"
+        for internal in beside:
+            try:
+                held = _hold_port(internal, port)
+            except OSError as error:
+                last = f"{internal} port {port}: {(error.strerror or str(error)).lower()}"
                 continue
+            chosen = held.getsockname()[1]
+            bind = f"[{internal}]:{chosen}" if ":" in internal else f"{internal}:{chosen}"
+            try:
+                front = GrpcFront(
+                    "manager", bind_host, chosen, MANAGER_CALLS, local_only=OWN_PROCESS_CALLS
+                )
+            except OSError as error:
+                if port:
+                    raise FrontUnavailable(
+                        f"cannot serve torchft's manager on {bind_host}:{port}: {error.strerror}"
+                    ) from None
+                last = f"{bind_host}:{chosen}: {error.strerror}"
+                continue
+            finally:
+                held.close()
             try:
                 server = start_server(bind)
             except RuntimeError as error:
+                front.shutdown()
                 if "os error 98" not in str(error):  # not EADDRINUSE: the lighthouse, say
-                    listener.close()
                     raise
                 last = f"{bind}: address already in use"
                 continue
-            front = GrpcFront(
-                "manager", listener, (internal, chosen), MANAGER_CALLS,
-                local_only=OWN_PROCESS_CALLS,
-            )  # fmt: skip
+            front.start(bind)
             return FrontedManagerServer(server, front, bind)
-        listener.close()
-        if not loopbacks_beside(front_host):
+        if not beside:
             last = "it covers every loopback address"
             break
     raise FrontUnavailable(
@@ -151,13 +157,15 @@ def _server_for_this_thread(**kwargs: Any) -> Any:
     return start_fronted(start, host, port)
 
 
-def _bind_failure(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound (None: it can)."""
+def _hold_port(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port`` (0: any free port), to hold it. Raises OSError."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    held = socket.socket(family, socket.SOCK_STREAM)
     try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
-        return None
-    except OSError as error:
-        return (error.strerror or str(error)).lower()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # torchft's server takes it
+        held.bind((host, port))
+        held.listen(1)
+    except OSError:
+        held.close()
+        raise
+    return held

@@ -90,7 +90,7 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
     try:
         posted = json.loads(posted)
         body, signature = posted["claim"], posted["sig"]
-    except (TypeError, ValueError, KeyError):
+    except (TypeError, ValueError, KeyError, RecursionError):  # RecursionError: nested too deep
         return None, "its claim is not readable"
     if not key.verifies(signature, "claim", body):
         return None, "its claim is not signed with this run's secret"
@@ -99,7 +99,7 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
         fields["heal"] = tuple(fields["heal"])
         fields["refused"] = tuple(fields.get("refused", ()))
         claim = Claim(**fields)
-    except (TypeError, ValueError, KeyError):
+    except (TypeError, ValueError, KeyError, RecursionError):
         return None, "its claim is not readable"
     if claim.member != member_id:
         return None, f"its claim was made by another member ({_short(claim.member)})"

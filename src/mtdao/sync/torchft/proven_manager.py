@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -167,10 +166,9 @@ class ProvenManager(Manager):
             )
         except Exception as error:
             self._lighthouse = None  # a restarted lighthouse needs a new connection
-            ended = "transport error" in str(error)  # the connection ended, not a timeout
-            if ended and _accepts_connections(self._lighthouse_addr):  # it is there: it ended it
+            if "PermissionDenied" in str(error):  # the lighthouse's front refused it
                 raise QuorumError(
-                    f"the lighthouse at {self._lighthouse_addr} ended this replica's quorum "
+                    f"the lighthouse at {self._lighthouse_addr} refused this replica's quorum "
                     f"request ({_first(error)}): an mtdao lighthouse refuses replicas that do "
                     "not prove the run's secret (is --auth-token-file / $MTDAO_AUTH_TOKEN the "
                     "one the lighthouse and the other replicas have?)"
@@ -396,15 +394,6 @@ def _refusal_of(claim: Claim, why: str) -> Refusal:
 
 def _short(member: str) -> str:
     return member if len(member) <= 48 else member[:45] + "..."
-
-
-def _accepts_connections(url: str) -> bool:
-    address = urlsplit(url)
-    try:
-        socket.create_connection((address.hostname, address.port or 80), timeout=2.0).close()
-    except OSError:
-        return False
-    return True
 
 
 def _first(error: BaseException) -> str:

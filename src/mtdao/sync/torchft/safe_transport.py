@@ -22,7 +22,6 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.request import Request, urlopen
 
@@ -30,6 +29,7 @@ import torch
 from torchft.checkpointing.transport import CheckpointTransport
 
 from mtdao.sync.torchft.auth import RunKey
+from mtdao.sync.torchft.heal_server import BoundedHTTPServer, BoundedRequests
 
 SIGNATURE_HEADER = "X-Mtdao-Signature"
 RECEIVER_HEADER = "X-Mtdao-Receiver"
@@ -176,7 +176,7 @@ class SignedHealTransport(CheckpointTransport):
             self._thread.join()
 
 
-class HealRequests(BaseHTTPRequestHandler):
+class HealRequests(BoundedRequests):
     """``GET /heal/<step>``, signed for this quorum, this source and the receiver it names."""
 
     server: Any
@@ -202,18 +202,14 @@ class HealRequests(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         self.send_header(SIGNATURE_HEADER, transport.key.sign("heal", *binding.fields(), sha))
         self.end_headers()
+        self.connection.settimeout(transport.timeout.total_seconds())  # a state takes a while
         self.wfile.write(payload)
 
-    def log_message(self, *args: Any) -> None:  # one access-log line per request otherwise
-        pass
 
-
-def _server(bind_host: str, transport: SignedHealTransport) -> ThreadingHTTPServer:
+def _server(bind_host: str, transport: SignedHealTransport) -> BoundedHTTPServer:
     host = bind_host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server_class = type("HealServer", (ThreadingHTTPServer,), {"address_family": family})
-    server = server_class((host, 0), HealRequests)
-    server.daemon_threads = True
+    server = BoundedHTTPServer((host, 0), HealRequests, family)
     server.transport = transport
     server.advertised = advertised_host(bind_host)
     return server

@@ -23,7 +23,7 @@ from mtdao.flags import DefaultsHelpFormatter
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
 LIGHTHOUSE_CALLS = frozenset(
-    b"/torchft.LighthouseService/" + method for method in (b"Quorum", b"Heartbeat")
+    "/torchft.LighthouseService/" + method for method in ("Quorum", "Heartbeat")
 )
 
 
@@ -96,7 +96,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
-    from mtdao.sync.grpc_front import GrpcFront, listen
+    from mtdao.sync.grpc_front import GrpcFront
     from mtdao.sync.torchft.auth import is_loopback, read_token, run_key
     from mtdao.sync.torchft.lighthouse_gate import LighthouseGate
     from mtdao.sync.torchft.safe_transport import advertised_host
@@ -117,17 +117,17 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         "127.0.0.1:0", args.min_replicas, args.join_timeout, args.heartbeat_timeout,
         args.quorum_tick,
     )  # fmt: skip
-    internal = int(server.address().rsplit(":", 1)[1])
+    internal = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"  # address() names the host
     try:
-        listener = listen(host, args.port)
+        front = GrpcFront(
+            "lighthouse", host, args.port, LIGHTHOUSE_CALLS,
+            inspect=gate.inspectors() if gate else None,
+        )  # fmt: skip
     except OSError as error:
         server.shutdown()
         reason = error.strerror
         raise ValueError(f"cannot serve the lighthouse on {host}:{args.port}: {reason}") from None
-    front = GrpcFront(
-        "lighthouse", listener, ("127.0.0.1", internal), LIGHTHOUSE_CALLS,
-        inspect=gate.inspectors() if gate else None,
-    )  # fmt: skip
+    front.start(internal)
     address = f"http://{advertised_host(host)}:{front.port}"
     print(
         f"lighthouse: serving at {address} (min replicas {args.min_replicas}, heartbeat timeout "
@@ -144,6 +144,11 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         )
     else:
         _say(f"lighthouse: only replicas that hold {gate.key.origin} join its quorums")
+    _say(
+        f"lighthouse: torchft's own lighthouse listens behind the front on {internal}, which "
+        "every account on this machine can reach (its dashboard lists and stops replicas); on a "
+        "shared machine give the run a network namespace of its own (see docs/security.md)"
+    )
     try:
         while not stop.wait(1.0):
             pass

@@ -138,8 +138,7 @@ class ReplicaDriver(LoopHooks):
         if key.origin != "the run's secret":
             self._say(
                 f"no --auth-token-file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
-                f"{key.origin}; only this account's processes on this machine can join (see "
-                "docs/security.md)"
+                f"{key.origin}; {self.torchft.OTHER_ACCOUNTS}"
             )
         return run
 

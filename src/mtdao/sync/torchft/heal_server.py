@@ -1,0 +1,134 @@
+"""The listener of a replica's heal server: an HTTP server that no caller can hold for long.
+
+Each request is served in a thread of its own (a state may take a while to send), so a caller
+could otherwise hold the server's threads and memory: a connection that sends its request
+slowly, or never, or an endless header block, or more connections than the process has file
+descriptors. So at most CONNECTIONS requests are served at once (more are closed as they come), a
+request's line and headers must arrive within REQUEST_S and HEAD_BYTES, and when the process is
+out of file descriptors the server says so (once a minute) and waits a second before it accepts
+again, instead of spinning on a listener it cannot accept from.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+CONNECTIONS = 64
+"""Requests served at once (a replica's peers make one per process that heals)."""
+REQUEST_S = 10.0
+"""From a connection's start to its request's last header."""
+HEAD_BYTES = 16 << 10
+"""A request's line and headers (a heal request's are a few hundred bytes)."""
+DESCRIPTORS_PAUSE_S = 1.0
+SAY_EVERY_S = 60.0
+
+
+class BoundedRequests(BaseHTTPRequestHandler):
+    """A request handler whose request must arrive within REQUEST_S and HEAD_BYTES."""
+
+    timeout = REQUEST_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _Capped(self.rfile, HEAD_BYTES)
+
+    def log_message(self, *args: Any) -> None:  # one access-log line per request otherwise
+        pass
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A threaded HTTP server on ``address`` (``family``) that serves at most CONNECTIONS
+    requests at once and survives running out of file descriptors; ``report`` receives its
+    lines (by default, standard error)."""
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BoundedRequests],
+        family: socket.AddressFamily,
+        report: Callable[[str], None] | None = None,
+    ) -> None:
+        self.address_family = family
+        super().__init__(address, handler)
+        self.report = report or _to_stderr
+        self.turned_away = 0
+        self._slots = threading.BoundedSemaphore(CONNECTIONS)
+        self._said_at = -float("inf")
+
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as error:
+            if error.errno in (errno.EMFILE, errno.ENFILE):
+                self._out_of_descriptors()
+            raise  # socketserver drops this one attempt and serves on
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.turned_away += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _out_of_descriptors(self) -> None:
+        now = time.monotonic()
+        if now - self._said_at >= SAY_EVERY_S:
+            self._said_at = now
+            self.report(
+                f"heal server on port {self.server_address[1]}: this process has used all of its "
+                "file descriptors; new connections wait until some close (raise the limit with "
+                "ulimit -n, or firewall the port to the run's machines)"
+            )
+        time.sleep(DESCRIPTORS_PAUSE_S)  # the listener stays readable: no busy loop meanwhile
+
+
+class _Capped:
+    """A request's input, of which at most ``budget`` bytes are read: past it, the request's
+    head simply ends (and then fails its checks)."""
+
+    def __init__(self, raw, budget: int) -> None:
+        self.raw, self.budget = raw, budget
+
+    def readline(self, size: int = -1) -> bytes:
+        if self.budget <= 0:
+            return b""
+        line = self.raw.readline(self.budget if size < 0 else min(size, self.budget))
+        self.budget -= len(line)
+        return line
+
+    def read(self, size: int = -1) -> bytes:
+        if self.budget <= 0:
+            return b""
+        data = self.raw.read(self.budget if size < 0 else min(size, self.budget))
+        self.budget -= len(data)
+        return data
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
