@@ -78,10 +78,9 @@ def train(optimizer, params, steps: int, first_step: int = 0, skip_at=None) -> N
 
 
 def assert_same(params, optimizer, other_params, other_optimizer, **tolerance) -> None:
-    """Equal to float64 rounding (the per-tensor path updates a transposed parameter by the
-    element update run eagerly, the flat one by the C++ kernel: the last bit may differ), or to
-    ``tolerance``."""
-    tolerance = tolerance or dict(rtol=1e-13, atol=1e-15)
+    """Bit for bit (both layouts put every element through the C++ kernel, a transposed one as a
+    contiguous copy: the same operations in the same order), or within ``tolerance``."""
+    tolerance = tolerance or dict(rtol=0.0, atol=0.0)
     for p, q in zip(params, other_params):
         torch.testing.assert_close(p.detach(), q.detach(), **tolerance)
         state, other = optimizer.state[p], other_optimizer.state[q]
