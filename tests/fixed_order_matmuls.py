@@ -11,6 +11,8 @@ workers changes no result" then rests on the code under test, not on the BLAS.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,16 +34,18 @@ def scaled(result: torch.Tensor, base: torch.Tensor, beta, alpha) -> torch.Tenso
 
 
 class FixedOrderMatmuls(TorchDispatchMode):
-    """Every mm, bmm, addmm and baddbmm as :func:`product`; attention by its plain matrix-product
-    form (the fused CPU kernel calls the BLAS inside), whose products come here too; ``products``
-    counts the products replaced."""
+    """Every mm, bmm, addmm and baddbmm as :func:`product`; ``products`` counts them.
 
-    def __init__(self) -> None:
+    With ``math_attention`` (the default) attention takes its plain matrix-product form, whose
+    products come here too; without, the fused CPU attention kernel runs, which calls the BLAS on
+    each (batch entry, head) block, blocks of the same sizes wherever the entry sits."""
+
+    def __init__(self, math_attention: bool = True) -> None:
         super().__init__()
         self.products = 0
+        self._math_attention = sdpa_kernel(SDPBackend.MATH) if math_attention else nullcontext()
 
     def __enter__(self):
-        self._math_attention = sdpa_kernel(SDPBackend.MATH)
         self._math_attention.__enter__()
         return super().__enter__()
 

@@ -121,6 +121,7 @@ def test_parameters_and_states_are_views_of_the_buffers_with_their_own_strides(v
     assert all((p.data_ptr() - bucket.param_buffer.data_ptr()) % 256 == 0 for p in params)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_flat_equals_per_tensor(variant):
     params, other = make_params(), make_params()
@@ -205,6 +206,7 @@ def through_file(state_dict):
     return torch.load(buffer)
 
 
+@pytest.mark.exact
 def test_a_checkpoint_moves_from_flat_to_per_tensor_and_back():
     params = make_params()
     optimizer = make_optimizer("adam", params, flat=True)
@@ -232,6 +234,7 @@ def test_a_checkpoint_moves_from_flat_to_per_tensor_and_back():
     assert_same(resumed, resumed_optimizer, params, optimizer)
 
 
+@pytest.mark.exact
 def test_load_state_dict_copies_into_the_buffers_it_has():
     params = make_params()
     optimizer = make_optimizer("adopt", params, flat=True)
@@ -258,6 +261,7 @@ def test_load_state_dict_copies_into_the_buffers_it_has():
     assert_same(params, optimizer, other_params, other)
 
 
+@pytest.mark.exact
 def test_a_deep_copy_continues_as_the_original():
     params = make_params()
     optimizer = make_optimizer("adam", params, flat=True)
@@ -284,6 +288,7 @@ def replace_some(params, optimizer) -> None:
     params[3].data = params[3].data.clone() + 1.0  # as model.to() or a checkpoint loader may
 
 
+@pytest.mark.exact
 def test_replaced_states_and_parameter_data_are_copied_into_their_slots():
     params, other = make_params(), make_params()
     flat = make_optimizer("adam", params, flat=True)
@@ -321,6 +326,7 @@ def test_a_replacement_of_another_shape_is_a_clear_error():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.exact
 def test_parameters_without_gradients_keep_their_own_steps():
     # params[1] frozen for the first steps (it joins the buffers later); params[3] skipped now and
     # then in the middle of the buffers (the update runs over the neighbours at each step)
@@ -350,6 +356,7 @@ def test_buffers_left_behind_are_freed():
     assert len(buckets(optimizer)[0].params) == len(params)
 
 
+@pytest.mark.exact
 def test_groups_with_their_own_hyperparameters_and_number_of_momenta():
     def groups(params):
         return [
@@ -379,6 +386,7 @@ def test_groups_with_their_own_hyperparameters_and_number_of_momenta():
     }
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_bfloat16_parameters_with_float32_states(variant):
     runs = []
@@ -394,6 +402,7 @@ def test_bfloat16_parameters_with_float32_states(variant):
     assert_same(params, flat, other, per_tensor)
 
 
+@pytest.mark.exact
 def test_a_view_into_a_storage_laid_out_elsewhere_stays_where_it_is():
     """A parameter that views a larger storage (a framework's own flat buffer) keeps that view;
     the others go to the buffers, and the step is the same."""
@@ -463,6 +472,7 @@ def engine_run(flat: bool, delay: int, codecs: SyncCodecs | None):
     return [weight, bias], optimizer, sync
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize(
     ("delay", "codecs"),
     [(0, None), (1, SyncCodecs(momenta="int8"))],

@@ -80,6 +80,7 @@ def test_kernel_equals_the_eager_element_update(variant, num_momenta, dtypes):
         assert old.numel() == 0 or not torch.equal(got, old)  # the kernel wrote it
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("variant", sorted(RULES))
 def test_result_is_the_same_for_every_thread_count(variant, one_thread):
     rule = RULES[variant]
@@ -106,6 +107,7 @@ def test_bad_input_is_a_clear_error():
         native.run_native("adam_step", xs, gs, mixed, vs, c)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("optimizer_class", [MTAdam, MTAdopt, MTSGD])
 def test_transposed_parameters_take_the_kernel_on_a_copy_in_the_same_step(optimizer_class):
     # a transposed leaf is not contiguous: the kernel updates a contiguous copy, so bit for bit as

@@ -139,6 +139,7 @@ def small_llama() -> nn.Module:
     return Llama(config)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("make_model", [CountedModel, small_llama], ids=["tied", "llama"])
 def test_workers_per_call_chunks_the_workers_and_changes_no_result_bit_for_bit(
     make_model, one_thread
