@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,9 @@ pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
 ROGUE = Path(__file__).with_name("rogue_peer.py")
+# torchft's own lighthouse, the console script installed beside this interpreter (found without an
+# activated environment or PATH)
+LIGHTHOUSE = str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse")
 TOKEN_ENV = "MTDAO_AUTH_TOKEN"
 K = 4
 FLAGS = dict(model="micro", batch_size=2, seq_len=16, eval_tokens=256, sync_period=K)
@@ -102,7 +106,7 @@ def test_a_restarted_replica_heals_from_its_proven_peer_while_strangers_claim_mo
         port = unused_port()
         drill.lighthouse = f"127.0.0.1:{port}"  # torchft's own: it lets anyone in
         drill._spawn("lighthouse", [
-            "torchft_lighthouse", "--bind", drill.lighthouse, "--min_replicas", "2",
+            LIGHTHOUSE, "--bind", drill.lighthouse, "--min_replicas", "2",
             "--join_timeout_ms", str(int(JOIN_S * 1000)), "--heartbeat_timeout_ms", "1000",
         ])  # fmt: skip
         drill.gate(4 * K)

@@ -144,6 +144,7 @@ def test_params_without_gradient_are_skipped_and_keep_their_own_step():
         torch.testing.assert_close(p.detach(), x, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("through_file", [False, True], ids=["in-memory", "torch.save"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_state_dict_round_trip_continues_bit_identically(name, through_file):

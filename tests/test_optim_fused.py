@@ -4,8 +4,10 @@ the learning rate, step or tensor sizes change, reproducible, and a clean fallba
 compile. Float64 equality with the literal reference is in test_optim_reference.py; the C++
 kernel's own properties are in test_optim_native.py.
 
-Every compiled kernel costs seconds on a cold cache, so the tests share a few kernel specs:
-float32 and float64 for every variant and N = 1..3, bfloat16 at N = 1.
+Every compiled kernel costs seconds on a cold cache (15-20 s on a busy 2-core machine), so the
+tests share a few kernel specs: every variant at N = 1 in float64 and at N = 3 in float32 (the
+momentum loop traced once and thrice, each float width), bfloat16 at N = 1. The C++ kernel, which
+costs nothing more per spec, runs every variant at every N and dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ MOMENTA = {
     3: ((0.5, 0.95, 0.999), (0.2, 0.3, 0.4)),
 }
 STEPS = 12
+# (N, dtype) of the compiled kernels the tests share; the C++ kernel runs the whole product
+COMPILED_SPECS = [(1, torch.float64), (3, torch.float32)]
 
 # One intra-op thread except where a test says otherwise: on a busy 2-core machine a second thread
 # turns each sub-millisecond step into tens of milliseconds of waiting (see conftest.py).
@@ -114,7 +118,11 @@ def compiled_only(monkeypatch):
     native.forget_native_checks()
 
 
-@pytest.fixture(params=["native", "compiled"])
+# compiling takes seconds: slow, so the file starts early in the suite (conftest.py)
+COMPILED = pytest.param("compiled", marks=pytest.mark.slow)
+
+
+@pytest.fixture(params=["native", COMPILED])
 def kernel(request) -> Iterator[str]:
     """Each test that takes it runs with the C++ kernel, then with the compiled ones."""
     if request.param == "compiled":
@@ -131,9 +139,25 @@ def kernel(request) -> Iterator[str]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("num_momenta", [1, 2, 3])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def fused_cases() -> list:
+    """(kernel, variant, N, dtype): the C++ kernel at every N and dtype, the compiled kernels at
+    the shared specs."""
+    cases = []
+    for kernel in ("native", "compiled"):
+        for variant in sorted(VARIANTS):
+            for num_momenta in MOMENTA:
+                for dtype in (torch.float32, torch.float64):
+                    if kernel == "native" or (num_momenta, dtype) in COMPILED_SPECS:
+                        name = f"{kernel}-{variant}-{num_momenta}-{str(dtype)[6:]}"
+                        case = (kernel, variant, num_momenta, dtype)
+                        marks = [pytest.mark.slow] if kernel == "compiled" else []
+                        cases.append(pytest.param(*case, id=name, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(
+    ("kernel", "variant", "num_momenta", "dtype"), fused_cases(), indirect=["kernel"]
+)
 def test_fused_matches_foreach(kernel, variant, num_momenta, dtype):
     fused = run(variant, num_momenta, dtype, fused=True)
     foreach = run(variant, num_momenta, dtype, foreach=True)
@@ -185,11 +209,11 @@ def compiled_graphs() -> int:
 
 def test_nothing_recompiles_as_lr_step_omegas_and_sizes_change(kernel):
     params = make_params(torch.float32)
-    optimizer = make_optimizer("adam", 2, params, fused=True)
+    optimizer = make_optimizer("adam", 3, params, fused=True)
     train(optimizer, params, steps=2)  # compiled (or loaded) here
     before = compiled_graphs()
     train(optimizer, params, steps=3, first_step=2)  # new lr and bias corrections every step
-    optimizer.param_groups[0]["omegas"] = (0.1, 0.2)
+    optimizer.param_groups[0]["omegas"] = (0.1, 0.2, 0.3)
     optimizer.param_groups[0]["lr"] = torch.tensor(3e-3)  # a tensor lr
     train_with_tensor_lr(optimizer, params, steps=2)
     others = [torch.randn(n, requires_grad=True) for n in (1, 7, 3 * PARALLEL_MIN_NUMEL + 5)]
@@ -211,7 +235,7 @@ def test_tensor_lr_gives_the_float_lr_result(kernel, path):
     runs = []
     for as_tensor in (False, True):
         params = make_params(torch.float32)
-        optimizer = make_optimizer("adam", 1, params, **{path: True})
+        optimizer = make_optimizer("adam", 3, params, **{path: True})
         for step in range(5):
             lr = 1e-2 / (step + 1)
             as_given = torch.tensor(lr, dtype=torch.float64) if as_tensor else lr
@@ -231,7 +255,7 @@ def test_bit_for_bit_reproducible_and_independent_of_threads(kernel):
     results = []
     for count in (2, 1, 2):
         torch.set_num_threads(count)  # the one_thread fixture restores the count afterwards
-        results.append(run("adopt", 2, torch.float32, fused=True)[0])
+        results.append(run("adopt", 3, torch.float32, fused=True)[0])
     for other in results[1:]:
         assert all(torch.equal(p, q) for p, q in zip(results[0], other))
 
@@ -239,7 +263,7 @@ def test_bit_for_bit_reproducible_and_independent_of_threads(kernel):
 @pytest.mark.parametrize("resume_with", ["fused", "foreach"])
 def test_state_dict_round_trip(kernel, resume_with):
     params = make_params(torch.float32)
-    optimizer = make_optimizer("adam", 2, params, fused=True)
+    optimizer = make_optimizer("adam", 3, params, fused=True)
     train(optimizer, params, steps=4)
     saved = copy.deepcopy(optimizer.state_dict())
     snapshot = [p.detach().clone() for p in params]
@@ -247,7 +271,7 @@ def test_state_dict_round_trip(kernel, resume_with):
 
     resumed = [x.clone().requires_grad_(True) for x in snapshot]
     path = dict(fused=True) if resume_with == "fused" else dict(foreach=True)
-    resumed_optimizer = make_optimizer("adam", 2, resumed, **path)
+    resumed_optimizer = make_optimizer("adam", 3, resumed, **path)
     resumed_optimizer.load_state_dict(saved)  # restores the saved options too: choose again
     group = resumed_optimizer.param_groups[0]
     group["fused"], group["foreach"] = path.get("fused"), path.get("foreach")
@@ -389,7 +413,7 @@ def test_availability_is_decided_once_per_spec(compiled_only, fresh_kernels, mon
         return torch.compile(function, **options)
 
     monkeypatch.setattr(compilation, "torch_compile", counting_compile)
-    like = torch.zeros(1)
+    like = torch.zeros(1, dtype=torch.float64)  # a shared spec: on disk once compiled
     for _ in range(3):
         assert ADAM.available(1, like, like)
     assert len(calls) == 1

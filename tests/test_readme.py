@@ -47,6 +47,7 @@ def test_the_readme_has_python_snippets():
     assert len(SNIPPETS) >= 4  # with docs/library.md's
 
 
+@pytest.mark.slow  # a fresh interpreter each, importing torch: the file starts early
 @pytest.mark.parametrize(
     "snippet", ONE_PROCESS_SNIPPETS, ids=[f"snippet{i}" for i in range(len(ONE_PROCESS_SNIPPETS))]
 )

@@ -423,6 +423,7 @@ def checkpoint_run(method: str, params: list[Tensor], broadcast_initial: bool = 
     return optimizer, sync
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("method", ["diloco", "mtdao"])
 def test_state_dict_round_trip_mid_round_continues_identically(method):
     steps, split = 11, 6  # rounds at 4 and 8: the checkpoint falls inside a round

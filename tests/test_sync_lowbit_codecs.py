@@ -85,6 +85,7 @@ def test_payload_bytes_count_codes_positions_and_scales():
     assert by_kind["exp_avg_sq"] == 2 * 8 * Codec("int4", "positive").block_bytes
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("dtype", NEW_SIGNED + ["int4+", "int2+"])
 def test_a_block_decodes_the_same_alone_or_among_other_workers_rows(dtype):
     """What makes every worker end a round bit-identical: a block's bytes and values do not depend
@@ -99,6 +100,7 @@ def test_a_block_decodes_the_same_alone_or_among_other_workers_rows(dtype):
         assert torch.equal(codec.decode(alone), codec.decode(together)[row])
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("dtype", ["int4", "int2", "top8"])
 def test_a_low_bit_round_leaves_every_worker_identical(dtype):
     momenta = "int2" if dtype == "top8" else dtype

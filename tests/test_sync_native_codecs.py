@@ -33,6 +33,7 @@ def assert_same_bits(native: torch.Tensor, eager: torch.Tensor) -> None:
     assert torch.equal(native.view(torch.int32), eager.view(torch.int32))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize(("dtype", "domain"), DENSE + TOPK)
 @pytest.mark.parametrize("block", [32, 256])
 def test_the_kernels_give_torchs_bytes_and_bits(dtype, domain, block):
@@ -44,6 +45,7 @@ def test_the_kernels_give_torchs_bytes_and_bits(dtype, domain, block):
     assert_same_bits(codec.decode(native), codec.decode_eager(native))
 
 
+@pytest.mark.exact
 def test_every_branch_matches_and_corrupt_blocks_stay_non_finite():
     native_codecs.check_against_eager(Codec)  # raises on any difference
     # and it does look: a kernel that flips one code is caught

@@ -207,6 +207,7 @@ def quadratic_run(codecs: SyncCodecs | None, steps: int = 8, num_workers: int = 
     return params, optimizer, sync
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("dtype", ["bf16", "fp8", "int8"])
 def test_a_quantized_round_leaves_every_worker_identical_and_close_to_fp32(dtype):
     exact_params, exact_optimizer, exact = quadratic_run(None)

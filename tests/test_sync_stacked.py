@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from fixed_order_matmuls import FixedOrderMatmuls
 from torch import nn
 from torch.func import functional_call
 from torch.testing import assert_close
@@ -138,8 +139,15 @@ def small_llama() -> nn.Module:
     return Llama(config)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("make_model", [CountedModel, small_llama], ids=["tied", "llama"])
-def test_workers_per_call_chunks_the_workers_and_changes_no_result_bit_for_bit(make_model):
+def test_workers_per_call_chunks_the_workers_and_changes_no_result_bit_for_bit(
+    make_model, one_thread
+):
+    """Bit for bit by construction: every op computes each worker's slice in an order that does
+    not depend on the other workers of its call. torch's own kernels do (on one thread); a BLAS
+    matrix product need not (MKL picks its kernel by CPU and batch size), so the products here
+    sum in a fixed order (FixedOrderMatmuls)."""
     num_workers = 7  # chunks of 1, 3 (the last one short) and 4 (the last one short), or all
     torch.manual_seed(0)
     model = make_model()
@@ -165,9 +173,13 @@ def test_workers_per_call_chunks_the_workers_and_changes_no_result_bit_for_bit(m
         grads = [p.grad for p in workers.parameters()]
         return outputs, losses, grads, model.calls
 
-    outputs, losses, grads, _ = run(None)
+    fixed_order = FixedOrderMatmuls()
+    with fixed_order:
+        outputs, losses, grads, _ = run(None)
+    assert fixed_order.products > 0
     for workers_per_call, calls in ((1, 7), (3, 3), (4, 2), (7, 1), (8, 1)):
-        chunked = run(workers_per_call)
+        with FixedOrderMatmuls():
+            chunked = run(workers_per_call)
         assert torch.equal(chunked[0], outputs) and torch.equal(chunked[1], losses)
         assert all(torch.equal(a, b) for a, b in zip(chunked[2], grads))
         if isinstance(model, CountedModel):

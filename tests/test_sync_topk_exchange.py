@@ -36,6 +36,7 @@ def test_the_mean_of_sparse_payloads_keeps_every_workers_mass():
     assert mean.sum().item() == pytest.approx(rows.sum().item() / 4)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("num_workers", [2, 3, 4])
 def test_the_top_k_mean_is_the_exact_mean_of_what_was_sent(num_workers):
     gen = torch.Generator().manual_seed(11)

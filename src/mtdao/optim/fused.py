@@ -257,7 +257,7 @@ def run_kernels(rule, spec, params, grads, exp_avgs, exp_avg_sqs, c: Tensor) -> 
     """The update of every tensor set by the C++ kernel where it serves, else compiled ones."""
     second_moments = exp_avg_sqs if rule.second_moment else None
     if rule.native(spec):
-        native_launch(spec, rule.native_op, params, grads, exp_avgs, second_moments, c)
+        native_launch(rule.native_op, params, grads, exp_avgs, second_moments, c)
     else:
         launch(spec, params, grads, exp_avgs, second_moments, c)
 

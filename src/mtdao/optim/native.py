@@ -17,7 +17,6 @@ from torch import Tensor
 
 from mtdao.native_build import native_library
 from mtdao.optim.compilation import KernelSpec, probe_inputs, written_tensors
-from mtdao.optim.launch import contiguous_set
 
 # (parameter dtype, state dtype) pairs the kernel is built for
 SUPPORTED_DTYPES = {
@@ -86,7 +85,6 @@ def run_native(
 
 
 def native_launch(
-    spec: KernelSpec,
     op_name: str,
     params: list[Tensor],
     grads: list[Tensor],
@@ -94,22 +92,27 @@ def native_launch(
     exp_avg_sqs: list[Tensor] | None,
     c: Tensor,
 ) -> None:
-    """Update every tensor set; tensors in other layouts (transposed views, channels-last) run
-    through the element update eagerly."""
-    exp_avg_sqs = exp_avg_sqs or []
-    flat = []
-    for i, (x, g) in enumerate(zip(params, grads)):
-        momenta = [u[i] for u in exp_avgs]
-        v = exp_avg_sqs[i] if exp_avg_sqs else None
-        if contiguous_set(x, g, momenta, v):
-            flat.append(i)
-        else:
-            spec.update(x, g, momenta, v, c)
-    if len(flat) < len(params):
-        params, grads = [params[i] for i in flat], [grads[i] for i in flat]
-        exp_avgs = [[u[i] for i in flat] for u in exp_avgs]
-        exp_avg_sqs = [exp_avg_sqs[i] for i in flat] if exp_avg_sqs else []
+    """Update every tensor set in one call. A tensor in another layout (a transposed view,
+    channels-last) goes to the kernel as a contiguous copy, copied back once written: every element
+    takes the kernel's arithmetic whatever its layout, so a per-tensor and a flat run agree bit for
+    bit (the eager element update need not: torch's sqrt is not always correctly rounded)."""
+    written: list[tuple[Tensor, Tensor]] = []  # (tensor, the contiguous copy the kernel writes)
+
+    def contiguous(t: Tensor, writes: bool) -> Tensor:
+        if t.is_contiguous():
+            return t
+        copy = t.contiguous()
+        if writes:
+            written.append((t, copy))
+        return copy
+
+    params = [contiguous(x, writes=True) for x in params]
+    grads = [contiguous(g, writes=False) for g in grads]
+    exp_avgs = [[contiguous(u, writes=True) for u in momentum] for momentum in exp_avgs]
+    exp_avg_sqs = [contiguous(v, writes=True) for v in exp_avg_sqs or []]
     run_native(op_name, params, grads, exp_avgs, exp_avg_sqs, c)
+    for tensor, copy in written:
+        tensor.copy_(copy)
 
 
 def forget_native_checks() -> None:
