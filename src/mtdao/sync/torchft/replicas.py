@@ -22,6 +22,7 @@ from mtdao.sync.torchft.auth import RunKey, run_key
 from mtdao.sync.torchft.collective_watch import CollectiveWatch
 from mtdao.sync.torchft.healing import HealedState
 from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
+from mtdao.sync.torchft.parity import ParityCheck
 from mtdao.sync.torchft.plumbing import (
     MembershipGloo,
     QuorumError,
@@ -138,6 +139,8 @@ class ReplicaGroups(Communicator):
         self._lighthouse_away: int | None = None  # the step whose quorum found it away
         self.before_quorum: Callable[[], None] | None = None
         """Called before each quorum request (a fault drill learns that a joiner has asked)."""
+        self.parity = ParityCheck()
+        """Compares what each committed round assigned with the other members' (:mod:`.parity`)."""
 
     @property
     def manager(self) -> Manager | None:
@@ -281,6 +284,7 @@ class ReplicaGroups(Communicator):
 
     def attach_trained_state(self, trained: TrainedState) -> None:
         self.track_state("engine", HealedState(trained))
+        self.parity.sync = trained.sync
 
     def prepare(
         self, step: int, round_due: Callable[[int], bool], final: bool = False
@@ -407,6 +411,7 @@ class ReplicaGroups(Communicator):
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         for tensor, value in zip(tensors, values):
             local_shard(tensor).copy_(value)  # a sharded tensor's average is its shard's
+        self.parity.check(tensors, self.quorum)  # the round committed: every member holds these
 
     def commit(self) -> None:
         if self._stale is not None and self.quorum.open:  # it added nothing; it heals next
