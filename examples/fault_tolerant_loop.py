@@ -11,7 +11,9 @@ replica ends with the same model (the final round).
             --steps 200 --out /tmp/ft-loop/r$i &
     done
 
-Each writes ``OUT/result.json``: the steps trained and a SHA-256 of the final parameters' bytes
+After each round a replica says how many rounds it has committed (a healed replica counts its
+source's) and discarded, and its step; a heal is said in a line of its own. Each writes
+``OUT/result.json``: the steps trained and a SHA-256 of the final parameters' bytes
 (in ``model.parameters()`` order), the same on every replica.
 """
 
@@ -51,7 +53,8 @@ class GeneratedData:
         return {"drawn": self.drawn}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.drawn = state["drawn"]
+        self.drawn = state["drawn"]  # (only a heal loads it here: say so)
+        print(f"replica {self.replica_id}: healed, at batch {self.drawn}", flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -99,8 +102,10 @@ def main(argv=None) -> None:
             F.cross_entropy(model(inputs), targets).backward()
             optimizer.step()  # every K steps: a round with the live replicas
             optimizer.zero_grad()
-            if sync.step_count % args.sync_period == 0:
-                print(f"replica {args.replica_id}: step {sync.step_count}", flush=True)
+            if sync.step_count % args.sync_period == 0:  # a round was due: how it went
+                committed, discarded = len(sync.events), len(sync.discarded_rounds)
+                rounds = f"{committed} rounds committed, {discarded} discarded"
+                print(f"replica {args.replica_id}: {rounds}; step {sync.step_count}", flush=True)
     replica.shutdown()
     digest = hashlib.sha256()
     for p in model.parameters():
