@@ -110,18 +110,19 @@ class ParityCheck:
         self.seconds = 0.0
         """Spent hashing and exchanging, over every check."""
         self.mismatches: list[Mismatch] = []
+        self._unchecked_at: int | None = None  # the step whose round's exchange failed
 
     def check(self, tensors: Sequence[Tensor], quorum: Quorum) -> Mismatch | None:
         """Compare ``tensors`` (just assigned, the round committed) with the other members'; a
         replica that deviates from the majority gives up the round's commit (it heals next)."""
-        if len(quorum.members) < 2 or not tensors:
-            return None
+        if len(quorum.members) < 2 or not tensors or self._unchecked_at == self._step():
+            return None  # (the round's other tensors go unchecked too once its group broke)
         started = time.perf_counter()
         try:
             mismatch = self._compare(tensors, quorum)
         except Exception as error:  # the round stands; a lost peer leaves the next quorum
             self.say(f"parity: the round at step {self._step()} is unchecked: {first_line(error)}")
-            mismatch = None
+            mismatch, self._unchecked_at = None, self._step()
         finally:
             self.seconds += time.perf_counter() - started
         self.checks += 1
