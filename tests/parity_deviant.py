@@ -19,20 +19,20 @@ from mtdao.sync.torchft import parity
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fault_tolerant_loop.py"
 STEP = int(sys.argv[1])
-compare = parity.ParityCheck.check
+record = parity.ParityCheck.assigned
 perturbed: list[int] = []
 
 
-def perturbed_check(self, tensors, quorum):
+def perturbed_record(self, tensors, quorum, final):
     if self.sync is not None and self.sync.step_count == STEP and not perturbed:
         with torch.no_grad():
             flat = tensors[0].view(-1)
             flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
         perturbed.append(STEP)
         print(f"parity_deviant: perturbed after the round at step {STEP}", flush=True)
-    return compare(self, tensors, quorum)
+    return record(self, tensors, quorum, final)
 
 
-parity.ParityCheck.check = perturbed_check
+parity.ParityCheck.assigned = perturbed_record
 sys.argv = [str(EXAMPLE), *sys.argv[2:]]
 runpy.run_path(str(EXAMPLE), run_name="__main__")

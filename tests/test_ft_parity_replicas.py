@@ -1,8 +1,8 @@
 """Bit parity between real replicas: three of examples/fault_tolerant_loop.py and a lighthouse on
 loopback, one of which (tests/parity_deviant.py) has one element of a parameter moved by one
-float32 step right after a round. Every replica names it and the tensor in one line, it heals from
-the other two at the next quorum, and all three end with the same model; no process is left
-behind (the drill kills what is still running)."""
+float32 step right after a round. Every replica names it and the tensor in one line at the next
+round, which it sits out, it heals from the other two at the quorum after, and all three end with
+the same model; no process is left behind (the drill kills what is still running)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,14 @@ def test_a_replica_whose_parameters_go_wrong_after_a_round_is_named_and_heals(tm
         assert exits == [0, 0, 0], drill.tails()
         named = (
             f"parity: after the round at step {WRONG_AT} replica 1 holds another parameter "
-            "'param 0 of group 0' than replicas 0, 2; it heals from them at the next quorum"
+            "'param 0 of group 0' than replicas 0, 2; it sits the next round out and heals from "
+            "them"
         )
         for replica in range(3):
             assert drill.log(f"r{replica}").count(named) == 1, drill.tails()
         deviant = drill.log("r1")
         after = deviant[deviant.index(named) :]
-        assert "replica 1: healed" in after, drill.tails()  # at the next round's quorum
+        assert "replica 1: healed" in after, drill.tails()  # at the quorum after
         assert "parity:" not in after[len(named) :], drill.tails()  # once healed, it agrees
     results = [json.loads((tmp_path / f"r{r}" / "result.json").read_text()) for r in range(3)]
     assert [r["step"] for r in results] == [STEPS] * 3

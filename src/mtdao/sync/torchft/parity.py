@@ -2,18 +2,22 @@
 
 A committed round assigns the same averages to every member: the parameters and states of a
 blocking round, the gradients of a DDP one. Right after the assignment each member hashes what it
-now holds (xxh3-64 per tensor, combined into one number) and the members exchange these in one
-small all-reduce on the round's group, each writing its own row. When one differs from the
+now holds (xxh3-64 per tensor, combined into one number). The members compare these numbers in the
+small all-reduce that opens the next round anyway (:mod:`.round_identity`: each member's step and
+config), so a round costs the hashing and nothing more on the link. When one differs from the
 majority's, every member says so in one line, naming the replica and the first tensor that
-differs (a second exchange, of the per-tensor digests, runs only then), and the deviant gives up
-the round's commit: at the next quorum it is behind on commits, and is healed from a member at the
-top count, one of the majority (as a member that sits a round out is, :mod:`.round_identity`).
-With no majority (two members that differ) both are named and each keeps its own state.
+differs (a second exchange, of the per-tensor digests, runs only then), and the deviant sits that
+next round out: it adds nothing to it, fails its own commit, and at the quorum after it is behind
+on commits and heals from a member at the top count, one of the majority. With no majority (two
+members that differ) both are named and each keeps its own state.
+
+The final round has no round after it: its members compare at once, in an all-reduce of their
+own on the round's group (when no member sat it out, so that every member is there), and a
+deviant is named; it holds another model than the majority at the end.
 
 Not checked: a delayed round merged into each member's local progress (each then holds its own
-values by design; the final round of such a run is blocking, and checked). An exchange that fails
-(a peer lost right after the commit) leaves the round unchecked, said in one line: the round
-stands, and the next quorum goes on without the lost peer.
+values by design; the final round of such a run is blocking, and checked). A final exchange that
+fails (a peer lost right after the commit) leaves that round unchecked, said in one line.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,6 +36,7 @@ from torch import Tensor
 
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.torchft.plumbing import first_line
+from mtdao.sync.torchft.shards import ReplicaProcesses
 
 if TYPE_CHECKING:
     from mtdao.sync.engine import LocalUpdateSync
@@ -42,9 +47,16 @@ INT64_SPAN = 1 << 64
 
 def tensor_digest(tensor: Tensor) -> int:
     """xxh3-64 of the tensor's bytes (of a sharded tensor, this process's shard), as an int64."""
-    shard = local_shard(tensor).detach()
-    data = shard.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return _signed(xxhash.xxh3_64_intdigest(data))
+    data = local_shard(tensor).detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    try:  # hashed in place (a round's tensors are hashed every round: no copy, few calls)
+        array = data.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
+        array = data.reshape(-1).view(torch.uint8).numpy()
+    return _signed(xxhash.xxh3_64_intdigest(array))
 
 
 def combined_digest(digests: Sequence[int]) -> int:
@@ -68,29 +80,57 @@ class Mismatch:
     """Replica ids holding the majority's values (empty: no majority)."""
     tensor: str
     """The first tensor of the round that differs."""
+    final: bool = False
 
     def line(self) -> str:
         who = ", ".join(map(str, self.deviants))
+        which = "the final round" if self.final else f"the round at step {self.step}"
         if not self.majority:
             return (
-                f"parity: after the round at step {self.step} replicas {who} hold different "
-                f"values of {self.tensor} and no majority agrees: each keeps its own"
+                f"parity: after {which} replicas {who} hold different values of {self.tensor} "
+                "and no majority agrees: each keeps its own"
             )
+        then = (
+            "its model is not theirs"
+            if self.final
+            else "it sits the next round out and heals from them"
+        )
         return (
-            f"parity: after the round at step {self.step} replica {who} holds another "
-            f"{self.tensor} than replicas {', '.join(map(str, self.majority))}; it heals from "
-            "them at the next quorum"
+            f"parity: after {which} replica {who} holds another {self.tensor} than replicas "
+            f"{', '.join(map(str, self.majority))}; {then}"
         )
 
 
-def sum_in_group(quorum: Quorum, table: Tensor) -> Tensor:
-    """``table`` summed over the round's group (its commit is behind it: no manager call),
-    the wait watched as a round's collectives are."""
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.SUM
-    work = quorum.group.allreduce([table], options)
-    quorum.wait_for(work)
-    return table
+@dataclass
+class Assigned:
+    """What this replica holds after the assignments of one committed round."""
+
+    step: int
+    tensors: list[Tensor]
+    digests: list[int]
+    final: bool
+
+    def position(self) -> list[int]:
+        """(the round's step + 1, the combined digest, the tensor count): 0 for none."""
+        return [self.step + 1, combined_digest(self.digests), len(self.digests)]
+
+
+Sum = Callable[[Tensor], Tensor]
+"""A flat int64 table summed over the round's members (each writes its own row)."""
+
+
+def sum_in_group(quorum: Quorum) -> Sum:
+    """Sums over the round's group once its commit is behind it (no manager call), the wait
+    watched as a round's collectives are."""
+
+    def summed(table: Tensor) -> Tensor:
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        work = quorum.group.allreduce([table], options)
+        quorum.wait_for(work)
+        return table
+
+    return summed
 
 
 def _to_stderr(line: str) -> None:
@@ -98,72 +138,114 @@ def _to_stderr(line: str) -> None:
 
 
 class ParityCheck:
-    """The check a replica runs after each assignment of a committed round (see the module
-    docstring). ``sync`` (set when the engine attaches) names the tensors and the step."""
+    """A replica's side of the check (see the module docstring): :meth:`assigned` after each
+    assignment of a committed round, :meth:`position` and :meth:`judge` in the exchange that
+    opens the next. ``sync`` (set when the engine attaches) names the tensors and the step."""
+
+    POSITION_WIDTH = 3
 
     def __init__(self, say: Callable[[str], None] = _to_stderr) -> None:
         self.say = say
         self.sync: LocalUpdateSync | None = None
-        self.exchange: Callable[[Any, Tensor], Tensor] = sum_in_group
-        """How a table is summed over the round's members (a test double replaces it)."""
-        self.checks = 0
+        self.final_sum: Callable[[Quorum], Sum] = sum_in_group
+        """How the final round's members sum a table (a test double replaces it)."""
+        self.last: Assigned | None = None
+        self.processes: ReplicaProcesses = ReplicaProcesses()
+        """This replica's processes (the last round's)."""
         self.seconds = 0.0
-        """Spent hashing and exchanging, over every check."""
+        """Spent hashing and comparing, over the whole run."""
         self.mismatches: list[Mismatch] = []
-        self._unchecked_at: int | None = None  # the step whose round's exchange failed
 
-    def check(self, tensors: Sequence[Tensor], quorum: Quorum) -> Mismatch | None:
-        """Compare ``tensors`` (just assigned, the round committed) with the other members'; a
-        replica that deviates from the majority gives up the round's commit (it heals next)."""
-        if len(quorum.members) < 2 or not tensors or self._unchecked_at == self._step():
-            return None  # (the round's other tensors go unchecked too once its group broke)
+    def assigned(self, tensors: Sequence[Tensor], quorum: Quorum, final: bool) -> None:
+        """Hash ``tensors``, just assigned by a committed round (a round assigns its parameters
+        and its states in two calls); the final round, with every member in it, compares now."""
+        started = time.perf_counter()
+        step, self.processes = self._step(), quorum.processes
+        if self.last is None or self.last.step != step or self.last.final != final:
+            self.last = Assigned(step, [], [], final)
+        self.last.tensors += tensors
+        self.last.digests += [tensor_digest(t) for t in tensors]
+        self.seconds += time.perf_counter() - started
+        if final and len(quorum.members) > 1:
+            self._compare_final(quorum)
+
+    def position(self) -> list[int]:
+        """This replica's columns in the exchange that opens a round."""
+        if self.last is None:
+            return [0] * self.POSITION_WIDTH
+        step, combined, count = self.last.position()
+        # a sharded replica: one digest over its processes' shards, so that they all judge alike
+        return [step, self.processes.sum(combined), count]
+
+    def judge(self, positions: list[list[int]], members: list[int], rank: int, sum_over: Sum):
+        """{quorum rank: why it sits the round out} for the members that held other values than
+        the majority after the last round they all assigned; every member says it in a line."""
         started = time.perf_counter()
         try:
-            mismatch = self._compare(tensors, quorum)
-        except Exception as error:  # the round stands; a lost peer leaves the next quorum
-            self.say(f"parity: the round at step {self._step()} is unchecked: {first_line(error)}")
-            mismatch, self._unchecked_at = None, self._step()
+            mismatch = self._mismatch(positions, members, rank, sum_over)
         finally:
             self.seconds += time.perf_counter() - started
-        self.checks += 1
-        deviant = mismatch is not None and quorum.members[quorum.rank] in mismatch.deviants
-        # every process of a sharded replica heals with it, whichever of its shards differed
-        if quorum.processes.sum(int(deviant and bool(mismatch.majority))):
-            give_up_a_commit(quorum.manager)
-        return mismatch
+        if mismatch is None or not mismatch.majority:
+            return {}
+        reason = f"its values after the round at step {mismatch.step} differ from the majority's"
+        return {members.index(m): reason for m in mismatch.deviants}
 
-    def _compare(self, tensors: Sequence[Tensor], quorum: Quorum) -> Mismatch | None:
-        members, rank = quorum.members, quorum.rank
-        digests = [tensor_digest(t) for t in tensors]
-        table = torch.zeros(len(members), 2, dtype=torch.int64)
-        table[rank, 0], table[rank, 1] = combined_digest(digests), len(digests)
-        rows = self.exchange(quorum, table.reshape(-1)).reshape(len(members), 2).tolist()
-        combined = [digest for digest, _ in rows]
-        if len(set(combined)) == 1:
+    def _compare_final(self, quorum: Quorum) -> None:
+        started = time.perf_counter()
+        sum_over = self.final_sum(quorum)
+        try:
+            table = torch.zeros(len(quorum.members), self.POSITION_WIDTH, dtype=torch.int64)
+            table[quorum.rank] = torch.tensor(self.position())
+            positions = sum_over(table.reshape(-1)).reshape(len(quorum.members), -1).tolist()
+            self._mismatch(positions, quorum.members, quorum.rank, sum_over)
+        except Exception as error:  # the round stands
+            self.say(f"parity: the final round is unchecked: {first_line(error)}")
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _mismatch(self, positions, members, rank, sum_over: Sum) -> Mismatch | None:
+        recorded = Counter(p[0] for p in positions if p[0] > 0)
+        if not recorded:
+            return None
+        reference = max(recorded, key=lambda at: (recorded[at], at))  # a tie: the later round
+        at = [r for r, p in enumerate(positions) if p[0] == reference]
+        combined = [positions[r][1] for r in at]
+        if len(at) < 2 or len(set(combined)) == 1:
             return None
         common, count = Counter(combined).most_common(1)[0]
-        has_majority = count * 2 > len(members)
-        majority = [m for m, d in zip(members, combined) if d == common] if has_majority else []
-        deviants = [m for m in members if m not in majority]
-        if len({n for _, n in rows}) > 1:  # another structure of round: no tensor to compare
-            tensor = "set of tensors"
-        else:
-            tensor = self._first_differing(tensors, digests, quorum, combined, common)
-        mismatch = Mismatch(self._step(), deviants, majority, tensor)
+        majority = [r for r in at if positions[r][1] == common] if count * 2 > len(at) else []
+        deviants = [r for r in at if r not in majority]
+        counts = {positions[r][2] for r in at}
+        tensor = "set of tensors"  # rounds of another structure: no tensor to compare
+        if len(counts) == 1:
+            width = counts.pop()
+            tensor = self._first_differing(
+                len(positions), at, majority, rank, width, reference, sum_over
+            )
+        final = self.last is not None and self.last.final
+        mismatch = Mismatch(
+            reference - 1, [members[r] for r in deviants], [members[r] for r in majority],
+            tensor, final,
+        )  # fmt: skip
         self.mismatches.append(mismatch)
         self.say(mismatch.line())
         return mismatch
 
-    def _first_differing(self, tensors, digests, quorum, combined, common) -> str:
-        """The name of the first tensor whose digest is not the same on every member."""
-        members, rank = len(quorum.members), quorum.rank
-        table = torch.zeros(members, len(digests), dtype=torch.int64)
-        table[rank] = torch.tensor(digests, dtype=torch.int64)
-        table = self.exchange(quorum, table.reshape(-1)).reshape(members, len(digests))
-        reference = table[combined.index(common)]
-        differs = (table != reference).any(dim=0).nonzero()
+    def _first_differing(self, rows, at, majority, rank, count, reference, sum_over: Sum) -> str:
+        """The name of the first tensor whose digest differs among the members ``at`` the
+        reference round (every one of the ``rows`` members takes part in the sum; those
+        elsewhere add zeros)."""
+        own = self.last if self.last is not None and self.last.step + 1 == reference else None
+        table = torch.zeros(rows, count, dtype=torch.int64)
+        if own is not None and len(own.digests) == count:
+            table[rank] = torch.tensor(own.digests, dtype=torch.int64)
+        table = sum_over(table.reshape(-1)).reshape(rows, count)
+        reference_row = table[(majority or at)[0]]
+        differs = (table[at] != reference_row).any(dim=0).nonzero()
         index = int(differs[0]) if len(differs) else 0
-        return self._name(tensors[index], index)
+        if own is not None and len(own.tensors) == count:
+            return self._name(own.tensors[index], index)
+        return f"tensor {index} of the round"
 
     def _name(self, tensor: Tensor, index: int) -> str:
         if self.sync is not None:
@@ -188,10 +270,3 @@ def tensor_names(sync: LocalUpdateSync) -> dict[int, str]:
             if isinstance(value, Tensor):
                 names[id(value)] = f"state {key!r} of {name!r}"
     return names
-
-
-def give_up_a_commit(manager) -> None:
-    """Count one commit less: at the next quorum this replica is behind, and heals from a
-    member at the top count."""
-    state = manager.state_dict()
-    manager.load_state_dict({**state, "step": max(0, state["step"] - 1)})

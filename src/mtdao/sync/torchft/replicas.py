@@ -327,8 +327,9 @@ class ReplicaGroups(Communicator):
         try:
             self.quorum.check()  # a group that did not form (a member did not come)
             self._sitting_out, self._stale = round_identity.check(  # see round_identity
-                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.settings
-            )
+                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.settings,
+                self.parity,
+            )  # fmt: skip
             if not (self._final or round_due(coming)):
                 self._empty_round()
         except RoundNotCommitted as failure:
@@ -411,7 +412,8 @@ class ReplicaGroups(Communicator):
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         for tensor, value in zip(tensors, values):
             local_shard(tensor).copy_(value)  # a sharded tensor's average is its shard's
-        self.parity.check(tensors, self.quorum)  # the round committed: every member holds these
+        final = self._final and not self._sitting_out  # (every member is in the final round)
+        self.parity.assigned(tensors, self.quorum, final)  # the round committed: see parity
 
     def commit(self) -> None:
         if self._stale is not None and self.quorum.open:  # it added nothing; it heals next
