@@ -9,7 +9,8 @@ majority's, every member says so in one line, naming the replica and the first t
 differs (a second exchange, of the per-tensor digests, runs only then), and the deviant sits that
 next round out: it adds nothing to it, fails its own commit, and at the quorum after it is behind
 on commits and heals from a member at the top count, one of the majority. With no majority (two
-members that differ) both are named and each keeps its own state.
+members that differ) both are named and each keeps its own state. The processes of a sharded
+replica compare one number, the sum of their shards' digests, so that all of them judge alike.
 
 The final round has no round after it: its members compare at once, in an all-reduce of their
 own on the round's group (when no member sat it out, so that every member is there), and a

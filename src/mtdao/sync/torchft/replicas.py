@@ -399,6 +399,7 @@ class ReplicaGroups(Communicator):
         if self.process_group.refusal is not None:  # load nothing: this replica leaves
             raise self.process_group.refusal
         self._heal = Heal(source=int(state["replica_id"]), bytes=0, seconds=0.0)
+        self.parity.last = None  # what it assigned is gone: it holds its source's state now
         self._training_step, self._final = int(state["step"]), bool(state["final"])
 
     # -- the round ---------------------------------------------------------------------------
