@@ -3,18 +3,20 @@
     python benchmarks/ft_churn.py --minutes 30 --replicas 3 --mtbf 15 --json churn.json
 
 R replicas of the example loop and a lighthouse (``mtdao lighthouse``), all holding a run secret;
-the lighthouse forms a quorum of any one replica, so the survivors go on however many are down.
+a quorum needs one replica, so the survivors go on however many are down. (A replica restarted
+while the lighthouse is fresh may form a quorum alone and start over from step 0 until it meets
+the others; then whichever side committed more rounds heals the other. A majority instead,
+``--min-replicas 2`` of 3, stalled the survivors for minutes on a crowded machine, where a
+restart takes longer than the time between kills.)
 First the baseline: the same replicas for ``--baseline-s`` seconds with no failure, which gives
-the pace (steps per second) and committed steps per replica-second. Then the churn run, with as
-many steps as the baseline pace covers in 1.25 times ``--minutes`` and one minute more, plus twice
-what the first replica took alone in the baseline while the others started (the example stops at
-a step count, and all replicas must end at the same one). For ``--minutes`` (the kill window) a
-replica drawn at random is killed with SIGKILL, the intervals exponential with mean ``--mtbf``
-seconds, and started again at once with the same command; the lighthouse is killed and started
-again on its port every ``--lighthouse-every`` seconds. After the window no one is killed and the
-replicas run to their last step and the final round. The window ends early if the replicas come
-within a minute of steps of their end, so that a replica restarted then still finds the others
-to heal from (a failure-free pace would get there).
+the pace (steps per second) and committed steps per replica-second. Then the churn run: for
+``--minutes`` (the kill window) a replica drawn at random is killed with SIGKILL, the intervals
+exponential with mean ``--mtbf`` seconds, and started again at once with the same command; the
+lighthouse is killed and started again on its port every ``--lighthouse-every`` seconds. The
+replicas are given no step count they would reach; when the window ends the benchmark writes the
+step to stop at into the example's ``--stop-file`` (a minute ahead at the faster of the baseline
+pace and the last 20 s's, so that a replica restarted just before still finds the others to heal
+from), and the replicas run to it and the final round.
 
 What happened is read from the replicas' own lines (one per round: rounds committed and
 discarded so far, and the step; one per heal) as they are written:
@@ -34,7 +36,8 @@ discarded so far, and the step; one per heal) as they are written:
   parameters (the example's ``result.json``).
 
 Every process it starts runs in a session of its own and is killed on the way out, on Ctrl-C,
-SIGTERM or an error too. Times are read when a line is seen (every 0.25 s).
+SIGTERM or an error too. Times are read when a line is seen (every 0.25 s). FILE is written
+when the window ends (``identical`` null) and again when the replicas have ended.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,9 +61,10 @@ POLL_S = 0.25
 HEARTBEAT_S = 1.0  # the lighthouse drops a killed replica after it
 JOIN_S = 30.0  # a quorum waits this long at most for a live replica that has not asked yet
 START_LIMIT_S = 300.0  # every replica's first round, on a crowded machine
-WINDOW_SPARE = 1.25  # steps for this many windows at the baseline pace
-END_MARGIN_S = 60.0  # the window ends once the replicas are this far (at the baseline pace) from
-# their end: a replica restarted later might find no one to heal from
+PACE_WINDOW_S = 20.0
+END_MARGIN_S = 60.0  # the replicas stop this far (in steps at their pace) after the window: a
+# replica restarted just before it must find the others to heal from
+NEVER = 10**9  # the replicas' --steps: they stop at the step the benchmark writes
 
 
 @dataclass
@@ -97,10 +102,13 @@ class Record:
 class Churn:
     """A lighthouse and R replicas of the example in ``drill``, their lines read as they come."""
 
-    def __init__(self, drill: Drill, replicas: int, steps: int, token: Path, out: Path) -> None:
-        self.drill, self.replicas, self.steps = drill, replicas, steps
+    def __init__(self, drill: Drill, replicas: int, token: Path, out: Path) -> None:
+        self.drill, self.replicas = drill, replicas
+        self.steps = NEVER  # until the replicas are told where to stop
         self.secret = ["--auth-token-file", str(token)]
         self.out = out
+        self.stop_file = out / "stop-at-step"
+        out.mkdir(parents=True, exist_ok=True)
         self.processes: dict[int, Process] = {}
         self.record = Record()
         self.starts = 0
@@ -120,10 +128,25 @@ class Churn:
         self.starts += 1
         name = f"r{replica}.{self.starts}"
         argv = [sys.executable, str(EXAMPLE), "--lighthouse", self.drill.lighthouse]
-        argv += ["--replica-id", str(replica), "--steps", str(self.steps)]
+        argv += ["--replica-id", str(replica), "--steps", str(NEVER)]
         argv += ["--out", str(self.out / f"r{replica}"), "--sync-period", str(PERIOD), *self.secret]
+        argv += ["--stop-file", str(self.stop_file)]
         self.drill._spawn(name, argv)
         self.processes[replica] = Process(name, replica)
+
+    def stop(self, pace: float) -> int:
+        """Tell every replica to stop END_MARGIN_S ahead, at the faster of ``pace`` and the
+        last PACE_WINDOW_S's; returns that step."""
+        now, step = time.time(), self.record.step
+        before = [s for t, s in self.record.steps if t <= now - PACE_WINDOW_S]
+        recent = (step - before[-1]) / PACE_WINDOW_S if before else 0.0
+        ahead = step + max(pace, recent) * END_MARGIN_S
+        last = math.ceil(ahead / PERIOD) * PERIOD
+        temporary = self.stop_file.with_suffix(".tmp")
+        temporary.write_text(f"{last}\n")
+        temporary.replace(self.stop_file)  # whole, or not yet: a replica reads it at every step
+        self.steps = last
+        return last
 
     def kill(self, replica: int) -> None:
         self.read()  # its last lines count
@@ -208,37 +231,29 @@ def committed_steps_per_replica_second(record: Record, start: float, end: float,
 def baseline(root: Path, replicas: int, seconds: float, token: Path) -> dict:
     """The replicas with no failure: their pace and committed steps per replica-second."""
     with Drill(root, [], heartbeat_timeout=HEARTBEAT_S, join_timeout=JOIN_S) as drill:
-        churn = Churn(drill, replicas, 10**9, token, root / "out")  # steps: never reached
+        churn = Churn(drill, replicas, token, root / "out")
         churn.start_lighthouse()
         for replica in range(replicas):
             churn.start(replica)
         wait_until(churn, lambda: every_replica_said_a_round(churn), START_LIMIT_S, "a round")
-        began, first_step = time.time(), churn.record.step  # (the first went on alone)
+        began, first_step = time.time(), churn.record.step
         wait_until(churn, lambda: time.time() >= began + seconds, seconds + 60, "the baseline")
         ended = time.time()
         rate = committed_steps_per_replica_second(churn.record, began, ended, replicas)
         pace = (churn.record.step - first_step) / (ended - began)
     if pace <= 0:
         raise RuntimeError("the baseline took no step: see the logs in " + str(root))
-    return {
-        "seconds": ended - began,
-        "steps_per_s": pace,
-        "committed_steps_per_replica_s": rate,
-        "step_at_start": first_step,
-    }
+    return {"seconds": ended - began, "steps_per_s": pace, "committed_steps_per_replica_s": rate}
 
 
-def churn_run(root: Path, args: argparse.Namespace, token: Path, base: dict) -> dict:
+def churn_run(
+    root: Path, args: argparse.Namespace, token: Path, base: dict, write: Callable[[dict], None]
+) -> dict:
+    """The churn run's figures; ``write`` is given those of the window as soon as it ends."""
     window_s, pace = args.minutes * 60, base["steps_per_s"]
-    # the steps the first replica takes before the last has started (twice the baseline's), then
-    # a quarter more than the window at the baseline pace (the pace varies with the machine's
-    # load, and replicas run ahead alone while the lighthouse is away: the window must not end
-    # early), and a minute more
-    ahead = 2 * base["step_at_start"] + pace * (WINDOW_SPARE * window_s + END_MARGIN_S)
-    steps = math.ceil(ahead / PERIOD) * PERIOD
     rng = random.Random(args.seed)
     with Drill(root, [], heartbeat_timeout=HEARTBEAT_S, join_timeout=JOIN_S) as drill:
-        churn = Churn(drill, args.replicas, steps, token, root / "out")
+        churn = Churn(drill, args.replicas, token, root / "out")
         churn.start_lighthouse()
         for replica in range(args.replicas):
             churn.start(replica)
@@ -246,8 +261,7 @@ def churn_run(root: Path, args: argparse.Namespace, token: Path, base: dict) -> 
         began = time.time()
         failures, next_kill = 0, began + rng.expovariate(1 / args.mtbf)
         next_lighthouse = began + args.lighthouse_every
-        near_end = steps - pace * END_MARGIN_S
-        while time.time() < began + window_s and churn.record.step < near_end:
+        while time.time() < began + window_s:
             time.sleep(POLL_S)
             churn.read()
             churn.restart_the_fallen()
@@ -260,31 +274,41 @@ def churn_run(root: Path, args: argparse.Namespace, token: Path, base: dict) -> 
                 churn.restart_lighthouse()
                 next_lighthouse = now + args.lighthouse_every
         window_end = time.time()
-        left_s = max(0.0, steps - churn.record.step) / pace
-        limit_s = 3 * left_s + START_LIMIT_S
+        steps = churn.stop(pace)
+        write(figures_so_far(churn, args, steps, began, window_end, failures))
+        limit_s = 3 * END_MARGIN_S + START_LIMIT_S  # the margin, slower, and a start
         try:  # the replicas run to their end
             wait_until(churn, lambda: all_done(churn), limit_s, "every replica's end")
         except TimeoutError as error:
             print(str(error).splitlines()[0], file=sys.stderr)
         churn.read()
-        results = final_results(churn, root / "out")
-        rate = committed_steps_per_replica_second(churn.record, began, window_end, args.replicas)
-        record = churn.record
-        return {
-            "steps": steps,
-            "window_s": window_end - began,
-            "failures": failures,
-            "heals": sum(1 for t in record.heals if t >= began),
-            "rounds_committed": committed_in(record, began, window_end),
-            "rounds_discarded": sum(
-                1 for t, ok in record.replica_rounds if began <= t < window_end and not ok
-            ),
-            "longest_without_commit_s": longest_gap(record, began),
-            "committed_steps_per_replica_s": rate,
-            "lighthouse_restarts": churn.lighthouses - 1,
-            "unasked_exits": churn.unasked_exits,
-            "results": results,
-        }
+        run = figures_so_far(churn, args, steps, began, window_end, failures)
+        run["results"] = final_results(churn, root / "out")
+        return run
+
+
+def figures_so_far(
+    churn: Churn, args: argparse.Namespace, steps: int, began: float, window_end: float,
+    failures: int,
+) -> dict:  # fmt: skip
+    """The window's figures from what the replicas have said so far."""
+    record = churn.record
+    rate = committed_steps_per_replica_second(record, began, window_end, args.replicas)
+    return {
+        "steps": steps,
+        "window_s": window_end - began,
+        "failures": failures,
+        "heals": sum(1 for t in record.heals if began <= t < window_end),
+        "rounds_committed": committed_in(record, began, window_end),
+        "rounds_discarded": sum(
+            1 for t, ok in record.replica_rounds if began <= t < window_end and not ok
+        ),
+        "longest_without_commit_s": longest_gap(record, began),
+        "committed_steps_per_replica_s": rate,
+        "lighthouse_restarts": churn.lighthouses - 1,
+        "unasked_exits": list(churn.unasked_exits),
+        "results": [],
+    }
 
 
 def all_done(churn: Churn) -> bool:
@@ -364,26 +388,32 @@ def main(argv=None) -> int:
     token.write_text(f"churn-{random.SystemRandom().getrandbits(128):032x}\n")
     token.chmod(0o600)
     base = baseline(root / "baseline", args.replicas, args.baseline_s, token)
-    run = churn_run(root / "churn", args, token, base)
-    figures = {
-        "failures": run["failures"],
-        "heals": run["heals"],
-        "rounds_committed": run["rounds_committed"],
-        "rounds_discarded": run["rounds_discarded"],
-        "longest_without_commit_s": round(run["longest_without_commit_s"], 1),
-        "goodput": round(
-            run["committed_steps_per_replica_s"] / base["committed_steps_per_replica_s"], 3
-        ),
-        "identical": identical(run["results"], run["steps"]),
-    }
-    report = {
-        **figures,
-        "command": " ".join(["python benchmarks/ft_churn.py", *(argv or sys.argv[1:])]),
-        "baseline": base,
-        "churn": run,
-    }
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
+
+    def write(run: dict) -> dict:
+        """The figures to FILE; until the replicas end, without ``identical``."""
+        figures = {
+            "failures": run["failures"],
+            "heals": run["heals"],
+            "rounds_committed": run["rounds_committed"],
+            "rounds_discarded": run["rounds_discarded"],
+            "longest_without_commit_s": round(run["longest_without_commit_s"], 1),
+            "goodput": round(
+                run["committed_steps_per_replica_s"] / base["committed_steps_per_replica_s"], 3
+            ),
+            "identical": identical(run["results"], run["steps"]) if run["results"] else None,
+        }
+        report = {
+            **figures,
+            "command": " ".join(["python benchmarks/ft_churn.py", *(argv or sys.argv[1:])]),
+            "baseline": base,
+            "churn": run,
+        }
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=1) + "\n")
+        return figures
+
+    run = churn_run(root / "churn", args, token, base, write)
+    figures = write(run)
     for key, value in figures.items():
         print(f"{key}: {value}")
     print(f"(window {run['window_s']:.0f} s, {run['steps']} steps, logs in {root}; {json_path})")

@@ -62,6 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lighthouse", required=True, help="the lighthouse's host:port")
     parser.add_argument("--replica-id", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    parser.add_argument(
+        "--stop-file",
+        help="a step a controller may write here ends the run there instead (the same file for "
+        "every replica: benchmarks/ft_churn.py ends a run at a deadline so)",
+    )
     parser.add_argument("--out", required=True, help="where result.json goes")
     parser.add_argument(
         "--auth-token-file", help="the run's secret, the lighthouse's too (else $MTDAO_AUTH_TOKEN)"
@@ -71,6 +76,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sync-dtype", nargs="+", help="e.g. int8: what crosses the link")
     parser.add_argument("--error-feedback", action="store_true")
     return parser.parse_args(argv)
+
+
+def last_step(args: argparse.Namespace) -> int:
+    """--steps, or the step written to --stop-file (read at every step: every replica stops at
+    the same one, with the final round)."""
+    if args.stop_file and Path(args.stop_file).exists():
+        return min(args.steps, int(Path(args.stop_file).read_text()))
+    return args.steps
 
 
 def main(argv=None) -> None:
@@ -95,7 +108,7 @@ def main(argv=None) -> None:
     data = GeneratedData(args.replica_id)
     replica.track_state("data", data)  # healed with the model: a joiner goes on from here
     with sync.attached():  # joins (a new replica heals); the final round at the end
-        while sync.step_count < args.steps:  # a healed replica is at its source's step
+        while sync.step_count < last_step(args):  # a healed replica is at its source's step
             for group in optimizer.param_groups:  # the LR from the step: nothing to heal
                 group["lr"] = LR * 0.5 * (1 + math.cos(math.pi * sync.step_count / args.steps))
             inputs, targets = data.next_batch()
