@@ -24,12 +24,12 @@ discarded so far, and the step; one per heal) as they are written:
 * ``failures``: replicas killed in the window;
 * ``heals``: heal lines in the window (a restarted replica's, and a survivor's that missed a
   commit);
-* ``rounds_committed``: rounds the group committed in the window (the highest count any replica
-  said rose by as much; a healed replica counts its source's);
+* ``rounds_committed``: rounds committed in the window, counted per replica (a round the three
+  commit counts three times);
 * ``rounds_discarded``: rounds discarded in the window, counted per replica (a round that two
   survivors discard counts twice; a round due while the lighthouse is away counts too);
-* ``longest_without_commit_s``: the longest stretch with no new commit by the group, from the
-  window's start to the last commit of the run (its final round);
+* ``longest_without_commit_s``: the longest stretch in which no replica committed a round, from
+  the window's start to the last commit of the run (its final round);
 * ``goodput``: committed steps per replica-second in the window (K steps for each round a
   replica committed) over the same in the baseline;
 * ``identical``: every replica exited 0 at the last step with the same digest of its final
@@ -299,7 +299,9 @@ def figures_so_far(
         "window_s": window_end - began,
         "failures": failures,
         "heals": sum(1 for t in record.heals if began <= t < window_end),
-        "rounds_committed": committed_in(record, began, window_end),
+        "rounds_committed": sum(
+            1 for t, ok in record.replica_rounds if began <= t < window_end and ok
+        ),
         "rounds_discarded": sum(
             1 for t, ok in record.replica_rounds if began <= t < window_end and not ok
         ),
@@ -325,15 +327,12 @@ def final_results(churn: Churn, out: Path) -> list[dict]:
     return results
 
 
-def committed_in(record: Record, start: float, end: float) -> int:
-    before = [n for t, n in record.commits if t < start]
-    within = [n for t, n in record.commits if t < end]
-    return (within[-1] if within else 0) - (before[-1] if before else 0)
-
-
 def longest_gap(record: Record, start: float) -> float:
-    """The longest stretch from ``start`` to the last commit with no new commit."""
-    times = [start] + [t for t, _ in record.commits if t > start]
+    """The longest stretch from ``start`` to the last commit in which no replica committed a
+    round (the group's highest count is no measure: a replica that trained alone for a while
+    may have set it, and the others commit below it until they meet)."""
+    times = [start] + sorted(t for t, ok in record.replica_rounds if ok and t > start)
+    times += [t for t, _ in record.commits if t > times[-1]]  # the final round
     return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
