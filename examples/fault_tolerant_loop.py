@@ -15,7 +15,9 @@ survivors; when no try commits, the replica says so in one line and exits 1).
 
 On one machine the secret may be left out of every command (this account's own stands in; see
 docs/security.md). A replica says when it joins and when it heals, and whom from; one that
-cannot reach the lighthouse or is refused stops with one line (exit code 1).
+cannot reach the lighthouse or is refused stops with one line (exit code 1). After each round
+it says how many rounds it has committed (a healed replica counts its source's) and discarded,
+and its step.
 
 Each writes ``OUT/result.json``: the steps trained and a SHA-256 of the final parameters' bytes
 (in ``model.parameters()`` order), the same on every replica.
@@ -58,7 +60,7 @@ class GeneratedData:
         return {"drawn": self.drawn}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.drawn = state["drawn"]
+        self.drawn = state["drawn"]  # only a heal loads it (the library says so)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lighthouse", required=True, help="the lighthouse's host:port")
     parser.add_argument("--replica-id", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    parser.add_argument(
+        "--stop-file",
+        help="a step a controller may write here ends the run there instead (the same file for "
+        "every replica: benchmarks/ft_churn.py ends a run at a deadline so)",
+    )
     parser.add_argument("--out", required=True, help="where result.json goes")
     parser.add_argument(
         "--auth-token-file", help="the run's secret, the lighthouse's too (else $MTDAO_AUTH_TOKEN)"
@@ -78,6 +85,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sync-dtype", nargs="+", help="e.g. int8: what crosses the link")
     parser.add_argument("--error-feedback", action="store_true")
     return parser.parse_args(argv)
+
+
+def last_step(args: argparse.Namespace) -> int:
+    """--steps, or the step written to --stop-file (read at every step: every replica stops at
+    the same one, with the final round)."""
+    if args.stop_file and Path(args.stop_file).exists():
+        return min(args.steps, int(Path(args.stop_file).read_text()))
+    return args.steps
 
 
 def main(argv=None) -> int:
@@ -116,15 +131,17 @@ def train(args: argparse.Namespace) -> None:
     data = GeneratedData(args.replica_id)
     replica.track_state("data", data)  # healed with the model: a joiner goes on from here
     with sync.attached():  # joins (a new replica heals); the final round at the end
-        while sync.step_count < args.steps:  # a healed replica is at its source's step
+        while sync.step_count < last_step(args):  # a healed replica is at its source's step
             for group in optimizer.param_groups:  # the LR from the step: nothing to heal
                 group["lr"] = LR * 0.5 * (1 + math.cos(math.pi * sync.step_count / args.steps))
             inputs, targets = data.next_batch()
             F.cross_entropy(model(inputs), targets).backward()
             optimizer.step()  # every K steps: a round with the live replicas
             optimizer.zero_grad()
-            if sync.step_count % args.sync_period == 0:
-                print(f"replica {args.replica_id}: step {sync.step_count}", flush=True)
+            if sync.step_count % args.sync_period == 0:  # a round was due: how it went
+                committed, discarded = len(sync.events), len(sync.discarded_rounds)
+                rounds = f"{committed} rounds committed, {discarded} discarded"
+                print(f"replica {args.replica_id}: {rounds}; step {sync.step_count}", flush=True)
     replica.shutdown()
     digest = hashlib.sha256()
     for p in model.parameters():

@@ -43,8 +43,8 @@ ROUND_OPTIONS = {
 
 
 def steps_said(drill: Drill, name: str) -> list[int]:
-    """The steps a replica's progress lines name (one after each round)."""
-    return [int(line.split()[-1]) for line in drill.log(name).splitlines() if ": step " in line]
+    """The steps a replica's progress lines name (one after each round: "...; step N")."""
+    return [int(line.split()[-1]) for line in drill.log(name).splitlines() if "; step " in line]
 
 
 def reached(drill: Drill, name: str, step: int) -> bool:

@@ -38,7 +38,8 @@ This package is the only one that imports torchft (an optional dependency: ``pip
 mtdao[ft]``). Only members that prove they belong to the run (a shared secret: :mod:`.auth`,
 :mod:`.proofs`) form a round's process group; every round checks that its members stand at one
 step with one config (:mod:`.round_identity`; delayed, fragmented and quantized rounds
-alike, since each opens at a quorum); healed state travels signed and without pickle
+alike, since each opens at a quorum), and that what the round before assigned is bit for bit
+the same on every member (:mod:`.parity`); healed state travels signed and without pickle
 (:mod:`.safe_transport`); every listener is on the replica's ``bind_host``, torchft's manager
 server behind a front that refuses its unauthenticated ``Kill`` call (:mod:`.manager_front`).
 See docs/security.md.

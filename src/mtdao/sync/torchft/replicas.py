@@ -22,6 +22,7 @@ from mtdao.sync.torchft.auth import RunKey, run_key
 from mtdao.sync.torchft.collective_watch import CollectiveWatch
 from mtdao.sync.torchft.healing import HealedState
 from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
+from mtdao.sync.torchft.parity import ParityCheck
 from mtdao.sync.torchft.plumbing import (
     MembershipGloo,
     QuorumError,
@@ -141,6 +142,8 @@ class ReplicaGroups(Communicator):
         self.on_quorum: Callable[[RoundStart, int], None] | None = None
         """Called with each quorum formed and the step this replica then stands at (a heal
         moves it): how a loop says that it joined or healed."""
+        self.parity = ParityCheck()
+        """Compares what each committed round assigned with the other members' (:mod:`.parity`)."""
 
     @property
     def manager(self) -> Manager | None:
@@ -284,6 +287,7 @@ class ReplicaGroups(Communicator):
 
     def attach_trained_state(self, trained: TrainedState) -> None:
         self.track_state("engine", HealedState(trained))
+        self.parity.sync = trained.sync
 
     def prepare(
         self, step: int, round_due: Callable[[int], bool], final: bool = False
@@ -326,8 +330,9 @@ class ReplicaGroups(Communicator):
         try:
             self.quorum.check()  # a group that did not form (a member did not come)
             self._sitting_out, self._stale = round_identity.check(  # see round_identity
-                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.settings
-            )
+                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.settings,
+                self.parity,
+            )  # fmt: skip
             if not (self._final or round_due(coming)):
                 self._empty_round()
         except RoundNotCommitted as failure:
@@ -399,6 +404,7 @@ class ReplicaGroups(Communicator):
         if self.process_group.refusal is not None:  # load nothing: this replica leaves
             raise self.process_group.refusal
         self._heal = Heal(source=int(state["replica_id"]), bytes=0, seconds=0.0)
+        self.parity.last = None  # what it assigned is gone: it holds its source's state now
         self._training_step, self._final = int(state["step"]), bool(state["final"])
 
     # -- the round ---------------------------------------------------------------------------
@@ -412,6 +418,8 @@ class ReplicaGroups(Communicator):
     def assign(self, tensors: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         for tensor, value in zip(tensors, values):
             local_shard(tensor).copy_(value)  # a sharded tensor's average is its shard's
+        final = self._final and not self._sitting_out  # (every member is in the final round)
+        self.parity.assigned(tensors, self.quorum, final)  # the round committed: see parity
 
     def commit(self) -> None:
         if self._stale is not None and self.quorum.open:  # it added nothing; it heals next

@@ -8,16 +8,22 @@ step. So each round opens with one small all-reduce in which every member puts i
 and the digest of its shared settings in its own row. The most common (step, config) is the
 round's reference (a tie goes to the later step); a member elsewhere contributes nothing to the
 round, fails its own commit, and so is behind on commits at the next quorum, where torchft heals it
-from a member that was at the reference.
+from a member that was at the reference. The same exchange carries each member's position in the
+bit-parity check of the round before (:mod:`.parity`): a member that held other values than the
+majority after it sits this round out the same way.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from mtdao.sync.torchft.parity import ParityCheck
 
 
 def digest_number(config_digest: str) -> int:
@@ -26,13 +32,19 @@ def digest_number(config_digest: str) -> int:
 
 
 def exchange_positions(
-    sum_in_round: Callable[[Tensor], Tensor], rank: int, members: int, step: int, config: int
-) -> list[tuple[int, int]]:
-    """(step, config digest) of every member of the round, in quorum rank order."""
-    table = torch.zeros(members, 2, dtype=torch.int64)
-    table[rank, 0], table[rank, 1] = step, config
-    table = sum_in_round(table.reshape(-1)).reshape(members, 2)
-    return [(int(s), int(c)) for s, c in table.tolist()]
+    sum_in_round: Callable[[Tensor], Tensor],
+    rank: int,
+    members: int,
+    step: int,
+    config: int,
+    parity: Sequence[int] = (),
+) -> list[tuple[int, ...]]:
+    """(step, config digest, *parity) of every member of the round, in quorum rank order:
+    ``parity`` is its position in the bit-parity check of the round before (:mod:`.parity`)."""
+    table = torch.zeros(members, 2 + len(parity), dtype=torch.int64)
+    table[rank] = torch.tensor([step, config, *parity], dtype=torch.int64)
+    table = sum_in_round(table.reshape(-1)).reshape(members, -1)
+    return [tuple(int(value) for value in row) for row in table.tolist()]
 
 
 def sitting_out(positions: list[tuple[int, int]]) -> dict[int, str]:
@@ -49,9 +61,21 @@ def sitting_out(positions: list[tuple[int, int]]) -> dict[int, str]:
 
 
 def check(
-    sum_in_round: Callable[[Tensor], Tensor], replicas: list[int], rank: int, step: int, settings
+    sum_in_round: Callable[[Tensor], Tensor],
+    replicas: list[int],
+    rank: int,
+    step: int,
+    settings,
+    parity: ParityCheck | None = None,
 ) -> tuple[list[int], str | None]:
-    """(the replicas that sit this round out, why this one does: None when it takes part)."""
+    """(the replicas that sit this round out, why this one does: None when it takes part).
+    With ``parity``, the same exchange compares what the members held after the round before,
+    and one that held other values than the majority sits this round out too."""
     config = digest_number(settings.config_digest)
-    reasons = sitting_out(exchange_positions(sum_in_round, rank, len(replicas), step, config))
+    own = parity.position() if parity is not None else ()
+    positions = exchange_positions(sum_in_round, rank, len(replicas), step, config, own)
+    reasons = sitting_out([position[:2] for position in positions])
+    if parity is not None:
+        parities = [list(position[2:]) for position in positions]
+        reasons = {**parity.judge(parities, replicas, rank, sum_in_round), **reasons}
     return [replicas[r] for r in reasons], reasons.get(rank)

@@ -1,0 +1,273 @@
+"""Bit parity after every committed round: the replicas compare what the round made identical.
+
+A committed round assigns the same averages to every member: the parameters and states of a
+blocking round, the gradients of a DDP one. Right after the assignment each member hashes what it
+now holds (xxh3-64 per tensor, combined into one number). The members compare these numbers in the
+small all-reduce that opens the next round anyway (:mod:`.round_identity`: each member's step and
+config), so a round costs the hashing and nothing more on the link. When one differs from the
+majority's, every member says so in one line, naming the replica and the first tensor that
+differs (a second exchange, of the per-tensor digests, runs only then), and the deviant sits that
+next round out: it adds nothing to it, fails its own commit, and at the quorum after it is behind
+on commits and heals from a member at the top count, one of the majority. With no majority (two
+members that differ) both are named and each keeps its own state. The processes of a sharded
+replica compare one number, the sum of their shards' digests, so that all of them judge alike.
+
+The final round has no round after it: its members compare at once, in an all-reduce of their
+own on the round's group (when no member sat it out, so that every member is there), and a
+deviant is named; it holds another model than the majority at the end.
+
+Not checked: a delayed round merged into each member's local progress (each then holds its own
+values by design; the final round of such a run is blocking, and checked). A final exchange that
+fails (a peer lost right after the commit) leaves that round unchecked, said in one line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch import Tensor
+
+from mtdao.sync.dtensors import local_shard
+from mtdao.sync.torchft.plumbing import first_line
+from mtdao.sync.torchft.shards import ReplicaProcesses
+
+if TYPE_CHECKING:
+    from mtdao.sync.engine import LocalUpdateSync
+    from mtdao.sync.torchft.quorum import Quorum
+
+INT64_SPAN = 1 << 64
+
+
+def tensor_digest(tensor: Tensor) -> int:
+    """xxh3-64 of the tensor's bytes (of a sharded tensor, this process's shard), as an int64."""
+    data = local_shard(tensor).detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    try:  # hashed in place (a round's tensors are hashed every round: no copy, few calls)
+        array = data.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
+        array = data.reshape(-1).view(torch.uint8).numpy()
+    return _signed(xxhash.xxh3_64_intdigest(array))
+
+
+def combined_digest(digests: Sequence[int]) -> int:
+    """One int64 for a list of tensor digests (their order counts)."""
+    packed = torch.tensor(list(digests), dtype=torch.int64).numpy().tobytes()
+    return _signed(xxhash.xxh3_64_intdigest(packed))
+
+
+def _signed(value: int) -> int:
+    return value - INT64_SPAN if value >= INT64_SPAN // 2 else value
+
+
+@dataclass
+class Mismatch:
+    """Replicas that held something else than the majority after a committed round."""
+
+    step: int
+    deviants: list[int]
+    """Replica ids (all of those that differ, when there is no majority)."""
+    majority: list[int]
+    """Replica ids holding the majority's values (empty: no majority)."""
+    tensor: str
+    """The first tensor of the round that differs."""
+    final: bool = False
+
+    def line(self) -> str:
+        who = ", ".join(map(str, self.deviants))
+        which = "the final round" if self.final else f"the round at step {self.step}"
+        if not self.majority:
+            return (
+                f"parity: after {which} replicas {who} hold different values of {self.tensor} "
+                "and no majority agrees: each keeps its own"
+            )
+        then = (
+            "its model is not theirs"
+            if self.final
+            else "it sits the next round out and heals from them"
+        )
+        return (
+            f"parity: after {which} replica {who} holds another {self.tensor} than replicas "
+            f"{', '.join(map(str, self.majority))}; {then}"
+        )
+
+
+@dataclass
+class Assigned:
+    """What this replica holds after the assignments of one committed round."""
+
+    step: int
+    tensors: list[Tensor]
+    digests: list[int]
+    final: bool
+
+    def position(self) -> list[int]:
+        """(the round's step + 1, the combined digest, the tensor count): 0 for none."""
+        return [self.step + 1, combined_digest(self.digests), len(self.digests)]
+
+
+Sum = Callable[[Tensor], Tensor]
+"""A flat int64 table summed over the round's members (each writes its own row)."""
+
+
+def sum_in_group(quorum: Quorum) -> Sum:
+    """Sums over the round's group once its commit is behind it (no manager call), the wait
+    watched as a round's collectives are."""
+
+    def summed(table: Tensor) -> Tensor:
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        work = quorum.group.allreduce([table], options)
+        quorum.wait_for(work)
+        return table
+
+    return summed
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class ParityCheck:
+    """A replica's side of the check (see the module docstring): :meth:`assigned` after each
+    assignment of a committed round, :meth:`position` and :meth:`judge` in the exchange that
+    opens the next. ``sync`` (set when the engine attaches) names the tensors and the step."""
+
+    POSITION_WIDTH = 3
+
+    def __init__(self, say: Callable[[str], None] = _to_stderr) -> None:
+        self.say = say
+        self.sync: LocalUpdateSync | None = None
+        self.final_sum: Callable[[Quorum], Sum] = sum_in_group
+        """How the final round's members sum a table (a test double replaces it)."""
+        self.last: Assigned | None = None
+        self.processes: ReplicaProcesses = ReplicaProcesses()
+        """This replica's processes (the last round's)."""
+        self.seconds = 0.0
+        """Spent hashing and comparing, over the whole run."""
+        self.mismatches: list[Mismatch] = []
+
+    def assigned(self, tensors: Sequence[Tensor], quorum: Quorum, final: bool) -> None:
+        """Hash ``tensors``, just assigned by a committed round (a round assigns its parameters
+        and its states in two calls); the final round, with every member in it, compares now."""
+        started = time.perf_counter()
+        step, self.processes = self._step(), quorum.processes
+        if self.last is None or self.last.step != step or self.last.final != final:
+            self.last = Assigned(step, [], [], final)
+        self.last.tensors += tensors
+        self.last.digests += [tensor_digest(t) for t in tensors]
+        self.seconds += time.perf_counter() - started
+        if final and len(quorum.members) > 1:
+            self._compare_final(quorum)
+
+    def position(self) -> list[int]:
+        """This replica's columns in the exchange that opens a round."""
+        if self.last is None:
+            return [0] * self.POSITION_WIDTH
+        step, combined, count = self.last.position()
+        # a sharded replica: one digest over its processes' shards, so that they all judge alike
+        return [step, self.processes.sum(combined), count]
+
+    def judge(self, positions: list[list[int]], members: list[int], rank: int, sum_over: Sum):
+        """{quorum rank: why it sits the round out} for the members that held other values than
+        the majority after the last round they all assigned; every member says it in a line."""
+        started = time.perf_counter()
+        try:
+            mismatch = self._mismatch(positions, members, rank, sum_over)
+        finally:
+            self.seconds += time.perf_counter() - started
+        if mismatch is None or not mismatch.majority:
+            return {}
+        reason = f"its values after the round at step {mismatch.step} differ from the majority's"
+        return {members.index(m): reason for m in mismatch.deviants}
+
+    def _compare_final(self, quorum: Quorum) -> None:
+        started = time.perf_counter()
+        sum_over = self.final_sum(quorum)
+        try:
+            table = torch.zeros(len(quorum.members), self.POSITION_WIDTH, dtype=torch.int64)
+            table[quorum.rank] = torch.tensor(self.position())
+            positions = sum_over(table.reshape(-1)).reshape(len(quorum.members), -1).tolist()
+            self._mismatch(positions, quorum.members, quorum.rank, sum_over)
+        except Exception as error:  # the round stands
+            self.say(f"parity: the final round is unchecked: {first_line(error)}")
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _mismatch(self, positions, members, rank, sum_over: Sum) -> Mismatch | None:
+        recorded = Counter(p[0] for p in positions if p[0] > 0)
+        if not recorded:
+            return None
+        reference = max(recorded, key=lambda at: (recorded[at], at))  # a tie: the later round
+        at = [r for r, p in enumerate(positions) if p[0] == reference]
+        combined = [positions[r][1] for r in at]
+        if len(at) < 2 or len(set(combined)) == 1:
+            return None
+        common, count = Counter(combined).most_common(1)[0]
+        majority = [r for r in at if positions[r][1] == common] if count * 2 > len(at) else []
+        deviants = [r for r in at if r not in majority]
+        counts = {positions[r][2] for r in at}
+        tensor = "set of tensors"  # rounds of another structure: no tensor to compare
+        if len(counts) == 1:
+            width = counts.pop()
+            tensor = self._first_differing(
+                len(positions), at, majority, rank, width, reference, sum_over
+            )
+        final = self.last is not None and self.last.final
+        mismatch = Mismatch(
+            reference - 1, [members[r] for r in deviants], [members[r] for r in majority],
+            tensor, final,
+        )  # fmt: skip
+        self.mismatches.append(mismatch)
+        self.say(mismatch.line())
+        return mismatch
+
+    def _first_differing(self, rows, at, majority, rank, count, reference, sum_over: Sum) -> str:
+        """The name of the first tensor whose digest differs among the members ``at`` the
+        reference round (every one of the ``rows`` members takes part in the sum; those
+        elsewhere add zeros)."""
+        own = self.last if self.last is not None and self.last.step + 1 == reference else None
+        table = torch.zeros(rows, count, dtype=torch.int64)
+        if own is not None and len(own.digests) == count:
+            table[rank] = torch.tensor(own.digests, dtype=torch.int64)
+        table = sum_over(table.reshape(-1)).reshape(rows, count)
+        reference_row = table[(majority or at)[0]]
+        differs = (table[at] != reference_row).any(dim=0).nonzero()
+        index = int(differs[0]) if len(differs) else 0
+        if own is not None and len(own.tensors) == count:
+            return self._name(own.tensors[index], index)
+        return f"tensor {index} of the round"
+
+    def _name(self, tensor: Tensor, index: int) -> str:
+        if self.sync is not None:
+            names = tensor_names(self.sync)
+            if id(tensor) in names:
+                return names[id(tensor)]
+        return f"tensor {index} of the round {tuple(tensor.shape)}"
+
+    def _step(self) -> int:
+        return self.sync.step_count if self.sync is not None else -1
+
+
+def tensor_names(sync: LocalUpdateSync) -> dict[int, str]:
+    """id -> name of every parameter, gradient and optimizer state a round may assign."""
+    names: dict[int, str] = {}
+    for param in sync.params:
+        name = sync.param_names[id(param)]
+        names[id(param)] = f"parameter {name!r}"
+        if param.grad is not None:
+            names[id(param.grad)] = f"gradient of {name!r}"
+        for key, value in sync.optimizer.state.get(param, {}).items():
+            if isinstance(value, Tensor):
+                names[id(value)] = f"state {key!r} of {name!r}"
+    return names
