@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from wait_limits import limit_s
 
 from mtdao.testing.ports import unused_port
 
@@ -29,6 +30,9 @@ SNIPPETS = [
     for snippet in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
 ]
 ONE_PROCESS_SNIPPETS = [s for s in SNIPPETS if "--nproc-per-node" not in s]
+# the costliest snippet took 10.2 core-seconds (importing lightning, 32 steps; the others 3.5 -
+# 9.9), a start and a third of wait_limits' measure: two starts bound each
+SNIPPET_S = limit_s(starts=2)
 
 
 @contextlib.contextmanager
@@ -66,7 +70,7 @@ def test_readme_snippet_runs_as_written(snippet, tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=SNIPPET_S,
         )
     assert done.returncode == 0, done.stderr[-3000:]
     if "sync.traffic" in snippet:
