@@ -4,7 +4,7 @@ The model is mtdao's micro Llama; the text is the interpreter's own standard lib
 built-in corpus), one token per byte. Every process is one worker reading its own batches; only
 mtdao's engine communicates.
 
-    pip install -e ".[lightning]"
+    pip install -c constraints.txt -e ".[lightning]"
     python examples/lightning_trainer.py --max-steps 64
     torchrun --nproc-per-node 2 examples/lightning_trainer.py --max-steps 24 --sync-period 16
     python examples/lightning_trainer.py --devices 2 --max-steps 24   # Lightning starts them
