@@ -19,6 +19,7 @@ from mtdao.sync.methods import METHODS, build_policy
 from mtdao.sync.round_options import check_round_options
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import (
+    ADDED_AT_THEIR_DEFAULTS,
     RESUMABLE_FIELDS,
     SETTINGS,
     WARMUP_FIELDS,
@@ -99,6 +100,18 @@ def test_a_config_of_an_earlier_version_is_refused_in_one_line():
     del old["beta_ramp"]
     with pytest.raises(ValueError, match=r"without the field\(s\) \['beta_ramp'\], written by an "):
         TrainConfig.from_dict(old)
+
+
+def test_a_config_saved_before_the_averaging_options_reads_as_their_defaults():
+    """The outer momentum's schedule and radial-directional averaging came later, off by
+    default, which is what a run saved before them did: it reads back as the same config."""
+    saved = resolve(TrainConfig.of(method="diloco", sync_period=8)).to_dict()
+    for name in ADDED_AT_THEIR_DEFAULTS:
+        del saved[name]
+    assert TrainConfig.from_dict(saved) == resolve(TrainConfig.of(method="diloco", sync_period=8))
+    del saved["beta_ramp"]  # any other field still marks an earlier version
+    with pytest.raises(ValueError, match=r"without the field\(s\) \['beta_ramp'\]"):
+        TrainConfig.from_dict(saved)
 
 
 def test_given_values_survive_resolution():

@@ -250,7 +250,7 @@ class TrainConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown config field(s) {unknown}")
-        missing = sorted(known - set(values))
+        missing = sorted(known - set(values) - ADDED_AT_THEIR_DEFAULTS)
         if missing:  # every field is saved, so this config is from an earlier version
             raise ValueError(
                 f"a config without the field(s) {missing}, written by an earlier version of "
@@ -281,6 +281,17 @@ class TrainConfig:
 
 # every setting's field (name -> dataclasses.Field), across the sections
 SETTINGS = {f.name: f for _, f in leaf_fields(TrainConfig)}
+# settings added since runs were saved without them, whose defaults do what those runs did: a
+# config that lacks one reads as its default, so such a run still resumes and a study reuses it
+ADDED_AT_THEIR_DEFAULTS = frozenset(
+    {
+        "outer_momentum_warmup",
+        "outer_momentum_start",
+        "outer_momentum_decay",
+        "outer_momentum_final",
+        "radial_directional",
+    }
+)
 
 
 def marked(mark: str) -> frozenset[str]:
