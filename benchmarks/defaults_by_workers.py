@@ -30,6 +30,7 @@ from mtdao.train.config import TrainConfig
 
 METHODS = ("ddp", "local-adam", "diloco", "desloc", "mtdao")
 GLOBAL_BATCH = 64
+KIND, SCHEMA = "workers-scaling", 1  # results.json's study and layout (tests re-render from it)
 
 
 def batch_of(args: argparse.Namespace, workers: int) -> int:
@@ -101,7 +102,7 @@ def markdown(args: argparse.Namespace, table: list[dict]) -> str:
     batch_rule = (
         f"{args.per_worker_batch} sequences per worker"
         if args.per_worker_batch
-        else f"a global batch of {GLOBAL_BATCH} sequences (64 / M per worker)"
+        else f"a global batch of {GLOBAL_BATCH} sequences ({GLOBAL_BATCH} / M per worker)"
     )
     lines = [
         f"Micro model, K = 32, {args.steps} steps, {batch_rule}, every method at its defaults; "
@@ -133,6 +134,17 @@ def markdown(args: argparse.Namespace, table: list[dict]) -> str:
             )
         )
     return "\n".join([*lines, "", "Final validation loss of each seed:", "", *per_seed])
+
+
+def render_report(results: dict) -> str:
+    """report.md from results.json alone."""
+    settings = argparse.Namespace(
+        **{k: results[k] for k in ("methods", "steps", "per_worker_batch")}
+    )
+    return (
+        f"# MT-DAO's gap to DDP by number of workers\n\n    {results['command']}\n\n"
+        f"![final loss vs workers](workers.png)\n\n{markdown(settings, results['cells'])}\n"
+    )
 
 
 def plot(args: argparse.Namespace, table: list[dict], path: Path) -> None:
@@ -214,15 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.report:
         args.report.mkdir(parents=True, exist_ok=True)
-        command = "python " + " ".join(sys.argv)
-        (args.report / "report.md").write_text(
-            f"# MT-DAO's gap to DDP by number of workers\n\n    {command}\n\n"
-            f"![final loss vs workers](workers.png)\n\n{text}\n"
-        )
-        (args.report / "results.json").write_text(json.dumps(
-            {"kind": "workers-scaling", "command": command, "steps": args.steps,
-             "per_worker_batch": args.per_worker_batch, "global_batch": GLOBAL_BATCH,
-             "data": data, "cells": table}, indent=1) + "\n")  # fmt: skip
+        results = {"kind": KIND, "schema": SCHEMA, "command": "python " + " ".join(sys.argv),
+                   "methods": args.methods, "steps": args.steps,
+                   "per_worker_batch": args.per_worker_batch, "global_batch": GLOBAL_BATCH,
+                   "data": data, "cells": table}  # fmt: skip
+        (args.report / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.report / "report.md").write_text(render_report(results))
         plot(args, table, args.report / "workers.png")
     return 1 if suite.failures else 0
 

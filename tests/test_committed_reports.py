@@ -8,6 +8,7 @@ A report whose wording changes on purpose is re-rendered and committed with the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -38,6 +39,17 @@ REPORTS = ROOT / "reports"
 PAGE = ROOT / "BENCHMARKS.md"
 
 
+def benchmark_script(name: str):
+    """A study that is a script under benchmarks/, imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+workers_study = benchmark_script("defaults_by_workers")
+
+
 def wan_drill_report(results: dict, _) -> str:
     checks = [Check(**check) for check in results["checks"]]
     record, baselines, ddp = results["record"], results["baselines"], results["ddp"]
@@ -63,6 +75,7 @@ RENDERERS = {
     (defaults_card_summary.KIND, defaults_card_summary.SCHEMA): lambda r, _: (
         "\n".join(defaults_card.card_report_lines(r)) + "\n"
     ),
+    (workers_study.KIND, workers_study.SCHEMA): lambda r, _: workers_study.render_report(r),
 }
 
 
@@ -89,7 +102,14 @@ def test_every_results_json_names_its_kind_and_schema():
         assert isinstance(results, dict), report_dir.name
         assert (results.get("kind"), results.get("schema")) in RENDERERS, report_dir.name
         kinds.add(results["kind"])
-    expected = {"defaults-card", "frontier", "slow-link", "wan-drill", "rosenbrock"}
+    expected = {
+        "defaults-card",
+        "frontier",
+        "slow-link",
+        "wan-drill",
+        "rosenbrock",
+        "workers-scaling",
+    }
     assert kinds == expected  # every study the results page quotes, with its report
 
 
