@@ -261,6 +261,24 @@ def test_a_mistyped_flag_names_the_command_and_the_closest_flags(capsys, argv, e
     assert capsys.readouterr().err == expected + "\n"
 
 
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["trian"], "; did you mean train? (see mtdao --help)"),
+        (["train", "--method", "mtdoa"], "; did you mean mtdao? (see mtdao train --help)"),
+        (["xyz"], "'wan-drill') (see mtdao --help)"),  # nothing close: no guess
+    ],
+)
+def test_a_mistyped_command_or_choice_is_given_the_closest(capsys, argv, hint):
+    from mtdao.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.endswith(hint + "\n"), said
+
+
 def test_every_help_states_its_default_once_and_never_as_none():
     """A default a help text states itself is not followed by the formatter's, and a flag
     without one (None, a switch, empty) shows no "(default: None)"."""

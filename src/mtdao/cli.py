@@ -11,6 +11,7 @@ import difflib
 import faulthandler
 import importlib
 import os
+import re
 import sys
 import traceback
 
@@ -63,7 +64,19 @@ class OneLineErrorParser(argparse.ArgumentParser):
     (sub)command that was given it, with the closest flags that command has."""
 
     def error(self, message: str):  # type: ignore[override]
+        message += self._closest_choice(message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    @staticmethod
+    def _closest_choice(message: str) -> str:
+        """'; did you mean X?' for argparse's "invalid choice: 'W' (choose from ...)" where a
+        choice resembles W (a command or a flag's value)."""
+        given = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if given is None:
+            return ""
+        choices = re.findall(r"'([^']*)'", given.group(2))
+        close = difflib.get_close_matches(given.group(1), choices, n=2, cutoff=0.6)
+        return f"; did you mean {' or '.join(close)}?" if close else ""
 
     def parse_known_args(self, args=None, namespace=None):
         # argparse leaves a subcommand's unknown words to the top parser, which names only
