@@ -32,11 +32,16 @@ discarded so far, and the step; one per heal) as they are written:
   the window's start to the last commit of the run (its final round);
 * ``goodput``: committed steps per replica-second in the window (K steps for each round a
   replica committed) over the same in the baseline;
+* ``started_over``: times the run started over from step 0 in the window, and ``steps_lost``
+  the steps it had reached: every replica that held the model was down at once (a restart
+  takes longer than the time between kills on a crowded machine) and the example keeps no
+  checkpoint, so a restarted replica formed a quorum alone at step 0;
 * ``identical``: every replica exited 0 at the last step with the same digest of its final
   parameters (the example's ``result.json``).
 
 Every process it starts runs in a session of its own and is killed on the way out, on Ctrl-C,
-SIGTERM or an error too. Times are read when a line is seen (every 0.25 s). FILE is written
+SIGTERM or an error too. Times are read when a line is seen (every 0.25 s); each kill, start and
+lighthouse restart is written with its time to ``events.log`` beside the logs. FILE is written
 when the window ends (``identical`` null) and again when the replicas have ended.
 """
 
@@ -88,7 +93,10 @@ class Record:
     """(time, committed) of every round line of every process."""
     heals: list[float] = field(default_factory=list)
     steps: list[tuple[float, int]] = field(default_factory=list)
-    """(time, the highest step said)."""
+    """(time, the group's step: the highest said by the replicas' current processes) at each
+    change; it falls when the run starts over."""
+    started_over: list[tuple[float, int]] = field(default_factory=list)
+    """(time, the group's step before) of each join at step 0 after the group had trained."""
 
     @property
     def committed(self) -> int:
@@ -114,14 +122,21 @@ class Churn:
         self.starts = 0
         self.lighthouses = 0
         self.unasked_exits: list[str] = []
+        self.events = out.parent / "events.log"
+
+    def event(self, what: str) -> None:
+        with open(self.events, "a") as events:
+            events.write(f"{time.time():.2f} {what}\n")
 
     def start_lighthouse(self) -> None:
         self.lighthouses += 1
         name = f"lighthouse.{self.lighthouses}"
         self.drill.start_lighthouse(min_replicas=1, name=name, flags=self.secret)
+        self.event(f"start {name}")
 
     def restart_lighthouse(self) -> None:
         self.drill.kill(f"lighthouse.{self.lighthouses}")
+        self.event(f"kill lighthouse.{self.lighthouses}")
         self.start_lighthouse()
 
     def start(self, replica: int) -> None:
@@ -132,6 +147,7 @@ class Churn:
         argv += ["--out", str(self.out / f"r{replica}"), "--sync-period", str(PERIOD), *self.secret]
         argv += ["--stop-file", str(self.stop_file)]
         self.drill._spawn(name, argv)
+        self.event(f"start {name}")
         self.processes[replica] = Process(name, replica)
 
     def stop(self, pace: float) -> int:
@@ -151,6 +167,7 @@ class Churn:
     def kill(self, replica: int) -> None:
         self.read()  # its last lines count
         self.drill.kill(self.processes[replica].name)
+        self.event(f"kill {self.processes[replica].name}")
         self.start(replica)
 
     def running(self, replica: int) -> bool:
@@ -189,6 +206,8 @@ class Churn:
         if not line.startswith(prefix):
             return
         said = line[len(prefix) :]
+        if said.startswith("joined at step 0 ") and self.record.step > 0:
+            self.record.started_over.append((now, self.record.step))
         if "healed from replica" in said:  # the library's join or heal line
             self.record.heals.append(now)
         elif " rounds committed, " in said and "; step " in said:
@@ -199,8 +218,9 @@ class Churn:
             process.discarded, process.last_step = discarded, int(step)
             if committed > self.record.committed:
                 self.record.commits.append((now, committed))
-            if int(step) > self.record.step:
-                self.record.steps.append((now, int(step)))
+            group_step = max(p.last_step for p in self.processes.values())
+            if group_step != self.record.step:
+                self.record.steps.append((now, group_step))
         elif said.startswith("{"):  # its result: the final round committed unless discarded
             result = json.loads(said)
             final_committed = result.get("discarded_rounds") == process.discarded
@@ -308,6 +328,11 @@ def figures_so_far(
         "longest_without_commit_s": longest_gap(record, began),
         "committed_steps_per_replica_s": rate,
         "lighthouse_restarts": churn.lighthouses - 1,
+        "started_over": [
+            {"after_s": round(t - began, 1), "steps_lost": lost}
+            for t, lost in record.started_over
+            if began <= t < window_end
+        ],
         "unasked_exits": list(churn.unasked_exits),
         "results": [],
     }
@@ -399,6 +424,8 @@ def main(argv=None) -> int:
             "goodput": round(
                 run["committed_steps_per_replica_s"] / base["committed_steps_per_replica_s"], 3
             ),
+            "started_over": len(run["started_over"]),
+            "steps_lost": sum(s["steps_lost"] for s in run["started_over"]),
             "identical": identical(run["results"], run["steps"]) if run["results"] else None,
         }
         report = {
