@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, OuterOptimizerConfig, explicit, unified
-from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.trained_state import TrainedState
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mtdao"

@@ -11,10 +11,10 @@ from torch.testing import assert_close
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers
-from mtdao.sync.compression import PseudoGradients, SyncCodecs
+from mtdao.sync.codecs.compression import PseudoGradients, SyncCodecs
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.exchange import simulated_mean
 from mtdao.sync.policy import unified, with_state_period
-from mtdao.sync.quantize import Codec
 from mtdao.train.config import TrainConfig, resolve
 from tests.test_sync_quantize import quadratic_run, random_blocks, second_moments
 

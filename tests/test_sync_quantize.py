@@ -9,9 +9,9 @@ from torch.testing import assert_close
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, unified
-from mtdao.sync.compression import PseudoGradients, SyncCodecs
+from mtdao.sync.codecs.compression import PseudoGradients, SyncCodecs
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.exchange import BlockLayout, pack, simulated_mean, unpack
-from mtdao.sync.quantize import Codec
 
 BLOCK = 64
 

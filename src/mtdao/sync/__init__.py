@@ -10,6 +10,7 @@ this package. Test doubles:
 """
 
 from mtdao.model.stacked_workers import StackedWorkers, stack_workers
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.communicator import (
     Averages,
     Communicator,
@@ -17,7 +18,6 @@ from mtdao.sync.communicator import (
     SingleWorker,
     Traffic,
 )
-from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.engine import LocalUpdateSync, NonFiniteError, SyncEvent
 from mtdao.sync.layout import ProcessGroupLayout, StackedLayout, WorkerLayout
 from mtdao.sync.policy import (

@@ -22,8 +22,8 @@ from mtdao.flags import choice, switch_off
 from mtdao.optim.base import check_momenta
 from mtdao.optim.named import BASE_OPTIMIZERS
 from mtdao.optim.warmups import BetaWarmup, OmegaWarmup
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.communicator import Communicator
-from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.engine import LocalUpdateSync
 from mtdao.sync.methods import (
     METHOD_TABLE,

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mtdao.sync.codecs.compression import PseudoGradients
 from mtdao.sync.communicator import Communicator
-from mtdao.sync.compression import PseudoGradients
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS
 from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtdao.sync.compression import kind_group
+from mtdao.sync.codecs.compression import kind_group
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import WorkerLayout
 

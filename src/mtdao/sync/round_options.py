@@ -10,7 +10,7 @@ flags (``--sync-delay``, ``--sync-fragments``, ``--sync-dtype``), which a librar
 
 from __future__ import annotations
 
-from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.policy import SyncPolicy
 
 
