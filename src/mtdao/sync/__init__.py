@@ -2,9 +2,9 @@
 communicators (how bytes move) and worker layouts (where each worker's copy lives).
 
 The engine depends on torch only (and :mod:`mtdao.timescales` for half-lives, :mod:`mtdao.units`
-for byte counts) and knows no optimizer beyond the state keys its policies name; one module,
-:mod:`mtdao.sync.config`, composes a named method from the optimizers (:mod:`mtdao.optim`) and
-this package. Test doubles:
+for byte counts) and knows no optimizer beyond the state keys its policies name; the named methods
+(:mod:`mtdao.methods`) compose the optimizers (:mod:`mtdao.optim`) with this package, which
+imports neither. Codecs: :mod:`mtdao.sync.codecs`. Test doubles:
 :mod:`mtdao.sync.testing`. :func:`stack_workers`, the model side of simulated workers, lives in
 :mod:`mtdao.model.stacked_workers` (which imports nothing of this package) and is re-exported here.
 """

@@ -51,7 +51,7 @@ def check_radial_groups(groups: Sequence[str]) -> tuple[str, ...]:
     for group in groups:
         if group not in RADIAL_GROUPS:
             raise ValueError(
-                f"--radial-directional: unknown kind {group!r}; choose from "
+                f"`radial_directional`: unknown kind {group!r}; choose from "
                 f"{', '.join(RADIAL_GROUPS)} (the second moment must stay positive)"
             )
     return tuple(group for group in RADIAL_GROUPS if group in groups)

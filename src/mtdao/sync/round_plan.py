@@ -85,12 +85,12 @@ class RoundPlan:
         self.radial = RadialDirectional(radial, self.layout, communicator.transport.stacked)
         if "params" in self.radial.groups and policy.params.period is None:
             raise ValueError(
-                "--radial-directional params: the policy never averages the parameters"
+                "`radial_directional` params: the policy never averages the parameters"
             )
         if "params" in self.radial.groups and codecs.error_feedback:
             raise ValueError(
-                "--radial-directional params: error feedback corrects the pseudo-gradient, not "
-                "the unit vector sent in its place; drop --error-feedback"
+                "`radial_directional` params: error feedback corrects the pseudo-gradient, not "
+                "the unit vector sent in its place; drop `error_feedback`"
             )
 
     @property

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from torch.optim import Optimizer
 
 from mtdao.optim.warmups import DefinedSchedule
-from mtdao.sync.config import warmups_of
+from mtdao.methods.optimizers import warmups_of
 
 if TYPE_CHECKING:
     from mtdao.train.config import TrainConfig

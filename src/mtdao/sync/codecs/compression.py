@@ -52,17 +52,17 @@ class SyncCodecs:
         for group, dtype in zip(KIND_GROUPS, (self.params, self.momenta, self.second_moment)):
             if not is_sync_dtype(dtype):
                 raise ValueError(
-                    f"--sync-dtype: unknown dtype {dtype!r} for {group}; "
+                    f"`sync_dtype`: unknown dtype {dtype!r} for {group}; "
                     f"choose from {', '.join(SYNC_DTYPES)}"
                 )
         for kind in ("params", "exp_avg", SECOND_MOMENT_KEY):
             try:
                 self.codec(kind)
             except ValueError as error:
-                raise ValueError(f"--sync-dtype {kind_group(kind)}: {error}") from None
+                raise ValueError(f"`sync_dtype` {kind_group(kind)}: {error}") from None
         if self.error_feedback and self.params == "fp32":
             raise ValueError(
-                "--error-feedback corrects quantized parameters: give --sync-dtype params=bf16, "
+                "`error_feedback` corrects quantized parameters: give `sync_dtype` params=bf16, "
                 "fp8, int8, int4, int2 or top<k>"
             )
 
@@ -78,7 +78,7 @@ class SyncCodecs:
                 dtypes[group] = dtype
             else:
                 raise ValueError(
-                    f"--sync-dtype: unknown kind {group!r} in {item!r}; "
+                    f"`sync_dtype`: unknown kind {group!r} in {item!r}; "
                     f"choose from {', '.join(KIND_GROUPS)}"
                 )
         return cls(*dtypes.values(), error_feedback=error_feedback)

@@ -171,7 +171,7 @@ def check_supported(codec: Codec | None, device: torch.device) -> None:
         torch.ones(1, device=device).to(torch.float8_e4m3fn).float()
     except (AttributeError, RuntimeError, TypeError) as error:
         raise ValueError(
-            f"--sync-dtype fp8: this torch build has no float8_e4m3fn on {device.type} ({error})"
+            f"`sync_dtype` fp8: this torch build has no float8_e4m3fn on {device.type} ({error})"
         ) from None
 
 
