@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -40,10 +40,8 @@ from mtdao.sync.dtensors import local_shard
 from mtdao.sync.exchange import payload_sizes, quantized_mean
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.transport import Transport
+from mtdao.sync.types import WorkerState
 from mtdao.units import format_bytes
-
-if TYPE_CHECKING:
-    from mtdao.sync.trained_state import TrainedState
 
 
 @dataclass
@@ -290,7 +288,7 @@ class Communicator:
         communicator reports of it (None: nothing)."""
         return None
 
-    def attach_trained_state(self, trained: TrainedState) -> None:
+    def attach_trained_state(self, trained: WorkerState) -> None:
         """Keep the engine's trained state, to hand a joining worker (when
         :attr:`heals_joiners`)."""
 
