@@ -133,8 +133,7 @@ class NonFiniteWorkers:
         if self.on_non_finite == "raise":
             raise NonFiniteError(
                 f"Non-finite value (NaN/inf) at step {due.step} in {described}. Nothing was "
-                "averaged; use on_non_finite='skip' (CLI: --on-non-finite skip) to leave such "
-                "workers out"
+                "averaged; set `on_non_finite` to 'skip' to leave such workers out"
             )
         excluded = sorted(offenders)
         if len(excluded) == self.layout.num_workers:
