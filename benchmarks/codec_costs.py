@@ -9,7 +9,7 @@ and sums them. With error feedback the pseudo-gradient is also encoded and decod
 and batch, in the same process. Times are this process's CPU time (one thread), so that other
 jobs on a shared machine slow neither side; every setup is timed in every round, in a rotating
 order, and the median over rounds is printed. On the CPU the codecs run as C++ kernels
-(:mod:`mtdao.sync.native_codecs`); ``--eager`` adds a row per codec timed with torch's codecs
+(:mod:`mtdao.sync.codecs.native_codecs`); ``--eager`` adds a row per codec timed with torch's codecs
 instead, side by side in the same rounds.
 
     OMP_NUM_THREADS=1 python benchmarks/codec_costs.py --model tiny --workers 4 --rounds 7 --eager
@@ -27,8 +27,9 @@ import torch
 
 import mtdao
 from mtdao.model import Llama, model_config
-from mtdao.sync import native_codecs
-from mtdao.sync.compression import PseudoGradients
+from mtdao.sync.codecs import native_codecs
+from mtdao.sync.codecs.compression import PseudoGradients
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.exchange import (
     block_layout,
     counted_bytes,
@@ -37,7 +38,6 @@ from mtdao.sync.exchange import (
     reduce_chunks,
     unpack,
 )
-from mtdao.sync.quantize import Codec
 from mtdao.train.workers import language_model_loss
 
 CODECS = ["bf16", "fp8", "int8", "int4", "int2", "top16", "top8", "top4"]

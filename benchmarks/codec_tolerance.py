@@ -23,8 +23,8 @@ import torch
 import mtdao
 from mtdao.model import Llama, model_config
 from mtdao.sync import stack_workers
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.exchange import simulated_mean
-from mtdao.sync.quantize import Codec
 from mtdao.train.workers import language_model_loss
 
 CODECS = {

@@ -63,8 +63,8 @@ def report(name: str, passed: bool, details: str) -> Check:
 
 def small_llama(sharded: bool, mesh, device: str = "cuda"):
     """(model, worker set, optimizer, engine) of a small Llama on ``device``, sharded or not."""
+    from mtdao.methods.optimizers import build_optimizer
     from mtdao.model import Llama, ModelConfig, split_weight_decay
-    from mtdao.optim.named import build_optimizer
     from mtdao.sync.process_group import ProcessGroupWorkers
     from mtdao.train.config import TrainConfig, resolve
     from mtdao.train.setup import build_sync

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from mtdao.data import ByteTokenizer, load_corpus
 from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, traffic_summary
-from mtdao.sync.methods import METHODS
+from mtdao.methods.table import METHODS
 
 
 class TokenBlocks(Dataset):

@@ -31,8 +31,8 @@ from mtdao.integrations.lightning import (
     method_optimizer,
     traffic_summary,
 )
+from mtdao.methods.table import METHODS
 from mtdao.model import Llama, model_config
-from mtdao.sync.methods import METHODS
 
 
 class TokenBlocks(Dataset):

@@ -29,8 +29,8 @@ def cpp_kernels() -> None:
     """Build the C++ optimizer and codec kernels (once per machine) before any test, so that no
     test's subprocess, with its timeout, is the one that pays for a build."""
     from mtdao.native_build import native_library
-    from mtdao.sync import native_codecs
-    from mtdao.sync.quantize import Codec
+    from mtdao.sync.codecs import native_codecs
+    from mtdao.sync.codecs.quantize import Codec
 
     native_library()
     native_codecs.usable(Codec)

@@ -9,7 +9,7 @@ import pytest
 
 from mtdao.cli import build_parser, main
 from mtdao.experiments.compare.presets import COMPARE_PRESETS, apply_preset
-from mtdao.sync.methods import METHODS
+from mtdao.methods.table import METHODS
 
 
 def parsed(*flags: str):

@@ -31,7 +31,7 @@ from mtdao.sync import (
     gradient_averaging,
     unified,
 )
-from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.torchft import auth
 from mtdao.sync.torchft.auth import TOKEN_ENV, RunKey, machine_secret, read_token, run_key
 from mtdao.sync.torchft.proofs import Claim, claim_data, confirm_quorum, read_claim

@@ -24,8 +24,8 @@ from mtdao.sync import (
     half_life_policy,
     unified,
 )
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.communicator import RoundNotCommitted
-from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
 

@@ -12,7 +12,7 @@ import torch
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, unified
-from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.codecs.compression import SyncCodecs
 
 pytest.importorskip("torchft")
 

@@ -1,7 +1,7 @@
 """No two modules of the package import each other, directly or around a circle of several,
 counting every import statement wherever it stands: a function-level import that only hides a
-circle from Python's start-up is a circle all the same. Imports under ``if TYPE_CHECKING:``
-never run and are left out (they name types for annotations)."""
+circle from Python's start-up is a circle all the same, and so is one under ``if
+TYPE_CHECKING:`` (a reader follows it as Python would; a protocol names what is used instead)."""
 
 from __future__ import annotations
 
@@ -16,26 +16,13 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def type_checking_only(tree: ast.AST) -> set[int]:
-    """The ids of the nodes under an ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
-    hidden = set()
-    for node in ast.walk(tree):
-        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-        if getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
-            hidden |= {id(sub) for child in node.body for sub in ast.walk(child)}
-    return hidden
-
-
 def imported_modules(path: Path, name: str, modules: set[str]) -> set[str]:
     """The modules of ``modules`` that the module ``name`` at ``path`` imports. ``from pkg
     import x`` imports ``pkg.x`` when that is a module, else ``pkg`` (its ``__init__``)."""
     tree = ast.parse(path.read_text())
-    hidden = type_checking_only(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in hidden:
-            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -105,9 +92,18 @@ def test_a_circle_behind_a_function_level_import_is_found(tmp_path):
         "from pkg.study.grid import Grid\n\ndef main():\n    from pkg.study import summary\n"
     )
     (package / "study" / "summary.py").write_text("from .run import main\n")
-    (package / "study" / "grid.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.study.run import main\n"
-    )
+    (package / "study" / "grid.py").write_text("Grid = list\n")
     graph = import_graph(tmp_path)
-    assert graph["pkg.study.grid"] == set()  # a type-checking import never runs
+    assert graph["pkg.study.run"] == {"pkg.study.grid", "pkg.study.summary"}
     assert circles(graph) == [["pkg.study.run", "pkg.study.summary"]]
+
+
+def test_a_circle_behind_a_type_checking_import_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text("from pkg.state import State\n")
+    (package / "state.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.engine import Engine\n"
+    )
+    assert circles(import_graph(tmp_path)) == [["pkg.engine", "pkg.state"]]

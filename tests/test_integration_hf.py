@@ -102,7 +102,7 @@ def test_bad_settings_are_refused(tmp_path):
         make_trainer(tmp_path, 4, LocalUpdates(shards=2), save_steps=2)
     with pytest.raises(ValueError, match="shards=2 does not divide the 1 launched processes"):
         make_trainer(tmp_path, 1, LocalUpdates(shards=2)).train()
-    with pytest.raises(ValueError, match="--method: unknown value 'lamb'"):
+    with pytest.raises(ValueError, match="^`method`: unknown value 'lamb'"):
         make_trainer(tmp_path, 1, LocalUpdates(method="lamb")).train()
 
 

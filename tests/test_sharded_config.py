@@ -72,7 +72,7 @@ def test_a_model_that_does_not_shard_is_refused():
     with pytest.raises(ValueError) as error:
         check_shardable(model, 65)
     assert str(error.value) == (
-        "--shards 65: the model does not shard: parameter embed.weight (256, 64) has 256 rows "
+        "`shards` 65: the model does not shard: parameter embed.weight (256, 64) has 256 rows "
         "along dim 0, which leaves process 64 of every worker none of it; use fewer shards"
     )
 

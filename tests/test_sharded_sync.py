@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from mtdao.methods.optimizers import build_optimizer
 from mtdao.model import Llama, ModelConfig, split_weight_decay
-from mtdao.optim.named import build_optimizer
 from mtdao.sync import NonFiniteError, SimulatedWorkers
 from mtdao.sync.dtensors import local_shard, process_share
 from mtdao.sync.process_group import ProcessGroupWorkers

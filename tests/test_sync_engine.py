@@ -12,7 +12,8 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mtdao import MTAdam
-from mtdao.optim.named import build_optimizer
+from mtdao.methods import SyncConfig, method_parts
+from mtdao.methods.optimizers import build_optimizer
 from mtdao.sync import (
     LocalUpdateSync,
     NonFiniteError,
@@ -26,7 +27,6 @@ from mtdao.sync import (
     state_decays,
     unified,
 )
-from mtdao.sync.methods import build_policy
 from mtdao.sync.policy import communication_per_step
 from mtdao.sync.testing import PeerFailure, RecordingCommunicator, ScriptedCommunicator
 from mtdao.train.config import TrainConfig, resolve
@@ -416,7 +416,7 @@ def checkpoint_run(method: str, params: list[Tensor], broadcast_initial: bool = 
     optimizer = build_optimizer(
         named_groups(params), config.sync, config.lr_schedule.lr, config.training.weight_decay
     )
-    policy = build_policy(method, 4, optimizer)
+    policy = method_parts(SyncConfig(method=method, sync_period=4), optimizer).sync_policy()
     sync = LocalUpdateSync(
         optimizer, policy, SimulatedWorkers(3), broadcast_initial=broadcast_initial
     )

@@ -46,7 +46,7 @@ def test_layers_are_modules_and_fragments_balance_them():
         # largest first, to the lightest: within one largest layer of the ideal share
         assert max(schedule.sizes) <= sum(sizes) / fragments + max(sizes)
     assert max(FragmentSchedule(names, sizes, 4).sizes) / sum(sizes) < 0.3
-    with pytest.raises(ValueError, match="^--sync-fragments 17: the model has only 16 layers"):
+    with pytest.raises(ValueError, match="^`sync_fragments` 17: the model has only 16 layers"):
         FragmentSchedule(names, sizes, 17)
 
 

@@ -15,7 +15,9 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mtdao import MTAdam
-from mtdao.optim.named import build_optimizer
+from mtdao.methods import SyncConfig, method_parts
+from mtdao.methods.optimizers import build_optimizer
+from mtdao.methods.table import METHODS
 from mtdao.sync import (
     Communicator,
     LocalUpdateSync,
@@ -23,7 +25,6 @@ from mtdao.sync import (
     SimulatedWorkers,
     unified,
 )
-from mtdao.sync.methods import METHODS, build_policy
 from mtdao.sync.policy import desloc
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
@@ -104,7 +105,8 @@ def train(method: str, communicator: Communicator, stacked: bool, radial=()) -> 
         config.lr_schedule.lr,
         config.training.weight_decay,
     )
-    policy = build_policy(method, SYNC_PERIOD, optimizer)
+    method_config = SyncConfig(method=method, sync_period=SYNC_PERIOD)
+    policy = method_parts(method_config, optimizer).sync_policy()
     sync = LocalUpdateSync(optimizer, policy, communicator, radial_directional=radial)
     for step in range(STEPS):
         optimizer.zero_grad()

@@ -105,7 +105,7 @@ def quantized_skip_run(policy=None, dtypes=("int8",)):
     """The DES-LOC run above (or ``policy``), its parameters sent as int8 (or ``dtypes``)
     pseudo-gradients with error feedback (each worker keeps a residual of what quantization
     lost)."""
-    from mtdao.sync.compression import SyncCodecs
+    from mtdao.sync.codecs.compression import SyncCodecs
 
     params = init_params(WORKERS)
     optimizer = MTAdam(named_groups(params), lr=1e-2, betas=(0.9,), omegas=(1.0,))

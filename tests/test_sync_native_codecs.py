@@ -5,8 +5,8 @@ from importlib import resources
 import pytest
 import torch
 
-from mtdao.sync import native_codecs
-from mtdao.sync.quantize import Codec
+from mtdao.sync.codecs import native_codecs
+from mtdao.sync.codecs.quantize import Codec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,5 +130,7 @@ def test_bf16_fp8_and_other_devices_take_torchs_codecs():
 
 
 def test_the_source_ships_with_the_package():
-    source = resources.files("mtdao.sync").joinpath("csrc", native_codecs.CODECS.source)
+    source = resources.files(native_codecs.CODECS.package).joinpath(
+        "csrc", native_codecs.CODECS.source
+    )
     assert "TORCH_LIBRARY(mtdao_codecs" in source.read_text()

@@ -214,7 +214,7 @@ def test_flush_applies_what_is_in_flight():
 
 def test_a_delay_must_land_before_the_next_round():
     assert check_round_options(unified(32), delay=31) == 31
-    with pytest.raises(ValueError, match="^--sync-delay 32 must be below every sync period"):
+    with pytest.raises(ValueError, match="^`sync_delay` 32 must be below every sync period"):
         check_round_options(unified(32), delay=32)
     with pytest.raises(ValueError, match=r"the shortest is 16"):
         check_round_options(with_state_period(unified(32), 16), delay=16)
@@ -227,19 +227,19 @@ def test_a_delay_must_land_before_the_next_round():
 @pytest.mark.parametrize(
     "options, flag",
     [
-        (dict(fragments=2), "--sync-fragments"),
-        (dict(codecs=SyncCodecs.parse(("int8",))), "--sync-dtype"),
-        (dict(delay=1, fragments=2), "--sync-delay"),
+        (dict(fragments=2), "`sync_fragments`"),
+        (dict(codecs=SyncCodecs.parse(("int8",))), "`sync_dtype`"),
+        (dict(delay=1, fragments=2), "`sync_delay`"),
     ],
 )
-def test_gradient_averaging_refuses_every_round_option_in_the_flags_words(options, flag):
+def test_gradient_averaging_refuses_every_round_option_by_its_setting(options, flag):
     """The engine refuses with the config's rule and message (mtdao.sync.round_options)."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, 3))], lr=0.1)
     with pytest.raises(
         ValueError, match=f"^{flag}: policy 'gradient-averaging' averages gradients"
     ):
         LocalUpdateSync(optimizer, gradient_averaging(), SimulatedWorkers(2), **options)
-    with pytest.raises(ValueError, match="^--sync-fragments must be a positive integer, got 0$"):
+    with pytest.raises(ValueError, match="^`sync_fragments` must be a positive integer, got 0$"):
         check_round_options(unified(4), fragments=0)
 
 

@@ -9,9 +9,9 @@ from torch.testing import assert_close
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, unified
-from mtdao.sync.compression import PseudoGradients, SyncCodecs
+from mtdao.sync.codecs.compression import PseudoGradients, SyncCodecs
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.exchange import BlockLayout, pack, simulated_mean, unpack
-from mtdao.sync.quantize import Codec
 
 BLOCK = 64
 
@@ -114,7 +114,7 @@ def test_sync_codecs_per_kind():
     assert SyncCodecs().codec("params") is None and not SyncCodecs().quantizes_anything
     with pytest.raises(ValueError, match="unknown kind 'grads'"):
         SyncCodecs.parse(["grads=int8"])
-    with pytest.raises(ValueError, match="--error-feedback"):
+    with pytest.raises(ValueError, match="^`error_feedback` corrects quantized parameters"):
         SyncCodecs(error_feedback=True)
 
 
@@ -129,7 +129,7 @@ def test_fp8_is_refused_where_torch_cannot_compute_it(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", no_float8)
     params = [torch.nn.Parameter(torch.zeros(2, 3))]
     optimizer = MTAdam(params, lr=1e-2, betas=(0.9,), omegas=(1.0,))
-    with pytest.raises(ValueError, match="^--sync-dtype fp8: this torch build has no float8"):
+    with pytest.raises(ValueError, match="^`sync_dtype` fp8: this torch build has no float8"):
         LocalUpdateSync(optimizer, unified(2), SimulatedWorkers(2), codecs=SyncCodecs(params="fp8"))
 
 

@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 from mtdao import MTAdam
 from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers, unified
-from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
 

@@ -259,7 +259,7 @@ def test_radial_changes_training_only_where_asked():
             unified(1),
             ("params",),
             dict(codecs=SyncCodecs(params="int8", error_feedback=True)),
-            "drop --error-feedback",
+            "drop `error_feedback`",
         ),
     ],
 )

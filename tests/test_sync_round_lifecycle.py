@@ -13,8 +13,8 @@ import torch
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, unified
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.communicator import RoundNotCommitted
-from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.rounds import Stage
 from mtdao.sync.testing import ScriptedCommunicator
 

@@ -8,9 +8,9 @@ import torch
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, unified
-from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.codecs.compression import SyncCodecs
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.exchange import block_layout, counted_bytes, simulated_mean
-from mtdao.sync.quantize import Codec
 
 BLOCK = 8
 

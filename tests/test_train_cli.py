@@ -19,7 +19,7 @@ import torch
 
 import mtdao
 from mtdao.cli import main
-from mtdao.sync.methods import METHODS
+from mtdao.methods.table import METHODS
 from mtdao.train import trainer
 from mtdao.train.metrics import read_metrics
 

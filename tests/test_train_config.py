@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from mtdao.cli import build_parser
-from mtdao.flags import add_dataclass_arguments, flat_values
-from mtdao.optim.named import BASE_OPTIMIZERS
+from mtdao.flags import add_dataclass_arguments, as_flags, flat_values
+from mtdao.methods import SyncConfig, method_parts
+from mtdao.methods.optimizers import BASE_OPTIMIZERS
+from mtdao.methods.table import METHODS
 from mtdao.sync import SyncCodecs
-from mtdao.sync.methods import METHODS, build_policy
 from mtdao.sync.round_options import check_round_options
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import (
@@ -197,7 +198,7 @@ def test_resolve_cross_field_rules():
         resolve(TrainConfig.of(steps=10, tokens=1000))
     with pytest.raises(ValueError, match=r"has 2 weights but betas \(0.9,\) has 1 momenta"):
         resolve(TrainConfig.of(betas=(0.9,), omegas=(0.3, 0.3)))
-    with pytest.raises(ValueError, match="--beta2: sgdm has no beta2"):
+    with pytest.raises(ValueError, match="--beta2: the sgdm optimizer has none"):
         resolve(TrainConfig.of(optimizer="sgdm", beta2=0.9))
     with pytest.raises(ValueError, match="--sync-policy: ddp does not average optimizer states"):
         resolve(TrainConfig.of(method="ddp", sync_policy="unified"))
@@ -243,14 +244,16 @@ def test_resolve_cross_field_rules():
 )
 def test_the_round_option_rules_are_the_sync_packages(fields, engine, config_says, engine_says):
     """The config refuses a bad delay, fragment count or dtype by the rule the engine applies, in
-    the same words: only the subject (the method's flag, the policy) differs."""
+    the same words (the engine's naming the setting, the harness's its flag): only the subject (the
+    method's flag, the policy) differs."""
     with pytest.raises(ValueError) as by_config:
         resolve(TrainConfig.of(**fields))
     method = fields.get("method", "mtdao")
-    policy = build_policy(method, fields.get("sync_period", 8), torch.optim.SGD([torch.zeros(1)]))
+    config = SyncConfig(method=method, sync_period=fields.get("sync_period", 8))
+    policy = method_parts(config, torch.optim.SGD([torch.zeros(1)])).sync_policy()
     with pytest.raises(ValueError) as by_engine:
         check_round_options(policy, **engine)
-    said_by_config, said_by_engine = str(by_config.value), str(by_engine.value)
+    said_by_config, said_by_engine = str(by_config.value), as_flags(str(by_engine.value))
     assert said_by_config.replace(config_says, engine_says, 1) == said_by_engine
 
 

@@ -8,9 +8,11 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mtdao import MTSGD, MTAdam, MTAdopt
-from mtdao.optim.named import BASE_OPTIMIZERS, build_optimizer
+from mtdao.methods import SyncConfig, method_parts
+from mtdao.methods.optimizers import BASE_OPTIMIZERS, build_optimizer
+from mtdao.methods.recipes import RECIPES
+from mtdao.methods.table import METHODS
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, SingleWorker
-from mtdao.sync.methods import METHODS, build_policy
 from mtdao.train.config import TrainConfig, resolve
 
 D_IN, D_OUT, BATCH = 5, 2, 16
@@ -49,7 +51,7 @@ def run(method: str, base: str, num_workers: int | None) -> tuple[list[Tensor], 
     optimizer = build_optimizer(
         params, config.sync, config.lr_schedule.lr, config.training.weight_decay
     )
-    policy = build_policy(method, SYNC_PERIOD, optimizer)
+    policy = method_policy(method, SYNC_PERIOD, optimizer)
     communicator = SingleWorker() if num_workers is None else SimulatedWorkers(num_workers)
     sync = LocalUpdateSync(optimizer, policy, communicator)
     for step in range(STEPS):
@@ -107,37 +109,51 @@ def test_build_optimizer_types():
         assert type(build_optimizer([param], config.sync, config.lr_schedule.lr)) is kind
 
 
-def test_build_policy_per_method():
+def method_policy(method: str, sync_period: int, optimizer, **settings):
+    """The policy the engine carries out for ``method`` over ``optimizer``."""
+    config = SyncConfig(method=method, sync_period=sync_period, **settings)
+    return method_parts(config, optimizer).sync_policy()
+
+
+def test_each_method_composes_its_optimizer_policy_and_outer_step():
     param = torch.nn.Parameter(torch.zeros(3))
     slow = resolve(TrainConfig.of(method="mtdao", betas=(0.99,), omegas=(0.9,)))
     optimizer = build_optimizer([param], slow.sync, slow.lr_schedule.lr)
-    ddp = build_policy("ddp", 32, optimizer)
-    assert ddp.average_gradients and ddp.params.period is None and ddp.name == "ddp"
-    diloco = build_policy("diloco", 32, optimizer)
-    assert diloco.outer is not None and (diloco.outer.lr, diloco.outer.momentum) == (0.7, 0.9)
-    assert diloco.outer.nesterov and diloco.other_states.period is None
-    assert build_policy("mtdao", 32, optimizer).periods()["other states"] == 32
-    half_life = build_policy("mtdao", 32, optimizer, sync_policy="half-life")
+    ddp = method_parts(SyncConfig(method="ddp"), optimizer)
+    assert ddp.optimizer is optimizer and ddp.outer is None and ddp.policy.name == "ddp"
+    assert ddp.policy.average_gradients and ddp.policy.params.period is None
+    diloco = method_parts(SyncConfig(method="diloco", sync_period=32), optimizer)
+    assert diloco.policy.outer is None and diloco.sync_policy().outer is diloco.outer
+    assert (diloco.outer.lr, diloco.outer.momentum) == (0.7, 0.9) and diloco.outer.nesterov
+    assert diloco.policy.other_states.period is None
+    assert method_policy("mtdao", 32, optimizer).periods()["other states"] == 32
+    half_life = method_policy("mtdao", 32, optimizer, sync_policy="half-life")
     # exp_avg_0 decays with 0.99 (tau 69), exp_avg_sq with the default 0.95 (tau 13.5).
     assert half_life.state_rule("exp_avg_0").period == 64
     assert half_life.state_rule("exp_avg_sq").period == 32
-    assert build_policy("desloc", 32, optimizer).state_rule("exp_avg_sq").period == 192
+    assert method_policy("desloc", 32, optimizer).state_rule("exp_avg_sq").period == 192
     sgdm_config = resolve(TrainConfig.of(method="desloc", optimizer="sgdm"))
     sgdm = build_optimizer([param], sgdm_config.sync, sgdm_config.lr_schedule.lr)
-    sgdm_desloc = build_policy("desloc", 32, sgdm)  # no second moment to name
+    sgdm_desloc = method_policy("desloc", 32, sgdm)  # no second moment to name
     assert sgdm_desloc.periods() == {"params": 32, "other states": 96}
+    nesterov = method_parts(SyncConfig(method="local-adam", outer_step="nesterov"), optimizer)
+    assert nesterov.outer is not None and nesterov.sync_policy().params.period == 32
+
+
+def test_every_method_has_one_recipe():
+    assert set(RECIPES) == set(METHODS)
 
 
 @pytest.mark.parametrize(
     "method, sync_policy, match",
     [
-        ("ddp", "unified", "a sync policy does not apply"),
+        ("ddp", "unified", "`sync_policy`: ddp does not average optimizer states"),
         ("diloco", "unified", "a sync policy does not apply"),
-        ("mtdao", "sometimes", "Unknown sync policy"),
-        ("fsdp", None, "Unknown method"),
+        ("mtdao", "sometimes", "`sync_policy`: unknown value 'sometimes'"),
+        ("fsdp", None, "`method`: unknown value 'fsdp'"),
     ],
 )
 def test_bad_method_settings_are_refused(method, sync_policy, match):
     optimizer = MTAdam([torch.nn.Parameter(torch.zeros(3))])
     with pytest.raises(ValueError, match=match):
-        build_policy(method, 4, optimizer, sync_policy=sync_policy)
+        method_policy(method, 4, optimizer, sync_policy=sync_policy)

@@ -15,6 +15,8 @@ import re
 import sys
 import traceback
 
+from mtdao.flags import as_flags
+
 # Each command: the module whose add_parser(subparsers) defines it, and the one line `mtdao --help`
 # shows (tests/test_cli_help.py checks it against the module's own). Only the module of the
 # command being run is imported, so `mtdao --help` and `mtdao --version` start without torch.
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             print(message, file=sys.stderr, flush=True)
         return 130
     except expected_errors() as error:
-        print(f"mtdao {args.command}: error: {error}", file=sys.stderr)
+        print(f"mtdao {args.command}: error: {as_flags(str(error))}", file=sys.stderr)
         return 2
     return int(result or 0)
 

@@ -20,6 +20,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -38,6 +39,17 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return text
         shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def flag(name: str) -> str:
+    """A field's flag, without its dashes (``sync-period`` for ``sync_period``)."""
+    return name.replace("_", "-")
+
+
+def as_flags(message: str) -> str:
+    """A library message, which names each setting as its field (`sync_period`), spelled with the
+    flags instead (--sync-period): what ``mtdao train`` shows."""
+    return re.sub(r"`([a-z][a-z0-9_]*)`", lambda found: f"--{flag(found.group(1))}", message)
 
 
 def no_description(name: str) -> str | None:

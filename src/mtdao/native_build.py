@@ -1,5 +1,5 @@
 """Building and loading the package's hand-written CPU kernels: the optimizer's
-(``csrc/multi_tensor_step.cpp``) and the link codecs' (``mtdao/sync/csrc/codecs.cpp``).
+(``csrc/multi_tensor_step.cpp``) and the link codecs' (``mtdao/sync/codecs/csrc/codecs.cpp``).
 
 A kernel is compiled with ``torch.utils.cpp_extension`` the first time a machine needs it and
 kept in a folder of torch's extensions root (``TORCH_EXTENSIONS_DIR``, by default

@@ -1,5 +1,5 @@
 """What a Trainer run needs from mtdao: the method's settings, and the optimizer and engine they
-build, made by the library's builders (:mod:`mtdao.sync.config`; nothing here decides an update
+build, made by the library's builders (:mod:`mtdao.methods`; nothing here decides an update
 or a sync).
 
 Nothing in this module imports transformers: it serves any trainer that hands over a model and
@@ -15,18 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtdao.optim.named import build_optimizer
+from mtdao.methods import SyncConfig, build_optimizer, build_sync, warmups_of
+from mtdao.methods.checks import non_negative, positive_int
 from mtdao.optim.warmups import BetaWarmup, OmegaWarmup
 from mtdao.sync import LocalUpdateSync, SingleWorker
 from mtdao.sync.communicator import Traffic
-from mtdao.sync.config import SyncConfig, build_sync, non_negative, positive_int, warmups_of
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.units import format_bytes, format_traffic
 
 
 @dataclass(frozen=True)
 class LocalUpdates(SyncConfig):
-    """The method of a run: :class:`mtdao.sync.config.SyncConfig` (the ``mtdao train`` fields of
+    """The method of a run: :class:`mtdao.methods.SyncConfig` (the ``mtdao train`` fields of
     the same names, with their defaults) and the processes per worker.
 
     The learning rate, its schedule, the weight decay and the gradient-clipping norm stay the
@@ -82,7 +82,7 @@ def build_local_run(
     all of them), each worker's gradients clipped to norm ``grad_clip`` (0: not clipped). With
     ``shards > 1`` the model is sharded in place with FSDP2 first."""
     config = local_updates.resolved()
-    for name, value in (("lr", lr), ("weight-decay", weight_decay), ("grad-clip", grad_clip)):
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("grad_clip", grad_clip)):
         non_negative(name, value)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if config.shards > 1:

@@ -4,7 +4,7 @@
 The multipliers are pure functions of the step (:func:`ramp`, :func:`warmed_beta`,
 :func:`step_capped_beta`); the objects hold what they scale (the target omegas and betas) so that
 nothing is stashed in the optimizer's param groups, and carry their definition in ``state_dict``.
-Any training loop applies them (``warmup.apply(optimizer, step)``); :mod:`mtdao.sync.config`
+Any training loop applies them (``warmup.apply(optimizer, step)``); :mod:`mtdao.methods`
 builds them for a method.
 """
 

@@ -2,14 +2,15 @@
 communicators (how bytes move) and worker layouts (where each worker's copy lives).
 
 The engine depends on torch only (and :mod:`mtdao.timescales` for half-lives, :mod:`mtdao.units`
-for byte counts) and knows no optimizer beyond the state keys its policies name; one module,
-:mod:`mtdao.sync.config`, composes a named method from the optimizers (:mod:`mtdao.optim`) and
-this package. Test doubles:
+for byte counts) and knows no optimizer beyond the state keys its policies name; the named methods
+(:mod:`mtdao.methods`) compose the optimizers (:mod:`mtdao.optim`) with this package, which
+imports neither. Codecs: :mod:`mtdao.sync.codecs`. Test doubles:
 :mod:`mtdao.sync.testing`. :func:`stack_workers`, the model side of simulated workers, lives in
 :mod:`mtdao.model.stacked_workers` (which imports nothing of this package) and is re-exported here.
 """
 
 from mtdao.model.stacked_workers import StackedWorkers, stack_workers
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.communicator import (
     Averages,
     Communicator,
@@ -17,7 +18,6 @@ from mtdao.sync.communicator import (
     SingleWorker,
     Traffic,
 )
-from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.engine import LocalUpdateSync, NonFiniteError, SyncEvent
 from mtdao.sync.layout import ProcessGroupLayout, StackedLayout, WorkerLayout
 from mtdao.sync.policy import (

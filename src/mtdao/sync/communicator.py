@@ -23,27 +23,25 @@ Averaging is split from assigning so that the engine can check the averages (NaN
 anything is overwritten. :meth:`Communicator.average` returns an :class:`Averages`; a blocking
 communicator returns it complete, one that overlaps communication with compute returns it with
 its collectives in flight and finishes it in :meth:`Averages.wait`. A call may name a codec per
-tensor (:mod:`mtdao.sync.quantize`); quantized tensors travel as in :mod:`mtdao.sync.exchange`.
+tensor (:mod:`mtdao.sync.codecs.quantize`); quantized tensors travel as in :mod:`mtdao.sync.exchange`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.collectives import InFlightMean
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.exchange import payload_sizes, quantized_mean
 from mtdao.sync.layout import WorkerLayout
-from mtdao.sync.quantize import Codec
 from mtdao.sync.transport import Transport
+from mtdao.sync.types import WorkerState
 from mtdao.units import format_bytes
-
-if TYPE_CHECKING:
-    from mtdao.sync.trained_state import TrainedState
 
 
 @dataclass
@@ -236,7 +234,7 @@ class Communicator:
         (and free to change once this returns: what is sent has been copied or encoded).
 
         ``kinds`` labels each tensor for the traffic account (``params``, ``exp_avg_0``, ...).
-        ``codecs`` gives each tensor's :class:`~mtdao.sync.quantize.Codec` on the link (None:
+        ``codecs`` gives each tensor's :class:`~mtdao.sync.codecs.quantize.Codec` on the link (None:
         float32, averaged exactly); every worker receives bit-identical averages either way.
         The collectives are launched here and complete in :meth:`Averages.wait`.
         """
@@ -290,7 +288,7 @@ class Communicator:
         communicator reports of it (None: nothing)."""
         return None
 
-    def attach_trained_state(self, trained: TrainedState) -> None:
+    def attach_trained_state(self, trained: WorkerState) -> None:
         """Keep the engine's trained state, to hand a joining worker (when
         :attr:`heals_joiners`)."""
 

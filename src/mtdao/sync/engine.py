@@ -57,6 +57,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.communicator import (
     Communicator,
     FinalRoundNotCommitted,
@@ -64,7 +65,6 @@ from mtdao.sync.communicator import (
     SingleWorker,
     Traffic,
 )
-from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError, NonFiniteWorkers
 from mtdao.sync.layout import WorkerLayout
@@ -112,7 +112,7 @@ class LocalUpdateSync:
     ``skipped_rounds``.
     ``track_alignment`` records, at each parameter sync, each worker's cosine similarity between
     its pseudo-gradient and the global one, and its parameter drift from the average.
-    ``fragments``, ``delay`` and ``codecs`` (a :class:`~mtdao.sync.compression.SyncCodecs`) split,
+    ``fragments``, ``delay`` and ``codecs`` (a :class:`~mtdao.sync.codecs.compression.SyncCodecs`) split,
     overlap and quantize the rounds (see the module docstring); ``state_decays`` gives each state
     key's EMA decay for the delayed merge (default: :func:`~mtdao.sync.policy.state_decays`).
     ``radial_directional`` names the kinds (``params``, ``momenta``) averaged as norm and

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.quantize import Codec
 from mtdao.sync.transport import StackedTransport, Transport
 
 

@@ -35,7 +35,7 @@ class FragmentSchedule:
             layers.setdefault(layer_of(name), []).append(index)
         if num_fragments > len(layers):
             raise ValueError(
-                f"--sync-fragments {num_fragments}: the model has only {len(layers)} layers "
+                f"`sync_fragments` {num_fragments}: the model has only {len(layers)} layers "
                 "(modules holding parameters) to split"
             )
         self.num_fragments = num_fragments

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mtdao.sync.codecs.compression import PseudoGradients
 from mtdao.sync.communicator import Communicator
-from mtdao.sync.compression import PseudoGradients
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS
 from mtdao.sync.rounds import CheckedRound, SyncEvent, SyncRound
 
@@ -133,8 +133,7 @@ class NonFiniteWorkers:
         if self.on_non_finite == "raise":
             raise NonFiniteError(
                 f"Non-finite value (NaN/inf) at step {due.step} in {described}. Nothing was "
-                "averaged; use on_non_finite='skip' (CLI: --on-non-finite skip) to leave such "
-                "workers out"
+                "averaged; set `on_non_finite` to 'skip' to leave such workers out"
             )
         excluded = sorted(offenders)
         if len(excluded) == self.layout.num_workers:

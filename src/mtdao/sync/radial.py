@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtdao.sync.compression import kind_group
+from mtdao.sync.codecs.compression import kind_group
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import WorkerLayout
 
@@ -51,7 +51,7 @@ def check_radial_groups(groups: Sequence[str]) -> tuple[str, ...]:
     for group in groups:
         if group not in RADIAL_GROUPS:
             raise ValueError(
-                f"--radial-directional: unknown kind {group!r}; choose from "
+                f"`radial_directional`: unknown kind {group!r}; choose from "
                 f"{', '.join(RADIAL_GROUPS)} (the second moment must stay positive)"
             )
     return tuple(group for group in RADIAL_GROUPS if group in groups)

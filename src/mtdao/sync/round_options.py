@@ -3,28 +3,28 @@ that change a round without changing its policy.
 
 The engine (:class:`~mtdao.sync.round_plan.RoundPlan`) checks them against its policy with
 :func:`check_round_options`; the training config (``mtdao.train.config_checks``) checks the same
-rules, through the same functions, against the flags before any policy is built. Messages name the
-flags (``--sync-delay``, ``--sync-fragments``, ``--sync-dtype``), which a library user passes as
-``delay``, ``fragments`` and ``codecs``.
+rules, through the same functions, against a method's settings before any policy is built.
+Messages name those settings (`sync_delay`, `sync_fragments`, `sync_dtype`: the engine's
+``delay``, ``fragments`` and ``codecs``); ``mtdao train`` shows them as its flags.
 """
 
 from __future__ import annotations
 
-from mtdao.sync.compression import SyncCodecs
+from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.policy import SyncPolicy
 
 
 def check_fragments(fragments: int) -> int:
     """P, the number of fragments: a positive integer."""
     if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(f"--sync-fragments must be a positive integer, got {fragments!r}")
+        raise ValueError(f"`sync_fragments` must be a positive integer, got {fragments!r}")
     return fragments
 
 
 def check_delay_value(delay: int) -> int:
     """D, the delay in steps: an integer >= 0 (0: blocking rounds)."""
     if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-        raise ValueError(f"Invalid sync delay: {delay!r} (--sync-delay must be an integer >= 0)")
+        raise ValueError(f"Invalid sync delay: {delay!r} (`sync_delay` must be an integer >= 0)")
     return delay
 
 
@@ -34,8 +34,8 @@ def refuse_without_rounds(
     """Refuse the first option that changes a round, for ``who``, which averages gradients every
     step (DDP) and so has no rounds to change."""
     quantized = codecs is not None and codecs.quantizes_anything
-    options = (("--sync-delay", delay > 0), ("--sync-fragments", fragments > 1))
-    changed = [flag for flag, on in (*options, ("--sync-dtype", quantized)) if on]
+    options = (("`sync_delay`", delay > 0), ("`sync_fragments`", fragments > 1))
+    changed = [flag for flag, on in (*options, ("`sync_dtype`", quantized)) if on]
     if changed:
         raise ValueError(
             f"{changed[0]}: {who} averages gradients every step; with gradient averaging there "
@@ -46,10 +46,10 @@ def refuse_without_rounds(
 def check_delay_lands(delay: int, shortest: int | None, period: str) -> None:
     """Refuse a delay that is not below the shortest sync period (None: nothing is averaged), so
     that a round lands before the next round of the same tensors starts. ``period`` says which
-    period that is, as the message shows it ("--sync-period 32")."""
+    period that is, as the message shows it ("`sync_period` 32")."""
     if shortest is not None and delay >= shortest:
         raise ValueError(
-            f"--sync-delay {delay} must be below {period}: a round has to land before the next "
+            f"`sync_delay` {delay} must be below {period}: a round has to land before the next "
             "round of the same tensors starts"
         )
 

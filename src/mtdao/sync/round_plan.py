@@ -29,13 +29,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mtdao.sync.codecs.compression import PseudoGradients, SyncCodecs
+from mtdao.sync.codecs.quantize import check_supported
 from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
-from mtdao.sync.compression import PseudoGradients, SyncCodecs
 from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.fragments import FragmentSchedule
 from mtdao.sync.overlap import POSITIVE_STATE_KEYS, merge, merge_factor
 from mtdao.sync.policy import NON_AVERAGED_STATE_KEYS, SyncPolicy, SyncRule, state_decays
-from mtdao.sync.quantize import check_supported
 from mtdao.sync.radial import NORMS_KIND, RadialDirectional
 from mtdao.sync.round_options import check_round_options
 from mtdao.sync.rounds import Round, SyncRound
@@ -85,12 +85,12 @@ class RoundPlan:
         self.radial = RadialDirectional(radial, self.layout, communicator.transport.stacked)
         if "params" in self.radial.groups and policy.params.period is None:
             raise ValueError(
-                "--radial-directional params: the policy never averages the parameters"
+                "`radial_directional` params: the policy never averages the parameters"
             )
         if "params" in self.radial.groups and codecs.error_feedback:
             raise ValueError(
-                "--radial-directional params: error feedback corrects the pseudo-gradient, not "
-                "the unit vector sent in its place; drop --error-feedback"
+                "`radial_directional` params: error feedback corrects the pseudo-gradient, not "
+                "the unit vector sent in its place; drop `error_feedback`"
             )
 
     @property

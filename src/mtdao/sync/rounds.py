@@ -35,7 +35,7 @@ from mtdao.sync.dtensors import local_shard
 from mtdao.sync.layout import WorkerLayout
 
 if TYPE_CHECKING:
-    from mtdao.sync.compression import PseudoGradients
+    from mtdao.sync.codecs.compression import PseudoGradients
 
 
 @dataclass

@@ -21,7 +21,7 @@ def check_shardable(model: nn.Module, shards: int) -> None:
         chunk = math.ceil(rows / shards)
         if rows == 0 or chunk * (shards - 1) >= rows:
             raise ValueError(
-                f"--shards {shards}: the model does not shard: parameter {name} "
+                f"`shards` {shards}: the model does not shard: parameter {name} "
                 f"{tuple(param.shape)} has {rows} rows along dim 0, which leaves process "
                 f"{shards - 1} of every worker none of it; use fewer shards"
             )

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.communicator import Averages, Communicator
 from mtdao.sync.layout import StackedLayout
-from mtdao.sync.quantize import Codec
 from mtdao.sync.transport import StackedTransport
 
 

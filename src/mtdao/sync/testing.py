@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from mtdao.sync.codecs.quantize import Codec
 from mtdao.sync.collectives import dtype_buckets
 from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted, codec_groups
 from mtdao.sync.exchange import BlockLayout
 from mtdao.sync.layout import WorkerLayout
-from mtdao.sync.quantize import Codec
 
 
 @dataclass

@@ -10,15 +10,13 @@ tensors as DTensors: :meth:`~mtdao.sync.sharded_state.ShardedEngineState.sharded
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from mtdao.sync.dtensors import local_shard
-
-if TYPE_CHECKING:
-    from mtdao.sync.engine import LocalUpdateSync
+from mtdao.sync.types import EngineState
 
 
 class TrainedState:
@@ -28,7 +26,7 @@ class TrainedState:
 
     def __init__(
         self,
-        sync: LocalUpdateSync,
+        sync: EngineState,
         named_params: list[tuple[str, Tensor]] | None = None,
         module: nn.Module | None = None,
     ) -> None:

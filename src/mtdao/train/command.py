@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args, dataclass_to_argv
-from mtdao.sync.methods import METHOD_TABLE
+from mtdao.methods.table import METHOD_TABLE
 from mtdao.train.config import OPTIMIZER_DEFAULTS, ParallelSettings, TrainConfig, describe_default
 
 SUMMARY_KEYS = (

@@ -6,7 +6,7 @@ training budget, the LR schedule, the data, the run directory, checkpoints, faul
 each setting marked where it may differ between a run and its resumption (``resumable``) or
 between the replicas of one run (``replica_local``); fields left ``None`` take a default that
 depends on the method and the base optimizer (:data:`OPTIMIZER_DEFAULTS`, in
-:mod:`mtdao.sync.optimizer_defaults`; the method table in :mod:`mtdao.sync.methods`).
+:mod:`mtdao.methods.defaults`; the method table in :mod:`mtdao.methods.table`).
 :func:`resolve` validates a config once (:mod:`mtdao.train.config_checks`) and fills in every
 default; the resolved config is what a run uses, what ``config.json`` and ``results.json`` hold,
 and what a resume is compared with. Resolving is idempotent, so a saved resolved config resolves
@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtdao.data.batches import SPLITS as DATA_SPLITS
-from mtdao.flags import choice, flat_values, from_flat, leaf_fields, switch_off
+from mtdao.flags import as_flags, choice, flat_values, from_flat, leaf_fields, switch_off
+from mtdao.methods.config import SyncConfig
+from mtdao.methods.defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
+from mtdao.methods.defaults import default_lr as default_lr
+from mtdao.methods.defaults import method_defaults
+from mtdao.methods.table import METHOD_TABLE
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.sync.config import SyncConfig, method_defaults
-from mtdao.sync.methods import METHOD_TABLE
-from mtdao.sync.optimizer_defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
-from mtdao.sync.optimizer_defaults import default_lr as default_lr
 from mtdao.train.config_checks import check_config
 from mtdao.train.config_checks import config_warnings as config_warnings
 from mtdao.train.schedule import DEFAULT_WARMUP_FRACTION, DEFAULT_WARMUP_STEPS, warmup_steps_of
@@ -311,13 +312,21 @@ WARMUP_FIELDS = frozenset({"warmup", "warmup_steps"})
 
 
 def resolve(config: TrainConfig) -> TrainConfig:
-    """``config`` validated, with every default filled in; raises ValueError naming a bad flag."""
+    """``config`` validated, with every default filled in; raises ValueError naming a bad flag
+    (the library's messages name the field, `sync_period`: spelled here as its flag)."""
+    try:
+        return _resolve(config)
+    except ValueError as error:
+        raise ValueError(as_flags(str(error))) from None
+
+
+def _resolve(config: TrainConfig) -> TrainConfig:
     check_config(config)
     out = config.job.out or default_out(config)
     steps, sync, lr = config.total_steps(), config.sync, config.lr_schedule.lr
     return config.replace(
         lr=lr if lr is not None else default_lr(sync.method, sync.optimizer),
-        **method_defaults(sync),  # the library's: mtdao.sync.config
+        **method_defaults(sync),  # the library's: mtdao.methods.defaults
         steps=steps,
         tokens=None,
         eval_every=config.job.eval_every or max(1, steps // EVALUATIONS_PER_RUN),

@@ -3,8 +3,9 @@
 :func:`check_config` refuses a bad config with a one-line ValueError naming the flag (``resolve``
 calls it before filling in any default); :func:`config_warnings` lists the settings of a resolved
 config that are allowed but probably not what was meant. The method's settings (its periods, round
-options and hyperparameters) are checked by the library's rules (:func:`mtdao.sync.config.check_method`),
-applied here to the flags.
+options and hyperparameters) are checked by the library's rules
+(:func:`mtdao.methods.checks.check_method`), whose messages name fields (`sync_period`):
+:func:`~mtdao.train.config.resolve` spells them as the flags (--sync-period).
 
 The config is taken as it comes (``Any``): this module sits below :mod:`mtdao.train.config`,
 which imports it.
@@ -15,17 +16,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mtdao.flags import flat_values, leaf_fields
-from mtdao.optim.warmups import BETA_WARMUP_START, step_capped_beta
-from mtdao.sync.config import (
+from mtdao.flags import flag, flat_values, leaf_fields
+from mtdao.methods.checks import (
     check_choice,
     check_method,
-    flag,
     non_negative,
     positive,
     positive_int,
 )
-from mtdao.sync.methods import METHOD_TABLE
+from mtdao.methods.table import METHOD_TABLE
+from mtdao.optim.warmups import BETA_WARMUP_START, step_capped_beta
 
 
 def check_config(config: Any) -> None:
@@ -53,7 +53,7 @@ def check_config(config: Any) -> None:
             positive_int(name, settings[name])
     if config.training.steps is not None and config.training.tokens is not None:
         raise ValueError("give --steps or --tokens, not both")
-    check_method(config.sync)  # the method's settings: the library's rules (mtdao.sync.config)
+    check_method(config.sync)  # the method's settings: the library's rules
     for name in ("weight_decay", "grad_clip", "min_lr_ratio", "lr"):
         if settings[name] is not None:
             non_negative(name, settings[name])

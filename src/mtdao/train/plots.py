@@ -103,7 +103,7 @@ def run_curves(run_dir: Path) -> RunCurves:
 
 def describe_settings(config: Mapping[str, Any]) -> str:
     """'mtdao (adam), 4 workers, K = 32' from a run's config ('' without a method)."""
-    from mtdao.sync.methods import METHOD_TABLE
+    from mtdao.methods.table import METHOD_TABLE
 
     method = config.get("method")
     if method not in METHOD_TABLE:

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from torch.optim import Optimizer
 
+from mtdao.methods.optimizers import warmups_of
 from mtdao.optim.warmups import DefinedSchedule
-from mtdao.sync.config import warmups_of
 
-if TYPE_CHECKING:
-    from mtdao.train.config import TrainConfig
+
+class PlannedRun(Protocol):
+    """What the schedules read of a :class:`~mtdao.train.config.TrainConfig` (which imports this
+    module for its defaults, so this one names only what it reads)."""
+
+    lr_schedule: Any
+    sync: Any
+
+    def total_steps(self) -> int: ...
 
 
 # The LR warm-up when neither --warmup nor --warmup-steps is given: a number of steps, not a
@@ -30,7 +37,7 @@ DEFAULT_WARMUP_STEPS = 150
 DEFAULT_WARMUP_FRACTION = 0.05
 
 
-def warmup_steps_of(config: TrainConfig, steps: int | None = None) -> int:
+def warmup_steps_of(config: PlannedRun, steps: int | None = None) -> int:
     """The LR warm-up's length in steps for a run of ``steps`` (default: the config's own):
     --warmup's fraction of them, else --warmup-steps, else the default: DEFAULT_WARMUP_STEPS,
     or DEFAULT_WARMUP_FRACTION of the run when that is longer, at most half the run."""
@@ -101,7 +108,7 @@ class LRSchedule(DefinedSchedule):
             group["lr"] = lr
 
 
-def lr_schedule_of(config: TrainConfig) -> LRSchedule:
+def lr_schedule_of(config: PlannedRun) -> LRSchedule:
     """The learning-rate schedule of a resolved config."""
     steps = config.total_steps()
     return LRSchedule(
@@ -164,7 +171,7 @@ class StepsChange:
         return f"the learning rate continues at {self.lr_new:.4g}, but {differs}"
 
 
-def steps_change(old: TrainConfig, new: TrainConfig, step: int) -> StepsChange:
+def steps_change(old: PlannedRun, new: PlannedRun, step: int) -> StepsChange:
     """Compare the schedules of two resolved configs that differ in their length, at ``step``."""
     plans = [
         (lr_schedule_of(config), *warmups_of(config.sync, config.total_steps()))

@@ -11,12 +11,11 @@ import torch
 
 from mtdao.data import WorkerShard, encode_corpus, load_corpus, load_tokenizer
 from mtdao.data.batches import validation_batches
+from mtdao.methods import recipes
+from mtdao.methods.optimizers import build_optimizer, warmups_of
 from mtdao.model import Llama, model_config, split_weight_decay
-from mtdao.optim.named import build_optimizer
 from mtdao.optim.warmups import BetaWarmup, OmegaWarmup
 from mtdao.sync import Communicator, LocalUpdateSync, SimulatedWorkers, WorkerLayout
-from mtdao.sync import config as sync_config
-from mtdao.sync.config import warmups_of
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo, init_process_group, pick_device
@@ -177,7 +176,7 @@ def build_sync(
 ) -> LocalUpdateSync:
     """The engine carrying out the method's policy, with per-worker gradient clipping."""
     clip = config.training.grad_clip
-    return sync_config.build_sync(
+    return recipes.build_sync(
         config.sync,
         optimizer,
         communicator,

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from mtdao.data import stacked_batches
 from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.train.checkpoint.checkpointer import Checkpointer
 from mtdao.train.config import TrainConfig, config_warnings, resolve
@@ -40,7 +39,6 @@ from mtdao.train.results import summarize
 from mtdao.train.setup import Run, build_run
 from mtdao.train.sharding import check_topology
 from mtdao.train.startup import Start, choose_start, lock_run_dir
-from mtdao.train.workers import SimulatedWorkerSet
 from mtdao.units import format_bytes
 
 __all__ = ["Run", "build_run", "train", "train_step", "set_hyperparameters"]
@@ -58,19 +56,11 @@ def set_hyperparameters(run: Run, step: int) -> None:
     run.beta_warmup.apply(run.optimizer, step)
 
 
-def next_batch(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(run.workers, SimulatedWorkerSet):
-        inputs, targets = stacked_batches(run.shards)
-    else:  # one worker in this process
-        inputs, targets = run.shards[0].next_batch()
-    return inputs.to(run.device, non_blocking=True), targets.to(run.device, non_blocking=True)
-
-
 def train_step(run: Run) -> torch.Tensor:
     """One optimizer step of every local worker, with whatever averaging is due; returns the
     per-worker losses."""
     set_hyperparameters(run, run.step)
-    inputs, targets = next_batch(run)
+    inputs, targets = run.workers.next_batch(run.shards, run.device)
     losses = run.workers.losses(inputs, targets)
     losses.sum().backward()  # each worker's gradient lands in its own slice
     run.sync.step()

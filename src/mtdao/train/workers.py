@@ -1,7 +1,7 @@
 """The workers of a run: M simulated in one process, or this process as one of M real ones.
 
-Both expose the same small surface to the training loop: parameters to optimize, per-worker
-losses for a batch, per-worker gradient clipping, and the global (averaged) model for evaluation.
+Both expose the same small surface to the training loop: parameters to optimize, the next batch
+of each local worker, per-worker losses for it, per-worker gradient clipping, and the global (averaged) model for evaluation.
 Where each worker's copy lives is the communicator's layout (:mod:`mtdao.sync.layout`); the
 simulated workers are a model stacked with :func:`mtdao.sync.stack_workers`.
 """
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mtdao.data import WorkerShard, stacked_batches
 from mtdao.model.stacked_workers import stack_workers
 from mtdao.sync.layout import WorkerLayout
 
@@ -33,6 +34,14 @@ class WorkerSet:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         raise NotImplementedError
+
+    def next_batch(
+        self, shards: Sequence[WorkerShard], device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) of the next step on ``device``, each local worker's batch from its
+        own data shard, as :meth:`losses` takes them: here one worker, this process."""
+        inputs, targets = shards[0].next_batch()
+        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
     def losses(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """Mean loss of each local worker on its batch: shape [local workers]."""
@@ -64,6 +73,13 @@ class SimulatedWorkerSet(WorkerSet):
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.stacked.named_parameters())
+
+    def next_batch(
+        self, shards: Sequence[WorkerShard], device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """Every worker's batch, stacked along a leading worker dim: two [M, B, T] tensors."""
+        inputs, targets = stacked_batches(shards)
+        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
     def losses(self, inputs: Tensor, targets: Tensor) -> Tensor:
         with self.autocast():

@@ -28,7 +28,7 @@ from mtdao.experiments.common.suite import (
     parse_lr_pins,
     run_suite,
 )
-from mtdao.sync.methods import SYNC_POLICIES
+from mtdao.methods.table import SYNC_POLICIES
 from mtdao.train.config import TrainConfig, default_lr
 
 EPILOG = """

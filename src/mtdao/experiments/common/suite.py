@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtdao.methods.optimizers import BASE_OPTIMIZERS
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.optim.named import BASE_OPTIMIZERS
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import (
     DATA_SPLITS,

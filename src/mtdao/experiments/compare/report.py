@@ -26,7 +26,7 @@ from mtdao.experiments.common.formatting import (
     table,
 )
 from mtdao.experiments.compare.summary import CLAIM_BASELINES, claim_checks, lr_key, ranking
-from mtdao.sync.methods import MULTI_TIMESCALE_METHODS
+from mtdao.methods.table import MULTI_TIMESCALE_METHODS
 
 CLAIM = "the paper's claim (MT-DAO matches or beats DDP and beats Local Adam and DiLoCo)"
 PLOTS = (

@@ -30,7 +30,7 @@ from mtdao.experiments.common.suite import (
 )
 from mtdao.experiments.compare.presets import add_preset_argument, apply_preset
 from mtdao.flags import argv_from_namespace
-from mtdao.sync.methods import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
+from mtdao.methods.table import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES
 from mtdao.train.config import TrainConfig, default_lr, resolve
 
 EPILOG = """

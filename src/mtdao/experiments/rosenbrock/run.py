@@ -36,9 +36,9 @@ from mtdao.experiments.rosenbrock.problem import (
     rosenbrock,
     rosenbrock_grad,
 )
+from mtdao.methods import SyncConfig, method_parts
 from mtdao.optim import MTAdam
 from mtdao.sync import LocalUpdateSync, NonFiniteError, SimulatedWorkers
-from mtdao.sync.methods import build_policy
 
 DDP_BETA = 0.9  # the reference's first momentum: plain synchronous Adam
 CURVE_POINTS = 400  # loss curve and trajectory are kept at about this many steps
@@ -136,7 +136,8 @@ def run(config: RosenbrockConfig) -> dict[str, Any]:
     point = torch.tensor(config.start, dtype=torch.float64)
     x = torch.nn.Parameter(point.repeat(config.workers, 1))  # [M, 2]: row w is worker w's point
     optimizer = MTAdam([x], lr=config.lr, betas=(beta,), omegas=(omega,), beta2=config.beta2)
-    policy = build_policy(config.method, config.sync_period, optimizer)
+    method = SyncConfig(method=config.method, sync_period=config.sync_period)
+    policy = method_parts(method, optimizer).sync_policy()
     sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(config.workers))
     loss_curve, trajectory, diverged_at = _trace(config, sync, x)
     start_loss = loss_curve[0][1]

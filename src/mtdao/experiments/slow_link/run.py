@@ -51,8 +51,8 @@ from mtdao.experiments.slow_link.report import (
 )
 from mtdao.experiments.slow_link.summary import KIND, SCHEMA, compare_to_ddp
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args
+from mtdao.methods.table import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.sync.methods import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
 from mtdao.testing.network.netem import HOST_IFACE, EmulatedLink, LinkUnavailable
 from mtdao.testing.network.netem import measure_throughput_mbit as measure_link_mbit
 from mtdao.testing.network.relay_link import RelayLink, emulation_of, slow_link

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtdao.sync import lowbit, native_codecs, topk
+from mtdao.sync.codecs import lowbit, native_codecs, topk
 
 SYNC_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4", "int2", "top<k>")
 """``top<k>`` stands for any ``top8``, ``top4``, ...: k kept values per block."""
@@ -171,7 +171,7 @@ def check_supported(codec: Codec | None, device: torch.device) -> None:
         torch.ones(1, device=device).to(torch.float8_e4m3fn).float()
     except (AttributeError, RuntimeError, TypeError) as error:
         raise ValueError(
-            f"--sync-dtype fp8: this torch build has no float8_e4m3fn on {device.type} ({error})"
+            f"`sync_dtype` fp8: this torch build has no float8_e4m3fn on {device.type} ({error})"
         ) from None
 
 
@@ -214,7 +214,7 @@ def _encode_fp8(blocks: Tensor, sqrt: bool) -> Tensor:
 
 def _encode_log_int8(blocks: Tensor) -> Tensor:
     """Codes 1..255 log-spaced between the block's positive bounds, 0 for zero; the bounds travel
-    as two float32 bit patterns, NaN for a corrupt block (:func:`mtdao.sync.lowbit.log_codes`)."""
+    as two float32 bit patterns, NaN for a corrupt block (:func:`mtdao.sync.codecs.lowbit.log_codes`)."""
     codes, bounds = lowbit.log_codes(blocks, LOG_LEVELS)
     return torch.cat([codes, _bytes(bounds)], dim=-1)
 

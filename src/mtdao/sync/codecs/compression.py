@@ -1,7 +1,7 @@
 """What each kind of tensor crosses the link as: a dtype per kind, parameters as pseudo-gradients.
 
 Three groups of kinds, each with its own dtype (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
-``int2`` or ``top<k>``, :mod:`mtdao.sync.quantize`):
+``int2`` or ``top<k>``, :mod:`mtdao.sync.codecs.quantize`):
 
 * ``params``, sent as the pseudo-gradient ``anchor - x``, where the anchor is the global value
   the parameter took at its last sync (identical on every worker). A pseudo-gradient is small and
@@ -11,7 +11,7 @@ Three groups of kinds, each with its own dtype (``fp32``, ``bf16``, ``fp8``, ``i
   the model. (A state needs none: its error decays with the state itself.)
 * ``momenta`` (every state but the second moment): signed and smooth, sent as they are.
 * ``second-moment`` (``exp_avg_sq``): positive over many decades, sent in a domain that keeps its
-  relative precision (:mod:`mtdao.sync.quantize`).
+  relative precision (:mod:`mtdao.sync.codecs.quantize`).
 
 ``fp32`` sends the tensor itself, averaged exactly: the default, the same as a plain round.
 """
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtdao.sync.quantize import DEFAULT_BLOCK, SYNC_DTYPES, Codec, is_sync_dtype
+from mtdao.sync.codecs.quantize import DEFAULT_BLOCK, SYNC_DTYPES, Codec, is_sync_dtype
 
 KIND_GROUPS = ("params", "momenta", "second-moment")
 SECOND_MOMENT_KEY = "exp_avg_sq"
@@ -52,17 +52,17 @@ class SyncCodecs:
         for group, dtype in zip(KIND_GROUPS, (self.params, self.momenta, self.second_moment)):
             if not is_sync_dtype(dtype):
                 raise ValueError(
-                    f"--sync-dtype: unknown dtype {dtype!r} for {group}; "
+                    f"`sync_dtype`: unknown dtype {dtype!r} for {group}; "
                     f"choose from {', '.join(SYNC_DTYPES)}"
                 )
         for kind in ("params", "exp_avg", SECOND_MOMENT_KEY):
             try:
                 self.codec(kind)
             except ValueError as error:
-                raise ValueError(f"--sync-dtype {kind_group(kind)}: {error}") from None
+                raise ValueError(f"`sync_dtype` {kind_group(kind)}: {error}") from None
         if self.error_feedback and self.params == "fp32":
             raise ValueError(
-                "--error-feedback corrects quantized parameters: give --sync-dtype params=bf16, "
+                "`error_feedback` corrects quantized parameters: give `sync_dtype` params=bf16, "
                 "fp8, int8, int4, int2 or top<k>"
             )
 
@@ -78,7 +78,7 @@ class SyncCodecs:
                 dtypes[group] = dtype
             else:
                 raise ValueError(
-                    f"--sync-dtype: unknown kind {group!r} in {item!r}; "
+                    f"`sync_dtype`: unknown kind {group!r} in {item!r}; "
                     f"choose from {', '.join(KIND_GROUPS)}"
                 )
         return cls(*dtypes.values(), error_feedback=error_feedback)

@@ -1,4 +1,5 @@
-"""The base optimizers by name, as a method's configuration names them (``optimizer="adam"``)."""
+"""The base optimizers by name, as a method's configuration names them (``optimizer="adam"``),
+built with the method's momenta, and the warm-ups of those momenta."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch.optim import Optimizer
 from mtdao.optim.mt_adam import MTAdam
 from mtdao.optim.mt_adopt import MTAdopt
 from mtdao.optim.mt_sgd import MTSGD
+from mtdao.optim.warmups import BetaWarmup, OmegaWarmup
 
 BASE_OPTIMIZERS = ("adam", "adopt", "sgdm")
 
@@ -18,8 +20,8 @@ def build_optimizer(
     param_groups: Iterable, config: Any, lr: float, weight_decay: float = 0.0
 ) -> Optimizer:
     """The optimizer ``config.optimizer`` names, with the ``betas``, ``omegas``, ``beta2`` and
-    ``eps`` of ``config`` (a resolved :class:`mtdao.sync.config.SyncConfig`), the peak ``lr``
-    and the ``weight_decay`` of groups that do not set their own."""
+    ``eps`` of ``config`` (a resolved :class:`mtdao.methods.SyncConfig`), the peak ``lr`` and
+    the ``weight_decay`` of groups that do not set their own."""
     common = dict(lr=lr, betas=config.betas, omegas=config.omegas, weight_decay=weight_decay)
     if config.optimizer == "adam":
         return MTAdam(param_groups, beta2=config.beta2, eps=config.eps, **common)
@@ -27,4 +29,14 @@ def build_optimizer(
         return MTAdopt(param_groups, beta2=config.beta2, eps=config.eps, **common)
     if config.optimizer == "sgdm":
         return MTSGD(param_groups, **common)
-    raise ValueError(f"Unknown optimizer {config.optimizer!r}; choose from {BASE_OPTIMIZERS}")
+    raise ValueError(
+        f"`optimizer`: unknown value {config.optimizer!r}; choose from {', '.join(BASE_OPTIMIZERS)}"
+    )
+
+
+def warmups_of(config: Any, total_steps: int) -> tuple[OmegaWarmup, BetaWarmup]:
+    """The omega and beta warm-ups of a resolved config over a run of ``total_steps`` steps."""
+    return (
+        OmegaWarmup(config.omegas, round(config.omega_warmup * total_steps)),
+        BetaWarmup(config.betas, round(config.beta_warmup * total_steps), config.beta_ramp),
+    )

@@ -2,7 +2,7 @@
 top-k, one pass over a block for its scale and one for its codes, where torch's operations take
 ten or more passes over the whole payload.
 
-:class:`mtdao.sync.quantize.Codec` takes them for float32 blocks on the CPU and its eager (torch)
+:class:`mtdao.sync.codecs.quantize.Codec` takes them for float32 blocks on the CPU and its eager (torch)
 codecs anywhere else (a GPU, bf16 and fp8, a machine that cannot build the kernels). Both paths
 give the same bytes and the same decoded bits, so workers on different paths still end a round
 alike; that is checked once per process, on blocks that take every branch (zeros, -0.0, ties,
@@ -22,7 +22,7 @@ from torch import Tensor
 from mtdao.native_build import Kernel, native_library
 
 CODECS = Kernel(
-    "mtdao.sync",
+    "mtdao.sync.codecs",
     "codecs.cpp",
     "mtdao_codecs",
     "the C++ codec kernels",
@@ -44,7 +44,7 @@ def serves(codec, tensor: Tensor) -> bool:
 
 def usable(codec_type) -> bool:
     """Whether the kernels are built, loaded and give the bytes and bits of ``codec_type``'s
-    eager codecs (:class:`mtdao.sync.quantize.Codec`, handed in: it is the caller)."""
+    eager codecs (:class:`mtdao.sync.codecs.quantize.Codec`, handed in: it is the caller)."""
     global _usable
     if _usable is None:
         _usable = native_library(CODECS) and _passes_check(codec_type)

@@ -1,6 +1,6 @@
 """4-bit and 2-bit blockwise codecs, codes packed several to a byte.
 
-Two domains, as for int8 (:mod:`mtdao.sync.quantize`):
+Two domains, as for int8 (:mod:`mtdao.sync.codecs.quantize`):
 
 * ``signed``: int8's scheme with fewer levels: the integers ``-Q .. Q`` (``Q = 2^(bits-1) - 1``:
   7 for 4 bits, 1 for 2 bits, a ternary code) times ``unit = absmax / Q``, so a value is at most
