@@ -31,9 +31,9 @@ def replica(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import mtdao
+    from mtdao.ft import fault_tolerant_replica
     from mtdao.model import Llama, model_config
     from mtdao.sync import LocalUpdateSync, unified
-    from mtdao.sync.torchft import fault_tolerant_replica
 
     torch.manual_seed(0)  # every replica builds the same model
     model = Llama(model_config("micro", VOCAB, SEQ_LEN))

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 import mtdao
+from mtdao.ft import QuorumError, ReplicaRefused, fault_tolerant_replica
 from mtdao.sync import FinalRoundNotCommitted, LocalUpdateSync, SyncCodecs, unified
-from mtdao.sync.torchft import QuorumError, ReplicaRefused, fault_tolerant_replica
 
 FEATURES, CLASSES, BATCH, LR = 32, 8, 64, 3e-3
 

@@ -29,7 +29,7 @@ from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
 
-torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+torchft = pytest.importorskip("mtdao.ft", exc_type=ImportError)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 

@@ -13,7 +13,7 @@ over shards), the same averages. ``--shards 1`` is the unsharded harness, unchan
 
 A replica of a fault-tolerant run (``--fault-tolerant --shards S``) is one such worker launched on
 its own (torchrun world size S): FSDP2 over its S processes, and its communicator
-(:mod:`mtdao.sync.torchft`) averaging each local shard with the same process of the other
+(:mod:`mtdao.ft`) averaging each local shard with the same process of the other
 replicas.
 """
 
@@ -120,7 +120,7 @@ def build_sharded_replica(
     model: nn.Module, config: TrainConfig, device: torch.device, communicator
 ) -> ShardedWorkerSet:
     """This process's part of a fault-tolerant replica of ``--shards`` processes: FSDP2 over them,
-    and ``communicator`` (a :class:`mtdao.sync.torchft.ReplicaGroups`) averaging its shards with
+    and ``communicator`` (a :class:`mtdao.ft.ReplicaGroups`) averaging its shards with
     the same process of the other replicas. Between rounds the replica reaches no other worker:
     its losses, clipping and evaluation are its own."""
     check_shardable(model, config.parallel.shards)

@@ -8,7 +8,7 @@ through one too. The replica says when it joins and when it heals (:class:`Joins
 
 What a healing replica receives: the engine's trained state (parameters, every optimizer state,
 the engine's step, anchors, rounds in flight and residuals), and whatever the loop registers
-with :meth:`~mtdao.sync.torchft.replicas.ReplicaGroups.track_state` (a data loader's position,
+with :meth:`~mtdao.ft.replicas.ReplicaGroups.track_state` (a data loader's position,
 an LR scheduler, RNG: anything with ``state_dict`` and ``load_state_dict``). It is taken where
 the source prepares a round, inside its ``optimizer.step()``, after the step: so change such
 state before ``optimizer.step()`` in the loop (draw the batch first), or derive it from
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mtdao.ft.plumbing import ReplicaRefused
+from mtdao.ft.replicas import ReplicaGroups, ReplicaSettings, RoundStart
+from mtdao.ft.security.auth import read_token, run_key
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
-from mtdao.sync.torchft.auth import read_token, run_key
-from mtdao.sync.torchft.plumbing import ReplicaRefused
-from mtdao.sync.torchft.replicas import ReplicaGroups, ReplicaSettings, RoundStart
 
 logger = logging.getLogger(__name__)
 

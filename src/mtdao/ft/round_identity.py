@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from mtdao.sync.torchft.parity import ParityCheck
+    from mtdao.ft.parity import ParityCheck
 
 
 def digest_number(config_digest: str) -> int:

@@ -14,26 +14,26 @@ import torch.distributed as dist
 from torch import Tensor
 from torchft import Manager
 
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
-from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
-from mtdao.sync.dtensors import local_shard
-from mtdao.sync.torchft import connection, round_identity
-from mtdao.sync.torchft.auth import RunKey, run_key
-from mtdao.sync.torchft.collective_watch import CollectiveWatch
-from mtdao.sync.torchft.healing import HealedState
-from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
-from mtdao.sync.torchft.parity import ParityCheck
-from mtdao.sync.torchft.plumbing import (
+from mtdao.ft import connection, round_identity
+from mtdao.ft.collective_watch import CollectiveWatch
+from mtdao.ft.healing import HealedState
+from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
+from mtdao.ft.parity import ParityCheck
+from mtdao.ft.plumbing import (
     MembershipGloo,
     QuorumError,
     Refusal,
     first_line,
     listening_store,
 )
-from mtdao.sync.torchft.quorum import Quorum
-from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host
-from mtdao.sync.torchft.shards import ReplicaProcesses
-from mtdao.sync.torchft.transport import ManagerTransport
+from mtdao.ft.quorum import Quorum
+from mtdao.ft.security.auth import RunKey, run_key
+from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
+from mtdao.ft.shards import ReplicaProcesses
+from mtdao.ft.transport import ManagerTransport
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
+from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
+from mtdao.sync.dtensors import local_shard
 
 if TYPE_CHECKING:
     from mtdao.sync.trained_state import TrainedState

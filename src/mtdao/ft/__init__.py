@@ -52,18 +52,18 @@ several processes), :mod:`.manager_front` (the manager server behind its front),
 :mod:`.plumbing` (what is added to torchft's process group and store, and the lighthouse).
 """
 
-from mtdao.sync.torchft.healing import engine_state
-from mtdao.sync.torchft.joining import (
+from mtdao.ft.healing import engine_state
+from mtdao.ft.joining import (
     OTHER_ACCOUNTS,
     SharedConfig,
     config_digest,
     fault_tolerant_replica,
 )
-from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
-from mtdao.sync.torchft.plumbing import QuorumError, ReplicaRefused, start_lighthouse
-from mtdao.sync.torchft.refusals import RefusalLog
-from mtdao.sync.torchft.replicas import Heal, ReplicaGroups, ReplicaSettings, RoundStart
-from mtdao.sync.torchft.shards import ReplicaProcesses
+from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
+from mtdao.ft.plumbing import QuorumError, ReplicaRefused, start_lighthouse
+from mtdao.ft.refusals import RefusalLog
+from mtdao.ft.replicas import Heal, ReplicaGroups, ReplicaSettings, RoundStart
+from mtdao.ft.shards import ReplicaProcesses
 
 __all__ = [
     "OTHER_ACCOUNTS",

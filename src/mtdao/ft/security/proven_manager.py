@@ -42,10 +42,11 @@ from torchft._torchft import LighthouseClient
 from torchft.manager import REPLICA_ID_KEY
 from torchft.process_group import create_store_client
 
-from mtdao.sync.torchft.collective_watch import Peer
-from mtdao.sync.torchft.heal_checks import heal_problem
-from mtdao.sync.torchft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
-from mtdao.sync.torchft.proofs import (
+from mtdao.ft.collective_watch import Peer
+from mtdao.ft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
+from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
+from mtdao.ft.security.heal_checks import heal_problem
+from mtdao.ft.security.proofs import (
     Claim,
     SeenNonces,
     claim_data,
@@ -54,8 +55,7 @@ from mtdao.sync.torchft.proofs import (
     quorum_digest,
     read_claim,
 )
-from mtdao.sync.torchft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
-from mtdao.sync.torchft.safe_transport import HealBinding, HealRefused, Quorum
+from mtdao.ft.security.safe_transport import HealBinding, HealRefused, Quorum
 
 CONFIRM_WAIT_S = 5.0
 """How long a member waits for another's confirmation of a quorum (at most ``--connect-timeout``):
@@ -67,7 +67,7 @@ KEPT = 1000
 
 class ProvenManager(Manager):
     """torchft's ``Manager`` (same arguments, ``pg`` a
-    :class:`~mtdao.sync.torchft.plumbing.MembershipGloo`) with the quorum step described in the
+    :class:`~mtdao.ft.plumbing.MembershipGloo`) with the quorum step described in the
     module docstring. ``allow_non_finite``: whether a heal state may hold NaN/inf."""
 
     def __init__(self, *, allow_non_finite: bool = False, **kwargs: Any) -> None:

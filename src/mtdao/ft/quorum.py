@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torchft import Manager
 
+from mtdao.ft.collective_watch import CollectiveWatch
+from mtdao.ft.plumbing import MembershipGloo, first_line
+from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.communicator import RoundNotCommitted
-from mtdao.sync.torchft.collective_watch import CollectiveWatch
-from mtdao.sync.torchft.plumbing import MembershipGloo, first_line
-from mtdao.sync.torchft.shards import ReplicaProcesses
 
 
 class Quorum:

@@ -8,7 +8,7 @@ gathers the commit votes of the replica's processes (``ShouldCommit``). It also 
 the port, and torchft offers no way to turn them off (mtdao's replicas ask the lighthouse for
 their quorums themselves and find each other's heal servers in their signed claims:
 :mod:`.proven_manager`). So the server runs on a loopback address and the replica's
-``--bind-host`` is served by a :class:`~mtdao.sync.grpc_front.GrpcFront` that makes
+``--bind-host`` is served by a :class:`~mtdao.ft.security.grpc_front.GrpcFront` that makes
 ``ShouldCommit`` calls from this machine only (a replica's processes share one, see :mod:`.shards`;
 a stranger's could change the replica's commit votes) and refuses the rest.
 
@@ -36,7 +36,7 @@ from typing import Any
 import torchft.manager
 from torchft._torchft import ManagerServer as TorchftManagerServer
 
-from mtdao.sync.grpc_front import GrpcFront, numeric_host
+from mtdao.ft.security.grpc_front import GrpcFront, numeric_host
 
 SERVICE = "/torchft.ManagerService/"
 OWN_PROCESS_CALLS = frozenset({SERVICE + "ShouldCommit"})

@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 
 from torchft import Manager
 
-from mtdao.sync.torchft.manager_front import FrontUnavailable, manager_bound_to
-from mtdao.sync.torchft.plumbing import first_line
-from mtdao.sync.torchft.proven_manager import ProvenManager
+from mtdao.ft.plumbing import first_line
+from mtdao.ft.security.manager_front import FrontUnavailable, manager_bound_to
+from mtdao.ft.security.proven_manager import ProvenManager
 
 
 def start_manager(

@@ -28,8 +28,8 @@ os.environ.setdefault("RUST_LOG", "warn")
 
 from torchft import ProcessGroupGloo  # noqa: E402
 
-from mtdao.sync.torchft.auth import RunKey  # noqa: E402
-from mtdao.sync.torchft.collective_watch import Peer  # noqa: E402
+from mtdao.ft.collective_watch import Peer  # noqa: E402
+from mtdao.ft.security.auth import RunKey  # noqa: E402
 
 # torchft reports what went wrong to its manager, which hands it to us; its own log lines
 # (tracebacks of every failed collective) would bury the one line that matters.
