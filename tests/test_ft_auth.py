@@ -23,8 +23,8 @@ import torch
 from dict_store import DictStore
 from wait_limits import limit_s
 
-from mtdao.ft import auth
 from mtdao.ft.round_identity import exchange_positions, sitting_out
+from mtdao.ft.security import auth
 from mtdao.ft.security.auth import TOKEN_ENV, RunKey, machine_secret, read_token, run_key
 from mtdao.ft.security.proofs import Claim, claim_data, confirm_quorum, read_claim
 from mtdao.sync import (

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from wait_limits import limit_s
 
-import mtdao.sync
+import mtdao
 from mtdao.cli import build_parser, main
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import TrainConfig, resolve
@@ -126,7 +126,7 @@ def test_without_torchft_the_error_says_how_to_install_it(monkeypatch, tmp_path,
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft now fails
     for name in [name for name in sys.modules if name.startswith("mtdao.ft")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.delattr(mtdao.sync, "torchft", raising=False)
+    monkeypatch.delattr(mtdao, "ft", raising=False)
     config = resolve(TrainConfig.of(**FT, steps=2, out=str(tmp_path)))
     with pytest.raises(ValueError, match=r"--fault-tolerant needs torchft: pip install .*\[ft\]"):
         fault_tolerant.train_replica(config)
