@@ -25,11 +25,10 @@ from contextlib import contextmanager
 from datetime import timedelta
 from urllib.parse import urlsplit
 
-from torchft import Manager
-
 from mtdao.ft.plumbing import first_line
 from mtdao.ft.security.manager_front import FrontUnavailable, manager_bound_to
 from mtdao.ft.security.proven_manager import ProvenManager
+from mtdao.ft.security.torchft_internals import Manager, ManagerInternals
 
 
 def start_manager(
@@ -78,7 +77,7 @@ def listeners(manager: Manager, transport, store) -> str:
     heal_host, heal_port = transport.address
     parts = [f"heal state {heal_host}:{heal_port}"]
     if store is not None:
-        server = manager._manager  # torchft keeps its server here: a FrontedManagerServer
+        server = ManagerInternals(manager).server  # a FrontedManagerServer
         served = server.address().split("://")[-1]
         behind = f"a front refusing Kill, torchft's server behind it on {server.internal}"
         parts = [f"manager {served} ({behind})", f"store port {store.port}", *parts]
@@ -110,7 +109,7 @@ def watching_the_lighthouse(settings, manager: Manager) -> Iterator[threading.Ev
     (see the module's docstring) and set the event yielded. In the replica's first process only:
     its manager's server is the one its processes' quorum calls wait on."""
     lost, done = threading.Event(), threading.Event()
-    server = getattr(manager, "_manager", None)  # torchft's server: a FrontedManagerServer
+    server = ManagerInternals(manager).server  # a FrontedManagerServer
     probe_timeout = min(settings.connect_timeout, 2.0)
 
     def watch() -> None:

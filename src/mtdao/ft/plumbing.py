@@ -1,15 +1,11 @@
 """What mtdao adds to torchft's pieces: a process group that forms with the proven members of
 each quorum only (who they are is settled before: :mod:`.proven_manager`), with its rendezvous
 bounded by ``--connect-timeout`` and its sockets on the replica's ``--bind-host``; the store on
-the bind host; quiet logs; and the lighthouse.
-
-This package is the only place that imports torchft.
+the bind host; and the lighthouse.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import re
 import socket
 import threading
@@ -19,22 +15,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# torchft's native side logs every quorum at INFO; keep the terminal for progress lines
-os.environ.setdefault("RUST_LOG", "warn")
-
-from torchft import ProcessGroupGloo  # noqa: E402
-
-from mtdao.ft.collective_watch import Peer  # noqa: E402
-from mtdao.ft.security.auth import RunKey  # noqa: E402
-
-# torchft reports what went wrong to its manager, which hands it to us; its own log lines
-# (tracebacks of every failed collective) would bury the one line that matters.
-logging.getLogger("torchft").addHandler(logging.NullHandler())
-logging.getLogger("torchft").propagate = False
+from mtdao.ft.collective_watch import Peer
+from mtdao.ft.security.auth import RunKey
+from mtdao.ft.security.torchft_internals import GlooGroup, LighthouseServer
 
 
 class ReplicaRefused(ValueError):
@@ -75,10 +61,10 @@ def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
         time.sleep(LEAVE_POLL_S)
 
 
-class MembershipGloo(ProcessGroupGloo):
+class MembershipGloo(GlooGroup):
     """torchft's reconfigurable gloo group, formed with the proven members of each quorum only,
     remembering who they are; with what a replica proves itself with at each quorum (its step,
-    commit count and config: see :mod:`.proofs`).
+    commit count and config: see :mod:`.security.proofs`).
 
     The group's rendezvous waits ``rendezvous_timeout`` seconds at most for a member (one that
     proved itself but does not come), its collectives ``timeout``; gloo serves on
@@ -92,11 +78,9 @@ class MembershipGloo(ProcessGroupGloo):
         bind_host: str = "127.0.0.1",
         rendezvous_timeout: float = 30.0,
     ) -> None:
-        super().__init__(timeout=timedelta(seconds=rendezvous_timeout))
-        self.collective_timeout = timeout
+        super().__init__(bind_host, timeout, rendezvous_timeout)
         self.replica_id = replica_id
         self.key = key
-        self.bind_host = bind_host
         self.quorum = QuorumView()
         self.step = 0
         """torchft's step of this replica at the quorum being formed (0: it is joining)."""
@@ -123,7 +107,7 @@ class MembershipGloo(ProcessGroupGloo):
         its own that holds it until those collectives end (a lost peer's fail at once) or the
         collective timeout passes. The thread is not a daemon: a process that ends sooner waits
         for it (gloo ends the process otherwise)."""
-        group, self._pg = self._pg, None
+        group = self.take_group()
         pending, self._in_flight = [f for f in self._in_flight if not f.done()], []
         if group is None:
             return
@@ -135,38 +119,10 @@ class MembershipGloo(ProcessGroupGloo):
             target=_leave_group, args=(group, pending, linger_s), name="mtdao-gloo-leave"
         ).start()
 
-    def _wrap_work(self, work: Any, opts: object) -> Any:
+    def launched(self, work: Any) -> None:
         """Remember the collectives in flight (see :meth:`abort`)."""
         self._in_flight = [f for f in self._in_flight if not f.done()]
         self._in_flight.append(work.get_future())
-        return work
-
-    def _opts_hook(self, opts: Any) -> Any:
-        """Every collective waits up to the collective timeout (the group itself was formed
-        with the rendezvous timeout)."""
-        if hasattr(opts, "timeout") and opts.timeout.total_seconds() <= 0:
-            opts.timeout = self.collective_timeout
-        return opts
-
-    def _create_pg(self, store, rank: int, world_size: int):
-        """torchft's gloo group, its sockets on ``bind_host``."""
-        from torchft.process_group import BaseProcessGroup, BaseProcessGroupGloo
-
-        options = BaseProcessGroupGloo._Options()
-        options._timeout = self._timeout
-        host = self.bind_host.strip("[]")
-        every_interface = host in ("0.0.0.0", "::", "")
-        gloo = BaseProcessGroupGloo
-        device = gloo.create_default_device() if every_interface else gloo.create_device(host)
-        options._devices = [device]
-        pg = BaseProcessGroup(store, rank, world_size)
-        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        backend = BaseProcessGroupGloo(store, rank, world_size, options)
-        backend._set_sequence_number_for_group()
-        if self._global_ranks:
-            backend.options.global_ranks_in_group = self._global_ranks
-        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-        return pg
 
 
 def listening_store(bind_host: str) -> dist.TCPStore:
@@ -197,8 +153,6 @@ def start_lighthouse(
     quorum_tick: float = 0.1,
 ):
     """torchft's lighthouse, serving in background threads; ``.address()`` and ``.shutdown()``."""
-    from torchft._torchft import LighthouseServer
-
     try:
         return LighthouseServer(
             bind=bind,

@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import Tensor
-from torchft import Manager
 
 from mtdao.ft.collective_watch import CollectiveWatch
 from mtdao.ft.plumbing import MembershipGloo, first_line
+from mtdao.ft.security.torchft_internals import Manager
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.communicator import RoundNotCommitted
 

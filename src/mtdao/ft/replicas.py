@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torchft import Manager
 
 from mtdao.ft import connection, round_identity
 from mtdao.ft.collective_watch import CollectiveWatch
@@ -29,6 +28,7 @@ from mtdao.ft.plumbing import (
 from mtdao.ft.quorum import Quorum
 from mtdao.ft.security.auth import RunKey, run_key
 from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
+from mtdao.ft.security.torchft_internals import Manager
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.ft.transport import ManagerTransport
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES

@@ -33,10 +33,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torchft.manager
-from torchft._torchft import ManagerServer as TorchftManagerServer
-
 from mtdao.ft.security.grpc_front import GrpcFront, numeric_host
+from mtdao.ft.security.torchft_internals import replace_manager_server, torchft_manager_server
 
 SERVICE = "/torchft.ManagerService/"
 OWN_PROCESS_CALLS = frozenset({SERVICE + "ShouldCommit"})
@@ -136,7 +134,7 @@ def manager_bound_to(bind_host: str) -> Iterator[None]:
     usually 0: any). Replicas may start in several threads of one process at once (the tests
     do), so the bind host is the thread's own and torchft's name for the server stays replaced;
     outside such a block it is torchft's own server."""
-    torchft.manager.ManagerServer = _server_for_this_thread
+    replace_manager_server(_server_for_this_thread)
     previous = getattr(_bound, "host", None)
     _bound.host = bind_host
     try:
@@ -151,9 +149,9 @@ _bound = threading.local()
 def _server_for_this_thread(**kwargs: Any) -> Any:
     host = getattr(_bound, "host", None)
     if host is None:
-        return TorchftManagerServer(**kwargs)
+        return torchft_manager_server(**kwargs)
     port = int(kwargs["bind"].rsplit(":", 1)[1])
-    start = lambda bind: TorchftManagerServer(**{**kwargs, "bind": bind})  # noqa: E731
+    start = lambda bind: torchft_manager_server(**{**kwargs, "bind": bind})  # noqa: E731
     return start_fronted(start, host, port)
 
 
