@@ -303,7 +303,7 @@ OUT_OF_DESCRIPTORS = textwrap.dedent(
     import resource, sys, time
     from concurrent import futures
     import grpc
-    from mtdao.sync import grpc_front
+    from mtdao.ft.security import grpc_front
 
     grpc_front.HANDSHAKE_S = float(sys.argv[1])
 
