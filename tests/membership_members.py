@@ -36,7 +36,7 @@ def main() -> None:
         key = RunKey(SECRETS[rank])
         mine = claims[rank].member
         plan = plan_quorum(proven[rank], mine, 0, rendezvous(key, "digest", proven[rank]))
-        group = MembershipGloo(rank, timedelta(seconds=20), key, rendezvous_timeout=20.0)
+        group = MembershipGloo("127.0.0.1", timedelta(seconds=20), rendezvous_timeout=20.0)
         ranks = [c.replica_id for c in plan.members]
         group.configure(f"{plan.store}/0", mine, plan.rank, len(ranks), 1, 0, 1, ranks)
         value = torch.tensor([VALUES[rank]])

@@ -95,7 +95,9 @@ def check(mine: TrainConfig, theirs: TrainConfig) -> None:
 
 
 def test_a_joining_replica_must_share_the_quorums_config():
-    torchft = pytest.importorskip("mtdao.ft", exc_type=ImportError)
+    pytest.importorskip("torchft")
+    from mtdao import ft as torchft
+
     mine = TrainConfig.of(**FT, steps=100, lr=0.01, sync_period=16)
     with pytest.raises(torchft.ReplicaRefused) as refused:
         check(mine, TrainConfig.of(**{**FT, "replica_id": 0}, steps=100, sync_period=8))
@@ -109,7 +111,9 @@ def test_a_joining_replica_must_share_the_quorums_config():
 
 
 def test_the_settings_marked_replica_local_are_the_ones_a_replica_may_have_its_own():
-    torchft = pytest.importorskip("mtdao.ft", exc_type=ImportError)
+    pytest.importorskip("torchft")
+    from mtdao import ft as torchft
+
     own = dict(replica_id=0, lighthouse="other:1", out="elsewhere", resume=True, progress=False)
     own |= dict(log_every=3, eval_every=5, eval_tokens=4096, checkpoint_every=7, device="cpu")
     own |= dict(connect_timeout=3.0, quorum_timeout=5.0, collective_timeout=9.0)
@@ -160,10 +164,12 @@ def test_plain_runs_do_not_import_torchft(corpus_dir, tmp_path):
 
 
 def test_a_replica_without_a_lighthouse_is_one_line(monkeypatch):
-    torchft = pytest.importorskip("mtdao.ft", exc_type=ImportError)
+    pytest.importorskip("torchft")
+    from mtdao import ft as torchft
+
     monkeypatch.delenv("MTDAO_LIGHTHOUSE", raising=False)
     with pytest.raises(ValueError) as refused:
-        torchft.fault_tolerant_replica(0)
-    assert (
-        str(refused.value) == "no lighthouse: pass lighthouse='host:port' or set $MTDAO_LIGHTHOUSE"
+        torchft.fault_tolerant_replica(torchft.ReplicaConfig(replica_id=0))
+    assert str(refused.value) == (
+        "no lighthouse: give ReplicaConfig(lighthouse='host:port') or set $MTDAO_LIGHTHOUSE"
     )

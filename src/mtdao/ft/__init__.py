@@ -52,34 +52,41 @@ several processes), :mod:`.manager_front` (the manager server behind its front),
 :mod:`.plumbing` (what is added to torchft's process group and store, and the lighthouse).
 """
 
-from mtdao.ft.healing import engine_state
-from mtdao.ft.joining import (
-    OTHER_ACCOUNTS,
-    SharedConfig,
-    config_digest,
-    fault_tolerant_replica,
-)
-from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
-from mtdao.ft.plumbing import QuorumError, ReplicaRefused, start_lighthouse
-from mtdao.ft.refusals import RefusalLog
-from mtdao.ft.replicas import Heal, ReplicaGroups, ReplicaSettings, RoundStart
-from mtdao.ft.shards import ReplicaProcesses
+from __future__ import annotations
 
-__all__ = [
-    "OTHER_ACCOUNTS",
-    "SharedConfig",
-    "config_digest",
-    "fault_tolerant_replica",
-    "Heal",
-    "QuorumError",
-    "RefusalLog",
-    "ReplicaGroups",
-    "ReplicaLayout",
-    "ReplicaProcesses",
-    "ReplicaRefused",
-    "ReplicaSettings",
-    "RoundStart",
-    "ShardedReplicaLayout",
-    "engine_state",
-    "start_lighthouse",
-]
+import importlib
+
+# Imported on first use (PEP 562): mtdao.ft.config (ReplicaConfig) loads without torchft, so a
+# training config holds it whether torchft is installed or not.
+_LAZY = {
+    "OTHER_ACCOUNTS": "mtdao.ft.joining",
+    "SharedConfig": "mtdao.ft.joining",
+    "config_digest": "mtdao.ft.joining",
+    "fault_tolerant_replica": "mtdao.ft.joining",
+    "Heal": "mtdao.ft.replicas",
+    "QuorumError": "mtdao.ft.plumbing",
+    "RefusalLog": "mtdao.ft.refusals",
+    "ReplicaConfig": "mtdao.ft.config",
+    "ReplicaGroups": "mtdao.ft.replicas",
+    "ReplicaIdentity": "mtdao.ft.identity",
+    "ReplicaLayout": "mtdao.ft.layouts",
+    "ReplicaProcesses": "mtdao.ft.shards",
+    "ReplicaRefused": "mtdao.ft.plumbing",
+    "RoundStart": "mtdao.ft.replicas",
+    "ShardedReplicaLayout": "mtdao.ft.layouts",
+    "engine_state": "mtdao.ft.healing",
+    "start_lighthouse": "mtdao.ft.plumbing",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mtdao.ft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -18,8 +18,6 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from mtdao.ft.collective_watch import Peer
-from mtdao.ft.security.auth import RunKey
 from mtdao.ft.security.torchft_internals import GlooGroup, LighthouseServer
 
 
@@ -62,40 +60,15 @@ def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
 
 
 class MembershipGloo(GlooGroup):
-    """torchft's reconfigurable gloo group, formed with the proven members of each quorum only,
-    remembering who they are; with what a replica proves itself with at each quorum (its step,
-    commit count and config: see :mod:`.security.proofs`).
-
-    The group's rendezvous waits ``rendezvous_timeout`` seconds at most for a member (one that
-    proved itself but does not come), its collectives ``timeout``; gloo serves on
-    ``bind_host``."""
+    """torchft's reconfigurable gloo group, formed with the proven members of each quorum only
+    (:mod:`.security.proven_manager`). Its rendezvous waits ``rendezvous_timeout`` seconds at
+    most for a member (one that proved itself but does not come), its collectives
+    ``collective_timeout``; gloo serves on ``bind_host``."""
 
     def __init__(
-        self,
-        replica_id: int,
-        timeout: timedelta,
-        key: RunKey,
-        bind_host: str = "127.0.0.1",
-        rendezvous_timeout: float = 30.0,
+        self, bind_host: str, collective_timeout: timedelta, rendezvous_timeout: float
     ) -> None:
-        super().__init__(bind_host, timeout, rendezvous_timeout)
-        self.replica_id = replica_id
-        self.key = key
-        self.quorum = QuorumView()
-        self.step = 0
-        """torchft's step of this replica at the quorum being formed (0: it is joining)."""
-        self.training_step = 0
-        """The training step this replica has taken, at the quorum being formed."""
-        self.config_digest = ""
-        self.refusal: ReplicaRefused | None = None
-        self.refused: list[Refusal] = []
-        """The members of the last quorum that did not prove they belong to the run."""
-        self.peers: list[Peer] = []
-        """The other members of the current quorum, where a probe reaches this process's
-        counterpart in each (its heal server)."""
-        self.notes: list[str] = []
-        """What the last quorums did that the replica should say (a refused heal), drained by
-        its driver."""
+        super().__init__(bind_host, collective_timeout, rendezvous_timeout)
         self._in_flight: list[Any] = []
         """The futures of this group's collectives that may still be running."""
 

@@ -37,14 +37,14 @@ from mtdao.train.workers import WorkerSet, language_model_loss
 
 def launched_workers(config: TrainConfig) -> int:
     """The workers this launch's processes make: ``--workers``, or one fault-tolerant replica."""
-    return 1 if config.fault_tolerance.fault_tolerant else config.parallel.workers
+    return 1 if config.parallel.fault_tolerant else config.parallel.workers
 
 
 def check_topology(config: TrainConfig, process: ProcessInfo) -> None:
     """Refuse a launch whose processes do not make ``--workers`` x ``--shards`` (one line), or,
     for a fault-tolerant replica, ``--shards``."""
     workers, shards = config.parallel.workers, config.parallel.shards
-    if config.fault_tolerance.fault_tolerant:
+    if config.parallel.fault_tolerant:
         if process.world_size != shards:
             need = "one process" if shards == 1 else f"{shards} processes, one per shard"
             how = "" if shards == 1 else f" (torchrun --nproc-per-node {shards})"

@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mtdao.ft.collective_watch import Peer
+from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
 from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
 from mtdao.ft.security.heal_checks import heal_problem
@@ -69,10 +70,14 @@ KEPT = 1000
 class ProvenManager(QuorumStepManager):
     """torchft's ``Manager`` (same arguments, ``pg`` a
     :class:`~mtdao.ft.plumbing.MembershipGloo`) with the quorum step described in the
-    module docstring. ``allow_non_finite``: whether a heal state may hold NaN/inf."""
+    module docstring, for the replica ``identity`` (what it proves, and what its quorums
+    made of it). ``allow_non_finite``: whether a heal state may hold NaN/inf."""
 
-    def __init__(self, *, allow_non_finite: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *, identity: ReplicaIdentity, allow_non_finite: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        self.identity = identity
         self._lighthouse_addr = kwargs["lighthouse_addr"]
         self._store_address = f"{kwargs['store_addr']}:{kwargs['store_port']}"
         self._member = self.internals.store.get(REPLICA_ID_KEY).decode()
@@ -124,14 +129,14 @@ class ProvenManager(QuorumStepManager):
         proven = [_claim(fields) for fields in verdict["proven"]]
         digest, quorum_id = verdict["digest"], verdict["quorum_id"]
         if verdict.get("failure"):  # this replica is in no proven round: it trains on alone
-            self.pg.quorum = QuorumView([self.pg.replica_id], 0, quorum_id)
+            self.identity.quorum = QuorumView([self.identity.replica_id], 0, quorum_id)
             self.report_error(RuntimeError(verdict["failure"]))
             return
         members = tuple(sorted(c.member for c in proven))
-        meeting = rendezvous(self.pg.key, digest, proven)
+        meeting = rendezvous(self.identity.key, digest, proven)
         plan = plan_quorum(proven, self._member, self.internals.group_rank, meeting)
-        self.pg.quorum = QuorumView(plan.replica_ids, plan.rank, quorum_id)
-        self.pg.peers = _peers(plan, self.internals.group_rank)
+        self.identity.quorum = QuorumView(plan.replica_ids, plan.rank, quorum_id)
+        self.identity.peers = _peers(plan, self.internals.group_rank)
         self.internals.replica_rank = plan.rank
         self.internals.replica_world_size = len(plan.members)
         if not self._form_group(plan, digest, quorum_id, members):
@@ -142,13 +147,13 @@ class ProvenManager(QuorumStepManager):
     def _proven_quorum(self, shrink_only: bool, quorum_timeout: timedelta) -> dict[str, Any]:
         """Ask the lighthouse for a quorum with this replica's signed claim; prove its members.
         The verdict, in plain data for the replica's other processes."""
-        pg, key = self.pg, self.pg.key
+        identity, key = self.identity, self.identity.key
         mine = Claim(
-            replica_id=pg.replica_id,
+            replica_id=identity.replica_id,
             member=self._member,
             commits=self.internals.commits,
-            step=pg.training_step,
-            config=pg.config_digest,
+            step=identity.training_step,
+            config=identity.config_digest,
             shards=self.internals.group_world_size,
             store=self._store_address,
             heal=self._heal_urls(),
@@ -196,7 +201,9 @@ class ProvenManager(QuorumStepManager):
                 refused.append(_refusal(member, why))
             else:
                 claims.append(claim)
-        pg.refused = (pg.refused + refused)[-KEPT:]  # said by the replica's driver, then dropped
+        identity.refused = (identity.refused + refused)[
+            -KEPT:
+        ]  # said by the replica's driver, then dropped
         verdict = {"quorum_id": quorum.quorum_id, "failure": failure}
         if failure:
             return {**verdict, "digest": "", "proven": []}
@@ -209,7 +216,7 @@ class ProvenManager(QuorumStepManager):
         proven = [c for c in claims if c.member not in unconfirmed]
         for claim in claims:
             if claim.member in unconfirmed:
-                pg.refused.append(_refusal_of(claim, unconfirmed[claim.member]))
+                identity.refused.append(_refusal_of(claim, unconfirmed[claim.member]))
         return {**verdict, "digest": digest, "proven": [json.loads(c.body()) for c in proven]}
 
     def _heal_urls(self) -> tuple[str, ...]:
@@ -244,7 +251,7 @@ class ProvenManager(QuorumStepManager):
         """Form the round's group when the membership changed or a member failed a round;
         False when this quorum cannot hold a round (the failure reported to torchft)."""
         if plan.refusal is not None:  # this replica leaves: the others fail their round now
-            self.pg.refusal = ReplicaRefused(plan.refusal)
+            self.identity.refusal = ReplicaRefused(plan.refusal)
             if plan.failure is None:  # they form a group with it: join it, then leave at once
                 with contextlib.suppress(Exception):
                     self._configure(plan, digest)
@@ -358,7 +365,7 @@ class ProvenManager(QuorumStepManager):
 
     def _note(self, line: str) -> None:
         if self.internals.group_rank == 0:
-            self.pg.notes = [*self.pg.notes[-KEPT:], line]
+            self.identity.notes = [*self.identity.notes[-KEPT:], line]
 
 
 class _Forgetting:
