@@ -10,13 +10,11 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch import Tensor
 
 from mtdao.ft.security.torchft_internals import GlooGroup, LighthouseServer
 
@@ -136,14 +134,3 @@ def start_lighthouse(
         )
     except RuntimeError as error:
         raise QuorumError(f"cannot serve the lighthouse on {bind}: {first_line(error)}") from None
-
-
-def tensors_in(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)

@@ -253,10 +253,6 @@ class ReplicaGroups(Communicator):
         return notes
 
     @property
-    def quorum_rank(self) -> int:
-        return self.quorum.rank
-
-    @property
     def in_round(self) -> bool:
         """Whether a round is open (between its quorum and its commit)."""
         return self.quorum.open

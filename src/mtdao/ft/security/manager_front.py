@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from mtdao.ft.security.grpc_front import GrpcFront, numeric_host
-from mtdao.ft.security.torchft_internals import replace_manager_server, torchft_manager_server
+from mtdao.ft.security.torchft_internals import ManagerServer, replace_manager_server
 
 SERVICE = "/torchft.ManagerService/"
 OWN_PROCESS_CALLS = frozenset({SERVICE + "ShouldCommit"})
@@ -149,9 +149,9 @@ _bound = threading.local()
 def _server_for_this_thread(**kwargs: Any) -> Any:
     host = getattr(_bound, "host", None)
     if host is None:
-        return torchft_manager_server(**kwargs)
+        return ManagerServer(**kwargs)
     port = int(kwargs["bind"].rsplit(":", 1)[1])
-    start = lambda bind: torchft_manager_server(**{**kwargs, "bind": bind})  # noqa: E731
+    start = lambda bind: ManagerServer(**{**kwargs, "bind": bind})  # noqa: E731
     return start_fronted(start, host, port)
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "LighthouseServer",
     "Manager",
     "ManagerInternals",
+    "ManagerServer",
     "QuorumStepManager",
     "create_store_client",
     "replace_manager_server",
@@ -195,8 +196,3 @@ def replace_manager_server(start: Callable[..., Any]) -> None:
     """Make torchft's Manager start its gRPC server with ``start`` (torchft's own arguments);
     torchft names no other way to choose where it serves."""
     torchft.manager.ManagerServer = start
-
-
-def torchft_manager_server(**kwargs: Any) -> Any:
-    """torchft's own manager server."""
-    return ManagerServer(**kwargs)
