@@ -173,3 +173,23 @@ def test_a_replica_without_a_lighthouse_is_one_line(monkeypatch):
     assert str(refused.value) == (
         "no lighthouse: give ReplicaConfig(lighthouse='host:port') or set $MTDAO_LIGHTHOUSE"
     )
+
+
+def test_a_replica_without_an_id_is_one_line():
+    pytest.importorskip("torchft")
+    from mtdao import ft
+
+    with pytest.raises(ValueError) as refused:
+        ft.fault_tolerant_replica(ft.ReplicaConfig(lighthouse="127.0.0.1:1"))
+    assert (
+        str(refused.value) == "no replica id: give ReplicaConfig(replica_id=...) (or --replica-id)"
+    )
+
+
+def test_the_harness_holds_the_library_s_replica_config_as_its_fault_tolerance_section():
+    from mtdao.ft.config import ReplicaConfig
+
+    config = TrainConfig.of(**FT)
+    assert type(config.fault_tolerance) is ReplicaConfig
+    assert config.fault_tolerance.replica_id == FT["replica_id"]
+    assert TrainConfig.from_dict(config.to_dict()) == config  # config.json's flat names
