@@ -31,16 +31,15 @@ def replica(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import mtdao
+    from mtdao.ft import ReplicaConfig, fault_tolerant_replica
     from mtdao.model import Llama, model_config
     from mtdao.sync import LocalUpdateSync, unified
-    from mtdao.sync.torchft import fault_tolerant_replica
 
     torch.manual_seed(0)  # every replica builds the same model
     model = Llama(model_config("micro", VOCAB, SEQ_LEN))
     optimizer = mtdao.MTAdam(model.parameters(), lr=LR, betas=(0.99,), omegas=(0.9,), beta2=0.95)
-    replicas = fault_tolerant_replica(
-        args.replica_id, args.lighthouse, auth_token_file=args.auth_token_file
-    )
+    config = ReplicaConfig(args.replica_id, args.lighthouse, auth_token_file=args.auth_token_file)
+    replicas = fault_tolerant_replica(config)
     sync = LocalUpdateSync(optimizer, unified(args.sync_period), replicas)
     batches = torch.Generator().manual_seed(args.replica_id)
     started = time.perf_counter()

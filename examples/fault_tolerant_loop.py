@@ -30,16 +30,23 @@ import hashlib
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import mtdao
+from mtdao.flags import add_dataclass_arguments, dataclass_from_args
+from mtdao.ft import QuorumError, ReplicaConfig, ReplicaRefused, fault_tolerant_replica
 from mtdao.sync import FinalRoundNotCommitted, LocalUpdateSync, SyncCodecs, unified
-from mtdao.sync.torchft import QuorumError, ReplicaRefused, fault_tolerant_replica
 
 FEATURES, CLASSES, BATCH, LR = 32, 8, 64, 3e-3
+
+
+@dataclass(frozen=True)
+class ReplicaFlags:
+    replica: ReplicaConfig  # one flag per field, as mtdao train has them
 
 
 class GeneratedData:
@@ -65,8 +72,7 @@ class GeneratedData:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lighthouse", required=True, help="the lighthouse's host:port")
-    parser.add_argument("--replica-id", type=int, required=True)
+    add_dataclass_arguments(parser, ReplicaFlags)  # --replica-id, --lighthouse, ...
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
     parser.add_argument(
         "--stop-file",
@@ -74,17 +80,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "every replica: benchmarks/ft_churn.py ends a run at a deadline so)",
     )
     parser.add_argument("--out", required=True, help="where result.json goes")
-    parser.add_argument(
-        "--auth-token-file", help="the run's secret, the lighthouse's too (else $MTDAO_AUTH_TOKEN)"
-    )
-    parser.add_argument(
-        "--connect-timeout", type=float, default=30.0, help="seconds to reach the lighthouse"
-    )
     parser.add_argument("--sync-period", type=int, default=8, help="K: local steps per round")
     parser.add_argument("--sync-delay", type=int, default=0, help="D: rounds overlap D steps")
     parser.add_argument("--sync-dtype", nargs="+", help="e.g. int8: what crosses the link")
     parser.add_argument("--error-feedback", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("replica_id", "lighthouse"):
+        if getattr(args, name) is None:
+            parser.error(f"--{name.replace('_', '-')} is required")
+    return args
 
 
 def last_step(args: argparse.Namespace) -> int:
@@ -115,15 +119,10 @@ def train(args: argparse.Namespace) -> None:
     )
     optimizer = mtdao.MTAdam(model.parameters(), lr=LR, betas=(0.99,), omegas=(0.9,), beta2=0.95)
     # what every replica must share: a joiner with other values is refused, naming them
-    local = ("replica_id", "out", "connect_timeout")
+    config = dataclass_from_args(ReplicaFlags, args).replica
+    local = {"out", *vars(config)}  # a replica's own settings may differ from the others'
     shared = {k: v for k, v in vars(args).items() if k not in local}
-    replica = fault_tolerant_replica(
-        args.replica_id,
-        args.lighthouse,
-        auth_token_file=args.auth_token_file,
-        shared_config=shared,
-        connect_timeout=args.connect_timeout,
-    )
+    replica = fault_tolerant_replica(config, shared_config=shared)
     codecs = SyncCodecs.parse(args.sync_dtype or (), args.error_feedback)
     sync = LocalUpdateSync(
         optimizer, unified(args.sync_period), replica, delay=args.sync_delay, codecs=codecs

@@ -1,7 +1,7 @@
 """Three members of one torchft quorum in one process, as tests/test_ft_auth.py runs them: two
 with the run's secret and one with another, each having proven what its secret lets it prove
 (the two each other, the third itself). Each forms its group with the members it proved, where
-and as a replica would (:mod:`mtdao.sync.torchft.quorum_plan`), and sums its value over it;
+and as a replica would (:mod:`mtdao.ft.quorum_plan`), and sums its value over it;
 prints ``{rank: sum}`` as JSON. Run as a script (a gloo rendezvous that goes wrong can abort the
 interpreter)."""
 
@@ -14,10 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mtdao.sync.torchft.auth import RunKey
-from mtdao.sync.torchft.plumbing import MembershipGloo
-from mtdao.sync.torchft.proofs import Claim
-from mtdao.sync.torchft.quorum_plan import plan_quorum, rendezvous
+from mtdao.ft.plumbing import MembershipGloo
+from mtdao.ft.quorum_plan import plan_quorum, rendezvous
+from mtdao.ft.security.auth import RunKey
+from mtdao.ft.security.proofs import Claim
 
 SECRETS = [b"0123456789abcdef0123", b"0123456789abcdef0123", b"another-secret-than-the-runs"]
 VALUES = [1.0, 2.0, 10.0]
@@ -36,7 +36,7 @@ def main() -> None:
         key = RunKey(SECRETS[rank])
         mine = claims[rank].member
         plan = plan_quorum(proven[rank], mine, 0, rendezvous(key, "digest", proven[rank]))
-        group = MembershipGloo(rank, timedelta(seconds=20), key, rendezvous_timeout=20.0)
+        group = MembershipGloo("127.0.0.1", timedelta(seconds=20), rendezvous_timeout=20.0)
         ranks = [c.replica_id for c in plan.members]
         group.configure(f"{plan.store}/0", mine, plan.rank, len(ranks), 1, 0, 1, ranks)
         value = torch.tensor([VALUES[rank]])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from mtdao.sync.torchft import parity
+from mtdao.ft import parity
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fault_tolerant_loop.py"
 STEP = int(sys.argv[1])

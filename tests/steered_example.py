@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from mtdao.sync.torchft.healing import HealedState
-from mtdao.sync.torchft.replicas import ReplicaGroups
+from mtdao.ft.healing import HealedState
+from mtdao.ft.replicas import ReplicaGroups
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fault_tolerant_loop.py"
 

@@ -23,6 +23,10 @@ import torch
 from dict_store import DictStore
 from wait_limits import limit_s
 
+from mtdao.ft.round_identity import exchange_positions, sitting_out
+from mtdao.ft.security import auth
+from mtdao.ft.security.auth import TOKEN_ENV, RunKey, machine_secret, read_token, run_key
+from mtdao.ft.security.proofs import Claim, claim_data, confirm_quorum, read_claim
 from mtdao.sync import (
     LocalUpdateSync,
     OuterOptimizerConfig,
@@ -32,14 +36,10 @@ from mtdao.sync import (
     unified,
 )
 from mtdao.sync.codecs.compression import SyncCodecs
-from mtdao.sync.torchft import auth
-from mtdao.sync.torchft.auth import TOKEN_ENV, RunKey, machine_secret, read_token, run_key
-from mtdao.sync.torchft.proofs import Claim, claim_data, confirm_quorum, read_claim
-from mtdao.sync.torchft.round_identity import exchange_positions, sitting_out
 
 pytest.importorskip("torchft")
 
-from mtdao.sync.torchft.safe_transport import (  # noqa: E402
+from mtdao.ft.security.safe_transport import (  # noqa: E402
     HealBinding,
     HealRefused,
     Quorum,
@@ -176,7 +176,7 @@ def test_a_new_loopback_secret_is_said_once_by_the_process_that_made_it(tmp_path
     """Deleted and made again, the secret no longer matches what running processes hold: the
     process that makes it says so, once; the ones that read it say nothing."""
     directory = tmp_path / "mtdao"
-    with caplog.at_level(logging.WARNING, logger="mtdao.sync.torchft.auth"):
+    with caplog.at_level(logging.WARNING, logger="mtdao.ft.security.auth"):
         first = machine_secret(directory)
         assert machine_secret(directory) == first
         (directory / "loopback.secret").unlink()
@@ -311,7 +311,7 @@ def test_a_state_travels_as_tensors_and_plain_data():
 
 
 def test_a_peer_with_another_secret_neither_fetches_nor_serves_a_state(monkeypatch):
-    monkeypatch.setattr("mtdao.sync.torchft.safe_transport.QUORUM_SKEW_S", 0.1)
+    monkeypatch.setattr("mtdao.ft.security.safe_transport.QUORUM_SKEW_S", 0.1)
     sender, receiver = transports(receiver_secret=b"another-secret-0000")
     try:
         sender.serve(7, {"user": {"w": torch.ones(2)}})
@@ -389,7 +389,7 @@ ENGINES = {
 def test_every_engines_heal_state_loads_with_the_safe_loader(name):
     """What a healing replica receives is tensors and plain data only, for every policy."""
     from mtdao import MTAdam
-    from mtdao.sync.torchft import engine_state
+    from mtdao.ft import engine_state
 
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 4, generator=gen)) for _ in range(2)]

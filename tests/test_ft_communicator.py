@@ -29,7 +29,8 @@ from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.testing import run_on_gloo
 
-torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+pytest.importorskip("torchft")
+import mtdao.ft as torchft  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
@@ -75,8 +76,11 @@ class Replica:
         self.replica_id, self.steps = replica_id, steps
         self.params = [torch.nn.Parameter(t) for t in initial(replica_id)]
         self.optimizer = optimizer_for(self.params)
-        settings = torchft.ReplicaSettings(replica_id, address, **TIMEOUTS)
-        self.communicator = torchft.ReplicaGroups(settings)
+        config = torchft.ReplicaConfig(
+            replica_id, address, TIMEOUTS["connect_timeout"], TIMEOUTS["quorum_timeout"]
+        )
+        collective = TIMEOUTS["collective_timeout"]
+        self.communicator = torchft.ReplicaGroups(config, collective_timeout=collective)
         self.sync = LocalUpdateSync(self.optimizer, policy, self.communicator, **engine)
         self.rounds: dict[int, dict] = {}  # step -> the whole state after that committed round
         self.at_quorum: dict[int, dict] = {}  # step -> the whole state once its quorum formed
@@ -433,7 +437,7 @@ def test_an_unreachable_lighthouse_fails_within_the_connect_timeout():
     from mtdao.testing.ports import unused_port
 
     address = f"localhost:{unused_port()}"
-    communicator = torchft.ReplicaGroups(torchft.ReplicaSettings(0, address, connect_timeout=1))
+    communicator = torchft.ReplicaGroups(torchft.ReplicaConfig(0, address, connect_timeout=1))
     started = time.monotonic()
     with pytest.raises(ConnectionError, match=f"http://{address}.*--connect-timeout 1 s"):
         communicator.connect()

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from wait_limits import limit_s
 
-import mtdao.sync
+import mtdao
 from mtdao.cli import build_parser, main
 from mtdao.train.command import config_from_args, config_to_argv
 from mtdao.train.config import TrainConfig, resolve
@@ -86,7 +86,7 @@ def test_a_sharded_replica_outside_torchrun_is_one_line(capsys, tmp_path):
 
 def check(mine: TrainConfig, theirs: TrainConfig) -> None:
     """What a joining replica (``mine``) checks of its source's config (``theirs``)."""
-    from mtdao.sync.torchft import SharedConfig
+    from mtdao.ft import SharedConfig
 
     shared = fault_tolerant.shared_config
     SharedConfig(mine.fault_tolerance.replica_id, shared(resolve(mine))).load_state_dict(
@@ -95,7 +95,9 @@ def check(mine: TrainConfig, theirs: TrainConfig) -> None:
 
 
 def test_a_joining_replica_must_share_the_quorums_config():
-    torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+    pytest.importorskip("torchft")
+    from mtdao import ft as torchft
+
     mine = TrainConfig.of(**FT, steps=100, lr=0.01, sync_period=16)
     with pytest.raises(torchft.ReplicaRefused) as refused:
         check(mine, TrainConfig.of(**{**FT, "replica_id": 0}, steps=100, sync_period=8))
@@ -109,7 +111,9 @@ def test_a_joining_replica_must_share_the_quorums_config():
 
 
 def test_the_settings_marked_replica_local_are_the_ones_a_replica_may_have_its_own():
-    torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+    pytest.importorskip("torchft")
+    from mtdao import ft as torchft
+
     own = dict(replica_id=0, lighthouse="other:1", out="elsewhere", resume=True, progress=False)
     own |= dict(log_every=3, eval_every=5, eval_tokens=4096, checkpoint_every=7, device="cpu")
     own |= dict(connect_timeout=3.0, quorum_timeout=5.0, collective_timeout=9.0)
@@ -124,9 +128,9 @@ def test_the_settings_marked_replica_local_are_the_ones_a_replica_may_have_its_o
 
 def test_without_torchft_the_error_says_how_to_install_it(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft now fails
-    for name in [name for name in sys.modules if name.startswith("mtdao.sync.torchft")]:
+    for name in [name for name in sys.modules if name.startswith("mtdao.ft")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.delattr(mtdao.sync, "torchft", raising=False)
+    monkeypatch.delattr(mtdao, "ft", raising=False)
     config = resolve(TrainConfig.of(**FT, steps=2, out=str(tmp_path)))
     with pytest.raises(ValueError, match=r"--fault-tolerant needs torchft: pip install .*\[ft\]"):
         fault_tolerant.train_replica(config)
@@ -160,10 +164,32 @@ def test_plain_runs_do_not_import_torchft(corpus_dir, tmp_path):
 
 
 def test_a_replica_without_a_lighthouse_is_one_line(monkeypatch):
-    torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+    pytest.importorskip("torchft")
+    from mtdao import ft as torchft
+
     monkeypatch.delenv("MTDAO_LIGHTHOUSE", raising=False)
     with pytest.raises(ValueError) as refused:
-        torchft.fault_tolerant_replica(0)
-    assert (
-        str(refused.value) == "no lighthouse: pass lighthouse='host:port' or set $MTDAO_LIGHTHOUSE"
+        torchft.fault_tolerant_replica(torchft.ReplicaConfig(replica_id=0))
+    assert str(refused.value) == (
+        "no lighthouse: give ReplicaConfig(lighthouse='host:port') or set $MTDAO_LIGHTHOUSE"
     )
+
+
+def test_a_replica_without_an_id_is_one_line():
+    pytest.importorskip("torchft")
+    from mtdao import ft
+
+    with pytest.raises(ValueError) as refused:
+        ft.fault_tolerant_replica(ft.ReplicaConfig(lighthouse="127.0.0.1:1"))
+    assert (
+        str(refused.value) == "no replica id: give ReplicaConfig(replica_id=...) (or --replica-id)"
+    )
+
+
+def test_the_harness_holds_the_library_s_replica_config_as_its_fault_tolerance_section():
+    from mtdao.ft.config import ReplicaConfig
+
+    config = TrainConfig.of(**FT)
+    assert type(config.fault_tolerance) is ReplicaConfig
+    assert config.fault_tolerance.replica_id == FT["replica_id"]
+    assert TrainConfig.from_dict(config.to_dict()) == config  # config.json's flat names

@@ -16,8 +16,8 @@ from mtdao.sync.codecs.compression import SyncCodecs
 
 pytest.importorskip("torchft")
 
-from mtdao.sync.torchft import engine_state  # noqa: E402
-from mtdao.sync.torchft.heal_checks import heal_problem  # noqa: E402
+from mtdao.ft import engine_state  # noqa: E402
+from mtdao.ft.security.heal_checks import heal_problem  # noqa: E402
 
 COMMITS, STEP = 3, 6
 P0, P1 = "param 0 of group 0", "param 1 of group 0"  # the engine's names of its parameters

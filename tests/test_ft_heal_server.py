@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("torchft")
 
-import mtdao.sync.torchft.heal_server as heal_server  # noqa: E402
-from mtdao.sync.torchft.auth import RunKey  # noqa: E402
-from mtdao.sync.torchft.safe_transport import SignedHealTransport  # noqa: E402
+import mtdao.ft.security.heal_server as heal_server  # noqa: E402
+from mtdao.ft.security.auth import RunKey  # noqa: E402
+from mtdao.ft.security.safe_transport import SignedHealTransport  # noqa: E402
 
 KEY = RunKey(b"0123456789abcdef0123")
 # a request to a server in this process answers in milliseconds: these limits only stop a hang

@@ -29,8 +29,8 @@ import pytest
 from grpc_calls import grpc_status, http2_request
 from wait_limits import limit_s
 
+from mtdao.ft.connection import WATCH_EVERY_S, WATCH_GRACE_S, WATCH_MISSES
 from mtdao.sync.engine import FINAL_ROUND_TRIES
-from mtdao.sync.torchft.connection import WATCH_EVERY_S, WATCH_GRACE_S, WATCH_MISSES
 from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S, Drill
 
 pytest.importorskip("torchft")

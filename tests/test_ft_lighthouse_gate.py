@@ -30,11 +30,11 @@ from grpc_calls import (  # noqa: E402
 )
 from torchft._torchft import LighthouseClient  # noqa: E402
 
-from mtdao.sync.grpc_front import GrpcFront  # noqa: E402
-from mtdao.sync.torchft import start_lighthouse  # noqa: E402
-from mtdao.sync.torchft.auth import RunKey  # noqa: E402
-from mtdao.sync.torchft.lighthouse_gate import LighthouseGate  # noqa: E402
-from mtdao.sync.torchft.proofs import Claim, claim_data, new_nonce  # noqa: E402
+from mtdao.ft import start_lighthouse  # noqa: E402
+from mtdao.ft.security.auth import RunKey  # noqa: E402
+from mtdao.ft.security.grpc_front import GrpcFront  # noqa: E402
+from mtdao.ft.security.lighthouse_gate import LighthouseGate  # noqa: E402
+from mtdao.ft.security.proofs import Claim, claim_data, new_nonce  # noqa: E402
 from mtdao.train.fault_tolerance.lighthouse import LIGHTHOUSE_CALLS  # noqa: E402
 
 KEY = RunKey(b"0123456789abcdef0123")

@@ -1,4 +1,4 @@
-"""Bit parity after a committed round (mtdao.sync.torchft.parity), with test doubles: replicas in
+"""Bit parity after a committed round (mtdao.ft.parity), with test doubles: replicas in
 threads, their tables summed as the round's all-reduce would, each with a model that a round has
 just made identical. The exchange that opens the next round (round_identity) compares them: one
 perturbed after the round is named by every member with the tensor that differs and sits that
@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("torchft")
 
-from mtdao.sync.torchft import round_identity  # noqa: E402
-from mtdao.sync.torchft.parity import ParityCheck, combined_digest, tensor_digest  # noqa: E402
-from mtdao.sync.torchft.shards import ReplicaProcesses  # noqa: E402
+from mtdao.ft import round_identity  # noqa: E402
+from mtdao.ft.parity import ParityCheck, combined_digest, tensor_digest  # noqa: E402
+from mtdao.ft.shards import ReplicaProcesses  # noqa: E402
 
 STEP = 40  # the round's
 BARRIER_S = 10.0  # threads meeting in memory

@@ -26,7 +26,7 @@ SECRET = "a-secret-of-this-test-run-0123456789"
 K, STEPS, HELD_AT = 4, 32, 8  # replica 1 is held where the round opened at step 6 lands
 COLLECTIVE_TIMEOUT_S, CONNECT_S, HEARTBEAT_S = 120, 10, 1
 # the collective watch gives a lost peer up after 5 s, then 3 missed probes a second apart, each
-# timing out after 1 s (mtdao.sync.torchft.collective_watch)
+# timing out after 1 s (mtdao.ft.collective_watch)
 PEER_GIVE_UP_S = 5.0 + 3 * (1.0 + 1.0)
 # what the test claims, not a guess at a wait: the round is discarded within seconds (the watch's
 # give-up time; 10 s measured on a busy machine), not at --collective-timeout

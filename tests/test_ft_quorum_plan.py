@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from mtdao.sync.torchft.proofs import Claim
-from mtdao.sync.torchft.quorum_plan import plan_quorum
+from mtdao.ft.quorum_plan import plan_quorum
+from mtdao.ft.security.proofs import Claim
 
 pytest.importorskip("torchft")
 

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from mtdao.sync.torchft.plumbing import Refusal  # noqa: E402
-from mtdao.sync.torchft.refusals import RefusalLog  # noqa: E402
+from mtdao.ft.plumbing import Refusal  # noqa: E402
+from mtdao.ft.refusals import RefusalLog  # noqa: E402
 
 
 class Clock:

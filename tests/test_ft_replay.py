@@ -19,8 +19,8 @@ import pytest
 import torch
 from dict_store import DictStore
 
-from mtdao.sync.torchft.auth import RunKey
-from mtdao.sync.torchft.proofs import (
+from mtdao.ft.security.auth import RunKey
+from mtdao.ft.security.proofs import (
     Claim,
     SeenNonces,
     claim_data,
@@ -32,7 +32,7 @@ from mtdao.sync.torchft.proofs import (
 
 pytest.importorskip("torchft")
 
-from mtdao.sync.torchft.safe_transport import (  # noqa: E402
+from mtdao.ft.security.safe_transport import (  # noqa: E402
     RECEIVER_HEADER,
     SIGNATURE_HEADER,
     HealBinding,
@@ -166,7 +166,7 @@ def test_a_captured_heal_state_is_refused_by_another_replica_and_in_a_later_quor
 def test_a_captured_heal_request_is_refused_in_a_later_quorum_and_for_another_receiver(
     source, monkeypatch
 ):
-    monkeypatch.setattr("mtdao.sync.torchft.safe_transport.QUORUM_SKEW_S", 0.1)
+    monkeypatch.setattr("mtdao.ft.security.safe_transport.QUORUM_SKEW_S", 0.1)
     signature = KEY.sign("fetch", *FIRST.fields())
     source.open(Quorum("quorum-2", "0:source", 0, frozenset({"1:receiver", "2:other"})))
     for receiver_id in ("1:receiver", "2:other"):

@@ -259,15 +259,15 @@ def test_the_lighthouse_says_where_it_serves_and_stops_cleanly(drill):
 
 
 def test_a_replica_of_a_plain_loop_says_when_it_joins_and_when_it_heals(caplog):
-    from mtdao.sync.torchft import Heal, RoundStart
-    from mtdao.sync.torchft.joining import JoinsAndHeals
+    from mtdao.ft import Heal, RoundStart
+    from mtdao.ft.joining import JoinsAndHeals
 
     def quorum(heal=None):
         return RoundStart(replicas=[0, 1, 2], joined=[1], left=[], quorum_id=3, seconds=0.2,
                           heal=heal)  # fmt: skip
 
     say = JoinsAndHeals(1)
-    with caplog.at_level("WARNING", logger="mtdao.sync.torchft.joining"):
+    with caplog.at_level("WARNING", logger="mtdao.ft.joining"):
         say(quorum(Heal(source=0, bytes=2_500_000, seconds=0.4)), 32)  # a restart: both at once
         say(quorum(), 40)  # an ordinary round: nothing
         say(quorum(Heal(source=2, bytes=48_123, seconds=0.5)), 48)  # fell behind

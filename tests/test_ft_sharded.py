@@ -165,8 +165,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_joiner_is_measured_against_most_replicas_at_the_newest_step():
-    from mtdao.sync.torchft.proofs import Claim
-    from mtdao.sync.torchft.quorum_plan import plan_quorum, reference_shard_count
+    from mtdao.ft.quorum_plan import plan_quorum, reference_shard_count
+    from mtdao.ft.security.proofs import Claim
 
     def claims(*replicas):  # (--shards, commits) of each replica
         return [

@@ -1,5 +1,5 @@
-"""mtdao's gRPC front (mtdao.sync.grpc_front) and the torchft manager behind one
-(mtdao.sync.torchft.manager_front), on loopback:
+"""mtdao's gRPC front (mtdao.ft.security.grpc_front) and the torchft manager behind one
+(mtdao.ft.security.manager_front), on loopback:
 
 * an allowed call is made again on the server behind, its message and nothing else; a call of
   another method (torchft's Kill) never reaches it, and is counted and said in one line (each
@@ -48,8 +48,8 @@ from grpc_calls import (  # noqa: E402
 )
 from wait_limits import first_line, limit_s  # noqa: E402
 
-import mtdao.sync.grpc_front as grpc_front  # noqa: E402
-from mtdao.sync.grpc_front import GrpcFront, from_this_machine  # noqa: E402
+import mtdao.ft.security.grpc_front as grpc_front  # noqa: E402
+from mtdao.ft.security.grpc_front import GrpcFront, from_this_machine  # noqa: E402
 from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S  # noqa: E402
 
 QUORUM = "/torchft.ManagerService/Quorum"
@@ -303,7 +303,7 @@ OUT_OF_DESCRIPTORS = textwrap.dedent(
     import resource, sys, time
     from concurrent import futures
     import grpc
-    from mtdao.sync import grpc_front
+    from mtdao.ft.security import grpc_front
 
     grpc_front.HANDSHAKE_S = float(sys.argv[1])
 
@@ -365,9 +365,9 @@ SERVE_A_MANAGER = textwrap.dedent(
     import sys, time
     from datetime import timedelta
     from torchft._torchft import ManagerServer
-    from mtdao.sync.torchft import start_lighthouse
-    from mtdao.sync.torchft.manager_front import start_fronted
-    from mtdao.sync.torchft.safe_transport import advertised_host
+    from mtdao.ft import start_lighthouse
+    from mtdao.ft.security.manager_front import start_fronted
+    from mtdao.ft.security.safe_transport import advertised_host
 
     lighthouse = start_lighthouse("127.0.0.1:0", 1, 10.0, 5.0)
     def server(bind):
@@ -428,7 +428,7 @@ def test_a_real_manager_behind_its_front_serves_its_calls_and_not_kill():
 
 def bound_beside(front_host: str, port: str) -> list[str]:
     """Where torchft's server may sit beside a front on ``front_host`` at ``port``."""
-    from mtdao.sync.torchft.manager_front import loopbacks_beside
+    from mtdao.ft.security.manager_front import loopbacks_beside
 
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in loopbacks_beside(front_host)]
 
@@ -470,7 +470,7 @@ def test_a_manager_behind_its_front_on_other_hosts(host):
 
 def test_where_the_server_behind_a_front_goes():
     pytest.importorskip("torchft")
-    from mtdao.sync.torchft.manager_front import loopbacks_beside
+    from mtdao.ft.security.manager_front import loopbacks_beside
 
     assert loopbacks_beside("127.0.0.1") == ["127.0.0.2", "::1"]
     assert loopbacks_beside("127.0.0.5") == ["127.0.0.1", "127.0.0.2", "::1"]
@@ -480,7 +480,7 @@ def test_where_the_server_behind_a_front_goes():
 
 def test_a_manager_that_cannot_sit_behind_its_front_is_not_started():
     pytest.importorskip("torchft")
-    from mtdao.sync.torchft.manager_front import FrontUnavailable, start_fronted
+    from mtdao.ft.security.manager_front import FrontUnavailable, start_fronted
 
     tried = []
 

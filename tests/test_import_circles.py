@@ -107,3 +107,33 @@ def test_a_circle_behind_a_type_checking_import_is_found(tmp_path):
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.engine import Engine\n"
     )
     assert circles(import_graph(tmp_path)) == [["pkg.engine", "pkg.state"]]
+
+
+def test_the_engine_imports_nothing_of_the_fault_tolerance_wing_nor_the_wing_of_the_harness():
+    """The wing reaches the engine through the Communicator protocol (mtdao.sync.communicator):
+    sync/ imports nothing of mtdao.ft, nor torchft; the wing imports nothing of mtdao.train."""
+    graph = import_graph(SRC)
+    wing = {name for name in graph if name == "mtdao.ft" or name.startswith("mtdao.ft.")}
+    assert {"mtdao.ft.replicas", "mtdao.ft.security.proven_manager"} <= wing  # the wing was read
+    for name, targets in sorted(graph.items()):
+        if name.startswith("mtdao.sync"):
+            assert not targets & wing, f"{name} imports {sorted(targets & wing)}"
+            torchft = {t for t in imported_names(SRC, name) if t.split(".")[0] == "torchft"}
+            assert not torchft, f"{name} imports {sorted(torchft)}"
+        if name in wing:
+            harness = {t for t in targets if t.startswith("mtdao.train")}
+            assert not harness, f"{name} imports {sorted(harness)}"
+
+
+def imported_names(root: Path, name: str) -> set[str]:
+    """Every module name the module ``name`` imports, inside the package or not."""
+    path = root / (name.replace(".", "/") + ".py")
+    if not path.exists():
+        path = root / name.replace(".", "/") / "__init__.py"
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names

@@ -1,5 +1,5 @@
 """The watch a replica keeps on its lighthouse while a quorum waits
-(mtdao.sync.torchft.connection.watching_the_lighthouse), with a stand-in for the manager's server:
+(mtdao.ft.connection.watching_the_lighthouse), with a stand-in for the manager's server:
 
 * a lighthouse that stops accepting connections: the waiting calls are ended once, within a few
   seconds, and the watch says so;
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from mtdao.sync.torchft import connection  # noqa: E402
+from mtdao.ft import connection  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -38,7 +38,9 @@ SNIPPET_S = limit_s(starts=2)
 @contextlib.contextmanager
 def lighthouse():
     """A torchft lighthouse in this process for one replica; yields its host:port."""
-    torchft = pytest.importorskip("mtdao.sync.torchft", exc_type=ImportError)
+    pytest.importorskip("torchft")
+    from mtdao import ft as torchft
+
     server = torchft.start_lighthouse("127.0.0.1:0", 1, join_timeout=1.0, heartbeat_timeout=1.0)
     try:
         yield server.address().split("://")[-1]

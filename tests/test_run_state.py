@@ -142,7 +142,7 @@ def test_without_its_plain_part_the_layout_holds_what_every_such_engine_holds():
 @pytest.mark.parametrize("name", ENGINES)
 def test_a_heal_carries_the_trained_state_a_checkpoint_saves(name):
     pytest.importorskip("torchft")
-    from mtdao.sync.torchft import engine_state
+    from mtdao.ft import engine_state
 
     params, sync = engine(name)
     train(params, sync, range(6))
@@ -153,7 +153,7 @@ def test_a_heal_carries_the_trained_state_a_checkpoint_saves(name):
 
 def test_healing_refuses_a_peer_of_other_shapes_and_overwrites_nothing():
     pytest.importorskip("torchft")
-    from mtdao.sync.torchft import ReplicaRefused, engine_state
+    from mtdao.ft import ReplicaRefused, engine_state
 
     params, sync = engine("diloco (anchors, outer momentum)")
     train(params, sync, range(2))

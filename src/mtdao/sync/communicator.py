@@ -16,7 +16,7 @@ Implementations:
 * :class:`SingleWorker`: world size 1, nothing to send;
 * :class:`mtdao.sync.simulated.SimulatedWorkers`: M workers in one process, stacked tensors;
 * :class:`mtdao.sync.process_group.ProcessGroupWorkers`: a ``torch.distributed`` process group;
-* :class:`mtdao.sync.torchft.ReplicaGroups`: fault-tolerant replica groups (torchft, optional);
+* :class:`mtdao.ft.ReplicaGroups`: fault-tolerant replica groups (torchft, optional);
 * :mod:`mtdao.sync.testing`: recording and scripted doubles for tests.
 
 Averaging is split from assigning so that the engine can check the averages (NaN/inf) before

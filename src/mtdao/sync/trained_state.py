@@ -2,7 +2,7 @@
 
 One definition for everyone who copies it: a checkpoint saves it (with the run's progress, see
 :mod:`mtdao.train.checkpoint.run_state`), and a fault-tolerant replica that heals receives it from a live
-peer (:mod:`mtdao.sync.torchft.healing`, which adds how it travels). Both forms of it are here:
+peer (:mod:`mtdao.ft.healing`, which adds how it travels). Both forms of it are here:
 the plain one (parameters by name, the optimizer's and the engine's ``state_dict``) and the
 sharded one for DCP (the model and optimizer as DCP's ``get_state_dict`` gives them, the engine's
 tensors as DTensors: :meth:`~mtdao.sync.sharded_state.ShardedEngineState.sharded_state_dict`).

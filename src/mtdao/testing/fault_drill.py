@@ -79,10 +79,10 @@ class DrillObserver:
         _wait_while(lambda: (self.control / f"{self.name}.hold").exists())
 
     def before_step(self, run) -> None:
-        from mtdao.sync import torchft
+        from mtdao import ft
 
         if self.rewind and run.step == self.rewind[1] and self.saved is not None:
-            torchft.engine_state(run.sync)[1](self.saved)
+            ft.engine_state(run.sync)[1](self.saved)
             self.saved = None
             run.sync.communicator.forget_prepared_round()
             print(f"fault drill: rewound to step {run.step}", flush=True)
@@ -93,14 +93,14 @@ class DrillObserver:
         _write(self.control / f"{self.label}.status", f"running {run.step}")
 
     def after_round(self, run) -> None:
-        from mtdao.sync import torchft
+        from mtdao import ft
 
         with open(self.control / f"{self.label}.rounds", "a") as handle:
             handle.write(f"{run.step} {state_digest(run)}\n")
         with open(self.control / f"{self.label}.globals", "a") as handle:
             handle.write(f"{run.step} {global_digest(run)}\n")
         if self.rewind and run.step == self.rewind[0] and self.saved is None:
-            self.saved = torchft.engine_state(run.sync)[0]()
+            self.saved = ft.engine_state(run.sync)[0]()
 
     def _hold_in_round(self, step: int) -> None:
         _write(self.control / f"{self.label}.entered-{step}", "")

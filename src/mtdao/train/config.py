@@ -30,6 +30,7 @@ from mtdao.methods.defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
 from mtdao.methods.defaults import default_lr as default_lr
 from mtdao.methods.defaults import method_defaults
 from mtdao.methods.table import METHOD_TABLE
+from mtdao.ft.config import ReplicaConfig
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.config_checks import check_config
 from mtdao.train.config_checks import config_warnings as config_warnings
@@ -58,6 +59,8 @@ class ParallelSettings:
     shards: int = _setting(1, resumable=True)
     """Processes per worker S, sharding its model with FSDP2 (torchrun world size M x S; for a
     fault-tolerant replica, S)."""
+    fault_tolerant: bool = False
+    """Run one replica of a fault-tolerant run (torchft): replicas may die, rejoin and heal."""
     collective_timeout: float = _setting(180.0, resumable=True, replica_local=True)
     """Seconds a worker waits for the others in one collective (torchrun workers, gloo or NCCL)
     before it stops with an error: a frozen or lost peer ends the job instead of hanging it. A
@@ -172,30 +175,6 @@ class CheckpointSettings:
 
 
 @dataclass(frozen=True)
-class FaultToleranceSettings:
-    """Fault tolerance (torchft replicas)."""
-
-    fault_tolerant: bool = False
-    """Run one replica of a fault-tolerant run (torchft): replicas may die, rejoin and heal."""
-    replica_id: int | None = _setting(None, replica_local=True)
-    """This replica's number, 0 .. --workers - 1: its data shard (with --fault-tolerant)."""
-    lighthouse: str | None = _setting(None, resumable=True, replica_local=True)
-    """The lighthouse's host:port (with --fault-tolerant; start one with mtdao lighthouse)."""
-    connect_timeout: float = _setting(30.0, resumable=True, replica_local=True)
-    """Seconds to reach the lighthouse or a peer before giving up (with --fault-tolerant)."""
-    quorum_timeout: float = _setting(600.0, resumable=True, replica_local=True)
-    """Seconds to wait for a quorum; keep it above the time between syncs (--fault-tolerant)."""
-    bind_host: str = _setting("127.0.0.1", resumable=True, replica_local=True)
-    """The address this replica's listeners serve on (manager, store, collectives, heal state;
-    with --fault-tolerant): loopback for replicas on one machine, this machine's address on the
-    network the replicas share for several (see docs/security.md)."""
-    auth_token_file: str | None = _setting(None, resumable=True, replica_local=True)
-    """A file holding the run's secret, the same for every replica (else $MTDAO_AUTH_TOKEN): a
-    peer without it is neither averaged with nor healed from. Required unless --bind-host is
-    loopback (with --fault-tolerant; see docs/security.md)."""
-
-
-@dataclass(frozen=True)
 class TrainConfig:
     """What a run is asked to do, in sections; each setting's flag is its name (``--sync-period``
     for ``sync.sync_period``), and its name is unique across the sections."""
@@ -207,7 +186,7 @@ class TrainConfig:
     text: TextSettings = field(default_factory=TextSettings)
     job: JobSettings = field(default_factory=JobSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
-    fault_tolerance: FaultToleranceSettings = field(default_factory=FaultToleranceSettings)
+    fault_tolerance: ReplicaConfig = field(default_factory=ReplicaConfig)
 
     @classmethod
     def of(cls, **settings) -> TrainConfig:
@@ -338,7 +317,7 @@ def _resolve(config: TrainConfig) -> TrainConfig:
 def default_out(config: TrainConfig) -> str:
     """runs/<run name>, and a directory per replica in a fault-tolerant run."""
     out, ft = Path("runs") / config.run_name(), config.fault_tolerance
-    return str(out / f"replica-{ft.replica_id}" if ft.fault_tolerant else out)
+    return str(out / f"replica-{ft.replica_id}" if config.parallel.fault_tolerant else out)
 
 
 def describe_default(name: str) -> str | None:

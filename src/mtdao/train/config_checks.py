@@ -83,17 +83,18 @@ def check_config(config: Any) -> None:
             f"--warmup-steps must be a whole number of steps from 0 to the run's "
             f"{config.total_steps()}, got {config.lr_schedule.warmup_steps!r}"
         )
-    _check_fault_tolerance(config.fault_tolerance, config.parallel.workers)
+    _check_fault_tolerance(config.fault_tolerance, config.parallel)
 
 
-def _check_fault_tolerance(config: Any, workers: int) -> None:
+def _check_fault_tolerance(config: Any, parallel: Any) -> None:
+    workers = parallel.workers
     for name in ("connect_timeout", "quorum_timeout"):
         value = getattr(config, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"--{flag(name)} must be a number of seconds > 0, got {value!r}")
     if not config.bind_host or not config.bind_host.strip():
         raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
-    if not config.fault_tolerant:
+    if not parallel.fault_tolerant:
         for name in ("replica_id", "lighthouse", "auth_token_file"):
             if getattr(config, name) is not None:
                 raise ValueError(f"--{flag(name)} needs --fault-tolerant")

@@ -13,7 +13,7 @@ over shards), the same averages. ``--shards 1`` is the unsharded harness, unchan
 
 A replica of a fault-tolerant run (``--fault-tolerant --shards S``) is one such worker launched on
 its own (torchrun world size S): FSDP2 over its S processes, and its communicator
-(:mod:`mtdao.sync.torchft`) averaging each local shard with the same process of the other
+(:mod:`mtdao.ft`) averaging each local shard with the same process of the other
 replicas.
 """
 
@@ -37,14 +37,14 @@ from mtdao.train.workers import WorkerSet, language_model_loss
 
 def launched_workers(config: TrainConfig) -> int:
     """The workers this launch's processes make: ``--workers``, or one fault-tolerant replica."""
-    return 1 if config.fault_tolerance.fault_tolerant else config.parallel.workers
+    return 1 if config.parallel.fault_tolerant else config.parallel.workers
 
 
 def check_topology(config: TrainConfig, process: ProcessInfo) -> None:
     """Refuse a launch whose processes do not make ``--workers`` x ``--shards`` (one line), or,
     for a fault-tolerant replica, ``--shards``."""
     workers, shards = config.parallel.workers, config.parallel.shards
-    if config.fault_tolerance.fault_tolerant:
+    if config.parallel.fault_tolerant:
         if process.world_size != shards:
             need = "one process" if shards == 1 else f"{shards} processes, one per shard"
             how = "" if shards == 1 else f" (torchrun --nproc-per-node {shards})"
@@ -120,7 +120,7 @@ def build_sharded_replica(
     model: nn.Module, config: TrainConfig, device: torch.device, communicator
 ) -> ShardedWorkerSet:
     """This process's part of a fault-tolerant replica of ``--shards`` processes: FSDP2 over them,
-    and ``communicator`` (a :class:`mtdao.sync.torchft.ReplicaGroups`) averaging its shards with
+    and ``communicator`` (a :class:`mtdao.ft.ReplicaGroups`) averaging its shards with
     the same process of the other replicas. Between rounds the replica reaches no other worker:
     its losses, clipping and evaluation are its own."""
     check_shardable(model, config.parallel.shards)

@@ -93,7 +93,7 @@ def train(
     """
     started = time.perf_counter()
     config = resolve(config)
-    if config.fault_tolerance.fault_tolerant and hooks is None:
+    if config.parallel.fault_tolerant and hooks is None:
         raise ValueError(
             "a fault-tolerant replica is trained by mtdao.train.train (or mtdao train), which "
             "connects it to the lighthouse"

@@ -4,12 +4,12 @@ Replicas (``mtdao train --fault-tolerant --lighthouse HOST:PORT``) report to it 
 and ask it for a quorum at every sync; it answers with the replicas alive at that moment. It holds
 no training state: while it is away the replicas skip their rounds and train on locally, and they
 register again once it is back on the same address. It serves on ``--bind-host`` through
-:mod:`mtdao.sync.grpc_front`: the two calls of torchft's lighthouse service the replicas make
+:mod:`mtdao.ft.security.grpc_front`: the two calls of torchft's lighthouse service the replicas make
 (quorum and heartbeat), not torchft's unauthenticated web dashboard (which lists replica
 addresses and can stop a replica). With the run's secret (``--auth-token-file``,
 ``$MTDAO_AUTH_TOKEN``, or on loopback this account's own, as the replicas' on this machine), it
 lets only replicas that prove they belong to the run into its quorums
-(:mod:`mtdao.sync.torchft.lighthouse_gate`).
+(:mod:`mtdao.ft.security.lighthouse_gate`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     for signal_number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signal_number, _stop_starting)
     try:
-        from mtdao.sync.torchft import start_lighthouse
+        from mtdao.ft import start_lighthouse
     except ModuleNotFoundError as error:
         if error.name != "torchft":
             raise
@@ -96,10 +96,10 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         raise ValueError("--bind-host is empty; give an address, e.g. 127.0.0.1")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
-    from mtdao.sync.grpc_front import GrpcFront
-    from mtdao.sync.torchft.auth import is_loopback, read_token, run_key
-    from mtdao.sync.torchft.lighthouse_gate import LighthouseGate
-    from mtdao.sync.torchft.safe_transport import advertised_host
+    from mtdao.ft.security.auth import is_loopback, read_token, run_key
+    from mtdao.ft.security.grpc_front import GrpcFront
+    from mtdao.ft.security.lighthouse_gate import LighthouseGate
+    from mtdao.ft.security.safe_transport import advertised_host
 
     token = read_token(args.auth_token_file)
     gate = None

@@ -6,7 +6,7 @@ A fault-tolerant run is ``--workers`` replicas, started anywhere and at any time
 (:mod:`mtdao.train.sharding`); killing any of them takes the replica out, and torchrun
 ``--max-restarts`` brings it back to heal. Replica I trains
 on data shard I, averages with whichever replicas are alive at each sync
-(:mod:`mtdao.sync.torchft`) and writes its own run directory. A replica that starts late or
+(:mod:`mtdao.ft`) and writes its own run directory. A replica that starts late or
 restarts heals from a live peer: parameters, every optimizer state and the engine's state. Every
 averaged state is the same on all replicas after a sync, so the healed replica carries on with the
 group's global states, not only its parameters. Its data position stays its own.
@@ -75,12 +75,12 @@ def observe_replicas(observer: ReplicaObserver) -> None:
 def train_replica(config: TrainConfig) -> dict[str, Any]:
     """Train one replica of a fault-tolerant run (config resolved); returns its results."""
     try:
-        from mtdao.sync import torchft
+        import mtdao.ft.joining  # noqa: F401  (torchft with it)
     except ModuleNotFoundError as error:
         if error.name != "torchft":
             raise
         raise ValueError(f"--fault-tolerant needs torchft: {INSTALL_HINT}") from None
-    driver = ReplicaDriver(config, torchft)
+    driver = ReplicaDriver(config)
     with stop_on_signals():
         try:
             results = trainer.train(config, build=driver.build, hooks=driver)
@@ -96,9 +96,8 @@ def train_replica(config: TrainConfig) -> dict[str, Any]:
 class ReplicaDriver(LoopHooks):
     """Builds the replica's run around a torchft communicator; the training loop's hooks."""
 
-    def __init__(self, config: TrainConfig, torchft) -> None:
+    def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        self.torchft = torchft
         self.replicas = None
         self.events: ReplicaEvents | None = None
         self.heals: list[dict[str, Any]] = []
@@ -111,21 +110,18 @@ class ReplicaDriver(LoopHooks):
         """The replica's first process: it speaks, and writes the replica's records."""
 
     def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
+        from mtdao.ft import OTHER_ACCOUNTS, RefusalLog, fault_tolerant_replica
+
         ft = config.fault_tolerance
-        self.replicas = self.torchft.fault_tolerant_replica(
-            ft.replica_id,
-            ft.lighthouse,
-            auth_token_file=ft.auth_token_file,
-            bind_host=ft.bind_host,
+        self.replicas = fault_tolerant_replica(
+            ft,
             shared_config=shared_config(config),
-            connect_timeout=ft.connect_timeout,
-            quorum_timeout=ft.quorum_timeout,
             collective_timeout=config.parallel.collective_timeout,
             allow_non_finite=config.sync.on_non_finite == "skip",
         )
         self.replicas.collectives.say = self._say
         self.replicas.on_quorum = None  # _report_quorum says joins and heals, with the rest
-        self.refusals = self.torchft.RefusalLog()
+        self.refusals = RefusalLog()
         self.is_main = process.rank == 0
         run = build_run(config, process, communicator=self.replicas, worker_index=ft.replica_id)
         self.events = ReplicaEvents(run.run_dir / "replicas.jsonl", ft.replica_id, self.is_main)
@@ -138,7 +134,7 @@ class ReplicaDriver(LoopHooks):
         if key.origin != "the run's secret":
             self._say(
                 f"no --auth-token-file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
-                f"{key.origin}; {self.torchft.OTHER_ACCOUNTS}"
+                f"{key.origin}; {OTHER_ACCOUNTS}"
             )
         return run
 
@@ -253,7 +249,7 @@ class ReplicaDriver(LoopHooks):
 
     def _report_refused(self, run: Run) -> None:
         """The unproven peers of the last quorum (each once a minute at most, see
-        :mod:`mtdao.sync.torchft.refusals`) and the heal states refused since the last report."""
+        :mod:`mtdao.ft.refusals`) and the heal states refused since the last report."""
         for line in self.refusals.lines(self.replicas.refused()):
             self._say(f"step {run.step}: {line}")
         for line in self.replicas.notes():

@@ -5,68 +5,40 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torchft import Manager
 
-from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
-from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
-from mtdao.sync.dtensors import local_shard
-from mtdao.sync.torchft import connection, round_identity
-from mtdao.sync.torchft.auth import RunKey, run_key
-from mtdao.sync.torchft.collective_watch import CollectiveWatch
-from mtdao.sync.torchft.healing import HealedState
-from mtdao.sync.torchft.layouts import ReplicaLayout, ShardedReplicaLayout
-from mtdao.sync.torchft.parity import ParityCheck
-from mtdao.sync.torchft.plumbing import (
+from mtdao.ft import connection, round_identity
+from mtdao.ft.collective_watch import CollectiveWatch
+from mtdao.ft.config import ReplicaConfig
+from mtdao.ft.healing import HealedState
+from mtdao.ft.identity import ReplicaIdentity
+from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
+from mtdao.ft.parity import ParityCheck
+from mtdao.ft.plumbing import (
     MembershipGloo,
     QuorumError,
     Refusal,
     first_line,
     listening_store,
 )
-from mtdao.sync.torchft.quorum import Quorum
-from mtdao.sync.torchft.safe_transport import SignedHealTransport, advertised_host
-from mtdao.sync.torchft.shards import ReplicaProcesses
-from mtdao.sync.torchft.transport import ManagerTransport
+from mtdao.ft.quorum import Quorum
+from mtdao.ft.security.auth import RunKey, run_key
+from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
+from mtdao.ft.security.torchft_internals import Manager
+from mtdao.ft.shards import ReplicaProcesses
+from mtdao.ft.transport import ManagerTransport
+from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
+from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
+from mtdao.sync.dtensors import local_shard
 
 if TYPE_CHECKING:
     from mtdao.sync.trained_state import TrainedState
-
-
-@dataclass(frozen=True)
-class ReplicaSettings:
-    """How one replica group reaches the others; timeouts in seconds."""
-
-    replica_id: int
-    lighthouse: str
-    """``http://host:port`` or ``host:port`` of the lighthouse."""
-    connect_timeout: float = 30.0
-    """Reaching the lighthouse, and a peer to heal from."""
-    quorum_timeout: float = 600.0
-    """Waiting for a quorum: longer than the time between two rounds, or a late joiner gives up."""
-    collective_timeout: float = 300.0
-    """One collective or heal transfer; a peer slower than this counts as failed."""
-    heartbeat_interval: float = 0.1
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    bind_host: str = "127.0.0.1"
-    """The address every listener of this replica serves on (manager, store, gloo, heal)."""
-    key: RunKey | None = field(default=None, repr=False)
-    """The run's secret: what a peer proves it belongs to the run with (see :mod:`.auth`);
-    None: this account's secret on this machine (a replica on loopback only)."""
-    config_digest: str = ""
-    """Digest of the settings every replica must share: a member with another sits out."""
-    allow_non_finite: bool = False
-    """Whether a heal state may hold NaN/inf (a run that leaves non-finite replicas out)."""
-
-    @property
-    def lighthouse_url(self) -> str:
-        return self.lighthouse if "://" in self.lighthouse else f"http://{self.lighthouse}"
 
 
 @dataclass
@@ -108,21 +80,30 @@ class ReplicaGroups(Communicator):
     heals_joiners = True
 
     def __init__(
-        self, settings: ReplicaSettings, shard_group: dist.ProcessGroup | None = None
+        self,
+        config: ReplicaConfig,
+        *,
+        key: RunKey | None = None,
+        config_digest: str = "",
+        collective_timeout: float = 300.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        allow_non_finite: bool = False,
+        shard_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.settings = settings
-        self.replica_id = settings.replica_id
-        self.key = settings.key or run_key(None, settings.bind_host)
+        """Replica ``config.replica_id`` (its lighthouse given); ``key``: the run's secret
+        (None: this account's on this machine, a replica on loopback only); ``config_digest``:
+        of the settings every replica must share (a member with another sits out); the rest as
+        :func:`~mtdao.ft.joining.fault_tolerant_replica` says."""
+        self.config = config
+        self.collective_timeout = timedelta(seconds=collective_timeout)
+        self.allow_non_finite = allow_non_finite
+        key = key or run_key(None, config.bind_host)
+        self.identity = ReplicaIdentity(config.replica_id, key, config_digest)
         self.process_group = MembershipGloo(
-            settings.replica_id,
-            timedelta(seconds=settings.collective_timeout),
-            self.key,
-            settings.bind_host,
-            rendezvous_timeout=settings.connect_timeout,
+            config.bind_host, self.collective_timeout, config.connect_timeout
         )
-        self.process_group.config_digest = settings.config_digest
-        self.quorum = Quorum(self.process_group, ReplicaProcesses())
-        transport = ManagerTransport(self.quorum, settings.bucket_bytes)
+        self.quorum = Quorum(self.process_group, self.identity, ReplicaProcesses())
+        transport = ManagerTransport(self.quorum, bucket_bytes)
         super().__init__(ReplicaLayout(transport))
         self.transport = transport
         if shard_group is not None:
@@ -144,6 +125,14 @@ class ReplicaGroups(Communicator):
         moves it): how a loop says that it joined or healed."""
         self.parity = ParityCheck()
         """Compares what each committed round assigned with the other members' (:mod:`.parity`)."""
+
+    @property
+    def replica_id(self) -> int:
+        return self.identity.replica_id
+
+    @property
+    def key(self) -> RunKey:
+        return self.identity.key
 
     @property
     def manager(self) -> Manager | None:
@@ -179,24 +168,22 @@ class ReplicaGroups(Communicator):
         every process calls it; group rank 0 first starts the replica's manager server and
         store, then the others connect to them."""
         if self.processes.rank == 0:
-            self._store = listening_store(self.settings.bind_host)
+            self._store = listening_store(self.config.bind_host)
         failure = self._start_managers()
         if failure is not None:
             raise QuorumError(failure)
 
     def _start_managers(self) -> str | None:
         """A heal transport and this process's manager (group rank 0's first); why not, if so."""
-        settings = self.settings
-        timeout = timedelta(seconds=settings.collective_timeout)
-        self.heal_transport = SignedHealTransport(self.key, settings.bind_host, timeout)
+        bind_host = self.config.bind_host
+        self.heal_transport = SignedHealTransport(self.key, bind_host, self.collective_timeout)
         store, failure, manager = None, None, None
-        start = (settings, self.processes, self.process_group, self.heal_transport)
         if self.processes.rank == 0:
-            store = (advertised_host(settings.bind_host), self._store.port)
-            manager, failure = connection.start_manager(*start, *store)
+            store = (advertised_host(bind_host), self._store.port)
+            manager, failure = connection.start_manager(self, *store)
         store, failure = self.processes.from_first((store, failure))
         if failure is None and self.processes.rank > 0:
-            manager, failure = connection.start_manager(*start, *store)
+            manager, failure = connection.start_manager(self, *store)
         if failure is not None:
             self.heal_transport.shutdown(wait=False)
             return failure
@@ -212,7 +199,7 @@ class ReplicaGroups(Communicator):
         if self._lighthouse_away == step:
             time.sleep(1.0)
         reachable = (
-            connection.lighthouse_reachable(self.settings) if self.processes.rank == 0 else None
+            connection.lighthouse_reachable(self.config) if self.processes.rank == 0 else None
         )
         if not self.processes.from_first(reachable):
             self._lighthouse_away = step
@@ -223,7 +210,7 @@ class ReplicaGroups(Communicator):
         commits = self.manager.state_dict()
         self.manager.shutdown(wait=False)  # its heal server with it
         if self.processes.rank == 0:  # a new store: the restarted lighthouse counts quorum ids
-            self._store = listening_store(self.settings.bind_host)  # anew, old keys would match
+            self._store = listening_store(self.config.bind_host)  # anew, old keys would match
         failure = self._start_managers()
         if failure is None:
             self.manager.load_state_dict(commits)
@@ -232,7 +219,7 @@ class ReplicaGroups(Communicator):
 
     def _unreachable(self) -> str:
         return (
-            f"the lighthouse at {self.settings.lighthouse_url} is unreachable; training on "
+            f"the lighthouse at {self.config.lighthouse_url} is unreachable; training on "
             "locally until it is back"
         )
 
@@ -256,18 +243,14 @@ class ReplicaGroups(Communicator):
     def refused(self) -> list[Refusal]:
         """The peers that did not prove they belong to the run in the quorums since the last
         call (also when a quorum's group then failed to form), each refusal once."""
-        refused, self.process_group.refused = self.process_group.refused, []
+        refused, self.identity.refused = self.identity.refused, []
         return refused
 
     def notes(self) -> list[str]:
         """What the quorums since the last call did that this replica should say (a heal state
         it refused), each once."""
-        notes, self.process_group.notes = self.process_group.notes, []
+        notes, self.identity.notes = self.identity.notes, []
         return notes
-
-    @property
-    def quorum_rank(self) -> int:
-        return self.quorum.rank
 
     @property
     def in_round(self) -> bool:
@@ -299,7 +282,7 @@ class ReplicaGroups(Communicator):
         flight (one quorum at a time). A heal here moves this replica to its source's step;
         ``round_due`` says whether that step's round is due."""
         self._training_step = step - 1
-        self.process_group.training_step = step - 1
+        self.identity.training_step = step - 1
         if self._joined and self.quorum.prepared == step:  # formed already (after the last step)
             if final and not round_due(step):  # a quorum no round follows: close it
                 self._empty_round()
@@ -326,11 +309,11 @@ class ReplicaGroups(Communicator):
             self._fresh = False
         coming = self._training_step + 1  # after a heal, the step its source takes next
         self.quorum.prepared = coming
-        self.process_group.training_step = self._training_step
+        self.identity.training_step = self._training_step
         try:
             self.quorum.check()  # a group that did not form (a member did not come)
             self._sitting_out, self._stale = round_identity.check(  # see round_identity
-                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.settings,
+                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.identity,
                 self.parity,
             )  # fmt: skip
             if not (self._final or round_due(coming)):
@@ -355,29 +338,28 @@ class ReplicaGroups(Communicator):
     def start_round(self) -> RoundStart:
         """A quorum for the round ahead, healing this replica if it is new or fell behind."""
         before = list(self.replicas)
-        self.process_group.step = self.manager.current_step()
         self._heal, self._fresh = None, False
         self._stale, self._sitting_out, self.quorum.discarded = None, [], None
         if self.before_quorum is not None:
             self.before_quorum()
         started = time.perf_counter()
         try:
-            with connection.watching_the_lighthouse(self.settings, self.manager) as lost:
+            with connection.watching_the_lighthouse(self.config, self.manager) as lost:
                 self.manager.start_quorum()
         except ValueError:  # a refusal, or a peer's state that does not fit
             raise
         except Exception as error:  # the lighthouse is gone, or no quorum in time
             if lost.is_set():
                 raise QuorumError(
-                    f"no quorum: the lighthouse {self.settings.lighthouse_url} stopped accepting "
+                    f"no quorum: the lighthouse {self.config.lighthouse_url} stopped accepting "
                     f"connections while this quorum waited ({time.perf_counter() - started:.1f} s)"
                 ) from None
             raise QuorumError(
-                f"no quorum (lighthouse {self.settings.lighthouse_url}, --quorum-timeout "
-                f"{self.settings.quorum_timeout:g} s): {first_line(error)}"
+                f"no quorum (lighthouse {self.config.lighthouse_url}, --quorum-timeout "
+                f"{self.config.quorum_timeout:g} s): {first_line(error)}"
             ) from None
-        if self.process_group.refusal is not None:
-            raise self.process_group.refusal
+        if self.identity.refusal is not None:
+            raise self.identity.refusal
         self.quorum.open = True
         seconds = time.perf_counter() - started
         received = self.heal_transport.received_bytes if self._heal is not None else 0
@@ -390,7 +372,7 @@ class ReplicaGroups(Communicator):
             replicas=list(after),
             joined=sorted(set(after) - set(before)),
             left=sorted(set(before) - set(after)),
-            quorum_id=self.process_group.quorum.quorum_id,
+            quorum_id=self.identity.quorum.quorum_id,
             seconds=seconds,
             heal=self._heal,
         )
@@ -401,8 +383,8 @@ class ReplicaGroups(Communicator):
         return {"replica_id": self.replica_id, "step": self._training_step, "final": self._final}
 
     def _note_source(self, state: dict[str, Any]) -> None:
-        if self.process_group.refusal is not None:  # load nothing: this replica leaves
-            raise self.process_group.refusal
+        if self.identity.refusal is not None:  # load nothing: this replica leaves
+            raise self.identity.refusal
         self._heal = Heal(source=int(state["replica_id"]), bytes=0, seconds=0.0)
         self.parity.last = None  # what it assigned is gone: it holds its source's state now
         self._training_step, self._final = int(state["step"]), bool(state["final"])

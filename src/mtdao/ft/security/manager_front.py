@@ -8,7 +8,7 @@ gathers the commit votes of the replica's processes (``ShouldCommit``). It also 
 the port, and torchft offers no way to turn them off (mtdao's replicas ask the lighthouse for
 their quorums themselves and find each other's heal servers in their signed claims:
 :mod:`.proven_manager`). So the server runs on a loopback address and the replica's
-``--bind-host`` is served by a :class:`~mtdao.sync.grpc_front.GrpcFront` that makes
+``--bind-host`` is served by a :class:`~mtdao.ft.security.grpc_front.GrpcFront` that makes
 ``ShouldCommit`` calls from this machine only (a replica's processes share one, see :mod:`.shards`;
 a stranger's could change the replica's commit votes) and refuses the rest.
 
@@ -33,10 +33,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torchft.manager
-from torchft._torchft import ManagerServer as TorchftManagerServer
-
-from mtdao.sync.grpc_front import GrpcFront, numeric_host
+from mtdao.ft.security.grpc_front import GrpcFront, numeric_host
+from mtdao.ft.security.torchft_internals import ManagerServer, replace_manager_server
 
 SERVICE = "/torchft.ManagerService/"
 OWN_PROCESS_CALLS = frozenset({SERVICE + "ShouldCommit"})
@@ -136,7 +134,7 @@ def manager_bound_to(bind_host: str) -> Iterator[None]:
     usually 0: any). Replicas may start in several threads of one process at once (the tests
     do), so the bind host is the thread's own and torchft's name for the server stays replaced;
     outside such a block it is torchft's own server."""
-    torchft.manager.ManagerServer = _server_for_this_thread
+    replace_manager_server(_server_for_this_thread)
     previous = getattr(_bound, "host", None)
     _bound.host = bind_host
     try:
@@ -151,9 +149,9 @@ _bound = threading.local()
 def _server_for_this_thread(**kwargs: Any) -> Any:
     host = getattr(_bound, "host", None)
     if host is None:
-        return TorchftManagerServer(**kwargs)
+        return ManagerServer(**kwargs)
     port = int(kwargs["bind"].rsplit(":", 1)[1])
-    start = lambda bind: TorchftManagerServer(**{**kwargs, "bind": bind})  # noqa: E731
+    start = lambda bind: ManagerServer(**{**kwargs, "bind": bind})  # noqa: E731
     return start_fronted(start, host, port)
 
 

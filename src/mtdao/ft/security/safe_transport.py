@@ -26,10 +26,10 @@ from typing import Any
 from urllib.request import Request, urlopen
 
 import torch
-from torchft.checkpointing.transport import CheckpointTransport
 
-from mtdao.sync.torchft.auth import RunKey
-from mtdao.sync.torchft.heal_server import BoundedHTTPServer, BoundedRequests
+from mtdao.ft.security.auth import RunKey
+from mtdao.ft.security.heal_server import BoundedHTTPServer, BoundedRequests
+from mtdao.ft.security.torchft_internals import CheckpointTransport
 
 SIGNATURE_HEADER = "X-Mtdao-Signature"
 RECEIVER_HEADER = "X-Mtdao-Receiver"

@@ -5,7 +5,7 @@ as a live replica: one in the last quorum that does not ask again holds the next
 whole ``--join-timeout``, and a flood of heartbeats alone makes it refuse to form any new quorum
 (it waits for half the replicas it hears from). The replicas refuse such peers themselves
 (:mod:`.proofs`), but cannot stop the lighthouse waiting for them. So the lighthouse's front
-(:mod:`mtdao.sync.grpc_front`) reads each request message before it goes on:
+(:mod:`mtdao.ft.security.grpc_front`) reads each request message before it goes on:
 
 * a ``Quorum`` request goes on only with a claim signed with the run's secret, naming the replica
   that asks, with a nonce not seen before (a replayed claim is refused);
@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mtdao.sync.torchft.auth import RunKey
-from mtdao.sync.torchft.plumbing import Refusal
-from mtdao.sync.torchft.proofs import SeenNonces, read_claim
-from mtdao.sync.torchft.refusals import RefusalLog
+from mtdao.ft.plumbing import Refusal
+from mtdao.ft.refusals import RefusalLog
+from mtdao.ft.security.auth import RunKey
+from mtdao.ft.security.proofs import SeenNonces, read_claim
 
 SERVICE = "/torchft.LighthouseService/"
 QUORUM, HEARTBEAT = SERVICE + "Quorum", SERVICE + "Heartbeat"

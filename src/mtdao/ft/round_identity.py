@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from mtdao.sync.torchft.parity import ParityCheck
+    from mtdao.ft.identity import ReplicaIdentity
+    from mtdao.ft.parity import ParityCheck
 
 
 def digest_number(config_digest: str) -> int:
@@ -65,13 +66,13 @@ def check(
     replicas: list[int],
     rank: int,
     step: int,
-    settings,
+    identity: ReplicaIdentity,
     parity: ParityCheck | None = None,
 ) -> tuple[list[int], str | None]:
     """(the replicas that sit this round out, why this one does: None when it takes part).
     With ``parity``, the same exchange compares what the members held after the round before,
     and one that held other values than the majority sits this round out too."""
-    config = digest_number(settings.config_digest)
+    config = digest_number(identity.config_digest)
     own = parity.position() if parity is not None else ()
     positions = exchange_positions(sum_in_round, rank, len(replicas), step, config, own)
     reasons = sitting_out([position[:2] for position in positions])

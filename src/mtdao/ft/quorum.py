@@ -18,21 +18,24 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import Tensor
-from torchft import Manager
 
+from mtdao.ft.collective_watch import CollectiveWatch
+from mtdao.ft.identity import ReplicaIdentity
+from mtdao.ft.plumbing import MembershipGloo, first_line
+from mtdao.ft.security.torchft_internals import Manager
+from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.communicator import RoundNotCommitted
-from mtdao.sync.torchft.collective_watch import CollectiveWatch
-from mtdao.sync.torchft.plumbing import MembershipGloo, first_line
-from mtdao.sync.torchft.shards import ReplicaProcesses
 
 
 class Quorum:
     """This replica's manager (None until it connects) and the quorum it last formed, in
     ``group`` (its members, in rank order), over this replica's ``processes``."""
 
-    def __init__(self, group: MembershipGloo, processes: ReplicaProcesses) -> None:
+    def __init__(
+        self, group: MembershipGloo, identity: ReplicaIdentity, processes: ReplicaProcesses
+    ) -> None:
         self.manager: Manager | None = None
-        self.group = group
+        self.group, self.identity = group, identity
         self.processes = processes
         self.open = False
         """Whether a round is open: between its quorum and its commit."""
@@ -51,7 +54,7 @@ class Quorum:
     @property
     def members(self) -> list[int]:
         """The replica ids of the quorum, in rank order."""
-        return self.group.quorum.replicas
+        return self.identity.quorum.replicas
 
     @property
     def size(self) -> int:
@@ -60,7 +63,7 @@ class Quorum:
     @property
     def rank(self) -> int:
         """This replica's rank in the quorum."""
-        return self.group.quorum.rank
+        return self.identity.quorum.rank
 
     def require_open(self) -> None:
         """Raise unless a round is open (a discard while the lighthouse is away)."""
@@ -86,8 +89,8 @@ class Quorum:
 
     def wait_for(self, work) -> None:
         """Wait for a collective of the open round, watched (see :mod:`.collective_watch`)."""
-        what = f"the round of the quorum at step {self.group.training_step}"
-        self.collectives.wait(work, what, self.group.peers)
+        what = f"the round of the quorum at step {self.identity.training_step}"
+        self.collectives.wait(work, what, self.identity.peers)
 
     def check(self) -> None:
         """Discard the round now if any collective of it failed (in any process of the

@@ -1,40 +1,22 @@
 """What mtdao adds to torchft's pieces: a process group that forms with the proven members of
 each quorum only (who they are is settled before: :mod:`.proven_manager`), with its rendezvous
 bounded by ``--connect-timeout`` and its sockets on the replica's ``--bind-host``; the store on
-the bind host; quiet logs; and the lighthouse.
-
-This package is the only place that imports torchft.
+the bind host; and the lighthouse.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import Tensor
 
-# torchft's native side logs every quorum at INFO; keep the terminal for progress lines
-os.environ.setdefault("RUST_LOG", "warn")
-
-from torchft import ProcessGroupGloo  # noqa: E402
-
-from mtdao.sync.torchft.auth import RunKey  # noqa: E402
-from mtdao.sync.torchft.collective_watch import Peer  # noqa: E402
-
-# torchft reports what went wrong to its manager, which hands it to us; its own log lines
-# (tracebacks of every failed collective) would bury the one line that matters.
-logging.getLogger("torchft").addHandler(logging.NullHandler())
-logging.getLogger("torchft").propagate = False
+from mtdao.ft.security.torchft_internals import GlooGroup, LighthouseServer
 
 
 class ReplicaRefused(ValueError):
@@ -75,43 +57,16 @@ def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
         time.sleep(LEAVE_POLL_S)
 
 
-class MembershipGloo(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group, formed with the proven members of each quorum only,
-    remembering who they are; with what a replica proves itself with at each quorum (its step,
-    commit count and config: see :mod:`.proofs`).
-
-    The group's rendezvous waits ``rendezvous_timeout`` seconds at most for a member (one that
-    proved itself but does not come), its collectives ``timeout``; gloo serves on
-    ``bind_host``."""
+class MembershipGloo(GlooGroup):
+    """torchft's reconfigurable gloo group, formed with the proven members of each quorum only
+    (:mod:`.security.proven_manager`). Its rendezvous waits ``rendezvous_timeout`` seconds at
+    most for a member (one that proved itself but does not come), its collectives
+    ``collective_timeout``; gloo serves on ``bind_host``."""
 
     def __init__(
-        self,
-        replica_id: int,
-        timeout: timedelta,
-        key: RunKey,
-        bind_host: str = "127.0.0.1",
-        rendezvous_timeout: float = 30.0,
+        self, bind_host: str, collective_timeout: timedelta, rendezvous_timeout: float
     ) -> None:
-        super().__init__(timeout=timedelta(seconds=rendezvous_timeout))
-        self.collective_timeout = timeout
-        self.replica_id = replica_id
-        self.key = key
-        self.bind_host = bind_host
-        self.quorum = QuorumView()
-        self.step = 0
-        """torchft's step of this replica at the quorum being formed (0: it is joining)."""
-        self.training_step = 0
-        """The training step this replica has taken, at the quorum being formed."""
-        self.config_digest = ""
-        self.refusal: ReplicaRefused | None = None
-        self.refused: list[Refusal] = []
-        """The members of the last quorum that did not prove they belong to the run."""
-        self.peers: list[Peer] = []
-        """The other members of the current quorum, where a probe reaches this process's
-        counterpart in each (its heal server)."""
-        self.notes: list[str] = []
-        """What the last quorums did that the replica should say (a refused heal), drained by
-        its driver."""
+        super().__init__(bind_host, collective_timeout, rendezvous_timeout)
         self._in_flight: list[Any] = []
         """The futures of this group's collectives that may still be running."""
 
@@ -123,7 +78,7 @@ class MembershipGloo(ProcessGroupGloo):
         its own that holds it until those collectives end (a lost peer's fail at once) or the
         collective timeout passes. The thread is not a daemon: a process that ends sooner waits
         for it (gloo ends the process otherwise)."""
-        group, self._pg = self._pg, None
+        group = self.take_group()
         pending, self._in_flight = [f for f in self._in_flight if not f.done()], []
         if group is None:
             return
@@ -135,38 +90,10 @@ class MembershipGloo(ProcessGroupGloo):
             target=_leave_group, args=(group, pending, linger_s), name="mtdao-gloo-leave"
         ).start()
 
-    def _wrap_work(self, work: Any, opts: object) -> Any:
+    def launched(self, work: Any) -> None:
         """Remember the collectives in flight (see :meth:`abort`)."""
         self._in_flight = [f for f in self._in_flight if not f.done()]
         self._in_flight.append(work.get_future())
-        return work
-
-    def _opts_hook(self, opts: Any) -> Any:
-        """Every collective waits up to the collective timeout (the group itself was formed
-        with the rendezvous timeout)."""
-        if hasattr(opts, "timeout") and opts.timeout.total_seconds() <= 0:
-            opts.timeout = self.collective_timeout
-        return opts
-
-    def _create_pg(self, store, rank: int, world_size: int):
-        """torchft's gloo group, its sockets on ``bind_host``."""
-        from torchft.process_group import BaseProcessGroup, BaseProcessGroupGloo
-
-        options = BaseProcessGroupGloo._Options()
-        options._timeout = self._timeout
-        host = self.bind_host.strip("[]")
-        every_interface = host in ("0.0.0.0", "::", "")
-        gloo = BaseProcessGroupGloo
-        device = gloo.create_default_device() if every_interface else gloo.create_device(host)
-        options._devices = [device]
-        pg = BaseProcessGroup(store, rank, world_size)
-        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        backend = BaseProcessGroupGloo(store, rank, world_size, options)
-        backend._set_sequence_number_for_group()
-        if self._global_ranks:
-            backend.options.global_ranks_in_group = self._global_ranks
-        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-        return pg
 
 
 def listening_store(bind_host: str) -> dist.TCPStore:
@@ -197,8 +124,6 @@ def start_lighthouse(
     quorum_tick: float = 0.1,
 ):
     """torchft's lighthouse, serving in background threads; ``.address()`` and ``.shutdown()``."""
-    from torchft._torchft import LighthouseServer
-
     try:
         return LighthouseServer(
             bind=bind,
@@ -209,14 +134,3 @@ def start_lighthouse(
         )
     except RuntimeError as error:
         raise QuorumError(f"cannot serve the lighthouse on {bind}: {first_line(error)}") from None
-
-
-def tensors_in(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)

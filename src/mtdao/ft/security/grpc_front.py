@@ -27,7 +27,7 @@ sends reaches torchft but a call the front made itself: an allowed method's one 
   a minute with a count; SAY_BURST lines a minute in all, the rest counted in one line.
 
 This module knows nothing of torchft: its users name the calls (``mtdao lighthouse``;
-:mod:`mtdao.sync.torchft.manager_front`).
+:mod:`mtdao.ft.security.manager_front`).
 """
 
 from __future__ import annotations

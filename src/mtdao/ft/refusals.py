@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from mtdao.sync.torchft.plumbing import Refusal
+from mtdao.ft.plumbing import Refusal
 
 
 @dataclass

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mtdao.ft.transport import ManagerTransport
 from mtdao.sync.collectives import InFlightMean
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.sharded_layout import ShardGroupSums
-from mtdao.sync.torchft.transport import ManagerTransport
 
 
 class ReplicaLayout(WorkerLayout):

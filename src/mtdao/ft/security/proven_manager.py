@@ -4,7 +4,7 @@ torchft's Manager asks its own manager server for each quorum, which asks the li
 computes, from every member the lighthouse let in, who heals from whom and where the round's
 group meets: a stranger that claims the highest step becomes every replica's heal source and
 hosts the rendezvous (a rogue on loopback froze a run for as long as it lived). Here the quorum
-step of the Manager (``_async_quorum``) is mtdao's:
+step of the Manager (its private ``_async_quorum``, :mod:`.torchft_internals`) is mtdao's:
 
 1. the replica's first process asks the lighthouse itself, with its signed claim attached
    (:mod:`.proofs`); the lighthouse hands every member every claim with the quorum;
@@ -37,15 +37,12 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from torchft import Manager
-from torchft._torchft import LighthouseClient
-from torchft.manager import REPLICA_ID_KEY
-from torchft.process_group import create_store_client
-
-from mtdao.sync.torchft.collective_watch import Peer
-from mtdao.sync.torchft.heal_checks import heal_problem
-from mtdao.sync.torchft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
-from mtdao.sync.torchft.proofs import (
+from mtdao.ft.collective_watch import Peer
+from mtdao.ft.identity import ReplicaIdentity
+from mtdao.ft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
+from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
+from mtdao.ft.security.heal_checks import heal_problem
+from mtdao.ft.security.proofs import (
     Claim,
     SeenNonces,
     claim_data,
@@ -54,8 +51,13 @@ from mtdao.sync.torchft.proofs import (
     quorum_digest,
     read_claim,
 )
-from mtdao.sync.torchft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
-from mtdao.sync.torchft.safe_transport import HealBinding, HealRefused, Quorum
+from mtdao.ft.security.safe_transport import HealBinding, HealRefused, Quorum
+from mtdao.ft.security.torchft_internals import (
+    REPLICA_ID_KEY,
+    LighthouseClient,
+    QuorumStepManager,
+    create_store_client,
+)
 
 CONFIRM_WAIT_S = 5.0
 """How long a member waits for another's confirmation of a quorum (at most ``--connect-timeout``):
@@ -65,18 +67,22 @@ KEPT = 1000
 """Refusals and notes kept for the replica's driver to say (a flood is counted, not kept)."""
 
 
-class ProvenManager(Manager):
+class ProvenManager(QuorumStepManager):
     """torchft's ``Manager`` (same arguments, ``pg`` a
-    :class:`~mtdao.sync.torchft.plumbing.MembershipGloo`) with the quorum step described in the
-    module docstring. ``allow_non_finite``: whether a heal state may hold NaN/inf."""
+    :class:`~mtdao.ft.plumbing.MembershipGloo`) with the quorum step described in the
+    module docstring, for the replica ``identity`` (what it proves, and what its quorums
+    made of it). ``allow_non_finite``: whether a heal state may hold NaN/inf."""
 
-    def __init__(self, *, allow_non_finite: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *, identity: ReplicaIdentity, allow_non_finite: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        self.identity = identity
         self._lighthouse_addr = kwargs["lighthouse_addr"]
         self._store_address = f"{kwargs['store_addr']}:{kwargs['store_port']}"
-        self._member = self._store.get(REPLICA_ID_KEY).decode()
+        self._member = self.internals.store.get(REPLICA_ID_KEY).decode()
         self._allow_non_finite = allow_non_finite
-        self._confirm_wait_s = min(CONFIRM_WAIT_S, self._connect_timeout.total_seconds())
+        self._confirm_wait_s = min(CONFIRM_WAIT_S, self.internals.connect_timeout.total_seconds())
         self._seen = SeenNonces()
         self._formed: tuple[int, tuple[str, ...]] | None = (
             None  # quorum id and members of the group
@@ -86,11 +92,13 @@ class ProvenManager(Manager):
         self._stores_lock = threading.Lock()
         self._lighthouse: LighthouseClient | None = None
         self._refused: set[str] = set()  # members whose heal state this process refused
-        self._store.set(self._heal_key(self._group_rank), self._checkpoint_transport.metadata())
+        self.internals.store.set(
+            self._heal_key(self.internals.group_rank), self.internals.heal_transport.metadata()
+        )
 
     @property
     def pg(self):
-        return self._pg
+        return self.internals.process_group
 
     @property
     def member(self) -> str:
@@ -99,36 +107,38 @@ class ProvenManager(Manager):
 
     # -- the quorum ----------------------------------------------------------------------------
 
-    def _async_quorum(
-        self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta, curr_device: int
-    ) -> None:
+    def quorum_step(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         self._quorums += 1
         relay = f"{RELAY}/{self._member}/{self._quorums}"
-        if self._group_rank == 0:
+        if self.internals.group_rank == 0:
             try:
                 verdict = self._proven_quorum(shrink_only, quorum_timeout)
             except Exception as error:
-                self._store.set(relay, json.dumps({"error": f"{type(error).__name__}: {error}"}))
+                self.internals.store.set(
+                    relay, json.dumps({"error": f"{type(error).__name__}: {error}"})
+                )
                 raise
-            self._store.set(relay, json.dumps(verdict))
+            self.internals.store.set(relay, json.dumps(verdict))
         else:
-            self._store.wait([relay], quorum_timeout + timedelta(seconds=self._confirm_wait_s))
-            verdict = json.loads(self._store.get(relay))
+            self.internals.store.wait(
+                [relay], quorum_timeout + timedelta(seconds=self._confirm_wait_s)
+            )
+            verdict = json.loads(self.internals.store.get(relay))
             if "error" in verdict:
                 raise QuorumError(verdict["error"])
         proven = [_claim(fields) for fields in verdict["proven"]]
         digest, quorum_id = verdict["digest"], verdict["quorum_id"]
         if verdict.get("failure"):  # this replica is in no proven round: it trains on alone
-            self.pg.quorum = QuorumView([self.pg.replica_id], 0, quorum_id)
+            self.identity.quorum = QuorumView([self.identity.replica_id], 0, quorum_id)
             self.report_error(RuntimeError(verdict["failure"]))
             return
         members = tuple(sorted(c.member for c in proven))
-        meeting = rendezvous(self.pg.key, digest, proven)
-        plan = plan_quorum(proven, self._member, self._group_rank, meeting)
-        self.pg.quorum = QuorumView(plan.replica_ids, plan.rank, quorum_id)
-        self.pg.peers = _peers(plan, self._group_rank)
-        self._participating_replica_rank = plan.rank
-        self._participating_replica_world_size = len(plan.members)
+        meeting = rendezvous(self.identity.key, digest, proven)
+        plan = plan_quorum(proven, self._member, self.internals.group_rank, meeting)
+        self.identity.quorum = QuorumView(plan.replica_ids, plan.rank, quorum_id)
+        self.identity.peers = _peers(plan, self.internals.group_rank)
+        self.internals.replica_rank = plan.rank
+        self.internals.replica_world_size = len(plan.members)
         if not self._form_group(plan, digest, quorum_id, members):
             return
         if allow_heal:
@@ -137,30 +147,32 @@ class ProvenManager(Manager):
     def _proven_quorum(self, shrink_only: bool, quorum_timeout: timedelta) -> dict[str, Any]:
         """Ask the lighthouse for a quorum with this replica's signed claim; prove its members.
         The verdict, in plain data for the replica's other processes."""
-        pg, key = self.pg, self.pg.key
+        identity, key = self.identity, self.identity.key
         mine = Claim(
-            replica_id=pg.replica_id,
+            replica_id=identity.replica_id,
             member=self._member,
-            commits=self._step,
-            step=pg.training_step,
-            config=pg.config_digest,
-            shards=self._group_world_size,
+            commits=self.internals.commits,
+            step=identity.training_step,
+            config=identity.config_digest,
+            shards=self.internals.group_world_size,
             store=self._store_address,
             heal=self._heal_urls(),
-            commit_failures=self._commit_failures,
+            commit_failures=self.internals.commit_failures,
             nonce=new_nonce(),
             refused=self._refused_sources(),
         )
         if self._lighthouse is None:
-            self._lighthouse = LighthouseClient(self._lighthouse_addr, self._connect_timeout)
+            self._lighthouse = LighthouseClient(
+                self._lighthouse_addr, self.internals.connect_timeout
+            )
         try:
             quorum = self._lighthouse.quorum(
                 replica_id=self._member,
                 timeout=quorum_timeout,
-                address=self._manager.address(),
+                address=self.internals.server.address(),
                 store_address=self._store_address,
-                step=self._step,
-                world_size=self._group_world_size,
+                step=self.internals.commits,
+                world_size=self.internals.group_world_size,
                 shrink_only=shrink_only,
                 data=claim_data(mine, key),
             )
@@ -189,7 +201,9 @@ class ProvenManager(Manager):
                 refused.append(_refusal(member, why))
             else:
                 claims.append(claim)
-        pg.refused = (pg.refused + refused)[-KEPT:]  # said by the replica's driver, then dropped
+        identity.refused = (identity.refused + refused)[
+            -KEPT:
+        ]  # said by the replica's driver, then dropped
         verdict = {"quorum_id": quorum.quorum_id, "failure": failure}
         if failure:
             return {**verdict, "digest": "", "proven": []}
@@ -202,14 +216,14 @@ class ProvenManager(Manager):
         proven = [c for c in claims if c.member not in unconfirmed]
         for claim in claims:
             if claim.member in unconfirmed:
-                pg.refused.append(_refusal_of(claim, unconfirmed[claim.member]))
+                identity.refused.append(_refusal_of(claim, unconfirmed[claim.member]))
         return {**verdict, "digest": digest, "proven": [json.loads(c.body()) for c in proven]}
 
     def _heal_urls(self) -> tuple[str, ...]:
         """The heal server of each process of this replica (each posts its own at start-up)."""
-        keys = [self._heal_key(rank) for rank in range(self._group_world_size)]
-        self._store.wait(keys, self._timeout)
-        return tuple(self._store.get(key).decode() for key in keys)
+        keys = [self._heal_key(rank) for rank in range(self.internals.group_world_size)]
+        self.internals.store.wait(keys, self.internals.timeout)
+        return tuple(self.internals.store.get(key).decode() for key in keys)
 
     def _heal_key(self, group_rank: int) -> str:
         return f"mtdao/heal/{self._member}/{group_rank}"
@@ -237,7 +251,7 @@ class ProvenManager(Manager):
         """Form the round's group when the membership changed or a member failed a round;
         False when this quorum cannot hold a round (the failure reported to torchft)."""
         if plan.refusal is not None:  # this replica leaves: the others fail their round now
-            self.pg.refusal = ReplicaRefused(plan.refusal)
+            self.identity.refusal = ReplicaRefused(plan.refusal)
             if plan.failure is None:  # they form a group with it: join it, then leave at once
                 with contextlib.suppress(Exception):
                     self._configure(plan, digest)
@@ -259,38 +273,38 @@ class ProvenManager(Manager):
         return True
 
     def _configure(self, plan: QuorumPlan, digest: str) -> None:
-        self._quorum_id = int(digest[:15], 16)
-        group_world = self._group_world_size
+        self.internals.quorum_id = int(digest[:15], 16)
+        group_world = self.internals.group_world_size
         self.pg.configure(
-            f"{plan.store}/{self._group_rank}",
+            f"{plan.store}/{self.internals.group_rank}",
             self._member,
             plan.rank,
             len(plan.members),
-            self._quorum_id,
-            self._group_rank,
+            self.internals.quorum_id,
+            self.internals.group_rank,
             group_world,
-            [c.replica_id * group_world + self._group_rank for c in plan.members],
+            [c.replica_id * group_world + self.internals.group_rank for c in plan.members],
         )
 
     # -- the heal ------------------------------------------------------------------------------
 
     def _heal(self, plan: QuorumPlan, digest: str) -> None:
-        transport = self._checkpoint_transport
+        transport = self.internals.heal_transport
         receivers = frozenset(c.member for c in plan.members)
-        transport.open(Quorum(digest, self._member, self._group_rank, receivers))
+        transport.open(Quorum(digest, self._member, self.internals.group_rank, receivers))
         if plan.serves:
-            transport.serve(plan.max_commits, self._manager_state_dict())
+            transport.serve(plan.max_commits, self.internals.state_to_serve())
         if not plan.heals:
             return
-        self._healing = True
+        self.internals.healing = True
         state = self._fetch_heal(plan, digest)
         if state is None:  # keep this replica's own state; its round fails, a later one heals it
             self.report_error(HealRefused("no proven source sent a state that fits this replica"))
             self.pg.abort()  # its peers fail this round now rather than wait for it
             return
-        self._pending_state_dict = state
+        self.internals.pending_state_dict = state
         self.load_state_dict(state["torchft"])
-        self._step = plan.max_commits
+        self.internals.commits = plan.max_commits
 
     def _fetch_heal(self, plan: QuorumPlan, digest: str) -> dict[str, Any] | None:
         """The first state one of ``plan``'s sources sends that fits this replica, or None."""
@@ -299,16 +313,16 @@ class ProvenManager(Manager):
         for index in plan.sources:
             source = plan.members[index]
             peer = f"replica {source.replica_id} ({_short(source.member)})"
-            if len(source.heal) <= self._group_rank:
+            if len(source.heal) <= self.internals.group_rank:
                 self._note(f"not healing from {peer}: it names no heal server for process "
-                           f"{self._group_rank}")  # fmt: skip
+                           f"{self.internals.group_rank}")  # fmt: skip
                 continue
             binding = HealBinding(
-                digest, source.member, self._member, self._group_rank, plan.max_commits
+                digest, source.member, self._member, self.internals.group_rank, plan.max_commits
             )
             try:
-                state = self._checkpoint_transport.fetch(
-                    source.heal[self._group_rank], binding, peer
+                state = self.internals.heal_transport.fetch(
+                    source.heal[self.internals.group_rank], binding, peer
                 )
             except HealRefused as refused:
                 self._note(f"{refused}; trying the next source")
@@ -316,7 +330,9 @@ class ProvenManager(Manager):
             if source.config != mine.config:  # no source has this replica's config: it differs
                 return state  # (its config check names the differences and refuses it)
             if own is None:
-                own = {key: state_dict() for key, state_dict in self._user_state_dicts.items()}
+                own = {
+                    key: state_dict() for key, state_dict in self.internals.user_state_dicts.items()
+                }
             problem = heal_problem(state, own, source.commits, source.step, self._allow_non_finite)
             if problem is None:
                 return state
@@ -333,21 +349,23 @@ class ProvenManager(Manager):
         process of the replica posts its own in the replica's store; the first claims them all."""
         self._refused.add(member)
         refused = json.dumps(sorted(self._refused)[-KEPT:])
-        self._store.set(f"mtdao/refused/{self._member}/{self._group_rank}", refused)
+        self.internals.store.set(
+            f"mtdao/refused/{self._member}/{self.internals.group_rank}", refused
+        )
 
     def _refused_sources(self) -> tuple[str, ...]:
         """The members any process of this replica refused a heal state from (see
         :meth:`_refuse_source`)."""
         refused = set(self._refused)
-        for rank in range(1, self._group_world_size):
+        for rank in range(1, self.internals.group_world_size):
             key = f"mtdao/refused/{self._member}/{rank}"
-            if self._store.check([key]):
-                refused.update(json.loads(self._store.get(key)))
+            if self.internals.store.check([key]):
+                refused.update(json.loads(self.internals.store.get(key)))
         return tuple(sorted(refused)[-KEPT:])
 
     def _note(self, line: str) -> None:
-        if self._group_rank == 0:
-            self.pg.notes = [*self.pg.notes[-KEPT:], line]
+        if self.internals.group_rank == 0:
+            self.identity.notes = [*self.identity.notes[-KEPT:], line]
 
 
 class _Forgetting:

@@ -23,41 +23,49 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from torchft import Manager
+from mtdao.ft.plumbing import first_line
+from mtdao.ft.security.manager_front import FrontUnavailable, manager_bound_to
+from mtdao.ft.security.proven_manager import ProvenManager
+from mtdao.ft.security.torchft_internals import Manager, ManagerInternals
 
-from mtdao.sync.torchft.manager_front import FrontUnavailable, manager_bound_to
-from mtdao.sync.torchft.plumbing import first_line
-from mtdao.sync.torchft.proven_manager import ProvenManager
+if TYPE_CHECKING:
+    from mtdao.ft.config import ReplicaConfig
+    from mtdao.ft.replicas import ReplicaGroups
+
+
+HEARTBEAT_INTERVAL_S = 0.1
 
 
 def start_manager(
-    settings, processes, process_group, transport, store_host: str, store_port: int
+    replicas: ReplicaGroups, store_host: str, store_port: int
 ) -> tuple[Manager | None, str | None]:
-    """This process's torchft manager, or the reason it could not start."""
-    collective = timedelta(seconds=settings.collective_timeout)
-    with manager_bound_to(settings.bind_host):
+    """This process's torchft manager for ``replicas``, or the reason it could not start."""
+    config, processes = replicas.config, replicas.processes
+    with manager_bound_to(config.bind_host):
         try:
             manager = ProvenManager(  # its quorums hold proven members only
-                allow_non_finite=settings.allow_non_finite,
-                pg=process_group,
+                identity=replicas.identity,
+                allow_non_finite=replicas.allow_non_finite,
+                pg=replicas.process_group,
                 load_state_dict=None,
                 state_dict=None,
                 min_replica_size=1,
                 use_async_quorum=False,  # heal before the step, not during it
-                timeout=collective,
-                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
-                connect_timeout=timedelta(seconds=settings.connect_timeout),
+                timeout=replicas.collective_timeout,
+                quorum_timeout=timedelta(seconds=config.quorum_timeout),
+                connect_timeout=timedelta(seconds=config.connect_timeout),
                 rank=processes.rank,
                 world_size=processes.size,
                 store_addr=store_host,
                 store_port=store_port,
-                lighthouse_addr=settings.lighthouse_url,
-                replica_id=str(settings.replica_id),
+                lighthouse_addr=config.lighthouse_url,
+                replica_id=str(config.replica_id),
                 hostname=store_host,
-                heartbeat_interval=timedelta(seconds=settings.heartbeat_interval),
-                checkpoint_transport=transport,
+                heartbeat_interval=timedelta(seconds=HEARTBEAT_INTERVAL_S),
+                checkpoint_transport=replicas.heal_transport,
             )
         except FrontUnavailable as error:
             return None, str(error)
@@ -66,8 +74,8 @@ def start_manager(
             if processes.rank > 0:
                 return None, f"cannot reach this replica's manager on {store_host} ({reason})"
             return None, (
-                f"cannot reach the lighthouse at {settings.lighthouse_url} within "
-                f"--connect-timeout {settings.connect_timeout:g} s ({reason})"
+                f"cannot reach the lighthouse at {config.lighthouse_url} within "
+                f"--connect-timeout {config.connect_timeout:g} s ({reason})"
             )
     return manager, None
 
@@ -78,20 +86,20 @@ def listeners(manager: Manager, transport, store) -> str:
     heal_host, heal_port = transport.address
     parts = [f"heal state {heal_host}:{heal_port}"]
     if store is not None:
-        server = manager._manager  # torchft keeps its server here: a FrontedManagerServer
+        server = ManagerInternals(manager).server  # a FrontedManagerServer
         served = server.address().split("://")[-1]
         behind = f"a front refusing Kill, torchft's server behind it on {server.internal}"
         parts = [f"manager {served} ({behind})", f"store port {store.port}", *parts]
     return ", ".join(parts) + " (collectives on the same address)"
 
 
-def lighthouse_reachable(settings, timeout: float | None = None) -> bool:
+def lighthouse_reachable(config: ReplicaConfig, timeout: float | None = None) -> bool:
     """Whether the lighthouse accepts a connection within ``timeout`` (the connect timeout)."""
-    address = urlsplit(settings.lighthouse_url)
+    address = urlsplit(config.lighthouse_url)
     try:
         with socket.create_connection(
             (address.hostname, address.port or 80),
-            timeout=settings.connect_timeout if timeout is None else timeout,
+            timeout=config.connect_timeout if timeout is None else timeout,
         ):
             return True
     except OSError:
@@ -104,20 +112,20 @@ WATCH_MISSES = 2  # failed probes in a row that mean the lighthouse is gone, not
 
 
 @contextmanager
-def watching_the_lighthouse(settings, manager: Manager) -> Iterator[threading.Event]:
+def watching_the_lighthouse(config: ReplicaConfig, manager: Manager) -> Iterator[threading.Event]:
     """While the block waits for a quorum, probe the lighthouse every second (after a grace);
     after WATCH_MISSES failed probes in a row end the calls waiting on this replica's manager
     (see the module's docstring) and set the event yielded. In the replica's first process only:
     its manager's server is the one its processes' quorum calls wait on."""
     lost, done = threading.Event(), threading.Event()
-    server = getattr(manager, "_manager", None)  # torchft's server: a FrontedManagerServer
-    probe_timeout = min(settings.connect_timeout, 2.0)
+    server = ManagerInternals(manager).server  # a FrontedManagerServer
+    probe_timeout = min(config.connect_timeout, 2.0)
 
     def watch() -> None:
         misses = 0
         done.wait(WATCH_GRACE_S)
         while not done.is_set():
-            misses = 0 if lighthouse_reachable(settings, probe_timeout) else misses + 1
+            misses = 0 if lighthouse_reachable(config, probe_timeout) else misses + 1
             if misses >= WATCH_MISSES and not done.is_set():
                 lost.set()
                 server.end_calls()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
 
-from mtdao.sync.torchft.quorum import ManagerWork, Quorum
+from mtdao.ft.quorum import ManagerWork, Quorum
 from mtdao.sync.transport import Transport, Work, contributors, flat_copy, split
 
 

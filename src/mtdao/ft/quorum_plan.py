@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtdao.sync.torchft.auth import RunKey
-from mtdao.sync.torchft.proofs import Claim
+from mtdao.ft.security.auth import RunKey
+from mtdao.ft.security.proofs import Claim
 
 
 @dataclass

@@ -35,13 +35,13 @@ import torch.distributed as dist
 import xxhash
 from torch import Tensor
 
+from mtdao.ft.plumbing import first_line
+from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.dtensors import local_shard
-from mtdao.sync.torchft.plumbing import first_line
-from mtdao.sync.torchft.shards import ReplicaProcesses
 
 if TYPE_CHECKING:
+    from mtdao.ft.quorum import Quorum
     from mtdao.sync.engine import LocalUpdateSync
-    from mtdao.sync.torchft.quorum import Quorum
 
 INT64_SPAN = 1 << 64
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from mtdao.ft.plumbing import ReplicaRefused
 from mtdao.sync.dtensors import local_shard, shard_like
-from mtdao.sync.torchft.plumbing import ReplicaRefused
 from mtdao.sync.trained_state import TrainedState
 
 if TYPE_CHECKING:

@@ -8,13 +8,13 @@ heals process by process from the same process of a live peer, and commits a rou
 every one of its processes has (``should_commit``). Process s averages its shards with process s
 of the other replicas, in a group of its own; so every replica needs the same number of
 processes (checked before any group of a quorum forms:
-:class:`~mtdao.sync.torchft.plumbing.MembershipGloo`).
+:class:`~mtdao.ft.plumbing.MembershipGloo`).
 
 What the processes of one replica must agree on between themselves goes through their shard
 group (:class:`ReplicaProcesses`): that a round failed, as soon as any of them sees a collective
 fail (they then all discard it at the same point, not one of them going on into the next
 collective alone), the heal's size, and the sums over a worker of the layout
-(:class:`~mtdao.sync.torchft.replicas.ShardedReplicaLayout`). A replica of one process has none
+(:class:`~mtdao.ft.replicas.ShardedReplicaLayout`). A replica of one process has none
 of this: every agreement is its own value.
 """
 

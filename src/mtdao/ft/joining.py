@@ -8,7 +8,7 @@ through one too. The replica says when it joins and when it heals (:class:`Joins
 
 What a healing replica receives: the engine's trained state (parameters, every optimizer state,
 the engine's step, anchors, rounds in flight and residuals), and whatever the loop registers
-with :meth:`~mtdao.sync.torchft.replicas.ReplicaGroups.track_state` (a data loader's position,
+with :meth:`~mtdao.ft.replicas.ReplicaGroups.track_state` (a data loader's position,
 an LR scheduler, RNG: anything with ``state_dict`` and ``load_state_dict``). It is taken where
 the source prepares a round, inside its ``optimizer.step()``, after the step: so change such
 state before ``optimizer.step()`` in the loop (draw the batch first), or derive it from
@@ -22,18 +22,19 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
 
+from mtdao.ft.config import LIGHTHOUSE_VARIABLE, ReplicaConfig
+from mtdao.ft.plumbing import ReplicaRefused
+from mtdao.ft.replicas import ReplicaGroups, RoundStart
+from mtdao.ft.security.auth import read_token, run_key
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
-from mtdao.sync.torchft.auth import read_token, run_key
-from mtdao.sync.torchft.plumbing import ReplicaRefused
-from mtdao.sync.torchft.replicas import ReplicaGroups, ReplicaSettings, RoundStart
 
 logger = logging.getLogger(__name__)
 
-LIGHTHOUSE_VARIABLE = "MTDAO_LIGHTHOUSE"
 OTHER_ACCOUNTS = (
     "only this account's processes on this machine can join its rounds; other accounts here can "
     "still reach torchft's servers on loopback (stop or stall a replica, list replica ids): on a "
@@ -43,66 +44,62 @@ OTHER_ACCOUNTS = (
 
 
 def fault_tolerant_replica(
-    replica_id: int,
-    lighthouse: str | None = None,
+    config: ReplicaConfig,
     *,
-    auth_token_file: str | None = None,
-    bind_host: str = "127.0.0.1",
     shared_config: Mapping[str, Any] | None = None,
-    connect_timeout: float = 30.0,
-    quorum_timeout: float = 600.0,
     collective_timeout: float = 300.0,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     shard_group: dist.ProcessGroup | None = None,
     allow_non_finite: bool = False,
 ) -> ReplicaGroups:
-    """Replica ``replica_id`` of the run whose lighthouse is at ``lighthouse`` (``host:port``;
-    default ``$MTDAO_LIGHTHOUSE``): a communicator for :class:`~mtdao.sync.engine.LocalUpdateSync`.
+    """Replica ``config.replica_id`` of the run whose lighthouse is at ``config.lighthouse``
+    (``host:port``; default ``$MTDAO_LIGHTHOUSE``): a communicator for
+    :class:`~mtdao.sync.engine.LocalUpdateSync`.
 
-    ``auth_token_file``: a file holding the run's secret, the same for every replica (else
-    ``$MTDAO_AUTH_TOKEN``); a peer without it is neither averaged with nor healed from. Required
-    unless ``bind_host``, the address every listener of this replica serves on, is loopback,
-    where this account's own secret on this machine stands in (see docs/security.md). ``shared_config``: the settings every replica must share (steps, learning
+    ``config.auth_token_file``: a file holding the run's secret, the same for every replica
+    (else ``$MTDAO_AUTH_TOKEN``); a peer without it is neither averaged with nor healed from.
+    Required unless ``config.bind_host``, the address every listener of this replica serves on,
+    is loopback, where this account's own secret on this machine stands in (see
+    docs/security.md). ``shared_config``: the settings every replica must share (steps, learning
     rate, round options, ...; JSON-able values): every round checks that its members hold the
     same, and a joining replica whose values differ from its source's is refused, naming them.
-    Timeouts in seconds: reaching the lighthouse or a peer, waiting for a quorum (longer than the
-    time between two rounds), one collective or heal transfer. ``shard_group``: this replica is
-    that group of processes sharding its model with FSDP2 (every process calls this).
-    ``allow_non_finite``: a heal state may hold NaN/inf (else such a state is refused, and the
-    replica keeps its own).
+    ``collective_timeout``: seconds one collective or heal transfer may take. ``shard_group``:
+    this replica is that group of processes sharding its model with FSDP2 (every process calls
+    this). ``allow_non_finite``: a heal state may hold NaN/inf (else such a state is refused,
+    and the replica keeps its own).
     """
-    lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)
+    if config.replica_id is None:
+        raise ValueError("no replica id: give ReplicaConfig(replica_id=...) (or --replica-id)")
+    lighthouse = config.lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)
     if not lighthouse:
         raise ValueError(
-            f"no lighthouse: pass lighthouse='host:port' or set ${LIGHTHOUSE_VARIABLE}"
+            f"no lighthouse: give ReplicaConfig(lighthouse='host:port') or set "
+            f"${LIGHTHOUSE_VARIABLE}"
         )
-    key = run_key(read_token(auth_token_file), bind_host)
+    config = replace(config, lighthouse=lighthouse)
+    key = run_key(read_token(config.auth_token_file), config.bind_host)
     if key.origin != "the run's secret":
         logger.warning(
             "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
             "%s; %s",
-            replica_id,
+            config.replica_id,
             key.origin,
             OTHER_ACCOUNTS,
         )
     shared = dict(shared_config or {})
-    settings = ReplicaSettings(
-        replica_id=replica_id,
-        lighthouse=lighthouse,
-        connect_timeout=connect_timeout,
-        quorum_timeout=quorum_timeout,
-        collective_timeout=collective_timeout,
-        bucket_bytes=bucket_bytes,
-        bind_host=bind_host,
+    replicas = ReplicaGroups(
+        config,
         key=key,
         config_digest=config_digest(shared) if shared else "",
+        collective_timeout=collective_timeout,
+        bucket_bytes=bucket_bytes,
         allow_non_finite=allow_non_finite,
+        shard_group=shard_group,
     )
-    replicas = ReplicaGroups(settings, shard_group)
     speaks = shard_group is None or dist.get_rank(shard_group) == 0  # one line per replica
-    replicas.on_quorum = JoinsAndHeals(replica_id) if speaks else None
+    replicas.on_quorum = JoinsAndHeals(config.replica_id) if speaks else None
     # before the engine's state: a replica that differs is refused before anything is loaded
-    replicas.track_state("config", SharedConfig(replica_id, shared))
+    replicas.track_state("config", SharedConfig(config.replica_id, shared))
     return replicas
 
 

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from mtdao.sync.torchft.auth import RunKey
+from mtdao.ft.security.auth import RunKey
 
 DATA_KEY = "mtdao"
 """Where a claim travels in a member's quorum request (torchft's ``data``)."""

@@ -1,0 +1,198 @@
+"""Every use mtdao makes of torchft beyond its public API, in one place: the only module that
+imports torchft.
+
+torchft offers no public way to do what mtdao's replicas must: prove each quorum's members
+before they form a group or heal anyone (mtdao replaces the Manager's quorum step,
+:mod:`.proven_manager`), keep its gloo group's sockets on the replica's bind host, keep its
+manager server behind a front (:mod:`.manager_front`), and ask the lighthouse itself. So it
+reaches into torchft's private attributes, each named here once: :class:`ManagerInternals`,
+:class:`GlooGroup`, the native servers and clients. An upgrade of torchft is checked against
+this module alone (tests/test_ft_torchft_internals.py: the installed version is one of
+WRITTEN_AGAINST, and each private name used here still exists on it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torchft's native side logs every quorum at INFO; keep the terminal for progress lines
+os.environ.setdefault("RUST_LOG", "warn")
+
+import torchft.manager  # noqa: E402
+from torchft import Manager, ProcessGroupGloo  # noqa: E402
+from torchft._torchft import LighthouseClient, LighthouseServer, ManagerServer  # noqa: E402
+from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
+from torchft.manager import REPLICA_ID_KEY  # noqa: E402
+from torchft.process_group import (  # noqa: E402
+    BaseProcessGroup,
+    BaseProcessGroupGloo,
+    create_store_client,
+)
+
+# torchft reports what went wrong to its manager, which hands it to us; its own log lines
+# (tracebacks of every failed collective) would bury the one line that matters.
+logging.getLogger("torchft").addHandler(logging.NullHandler())
+logging.getLogger("torchft").propagate = False
+
+WRITTEN_AGAINST = ("0.2.0",)
+"""The torchft versions whose private names this module was written against."""
+
+NATIVE = ("LighthouseClient", "LighthouseServer", "ManagerServer")
+"""What is used of ``torchft._torchft``, the native module."""
+
+__all__ = [
+    "REPLICA_ID_KEY",
+    "CheckpointTransport",
+    "GlooGroup",
+    "LighthouseClient",
+    "LighthouseServer",
+    "Manager",
+    "ManagerInternals",
+    "ManagerServer",
+    "QuorumStepManager",
+    "create_store_client",
+    "replace_manager_server",
+]
+
+
+class _Private:
+    """A private attribute of torchft's object, read and set under mtdao's name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, internals: Any, owner: type | None = None) -> Any:
+        return self if internals is None else getattr(internals.manager, self.name)
+
+    def __set__(self, internals: Any, value: Any) -> None:
+        setattr(internals.manager, self.name, value)
+
+
+class ManagerInternals:
+    """torchft's ``Manager``'s private state, as mtdao's quorum step reads and sets it."""
+
+    store = _Private("_store")
+    """The replica's store (a TCPStore client)."""
+    server = _Private("_manager")
+    """The manager's gRPC server (mtdao's: a front with torchft's server behind it)."""
+    connect_timeout = _Private("_connect_timeout")
+    timeout = _Private("_timeout")
+    group_rank = _Private("_group_rank")
+    """This process's rank in its replica."""
+    group_world_size = _Private("_group_world_size")
+    """The replica's processes."""
+    commits = _Private("_step")
+    """Rounds committed (torchft's step)."""
+    commit_failures = _Private("_commit_failures")
+    heal_transport = _Private("_checkpoint_transport")
+    user_state_dicts = _Private("_user_state_dicts")
+    process_group = _Private("_pg")
+    healing = _Private("_healing")
+    pending_state_dict = _Private("_pending_state_dict")
+    replica_rank = _Private("_participating_replica_rank")
+    replica_world_size = _Private("_participating_replica_world_size")
+    quorum_id = _Private("_quorum_id")
+
+    METHODS = {
+        "_async_quorum": ("allow_heal", "shrink_only", "quorum_timeout", "curr_device"),
+        "_manager_state_dict": (),
+    }
+    """The private methods used (overridden or called), with their parameters."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    def state_to_serve(self) -> dict[str, Any]:
+        """What a healing peer receives: torchft's commit count and every tracked state."""
+        return self.manager._manager_state_dict()
+
+    @classmethod
+    def attributes(cls) -> dict[str, str]:
+        """mtdao's name -> torchft's, of every private attribute used."""
+        return {name: v.name for name, v in vars(cls).items() if isinstance(v, _Private)}
+
+
+class QuorumStepManager(Manager):
+    """torchft's ``Manager`` whose quorum step (its private ``_async_quorum``) is
+    :meth:`quorum_step`; its private state is :attr:`internals`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.internals = ManagerInternals(self)  # before torchft's __init__: it may quorum
+        super().__init__(**kwargs)
+
+    def _async_quorum(
+        self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta, curr_device: int
+    ) -> None:
+        self.quorum_step(allow_heal, shrink_only, quorum_timeout)
+
+    def quorum_step(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
+        raise NotImplementedError
+
+
+class GlooGroup(ProcessGroupGloo):
+    """torchft's reconfigurable gloo group with its sockets on ``bind_host``, every collective
+    waiting ``collective_timeout`` (the group itself forms within ``rendezvous_timeout``), and
+    each collective launched handed to :meth:`launched`."""
+
+    PRIVATE = ("_pg", "_timeout", "_global_ranks")
+    """The private attributes used."""
+    METHODS = {
+        "_wrap_work": ("work", "opts"),
+        "_opts_hook": ("opts",),
+        "_create_pg": ("store", "rank", "world_size"),
+    }
+    """The private methods overridden, with their parameters."""
+
+    def __init__(
+        self, bind_host: str, collective_timeout: timedelta, rendezvous_timeout: float
+    ) -> None:
+        super().__init__(timeout=timedelta(seconds=rendezvous_timeout))
+        self.bind_host, self.collective_timeout = bind_host, collective_timeout
+
+    def take_group(self) -> Any:
+        """The current group, which this object no longer holds (None: none)."""
+        group, self._pg = self._pg, None
+        return group
+
+    def launched(self, work: Any) -> None:
+        """Called with each collective launched on the group."""
+
+    def _wrap_work(self, work: Any, opts: object) -> Any:
+        self.launched(work)
+        return work
+
+    def _opts_hook(self, opts: Any) -> Any:
+        if hasattr(opts, "timeout") and opts.timeout.total_seconds() <= 0:
+            opts.timeout = self.collective_timeout
+        return opts
+
+    def _create_pg(self, store, rank: int, world_size: int):
+        """torchft's own, but with gloo's device on ``bind_host`` (torch's private API)."""
+        options = BaseProcessGroupGloo._Options()
+        options._timeout = self._timeout
+        host = self.bind_host.strip("[]")
+        every_interface = host in ("0.0.0.0", "::", "")
+        gloo = BaseProcessGroupGloo
+        device = gloo.create_default_device() if every_interface else gloo.create_device(host)
+        options._devices = [device]
+        pg = BaseProcessGroup(store, rank, world_size)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        backend = BaseProcessGroupGloo(store, rank, world_size, options)
+        backend._set_sequence_number_for_group()
+        if self._global_ranks:
+            backend.options.global_ranks_in_group = self._global_ranks
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        return pg
+
+
+def replace_manager_server(start: Callable[..., Any]) -> None:
+    """Make torchft's Manager start its gRPC server with ``start`` (torchft's own arguments);
+    torchft names no other way to choose where it serves."""
+    torchft.manager.ManagerServer = start
