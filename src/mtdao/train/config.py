@@ -25,12 +25,12 @@ from pathlib import Path
 
 from mtdao.data.batches import SPLITS as DATA_SPLITS
 from mtdao.flags import as_flags, choice, flat_values, from_flat, leaf_fields, switch_off
+from mtdao.ft.config import ReplicaConfig
 from mtdao.methods.config import SyncConfig
 from mtdao.methods.defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
 from mtdao.methods.defaults import default_lr as default_lr
 from mtdao.methods.defaults import method_defaults
 from mtdao.methods.table import METHOD_TABLE
-from mtdao.ft.config import ReplicaConfig
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.config_checks import check_config
 from mtdao.train.config_checks import config_warnings as config_warnings
