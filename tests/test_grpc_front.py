@@ -7,7 +7,8 @@
   ends its connection;
 * gRPC's limits: an endless header block (CONTINUATION frames), a message over the cap, a call
   that never sends its message, and more idle connections than the process has file
-  descriptors each end without holding the front (a legitimate call goes through after);
+  descriptors each end without holding the front (a legitimate call goes through after); a
+  call of two messages is refused; past the cap on calls in flight a call is answered at once;
 * torchft's real ManagerServer behind the front: a client's call goes through, at once, Kill
   sent to the front leaves the process running, Kill sent to the server itself ends it (the
   request is torchft's real Kill);
@@ -181,6 +182,46 @@ def test_a_call_that_never_sends_its_message_ends(front, monkeypatch):
             received += connection.recv(65536)
     assert grpc_status(received) == PERMISSION_DENIED and time.monotonic() - started < LOCAL_S
     assert recorder.calls == [] and "without its message within 0.5 s" in lines[0]
+
+
+def test_a_call_of_two_messages_is_refused_and_reaches_nothing(front):
+    front, recorder, lines, address = front
+    block = hpack.Encoder().encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", QUORUM), (":authority", "x"),
+         ("content-type", "application/grpc"), ("te", "trailers")]
+    )  # fmt: skip
+    message = b"\x00\x00\x00\x00\x02\x08\x01"
+    received = b""
+    with socket.create_connection(("127.0.0.1", front.port), timeout=LOCAL_S) as connection:
+        connection.sendall(
+            PREFACE + frame(SETTINGS, 0, 0, b"") + frame(HEADERS, END_HEADERS, 1, block)
+            + frame(0, 0, 1, message) + frame(0, END_STREAM, 1, message)
+        )  # fmt: skip
+        while grpc_status(received) is None:
+            received += connection.recv(65536)
+    assert grpc_status(received) == PERMISSION_DENIED and recorder.calls == []
+    assert "with more than one message" in lines[0]
+
+
+def test_calls_past_the_cap_are_answered_at_once_and_the_front_serves_on(front, monkeypatch):
+    """The front counts its calls in flight itself: past CALLS, a call is answered
+    RESOURCE_EXHAUSTED at once (it is not left waiting behind the others)."""
+    front, recorder, lines, address = front
+    monkeypatch.setattr(grpc_front, "CALLS", 1)
+    front.allowed = front.allowed | {"/wait"}
+    waiting = threading.Thread(target=http2_request, args=(address, "POST", "/wait", b""))
+    waiting.start()
+    deadline = time.monotonic() + LOCAL_S
+    while not recorder.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    answer = http2_request(address, "POST", QUORUM, b"", timeout=LOCAL_S)
+    assert grpc_status(answer) == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert time.monotonic() - started < LOCAL_S / 2
+    recorder.release.set()
+    waiting.join(timeout=LOCAL_S)
+    assert grpc_status(http2_request(address, "POST", QUORUM, b"", timeout=LOCAL_S)) == OK
+    assert [path for path, _ in recorder.calls] == ["/wait", QUORUM]
 
 
 def test_a_flood_of_refusals_is_held_before_each_ends(front):

@@ -20,11 +20,16 @@ sends reaches torchft but a call the front made itself: an allowed method's one 
   speaking HTTP/2, IDLE_S without a call; a call's message must arrive within MESSAGE_S. When
   the process runs out of file descriptors, gRPC leaves new connections waiting and accepts
   again a second later; the front says so.
+* At most CALLS calls are in flight on a front, counted by the front (more are answered at
+  once: none waits behind a flood's calls for grpcio to take it).
 * From a host refused HOLD_AFTER times within a second, a refusal is held REFUSAL_HOLD_S before
-  it ends (on the event loop: a held call costs no thread), so a flood is refused at that pace,
-  not as fast as it can ask again. Every refusal is counted (``refused``) and said in one line
-  naming the front, the peer and what it asked for: each kind the first time, then at most once
-  a minute with a count; SAY_BURST lines a minute in all, the rest counted in one line.
+  it ends (on the event loop: a held call costs a future, and the holds ending within one
+  HOLD_TICK_S share a timer), so a flood is refused at that pace, not as fast as it can ask
+  again. A refusal costs as little of the front as grpcio allows: a call's path is judged
+  before its message is read, and its first message before the rest.
+* Every refusal is counted (``refused``) and said in one line naming the front, the peer and
+  what it asked for: each kind the first time, then at most once a minute with a count;
+  SAY_BURST lines a minute in all, the rest counted in one line.
 
 This module knows nothing of torchft: its users name the calls (``mtdao lighthouse``;
 :mod:`mtdao.ft.security.manager_front`).
@@ -35,7 +40,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import functools
 import ipaddress
+import math
 import resource
 import socket
 import sys
@@ -53,7 +60,7 @@ CONNECTIONS = 512
 STREAMS = 16
 """Calls in flight at once on one connection (a replica makes one or two)."""
 CALLS = 1024
-"""Calls in flight at once on a front (more are answered RESOURCE_EXHAUSTED)."""
+"""Calls in flight at once on a front (more are answered RESOURCE_EXHAUSTED at once)."""
 HEADER_BYTES = 16 << 10
 """A call's headers (a replica's are a few hundred bytes)."""
 MESSAGE_BYTES = 1 << 20
@@ -70,6 +77,8 @@ REFUSAL_HOLD_S = 1.0
 """How long a refusal is held before it ends, once its host is flooding (HOLD_AFTER)."""
 HOLD_AFTER = 10
 """Refusals of one host within a second from which its refusals are held."""
+HOLD_TICK_S = 0.05
+"""Held refusals end together on ticks this far apart (one timer for all those of a tick)."""
 SAY_EVERY_S = 60.0
 """A kind of refusal said again at most this often (with a count)."""
 SAY_BURST = 20
@@ -111,8 +120,9 @@ class GrpcFront:
         self._said: dict[str, list[float]] = {}  # kind of refusal -> [said at, unsaid since]
         self._window = [-float("inf"), 0, 0]  # [its start, lines said, refusals held back]
         self._upstream: set[aio.UnaryUnaryCall] = set()  # calls waiting on the server behind
-        self._held = 0  # refusals being held
-        self._end_holds: asyncio.Event | None = None  # set (and replaced) to end every hold
+        self._calls = 0  # calls in flight
+        self._holds: dict[int, list[asyncio.Future]] = {}  # tick -> the refusals it ends
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}  # by allowed path
         self._channel: aio.Channel | None = None
         self._fd_watch: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -143,11 +153,14 @@ class GrpcFront:
         return _on_loop(self._cancel_calls())
 
     async def _bind(self, address: str) -> tuple[aio.Server, int]:
+        # no maximum_concurrent_rpcs: grpcio's limiter costs every call a task and a lock, and
+        # while full stops taking calls, members' among them; the front counts its own (CALLS)
         server = aio.server(
             handlers=[_Calls(self)],
-            maximum_concurrent_rpcs=CALLS,
             options=[
                 ("grpc.so_reuseport", 0),  # no other socket may share the port
+                ("grpc.enable_channelz", 0),  # no bookkeeping of each connection and call
+                ("grpc.http2.bdp_probe", 0),  # no pings to size windows: calls are small
                 ("grpc.max_allowed_incoming_connections", CONNECTIONS),
                 ("grpc.max_concurrent_streams", STREAMS),
                 ("grpc.max_metadata_size", HEADER_BYTES),
@@ -182,28 +195,49 @@ class GrpcFront:
         calls = list(self._upstream)
         for call in calls:
             call.cancel()
-        held, self._held = self._held, 0
-        if self._end_holds is not None:
-            self._end_holds.set()
-            self._end_holds = None
+        held = 0
+        for ended in self._holds.values():
+            for hold in ended:
+                if not hold.done():
+                    hold.set_result(None)
+                    held += 1
+        self._holds.clear()
         return len(calls) + held
 
-    async def call(self, path: str, requests, context: aio.ServicerContext) -> bytes:
-        """One call: checked, then made again on the server behind; its answer or its
-        error goes back to the caller."""
+    async def call(self, path: str, context: aio.ServicerContext) -> bytes:
+        """One call: counted, checked, then made again on the server behind; its answer or
+        its error goes back to the caller."""
+        if self._calls >= CALLS:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the {self.name}'s front is serving {CALLS} calls",
+            )
+        self._calls += 1
+        try:
+            return await self._checked(path, context)
+        finally:
+            self._calls -= 1
+
+    async def _checked(self, path: str, context: aio.ServicerContext) -> bytes:
         peer = _peer(context.peer())
         served = self.allowed if from_this_machine(peer[0]) else self.allowed - self.local_only
         if path not in served:
             where = " (served to this machine's processes only)" if path in self.local_only else ""
             await self._refuse(context, peer, f"a call of {_shown(path)}{where}", served)
-        message, why = await _one_message(requests)
-        if message is None and why is None:  # the caller ended it (its deadline, or it left)
+        # The first message is judged before the rest is read: a refusal costs one read.
+        deadline = asyncio.get_running_loop().time() + MESSAGE_S
+        message, why = await _next_message(context, deadline)
+        check = self.inspect.get(path)
+        if message is not None and check is not None and not check(message, peer):
+            await self._refuse(context, peer, None, served)
+        if message is not None:  # then the end of its messages, and nothing else
+            more, end = await _next_message(context, deadline)
+            if end is not EOF_SEEN:
+                message, why = None, "with more than one message" if more is not None else end
+        if message is None and why in (None, EOF_SEEN):  # the caller ended it (or it left)
             await context.abort(grpc.StatusCode.CANCELLED, "the call ended without its message")
         if message is None:
             await self._refuse(context, peer, f"a call of {_shown(path)} {why}", served)
-        check = self.inspect.get(path)
-        if check is not None and not check(message, peer):
-            await self._refuse(context, peer, None, served)
         upstream = self._channel.unary_unary(path)(message, timeout=context.time_remaining())
         self._upstream.add(upstream)
         try:
@@ -233,14 +267,22 @@ class GrpcFront:
         )
 
     async def _hold(self) -> None:
-        """Wait ``refusal_hold_s``, or until :meth:`end_calls`."""
-        if self._end_holds is None:
-            self._end_holds = asyncio.Event()
-        ended, self._held = self._end_holds, self._held + 1
-        try:
-            await asyncio.wait_for(ended.wait(), self.refusal_hold_s)
-        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-            self._held = max(0, self._held - 1)
+        """Wait ``refusal_hold_s`` (to the next HOLD_TICK_S), or until :meth:`end_calls`: the
+        refusals of a tick share one timer, and a held call costs a future."""
+        loop = asyncio.get_running_loop()
+        tick = math.ceil((loop.time() + self.refusal_hold_s) / HOLD_TICK_S)
+        ended = self._holds.get(tick)
+        if ended is None:
+            ended = self._holds[tick] = []
+            loop.call_at(tick * HOLD_TICK_S, self._end_hold, tick)
+        hold = loop.create_future()
+        ended.append(hold)
+        await hold
+
+    def _end_hold(self, tick: int) -> None:
+        for hold in self._holds.pop(tick, ()):
+            if not hold.done():
+                hold.set_result(None)
 
     def _say(self, peer: tuple[str, int], what: str, served) -> None:
         now = self.clock()
@@ -312,33 +354,46 @@ class _Calls(grpc.GenericRpcHandler):
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = details.method
         path = method if isinstance(method, str) else method.decode("ascii", "backslashreplace")
+        handler = self.front._handlers.get(path)
+        if handler is None:
+            handler = grpc.stream_unary_rpc_method_handler(functools.partial(self._call, path))
+            if path in self.front.allowed:  # a stranger's paths are not kept
+                self.front._handlers[path] = handler
+        return handler
 
-        async def behaviour(requests, context):
-            return await self.front.call(path, requests, context)
-
-        return grpc.stream_unary_rpc_method_handler(behaviour)
+    async def _call(self, path: str, requests, context: aio.ServicerContext) -> bytes:
+        return await self.front.call(path, context)  # read through the context: no generator
 
 
-async def _one_message(requests) -> tuple[bytes | None, str | None]:
-    """(the one request message of a unary call, None), or (None, why not: None when the
-    caller ended the call before sending one)."""
-    read: list[bytes] = []
+EOF_SEEN = "the end of the call's messages"
 
-    async def read_all() -> None:
-        async for message in requests:
-            read.append(message)
-            if len(read) > 1:
-                return
 
+async def _next_message(
+    context: aio.ServicerContext, deadline: float
+) -> tuple[bytes | None, str | None]:
+    """(the call's next request message, None), (None, EOF_SEEN) at the end of its messages,
+    or (None, why not: None when the caller ended the call). Waits until ``deadline`` (the
+    event loop's time) at most, on a timer rather than a task of its own."""
+    task, late = asyncio.current_task(), []
+
+    def give_up() -> None:
+        late.append(True)
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_at(deadline, give_up)
     try:
-        await asyncio.wait_for(read_all(), MESSAGE_S)
-    except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+        message = await context.read()
+    except asyncio.CancelledError:
+        if not late:
+            raise  # the caller went away
+        if hasattr(task, "uncancel"):  # Python 3.11: this cancellation is handled here
+            task.uncancel()
         return None, f"without its message within {MESSAGE_S:g} s"
     except aio.AioRpcError:
         return None, None
-    if len(read) > 1:
-        return None, "with more than one message"
-    return (read[0], None) if read else (None, None)
+    finally:
+        timer.cancel()
+    return (None, EOF_SEEN) if message is aio.EOF else (message, None)
 
 
 _loop: asyncio.AbstractEventLoop | None = None
