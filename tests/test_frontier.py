@@ -159,7 +159,6 @@ def remove_run_directories(out):
     shutil.rmtree(out / "runs")
 
 
-@pytest.mark.slow  # trains points: 10-35 s each on two busy cores
 def test_the_command_sweeps_references_adds_seeds_to_the_fronts_and_writes_the_report(tmp_path):
     """Every run the quick grid asks for is written as finished; --no-train reports them."""
     out, report = tmp_path / "runs", tmp_path / "report"
@@ -206,7 +205,6 @@ def test_an_lr_pin_for_a_method_outside_the_chosen_points_is_unused_and_a_typo_r
     assert "unknown method 'adam'" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # trains points: 10-35 s each on two busy cores
 def test_reuse_takes_an_earlier_reports_runs_where_out_has_none_and_the_report_says_so(tmp_path):
     """A report grows by a point after its run directories are gone: the earlier report's runs
     stand in for the missing ones (same flags, LR and seed); a run --out holds wins over it."""
@@ -276,7 +274,6 @@ def test_a_point_off_the_front_keeps_the_extra_seeds_it_has_without_training_mor
     assert rows["mtdao-k32-int2-s128"]["seeds"] == [0, 1, 2]
 
 
-@pytest.mark.slow  # trains points: 10-35 s each on two busy cores
 def test_a_point_that_reaches_a_front_once_the_seeds_move_the_means_is_owed_them(tmp_path):
     """On the first seed the int2 point is cheaper and better than the fp32 one; its extra seeds
     raise its mean above fp32's, which puts fp32 on the front of the means: it is owed the
@@ -312,7 +309,6 @@ def test_lr_factors_may_give_one_method_its_own_sweep():
             parse_lr_factors(bad, methods)
 
 
-@pytest.mark.slow  # trains points: 10-35 s each on two busy cores
 def test_a_method_with_its_own_factors_is_swept_and_trains_its_points_at_its_best(tmp_path):
     """``--lr-factors 1 local-adam=1,2``: Local Adam's reference is swept at 1x and 2x and its
     best LR is the report's; every other method trains at its LR alone."""
@@ -345,7 +341,6 @@ def test_a_method_with_its_own_factors_is_swept_and_trains_its_points_at_its_bes
     assert f"{format_lr(4 * base)}: — (not run or diverged)" in text and "inf" not in text
 
 
-@pytest.mark.slow  # trains points: 10-35 s each on two busy cores
 def test_a_re_render_at_a_new_lr_keeps_the_points_runs_at_the_old_one(tmp_path):
     """A report re-rendered at another LR (``--lr``) keeps each point's runs at the LR it had
     (results.json ``other_lr_rows``, a table in report.md), and a later render back at that LR
@@ -378,7 +373,6 @@ def test_a_re_render_at_a_new_lr_keeps_the_points_runs_at_the_old_one(tmp_path):
     ]
 
 
-@pytest.mark.slow  # trains points: 10-35 s each on two busy cores
 def test_lr_per_point_gives_each_point_the_best_of_its_methods_sweep_lrs(tmp_path):
     """Without --lr-per-point every MT-DAO point takes the reference's best LR; with it a point
     that does better at another of the sweep's LRs keeps that one, in its row and its argv."""

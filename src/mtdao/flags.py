@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import re
 import textwrap
@@ -68,7 +69,7 @@ def switch_off(flag: str, off: str, **metadata: Any) -> Any:
 
 def sections(cls: type) -> list[tuple[str, type]]:
     """(name, class) of each section of a config in sections: its fields, each a dataclass."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
 
 
@@ -98,8 +99,10 @@ def from_flat(cls: type, values: dict[str, Any]):
     return cls(**{name: part(**grouped[name]) for name, part in parts})
 
 
+@functools.cache  # a parser is built per config written out as flags: parse each source once
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring: the string literal right below its annotation in the class body."""
+    """Each field's docstring: the string literal right below its annotation in the class body
+    (shared between callers: read it, do not change it)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
@@ -113,6 +116,11 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(following.value.value)
     return docs
+
+
+@functools.cache  # as field_docs: once per section
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _value_type(annotation: Any) -> tuple[type, bool]:
@@ -136,12 +144,12 @@ def add_dataclass_arguments(
     """One flag per setting of ``cls`` (a section's settings under its title in ``--help``);
     ``describe_default(name)`` explains a default of None."""
     groups: dict[Any, Any] = {}
-    docs: dict[type, dict[str, str]] = {}  # per section: its source is read once
+    docs: dict[type, dict[str, str]] = {}
     hints: dict[type, dict[str, Any]] = {}
     for owner, field in leaf_fields(cls):
         if owner not in groups:
             groups[owner] = parser.add_argument_group(_title(owner))
-            docs[owner], hints[owner] = field_docs(owner), typing.get_type_hints(owner)
+            docs[owner], hints[owner] = field_docs(owner), _type_hints(owner)
         kind, is_tuple = _value_type(hints[owner][field.name])
         exclusive = field.metadata.get("exclusive")
         if exclusive and exclusive not in groups:
