@@ -95,12 +95,12 @@ def test_a_discarded_round_changes_nothing_and_the_next_one_applies(name):
         with pytest.raises(RoundNotCommitted, match="round 2"):
             sync.step()
     else:  # the local step happened; the round after it is discarded
-        sync.before_optimizer_step()
+        sync.rounds.before_step()
         optimizer.step()
         before = snapshot(sync)
         before["engine"]["step"] += 1  # the step counts, the round does not
         with pytest.raises(RoundNotCommitted, match="round 2"):
-            sync.after_optimizer_step()
+            sync.rounds.after_step()
     assert sync.traffic.rounds == rounds_sent + 1  # what was sent is counted as sent
     before["engine"]["traffic"] = sync.state_dict()["traffic"]
     assert_same(before, snapshot(sync))
@@ -108,10 +108,10 @@ def test_a_discarded_round_changes_nothing_and_the_next_one_applies(name):
 
     for step in range(2):  # on to the next round, which applies as usual
         set_gradients(params, 100 + step)
-        sync.before_optimizer_step()
+        sync.rounds.before_step()
         optimizer.step()
         stepped = [p.detach().clone() for p in params]
-        sync.after_optimizer_step()
+        sync.rounds.after_step()
         if len(sync.events) == 2:
             break
     assert len(sync.events) == 2
@@ -149,7 +149,7 @@ def test_round_due_says_in_advance_which_steps_average(name):
     sync = LocalUpdateSync(optimizer, ROUND_POLICIES[name](), communicator)
     predicted, happened = [], []
     for step in range(1, 25):
-        predicted.append(sync.round_due(step))
+        predicted.append(sync.rounds.due(step))
         calls = len(communicator.average_kinds())
         set_gradients(params, step)
         sync.step()

@@ -18,7 +18,7 @@ from torch import Tensor
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, OuterOptimizerConfig, explicit, unified
 from mtdao.sync.compression import SyncCodecs
-from mtdao.sync.trained_state import TrainedState
+from mtdao.sync.trained_state import ShardedEngineState, TrainedState
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mtdao"
 ENGINES = {
@@ -105,23 +105,27 @@ def test_the_engines_sharded_state_resumes_bit_identically(name):
     first, sync = engine(name)
     train(first, sync, range(split))
     trained = TrainedState(sync).state_dict()
-    sharded, plain = copy.deepcopy(sync.sharded_state_dict())
+    sharded, plain = copy.deepcopy(ShardedEngineState(sync.rounds).state_dict())
     assert not tensors_of(plain), "every tensor of the engine goes to DCP"
     if name == "delay radial-directional":
-        assert sync.pending.rounds and set(sharded) == {"anchors", "rounds", "radial_anchors"}
+        assert sync.rounds.pending.rounds and set(sharded) == {
+            "anchors",
+            "rounds",
+            "radial_anchors",
+        }
         assert plain["pending"][0]["norms"]["averages"]
     elif name.startswith("delay"):
-        assert sync.pending.rounds and set(sharded) >= {"anchors", "rounds", "residuals"}
+        assert sync.rounds.pending.rounds and set(sharded) >= {"anchors", "rounds", "residuals"}
     else:
         assert set(sharded) == {"anchors", "outer_momentum"}
 
     resumed, fresh = engine(name, seed=1)  # other values: everything must come from the save
     optimizer_only = {**copy.deepcopy(trained), "sync": fresh.state_dict()}
     TrainedState(fresh).load_state_dict(optimizer_only)
-    layout = fresh.sharded_layout(plain)
+    layout = ShardedEngineState(fresh.rounds).layout(plain)
     before = copy.deepcopy(plain)
     read_like_dcp(layout, sharded)
-    fresh.load_sharded_state_dict(layout, plain)
+    ShardedEngineState(fresh.rounds).load_state_dict(layout, plain)
     assert_same(plain, before, "the plain part")  # left unchanged by the load
     train(resumed, fresh, range(split, steps))
 
@@ -134,7 +138,7 @@ def test_the_engines_sharded_state_resumes_bit_identically(name):
 def test_without_its_plain_part_the_layout_holds_what_every_such_engine_holds():
     """What a checkpoint's shapes are checked against before its worker file is trusted."""
     _, sync = engine("diloco (anchors, outer momentum)")
-    layout = sync.sharded_layout()
+    layout = ShardedEngineState(sync.rounds).layout()
     assert set(layout) == {"anchors", "outer_momentum"}
     assert [tuple(t.shape) for t in layout["anchors"].values()] == [(6, 4), (4,)]
 

@@ -105,13 +105,13 @@ def test_under_an_outer_step_the_final_round_is_the_plain_average_and_keeps_the_
     params, optimizer, sync = make(explicit(K, outer=OuterOptimizerConfig()))
     train(params, optimizer, sync, K + 2)
     means = [p.detach().mean(dim=0) for p in params]
-    anchors = [a.clone() for a in sync.anchors]
-    momentum = [m.clone() for m in sync.outer.momentum_buffers]
+    anchors = [a.clone() for a in sync.rounds.anchors]
+    momentum = [m.clone() for m in sync.rounds.outer.momentum_buffers]
     assert sync.finish().kinds == ["params"]  # DiLoCo's states stay local
     for p, mean in zip(params, means):
         assert all(torch.equal(p.detach()[w], mean) for w in range(WORKERS))
-    assert all(torch.equal(a, b) for a, b in zip(sync.anchors, anchors))
-    assert all(torch.equal(a, b) for a, b in zip(sync.outer.momentum_buffers, momentum))
+    assert all(torch.equal(a, b) for a, b in zip(sync.rounds.anchors, anchors))
+    assert all(torch.equal(a, b) for a, b in zip(sync.rounds.outer.momentum_buffers, momentum))
 
 
 @pytest.mark.parametrize(
@@ -125,11 +125,11 @@ def test_under_an_outer_step_the_final_round_is_the_plain_average_and_keeps_the_
 def test_rounds_in_flight_land_first_then_every_worker_holds_the_same_model(policy, options):
     params, optimizer, sync = make(policy(), **options)
     train(params, optimizer, sync, 2 * K + 1)
-    assert len(sync.pending) >= 1
+    assert len(sync.rounds.pending) >= 1
     sync.finish()
-    assert len(sync.pending) == 0
+    assert len(sync.rounds.pending) == 0
     averaged = held(params, optimizer)
-    if sync.outer is not None:  # DiLoCo keeps its states local
+    if sync.rounds.outer is not None:  # DiLoCo keeps its states local
         averaged = averaged[: len(params)]
     assert workers_alike(averaged)
     assert sync.events[-1].final and not any(e.final for e in sync.events[:-1])
@@ -144,7 +144,7 @@ def test_attached_runs_the_final_round_when_the_block_ends(final_round):
                 p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
             optimizer.step()
     assert workers_alike(held(params, optimizer)) == final_round
-    assert (len(sync.pending) == 0) == final_round
+    assert (len(sync.rounds.pending) == 0) == final_round
 
 
 def test_an_error_in_the_block_skips_the_final_round():
