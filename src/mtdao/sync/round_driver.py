@@ -312,6 +312,11 @@ class RoundDriver:
         """Open the round: encode what is due and launch its collectives (``final``: the final
         round, blocking whatever the delay)."""
         opened = self.plan.open(due, self.anchors, blocking=final)
+        try:
+            opened.launch(self.plan.average(due, opened.sent))
+        except RoundNotCommitted:  # a peer lost as it opened: as if it had not been sent
+            opened.discard()
+            raise
         result, kinds = opened.result, list(dict.fromkeys(due.kinds))
         opened.event = SyncEvent(due.step, kinds, result.bytes, result.collectives, final)
         return opened
