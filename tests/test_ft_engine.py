@@ -1,13 +1,17 @@
 """What the engine promises a communicator whose rounds can fail (fault-tolerant replicas), pinned
 with the scripted doubles: a discarded round changes no tensor and leaves no record, commit comes
-between checking and applying, and ``round_due`` says in advance exactly which steps have a round."""
+between checking and applying, and ``sync.rounds.due`` says in advance exactly which steps have a
+round."""
 
 from __future__ import annotations
 
 import copy
+from functools import partial
 
+import optimizer_cases as cases
 import pytest
 import torch
+from optimizer_cases import set_gradients
 
 from mtdao import MTAdam
 from mtdao.sync import (
@@ -23,19 +27,7 @@ from mtdao.sync.communicator import FinalRoundNotCommitted, RoundNotCommitted
 from mtdao.sync.engine import FINAL_ROUND_TRIES
 from mtdao.sync.testing import RecordingCommunicator, ScriptedCommunicator
 
-
-def make_params() -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [
-        torch.nn.Parameter(torch.randn(3, 4, generator=gen, dtype=torch.float64)),
-        torch.nn.Parameter(torch.randn(3, generator=gen, dtype=torch.float64)),
-    ]
-
-
-def set_gradients(params, step: int) -> None:
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+make_params = partial(cases.make_params, shapes=[(3, 4), (3,)], drawn_in=torch.float64)
 
 
 def shifted(tensors):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optimizer_cases import make_params, train
 from torch import Tensor
 
 from mtdao import MTAdam
@@ -42,19 +43,10 @@ ENGINES = {
 def engine(name: str, seed: int = 0) -> tuple[list[torch.nn.Parameter], LocalUpdateSync]:
     """One worker in this process, as each process of a sharded worker holds its tensors (the
     simulated workers' stacked copies are not laid out like their averages)."""
-    gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(*shape, generator=gen)) for shape in [(6, 4), (4,)]]
+    params = make_params(seed=seed, shapes=[(6, 4), (4,)])
     optimizer = MTAdam(params, lr=1e-2)
     sync = LocalUpdateSync(optimizer, **ENGINES[name]())
     return params, sync
-
-
-def train(params: list[torch.nn.Parameter], sync: LocalUpdateSync, steps: range) -> None:
-    for step in steps:
-        gen = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-        sync.step()
 
 
 def tensors_of(value) -> list[Tensor]:
@@ -100,10 +92,10 @@ def test_the_engines_sharded_state_resumes_bit_identically(name):
     back into a fresh engine's layout, the run goes on exactly as one never interrupted."""
     steps, split = 12, 6
     params, uninterrupted = engine(name)
-    train(params, uninterrupted, range(steps))
+    train(uninterrupted, params, steps)
 
     first, sync = engine(name)
-    train(first, sync, range(split))
+    train(sync, first, split)
     trained = TrainedState(sync).state_dict()
     sharded, plain = copy.deepcopy(ShardedEngineState(sync.rounds).state_dict())
     assert not tensors_of(plain), "every tensor of the engine goes to DCP"
@@ -127,7 +119,7 @@ def test_the_engines_sharded_state_resumes_bit_identically(name):
     read_like_dcp(layout, sharded)
     ShardedEngineState(fresh.rounds).load_state_dict(layout, plain)
     assert_same(plain, before, "the plain part")  # left unchanged by the load
-    train(resumed, fresh, range(split, steps))
+    train(fresh, resumed, steps - split, split)
 
     for param, expected in zip(resumed, params):
         assert torch.equal(param, expected)
@@ -149,7 +141,7 @@ def test_a_heal_carries_the_trained_state_a_checkpoint_saves(name):
     from mtdao.sync.torchft import engine_state
 
     params, sync = engine(name)
-    train(params, sync, range(6))
+    train(sync, params, 6)
     healed = engine_state(sync)[0]()
     assert_same(healed, TrainedState(sync).state_dict(), "heal")
     assert list(healed) == ["params", "optimizer", "sync"]
@@ -160,7 +152,7 @@ def test_healing_refuses_a_peer_of_other_shapes_and_overwrites_nothing():
     from mtdao.sync.torchft import ReplicaRefused, engine_state
 
     params, sync = engine("diloco (anchors, outer momentum)")
-    train(params, sync, range(2))
+    train(sync, params, 2)
     state = engine_state(sync)[0]()
     first = next(iter(state["params"]))
     state["params"][first] = torch.zeros(2, 2)

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from optimizer_cases import make_params, set_gradients
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, unified
@@ -27,11 +28,7 @@ def shifted(tensors):
 
 
 def make_engine(discard_at: int | None):
-    gen = torch.Generator().manual_seed(0)
-    params = [
-        torch.nn.Parameter(torch.randn(6, 4, generator=gen)),  # layer "a": fragment 0
-        torch.nn.Parameter(torch.randn(5, generator=gen)),  # layer "b": fragment 1
-    ]
+    params = make_params(shapes=[(6, 4), (5,)])  # layers "a" (fragment 0) and "b" (fragment 1)
     groups = [{"params": params, "names": ["a.weight", "b.weight"]}]
     optimizer = MTAdam(groups, lr=0.05, betas=(0.9,), omegas=(0.5,), beta2=0.95)
     communicator = ScriptedCommunicator([shifted] * 32, discard_at=discard_at)
@@ -45,12 +42,6 @@ def make_engine(discard_at: int | None):
         track_alignment=True,
     )
     return params, optimizer, sync
-
-
-def set_gradients(params, step: int) -> None:
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
 
 
 def local_step(params, optimizer, sync, step: int) -> None:
