@@ -50,6 +50,7 @@ engine's state, plain and sharded, is in :mod:`~mtdao.sync.trained_state`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,6 +70,7 @@ from mtdao.sync.dtensors import local_shard
 from mtdao.sync.healing import NON_FINITE_ACTIONS, NonFiniteError
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.policy import SyncPolicy
+from mtdao.sync.repeated_lines import RepeatedLines
 from mtdao.sync.round_driver import RoundDriver
 from mtdao.sync.rounds import SyncEvent
 from mtdao.sync.trained_state import TrainedState, engine_state_dict, load_engine_state_dict
@@ -81,6 +83,8 @@ __all__ = [
     "NON_FINITE_ACTIONS",
     "SyncEvent",
 ]
+
+logger = logging.getLogger(__name__)
 
 FINAL_ROUND_TRIES = 3
 """How many times the final round is formed before the run gives up: a round the communicator
@@ -142,6 +146,9 @@ class LocalUpdateSync:
             radial_directional=radial_directional,
         )
         """The rounds and all they leave; what communicators and harnesses call."""
+        self.discarded_rounds: list[dict[str, Any]] = []
+        """Rounds the communicator discarded inside ``attached()`` (step, reason)."""
+        self._repeated_lines = RepeatedLines()  # a discard at every step says one line a minute
         if self.communicator.heals_joiners:  # a worker joining late takes all this from a peer
             self.communicator.attach_trained_state(TrainedState(self))
 
@@ -167,11 +174,6 @@ class LocalUpdateSync:
     def skipped_rounds(self) -> list[dict[str, Any]]:
         """Rounds that left out workers holding NaN/inf (``on_non_finite='skip'``)."""
         return self.rounds.skipped_rounds
-
-    @property
-    def discarded_rounds(self) -> list[dict[str, Any]]:
-        """Rounds the communicator discarded inside ``attached()`` (step, reason)."""
-        return self.rounds.discarded_rounds
 
     @property
     def alignment(self) -> list[dict[str, Any]]:
@@ -201,17 +203,42 @@ class LocalUpdateSync:
         step is undone and recorded in ``discarded_rounds``; the loop goes on, each worker on
         its own state. (A discarded gradient round, DDP, raises ``RoundNotCommitted`` out of
         ``optimizer.step()``: the step is not taken.)"""
-        rounds = self.rounds
-        pre = self.optimizer.register_step_pre_hook(lambda *_: rounds.before_step())
-        post = self.optimizer.register_step_post_hook(lambda *_: rounds.after_attached_step())
+        pre = self.optimizer.register_step_pre_hook(lambda *_: self.rounds.before_step())
+        post = self.optimizer.register_step_post_hook(lambda *_: self._after_attached_step())
         try:
-            rounds.prepare_until_ready()
+            self._prepare_until_ready()
             yield self
             if final_round:
                 self.finish()
         finally:
             pre.remove()
             post.remove()
+
+    def _after_attached_step(self) -> None:
+        try:
+            self.rounds.after_step()
+        except RoundNotCommitted as failure:
+            self._note_discarded(failure)
+        self._prepare_until_ready()
+
+    def _prepare_until_ready(self) -> None:
+        """:meth:`prepare`, again while it discards what it settles (each retry forms a new
+        quorum, as a retried step would)."""
+        while True:
+            try:
+                self.rounds.prepare()
+                return
+            except RoundNotCommitted as failure:
+                self._note_discarded(failure)
+
+    def _note_discarded(self, failure: RoundNotCommitted, then: str = "") -> None:
+        """Record a discarded round; say so, each kind of line once a minute."""
+        step = self.step_count
+        self.discarded_rounds.append({"step": step, "reason": str(failure)})
+        then = then or "every worker keeps its own state"
+        line = self._repeated_lines.line(f"step {step}: {failure}; {then}")
+        if line is not None:
+            logger.warning(line)
 
     def prepare(self) -> Any:
         """Before the coming step's forward pass: let a communicator that prepares each round
@@ -252,11 +279,7 @@ class LocalUpdateSync:
         logged). Returns the round's event (None: nothing was left to average); raises
         ``FinalRoundNotCommitted`` when no try committed (each worker then holds its own
         model). ``attached()`` calls it when its block ends without an error."""
-        if on_discarded is None:
-
-            def on_discarded(failure: RoundNotCommitted) -> None:
-                self.rounds.note_discarded(failure, "the final round is formed again")
-
+        on_discarded = on_discarded or self._note_final_discarded
         for _ in range(FINAL_ROUND_TRIES):
             try:
                 return self.rounds.final_round()
@@ -268,6 +291,9 @@ class LocalUpdateSync:
             "workers do not hold the same model (each keeps its own); with enough of them alive "
             "and reachable, run again from the last checkpoint"
         )
+
+    def _note_final_discarded(self, failure: RoundNotCommitted) -> None:
+        self._note_discarded(failure, "the final round is formed again")
 
     @contextlib.contextmanager
     def averaged_parameters(self) -> Iterator[None]:

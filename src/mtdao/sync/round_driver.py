@@ -4,8 +4,8 @@ A step's trip: :meth:`RoundDriver.before_step` (DDP: the gradients' round, then 
 hooks), the optimizer's step, :meth:`RoundDriver.after_step`: the delayed rounds that land now
 are settled and applied, the exchanges due their second stage advanced, and the round due now
 collected (:meth:`~mtdao.sync.round_plan.RoundPlan.collect`) and opened. Each round then moves
-through the stages of :class:`~mtdao.sync.rounds.Round` here and only here: opened (encoded and
-launched by the plan), landed (waited for, decoded), checked for NaN/inf (:mod:`.healing`),
+through the stages of :class:`~mtdao.sync.rounds.Round` here and only here: opened (encoded by
+the plan, then launched), landed (waited for, decoded), checked for NaN/inf (:mod:`.healing`),
 committed by the communicator or discarded (undone, ``RoundNotCommitted`` raised), recorded,
 applied (the parameters through the outer step or as the average, the states assigned or
 merged). The plan (:mod:`.round_plan`) does what fragments, delay and codecs change; the round
@@ -19,7 +19,6 @@ itself); a user's loop needs the engine's ``step``, ``attached`` and ``finish``.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -34,11 +33,8 @@ from mtdao.sync.compression import SyncCodecs
 from mtdao.sync.healing import NonFiniteError, NonFiniteWorkers
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import SyncPolicy
-from mtdao.sync.repeated_lines import RepeatedLines
 from mtdao.sync.round_plan import RoundPlan
 from mtdao.sync.rounds import CheckedRound, Round, RoundsInFlight, SyncEvent, SyncRound, alignment
-
-logger = logging.getLogger("mtdao.sync.engine")
 
 
 class RoundDriver:
@@ -70,15 +66,12 @@ class RoundDriver:
         self.step = 0
         self.events: list[SyncEvent] = []
         self.skipped_rounds: list[dict[str, Any]] = []
-        self.discarded_rounds: list[dict[str, Any]] = []
-        """Rounds the communicator discarded inside ``attached()`` (step, reason)."""
         self.alignment: list[dict[str, Any]] = []
         self.seconds_syncing = 0.0
         """Wall-clock seconds this process spent in rounds (a measurement, not state)."""
         self.in_sync: dict[tuple[str, int], int] = {}
         """(kind, parameter index) -> the step at which a blocking round last assigned that
         tensor on every worker (what the final round may leave out)."""
-        self._repeated_lines = RepeatedLines()  # a discard at every step says one line a minute
         # an OrderedDict, not a dict: RemovableHandle keeps a weak reference to it
         self.gradient_hooks: OrderedDict[int, Callable[[], Any]] = OrderedDict()
         self._state_keys_checked = False
@@ -177,15 +170,6 @@ class RoundDriver:
         if discarded is not None:
             raise discarded
 
-    def after_attached_step(self) -> None:
-        """``attached()``'s step post-hook: a discarded round is recorded and the loop goes on;
-        then the coming round is prepared."""
-        try:
-            self.after_step()
-        except RoundNotCommitted as failure:
-            self.note_discarded(failure)
-        self.prepare_until_ready()
-
     # -- a communicator that prepares each round ahead (a quorum) -----------------------------
 
     def due(self, step: int) -> bool:
@@ -207,24 +191,6 @@ class RoundDriver:
         if not self.communicator.rounds_overlap and self.due(coming):
             self.settle_in_flight()  # its commit in its own quorum, before the next one forms
         return self.communicator.prepare(coming, self.due)
-
-    def prepare_until_ready(self) -> None:
-        """:meth:`prepare`, again while it discards what it settles (each retry forms a new
-        quorum, as a retried step would)."""
-        while True:
-            try:
-                self.prepare()
-                return
-            except RoundNotCommitted as failure:
-                self.note_discarded(failure)
-
-    def note_discarded(self, failure: RoundNotCommitted, then: str = "") -> None:
-        """Record a discarded round; say so, each kind of line once a minute."""
-        self.discarded_rounds.append({"step": self.step, "reason": str(failure)})
-        then = then or "every worker keeps its own state"
-        line = self._repeated_lines.line(f"step {self.step}: {failure}; {then}")
-        if line is not None:
-            logger.warning(line)
 
     @torch.no_grad()
     def settle_in_flight(self) -> None:
