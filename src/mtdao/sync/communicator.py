@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -41,9 +41,6 @@ from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.quantize import Codec
 from mtdao.sync.transport import Transport
 from mtdao.units import format_bytes
-
-if TYPE_CHECKING:
-    from mtdao.sync.trained_state import TrainedState
 
 
 @dataclass
@@ -290,9 +287,9 @@ class Communicator:
         communicator reports of it (None: nothing)."""
         return None
 
-    def attach_trained_state(self, trained: TrainedState) -> None:
-        """Keep the engine's trained state, to hand a joining worker (when
-        :attr:`heals_joiners`)."""
+    def attach_trained_state(self, trained: Stateful) -> None:
+        """Keep the engine's trained state (a :class:`~mtdao.sync.trained_state.TrainedState`),
+        to hand a joining worker (when :attr:`heals_joiners`)."""
 
     def commit(self) -> None:
         """Called once per round, after the engine has checked the averages and before it applies

@@ -6,20 +6,17 @@ optimizer state and the engine's state. A checkpoint saves it (with the run's pr
 from a live peer (:mod:`mtdao.sync.torchft.healing`, which adds how it travels).
 
 The engine's state is what its rounds leave (:class:`~mtdao.sync.round_driver.RoundDriver`):
-the step, the anchors and the outer momentum, the traffic account, the record of every round and
-the rounds in flight. Its plain form (:func:`engine_state_dict`) holds them as they are; its
-sharded form (:class:`ShardedEngineState`), for a sharded worker, gives DCP every element-wise
-tensor as a DTensor named by the tensor it belongs to (the anchors and the outer momentum, each
-delayed round's tensors, every error-feedback residual and the radial-directional momenta's
-anchors): DCP records their global shapes, so they reshard exactly on a resume with another
-number of shards. The rest (the step, the traffic account, the record of rounds, each round's
-steps and byte counts, which parameters have residuals, which states have radial anchors, a
-round's radial-directional norms: the same in every process of a worker) is plain and goes to
-the worker's own file; it says how to lay the same DTensors out again before DCP reads into them.
-
+the step, the anchors and outer momentum, the traffic account, the record of every round and the
+rounds in flight. Its plain form (:func:`engine_state_dict`) holds them as they are; its sharded
+form (:class:`ShardedEngineState`) gives DCP every element-wise tensor as a DTensor named by the
+tensor it belongs to (anchors, outer momentum, each delayed round's tensors, every error-feedback
+residual, the radial-directional momenta's anchors), so they reshard exactly on a resume with
+another number of shards. The rest (step, traffic, record, each round's steps and byte counts,
+which parameters have residuals and which states radial anchors, a round's radial-directional
+norms) is plain, for the worker's own file; it says how to lay the DTensors out again for DCP.
 Bytes sent per process (``Traffic.process_bytes``) differ between a worker's processes only by
-their shards' sizes; the plain part keeps every process's count. A run resumed with another number
-of shards counts each process's earlier bytes as its share of the worker's.
+their shards' sizes; the plain part keeps every process's count, and a run resumed with another
+number of shards counts each process's earlier bytes as its share of the worker's.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -37,8 +34,22 @@ from mtdao.sync.dtensors import local_shard, process_share, shard_like
 from mtdao.sync.rounds import RoundsInFlight, SyncEvent, SyncRound
 
 if TYPE_CHECKING:
-    from mtdao.sync.engine import LocalUpdateSync
+    from torch.optim import Optimizer
+
     from mtdao.sync.round_driver import RoundDriver
+
+
+class Engine(Protocol):
+    """What a trained state reads of its engine (:class:`~mtdao.sync.engine.LocalUpdateSync`)."""
+
+    optimizer: Optimizer
+    params: list[Tensor]
+    param_names: dict[int, str]
+    rounds: RoundDriver
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def engine_state_dict(rounds: RoundDriver) -> dict[str, Any]:
@@ -312,7 +323,7 @@ class TrainedState:
 
     def __init__(
         self,
-        sync: LocalUpdateSync,
+        sync: Engine,
         named_params: list[tuple[str, Tensor]] | None = None,
         module: nn.Module | None = None,
     ) -> None:
@@ -330,8 +341,6 @@ class TrainedState:
         """Each parameter's shape, as this process holds it (its local shard)."""
         return {name: tuple(local_shard(p).shape) for name, p in self.named_params}
 
-    # -- plain ---------------------------------------------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         """The parameters by name (this process's shards), the optimizer's and the engine's
         ``state_dict``: tensors are the live ones or the engine's copies, not snapshots."""
@@ -348,8 +357,6 @@ class TrainedState:
             local_shard(p).copy_(params[name])
         self.sync.optimizer.load_state_dict(state["optimizer"])
         self.sync.load_state_dict(state["sync"])
-
-    # -- sharded (DCP) -------------------------------------------------------------------------
 
     def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the DCP state dict: ``model``, ``optimizer`` and the engine's DTensors; the engine's
