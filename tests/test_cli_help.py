@@ -85,7 +85,8 @@ def test_top_level_help_does_not_import_torch():
 
 @pytest.mark.parametrize("command", ["compare", "ablation", "sync-options"])
 def test_short_runs_do_not_evaluate_every_step(command):
-    from mtdao.experiments.common.suite import base_config, evaluations
+    from mtdao.experiments.common.study_flags import base_config
+    from mtdao.experiments.common.suite import evaluations
     from mtdao.experiments.compare.presets import apply_preset
 
     def parsed(*flags):

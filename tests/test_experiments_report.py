@@ -12,7 +12,7 @@ import pytest
 from mtdao.experiments.ablation import report as ablation_report
 from mtdao.experiments.ablation import run as ablation
 from mtdao.experiments.ablation import summary as ablation_summary
-from mtdao.experiments.common import formatting, suite, wallclock
+from mtdao.experiments.common import formatting, study_flags, suite, wallclock
 from mtdao.experiments.compare import plots as compare_plots
 from mtdao.experiments.compare import report as compare_report
 from mtdao.experiments.compare import summary as compare_summary
@@ -248,11 +248,14 @@ def test_ablation_summary_slopes_and_plot(tmp_path):
 
 def test_parse_lr_pins():
     methods = ["ddp", "mtdao"]
-    assert suite.parse_lr_pins(["mtdao=1e-2", "4e-3"], methods) == {"ddp": 4e-3, "mtdao": 1e-2}
+    assert study_flags.parse_lr_pins(["mtdao=1e-2", "4e-3"], methods) == {
+        "ddp": 4e-3,
+        "mtdao": 1e-2,
+    }
     with pytest.raises(ValueError, match="unknown method"):
-        suite.parse_lr_pins(["adam=1e-2"], methods)
+        study_flags.parse_lr_pins(["adam=1e-2"], methods)
     with pytest.raises(ValueError, match="METHOD=VALUE"):
-        suite.parse_lr_pins(["mtdao=fast"], methods)
+        study_flags.parse_lr_pins(["mtdao=fast"], methods)
 
 
 def test_suite_reuses_finished_runs_and_refuses_stale_ones(tmp_path):

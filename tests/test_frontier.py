@@ -18,7 +18,8 @@ from mtdao.experiments.frontier.grid import (
     full_grid,
     quick_grid,
 )
-from mtdao.experiments.frontier.run import parse_lr_factors, point_config, run_name
+from mtdao.experiments.frontier.run import parse_lr_factors
+from mtdao.experiments.frontier.study import point_config, run_name
 from mtdao.experiments.frontier.summary import (
     budget_rows,
     frontier_json,

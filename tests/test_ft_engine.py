@@ -1,13 +1,17 @@
 """What the engine promises a communicator whose rounds can fail (fault-tolerant replicas), pinned
 with the scripted doubles: a discarded round changes no tensor and leaves no record, commit comes
-between checking and applying, and ``round_due`` says in advance exactly which steps have a round."""
+between checking and applying, and ``sync.rounds.due`` says in advance exactly which steps have a
+round."""
 
 from __future__ import annotations
 
 import copy
+from functools import partial
 
+import optimizer_cases as cases
 import pytest
 import torch
+from optimizer_cases import set_gradients
 
 from mtdao import MTAdam
 from mtdao.sync import (
@@ -23,19 +27,7 @@ from mtdao.sync.communicator import FinalRoundNotCommitted, RoundNotCommitted
 from mtdao.sync.engine import FINAL_ROUND_TRIES
 from mtdao.sync.testing import RecordingCommunicator, ScriptedCommunicator
 
-
-def make_params() -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [
-        torch.nn.Parameter(torch.randn(3, 4, generator=gen, dtype=torch.float64)),
-        torch.nn.Parameter(torch.randn(3, generator=gen, dtype=torch.float64)),
-    ]
-
-
-def set_gradients(params, step: int) -> None:
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+make_params = partial(cases.make_params, shapes=[(3, 4), (3,)], drawn_in=torch.float64)
 
 
 def shifted(tensors):
@@ -95,12 +87,12 @@ def test_a_discarded_round_changes_nothing_and_the_next_one_applies(name):
         with pytest.raises(RoundNotCommitted, match="round 2"):
             sync.step()
     else:  # the local step happened; the round after it is discarded
-        sync.before_optimizer_step()
+        sync.rounds.before_step()
         optimizer.step()
         before = snapshot(sync)
         before["engine"]["step"] += 1  # the step counts, the round does not
         with pytest.raises(RoundNotCommitted, match="round 2"):
-            sync.after_optimizer_step()
+            sync.rounds.after_step()
     assert sync.traffic.rounds == rounds_sent + 1  # what was sent is counted as sent
     before["engine"]["traffic"] = sync.state_dict()["traffic"]
     assert_same(before, snapshot(sync))
@@ -108,10 +100,10 @@ def test_a_discarded_round_changes_nothing_and_the_next_one_applies(name):
 
     for step in range(2):  # on to the next round, which applies as usual
         set_gradients(params, 100 + step)
-        sync.before_optimizer_step()
+        sync.rounds.before_step()
         optimizer.step()
         stepped = [p.detach().clone() for p in params]
-        sync.after_optimizer_step()
+        sync.rounds.after_step()
         if len(sync.events) == 2:
             break
     assert len(sync.events) == 2
@@ -149,7 +141,7 @@ def test_round_due_says_in_advance_which_steps_average(name):
     sync = LocalUpdateSync(optimizer, ROUND_POLICIES[name](), communicator)
     predicted, happened = [], []
     for step in range(1, 25):
-        predicted.append(sync.round_due(step))
+        predicted.append(sync.rounds.due(step))
         calls = len(communicator.average_kinds())
         set_gradients(params, step)
         sync.step()

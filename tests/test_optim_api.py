@@ -6,7 +6,9 @@ import copy
 import io
 import re
 import warnings
+from functools import partial
 
+import optimizer_cases as cases
 import pytest
 import torch
 
@@ -22,24 +24,11 @@ OPTIMIZERS = {
 }
 
 
-def make_params(dtype=torch.float32, seed=0) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shapes = [(), (5,), (3, 4)]
-    return [torch.randn(s, generator=generator).to(dtype).requires_grad_(True) for s in shapes]
-
-
-def set_gradients(params, step: int) -> None:
-    """Deterministic in the step, and dependent on the parameters."""
-    generator = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        noise = torch.randn(p.shape, generator=generator).to(p.dtype)
-        p.grad = noise + 0.5 * p.detach()
-
-
-def train(optimizer, params, steps, first_step=0) -> None:
-    for step in range(first_step, first_step + steps):
-        set_gradients(params, step)
-        optimizer.step()
+SHAPES = [(), (5,), (3, 4)]
+GRADIENTS = dict(drawn_in=torch.float32, pull=0.5)  # deterministic in the step, and in the params
+make_params = partial(cases.make_params, shapes=SHAPES, drawn_in=torch.float32)
+set_gradients = partial(cases.set_gradients, **GRADIENTS)
+train = partial(cases.train, **GRADIENTS)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,43 +12,34 @@ import copy
 import gc
 import io
 import weakref
+from functools import partial
 
+import optimizer_cases as cases
 import pytest
 import torch
 from torch import nn
 
-from mtdao import MTSGD, MTAdam, MTAdopt
+from mtdao import MTAdam
 from mtdao.optim import native
 from mtdao.optim.flat import FLAT_BY_DEFAULT, fits_flat, flat_by_default
 from mtdao.optim.fused import FUSED_MIN_NUMEL, fusing_pays
-from mtdao.optim.reference import (
-    initial_state,
-    mt_adam_reference,
-    mt_adopt_reference,
-    mt_sgd_reference,
-)
+from mtdao.optim.reference import initial_state
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, SyncCodecs, unified
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VARIANTS = {
-    "adam": (MTAdam, mt_adam_reference, dict(beta2=0.99, eps=1e-8)),
-    "adopt": (MTAdopt, mt_adopt_reference, dict(beta2=0.999, eps=1e-6)),
-    "sgd": (MTSGD, mt_sgd_reference, {}),
-}
 N2 = dict(betas=(0.9, 0.99), omegas=(0.5, 0.3))
 # one momentum for the compiled kernel: a spec test_optim_fused.py compiles too, so on a cold
 # cache the run compiles it once
 N1 = dict(betas=(0.9,), omegas=(0.5,))
 
 
-def make_params(dtype=torch.float64, seed: int = 0) -> list[nn.Parameter]:
-    """A scalar, small tensors and a transposed leaf (dense, not contiguous)."""
-    generator = torch.Generator().manual_seed(seed)
-    shapes = [(), (5,), (3, 4), (300,)]
-    params = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
-    params.append(torch.randn(6, 4, generator=generator, dtype=torch.float64).t())
-    return [nn.Parameter(p.to(dtype)) for p in params]
+# a scalar, small tensors and a transposed leaf (dense, not contiguous)
+make_params = partial(
+    cases.make_params, shapes=[(), (5,), (3, 4), (300,)], drawn_in=torch.float64, transposed=True
+)
+set_gradients = partial(cases.set_gradients, **cases.SPIKY)
+train = partial(cases.train, changing_lr=True, **cases.SPIKY)
 
 
 def clone_params(params) -> list[nn.Parameter]:
@@ -60,24 +51,11 @@ def clone_params(params) -> list[nn.Parameter]:
     return copies
 
 
-def set_gradients(params, step: int, skip=()) -> None:
-    generator = torch.Generator().manual_seed(100 + step)
-    for i, p in enumerate(params):
-        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64)
-        scale = 20.0 if step % 5 == 3 else 1.0  # spikes: ADOPT's clip acts
-        p.grad = None if i in skip else (scale * noise + 0.5 * p.detach().double()).to(p.dtype)
-
-
 def make_optimizer(variant: str, params, momenta=N2, **options):
-    optimizer_class, _, extra = VARIANTS[variant]
-    return optimizer_class(params, lr=1e-2, weight_decay=0.1, **momenta, **extra, **options)
-
-
-def train(optimizer, params, steps: int, first_step: int = 0, skip_at=None) -> None:
-    for step in range(first_step, first_step + steps):
-        optimizer.param_groups[0]["lr"] = 1e-2 * (1.0 + 0.5 * (step % 3))
-        set_gradients(params, step, skip=(skip_at or {}).get(step, ()))
-        optimizer.step()
+    case = cases.OPTIMIZER_CASES[variant]
+    return case.optimizer_class(
+        params, lr=1e-2, weight_decay=0.1, **momenta, **case.hyperparameters, **options
+    )
 
 
 def assert_same(params, optimizer, other_params, other_optimizer, **tolerance) -> None:
@@ -105,7 +83,7 @@ def buckets(optimizer):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(cases.OPTIMIZER_CASES))
 def test_parameters_and_states_are_views_of_the_buffers_with_their_own_strides(variant):
     params = make_params()
     shapes_and_strides = [(p.shape, p.stride()) for p in params]
@@ -125,7 +103,7 @@ def test_parameters_and_states_are_views_of_the_buffers_with_their_own_strides(v
 
 
 @pytest.mark.exact
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(cases.OPTIMIZER_CASES))
 def test_flat_equals_per_tensor(variant):
     params, other = make_params(), make_params()
     flat, per_tensor = (
@@ -142,7 +120,7 @@ def test_compiled_kernel_over_flat_buffers_matches_the_reference(monkeypatch):
     monkeypatch.setattr(native, "native_library", lambda: False)
     native.forget_native_checks()
     try:
-        for variant, (_, reference_step, extra) in VARIANTS.items():
+        for variant, case in cases.OPTIMIZER_CASES.items():
             params = make_params()
             optimizer = make_optimizer(variant, params, N1, flat=True, fused=True)
             references = [
@@ -152,9 +130,9 @@ def test_compiled_kernel_over_flat_buffers_matches_the_reference(monkeypatch):
                 lr = 1e-2 * (1.0 + 0.5 * (step % 3))
                 optimizer.param_groups[0]["lr"] = lr
                 set_gradients(params, step)
-                hyper = dict(lr=lr, weight_decay=0.1, **N1, **extra)
+                hyper = dict(lr=lr, weight_decay=0.1, **N1, **case.hyperparameters)
                 references = [
-                    reference_step(x, p.grad, s, **hyper) for p, (x, s) in zip(params, references)
+                    case.reference(x, p.grad, s, **hyper) for p, (x, s) in zip(params, references)
                 ]
                 optimizer.step()
             for p, (x, state) in zip(params, references):
@@ -170,9 +148,9 @@ def test_compiled_kernel_over_flat_buffers_matches_the_reference(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fused", [True, False], ids=["compiled", "foreach"])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(cases.OPTIMIZER_CASES))
 def test_cuda_float32_matches_the_reference_and_the_per_tensor_path(variant, fused):
-    _, reference_step, extra = VARIANTS[variant]
+    case = cases.OPTIMIZER_CASES[variant]
     params = [nn.Parameter(p.detach().float().cuda()) for p in make_params()]
     per_tensor = [nn.Parameter(p.detach().clone()) for p in params]
     optimizer = make_optimizer(variant, params, flat=True, fused=fused)
@@ -185,9 +163,9 @@ def test_cuda_float32_matches_the_reference_and_the_per_tensor_path(variant, fus
         set_gradients(params, step)
         for p, q in zip(params, per_tensor):
             q.grad = p.grad.clone()
-        hyper = dict(lr=1e-2, weight_decay=0.1, **N2, **extra)
+        hyper = dict(lr=1e-2, weight_decay=0.1, **N2, **case.hyperparameters)
         references = [
-            reference_step(x, p.grad.double(), s, **hyper) for p, (x, s) in zip(params, references)
+            case.reference(x, p.grad.double(), s, **hyper) for p, (x, s) in zip(params, references)
         ]
         optimizer.step()
         other.step()
@@ -390,7 +368,7 @@ def test_groups_with_their_own_hyperparameters_and_number_of_momenta():
 
 
 @pytest.mark.exact
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(cases.OPTIMIZER_CASES))
 def test_bfloat16_parameters_with_float32_states(variant):
     runs = []
     for flat in (True, False):

@@ -19,25 +19,17 @@ import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
+from functools import partial
 
+import optimizer_cases as cases
 import pytest
 import torch
 
-from mtdao import MTSGD, MTAdam, MTAdopt
+from mtdao import MTAdam
 from mtdao.optim import compilation, native
 from mtdao.optim.fused import ADAM, FUSED_MIN_MEAN_NUMEL, FUSED_MIN_NUMEL
 from mtdao.optim.launch import PARALLEL_MIN_NUMEL, SLOTS
 
-VARIANTS = {
-    "adam": (MTAdam, dict(beta2=0.99, eps=1e-8)),
-    "adopt": (MTAdopt, dict(beta2=0.999, eps=1e-6)),
-    "sgd": (MTSGD, {}),
-}
-MOMENTA = {
-    1: ((0.9,), (0.7,)),
-    2: ((0.9, 0.99), (0.5, 0.5)),
-    3: ((0.5, 0.95, 0.999), (0.2, 0.3, 0.4)),
-}
 STEPS = 12
 # (N, dtype) of the compiled kernels the tests share; the C++ kernel runs the whole product
 COMPILED_SPECS = [(1, torch.float64), (3, torch.float32)]
@@ -47,38 +39,30 @@ COMPILED_SPECS = [(1, torch.float64), (3, torch.float32)]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_params(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
-    """A scalar, small tensors, one large enough for the multi-threaded branch and a
-    non-contiguous one (a transposed leaf: its tensors take the eager branch)."""
-    generator = torch.Generator().manual_seed(seed)
-    shapes = [(), (5,), (3, 4), (PARALLEL_MIN_NUMEL + 3,)]
-    params = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
-    params.append(torch.randn(6, 4, generator=generator, dtype=torch.float64).t())
-    return [p.to(dtype).requires_grad_(True) for p in params]
-
-
-def set_gradients(params, step: int, pull: float = 0.5) -> None:
-    """Noise with spikes (ADOPT's clip acts) plus ``pull`` times the parameter."""
-    generator = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64)
-        scale = 20.0 if step % 5 == 3 else 1.0
-        p.grad = (scale * noise + pull * p.detach().double()).to(p.dtype)
+# a scalar, small tensors, one large enough for the multi-threaded branch and a non-contiguous
+# one (a transposed leaf: its tensors take the eager branch)
+make_params = partial(
+    cases.make_params,
+    shapes=[(), (5,), (3, 4), (PARALLEL_MIN_NUMEL + 3,)],
+    drawn_in=torch.float64,
+    transposed=True,
+)
+set_gradients = partial(cases.set_gradients, **cases.SPIKY)
+train = partial(cases.train, steps=STEPS, changing_lr=True, **cases.SPIKY)
 
 
 def make_optimizer(variant: str, num_momenta: int, params, **options):
-    optimizer_class, extra = VARIANTS[variant]
-    betas, omegas = MOMENTA[num_momenta]
-    return optimizer_class(
-        params, lr=1e-2, betas=betas, omegas=omegas, weight_decay=0.1, **extra, **options
+    case = cases.OPTIMIZER_CASES[variant]
+    betas, omegas = cases.MOMENTA[num_momenta]
+    return case.optimizer_class(
+        params,
+        lr=1e-2,
+        betas=betas,
+        omegas=omegas,
+        weight_decay=0.1,
+        **case.hyperparameters,
+        **options,
     )
-
-
-def train(optimizer, params, steps: int = STEPS, first_step: int = 0, pull: float = 0.5) -> None:
-    for step in range(first_step, first_step + steps):
-        optimizer.param_groups[0]["lr"] = 1e-2 * (1.0 + 0.5 * (step % 3))  # changes every step
-        set_gradients(params, step, pull)
-        optimizer.step()
 
 
 def run(variant, num_momenta, dtype, pull: float = 0.5, **options):
@@ -142,17 +126,17 @@ def kernel(request) -> Iterator[str]:
 def fused_cases() -> list:
     """(kernel, variant, N, dtype): the C++ kernel at every N and dtype, the compiled kernels at
     the shared specs."""
-    cases = []
+    params = []
     for kernel in ("native", "compiled"):
-        for variant in sorted(VARIANTS):
-            for num_momenta in MOMENTA:
+        for variant in sorted(cases.OPTIMIZER_CASES):
+            for num_momenta in cases.MOMENTA:
                 for dtype in (torch.float32, torch.float64):
                     if kernel == "native" or (num_momenta, dtype) in COMPILED_SPECS:
                         name = f"{kernel}-{variant}-{num_momenta}-{str(dtype)[6:]}"
                         case = (kernel, variant, num_momenta, dtype)
                         marks = [pytest.mark.slow] if kernel == "compiled" else []
-                        cases.append(pytest.param(*case, id=name, marks=marks))
-    return cases
+                        params.append(pytest.param(*case, id=name, marks=marks))
+    return params
 
 
 @pytest.mark.parametrize(
@@ -166,7 +150,7 @@ def test_fused_matches_foreach(kernel, variant, num_momenta, dtype):
     assert_same_run(fused, foreach)  # torch's float32 / float64 rounding tolerances
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(cases.OPTIMIZER_CASES))
 def test_bfloat16_params_with_float32_state_match_foreach(kernel, variant):
     # Gradients independent of the parameters: a parameter that rounds to the neighbouring
     # bfloat16 value on one path would otherwise feed different gradients to the states.

@@ -6,31 +6,14 @@ import math
 
 import pytest
 import torch
+from optimizer_cases import MOMENTA, OPTIMIZER_CASES
 
 from mtdao import MTSGD, MTAdam, MTAdopt
-from mtdao.optim.reference import (
-    initial_state,
-    mt_adam_reference,
-    mt_adopt_reference,
-    mt_sgd_reference,
-)
+from mtdao.optim.reference import initial_state
 
 SHAPES = [(), (5,), (3, 4), (2, 3, 2)]
 STEPS = 60
 WEIGHT_DECAY = 0.1
-
-# name: (optimizer class, reference step, extra hyperparameters, peak lr)
-VARIANTS = {
-    "adam": (MTAdam, mt_adam_reference, dict(beta2=0.99, eps=1e-8), 1e-2),
-    "adopt": (MTAdopt, mt_adopt_reference, dict(beta2=0.999, eps=1e-6), 1e-2),
-    "sgd": (MTSGD, mt_sgd_reference, {}, 5e-2),
-}
-# N: (betas, omegas); N = 2 sums to 1 (no raw-gradient term), the others leave some weight for it.
-MOMENTA = {
-    1: ((0.9,), (0.7,)),
-    2: ((0.9, 0.99), (0.5, 0.5)),
-    3: ((0.5, 0.95, 0.999), (0.2, 0.3, 0.4)),
-}
 
 
 def lr_at(step: int, peak: float) -> float:
@@ -59,9 +42,10 @@ PATHS.update({f"flat-{name}": dict(flat=True, **options) for name, options in KE
 
 
 def run_fast_and_reference(variant: str, num_momenta: int, path: str):
-    optimizer_class, reference_step, extra, peak_lr = VARIANTS[variant]
+    case = OPTIMIZER_CASES[variant]
+    optimizer_class, reference_step, peak_lr = case.optimizer_class, case.reference, case.peak_lr
     betas, omegas = MOMENTA[num_momenta]
-    hyper = dict(betas=betas, omegas=omegas, weight_decay=WEIGHT_DECAY, **extra)
+    hyper = dict(betas=betas, omegas=omegas, weight_decay=WEIGHT_DECAY, **case.hyperparameters)
     generator = torch.Generator().manual_seed(1234)
     initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in SHAPES]
 
@@ -89,7 +73,7 @@ def run_fast_and_reference(variant: str, num_momenta: int, path: str):
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("num_momenta", [1, 2, 3])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(OPTIMIZER_CASES))
 def test_fast_path_matches_reference(variant, num_momenta, path):
     params, optimizer, ref_params, ref_states = run_fast_and_reference(variant, num_momenta, path)
     for p, x_ref, state_ref in zip(params, ref_params, ref_states):
@@ -103,7 +87,7 @@ def test_fast_path_matches_reference(variant, num_momenta, path):
 
 
 @pytest.mark.parametrize("num_momenta", [1, 3])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(OPTIMIZER_CASES))
 def test_foreach_matches_for_loop(variant, num_momenta):
     foreach_params, foreach_optimizer, _, _ = run_fast_and_reference(
         variant, num_momenta, "foreach"

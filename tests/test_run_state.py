@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from optimizer_cases import make_params, train
 from torch import Tensor
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, OuterOptimizerConfig, explicit, unified
 from mtdao.sync.codecs.compression import SyncCodecs
-from mtdao.sync.trained_state import TrainedState
+from mtdao.sync.trained_state import ShardedEngineState, TrainedState
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mtdao"
 ENGINES = {
@@ -42,19 +43,10 @@ ENGINES = {
 def engine(name: str, seed: int = 0) -> tuple[list[torch.nn.Parameter], LocalUpdateSync]:
     """One worker in this process, as each process of a sharded worker holds its tensors (the
     simulated workers' stacked copies are not laid out like their averages)."""
-    gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(*shape, generator=gen)) for shape in [(6, 4), (4,)]]
+    params = make_params(seed=seed, shapes=[(6, 4), (4,)])
     optimizer = MTAdam(params, lr=1e-2)
     sync = LocalUpdateSync(optimizer, **ENGINES[name]())
     return params, sync
-
-
-def train(params: list[torch.nn.Parameter], sync: LocalUpdateSync, steps: range) -> None:
-    for step in steps:
-        gen = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-        sync.step()
 
 
 def tensors_of(value) -> list[Tensor]:
@@ -100,30 +92,34 @@ def test_the_engines_sharded_state_resumes_bit_identically(name):
     back into a fresh engine's layout, the run goes on exactly as one never interrupted."""
     steps, split = 12, 6
     params, uninterrupted = engine(name)
-    train(params, uninterrupted, range(steps))
+    train(uninterrupted, params, steps)
 
     first, sync = engine(name)
-    train(first, sync, range(split))
+    train(sync, first, split)
     trained = TrainedState(sync).state_dict()
-    sharded, plain = copy.deepcopy(sync.sharded_state_dict())
+    sharded, plain = copy.deepcopy(ShardedEngineState(sync.rounds).state_dict())
     assert not tensors_of(plain), "every tensor of the engine goes to DCP"
     if name == "delay radial-directional":
-        assert sync.pending.rounds and set(sharded) == {"anchors", "rounds", "radial_anchors"}
+        assert sync.rounds.pending.rounds and set(sharded) == {
+            "anchors",
+            "rounds",
+            "radial_anchors",
+        }
         assert plain["pending"][0]["norms"]["averages"]
     elif name.startswith("delay"):
-        assert sync.pending.rounds and set(sharded) >= {"anchors", "rounds", "residuals"}
+        assert sync.rounds.pending.rounds and set(sharded) >= {"anchors", "rounds", "residuals"}
     else:
         assert set(sharded) == {"anchors", "outer_momentum"}
 
     resumed, fresh = engine(name, seed=1)  # other values: everything must come from the save
     optimizer_only = {**copy.deepcopy(trained), "sync": fresh.state_dict()}
     TrainedState(fresh).load_state_dict(optimizer_only)
-    layout = fresh.sharded_layout(plain)
+    layout = ShardedEngineState(fresh.rounds).layout(plain)
     before = copy.deepcopy(plain)
     read_like_dcp(layout, sharded)
-    fresh.load_sharded_state_dict(layout, plain)
+    ShardedEngineState(fresh.rounds).load_state_dict(layout, plain)
     assert_same(plain, before, "the plain part")  # left unchanged by the load
-    train(resumed, fresh, range(split, steps))
+    train(fresh, resumed, steps - split, split)
 
     for param, expected in zip(resumed, params):
         assert torch.equal(param, expected)
@@ -134,7 +130,7 @@ def test_the_engines_sharded_state_resumes_bit_identically(name):
 def test_without_its_plain_part_the_layout_holds_what_every_such_engine_holds():
     """What a checkpoint's shapes are checked against before its worker file is trusted."""
     _, sync = engine("diloco (anchors, outer momentum)")
-    layout = sync.sharded_layout()
+    layout = ShardedEngineState(sync.rounds).layout()
     assert set(layout) == {"anchors", "outer_momentum"}
     assert [tuple(t.shape) for t in layout["anchors"].values()] == [(6, 4), (4,)]
 
@@ -145,7 +141,7 @@ def test_a_heal_carries_the_trained_state_a_checkpoint_saves(name):
     from mtdao.ft import engine_state
 
     params, sync = engine(name)
-    train(params, sync, range(6))
+    train(sync, params, 6)
     healed = engine_state(sync)[0]()
     assert_same(healed, TrainedState(sync).state_dict(), "heal")
     assert list(healed) == ["params", "optimizer", "sync"]
@@ -156,7 +152,7 @@ def test_healing_refuses_a_peer_of_other_shapes_and_overwrites_nothing():
     from mtdao.ft import ReplicaRefused, engine_state
 
     params, sync = engine("diloco (anchors, outer momentum)")
-    train(params, sync, range(2))
+    train(sync, params, 2)
     state = engine_state(sync)[0]()
     first = next(iter(state["params"]))
     state["params"][first] = torch.zeros(2, 2)

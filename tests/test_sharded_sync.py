@@ -122,7 +122,7 @@ def train(config: TrainConfig, build, workers_here: list[int], nan_at: tuple | N
         "alignment": sync.alignment,
         "skipped": sync.skipped_rounds,
         "share": process_share([p for _, p in named]),
-        "anchors": [a.clone() for a in sync.anchors],  # local shards: the global values
+        "anchors": [a.clone() for a in sync.rounds.anchors],  # local shards: the global values
         "sends": sends,
         "parts": [communicator.layout.worker_parts(p) for _, p in named],
         "local_numels": [local_shard(p).numel() for _, p in named],

@@ -204,7 +204,7 @@ def test_outer_step_sign_and_scale_with_a_mocked_collective():
     sync.step()
     x1 = x0 - 0.7 * 1.9 * d  # buffer = d, Nesterov step = d + 0.9 d
     assert_close(param.detach(), x1, **EXACT)
-    assert_close(sync.anchors[0], x1, **EXACT)
+    assert_close(sync.rounds.anchors[0], x1, **EXACT)
 
 
 def test_outer_momentum_warm_up_starts_each_run_at_its_start_value():
@@ -369,13 +369,13 @@ def test_skip_leaves_the_bad_worker_out_and_training_continues():
         backward(params, range(3), step, optimizer)
         if step == 2:
             params[0].grad[1].fill_(float("inf"))
-        sync.before_optimizer_step()
+        sync.rounds.before_step()
         optimizer.step()
         local = {
             name: [p.detach().clone()] + [optimizer.state[p][key].clone() for key in STATE_KEYS]
             for name, p in zip(("weight", "bias"), params)
         }
-        sync.after_optimizer_step()
+        sync.rounds.after_step()
         good = [0, 2] if step == 2 else [0, 1, 2]
         for param, name in zip(params, ("weight", "bias")):
             synced = [param.detach()] + [optimizer.state[param][key] for key in STATE_KEYS]
@@ -462,8 +462,10 @@ def test_state_dict_round_trip_mid_round_continues_identically(method):
     assert sync.state_dict()["traffic"] == original_sync.state_dict()["traffic"]
     assert sync.state_dict()["events"] == original_sync.state_dict()["events"]
     assert [e["step"] for e in sync.state_dict()["events"]] == [4, 8]
-    if sync.outer is not None:
-        for buffer, other in zip(sync.outer.momentum_buffers, original_sync.outer.momentum_buffers):
+    if sync.rounds.outer is not None:
+        for buffer, other in zip(
+            sync.rounds.outer.momentum_buffers, original_sync.rounds.outer.momentum_buffers
+        ):
             assert torch.equal(buffer, other)
     assert sync.state_dict()["traffic"]["bytes"] > 0
     if method == "diloco":
@@ -551,7 +553,7 @@ def test_a_round_that_fails_overwrites_nothing():
     optimizer.step()
     local = [p.detach().clone() for p in params]
     with pytest.raises(PeerFailure):
-        sync.after_optimizer_step()
+        sync.rounds.after_step()
     assert [c.method for c in communicator.calls[-2:]] == ["assign", "average"]
     assert all(torch.equal(p, value) for p, value in zip(params, local))
     assert [e.step for e in sync.events] == [1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from optimizer_cases import make_params, train
 
 from mtdao import MTAdam
 from mtdao.sync import (
@@ -29,24 +30,11 @@ INT8 = SyncCodecs.parse(["int8"], error_feedback=True)
 
 
 def make(policy, **engine):
-    gen = torch.Generator().manual_seed(0)
-    params = [
-        torch.nn.Parameter(torch.randn(WORKERS, 5, 3, generator=gen)),  # layer "a"
-        torch.nn.Parameter(torch.randn(WORKERS, 5, generator=gen)),  # layer "b"
-    ]
+    params = make_params(shapes=[(WORKERS, 5, 3), (WORKERS, 5)])  # layers "a" and "b"
     groups = [{"params": params, "names": ["a.weight", "b.weight"]}]
     optimizer = MTAdam(groups, lr=0.05, betas=(0.9,), omegas=(0.5,), beta2=0.95)
     sync = LocalUpdateSync(optimizer, policy, SimulatedWorkers(WORKERS), **engine)
     return params, optimizer, sync
-
-
-def train(params, optimizer, sync, steps: int) -> None:
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(100 + step)
-        for p in params:  # every worker its own gradient
-            p.grad = torch.randn(p.shape, generator=gen)
-        sync.step()
-        optimizer.zero_grad(set_to_none=True)
 
 
 def held(params, optimizer) -> list[torch.Tensor]:
@@ -60,7 +48,7 @@ def workers_alike(tensors) -> bool:
 
 def test_a_run_that_ends_on_a_sync_step_sends_nothing_and_changes_nothing():
     params, optimizer, sync = make(unified(K))
-    train(params, optimizer, sync, 2 * K)
+    train(sync, params, 2 * K)
     before, sent, events = held(params, optimizer), sync.traffic.bytes, list(sync.events)
     assert sync.finish() is None
     assert all(torch.equal(a, b) for a, b in zip(before, held(params, optimizer)))
@@ -69,7 +57,7 @@ def test_a_run_that_ends_on_a_sync_step_sends_nothing_and_changes_nothing():
 
 def test_gradient_averaging_has_no_final_round():
     params, optimizer, sync = make(gradient_averaging())
-    train(params, optimizer, sync, 3)
+    train(sync, params, 3)
     sent = sync.traffic.bytes
     assert sync.finish() is None and sync.traffic.bytes == sent
     assert workers_alike(held(params, optimizer))
@@ -77,7 +65,7 @@ def test_gradient_averaging_has_no_final_round():
 
 def test_a_run_that_ends_mid_round_ends_with_the_workers_average():
     params, optimizer, sync = make(unified(K))
-    train(params, optimizer, sync, K + 2)
+    train(sync, params, K + 2)
     expected = [t.mean(dim=0) for t in held(params, optimizer)]
     assert not workers_alike(held(params, optimizer))
     event = sync.finish()
@@ -93,7 +81,7 @@ def test_a_run_that_ends_mid_round_ends_with_the_workers_average():
 def test_a_longer_state_period_is_averaged_at_the_end_the_parameters_left_alone():
     # the parameters sync every K steps, exp_avg_0 (decay 0.95) every 3K, exp_avg_sq every 4K
     params, optimizer, sync = make(half_life_policy(K, {"exp_avg_0": 0.95, "exp_avg_sq": 0.97}))
-    train(params, optimizer, sync, 2 * K)
+    train(sync, params, 2 * K)
     parameters = [p.detach().clone() for p in params]
     event = sync.finish()
     assert event.kinds == ["exp_avg_0", "exp_avg_sq"]
@@ -103,15 +91,15 @@ def test_a_longer_state_period_is_averaged_at_the_end_the_parameters_left_alone(
 
 def test_under_an_outer_step_the_final_round_is_the_plain_average_and_keeps_the_anchor():
     params, optimizer, sync = make(explicit(K, outer=OuterOptimizerConfig()))
-    train(params, optimizer, sync, K + 2)
+    train(sync, params, K + 2)
     means = [p.detach().mean(dim=0) for p in params]
-    anchors = [a.clone() for a in sync.anchors]
-    momentum = [m.clone() for m in sync.outer.momentum_buffers]
+    anchors = [a.clone() for a in sync.rounds.anchors]
+    momentum = [m.clone() for m in sync.rounds.outer.momentum_buffers]
     assert sync.finish().kinds == ["params"]  # DiLoCo's states stay local
     for p, mean in zip(params, means):
         assert all(torch.equal(p.detach()[w], mean) for w in range(WORKERS))
-    assert all(torch.equal(a, b) for a, b in zip(sync.anchors, anchors))
-    assert all(torch.equal(a, b) for a, b in zip(sync.outer.momentum_buffers, momentum))
+    assert all(torch.equal(a, b) for a, b in zip(sync.rounds.anchors, anchors))
+    assert all(torch.equal(a, b) for a, b in zip(sync.rounds.outer.momentum_buffers, momentum))
 
 
 @pytest.mark.parametrize(
@@ -124,12 +112,12 @@ def test_under_an_outer_step_the_final_round_is_the_plain_average_and_keeps_the_
 )
 def test_rounds_in_flight_land_first_then_every_worker_holds_the_same_model(policy, options):
     params, optimizer, sync = make(policy(), **options)
-    train(params, optimizer, sync, 2 * K + 1)
-    assert len(sync.pending) >= 1
+    train(sync, params, 2 * K + 1)
+    assert len(sync.rounds.pending) >= 1
     sync.finish()
-    assert len(sync.pending) == 0
+    assert len(sync.rounds.pending) == 0
     averaged = held(params, optimizer)
-    if sync.outer is not None:  # DiLoCo keeps its states local
+    if sync.rounds.outer is not None:  # DiLoCo keeps its states local
         averaged = averaged[: len(params)]
     assert workers_alike(averaged)
     assert sync.events[-1].final and not any(e.final for e in sync.events[:-1])
@@ -144,13 +132,13 @@ def test_attached_runs_the_final_round_when_the_block_ends(final_round):
                 p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
             optimizer.step()
     assert workers_alike(held(params, optimizer)) == final_round
-    assert (len(sync.pending) == 0) == final_round
+    assert (len(sync.rounds.pending) == 0) == final_round
 
 
 def test_an_error_in_the_block_skips_the_final_round():
     params, optimizer, sync = make(unified(K))
     with pytest.raises(KeyError), sync.attached():
-        train(params, optimizer, sync, K + 1)
+        train(sync, params, K + 1)
         raise KeyError("the loop failed")
     assert not sync.events or not sync.events[-1].final
 

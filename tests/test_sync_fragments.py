@@ -120,7 +120,7 @@ def test_a_round_carries_a_fragment_and_its_states(one_thread):
     communicator = RecordingCommunicator(SimulatedWorkers(2))
     workers, sync = train_micro(2, K, communicator=communicator)
     names = [n for n, _ in workers.named_parameters()]
-    fragment_of = dict(zip(names, sync.plan.fragments.fragment_of))
+    fragment_of = dict(zip(names, sync.rounds.plan.fragments.fragment_of))
     calls = [c for c in communicator.calls if c.method == "average"]
     assert [e.step for e in sync.events] == [K // 2, K]
     for call, fragment in zip(calls, (1, 0)):
@@ -135,9 +135,9 @@ def test_fragmented_diloco_moves_each_fragment_with_its_own_momentum(one_thread)
     and every worker takes the fragment's new anchor."""
     policy = SyncPolicy(params=SyncRule(K), outer=OuterOptimizerConfig(), name="diloco")
     _, half = train_micro(2, K // 2, policy)  # fragment 1 has synced, fragment 0 not yet
-    fragment_of = half.plan.fragments.fragment_of
+    fragment_of = half.rounds.plan.fragments.fragment_of
     for param, anchor, buffer, fragment in zip(
-        half.params, half.anchors, half.outer.momentum_buffers, fragment_of
+        half.params, half.rounds.anchors, half.rounds.outer.momentum_buffers, fragment_of
     ):
         assert bool(buffer.abs().sum() > 0) == (fragment == 1)
         if fragment == 1:
@@ -145,4 +145,4 @@ def test_fragmented_diloco_moves_each_fragment_with_its_own_momentum(one_thread)
         else:
             assert not torch.equal(param[0], anchor)
     _, whole = train_micro(2, K, policy)
-    assert all(bool(b.abs().sum() > 0) for b in whole.outer.momentum_buffers)
+    assert all(bool(b.abs().sum() > 0) for b in whole.rounds.outer.momentum_buffers)

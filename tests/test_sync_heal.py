@@ -39,10 +39,10 @@ def held(params, optimizer) -> dict[str, torch.Tensor]:
 def step(params, optimizer, sync, number: int) -> dict[str, torch.Tensor]:
     """One step; returns every held tensor as it was after the optimizer step, before syncing."""
     backward(params, range(WORKERS), number, optimizer)
-    sync.before_optimizer_step()
+    sync.rounds.before_step()
     optimizer.step()
     local = held(params, optimizer)
-    sync.after_optimizer_step()
+    sync.rounds.after_step()
     return local
 
 
@@ -81,11 +81,11 @@ def test_a_worker_left_out_receives_the_average_of_every_state_due_or_not():
 def test_heal_now_makes_the_state_finite_and_costs_nothing_when_it_is():
     params, optimizer, sync = skip_run()
     step(params, optimizer, sync, 0)
-    assert sync.heal_non_finite_workers() == [] and "heal" not in sync.traffic.bytes_by_kind
+    assert sync.rounds.heal_non_finite_workers() == [] and "heal" not in sync.traffic.bytes_by_kind
 
     optimizer.state[params[1]]["exp_avg_0"][2, 1] = float("inf")
     before = held(params, optimizer)
-    assert sync.heal_non_finite_workers() == [2]
+    assert sync.rounds.heal_non_finite_workers() == [2]
     for name, now in held(params, optimizer).items():
         assert torch.equal(now[:2], before[name][:2]), name  # workers 0 and 1 untouched
         assert_close(now[2], before[name][:2].mean(0), **EXACT)
@@ -98,7 +98,7 @@ def test_heal_refuses_when_every_worker_is_non_finite():
     step(params, optimizer, sync, 0)
     params[0].data[:, 0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match="no worker is left to average"):
-        sync.heal_non_finite_workers()
+        sync.rounds.heal_non_finite_workers()
 
 
 def quantized_skip_run(policy=None, dtypes=("int8",)):
@@ -141,13 +141,13 @@ def test_a_healed_worker_forgets_its_error_feedback_residual(case, dtypes):
     params, optimizer, sync = quantized_skip_run(policy, dtypes)
     for number in range(2):
         step(params, optimizer, sync, number)  # a round at step 2: every worker has a residual
-    residuals = sync.plan.pseudo_gradients.residuals
+    residuals = sync.rounds.plan.pseudo_gradients.residuals
     assert residuals and all(bool(r[1].abs().sum() > 0) for r in residuals.values())
     params[0].data[1, 0, 0] = float("nan")  # worker 1, between rounds
     if how == "heal now":
-        sync.plan.pseudo_gradients.payload(0, sync.anchors[0], params[0].detach())
+        sync.rounds.plan.pseudo_gradients.payload(0, sync.rounds.anchors[0], params[0].detach())
         assert not bool(torch.isfinite(residuals[0][1]).all())
-        assert sync.heal_non_finite_workers() == [1]
+        assert sync.rounds.heal_non_finite_workers() == [1]
     else:
         step(params, optimizer, sync, 2)
         step(params, optimizer, sync, 3)
@@ -168,12 +168,12 @@ def test_a_worker_whose_residual_alone_is_non_finite_is_healed():
     params, optimizer, sync = quantized_skip_run()
     for number in range(2):
         step(params, optimizer, sync, number)
-    residuals = sync.plan.pseudo_gradients.residuals
+    residuals = sync.rounds.plan.pseudo_gradients.residuals
     residuals[1][2, 0] = float("inf")  # worker 2's residual of the bias
-    assert sync.heal_non_finite_workers() == [2]
+    assert sync.rounds.heal_non_finite_workers() == [2]
     assert "error-feedback residual of bias" in sync.skipped_rounds[-1]["tensors"]
     assert_residuals_reset(residuals, worker=2)
-    assert sync.heal_non_finite_workers() == []
+    assert sync.rounds.heal_non_finite_workers() == []
     for number in range(2, 6):
         step(params, optimizer, sync, number)
     assert len(sync.skipped_rounds) == 1

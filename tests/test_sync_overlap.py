@@ -101,7 +101,7 @@ def test_delayed_parameters_equal_parameters_synced_on_time():
     assert_close(delayed, on_time, **EXACT)
     # sent 3 steps before steps 4 and 8, each recorded when it commits (where it lands)
     assert [e.step for e in sync.events] == [1]
-    sync.flush()
+    sync.rounds.flush()
     assert [e.step for e in sync.events] == [1, 5]
 
 
@@ -190,7 +190,7 @@ def test_a_checkpoint_with_a_round_in_flight_resumes_exactly():
 
     param, optimizer, sync = fresh()
     steps(param, sync, 1, 6)  # the round of step 8 is in flight since step 5
-    assert len(sync.pending) == 1
+    assert len(sync.rounds.pending) == 1
     saved = copy.deepcopy((param.detach(), optimizer.state_dict(), sync.state_dict()))
     steps(param, sync, 7, 12)
     resumed, resumed_optimizer, resumed_sync = fresh()
@@ -205,9 +205,9 @@ def test_a_checkpoint_with_a_round_in_flight_resumes_exactly():
 
 def test_flush_applies_what_is_in_flight():
     param, _, sync = run(lambda p: torch.optim.SGD(p, lr=0.1), 6, delay=3)
-    assert len(sync.pending) == 1 and not torch.equal(param[0], param[1])
-    sync.flush()  # the round sent at step 5 lands now, on top of step 6's progress
-    assert len(sync.pending) == 0
+    assert len(sync.rounds.pending) == 1 and not torch.equal(param[0], param[1])
+    sync.rounds.flush()  # the round sent at step 5 lands now, on top of step 6's progress
+    assert len(sync.rounds.pending) == 0
     progress = -0.1 * gradient(6)
     assert_close(param - progress, (param - progress).mean(dim=0).expand_as(param), **EXACT)
 

@@ -258,5 +258,7 @@ def test_parameters_travel_as_pseudo_gradients_from_the_anchor():
     assert_close(sent[0], -offsets, rtol=0, atol=1e-6)  # anchor - x, per worker
     codec = Codec("int8")
     mean = codec.roundtrip(codec.roundtrip(sent[0]).mean(dim=0, keepdim=True))[0]
-    assert torch.equal(weight[1], start - mean) and torch.equal(sync.anchors[0], start - mean)
+    assert torch.equal(weight[1], start - mean) and torch.equal(
+        sync.rounds.anchors[0], start - mean
+    )
     assert_close(weight[0], start + offsets.mean(dim=0), rtol=0, atol=4 / 127 / 2 * 2)

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from optimizer_cases import make_params, set_gradients
 
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, unified
@@ -27,11 +28,7 @@ def shifted(tensors):
 
 
 def make_engine(discard_at: int | None):
-    gen = torch.Generator().manual_seed(0)
-    params = [
-        torch.nn.Parameter(torch.randn(6, 4, generator=gen)),  # layer "a": fragment 0
-        torch.nn.Parameter(torch.randn(5, generator=gen)),  # layer "b": fragment 1
-    ]
+    params = make_params(shapes=[(6, 4), (5,)])  # layers "a" (fragment 0) and "b" (fragment 1)
     groups = [{"params": params, "names": ["a.weight", "b.weight"]}]
     optimizer = MTAdam(groups, lr=0.05, betas=(0.9,), omegas=(0.5,), beta2=0.95)
     communicator = ScriptedCommunicator([shifted] * 32, discard_at=discard_at)
@@ -47,15 +44,9 @@ def make_engine(discard_at: int | None):
     return params, optimizer, sync
 
 
-def set_gradients(params, step: int) -> None:
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
-
-
 def local_step(params, optimizer, sync, step: int) -> None:
     set_gradients(params, step)
-    sync.before_optimizer_step()
+    sync.rounds.before_step()
     optimizer.step()
 
 
@@ -63,8 +54,8 @@ def held(params, optimizer, sync) -> dict:
     return {
         "params": [p.detach().clone() for p in params],
         "optimizer": copy.deepcopy(optimizer.state_dict()["state"]),
-        "anchors": [a.clone() for a in sync.anchors],
-        "residuals": dict(sync.plan.pseudo_gradients.residuals),
+        "anchors": [a.clone() for a in sync.rounds.anchors],
+        "residuals": dict(sync.rounds.plan.pseudo_gradients.residuals),
     }
 
 
@@ -81,19 +72,19 @@ def test_a_discarded_delayed_fragmented_int8_round_is_undone_and_the_next_ones_a
     for step in range(1, 11):
         local_step(params, optimizer, sync, step)
         if step == 8:
-            residual_before = sync.plan.pseudo_gradients.residuals[b].clone()
+            residual_before = sync.rounds.plan.pseudo_gradients.residuals[b].clone()
         if step == 10:
             break
-        sync.after_optimizer_step()
+        sync.rounds.after_step()
         if step == 8:
-            assert [r.step for r in sync.pending.rounds] == [8]
-            assert not torch.equal(sync.plan.pseudo_gradients.residuals[b], residual_before)
+            assert [r.step for r in sync.rounds.pending.rounds] == [8]
+            assert not torch.equal(sync.rounds.plan.pseudo_gradients.residuals[b], residual_before)
     before = held(params, optimizer, sync)
     events, alignment, sent = list(sync.events), list(sync.alignment), sync.traffic.bytes
     assert [e.step for e in events] == [2, 4, 6]
 
     with pytest.raises(RoundNotCommitted, match="scripted discard of round 4"):
-        sync.after_optimizer_step()  # the round of "b" lands and is discarded
+        sync.rounds.after_step()  # the round of "b" lands and is discarded
 
     after = held(params, optimizer, sync)
     assert_same(before["params"], after["params"])  # local progress kept, nothing merged
@@ -101,28 +92,30 @@ def test_a_discarded_delayed_fragmented_int8_round_is_undone_and_the_next_ones_a
     assert_same(before["anchors"], after["anchors"])
     assert torch.equal(after["residuals"][b], residual_before)  # as before the round opened
     assert sync.events == events and sync.alignment == alignment  # recorded at commit only
-    assert [r.step for r in sync.pending.rounds] == [10]  # the round due at step 10 still opened
+    assert [r.step for r in sync.rounds.pending.rounds] == [
+        10
+    ]  # the round due at step 10 still opened
     assert sync.traffic.bytes > sent and sync.step_count == 10
 
     for step in (11, 12):  # on to the next rounds, which apply as usual
         local_step(params, optimizer, sync, step)
         if step == 12:
             stepped = [p.detach().clone() for p in params]
-        sync.after_optimizer_step()
+        sync.rounds.after_step()
     assert [e.step for e in sync.events] == [2, 4, 6, 10]
     assert not torch.equal(params[0].detach(), stepped[0])  # "a" merged its round
     assert torch.equal(params[1].detach(), stepped[1])  # "b" waits for its next round
-    assert [r.step for r in sync.pending.rounds] == [12]
+    assert [r.step for r in sync.rounds.pending.rounds] == [12]
 
 
 def test_an_undisturbed_run_records_every_round_at_its_commit():
     params, optimizer, sync = make_engine(discard_at=None)
     for step in range(1, 11):
         local_step(params, optimizer, sync, step)
-        sync.after_optimizer_step()
+        sync.rounds.after_step()
     assert [e.step for e in sync.events] == [2, 4, 6, 8]  # the round opened at 10 is in flight
-    assert [r.step for r in sync.pending.rounds] == [10]
-    sync.flush()
+    assert [r.step for r in sync.rounds.pending.rounds] == [10]
+    sync.rounds.flush()
     assert [e.step for e in sync.events] == [2, 4, 6, 8, 10]
 
 
@@ -132,8 +125,8 @@ def test_a_round_carries_its_stage_and_refuses_a_move_out_of_order():
     for step in range(1, 11):
         local_step(params, optimizer, sync, step)
         with contextlib.suppress(RoundNotCommitted):
-            sync.after_optimizer_step()
-        for in_flight in sync.pending.rounds:
+            sync.rounds.after_step()
+        for in_flight in sync.rounds.pending.rounds:
             stages.setdefault(in_flight.step, in_flight)
     by_step = {step: r.stage for step, r in stages.items()}
     assert by_step == {

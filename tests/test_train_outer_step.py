@@ -86,7 +86,7 @@ def test_the_outer_momentum_schedule_and_radial_averaging_reach_the_engine(tmp_p
     # a run of 2 K = 6 steps decays over its last half: from step 3 to step 6
     assert (outer.momentum_decay_from, outer.momentum_decay_to) == (3, 2 * K)
     assert [outer.momentum_at(step, K) for step in (K, 2 * K)] == [0.3, 0.6]
-    assert run.sync.plan.radial.groups == ("params", "momenta")
+    assert run.sync.rounds.plan.radial.groups == ("params", "momenta")
     plain = run_for(tmp_path, corpus_dir, "plain", outer_step="nesterov")
     assert plain.sync.policy.outer.momentum_at(K, K) == 0.9
-    assert plain.sync.plan.radial.groups == ()
+    assert plain.sync.rounds.plan.radial.groups == ()

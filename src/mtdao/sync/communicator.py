@@ -40,7 +40,6 @@ from mtdao.sync.dtensors import local_shard
 from mtdao.sync.exchange import payload_sizes, quantized_mean
 from mtdao.sync.layout import WorkerLayout
 from mtdao.sync.transport import Transport
-from mtdao.sync.types import WorkerState
 from mtdao.units import format_bytes
 
 
@@ -288,9 +287,9 @@ class Communicator:
         communicator reports of it (None: nothing)."""
         return None
 
-    def attach_trained_state(self, trained: WorkerState) -> None:
-        """Keep the engine's trained state, to hand a joining worker (when
-        :attr:`heals_joiners`)."""
+    def attach_trained_state(self, trained: Stateful) -> None:
+        """Keep the engine's trained state (a :class:`~mtdao.sync.trained_state.TrainedState`),
+        to hand a joining worker (when :attr:`heals_joiners`)."""
 
     def commit(self) -> None:
         """Called once per round, after the engine has checked the averages and before it applies

@@ -6,8 +6,9 @@ change a round without changing the policy, and does the parts of a round that d
 * :meth:`RoundPlan.collect`: the tensors whose round is sent at a step (the fragments due,
   :mod:`.fragments`; D steps before the policy's step when rounds are delayed);
 * :meth:`RoundPlan.open`: a copy when the round is delayed, parameters as pseudo-gradients when
-  they are quantized (:mod:`.compression`), one communicator call with a codec per tensor (the
-  round then moves through its stages itself: :class:`~mtdao.sync.rounds.Round`);
+  they are quantized (:mod:`.compression`); :meth:`RoundPlan.average`: one communicator call
+  with a codec per tensor (the driver, :mod:`.round_driver`, moves the round through its
+  stages: :class:`~mtdao.sync.rounds.Round`);
 * :meth:`RoundPlan.apply`: assign the averages, or merge them into a delayed round's tensors
   (:mod:`.overlap`).
 
@@ -31,7 +32,7 @@ from torch.optim import Optimizer
 
 from mtdao.sync.codecs.compression import PseudoGradients, SyncCodecs
 from mtdao.sync.codecs.quantize import check_supported
-from mtdao.sync.communicator import Averages, Communicator, RoundNotCommitted
+from mtdao.sync.communicator import Averages, Communicator
 from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.fragments import FragmentSchedule
 from mtdao.sync.overlap import POSITIVE_STATE_KEYS, merge, merge_factor
@@ -142,10 +143,10 @@ class RoundPlan:
         return due
 
     def open(self, due: SyncRound, anchors: Sequence[Tensor], blocking: bool = False) -> Round:
-        """Open the round and launch it: encode what each tensor sends (of a sharded tensor,
-        this process's shard: every value a round keeps is a local shard) in one communicator
-        call. The error-feedback residuals it advances are kept in it, to put back if
-        discarded. ``blocking``: applied at its own step whatever the delay (the final
+        """Open the round: encode what each tensor sends (of a sharded tensor, this process's
+        shard: every value a round keeps is a local shard), for one communicator call
+        (:meth:`average`). The error-feedback residuals it advances are kept in it, to put back
+        if discarded. ``blocking``: applied at its own step whatever the delay (the final
         round)."""
         delay = 0 if blocking else self.delay
         tensors = [local_shard(t) for t in due.tensors]
@@ -160,13 +161,7 @@ class RoundPlan:
             pseudo_gradients_sent = self.pseudo_gradients is not None
             sent = self.radial.encode(due.kinds, due.owners, sent, anchors, pseudo_gradients_sent)
         land, advance = due.step + delay, due.step + max(1, delay // 2)
-        opened = Round(due, sent, snapshots, land, advance, self.pseudo_gradients, residuals_before)
-        try:
-            opened.launch(self.average(due, sent))
-        except RoundNotCommitted:  # a peer lost as it opened: as if it had not been sent
-            opened.discard()
-            raise
-        return opened
+        return Round(due, sent, snapshots, land, advance, self.pseudo_gradients, residuals_before)
 
     def average(self, due: SyncRound, sent: Sequence[Tensor], excluded=()) -> Averages:
         norms = list(sent[len(due.tensors) :])  # radial-directional norms, in float

@@ -41,8 +41,8 @@ def global_digest(run) -> str:
     from mtdao.sync.dtensors import local_shard
 
     digest = xxhash.xxh3_64()
-    engine = run.sync
-    digest.update(str([engine.step_count, *map(str, engine.events)]).encode())
+    engine = run.sync.rounds
+    digest.update(str([engine.step, *map(str, engine.events)]).encode())
     tensors = list(engine.anchors)
     if engine.outer is not None:
         tensors += engine.outer.state_dict()["momentum_buffers"]

@@ -70,13 +70,13 @@ def train_step(run: Run) -> torch.Tensor:
 
 def timed_step(run: Run) -> tuple[torch.Tensor, float]:
     """:func:`train_step` with its accounting; returns the losses and the step's seconds."""
-    syncing_before, started = run.sync.seconds_syncing, time.perf_counter()
+    syncing_before, started = run.sync.rounds.seconds_syncing, time.perf_counter()
     losses = train_step(run)
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     elapsed = time.perf_counter() - started
     run.clock.train_s += elapsed
-    run.clock.sync_s += run.sync.seconds_syncing - syncing_before
+    run.clock.sync_s += run.sync.rounds.seconds_syncing - syncing_before
     return losses, elapsed
 
 
@@ -268,7 +268,7 @@ def complete_transfers(run: Run) -> None:
     """Let the collectives of delayed rounds finish before an (untimed) evaluation, timed as
     training: an evaluation must not hide communication that the steps would have waited for."""
     started = time.perf_counter()
-    run.sync.complete_transfers()
+    run.sync.rounds.complete_transfers()
     elapsed = time.perf_counter() - started
     run.clock.train_s += elapsed
     run.clock.sync_s += elapsed

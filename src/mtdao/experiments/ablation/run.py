@@ -22,12 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.ablation.variants import Variant, build_variants
-from mtdao.experiments.common.suite import (
-    add_budget_arguments,
-    base_config,
-    parse_lr_pins,
-    run_suite,
-)
+from mtdao.experiments.common.study_flags import add_budget_arguments, base_config, parse_lr_pins
+from mtdao.experiments.common.suite import run_suite
 from mtdao.methods.table import SYNC_POLICIES
 from mtdao.train.config import TrainConfig, default_lr
 

@@ -22,12 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.common.formatting import format_lr
-from mtdao.experiments.common.suite import (
-    add_budget_arguments,
-    base_config,
-    parse_lr_pins,
-    run_suite,
-)
+from mtdao.experiments.common.study_flags import add_budget_arguments, base_config, parse_lr_pins
+from mtdao.experiments.common.suite import run_suite
 from mtdao.experiments.compare.presets import add_preset_argument, apply_preset
 from mtdao.flags import argv_from_namespace
 from mtdao.methods.table import METHODS, MULTI_TIMESCALE_METHODS, SYNC_POLICIES

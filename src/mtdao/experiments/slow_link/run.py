@@ -21,8 +21,8 @@ Evaluations and metric lines come every K steps (right after a parameter average
 collectives they contain never hide a worker's lag: the waits are charged to the timed sync.
 
 Without root or network namespaces the command prints one line ``skipped: <reason>`` and exits 0.
-Running is here; the DDP-relative figures are computed in :mod:`.summary`, the report
-and plot drawn in :mod:`.report`.
+Running is here, the workers' processes in :mod:`.workers`; the DDP-relative figures are
+computed in :mod:`.summary`, the report and plot drawn in :mod:`.report`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from typing import Any
 
 from mtdao.experiments.common.formatting import format_bytes
 from mtdao.experiments.common.results import stamped
-from mtdao.experiments.common.suite import add_study_schedule_arguments
+from mtdao.experiments.common.study_flags import add_study_schedule_arguments
 from mtdao.experiments.slow_link.report import (
     plot_time_to_loss,
     plot_time_to_target,
@@ -50,10 +49,11 @@ from mtdao.experiments.slow_link.report import (
     report_table,
 )
 from mtdao.experiments.slow_link.summary import KIND, SCHEMA, compare_to_ddp
+from mtdao.experiments.slow_link.workers import launch_workers, sent_bytes
 from mtdao.flags import add_dataclass_arguments, dataclass_from_args
 from mtdao.methods.table import GRADIENT_AVERAGING_METHODS, METHODS, MULTI_TIMESCALE_METHODS
 from mtdao.model.presets import MODEL_PRESETS
-from mtdao.testing.network.netem import HOST_IFACE, EmulatedLink, LinkUnavailable
+from mtdao.testing.network.netem import EmulatedLink, LinkUnavailable
 from mtdao.testing.network.netem import measure_throughput_mbit as measure_link_mbit
 from mtdao.testing.network.relay_link import RelayLink, emulation_of, slow_link
 from mtdao.train.command import config_to_argv
@@ -65,7 +65,7 @@ FIRST_PORT = 29500
 LINK_FIGURES = "link.json"  # what the link measured of a run, beside its results.json
 
 
-# -- launching the workers ----------------------------------------------------------------------
+# -- what each run trains ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -150,78 +150,6 @@ def eval_every(steps: int, sync_period: int) -> int:
     multiples = range(sync_period, steps + 1, sync_period)
     dividing = [every for every in multiples if steps % every == 0] or list(multiples)
     return min(dividing or [sync_period], key=lambda every: abs(every - steps / 10))
-
-
-def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
-    """What torchrun's static rendezvous would set for one worker per node, plus one thread."""
-    return {
-        **os.environ,
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-        "GROUP_RANK": str(rank),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "GLOO_SOCKET_IFNAME": HOST_IFACE,
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-def launch_workers(
-    link: EmulatedLink | RelayLink,
-    train_args: list[str],
-    port: int,
-    log_prefix: Path,
-    timeout_s: float,
-) -> None:
-    """Run ``mtdao train`` as worker i in host i; raise (after killing the rest) if one fails."""
-    world_size = len(link.hosts)
-    processes = []
-    for rank in range(world_size):
-        log = open(f"{log_prefix}-rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        env = worker_env(rank, world_size, link.addresses[0], port)
-        argv = [sys.executable, "-m", "mtdao", "train", *train_args]
-        processes.append((link.run(rank, argv, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            codes = [process.poll() for process, _ in processes]
-            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                raise RuntimeError(
-                    f"worker {failed[0]} exited with {codes[failed[0]]}; its log ends:\n"
-                    + _tail(Path(f"{log_prefix}-rank{failed[0]}.log"))
-                )
-            if all(code == 0 for code in codes):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers still running after {timeout_s:.0f} s ({log_prefix})")
-            time.sleep(0.2)
-    finally:
-        for process, log in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def sent_bytes(link: EmulatedLink | RelayLink, host: int) -> int:
-    """Bytes host ``host`` has sent through its link interface so far."""
-    out = subprocess.run(
-        ["ip", "-j", "-s", "-n", link.hosts[host], "link", "show", "dev", HOST_IFACE],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
 
 # -- one link rate ------------------------------------------------------------------------------

@@ -20,10 +20,9 @@ import sys
 from pathlib import Path
 
 from mtdao.experiments.common.formatting import NOT_RUN
+from mtdao.experiments.common.study_flags import add_budget_arguments, base_config
 from mtdao.experiments.common.suite import (
     SuiteResult,
-    add_budget_arguments,
-    base_config,
     load_results,
     run_dir_of,
     run_suite,

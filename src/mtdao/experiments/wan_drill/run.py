@@ -72,7 +72,7 @@ SETTING_HELP = {
 
 def run_ddp(scenario: Scenario, settings: DrillSettings, out: Path, prefix: str) -> dict:
     """DDP over the same links, one gloo worker per replica site; rank 0's results."""
-    from mtdao.experiments.slow_link.run import worker_env
+    from mtdao.experiments.slow_link.workers import worker_env
 
     names = [f"r{i}" for i in range(settings.replicas)]
     sites = WanSites(

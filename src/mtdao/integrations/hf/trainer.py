@@ -115,10 +115,10 @@ class LocalUpdateTrainer(Trainer):
         step = self.sync.step_count  # 0-based index of the step about to be taken
         for warmup in self._warmups:
             warmup.apply(self.optimizer, step)
-        self.sync.before_optimizer_step()
+        self.sync.rounds.before_step()
 
     def _after_step(self) -> None:
-        self.sync.after_optimizer_step()
+        self.sync.rounds.after_step()
         if self.local_updates.final_round and self.sync.step_count == self.state.max_steps:
             self.sync.finish()  # before the last step's evaluation and checkpoint
 
@@ -149,7 +149,7 @@ class LocalUpdateTrainer(Trainer):
     def train(self, *args, **kwargs):
         output = super().train(*args, **kwargs)
         if self.local_run is not None:  # (without the final round) rounds in flight land now
-            self.sync.flush()
+            self.sync.rounds.flush()
         return output
 
     # -- checkpoints ---------------------------------------------------------------------------

@@ -154,11 +154,11 @@ class LocalUpdateStrategy(DDPStrategy):
 
         def closure_then_average() -> Any:
             loss = closure()  # forward, zero_grad, backward
-            sync.before_optimizer_step()  # DDP methods: the average replaces the gradients
+            sync.rounds.before_step()  # DDP methods: the average replaces the gradients
             return loss  # Lightning's clipping follows, then the step
 
         output = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        sync.after_optimizer_step()
+        sync.rounds.after_step()
         if self.local_updates.final_round and sync.step_count == self._planned_steps:
             self._finish()  # before the last step's validation and checkpoint
         self.lightning_module.log_dict(
@@ -179,7 +179,7 @@ class LocalUpdateStrategy(DDPStrategy):
         if self.local_updates.final_round:
             self._finish()
         else:
-            self.sync.flush()
+            self.sync.rounds.flush()
 
     # -- validation scores the global model ----------------------------------------------------
 

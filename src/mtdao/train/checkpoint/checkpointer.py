@@ -53,7 +53,7 @@ class Checkpointer:
         stays on disk.
         """
         if run.config.sync.on_non_finite == "skip":
-            run.sync.heal_non_finite_workers()
+            run.sync.rounds.heal_non_finite_workers()
         meta = {"config": run.config.to_dict()}
         return self.store.save(run.step, self.format.state(run), meta)
 

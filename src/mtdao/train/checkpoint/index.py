@@ -1,4 +1,5 @@
-"""Finding the complete checkpoints of a run directory, and checking their files.
+"""Finding the complete checkpoints of a run directory (the newest one, its path and metadata),
+and checking their files.
 
 A ``checkpoints/step-N`` (or ``step-N.K``) directory is complete by construction: it only appears
 by the rename that commits it (see :mod:`mtdao.train.checkpoint.store`). Listing reads only the small
@@ -14,6 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.train.durable import file_checksum
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted or belongs to a different run."""
+
 
 CHECKPOINTS_DIR = "checkpoints"
 FORMAT = 2
@@ -107,14 +113,37 @@ def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     return found[0] if found else None
 
 
+def checkpoint_path(run_dir: Path) -> Path:
+    """The directory of the newest complete checkpoint (``checkpoints/`` when there is none)."""
+    latest = latest_checkpoint(run_dir)
+    return latest.path if latest else Path(run_dir) / CHECKPOINTS_DIR
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds a complete checkpoint whose files all match their checksums."""
+    return any(verify_files(info) is None for info in list_checkpoints(run_dir))
+
+
+def load_meta(run_dir: Path) -> dict[str, Any]:
+    """The metadata of the newest complete checkpoint (its files are checked by load_checkpoint)."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise CheckpointError(f"no checkpoint to resume from: {run_dir} holds no complete one")
+    return latest.meta
+
+
 __all__ = [
     "CHECKPOINTS_DIR",
     "COMPLETE_NAME",
     "FORMAT",
     "SET_ASIDE_NAME",
+    "CheckpointError",
     "CheckpointInfo",
+    "checkpoint_path",
+    "has_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
+    "load_meta",
     "read_meta",
     "scan_checkpoints",
     "set_aside_checkpoints",

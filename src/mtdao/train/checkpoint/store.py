@@ -42,9 +42,13 @@ from mtdao.train.checkpoint.agreement import BarrierOnly, Collective, SingleProc
 from mtdao.train.checkpoint.index import (
     CHECKPOINTS_DIR,
     FORMAT,
+    CheckpointError,
     CheckpointInfo,
+    checkpoint_path,
+    has_checkpoint,
     latest_checkpoint,
     list_checkpoints,
+    load_meta,
     scan_checkpoints,
     verify_files,
 )
@@ -63,10 +67,6 @@ BACKEND_RUNS = {
     "dcp": "sharded workers (--shards > 1, torch.distributed.checkpoint)",
 }
 _LEFTOVER_SUFFIXES = (".partial", ".trash", ".tmp")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupted or belongs to a different run."""
 
 
 class UnsavableStateError(CheckpointError):
@@ -350,12 +350,6 @@ def _remove_tree(path: Path) -> None:
 # -- the functions the training harness calls ----------------------------------------------------
 
 
-def checkpoint_path(run_dir: Path) -> Path:
-    """The directory of the newest complete checkpoint (``checkpoints/`` when there is none)."""
-    latest = latest_checkpoint(run_dir)
-    return latest.path if latest else Path(run_dir) / CHECKPOINTS_DIR
-
-
 def save_checkpoint(
     run_dir: Path,
     rank: int,
@@ -372,25 +366,12 @@ def save_checkpoint(
     return store.save(int(meta.get("step", state.get("step", 0))), state, meta)
 
 
-def load_meta(run_dir: Path) -> dict[str, Any]:
-    """The metadata of the newest complete checkpoint (its files are checked by load_checkpoint)."""
-    latest = latest_checkpoint(run_dir)
-    if latest is None:
-        raise CheckpointError(f"no checkpoint to resume from: {run_dir} holds no complete one")
-    return latest.meta
-
-
 def load_checkpoint(run_dir: Path, rank: int, world_size: int) -> dict[str, Any]:
     """This rank's state from the newest checkpoint that verifies (older ones as fallback)."""
     loaded = CheckpointStore(run_dir, rank=rank, world_size=world_size).load()
     if loaded is None:
         raise CheckpointError(f"no checkpoint to resume from: {run_dir} holds no complete one")
     return loaded.state
-
-
-def has_checkpoint(run_dir: Path) -> bool:
-    """True when ``run_dir`` holds a complete checkpoint whose files all match their checksums."""
-    return any(verify_files(info) is None for info in list_checkpoints(run_dir))
 
 
 __all__ = [
