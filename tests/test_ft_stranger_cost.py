@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -97,9 +98,9 @@ def test_a_restarted_replica_heals_from_its_proven_peer_while_strangers_claim_mo
     corpus_dir, tmp_path
 ):
     steps = 40 * K
-    # r1b's start, the rest of the steps beside the outsider (the rogue counts little); r0's
-    # rounds while r1b starts each wait out the join timeout (for the killed r1, then r1b), and
-    # the round after r1b joins one more
+    # r1b's connection, the rest of the steps beside the outsider (the rogue counts little);
+    # r0's rounds while r1b connects each wait out the join timeout (for the killed r1, then
+    # r1b), and the round after r1b joins one more
     rest_s = limit_s(steps=steps - 4 * K, processes=3, sat_out_s=2 * JOIN_S)
     with Drill(tmp_path / "drill", flags(corpus_dir, 3, steps), join_timeout=5.0) as drill:
         drill.env[TOKEN_ENV] = "a-secret-of-this-test-run-0123456789"
@@ -112,8 +113,13 @@ def test_a_restarted_replica_heals_from_its_proven_peer_while_strangers_claim_mo
         drill.gate(4 * K)
         drill.start("r0", 0)
         drill.start("r1", 1)
+        # r1's restart starts now, held before it announces itself: its start-up on crowded
+        # cores can outlast r0's remaining steps (r0 would end its run before r1b asks to join,
+        # leaving no one to heal from), and here it overlaps r0's and r1's instead
+        drill.start("r1b", 1, hold=True)
         at_gate = lambda: all(drill.status(n) == ("waiting", 4 * K) for n in ("r0", "r1"))  # noqa: E731
-        drill.wait_for(at_gate, limit_s(steps=4 * K, processes=2), "both replicas at the gate")
+        ready = lambda: at_gate() and drill.status("r1b") == ("held", 0)  # noqa: E731
+        drill.wait_for(ready, limit_s(steps=4 * K, processes=3), "r0, r1 at the gate, r1b held")
         drill._spawn("rogue", [sys.executable, str(ROGUE), drill.lighthouse, "/dev/null", "7"])
         drill.env[TOKEN_ENV] = "another-secret-than-the-runs-0123"
         drill.start("outsider", 2, ["--steps", str(10**4)])
@@ -123,13 +129,14 @@ def test_a_restarted_replica_heals_from_its_proven_peer_while_strangers_claim_mo
         )
         drill.kill("r1")
         drill.gate(None)
-        drill.start("r1b", 1)
+        drill.release("r1b")
+        released = time.time()
         assert drill.wait_exit("r0", rest_s) == 0, drill.tails()
         assert drill.wait_exit("r1b", rest_s) == 0, drill.tails()
         heals = [e for e in drill.events("r1b", "quorum") if e.get("heal")]
         assert heals and heals[0]["heal"]["source"] == 0, drill.tails()
-        waited = heals[0]["time"] - drill.started_at["r1b"]
-        assert waited < 60.0, (waited, drill.tails())  # its start-up and one quorum
+        waited = heals[0]["time"] - released
+        assert waited < 60.0, (waited, drill.tails())  # its connection and one quorum
         times = commit_times(drill, "r0")
         assert max(intervals(times, 0.0, float("inf"))) < 15.0, drill.tails()
         for name in ("r0", "r1b"):
