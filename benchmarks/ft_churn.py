@@ -32,10 +32,12 @@ discarded so far, and the step; one per heal) as they are written:
   the window's start to the last commit of the run (its final round);
 * ``goodput``: committed steps per replica-second in the window (K steps for each round a
   replica committed) over the same in the baseline;
-* ``started_over``: times the run started over from step 0 in the window, and ``steps_lost``
-  the steps it had reached: every replica that held the model was down at once (a restart
-  takes longer than the time between kills on a crowded machine) and the example keeps no
-  checkpoint, so a restarted replica formed a quorum alone at step 0;
+* ``progress_lost``: times in the window the live replicas' highest step fell by more than
+  LOST_ROUNDS rounds, and ``steps_lost`` by how much in all: training went on from a replica
+  behind the one that died (replicas that commit together stand within a round of each other),
+  or started over from step 0 (every replica that held the model was down at once: a restart
+  takes longer than the time between kills on a crowded machine, and the example keeps no
+  checkpoint);
 * ``identical``: every replica exited 0 at the last step with the same digest of its final
   parameters (the example's ``result.json``).
 
@@ -69,6 +71,7 @@ START_LIMIT_S = 300.0  # every replica's first round, on a crowded machine
 PACE_WINDOW_S = 20.0
 END_MARGIN_S = 60.0  # the replicas stop this far (in steps at their pace) after the window: a
 # replica restarted just before it must find the others to heal from
+LOST_ROUNDS = 4  # a fall of the group's step by more rounds than this lost progress
 NEVER = 10**9  # the replicas' --steps: they stop at the step the benchmark writes
 
 
@@ -95,8 +98,8 @@ class Record:
     steps: list[tuple[float, int]] = field(default_factory=list)
     """(time, the group's step: the highest said by the replicas' current processes) at each
     change; it falls when the run starts over."""
-    started_over: list[tuple[float, int]] = field(default_factory=list)
-    """(time, the group's step before) of each join at step 0 after the group had trained."""
+    lost: list[tuple[float, int]] = field(default_factory=list)
+    """(time, steps) of each fall of the group's step by more than LOST_ROUNDS rounds."""
 
     @property
     def committed(self) -> int:
@@ -206,8 +209,6 @@ class Churn:
         if not line.startswith(prefix):
             return
         said = line[len(prefix) :]
-        if said.startswith("joined at step 0 ") and self.record.step > 0:
-            self.record.started_over.append((now, self.record.step))
         if "healed from replica" in said:  # the library's join or heal line
             self.record.heals.append(now)
         elif " rounds committed, " in said and "; step " in said:
@@ -219,6 +220,8 @@ class Churn:
             if committed > self.record.committed:
                 self.record.commits.append((now, committed))
             group_step = max(p.last_step for p in self.processes.values())
+            if group_step < self.record.step - LOST_ROUNDS * PERIOD:
+                self.record.lost.append((now, self.record.step - group_step))
             if group_step != self.record.step:
                 self.record.steps.append((now, group_step))
         elif said.startswith("{"):  # its result: the final round committed unless discarded
@@ -328,9 +331,9 @@ def figures_so_far(
         "longest_without_commit_s": longest_gap(record, began),
         "committed_steps_per_replica_s": rate,
         "lighthouse_restarts": churn.lighthouses - 1,
-        "started_over": [
-            {"after_s": round(t - began, 1), "steps_lost": lost}
-            for t, lost in record.started_over
+        "progress_lost": [
+            {"after_s": round(t - began, 1), "steps": steps}
+            for t, steps in record.lost
             if began <= t < window_end
         ],
         "unasked_exits": list(churn.unasked_exits),
@@ -424,8 +427,8 @@ def main(argv=None) -> int:
             "goodput": round(
                 run["committed_steps_per_replica_s"] / base["committed_steps_per_replica_s"], 3
             ),
-            "started_over": len(run["started_over"]),
-            "steps_lost": sum(s["steps_lost"] for s in run["started_over"]),
+            "progress_lost": len(run["progress_lost"]),
+            "steps_lost": sum(s["steps"] for s in run["progress_lost"]),
             "identical": identical(run["results"], run["steps"]) if run["results"] else None,
         }
         report = {
