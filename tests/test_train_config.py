@@ -320,6 +320,15 @@ def test_a_study_run_on_another_split_is_stale():
     ]
 
 
+def test_a_study_run_started_with_overwrite_is_the_same_experiment():
+    from mtdao.experiments.common.suite import stale_settings
+
+    kept = TrainConfig.of(method="mtdao", steps=100, overwrite=True, keep_checkpoints=5)
+    assert not stale_settings({"config": kept.to_dict()}, TrainConfig.of(method="mtdao", steps=100))
+    other = TrainConfig.of(method="mtdao", steps=100, seed=1)
+    assert stale_settings({"config": kept.to_dict()}, other) == ["seed: 0 -> 1"]
+
+
 def test_a_run_saved_with_the_former_warmup_fraction_is_the_default_where_the_steps_agree():
     """Until 2026-12-04 the LR warm-up was 5% of --steps, saved as warmup 0.05: at 3000 steps
     that is the default's 150 steps (reused, resumed), at 1000 it is 50 (another run)."""

@@ -44,7 +44,10 @@ LOG_FILE = "train.log"
 
 # TrainConfig fields that do not change what a run computes: a finished run with other values
 # of these is still the same run.
-BOOKKEEPING_FIELDS = frozenset({"out", "resume", "progress", "log_every", "checkpoint_every"})
+# how a run was kept, not what it trained: a run started with --overwrite is the same experiment
+BOOKKEEPING_FIELDS = frozenset(
+    {"out", "resume", "overwrite", "progress", "log_every", "checkpoint_every", "keep_checkpoints"}
+)
 
 # -- one run --------------------------------------------------------------------------------------
 
