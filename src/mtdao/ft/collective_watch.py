@@ -1,16 +1,6 @@
-"""No silent wait in a round: a collective that takes long says what it waits for, and one whose
-peer is gone is given up within seconds, not at ``--collective-timeout``.
-
-A gloo collective waits until its timeout (180 s by default) for a peer that is cut off: nothing
-tells it the peer is gone (a partition sends no reset), and a replica stood still that long
-without a word. So while a round's collective is pending, :class:`CollectiveWatch` (in the waiting
-thread) says after ``say_after_s`` seconds which round it is and which replicas it waits for, and
-probes each of them every ``probe_every_s`` seconds (a TCP connection to its heal server, which a
-live replica always serves, whatever it is busy with). A replica that fails ``misses`` probes in a
-row is gone: the watch raises :class:`PeerLost`, the round is discarded and the replica trains on;
-the next quorum goes on without the lost peer. A peer that answers probes but is slow (a large
-model on a slow link) is waited for up to the collective timeout, saying so now and then.
-"""
+"""No silent wait in a round: a slow collective says what it waits for, and one whose peer is gone
+(a partition sends no reset; gloo would wait out its timeout) is given up within seconds by
+probing the peers' heal servers."""
 
 from __future__ import annotations
 

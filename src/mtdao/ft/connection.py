@@ -1,20 +1,6 @@
-"""A replica's line to the run: its torchft manager, served on the replica's ``--bind-host``
-behind a front that refuses torchft's ``Kill`` call (:mod:`.manager_front`), and the lighthouse,
-checked before each quorum.
-
-torchft's manager does not find its way back to a lighthouse that restarted (its quorum waits out
-``--quorum-timeout``). So before each quorum the replica checks that the lighthouse accepts
-connections; while it does not, rounds are skipped and the replica trains on locally, and once it
-does again the replica starts a new manager (its commit count carried over), which registers with
-the restarted lighthouse.
-
-Nor does torchft's manager answer a quorum it already asked the lighthouse for when the
-lighthouse dies under it: it sees its call to the lighthouse fail, yet leaves the replica's own
-processes waiting for the whole ``--quorum-timeout``. So while a quorum waits, the replica's first
-process probes the lighthouse (:func:`watching_the_lighthouse`); when it stops accepting
-connections, the manager front ends the waiting calls, the quorum fails at once and the replica
-trains on as above.
-"""
+"""A replica's line to the run: its fronted torchft manager, and the lighthouse, probed before and
+during each quorum since torchft's manager neither finds a restarted lighthouse nor notices one
+that died under a waiting quorum (a new manager is started once it is back)."""
 
 from __future__ import annotations
 

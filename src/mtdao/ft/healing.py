@@ -1,9 +1,5 @@
-"""The state a healing replica receives from a live peer: what makes it that peer's copy.
-
-It is the trained state a checkpoint saves too (:class:`~mtdao.sync.trained_state.TrainedState`),
-so that what a replica heals and what a run resumes cannot drift apart; what is added here is how
-it travels: a CPU copy, DTensors as their local shards (bound to the sender's processes), and the
-check that the peer's parameters are this replica's before anything is overwritten."""
+"""The state a healing replica receives: the checkpoint's trained state (so healing and resuming
+cannot drift apart), sent as a CPU copy with DTensors as local shards, shapes checked first."""
 
 from __future__ import annotations
 

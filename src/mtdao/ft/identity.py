@@ -1,6 +1,4 @@
-"""Who a replica is, as its quorums see it: :class:`ReplicaIdentity`, the one object its
-communicator (:mod:`.replicas`) and its manager's quorum step (:mod:`.security.proven_manager`)
-share: what the replica proves itself with at each quorum, and what the quorum made of it."""
+"""Who a replica is, as its quorums see it: shared by its communicator and its quorum step."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """A fault-tolerant replica of any training loop: :func:`fault_tolerant_replica`.
 
-Give its result to :class:`~mtdao.sync.engine.LocalUpdateSync` as the communicator and train in
-``sync.attached()``: the engine prepares each round's quorum (where a new replica, or one that
-fell behind, heals from a live one), averages through it and, at the end, runs the final round
-through one too. The replica says when it joins and when it heals (:class:`JoinsAndHeals`).
-``mtdao train --fault-tolerant`` builds its replicas with the same function.
-
-What a healing replica receives: the engine's trained state (parameters, every optimizer state,
-the engine's step, anchors, rounds in flight and residuals), and whatever the loop registers
-with :meth:`~mtdao.ft.replicas.ReplicaGroups.track_state` (a data loader's position,
-an LR scheduler, RNG: anything with ``state_dict`` and ``load_state_dict``). It is taken where
-the source prepares a round, inside its ``optimizer.step()``, after the step: so change such
-state before ``optimizer.step()`` in the loop (draw the batch first), or derive it from
-``sync.step_count``.
+A healing replica receives its source's state where the source prepares a round, inside its
+``optimizer.step()``: change state registered with ``track_state`` (a data position, RNG) before
+``optimizer.step()`` in the loop, or derive it from ``sync.step_count``.
 """
 
 from __future__ import annotations

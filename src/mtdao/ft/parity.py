@@ -1,24 +1,6 @@
-"""Bit parity after every committed round: the replicas compare what the round made identical.
-
-A committed round assigns the same averages to every member: the parameters and states of a
-blocking round, the gradients of a DDP one. Right after the assignment each member hashes what it
-now holds (xxh3-64 per tensor, combined into one number). The members compare these numbers in the
-small all-reduce that opens the next round anyway (:mod:`.round_identity`: each member's step and
-config), so a round costs the hashing and nothing more on the link. When one differs from the
-majority's, every member says so in one line, naming the replica and the first tensor that
-differs (a second exchange, of the per-tensor digests, runs only then), and the deviant sits that
-next round out: it adds nothing to it, fails its own commit, and at the quorum after it is behind
-on commits and heals from a member at the top count, one of the majority. With no majority (two
-members that differ) both are named and each keeps its own state. The processes of a sharded
-replica compare one number, the sum of their shards' digests, so that all of them judge alike.
-
-The final round has no round after it: its members compare at once, in an all-reduce of their
-own on the round's group (when no member sat it out, so that every member is there), and a
-deviant is named; it holds another model than the majority at the end.
-
-Not checked: a delayed round merged into each member's local progress (each then holds its own
-values by design; the final round of such a run is blocking, and checked). A final exchange that
-fails (a peer lost right after the commit) leaves that round unchecked, said in one line.
+"""Bit parity after every committed round (docs/fault-tolerance.md, "Bit parity after every
+round"): each member hashes what the round assigned; the digests travel in the exchange that opens
+the next round, and a deviant is named and sits that round out. The final round compares at once.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""What mtdao adds to torchft's pieces: a process group that forms with the proven members of
-each quorum only (who they are is settled before: :mod:`.proven_manager`), with its rendezvous
-bounded by ``--connect-timeout`` and its sockets on the replica's ``--bind-host``; the store on
-the bind host; and the lighthouse.
-"""
+"""What mtdao adds to torchft's pieces: a process group of each quorum's proven members (bounded
+rendezvous, sockets on ``--bind-host``), the store, and the errors a replica raises."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""A replica's torchft Manager and its current quorum: what a round's collectives run in.
-
-The manager (replaced by a new one when the lighthouse comes back, :mod:`.connection`) forms a
-quorum of the live replicas and a process group of its members (:class:`~.plumbing.MembershipGloo`,
-which knows who they are); a round runs in it from the quorum to its commit. :class:`Quorum`
-holds both and says what a collective needs: whether a round is open, this replica's rank among
-the members, how to run a blocking sum, how to report a failure (the round is then discarded on
-every process of the replica, :class:`~.shards.ReplicaProcesses`) and whether the round commits.
-The transport (:class:`~.transport.ManagerTransport`) and the layouts
-(:mod:`.layouts`) take it; the communicator (:class:`~.replicas.ReplicaGroups`) forms and commits
-the quorums.
-"""
+"""A replica's torchft Manager and its current quorum: what a round's collectives run in."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
-"""What a quorum of proven members means for one process of one replica: its rank, who heals from
-whom, and where the round's group meets.
-
-torchft computes this from every member the lighthouse let in, trusting the step each claims: the
-member claiming the highest step becomes everyone's heal source and hosts the group's
-rendezvous. Here the same rules run over the proven members only (:mod:`.proofs`), with the commit
-counts their signed claims carry, so an outsider's claimed step decides nothing:
-
-* the members in order of their torchft ids give the quorum ranks;
-* a member whose heal state a member refused (named in that member's claims for the rest of the
-  run: a faulty source) is never up to date: it heals, from a trusted member, at every quorum,
-  and adds nothing to a round; the commit counts of the others decide;
-* the trusted members at the highest commit count are up to date; every other member heals from
-  one of them (all but one heal from it on a first quorum, when no member has committed yet), spread as
-  torchft spreads them, and a healing member may fall back on the other up-to-date members, so
-  every up-to-date member serves its state when anyone heals;
-* a healing member prefers sources with its own config: when no up-to-date member has it, this
-  replica is the one that differs (its heal then names the differences and refuses it);
-* the round's group meets in the store of an up-to-date member, under a prefix only holders of
-  the run's secret can name;
-* a joining replica (no commit yet) is refused when its replica id is taken in the quorum, or
-  when it shards differently from most up-to-date replicas; a running one with another shard
-  count fails the round instead.
-"""
+"""A quorum of proven members for one process of one replica: its rank, who heals from whom, and
+where the round's group meets, decided by proven commit counts, never a claimed step
+(docs/security.md, "What a peer must prove")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""What a replica says about the peers it refuses: each once, then once a minute with a count.
-
-A stranger that keeps asking the lighthouse for quorums is refused at every quorum it sits in,
-and a flood of them (hundreds of bogus replica ids) would otherwise print hundreds of lines per
-quorum. So a peer is named when it is first refused, and then at most once every ``every_s``
-seconds with how often it was refused meanwhile; and at most ``burst`` lines are said per
-``every_s`` in all, the rest counted in one line.
-"""
+"""Refused peers are named once, then once every ``every_s`` with a count, at most ``burst`` lines
+per ``every_s`` in all: a flood of bogus ids must not print hundreds of lines per quorum."""
 
 from __future__ import annotations
 

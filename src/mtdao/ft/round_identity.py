@@ -1,17 +1,5 @@
-"""Every round carries its step and config: members that differ sit it out, never averaged.
-
-torchft decides who heals by commit count alone, and the process group is only rebuilt when the
-membership changes. A replica can come back at another training step with a matching commit count
-(one stuck in a collective while the others went on, then failing the same rounds they did): torchft
-would neither heal it nor keep it out, and its parameters would be averaged with states of another
-step. So each round opens with one small all-reduce in which every member puts its training step
-and the digest of its shared settings in its own row. The most common (step, config) is the
-round's reference (a tie goes to the later step); a member elsewhere contributes nothing to the
-round, fails its own commit, and so is behind on commits at the next quorum, where torchft heals it
-from a member that was at the reference. The same exchange carries each member's position in the
-bit-parity check of the round before (:mod:`.parity`): a member that held other values than the
-majority after it sits this round out the same way.
-"""
+"""Every round opens with each member's step and config (and parity position): members that differ
+sit it out, never averaged (docs/security.md, "Step and config at every round")."""
 
 from __future__ import annotations
 

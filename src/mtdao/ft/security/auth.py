@@ -1,17 +1,5 @@
-"""The run's shared secret, and the signatures made with it.
-
-Every replica of a fault-tolerant run holds the same secret (``--auth-token-file`` or the
-``MTDAO_AUTH_TOKEN`` environment variable). What a replica tells its peers (who it is and where it
-stands at a quorum) and the state it hands a healing peer carry an HMAC-SHA256 made with that
-secret: a peer without it can neither claim a place in a round nor hand anyone a state. The secret
-itself never travels.
-
-A run on loopback may go without one: its replicas then use this account's own secret on this
-machine (:func:`machine_secret`), made on first use in a file only the account can read. Replicas
-the same account starts share it; a process of another account, or anything that does not read
-that file, is refused as a stranger from another machine would be. This module imports neither
-torch nor torchft.
-"""
+"""The run's shared secret and the HMAC-SHA256 signatures made with it; a loopback run without one
+uses this account's own secret (:func:`machine_secret`). Imports neither torch nor torchft."""
 
 from __future__ import annotations
 

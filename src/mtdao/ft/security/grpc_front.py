@@ -1,39 +1,7 @@
-"""A front for one of torchft's gRPC servers that lets a fixed set of its calls through and
-nothing else.
-
-torchft's servers answer calls nobody authenticates and that mtdao cannot turn off: the
-lighthouse's port also serves a web dashboard (``GET /status`` lists every replica's addresses,
-``POST /replica/<id>/kill`` stops one), and every replica's manager serves the gRPC call
-``torchft.ManagerService/Kill``, which ends the replica's process. So mtdao runs each such server
-on a loopback address and serves the address its peers use through a :class:`GrpcFront`: a
-gRPC server (grpcio's, on one event loop shared by every front of the process) that takes each
-call whole, checks it, and makes it again as a client of the server behind. Nothing a caller
-sends reaches torchft but a call the front made itself: an allowed method's one request message.
-
-* Only the ``allowed`` methods are served; some only to processes on this machine
-  (``local_only``: a caller at a loopback address or at one of this machine's own), some only
-  when their request message passes a check (``inspect``: e.g. the lighthouse's check of a
-  replica's signed claim). Anything else, an HTTP/1 request or a call of the dashboard among
-  them, ends without reaching the server behind.
-* gRPC's own limits hold every connection: CONNECTIONS at once, HEADER_BYTES of headers per call,
-  MESSAGE_BYTES per request, STREAMS calls at once per connection, HANDSHAKE_S to start
-  speaking HTTP/2, IDLE_S without a call; a call's message must arrive within MESSAGE_S. When
-  the process runs out of file descriptors, gRPC leaves new connections waiting and accepts
-  again a second later; the front says so.
-* At most CALLS calls are in flight on a front, counted by the front (more are answered at
-  once: none waits behind a flood's calls for grpcio to take it).
-* From a host refused HOLD_AFTER times within a second, a refusal is held REFUSAL_HOLD_S before
-  it ends (on the event loop: a held call costs a future, and the holds ending within one
-  HOLD_TICK_S share a timer), so a flood is refused at that pace, not as fast as it can ask
-  again. A refusal costs as little of the front as grpcio allows: a call's path is judged
-  before its message is read, and its first message before the rest.
-* Every refusal is counted (``refused``) and said in one line naming the front, the peer and
-  what it asked for: each kind the first time, then at most once a minute with a count;
-  SAY_BURST lines a minute in all, the rest counted in one line.
-
-This module knows nothing of torchft: its users name the calls (``mtdao lighthouse``;
-:mod:`mtdao.ft.security.manager_front`).
-"""
+"""A front for one of torchft's gRPC servers: a grpcio server that takes each call whole, checks it
+against the allowed methods (and ``inspect``), and makes it again as a client of the server
+behind, so no byte of a caller's reaches torchft (docs/security.md, "The fronts": the limits,
+holds and refusal lines). It knows nothing of torchft: its users name the calls."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The listener of a replica's heal server: an HTTP server that no caller can hold for long.
-
-Each request is served in a thread of its own (a state may take a while to send), so a caller
-could otherwise hold the server's threads and memory: a connection that sends its request
-slowly, or never, or an endless header block, or more connections than the process has file
-descriptors. So at most CONNECTIONS requests are served at once (more are closed as they come), a
-request's line and headers must arrive within REQUEST_S and HEAD_BYTES, and when the process is
-out of file descriptors the server says so (once a minute) and waits a second before it accepts
-again, instead of spinning on a listener it cannot accept from.
-"""
+"""The listener of a replica's heal server: an HTTP server no caller can hold for long (caps on
+connections, head size and time; survives running out of file descriptors)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""What ``mtdao lighthouse`` lets into its quorums: replicas that prove they belong to the run.
-
-torchft's lighthouse counts every process that asks it for a quorum, or only sends it heartbeats,
-as a live replica: one in the last quorum that does not ask again holds the next one open for the
-whole ``--join-timeout``, and a flood of heartbeats alone makes it refuse to form any new quorum
-(it waits for half the replicas it hears from). The replicas refuse such peers themselves
-(:mod:`.proofs`), but cannot stop the lighthouse waiting for them. So the lighthouse's front
-(:mod:`mtdao.ft.security.grpc_front`) reads each request message before it goes on:
-
-* a ``Quorum`` request goes on only with a claim signed with the run's secret, naming the replica
-  that asks, with a nonce not seen before (a replayed claim is refused);
-* a ``Heartbeat`` goes on only from a replica id whose quorum request went on, and only from the
-  host that sent that request (a replica's first heartbeats, sent before it first asks for a
-  quorum, are refused and counted, not said): a stranger that learned a member's id cannot keep
-  it, or a dead member, alive in torchft's lighthouse.
-
-A refused request ends its connection before torchft's lighthouse hears of it. Refused quorum
-requests are said once a minute per peer with a count (:mod:`.refusals`), refused heartbeats once
-a minute in one line. Whoever holds the secret is trusted here as in the replicas.
-"""
+"""What ``mtdao lighthouse`` lets into its quorums: quorum requests with a fresh signed claim, and
+heartbeats only from a proven member's host (docs/security.md, "The lighthouse")."""
 
 from __future__ import annotations
 

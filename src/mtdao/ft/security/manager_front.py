@@ -1,28 +1,6 @@
-"""A replica's torchft manager server, behind a front that refuses every call but the one a run
-makes of it.
-
-Every replica's first process runs torchft's ``ManagerServer`` (Rust, gRPC service
-``torchft.ManagerService``), which keeps the replica's heartbeats to the lighthouse going and
-gathers the commit votes of the replica's processes (``ShouldCommit``). It also answers
-``Kill``, which ends the process, ``Quorum`` and ``CheckpointMetadata``, from anyone who reaches
-the port, and torchft offers no way to turn them off (mtdao's replicas ask the lighthouse for
-their quorums themselves and find each other's heal servers in their signed claims:
-:mod:`.proven_manager`). So the server runs on a loopback address and the replica's
-``--bind-host`` is served by a :class:`~mtdao.ft.security.grpc_front.GrpcFront` that makes
-``ShouldCommit`` calls from this machine only (a replica's processes share one, see :mod:`.shards`;
-a stranger's could change the replica's commit votes) and refuses the rest.
-
-The front must sit on the port torchft advertises: the server's ``address()``, which it hands the
-lighthouse (and so healing peers, in their quorum results) and the replica's other processes
-(through the store), is ``http://<hostname>:<port it bound>``. So a port P is held on a
-loopback address the front does not cover: 127.0.0.1 for any other host (127.0.0.2 or ::1 when
-the front is on 127.0.0.1 itself; on Linux all of 127.0.0.0/8 is loopback), ::1 when the front
-serves every IPv4 interface (0.0.0.0: gRPC would serve IPv6 there too, but for ::1 being taken);
-the front then takes P on the bind host, and the server P on that loopback address. A front on
-``::`` (every address, loopback included) leaves no such address: the configuration refuses it.
-When P cannot be had on both, the next P is tried, and after that the replica stops with one
-line rather than serve ``Kill``.
-"""
+"""A replica's torchft manager server on loopback, behind a front on ``--bind-host`` at the port
+torchft advertises, serving only ``ShouldCommit`` from this machine (torchft's ``Kill`` cannot be
+turned off): docs/security.md, "The replica's manager"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
-"""Who is in a quorum, proven: every member signs who it is, fresh for each quorum.
-
-torchft's lighthouse lets any process that reaches it into a quorum, with whatever step it
-claims. So each replica asks the lighthouse for its quorum with a signed :class:`Claim` attached
-(its replica id, torchft member id, commit count, training step, config digest, where it serves,
-and a nonce drawn for this request), and the lighthouse hands every member every claim with the
-quorum. A member is proven in two steps, both bounded in time:
-
-1. **Its claim verifies** (:func:`read_claim`): signed with this run's secret (HMAC-SHA256, see
-   :mod:`.auth`), naming the member that sent it, with a nonce not seen before. A peer without
-   the secret has nothing that verifies and is refused at once, whatever it claims; nothing waits
-   for it.
-2. **It confirms this very quorum** (:func:`confirm_quorum`): a claim is public once a quorum
-   carried it, so a stranger could hand one in again under the member's id. Each candidate
-   therefore signs the quorum's digest (every candidate's nonce and the lighthouse's quorum id:
-   :func:`quorum_digest`) into its own store, under a key only holders of the secret can name,
-   and every member reads each candidate's confirmation from the store its claim names. A
-   replayed claim names a store where no such confirmation appears (its owner is gone, or it
-   did not send that claim and confirms nothing): refused after at most ``wait_s``.
-
-Members then form their round with the proven members only (:mod:`.quorum_plan`), heal only from
-them, and bind heal states and their requests to the same digest (:mod:`.safe_transport`).
-Whether the members stand at one step and config is checked at every round
-(:mod:`.round_identity`).
-"""
+"""Who is in a quorum, proven: a claim signed with the run's secret with a fresh nonce, and a
+confirmation of this very quorum in the member's own store, since a claim is public once a quorum
+carried it (docs/security.md, "What a peer must prove")."""
 
 from __future__ import annotations
 

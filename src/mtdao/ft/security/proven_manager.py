@@ -1,30 +1,11 @@
 """A replica's torchft Manager whose quorums hold proven members only, and whose heals are checked.
 
-torchft's Manager asks its own manager server for each quorum, which asks the lighthouse and
-computes, from every member the lighthouse let in, who heals from whom and where the round's
-group meets: a stranger that claims the highest step becomes every replica's heal source and
-hosts the rendezvous (a rogue on loopback froze a run for as long as it lived). Here the quorum
-step of the Manager (its private ``_async_quorum``, :mod:`.torchft_internals`) is mtdao's:
-
-1. the replica's first process asks the lighthouse itself, with its signed claim attached
-   (:mod:`.proofs`); the lighthouse hands every member every claim with the quorum;
-2. it proves the members (claims that verify, nonces never seen, confirmations of this very
-   quorum, each within a bounded wait) and hands the verdict to the replica's other processes
-   through the replica's store;
-3. each process plans the quorum over the proven members only (:mod:`.quorum_plan`): its rank,
-   its heal sources by the commit counts they proved, the store where its group meets;
-4. it forms the round's gloo group with them when the membership changed (or a round failed),
-   its rendezvous bounded by ``--connect-timeout``;
-5. up-to-date members serve their state when anyone heals, bound to the quorum, the source and
-   the receiver (:mod:`.safe_transport`); a healing member fetches it from its first source,
-   checks it against its own state (:mod:`.heal_checks`) and, when it is refused, tries the next
-   source: it keeps its own state when none fits, and its round fails (it heals at a later
-   quorum). A member whose state was refused is named in the refuser's claims for the rest of
-   the run, and no later quorum heals from it (:mod:`.quorum_plan`): a faulty source costs a
-   round, not the run. No healthy replica stops because a peer sent something wrong.
-
-torchft's manager server still carries the replica's heartbeats to the lighthouse and gathers the
-commit votes of its processes (``should_commit``).
+torchft's quorum step trusts every member's claimed step (a stranger would become every heal
+source and host the rendezvous), so it is replaced: the first process asks the lighthouse with its
+signed claim and proves the members (:mod:`.proofs`), relaying the verdict to the others through
+the replica's store; each plans the quorum over proven members (:mod:`.quorum_plan`), forms the
+group when membership changed, and heals from its first source whose state passes
+:mod:`.heal_checks`, else the next; a refused source is never healed from again.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""Heal state over HTTP that cannot carry code, bound to one quorum, one sender and one receiver.
-
-torchft's own HTTP transport unpickles what a peer sends (``weights_only=False``): a process that
-joins a quorum claiming a later step runs code in every replica that heals from it. This transport
-replaces it. A state is sent as ``torch.save`` bytes of tensors and plain data; a healing member
-asks a proven source for it (:mod:`.proven_manager` chooses which), with a request signed with the
-run's secret over the quorum's digest (:func:`~.proofs.quorum_digest`), the source, itself, its
-process and the step; the source answers only a request it can verify, from a member of its
-quorum, and signs its answer over the same fields and the bytes' SHA-256. The receiver checks
-that signature before reading a byte and loads the bytes with ``torch.load(weights_only=True)``,
-which builds tensors and plain containers only. So a captured request or state is good for
-nothing else: another quorum (or lighthouse life), another receiver, another process, another
-step all fail their signatures. Every heal server is on the replica's ``--bind-host``.
-"""
+"""Heal state over HTTP that cannot carry code (``torch.load(weights_only=True)``, never torchft's
+unpickling transport), requests and states signed over the quorum, sender, receiver, process and
+step (docs/security.md, "Heal state")."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Every use mtdao makes of torchft beyond its public API, in one place: the only module that
-imports torchft.
-
-torchft offers no public way to do what mtdao's replicas must: prove each quorum's members
-before they form a group or heal anyone (mtdao replaces the Manager's quorum step,
-:mod:`.proven_manager`), keep its gloo group's sockets on the replica's bind host, keep its
-manager server behind a front (:mod:`.manager_front`), and ask the lighthouse itself. So it
-reaches into torchft's private attributes, each named here once: :class:`ManagerInternals`,
-:class:`GlooGroup`, the native servers and clients. An upgrade of torchft is checked against
-this module alone (tests/test_ft_torchft_internals.py: the installed version is one of
-WRITTEN_AGAINST, and each private name used here still exists on it).
-"""
+"""Every use of torchft beyond its public API, and the only module that imports torchft: an
+upgrade is checked against this module alone (tests/test_ft_torchft_internals.py)."""
 
 from __future__ import annotations
 
