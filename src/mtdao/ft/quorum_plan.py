@@ -82,9 +82,8 @@ def trusted_sources(members: list[Claim]) -> list[int]:
 
 
 def rendezvous(key: RunKey, digest: str, proven: list[Claim]) -> str:
-    """The prefix under which the round's group meets in its store: only holders of the run's
-    secret can name it (a stranger who reaches the store cannot slip into the group), and members
-    that proved different sets meet apart (rather than overwrite each other's addresses)."""
+    """The store prefix of the round's group: only secret holders can name it, and members that
+    proved different sets meet apart."""
     members = sorted(claim.member for claim in proven)
     return f"mtdao/{key.sign('rendezvous', digest, *members)[:32]}"
 

@@ -100,10 +100,9 @@ def machine_secret_dir() -> Path:
 
 
 def machine_secret(directory: Path) -> bytes:
-    """This account's secret for loopback runs: read from ``directory``/loopback.secret, made
-    there on first use (a 0600 file in a 0700 directory; replicas starting together agree on the
-    first one written; the one that makes it says so). Refused in one line, naming the path and
-    the fix, when another account could read or replace it or it cannot be read as one."""
+    """This account's secret for loopback runs, ``directory``/loopback.secret, made on first use
+    (0600 in a 0700 directory; the first one written wins); refused in one line when another
+    account could read or replace it."""
     path = directory / MACHINE_SECRET_FILE
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -156,9 +155,8 @@ def _make_secret(directory: Path, path: Path) -> bool:
 
 
 def _read_regular_file(path: Path) -> bytes:
-    """The bytes of ``path``; a directory, FIFO, socket or device is refused (OSError EINVAL)
-    before it is opened, and checked again once opened without blocking (an open of a FIFO
-    waits for a writer)."""
+    """The bytes of a regular file ``path`` (else OSError EINVAL), opened without blocking: an
+    open of a FIFO waits for a writer."""
     _refuse_irregular(path.lstat().st_mode)
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     with os.fdopen(descriptor, "rb") as file:

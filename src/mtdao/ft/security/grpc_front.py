@@ -22,49 +22,30 @@ from urllib.parse import unquote
 import grpc
 from grpc import aio
 
-CONNECTIONS = 512
-"""Connections a front serves at once (more are closed as they come): below the usual limit of
-1024 file descriptors, so a flood of connections leaves the process descriptors of its own."""
-STREAMS = 16
-"""Calls in flight at once on one connection (a replica makes one or two)."""
-CALLS = 1024
-"""Calls in flight at once on a front (more are answered RESOURCE_EXHAUSTED at once)."""
+# Limits and holds: docs/security.md, "The fronts", gives each with its why.
+CONNECTIONS = 512  # below the usual 1024 descriptors: a flood leaves the process some
+STREAMS = 16  # calls at once per connection (a replica makes one or two)
+CALLS = 1024  # calls in flight on a front; more are answered RESOURCE_EXHAUSTED at once
 HEADER_BYTES = 16 << 10
-"""A call's headers (a replica's are a few hundred bytes)."""
-MESSAGE_BYTES = 1 << 20
-"""A request message (a replica's signed claim is a few kilobytes)."""
-ANSWER_BYTES = 64 << 20
-"""An answer of the server behind (a quorum carries every member's claim)."""
+MESSAGE_BYTES = 1 << 20  # a replica's signed claim is a few kilobytes
+ANSWER_BYTES = 64 << 20  # a quorum carries every member's claim
 HANDSHAKE_S = 10.0
-"""From a connection's start to its HTTP/2 preface and settings."""
 IDLE_S = 60.0
-"""A connection with no call in flight for this long is closed (the caller reconnects)."""
-MESSAGE_S = 10.0
-"""From a call's headers to its whole request message."""
+MESSAGE_S = 10.0  # from a call's headers to its whole request message
 REFUSAL_HOLD_S = 1.0
-"""How long a refusal is held before it ends, once its host is flooding (HOLD_AFTER)."""
-HOLD_AFTER = 10
-"""Refusals of one host within a second from which its refusals are held."""
-HOLD_TICK_S = 0.05
-"""Held refusals end together on ticks this far apart (one timer for all those of a tick)."""
+HOLD_AFTER = 10  # refusals of one host within a second from which its refusals are held
+HOLD_TICK_S = 0.05  # held refusals end together on ticks this far apart (one timer a tick)
 SAY_EVERY_S = 60.0
-"""A kind of refusal said again at most this often (with a count)."""
-SAY_BURST = 20
-"""Lines said per SAY_EVERY_S in all (refusals of many kinds: the rest in one line after)."""
+SAY_BURST = 20  # lines per SAY_EVERY_S in all; the rest counted in one line
 MAX_TRACKED = 4096
 SHOWN_PATH_CHARS = 80
 
 
 class GrpcFront:
-    """Serves ``host``:``port`` (0: any free port) and makes each allowed call again on the
-    server at ``upstream`` (``host:port``), once :meth:`start` names it.
-
-    ``name`` says whose front it is in refusal lines (``lighthouse``, ``manager``); ``allowed``
-    holds the full gRPC paths that may be called (``/package.Service/Method``), ``local_only``
-    those of them served only to callers on this machine; ``inspect`` maps some of them to a
-    check of the request's message (its protobuf bytes, and the caller's (host, port)) that
-    returns whether it may go on (the check says why not itself); ``report`` receives each line
-    (by default, standard error). Raises OSError when ``host``:``port`` cannot be served."""
+    """Serves ``host``:``port`` (0: any), making each call of ``allowed`` (full gRPC paths;
+    ``local_only``: to this machine's callers only; ``inspect``: path -> check of the message
+    and the caller's (host, port), which says why not itself) again on the server behind.
+    ``name`` is whose front it is in ``report``'s lines. Raises OSError when it cannot serve."""
 
     def __init__(
         self,
@@ -94,15 +75,11 @@ class GrpcFront:
         self._channel: aio.Channel | None = None
         self._fd_watch: threading.Thread | None = None
         self._stopped = threading.Event()
-        self._host = numeric_host(host)
-        shown = f"[{self._host}]" if ":" in self._host else self._host
+        self.host = numeric_host(host)
+        shown = f"[{self.host}]" if ":" in self.host else self.host
         self._server, self.port = _on_loop(self._bind(f"{shown}:{port}"))
         if not self.port:
             raise OSError(errno.EADDRINUSE, f"cannot serve {shown}:{port}")
-
-    @property
-    def host(self) -> str:
-        return self._host
 
     def start(self, upstream: str) -> GrpcFront:
         """Serve, making each allowed call again on ``upstream`` (``host:port``)."""
@@ -116,8 +93,7 @@ class GrpcFront:
         _on_loop(self._stop())
 
     def end_calls(self) -> int:
-        """Fail every call waiting on the server behind now (its caller sees it cancelled);
-        the front serves on. How many there were."""
+        """Fail every call waiting on the server behind now; how many there were."""
         return _on_loop(self._cancel_calls())
 
     async def _bind(self, address: str) -> tuple[aio.Server, int]:
@@ -163,18 +139,10 @@ class GrpcFront:
         calls = list(self._upstream)
         for call in calls:
             call.cancel()
-        held = 0
-        for ended in self._holds.values():
-            for hold in ended:
-                if not hold.done():
-                    hold.set_result(None)
-                    held += 1
-        self._holds.clear()
-        return len(calls) + held
+        return len(calls) + sum(self._end_hold(tick) for tick in list(self._holds))
 
     async def call(self, path: str, context: aio.ServicerContext) -> bytes:
-        """One call: counted, checked, then made again on the server behind; its answer or
-        its error goes back to the caller."""
+        """One call: counted, checked, then made again on the server behind."""
         if self._calls >= CALLS:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -222,8 +190,7 @@ class GrpcFront:
     async def _refuse(
         self, context: aio.ServicerContext, peer: tuple[str, int], what: str | None, served
     ) -> None:
-        """Count and say a refusal (``what``: None when a check said why itself), hold it when
-        its host is flooding, and end the call."""
+        """Count, say (``what``: None when a check said why) and end a refusal, held if flooding."""
         self.refused += 1
         if what is not None:
             self._say(peer, what, served)
@@ -235,8 +202,7 @@ class GrpcFront:
         )
 
     async def _hold(self) -> None:
-        """Wait ``refusal_hold_s`` (to the next HOLD_TICK_S), or until :meth:`end_calls`: the
-        refusals of a tick share one timer, and a held call costs a future."""
+        """Wait ``refusal_hold_s`` (to the next tick), or until :meth:`end_calls`."""
         loop = asyncio.get_running_loop()
         tick = math.ceil((loop.time() + self.refusal_hold_s) / HOLD_TICK_S)
         ended = self._holds.get(tick)
@@ -247,10 +213,11 @@ class GrpcFront:
         ended.append(hold)
         await hold
 
-    def _end_hold(self, tick: int) -> None:
-        for hold in self._holds.pop(tick, ()):
-            if not hold.done():
-                hold.set_result(None)
+    def _end_hold(self, tick: int) -> int:
+        held = [hold for hold in self._holds.pop(tick, ()) if not hold.done()]
+        for hold in held:
+            hold.set_result(None)
+        return len(held)
 
     def _say(self, peer: tuple[str, int], what: str, served) -> None:
         now = self.clock()
@@ -285,9 +252,8 @@ class GrpcFront:
         return f"only {names} calls are served to it" if names else "no call is served to it"
 
     def _flooding(self, host: str) -> bool:
-        """Whether ``host`` had ``hold_after`` refusals within the last second, this one
-        included: a replica's own first heartbeats, refused before its first quorum, are a few
-        and go unheld; a flood is held."""
+        """Whether ``host`` had ``hold_after`` refusals within a second (a replica's own few
+        first heartbeats go unheld)."""
         now = time.monotonic()
         if len(self._recent) > MAX_TRACKED:  # many hosts: forget the quiet ones
             self._recent = {h: t for h, t in self._recent.items() if now - t[-1] < 1.0}
@@ -296,9 +262,7 @@ class GrpcFront:
         return len(recent) == self.hold_after and now - recent[0] < 1.0
 
     def _watch_descriptors(self) -> None:
-        """Say, at most once a minute, when this process has run out of file descriptors:
-        gRPC then leaves new connections waiting (it accepts again a second later), so
-        callers see a front that is slow to answer."""
+        """Say, once a minute at most, when gRPC leaves connections waiting for descriptors."""
         said_at = -float("inf")
         while not self._stopped.wait(1.0):
             if not _out_of_descriptors() or self.clock() - said_at < SAY_EVERY_S:
@@ -313,8 +277,7 @@ class GrpcFront:
 
 
 class _Calls(grpc.GenericRpcHandler):
-    """Every method: a call the front takes whole (its request read as a stream, so a caller
-    that sends headers and no message is bounded by MESSAGE_S) and decides on."""
+    """Every method, its request read as a stream (a missing message is bounded by MESSAGE_S)."""
 
     def __init__(self, front: GrpcFront) -> None:
         self.front = front
@@ -339,9 +302,8 @@ EOF_SEEN = "the end of the call's messages"
 async def _next_message(
     context: aio.ServicerContext, deadline: float
 ) -> tuple[bytes | None, str | None]:
-    """(the call's next request message, None), (None, EOF_SEEN) at the end of its messages,
-    or (None, why not: None when the caller ended the call). Waits until ``deadline`` (the
-    event loop's time) at most, on a timer rather than a task of its own."""
+    """(next message, None), (None, EOF_SEEN), or (None, why not: None when the caller ended
+    it), waiting until ``deadline`` at most, on a timer rather than a task of its own."""
     task, late = asyncio.current_task(), []
 
     def give_up() -> None:
@@ -369,8 +331,7 @@ _loop_lock = threading.Lock()
 
 
 def _on_loop(coroutine):
-    """Run ``coroutine`` on the event loop every front of this process shares (started on
-    first use, in a thread of its own), and return its result."""
+    """``coroutine``'s result, run on the event loop every front of this process shares."""
     global _loop
     with _loop_lock:
         if _loop is None:
@@ -382,8 +343,7 @@ def _on_loop(coroutine):
 
 
 def from_this_machine(host: str) -> bool:
-    """Whether a caller at ``host`` is on this machine: a loopback address, or one of this
-    machine's own (which a socket can bind)."""
+    """Whether ``host`` is a loopback address or one of this machine's own (a socket binds it)."""
     try:
         address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:

@@ -85,8 +85,7 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
 
 
 class SeenNonces:
-    """The nonces of the claims this replica has read, the newest ``limit``: a claim handed in
-    again (a replay) has one of them; a member's own claims never repeat one."""
+    """The newest ``limit`` nonces read: a replayed claim repeats one, a member's own never do."""
 
     def __init__(self, limit: int = 100_000) -> None:
         self.limit = limit
@@ -112,9 +111,7 @@ def quorum_digest(quorum_id: int, claims: Sequence[Claim]) -> str:
 
 
 def confirmation_key(key: RunKey, digest: str) -> str:
-    """Where a member's confirmation of quorum ``digest`` lies in its store: a key only holders
-    of the secret can name (a stranger who reaches the store can neither find nor overwrite
-    it)."""
+    """A store key for a confirmation of ``digest`` that only holders of the secret can name."""
     return f"mtdao/confirm/{key.sign('confirmation key', digest)[:32]}"
 
 
@@ -127,11 +124,9 @@ def confirm_quorum(
     wait_s: float,
     keep: bool = True,
 ) -> dict[str, str]:
-    """Post this member's confirmation of quorum ``digest`` in its own store (unless ``keep`` is
-    False: this member does not stand behind the quorum's claim in its name), then read every
-    other candidate's from the store its claim names, all at once, for at most ``wait_s``.
-    Returns {member: why it is not confirmed} for the candidates that are not.
-    ``open_store(address)`` gives a store client for ``host:port``."""
+    """Post this member's confirmation of ``digest`` (unless not ``keep``: it does not stand
+    behind the claim in its name), then read every other candidate's from its claimed store
+    for at most ``wait_s``: {member: why not} for those not confirmed."""
     name = confirmation_key(key, digest)
     if keep:
         open_store(me.store).set(name, key.sign("confirm", digest, me.member))

@@ -49,10 +49,8 @@ KEPT = 1000
 
 
 class ProvenManager(QuorumStepManager):
-    """torchft's ``Manager`` (same arguments, ``pg`` a
-    :class:`~mtdao.ft.plumbing.MembershipGloo`) with the quorum step described in the
-    module docstring, for the replica ``identity`` (what it proves, and what its quorums
-    made of it). ``allow_non_finite``: whether a heal state may hold NaN/inf."""
+    """torchft's ``Manager`` (``pg`` a ``MembershipGloo``) with the module's quorum step, for the
+    replica ``identity``; ``allow_non_finite``: whether a heal state may hold NaN/inf."""
 
     def __init__(
         self, *, identity: ReplicaIdentity, allow_non_finite: bool = False, **kwargs: Any
@@ -325,9 +323,8 @@ class ProvenManager(QuorumStepManager):
         return None
 
     def _refuse_source(self, member: str) -> None:
-        """Remember, for the run, that ``member``'s heal state was refused: every claim of this
-        replica names it from now on, and no quorum heals from it (:mod:`.quorum_plan`). Each
-        process of the replica posts its own in the replica's store; the first claims them all."""
+        """Name ``member`` in every later claim of this replica: no quorum heals from it again.
+        Each process posts its own in the replica's store; the first claims them all."""
         self._refused.add(member)
         refused = json.dumps(sorted(self._refused)[-KEPT:])
         self.internals.store.set(
@@ -335,8 +332,7 @@ class ProvenManager(QuorumStepManager):
         )
 
     def _refused_sources(self) -> tuple[str, ...]:
-        """The members any process of this replica refused a heal state from (see
-        :meth:`_refuse_source`)."""
+        """The members any process of this replica refused a heal state from."""
         refused = set(self._refused)
         for rank in range(1, self.internals.group_world_size):
             key = f"mtdao/refused/{self._member}/{rank}"

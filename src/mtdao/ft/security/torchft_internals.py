@@ -127,9 +127,8 @@ class QuorumStepManager(Manager):
 
 
 class GlooGroup(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group with its sockets on ``bind_host``, every collective
-    waiting ``collective_timeout`` (the group itself forms within ``rendezvous_timeout``), and
-    each collective launched handed to :meth:`launched`."""
+    """torchft's reconfigurable gloo group with its sockets on ``bind_host``, each collective
+    launched handed to :meth:`launched`."""
 
     PRIVATE = ("_pg", "_timeout", "_global_ranks")
     """The private attributes used."""
@@ -183,6 +182,5 @@ class GlooGroup(ProcessGroupGloo):
 
 
 def replace_manager_server(start: Callable[..., Any]) -> None:
-    """Make torchft's Manager start its gRPC server with ``start`` (torchft's own arguments);
-    torchft names no other way to choose where it serves."""
+    """Make torchft's Manager start its gRPC server with ``start`` (it offers no other way)."""
     torchft.manager.ManagerServer = start
