@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
-from mtdao.ft.plumbing import first_line
+from mtdao.ft.lines import first_line
 from mtdao.ft.security.manager_front import FrontUnavailable, manager_bound_to
 from mtdao.ft.security.proven_manager import ProvenManager
 from mtdao.ft.security.torchft_internals import Manager, ManagerInternals

@@ -5,7 +5,6 @@ the next round, and a deviant is named and sits that round out. The final round 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import xxhash
 from torch import Tensor
 
-from mtdao.ft.plumbing import first_line
+from mtdao.ft.lines import first_line, to_stderr
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.dtensors import local_shard
 
@@ -116,10 +115,6 @@ def sum_in_group(quorum: Quorum) -> Sum:
     return summed
 
 
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 class ParityCheck:
     """A replica's side of the check (see the module docstring): :meth:`assigned` after each
     assignment of a committed round, :meth:`position` and :meth:`judge` in the exchange that
@@ -127,7 +122,7 @@ class ParityCheck:
 
     POSITION_WIDTH = 3
 
-    def __init__(self, say: Callable[[str], None] = _to_stderr) -> None:
+    def __init__(self, say: Callable[[str], None] = to_stderr) -> None:
         self.say = say
         self.sync: LocalUpdateSync | None = None
         self.final_sum: Callable[[Quorum], Sum] = sum_in_group

@@ -3,7 +3,6 @@ rendezvous, sockets on ``--bind-host``), the store, and the errors a replica rai
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
@@ -13,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mtdao.ft.lines import first_line
 from mtdao.ft.security.torchft_internals import GlooGroup, LighthouseServer
 
 
@@ -105,12 +105,6 @@ def listening_store(bind_host: str) -> dist.TCPStore:
     return dist.TCPStore(
         host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
     )
-
-
-def first_line(error: BaseException) -> str:
-    """The first sentence of an error, without gloo's ``[path/file.cc:123] `` source location."""
-    text = str(error).strip() or type(error).__name__
-    return re.sub(r"^\[[^\]]*:\d+\]\s*", "", text.splitlines()[0]).split(". ")[0]
 
 
 def start_lighthouse(

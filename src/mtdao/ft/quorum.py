@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -10,7 +9,8 @@ from torch import Tensor
 
 from mtdao.ft.collective_watch import CollectiveWatch
 from mtdao.ft.identity import ReplicaIdentity
-from mtdao.ft.plumbing import MembershipGloo, first_line
+from mtdao.ft.lines import first_line, to_stderr
+from mtdao.ft.plumbing import MembershipGloo
 from mtdao.ft.security.torchft_internals import Manager
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.communicator import RoundNotCommitted
@@ -37,7 +37,7 @@ class Quorum:
         form: the step trains on locally), or None."""
         self.before_collective: Callable[[], None] | None = None
         """Called before each blocking sum of a round (a fault drill holds a replica there)."""
-        self.collectives = CollectiveWatch(say=_to_stderr)
+        self.collectives = CollectiveWatch(say=to_stderr)
         """Watches every collective of a round (says what it waits for, gives a lost peer up)."""
 
     @property
@@ -133,7 +133,3 @@ class ManagerWork:
         if self.after is not None:
             self.outputs, self.after = self.after(self.outputs), None
         return self.outputs
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

@@ -19,12 +19,12 @@ from mtdao.ft.config import ReplicaConfig
 from mtdao.ft.healing import HealedState
 from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
+from mtdao.ft.lines import first_line
 from mtdao.ft.parity import ParityCheck
 from mtdao.ft.plumbing import (
     MembershipGloo,
     QuorumError,
     Refusal,
-    first_line,
     listening_store,
 )
 from mtdao.ft.quorum import Quorum

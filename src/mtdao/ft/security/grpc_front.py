@@ -13,7 +13,6 @@ import ipaddress
 import math
 import resource
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,8 @@ from urllib.parse import unquote
 
 import grpc
 from grpc import aio
+
+from mtdao.ft.lines import to_stderr
 
 # Limits and holds: docs/security.md, "The fronts", gives each with its why.
 CONNECTIONS = 512  # below the usual 1024 descriptors: a flood leaves the process some
@@ -61,7 +62,7 @@ class GrpcFront:
         self.name, self.allowed = name, allowed
         self.local_only = local_only & allowed
         self.inspect = inspect or {}
-        self.report = report or _to_stderr
+        self.report = report or to_stderr
         self.clock = clock
         self.refusal_hold_s, self.hold_after = REFUSAL_HOLD_S, HOLD_AFTER
         self.refused = 0
@@ -385,10 +386,6 @@ def _out_of_descriptors() -> bool:
 
 def _address(peer: tuple[str, int]) -> str:
     return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _shown(path: str) -> str:

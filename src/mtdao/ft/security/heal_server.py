@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import errno
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from mtdao.ft.lines import to_stderr
 
 CONNECTIONS = 64
 """Requests served at once (a replica's peers make one per process that heals)."""
@@ -51,7 +52,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     ) -> None:
         self.address_family = family
         super().__init__(address, handler)
-        self.report = report or _to_stderr
+        self.report = report or to_stderr
         self.turned_away = 0
         self._slots = threading.BoundedSemaphore(CONNECTIONS)
         self._said_at = -float("inf")
@@ -120,7 +121,3 @@ class _Capped:
     @property
     def closed(self) -> bool:
         return self.raw.closed
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

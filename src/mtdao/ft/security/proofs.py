@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from mtdao.ft.lines import first_line, short_member
 from mtdao.ft.security.auth import RunKey
 
 DATA_KEY = "mtdao"
@@ -80,7 +81,7 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
     except (TypeError, ValueError, KeyError, RecursionError):
         return None, "its claim is not readable"
     if claim.member != member_id:
-        return None, f"its claim was made by another member ({_short(claim.member)})"
+        return None, f"its claim was made by another member ({short_member(claim.member)})"
     return claim, ""
 
 
@@ -138,7 +139,7 @@ def confirm_quorum(
             store.wait([name], timedelta(seconds=wait_s))
             signature = store.get(name).decode()
         except Exception as error:  # unreachable, or nothing posted in time
-            return f"it did not confirm this quorum within {wait_s:g} s ({_first_line(error)})"
+            return f"it did not confirm this quorum within {wait_s:g} s ({first_line(error, 120)})"
         if not key.verifies(signature, "confirm", digest, claim.member):
             return "its confirmation of this quorum is not signed with this run's secret"
         return ""
@@ -148,12 +149,3 @@ def confirm_quorum(
     with ThreadPoolExecutor(max_workers=min(16, len(others))) as pool:
         verdicts = list(pool.map(confirmation, others))
     return {c.member: why for c, why in zip(others, verdicts) if why}
-
-
-def _short(member: str) -> str:
-    return member if len(member) <= 48 else member[:45] + "..."
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:120] if text else type(error).__name__

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from mtdao.ft.collective_watch import Peer
 from mtdao.ft.identity import ReplicaIdentity
+from mtdao.ft.lines import first_line, short_member
 from mtdao.ft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
 from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
 from mtdao.ft.security.heal_checks import heal_problem
@@ -160,7 +161,7 @@ class ProvenManager(QuorumStepManager):
             if "PermissionDenied" in str(error):  # the lighthouse's front refused it
                 raise QuorumError(
                     f"the lighthouse at {self._lighthouse_addr} refused this replica's quorum "
-                    f"request ({_first(error)}): an mtdao lighthouse refuses replicas that do "
+                    f"request ({first_line(error, 160)}): an mtdao lighthouse refuses replicas that do "
                     "not prove the run's secret (is --auth-token-file / $MTDAO_AUTH_TOKEN the "
                     "one the lighthouse and the other replicas have?)"
                 ) from None
@@ -291,7 +292,7 @@ class ProvenManager(QuorumStepManager):
         own: dict[str, Any] | None = None
         for index in plan.sources:
             source = plan.members[index]
-            peer = f"replica {source.replica_id} ({_short(source.member)})"
+            peer = f"replica {source.replica_id} ({short_member(source.member)})"
             if len(source.heal) <= self.internals.group_rank:
                 self._note(f"not healing from {peer}: it names no heal server for process "
                            f"{self.internals.group_rank}")  # fmt: skip
@@ -371,9 +372,9 @@ def _claim(fields: dict[str, Any]) -> Claim:
 def _refusal(member: Any, why: str) -> Refusal:
     """A quorum member whose claim proves nothing, as it presents itself to the lighthouse."""
     name = member.replica_id.split(":")[0]
-    replica = name if name.isdigit() else repr(_short(name))
+    replica = name if name.isdigit() else repr(short_member(name))
     line = (
-        f"the peer claiming replica id {replica} ({_short(member.replica_id)}, step "
+        f"the peer claiming replica id {replica} ({short_member(member.replica_id)}, step "
         f"{member.step}): {why}; it is not averaged with nor healed from"
     )
     return Refusal(peer=member.replica_id, line=line)
@@ -381,19 +382,10 @@ def _refusal(member: Any, why: str) -> Refusal:
 
 def _refusal_of(claim: Claim, why: str) -> Refusal:
     line = (
-        f"the peer claiming replica id {claim.replica_id} ({_short(claim.member)}): {why}; it "
+        f"the peer claiming replica id {claim.replica_id} ({short_member(claim.member)}): {why}; it "
         "is not averaged with nor healed from"
     )
     return Refusal(peer=claim.member, line=line)
-
-
-def _short(member: str) -> str:
-    return member if len(member) <= 48 else member[:45] + "..."
-
-
-def _first(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:160]
 
 
 def _peers(plan: QuorumPlan, group_rank: int) -> list[Peer]:

@@ -16,6 +16,7 @@ from urllib.request import Request, urlopen
 
 import torch
 
+from mtdao.ft.lines import first_line
 from mtdao.ft.security.auth import RunKey
 from mtdao.ft.security.heal_server import BoundedHTTPServer, BoundedRequests
 from mtdao.ft.security.torchft_internals import CheckpointTransport
@@ -151,7 +152,9 @@ class SignedHealTransport(CheckpointTransport):
         try:
             state = torch.load(io.BytesIO(payload), weights_only=True)
         except Exception as error:  # signed, yet damaged: a faulty member, not an attack
-            raise HealRefused(f"{peer} sent a state that does not load: {_first(error)}") from None
+            raise HealRefused(
+                f"{peer} sent a state that does not load: {first_line(error)}"
+            ) from None
         self.received_bytes = len(payload)
         return state
 
