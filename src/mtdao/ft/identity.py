@@ -16,8 +16,7 @@ class ReplicaIdentity:
     """The run's secret: what a peer proves it belongs to the run with (:mod:`.security.auth`)."""
     config_digest: str = ""
     """Digest of the settings every replica must share: a member with another sits out."""
-    training_step: int = 0
-    """The training step this replica has taken, at the quorum being formed."""
+    training_step: int = 0  # the training step this replica has taken, at the quorum being formed
     quorum: QuorumView = field(default_factory=QuorumView)
     """The last quorum: its members' replica ids in rank order, this replica's rank, its id."""
     peers: list[Peer] = field(default_factory=list)

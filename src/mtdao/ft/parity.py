@@ -56,12 +56,9 @@ class Mismatch:
     """Replicas that held something else than the majority after a committed round."""
 
     step: int
-    deviants: list[int]
-    """Replica ids (all of those that differ, when there is no majority)."""
-    majority: list[int]
-    """Replica ids holding the majority's values (empty: no majority)."""
-    tensor: str
-    """The first tensor of the round that differs."""
+    deviants: list[int]  # replica ids (all of those that differ, when there is no majority)
+    majority: list[int]  # replica ids holding the majority's values (empty: no majority)
+    tensor: str  # the first tensor of the round that differs
     final: bool = False
 
     def line(self) -> str:
@@ -130,8 +127,7 @@ class ParityCheck:
         self.last: Assigned | None = None
         self.processes: ReplicaProcesses = ReplicaProcesses()
         """This replica's processes (the last round's)."""
-        self.seconds = 0.0
-        """Spent hashing and comparing, over the whole run."""
+        self.seconds = 0.0  # spent hashing and comparing, over the whole run
         self.mismatches: list[Mismatch] = []
 
     def assigned(self, tensors: Sequence[Tensor], quorum: Quorum, final: bool) -> None:

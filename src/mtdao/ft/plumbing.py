@@ -35,10 +35,8 @@ class QuorumView:
 class Refusal:
     """A quorum member that did not prove it belongs to the run."""
 
-    peer: str
-    """Who it is (its torchft member id): what a refusal is counted by."""
-    line: str
-    """What to say about it."""
+    peer: str  # who it is (its torchft member id): what a refusal is counted by
+    line: str  # what to say about it
 
 
 LEAVE_POLL_S = 0.05

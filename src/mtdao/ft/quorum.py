@@ -26,8 +26,7 @@ class Quorum:
         self.manager: Manager | None = None
         self.group, self.identity = group, identity
         self.processes = processes
-        self.open = False
-        """Whether a round is open: between its quorum and its commit."""
+        self.open = False  # whether a round is open: between its quorum and its commit
         self.prepared: int | None = None
         """The step whose round the open quorum was formed for (None: none, or it failed)."""
         self.unreachable: str | None = None

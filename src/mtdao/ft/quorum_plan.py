@@ -12,18 +12,13 @@ from mtdao.ft.security.proofs import Claim
 
 @dataclass
 class QuorumPlan:
-    members: list[Claim]
-    """The proven members in quorum rank order."""
-    rank: int
-    """This replica's quorum rank."""
-    max_commits: int
-    """The commit count of the up-to-date members: every member's after this quorum."""
+    members: list[Claim]  # the proven members in quorum rank order
+    rank: int  # this replica's quorum rank
+    max_commits: int  # the commit count of the up-to-date members: every member's after this quorum
     sources: list[int]
     """Where this replica heals from, in the order to try (empty: it is up to date)."""
-    serves: bool
-    """Whether this replica serves its state (it is up to date, and someone heals)."""
-    store: str
-    """``host:port/prefix`` where this process's group of the round meets."""
+    serves: bool  # whether this replica serves its state (it is up to date, and someone heals)
+    store: str  # ``host:port/prefix`` where this process's group of the round meets
     refusal: str | None = None
     """Why this replica may not join (a joiner whose id is taken or whose shards differ)."""
     failure: str | None = None

@@ -13,12 +13,9 @@ from typing import Any
 
 from mtdao.ft.lines import to_stderr
 
-CONNECTIONS = 64
-"""Requests served at once (a replica's peers make one per process that heals)."""
-REQUEST_S = 10.0
-"""From a connection's start to its request's last header."""
-HEAD_BYTES = 16 << 10
-"""A request's line and headers (a heal request's are a few hundred bytes)."""
+CONNECTIONS = 64  # requests served at once (a replica's peers make one per process that heals)
+REQUEST_S = 10.0  # from a connection's start to its request's last header
+HEAD_BYTES = 16 << 10  # a request's line and headers (a heal request's are a few hundred bytes)
 DESCRIPTORS_PAUSE_S = 1.0
 SAY_EVERY_S = 60.0
 

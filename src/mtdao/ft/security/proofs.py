@@ -17,32 +17,23 @@ from typing import Any
 from mtdao.ft.lines import first_line, short_member
 from mtdao.ft.security.auth import RunKey
 
-DATA_KEY = "mtdao"
-"""Where a claim travels in a member's quorum request (torchft's ``data``)."""
+DATA_KEY = "mtdao"  # where a claim travels in a member's quorum request (torchft's ``data``)
 
 
 @dataclass(frozen=True)
 class Claim:
-    replica_id: int
-    """The replica's ``--replica-id``."""
+    replica_id: int  # the replica's ``--replica-id``
     member: str
     """torchft's id of this replica's manager (``<replica id>:<uuid>``): one per manager life."""
-    commits: int
-    """torchft's step: rounds this replica committed."""
-    step: int
-    """The training step this replica has taken."""
-    config: str
-    """Digest of the settings every replica must share."""
-    shards: int
-    """The replica's processes (``--shards``)."""
-    store: str
-    """``host:port`` of the replica's store (its confirmations, and a round's rendezvous)."""
-    heal: tuple[str, ...]
-    """The heal server of each of its processes, in process order."""
+    commits: int  # torchft's step: rounds this replica committed
+    step: int  # the training step this replica has taken
+    config: str  # digest of the settings every replica must share
+    shards: int  # the replica's processes (``--shards``)
+    store: str  # ``host:port`` of the replica's store (its confirmations, and a round's rendezvous)
+    heal: tuple[str, ...]  # the heal server of each of its processes, in process order
     commit_failures: int = 0
     """Rounds this replica failed to commit in a row (the round's group is rebuilt then)."""
-    nonce: str = ""
-    """Drawn for this one quorum request."""
+    nonce: str = ""  # drawn for this one quorum request
     refused: tuple[str, ...] = ()
     """The members whose heal state this replica refused, this run: no quorum heals from them
     (:mod:`.quorum_plan`)."""

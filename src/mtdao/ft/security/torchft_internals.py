@@ -68,18 +68,14 @@ class _Private:
 class ManagerInternals:
     """torchft's ``Manager``'s private state, as mtdao's quorum step reads and sets it."""
 
-    store = _Private("_store")
-    """The replica's store (a TCPStore client)."""
+    store = _Private("_store")  # the replica's store (a TCPStore client)
     server = _Private("_manager")
     """The manager's gRPC server (mtdao's: a front with torchft's server behind it)."""
     connect_timeout = _Private("_connect_timeout")
     timeout = _Private("_timeout")
-    group_rank = _Private("_group_rank")
-    """This process's rank in its replica."""
-    group_world_size = _Private("_group_world_size")
-    """The replica's processes."""
-    commits = _Private("_step")
-    """Rounds committed (torchft's step)."""
+    group_rank = _Private("_group_rank")  # this process's rank in its replica
+    group_world_size = _Private("_group_world_size")  # the replica's processes
+    commits = _Private("_step")  # rounds committed (torchft's step)
     commit_failures = _Private("_commit_failures")
     heal_transport = _Private("_checkpoint_transport")
     user_state_dicts = _Private("_user_state_dicts")
@@ -130,8 +126,7 @@ class GlooGroup(ProcessGroupGloo):
     """torchft's reconfigurable gloo group with its sockets on ``bind_host``, each collective
     launched handed to :meth:`launched`."""
 
-    PRIVATE = ("_pg", "_timeout", "_global_ranks")
-    """The private attributes used."""
+    PRIVATE = ("_pg", "_timeout", "_global_ranks")  # the private attributes used
     METHODS = {
         "_wrap_work": ("work", "opts"),
         "_opts_hook": ("opts",),
