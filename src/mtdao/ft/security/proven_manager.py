@@ -161,9 +161,9 @@ class ProvenManager(QuorumStepManager):
             if "PermissionDenied" in str(error):  # the lighthouse's front refused it
                 raise QuorumError(
                     f"the lighthouse at {self._lighthouse_addr} refused this replica's quorum "
-                    f"request ({first_line(error, 160)}): an mtdao lighthouse refuses replicas that do "
-                    "not prove the run's secret (is --auth-token-file / $MTDAO_AUTH_TOKEN the "
-                    "one the lighthouse and the other replicas have?)"
+                    f"request ({first_line(error, 160)}): an mtdao lighthouse refuses replicas "
+                    "that do not prove the run's secret (is --auth-token-file / $MTDAO_AUTH_TOKEN "
+                    "the one the lighthouse and the other replicas have?)"
                 ) from None
             raise
         claims, refused, failure = [], [], "the lighthouse formed a quorum without this replica"
@@ -178,12 +178,12 @@ class ProvenManager(QuorumStepManager):
             if claim is not None and not self._seen.first_time(claim.nonce):
                 claim, why = None, "its claim was handed in before (a replay)"
             if claim is None:
-                refused.append(_refusal(member, why))
+                name = member.replica_id.split(":")[0]
+                shown = name if name.isdigit() else repr(short_member(name))
+                refused.append(_refusal(shown, member.replica_id, why, f", step {member.step}"))
             else:
                 claims.append(claim)
-        identity.refused = (identity.refused + refused)[
-            -KEPT:
-        ]  # said by the replica's driver, then dropped
+        identity.refused = (identity.refused + refused)[-KEPT:]  # the driver says them
         verdict = {"quorum_id": quorum.quorum_id, "failure": failure}
         if failure:
             return {**verdict, "digest": "", "proven": []}
@@ -196,7 +196,8 @@ class ProvenManager(QuorumStepManager):
         proven = [c for c in claims if c.member not in unconfirmed]
         for claim in claims:
             if claim.member in unconfirmed:
-                identity.refused.append(_refusal_of(claim, unconfirmed[claim.member]))
+                why = unconfirmed[claim.member]
+                identity.refused.append(_refusal(claim.replica_id, claim.member, why))
         return {**verdict, "digest": digest, "proven": [json.loads(c.body()) for c in proven]}
 
     def _heal_urls(self) -> tuple[str, ...]:
@@ -369,23 +370,13 @@ def _claim(fields: dict[str, Any]) -> Claim:
     return Claim(**{**fields, "heal": tuple(fields["heal"]), "refused": tuple(fields["refused"])})
 
 
-def _refusal(member: Any, why: str) -> Refusal:
-    """A quorum member whose claim proves nothing, as it presents itself to the lighthouse."""
-    name = member.replica_id.split(":")[0]
-    replica = name if name.isdigit() else repr(short_member(name))
+def _refusal(replica: object, member: str, why: str, step: str = "") -> Refusal:
+    """A quorum member that proved nothing, as it presents itself (``step``: what it claims)."""
     line = (
-        f"the peer claiming replica id {replica} ({short_member(member.replica_id)}, step "
-        f"{member.step}): {why}; it is not averaged with nor healed from"
+        f"the peer claiming replica id {replica} ({short_member(member)}{step}): {why}; it is "
+        "not averaged with nor healed from"
     )
-    return Refusal(peer=member.replica_id, line=line)
-
-
-def _refusal_of(claim: Claim, why: str) -> Refusal:
-    line = (
-        f"the peer claiming replica id {claim.replica_id} ({short_member(claim.member)}): {why}; it "
-        "is not averaged with nor healed from"
-    )
-    return Refusal(peer=claim.member, line=line)
+    return Refusal(peer=member, line=line)
 
 
 def _peers(plan: QuorumPlan, group_rank: int) -> list[Peer]:
