@@ -19,3 +19,8 @@ def short_member(member: str) -> str:
 
 def to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def shown_address(peer: tuple[str, int]) -> str:
+    """A (host, port) as a line shows it (an IPv6 host in brackets)."""
+    return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"

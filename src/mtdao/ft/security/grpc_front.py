@@ -21,7 +21,7 @@ from urllib.parse import unquote
 import grpc
 from grpc import aio
 
-from mtdao.ft.lines import to_stderr
+from mtdao.ft.lines import shown_address, to_stderr
 
 # Limits and holds: docs/security.md, "The fronts", gives each with its why.
 CONNECTIONS = 512  # below the usual 1024 descriptors: a flood leaves the process some
@@ -244,7 +244,7 @@ class GrpcFront:
         self._said[what] = [now, 0]
         self._window[1] += 1
         self.report(
-            f"{self.name}'s front: refused {what} from {_address(peer)}; "
+            f"{self.name}'s front: refused {what} from {shown_address(peer)}; "
             f"{self._served_line(served)}{again}"
         )
 
@@ -382,10 +382,6 @@ def _out_of_descriptors() -> bool:
             return False
     except OSError as error:
         return error.errno in (errno.EMFILE, errno.ENFILE)
-
-
-def _address(peer: tuple[str, int]) -> str:
-    return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
 
 
 def _shown(path: str) -> str:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from mtdao.ft.lines import shown_address
 from mtdao.ft.plumbing import Refusal
 from mtdao.ft.refusals import RefusalLog
 from mtdao.ft.security.auth import RunKey
@@ -35,11 +36,11 @@ class LighthouseGate:
         self._heartbeats_said_at = clock()
         self._lock = threading.Lock()  # the front serves each connection in a thread
 
-    def inspectors(self) -> dict[str, Callable[[bytes, Any], bool]]:
+    def inspectors(self) -> dict[str, Callable[[bytes, tuple[str, int]], bool]]:
         """The checks to hand the lighthouse's front, by gRPC path."""
         return {QUORUM: self.quorum, HEARTBEAT: self.heartbeat}
 
-    def quorum(self, message: bytes, peer: Any) -> bool:
+    def quorum(self, message: bytes, peer: tuple[str, int]) -> bool:
         """Whether a ``LighthouseQuorumRequest`` may go on."""
         try:
             requester = _string_fields(dict(_fields(message)).get(1, b""))
@@ -56,17 +57,17 @@ class LighthouseGate:
             if claim is not None and not self._seen.first_time(claim.nonce):
                 claim, why = None, "its claim was handed in before (a replay)"
             if claim is not None:
-                self.proven[member] = (self.clock(), _host(peer))
+                self.proven[member] = (self.clock(), peer[0])
                 self._forget()
                 return True
             shown = member[:48] or "(no replica id)"
-            line = f"a quorum request of {shown!r} from {_address(peer)}: {why}"
-            lines = self.refusals.lines([Refusal(peer=member or _address(peer), line=line)])
+            line = f"a quorum request of {shown!r} from {shown_address(peer)}: {why}"
+            lines = self.refusals.lines([Refusal(peer=member or shown_address(peer), line=line)])
         for said in lines:
             self.report(f"lighthouse: {said}")
         return False
 
-    def heartbeat(self, message: bytes, peer: Any) -> bool:
+    def heartbeat(self, message: bytes, peer: tuple[str, int]) -> bool:
         """Whether a ``LighthouseHeartbeatRequest`` may go on."""
         try:
             member = _string_fields(message).get(1, "")
@@ -75,7 +76,7 @@ class LighthouseGate:
         with self._lock:
             now = self.clock()
             proven = self.proven.get(member)
-            if proven is not None and proven[1] == _host(peer):
+            if proven is not None and proven[1] == peer[0]:
                 self.proven[member] = (now, proven[1])
                 return True
             self._heartbeats_refused += 1
@@ -131,11 +132,3 @@ def _varint(data: bytes, offset: int) -> tuple[int, int]:
         offset, shift = offset + 1, shift + 7
         if not byte & 0x80:
             return value, offset
-
-
-def _host(peer: Any) -> str:
-    return peer[0] if isinstance(peer, tuple) else str(peer)
-
-
-def _address(peer: Any) -> str:
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)

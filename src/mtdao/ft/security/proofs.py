@@ -23,23 +23,24 @@ DATA_KEY = "mtdao"  # where a claim travels in a member's quorum request (torchf
 @dataclass(frozen=True)
 class Claim:
     replica_id: int  # the replica's ``--replica-id``
-    member: str
-    """torchft's id of this replica's manager (``<replica id>:<uuid>``): one per manager life."""
+    member: str  # torchft's id of this replica's manager (``<replica id>:<uuid>``)
     commits: int  # torchft's step: rounds this replica committed
     step: int  # the training step this replica has taken
     config: str  # digest of the settings every replica must share
     shards: int  # the replica's processes (``--shards``)
     store: str  # ``host:port`` of the replica's store (its confirmations, and a round's rendezvous)
     heal: tuple[str, ...]  # the heal server of each of its processes, in process order
-    commit_failures: int = 0
-    """Rounds this replica failed to commit in a row (the round's group is rebuilt then)."""
+    commit_failures: int = 0  # rounds failed in a row (the round's group is rebuilt then)
     nonce: str = ""  # drawn for this one quorum request
-    refused: tuple[str, ...] = ()
-    """The members whose heal state this replica refused, this run: no quorum heals from them
-    (:mod:`.quorum_plan`)."""
+    refused: tuple[str, ...] = ()  # members whose heal state it refused: none heals from them
 
     def body(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> Claim:
+        heal, refused = tuple(fields["heal"]), tuple(fields.get("refused", ()))
+        return cls(**{**fields, "heal": heal, "refused": refused})
 
 
 def new_nonce() -> str:
@@ -65,10 +66,7 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
     if not key.verifies(signature, "claim", body):
         return None, "its claim is not signed with this run's secret"
     try:
-        fields = json.loads(body)
-        fields["heal"] = tuple(fields["heal"])
-        fields["refused"] = tuple(fields.get("refused", ()))
-        claim = Claim(**fields)
+        claim = Claim.from_fields(json.loads(body))
     except (TypeError, ValueError, KeyError, RecursionError):
         return None, "its claim is not readable"
     if claim.member != member_id:
@@ -114,14 +112,11 @@ def confirm_quorum(
     me: Claim,
     candidates: Sequence[Claim],
     wait_s: float,
-    keep: bool = True,
 ) -> dict[str, str]:
-    """Post this member's confirmation of ``digest`` (unless not ``keep``: it does not stand
-    behind the claim in its name), then read every other candidate's from its claimed store
-    for at most ``wait_s``: {member: why not} for those not confirmed."""
+    """Post this member's confirmation of ``digest``, then read every other candidate's from its
+    claimed store for at most ``wait_s``: {member: why not} for those not confirmed."""
     name = confirmation_key(key, digest)
-    if keep:
-        open_store(me.store).set(name, key.sign("confirm", digest, me.member))
+    open_store(me.store).set(name, key.sign("confirm", digest, me.member))
     others = [c for c in candidates if c.member != me.member]
 
     def confirmation(claim: Claim) -> str:

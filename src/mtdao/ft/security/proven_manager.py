@@ -106,7 +106,7 @@ class ProvenManager(QuorumStepManager):
             verdict = json.loads(self.internals.store.get(relay))
             if "error" in verdict:
                 raise QuorumError(verdict["error"])
-        proven = [_claim(fields) for fields in verdict["proven"]]
+        proven = [Claim.from_fields(fields) for fields in verdict["proven"]]
         digest, quorum_id = verdict["digest"], verdict["quorum_id"]
         if verdict.get("failure"):  # this replica is in no proven round: it trains on alone
             self.identity.quorum = QuorumView([self.identity.replica_id], 0, quorum_id)
@@ -364,10 +364,6 @@ class _Forgetting:
                 raise
 
         return call
-
-
-def _claim(fields: dict[str, Any]) -> Claim:
-    return Claim(**{**fields, "heal": tuple(fields["heal"]), "refused": tuple(fields["refused"])})
 
 
 def _refusal(replica: object, member: str, why: str, step: str = "") -> Refusal:
