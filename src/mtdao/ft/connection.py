@@ -80,8 +80,7 @@ def start_manager(
 
 
 def listeners(manager: Manager, transport, store) -> str:
-    """Where a process serves: its heal server; in a replica's first process (``store`` given),
-    its manager's gRPC server and the store too."""
+    """Where a process serves (a replica's first process, ``store`` given: manager and store)."""
     heal_host, heal_port = transport.address
     parts = [f"heal state {heal_host}:{heal_port}"]
     if store is not None:
@@ -112,10 +111,8 @@ WATCH_MISSES = 2  # failed probes in a row that mean the lighthouse is gone, not
 
 @contextmanager
 def watching_the_lighthouse(config: ReplicaConfig, manager: Manager) -> Iterator[threading.Event]:
-    """While the block waits for a quorum, probe the lighthouse every second (after a grace);
-    after WATCH_MISSES failed probes in a row end the calls waiting on this replica's manager
-    (see the module's docstring) and set the event yielded. In the replica's first process only:
-    its manager's server is the one its processes' quorum calls wait on."""
+    """While the block waits for a quorum, probe the lighthouse; once it is gone, end the calls
+    waiting on this replica's manager server (its first process's) and set the event yielded."""
     lost, done = threading.Event(), threading.Event()
     server = ManagerInternals(manager).server  # a FrontedManagerServer
     probe_timeout = min(config.connect_timeout, 2.0)

@@ -29,8 +29,7 @@ OTHER_ACCOUNTS = (
     "only this account's processes on this machine can join its rounds; other accounts here can "
     "still reach torchft's servers on loopback (stop or stall a replica, list replica ids): on a "
     "shared machine give the run a network namespace of its own (see docs/security.md)"
-)
-"""What a run on loopback without a secret protects from this machine's other accounts."""
+)  # what a run on loopback without a secret protects from this machine's other accounts
 
 
 def fault_tolerant_replica(
@@ -94,8 +93,7 @@ def fault_tolerant_replica(
 
 
 class JoinsAndHeals:
-    """Says, as a warning of this module's logger (shown without any logging set up), when the
-    replica joins the run and when it heals: from whom, and at which step."""
+    """Says when the replica joins and heals, as a warning (shown without logging set up)."""
 
     def __init__(self, replica_id: int) -> None:
         self.replica_id, self.joined = replica_id, False
@@ -124,8 +122,7 @@ def config_digest(shared: Mapping[str, Any]) -> str:
 
 
 class SharedConfig:
-    """The settings every replica must share, as a healing replica checks them against its
-    source's (tracked state: nothing is loaded)."""
+    """The settings every replica must share, checked against a heal source's (nothing loaded)."""
 
     def __init__(self, replica_id: int, shared: Mapping[str, Any]) -> None:
         self.replica_id, self.shared = replica_id, dict(shared)

@@ -27,17 +27,11 @@ class Quorum:
         self.group, self.identity = group, identity
         self.processes = processes
         self.open = False  # whether a round is open: between its quorum and its commit
-        self.prepared: int | None = None
-        """The step whose round the open quorum was formed for (None: none, or it failed)."""
-        self.unreachable: str | None = None
-        """Why no quorum can form now (the lighthouse is away), or None."""
-        self.discarded: str | None = None
-        """Why the round of the open quorum was discarded before it began (its group did not
-        form: the step trains on locally), or None."""
-        self.before_collective: Callable[[], None] | None = None
-        """Called before each blocking sum of a round (a fault drill holds a replica there)."""
+        self.prepared: int | None = None  # the step whose round the open quorum is for
+        self.unreachable: str | None = None  # why no quorum can form now (lighthouse away)
+        self.discarded: str | None = None  # why the open quorum's round ended before it began
+        self.before_collective: Callable[[], None] | None = None  # a fault drill's hook
         self.collectives = CollectiveWatch(say=to_stderr)
-        """Watches every collective of a round (says what it waits for, gives a lost peer up)."""
 
     @property
     def members(self) -> list[int]:
@@ -67,8 +61,7 @@ class Quorum:
             )
 
     def sum(self, flat: Tensor) -> Tensor:
-        """``flat`` summed over the quorum now, through the manager; a failure discards the
-        round."""
+        """``flat`` summed over the quorum now; a failure discards the round."""
         if self.before_collective is not None:
             self.before_collective()
         self.require_open()
@@ -81,8 +74,7 @@ class Quorum:
         self.collectives.wait(work, what, self.identity.peers)
 
     def check(self) -> None:
-        """Discard the round now if any collective of it failed (in any process of the
-        replica)."""
+        """Discard the round now if any collective of it failed in any process of the replica."""
         failure = self.failure() if self.manager.errored() is not None else None
         failure = self.processes.first_failure(failure)  # every process of the replica stops
         if failure is not None:
@@ -112,8 +104,7 @@ class Quorum:
 
 
 class ManagerWork:
-    """A launched collective of a round: waiting reports a failure to the manager, then checks
-    the round (raising ``RoundNotCommitted`` when it failed)."""
+    """A launched collective of a round: its wait reports a failure, then checks the round."""
 
     def __init__(self, quorum: Quorum, work, outputs: list[Tensor], after=None):
         self.quorum, self.work, self.outputs, self.after = quorum, work, outputs, after
