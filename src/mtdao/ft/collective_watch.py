@@ -37,9 +37,8 @@ class CollectiveWatch:
         self.misses, self.probe_timeout_s = misses, probe_timeout_s
 
     def wait(self, work: Any, what: str, peers: list[Peer]) -> None:
-        """Wait for ``work`` (a collective of the round ``what`` names, e.g. "the all-reduce of
-        the round opened at step 12") with ``peers``; raises what the collective raises, or
-        PeerLost."""
+        """Wait for ``work``, a collective of the round ``what`` names, with ``peers``; raises
+        what the collective raises, or PeerLost."""
         done = threading.Event()
         _future_of(work).add_done_callback(lambda _: done.set())
         started = time.monotonic()

@@ -31,14 +31,6 @@ class QuorumView:
     quorum_id: int = -1
 
 
-@dataclass
-class Refusal:
-    """A quorum member that did not prove it belongs to the run."""
-
-    peer: str  # who it is (its torchft member id): what a refusal is counted by
-    line: str  # what to say about it
-
-
 LEAVE_POLL_S = 0.05
 
 

@@ -24,10 +24,10 @@ from mtdao.ft.parity import ParityCheck
 from mtdao.ft.plumbing import (
     MembershipGloo,
     QuorumError,
-    Refusal,
     listening_store,
 )
 from mtdao.ft.quorum import Quorum
+from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey, run_key
 from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
 from mtdao.ft.security.torchft_internals import Manager

@@ -28,8 +28,7 @@ def exchange_positions(
     config: int,
     parity: Sequence[int] = (),
 ) -> list[tuple[int, ...]]:
-    """(step, config digest, *parity) of every member of the round, in quorum rank order:
-    ``parity`` is its position in the bit-parity check of the round before (:mod:`.parity`)."""
+    """(step, config digest, *parity position) of every member of the round, in rank order."""
     table = torch.zeros(members, 2 + len(parity), dtype=torch.int64)
     table[rank] = torch.tensor([step, config, *parity], dtype=torch.int64)
     table = sum_in_round(table.reshape(-1)).reshape(members, -1)
@@ -55,16 +54,15 @@ def check(
     rank: int,
     step: int,
     identity: ReplicaIdentity,
-    parity: ParityCheck | None = None,
+    parity: ParityCheck,
 ) -> tuple[list[int], str | None]:
-    """(the replicas that sit this round out, why this one does: None when it takes part).
-    With ``parity``, the same exchange compares what the members held after the round before,
-    and one that held other values than the majority sits this round out too."""
+    """(the replicas that sit this round out, why this one does: None when it takes part); the
+    same exchange carries each member's parity position after the round before."""
     config = digest_number(identity.config_digest)
-    own = parity.position() if parity is not None else ()
-    positions = exchange_positions(sum_in_round, rank, len(replicas), step, config, own)
+    positions = exchange_positions(
+        sum_in_round, rank, len(replicas), step, config, parity.position()
+    )
     reasons = sitting_out([position[:2] for position in positions])
-    if parity is not None:
-        parities = [list(position[2:]) for position in positions]
-        reasons = {**parity.judge(parities, replicas, rank, sum_in_round), **reasons}
+    parities = [list(position[2:]) for position in positions]
+    reasons = {**parity.judge(parities, replicas, rank, sum_in_round), **reasons}
     return [replicas[r] for r in reasons], reasons.get(rank)

@@ -22,6 +22,7 @@ import grpc
 from grpc import aio
 
 from mtdao.ft.lines import shown_address, to_stderr
+from mtdao.ft.refusals import Refusal, RefusalLog
 
 # Limits and holds: docs/security.md, "The fronts", gives each with its why.
 CONNECTIONS = 512  # below the usual 1024 descriptors: a flood leaves the process some
@@ -67,8 +68,9 @@ class GrpcFront:
         self.refusal_hold_s, self.hold_after = REFUSAL_HOLD_S, HOLD_AFTER
         self.refused = 0
         self._recent: dict[str, collections.deque] = {}  # each host's last refusal times
-        self._said: dict[str, list[float]] = {}  # kind of refusal -> [said at, unsaid since]
-        self._window = [-float("inf"), 0, 0]  # [its start, lines said, refusals held back]
+        self._lines = RefusalLog(
+            SAY_EVERY_S, SAY_BURST, clock, "calls of other kinds in the last {s} s"
+        )
         self._upstream: set[aio.UnaryUnaryCall] = set()  # calls waiting on the server behind
         self._calls = 0  # calls in flight
         self._holds: dict[int, list[asyncio.Future]] = {}  # tick -> the refusals it ends
@@ -221,32 +223,10 @@ class GrpcFront:
         return len(held)
 
     def _say(self, peer: tuple[str, int], what: str, served) -> None:
-        now = self.clock()
-        if now - self._window[0] >= SAY_EVERY_S:
-            if self._window[2]:
-                self.report(
-                    f"{self.name}'s front: refused {self._window[2]} more calls of other kinds "
-                    f"in the last {SAY_EVERY_S:.0f} s (lines about them held back)"
-                )
-            self._window = [now, 0, 0]
-        said = self._said.get(what)
-        if said is not None and now - said[0] < SAY_EVERY_S:
-            said[1] += 1
-            return
-        if self._window[1] >= SAY_BURST:
-            self._window[2] += 1
-            return
-        again = ""
-        if said is not None:
-            again = f" (refused {said[1] + 1} times in the last {now - said[0]:.0f} s)"
-        if len(self._said) >= MAX_TRACKED:  # many kinds: forget the quiet ones
-            self._said = {k: v for k, v in self._said.items() if now - v[0] < SAY_EVERY_S}
-        self._said[what] = [now, 0]
-        self._window[1] += 1
-        self.report(
-            f"{self.name}'s front: refused {what} from {shown_address(peer)}; "
-            f"{self._served_line(served)}{again}"
-        )
+        """Each kind of refusal said once a minute at most, with a count (:mod:`.refusals`)."""
+        line = f"{what} from {shown_address(peer)}; {self._served_line(served)}"
+        for said in self._lines.lines([Refusal(peer=what, line=line)]):
+            self.report(f"{self.name}'s front: {said}")
 
     def _served_line(self, served) -> str:
         names = ", ".join(sorted(p.rsplit("/", 1)[-1] for p in served))

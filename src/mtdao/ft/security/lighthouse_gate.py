@@ -10,8 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mtdao.ft.lines import shown_address
-from mtdao.ft.plumbing import Refusal
-from mtdao.ft.refusals import RefusalLog
+from mtdao.ft.refusals import Refusal, RefusalLog
 from mtdao.ft.security.auth import RunKey
 from mtdao.ft.security.proofs import SeenNonces, read_claim
 

@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 from mtdao.ft.collective_watch import Peer
 from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.lines import first_line, short_member
-from mtdao.ft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
+from mtdao.ft.plumbing import QuorumError, QuorumView, ReplicaRefused
 from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
+from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.heal_checks import heal_problem
 from mtdao.ft.security.proofs import (
     Claim,
