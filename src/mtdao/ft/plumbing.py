@@ -35,9 +35,8 @@ LEAVE_POLL_S = 0.05
 
 
 def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
-    """Abort ``group`` and keep it until the collectives ``pending`` on it have ended (failed,
-    as a lost peer's do, or timed out), ``linger_s`` at most: no longer, so that a process
-    that ends meanwhile is not held for the whole collective timeout."""
+    """Abort ``group`` and keep it until the collectives ``pending`` on it end, ``linger_s`` at
+    most."""
     group.abort()
     deadline = time.monotonic() + linger_s
     while time.monotonic() < deadline and not all(future.done() for future in pending):
@@ -45,26 +44,19 @@ def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
 
 
 class MembershipGloo(GlooGroup):
-    """torchft's reconfigurable gloo group, formed with the proven members of each quorum only
-    (:mod:`.security.proven_manager`). Its rendezvous waits ``rendezvous_timeout`` seconds at
-    most for a member (one that proved itself but does not come), its collectives
-    ``collective_timeout``; gloo serves on ``bind_host``."""
+    """torchft's reconfigurable gloo group of each quorum's proven members, on ``bind_host``."""
 
     def __init__(
         self, bind_host: str, collective_timeout: timedelta, rendezvous_timeout: float
     ) -> None:
         super().__init__(bind_host, collective_timeout, rendezvous_timeout)
-        self._in_flight: list[Any] = []
-        """The futures of this group's collectives that may still be running."""
+        self._in_flight: list[Any] = []  # futures of collectives that may still be running
 
     def abort(self, errored: bool = True) -> None:
-        """Leave the current group. A collective still in flight on it (one given up on: a lost
-        peer, :mod:`.collective_watch`) would hold the next quorum's group until the collective
-        timeout: torch's abort waits for it, and dropping the group while it is pending blocks
-        the whole process in the group's destructor. So such a group is aborted in a thread of
-        its own that holds it until those collectives end (a lost peer's fail at once) or the
-        collective timeout passes. The thread is not a daemon: a process that ends sooner waits
-        for it (gloo ends the process otherwise)."""
+        """Leave the current group. One with a collective still in flight (a lost peer's) is
+        aborted in a thread that holds it until they end: torch's abort waits for them, and
+        dropping it blocks the process in its destructor. Not a daemon: gloo would end the
+        process."""
         group = self.take_group()
         pending, self._in_flight = [f for f in self._in_flight if not f.done()], []
         if group is None:

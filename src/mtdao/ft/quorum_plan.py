@@ -15,14 +15,11 @@ class QuorumPlan:
     members: list[Claim]  # the proven members in quorum rank order
     rank: int  # this replica's quorum rank
     max_commits: int  # the commit count of the up-to-date members: every member's after this quorum
-    sources: list[int]
-    """Where this replica heals from, in the order to try (empty: it is up to date)."""
+    sources: list[int]  # where this replica heals from, in order (empty: it is up to date)
     serves: bool  # whether this replica serves its state (it is up to date, and someone heals)
     store: str  # ``host:port/prefix`` where this process's group of the round meets
-    refusal: str | None = None
-    """Why this replica may not join (a joiner whose id is taken or whose shards differ)."""
-    failure: str | None = None
-    """Why no member forms this round's group (replicas that shard differently)."""
+    refusal: str | None = None  # why this replica may not join (id taken, other shards)
+    failure: str | None = None  # why no member forms this round's group (shards differ)
 
     @property
     def replica_ids(self) -> list[int]:
@@ -33,11 +30,9 @@ class QuorumPlan:
         return bool(self.sources)
 
 
-def plan_quorum(
-    proven: list[Claim], me: str, group_rank: int, rendezvous: str, init_sync: bool = True
-) -> QuorumPlan:
-    """The plan for process ``group_rank`` of member ``me`` (which must be proven), its group
-    meeting under prefix ``rendezvous`` in the chosen store."""
+def plan_quorum(proven: list[Claim], me: str, group_rank: int, rendezvous: str) -> QuorumPlan:
+    """The plan for process ``group_rank`` of proven member ``me``, its group meeting under
+    prefix ``rendezvous`` in the chosen store."""
     members = sorted(proven, key=lambda claim: claim.member)
     rank = next(r for r, claim in enumerate(members) if claim.member == me)
     mine = members[rank]
@@ -45,7 +40,7 @@ def plan_quorum(
     max_commits = max(members[r].commits for r in trusted)
     up_to_date = [r for r in trusted if members[r].commits == max_commits]
     primary = up_to_date[group_rank % len(up_to_date)]
-    first_quorum = init_sync and max_commits == 0
+    first_quorum = max_commits == 0  # all but one heal from it (torchft's init sync)
     healing = [
         r for r in range(len(members)) if r not in up_to_date or (first_quorum and r != primary)
     ]
@@ -69,8 +64,7 @@ def plan_quorum(
 
 
 def trusted_sources(members: list[Claim]) -> list[int]:
-    """The ranks of the members no member refused a heal state from (all of them when every
-    one was refused: a quorum needs a source)."""
+    """The ranks of the members none refused a heal state from (all, if none is left)."""
     refused = {member for claim in members for member in claim.refused}
     trusted = [r for r, claim in enumerate(members) if claim.member not in refused]
     return trusted or list(range(len(members)))

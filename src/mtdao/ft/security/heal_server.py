@@ -92,8 +92,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 
 class _Capped:
-    """A request's input, of which at most ``budget`` bytes are read: past it, the request's
-    head simply ends (and then fails its checks)."""
+    """A request's head (read by lines: a heal request has no body), ``budget`` bytes at most."""
 
     def __init__(self, raw, budget: int) -> None:
         self.raw, self.budget = raw, budget
@@ -105,16 +104,5 @@ class _Capped:
         self.budget -= len(line)
         return line
 
-    def read(self, size: int = -1) -> bytes:
-        if self.budget <= 0:
-            return b""
-        data = self.raw.read(self.budget if size < 0 else min(size, self.budget))
-        self.budget -= len(data)
-        return data
-
     def close(self) -> None:
         self.raw.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.raw.closed
