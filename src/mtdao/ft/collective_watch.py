@@ -56,7 +56,8 @@ class CollectiveWatch:
         say_at = 6 * self.say_after_s
         while not done.wait(self.probe_every_s):
             for peer in peers:
-                missed[peer] = 0 if _answers(peer, self.probe_timeout_s) else missed[peer] + 1
+                answers = accepts(peer.host, peer.port, self.probe_timeout_s)
+                missed[peer] = 0 if answers else missed[peer] + 1
             lost = [peer for peer in peers if missed[peer] >= self.misses]
             waited = time.monotonic() - started
             if lost:
@@ -74,9 +75,10 @@ def _future_of(work: Any):
     return getattr(work, "_work", work).get_future()
 
 
-def _answers(peer: Peer, timeout: float) -> bool:
+def accepts(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host``:``port`` accepts a connection within ``timeout`` seconds."""
     try:
-        socket.create_connection((peer.host.strip("[]"), peer.port), timeout=timeout).close()
+        socket.create_connection((host.strip("[]"), port), timeout=timeout).close()
     except OSError:
         return False
     return True

@@ -4,7 +4,6 @@ that died under a waiting quorum (a new manager is started once it is back)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +11,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
+from mtdao.ft.collective_watch import accepts
 from mtdao.ft.lines import first_line
 from mtdao.ft.security.manager_front import FrontUnavailable, manager_bound_to
 from mtdao.ft.security.proven_manager import ProvenManager
@@ -94,14 +94,8 @@ def listeners(manager: Manager, transport, store) -> str:
 def lighthouse_reachable(config: ReplicaConfig, timeout: float | None = None) -> bool:
     """Whether the lighthouse accepts a connection within ``timeout`` (the connect timeout)."""
     address = urlsplit(config.lighthouse_url)
-    try:
-        with socket.create_connection(
-            (address.hostname, address.port or 80),
-            timeout=config.connect_timeout if timeout is None else timeout,
-        ):
-            return True
-    except OSError:
-        return False
+    timeout = config.connect_timeout if timeout is None else timeout
+    return accepts(address.hostname, address.port or 80, timeout)
 
 
 WATCH_GRACE_S = 2.0  # most quorums end sooner: no probe at all
