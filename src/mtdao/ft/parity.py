@@ -99,8 +99,7 @@ Sum = Callable[[Tensor], Tensor]
 
 
 def sum_in_group(quorum: Quorum) -> Sum:
-    """Sums over the round's group once its commit is behind it (no manager call), the wait
-    watched as a round's collectives are."""
+    """Sums over the round's group after its commit (no manager call), the wait watched."""
 
     def summed(table: Tensor) -> Tensor:
         options = dist.AllreduceOptions()
@@ -113,26 +112,23 @@ def sum_in_group(quorum: Quorum) -> Sum:
 
 
 class ParityCheck:
-    """A replica's side of the check (see the module docstring): :meth:`assigned` after each
-    assignment of a committed round, :meth:`position` and :meth:`judge` in the exchange that
-    opens the next. ``sync`` (set when the engine attaches) names the tensors and the step."""
+    """A replica's side of the check: :meth:`assigned` after each assignment of a committed round,
+    :meth:`position` and :meth:`judge` in the exchange that opens the next."""
 
     POSITION_WIDTH = 3
 
     def __init__(self, say: Callable[[str], None] = to_stderr) -> None:
         self.say = say
         self.sync: LocalUpdateSync | None = None
-        self.final_sum: Callable[[Quorum], Sum] = sum_in_group
-        """How the final round's members sum a table (a test double replaces it)."""
+        self.final_sum: Callable[[Quorum], Sum] = sum_in_group  # a test double replaces it
         self.last: Assigned | None = None
-        self.processes: ReplicaProcesses = ReplicaProcesses()
-        """This replica's processes (the last round's)."""
+        self.processes: ReplicaProcesses = ReplicaProcesses()  # the last round's
         self.seconds = 0.0  # spent hashing and comparing, over the whole run
         self.mismatches: list[Mismatch] = []
 
     def assigned(self, tensors: Sequence[Tensor], quorum: Quorum, final: bool) -> None:
-        """Hash ``tensors``, just assigned by a committed round (a round assigns its parameters
-        and its states in two calls); the final round, with every member in it, compares now."""
+        """Hash ``tensors``, just assigned by a committed round (parameters and states in two
+        calls); the final round, with every member in it, compares now."""
         started = time.perf_counter()
         step, self.processes = self._step(), quorum.processes
         if self.last is None or self.last.step != step or self.last.final != final:
@@ -153,7 +149,7 @@ class ParityCheck:
 
     def judge(self, positions: list[list[int]], members: list[int], rank: int, sum_over: Sum):
         """{quorum rank: why it sits the round out} for the members that held other values than
-        the majority after the last round they all assigned; every member says it in a line."""
+        the majority after the last round they all assigned."""
         started = time.perf_counter()
         try:
             mismatch = self._mismatch(positions, members, rank, sum_over)
@@ -206,9 +202,8 @@ class ParityCheck:
         return mismatch
 
     def _first_differing(self, rows, at, majority, rank, count, reference, sum_over: Sum) -> str:
-        """The name of the first tensor whose digest differs among the members ``at`` the
-        reference round (every one of the ``rows`` members takes part in the sum; those
-        elsewhere add zeros)."""
+        """The first tensor whose digest differs among the members ``at`` the reference round
+        (all ``rows`` members take part in the sum; those elsewhere add zeros)."""
         own = self.last if self.last is not None and self.last.step + 1 == reference else None
         table = torch.zeros(rows, count, dtype=torch.int64)
         if own is not None and len(own.digests) == count:
