@@ -15,8 +15,7 @@ from pathlib import Path
 
 TOKEN_ENV = "MTDAO_AUTH_TOKEN"
 MIN_TOKEN_CHARS = 16
-NO_TOKEN = b""
-"""An empty secret: anyone who runs mtdao can sign with it (tests of the signatures only)."""
+NO_TOKEN = b""  # anyone can sign with it: tests of the signatures only
 MACHINE_SECRET_FILE = "loopback.secret"
 MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))' > FILE"
 
@@ -24,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class RunKey:
-    """HMAC-SHA256 signatures with the run's secret over a sequence of fields; ``origin`` says
-    where the secret came from (for people: never the secret itself)."""
+    """HMAC-SHA256 signatures with the run's secret over fields; ``origin``: where it came from."""
 
     def __init__(self, secret: bytes, origin: str = "") -> None:
         self._secret = secret
@@ -50,8 +48,7 @@ class RunKey:
 
 
 def read_token(token_file: str | None, environ=os.environ) -> bytes | None:
-    """The run's secret: the first line of ``token_file``, else ``$MTDAO_AUTH_TOKEN``; None when
-    neither is set."""
+    """The run's secret from ``token_file``, else ``$MTDAO_AUTH_TOKEN``; None when neither."""
     if token_file is not None:
         source = f"--auth-token-file {token_file}"
         try:  # a pipe is fine (--auth-token-file <(pass show run)): SIGTERM still stops a wait
@@ -80,8 +77,8 @@ def read_token(token_file: str | None, environ=os.environ) -> bytes | None:
 
 
 def run_key(token: bytes | None, bind_host: str, secret_dir: Path | None = None) -> RunKey:
-    """The key of a replica serving on ``bind_host``: a secret is required unless it serves on
-    loopback only, where this account's secret on this machine stands in for it."""
+    """The key of a replica serving on ``bind_host``: on loopback only, this account's secret
+    stands in for a missing one."""
     if token is not None:
         return RunKey(token, "the run's secret")
     if not is_loopback(bind_host):

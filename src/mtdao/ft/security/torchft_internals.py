@@ -31,11 +31,8 @@ from torchft.process_group import (  # noqa: E402
 logging.getLogger("torchft").addHandler(logging.NullHandler())
 logging.getLogger("torchft").propagate = False
 
-WRITTEN_AGAINST = ("0.2.0",)
-"""The torchft versions whose private names this module was written against."""
-
-NATIVE = ("LighthouseClient", "LighthouseServer", "ManagerServer")
-"""What is used of ``torchft._torchft``, the native module."""
+WRITTEN_AGAINST = ("0.2.0",)  # the torchft versions whose private names are used here
+NATIVE = ("LighthouseClient", "LighthouseServer", "ManagerServer")  # of torchft._torchft
 
 __all__ = [
     "REPLICA_ID_KEY",
@@ -69,8 +66,7 @@ class ManagerInternals:
     """torchft's ``Manager``'s private state, as mtdao's quorum step reads and sets it."""
 
     store = _Private("_store")  # the replica's store (a TCPStore client)
-    server = _Private("_manager")
-    """The manager's gRPC server (mtdao's: a front with torchft's server behind it)."""
+    server = _Private("_manager")  # the manager's gRPC server (mtdao's fronted one)
     connect_timeout = _Private("_connect_timeout")
     timeout = _Private("_timeout")
     group_rank = _Private("_group_rank")  # this process's rank in its replica
@@ -86,11 +82,10 @@ class ManagerInternals:
     replica_world_size = _Private("_participating_replica_world_size")
     quorum_id = _Private("_quorum_id")
 
-    METHODS = {
+    METHODS = {  # the private methods used (overridden or called), with their parameters
         "_async_quorum": ("allow_heal", "shrink_only", "quorum_timeout", "curr_device"),
         "_manager_state_dict": (),
     }
-    """The private methods used (overridden or called), with their parameters."""
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
@@ -127,12 +122,11 @@ class GlooGroup(ProcessGroupGloo):
     launched handed to :meth:`launched`."""
 
     PRIVATE = ("_pg", "_timeout", "_global_ranks")  # the private attributes used
-    METHODS = {
+    METHODS = {  # the private methods overridden, with their parameters
         "_wrap_work": ("work", "opts"),
         "_opts_hook": ("opts",),
         "_create_pg": ("store", "rank", "world_size"),
     }
-    """The private methods overridden, with their parameters."""
 
     def __init__(
         self, bind_host: str, collective_timeout: timedelta, rendezvous_timeout: float
