@@ -6,8 +6,9 @@ import re
 import sys
 
 
-def first_line(error: BaseException, limit: int = 200) -> str:
-    """The first sentence of an error, without gloo's ``[path/file.cc:123] `` source location."""
+def first_line(error: BaseException, limit: int | None = None) -> str:
+    """The first sentence of an error, without gloo's ``[path/file.cc:123] `` source location
+    (``limit``: at most that many characters, for a peer's errors of unknown length)."""
     text = str(error).strip() or type(error).__name__
     return re.sub(r"^\[[^\]]*:\d+\]\s*", "", text.splitlines()[0]).split(". ")[0][:limit]
 

@@ -146,7 +146,7 @@ class SignedHealTransport(CheckpointTransport):
             state = torch.load(io.BytesIO(payload), weights_only=True)
         except Exception as error:  # signed, yet damaged: a faulty member, not an attack
             raise HealRefused(
-                f"{peer} sent a state that does not load: {first_line(error)}"
+                f"{peer} sent a state that does not load: {first_line(error, 200)}"
             ) from None
         self.received_bytes = len(payload)
         return state
