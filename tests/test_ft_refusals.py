@@ -7,8 +7,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from mtdao.ft.plumbing import Refusal  # noqa: E402
-from mtdao.ft.refusals import RefusalLog  # noqa: E402
+from mtdao.ft.refusals import Refusal, RefusalLog  # noqa: E402
 
 
 class Clock:

@@ -1,16 +1,6 @@
-"""Replica groups that die, rejoin and heal: averaging through torchft (``pip install
-mtdao[ft]``).
-
-A loop gets a replica from :func:`fault_tolerant_replica` (its settings a
-:class:`ReplicaConfig`) and hands it to :class:`~mtdao.sync.engine.LocalUpdateSync` as its
-communicator (a :class:`ReplicaGroups`); ``mtdao train --fault-tolerant`` does the same. Entering
-``sync.attached()`` raises :class:`QuorumError` when the lighthouse cannot be reached and
-:class:`ReplicaRefused` when the run does not let the replica in. The round protocol (a quorum
-before the step that opens a round, a heal there, the round through the manager, torchft's
-commit) is docs/design.md's "Fault-tolerant replicas"; who may take part, :mod:`.security` and
-docs/security.md. The engine knows this package only as a ``Communicator``; nothing in
-:mod:`mtdao.sync` imports it.
-"""
+"""Replica groups that die, rejoin and heal, averaging through torchft (``pip install mtdao[ft]``):
+docs/fault-tolerance.md; the round protocol, docs/design.md; who may take part, docs/security.md.
+Nothing in :mod:`mtdao.sync` imports this package."""
 
 from __future__ import annotations
 

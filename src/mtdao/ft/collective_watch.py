@@ -1,16 +1,6 @@
-"""No silent wait in a round: a collective that takes long says what it waits for, and one whose
-peer is gone is given up within seconds, not at ``--collective-timeout``.
-
-A gloo collective waits until its timeout (180 s by default) for a peer that is cut off: nothing
-tells it the peer is gone (a partition sends no reset), and a replica stood still that long
-without a word. So while a round's collective is pending, :class:`CollectiveWatch` (in the waiting
-thread) says after ``say_after_s`` seconds which round it is and which replicas it waits for, and
-probes each of them every ``probe_every_s`` seconds (a TCP connection to its heal server, which a
-live replica always serves, whatever it is busy with). A replica that fails ``misses`` probes in a
-row is gone: the watch raises :class:`PeerLost`, the round is discarded and the replica trains on;
-the next quorum goes on without the lost peer. A peer that answers probes but is slow (a large
-model on a slow link) is waited for up to the collective timeout, saying so now and then.
-"""
+"""No silent wait in a round: a slow collective says what it waits for, and one whose peer is gone
+(a partition sends no reset; gloo would wait out its timeout) is given up within seconds by
+probing the peers' heal servers."""
 
 from __future__ import annotations
 
@@ -47,9 +37,8 @@ class CollectiveWatch:
         self.misses, self.probe_timeout_s = misses, probe_timeout_s
 
     def wait(self, work: Any, what: str, peers: list[Peer]) -> None:
-        """Wait for ``work`` (a collective of the round ``what`` names, e.g. "the all-reduce of
-        the round opened at step 12") with ``peers``; raises what the collective raises, or
-        PeerLost."""
+        """Wait for ``work``, a collective of the round ``what`` names, with ``peers``; raises
+        what the collective raises, or PeerLost."""
         done = threading.Event()
         _future_of(work).add_done_callback(lambda _: done.set())
         started = time.monotonic()
@@ -67,7 +56,8 @@ class CollectiveWatch:
         say_at = 6 * self.say_after_s
         while not done.wait(self.probe_every_s):
             for peer in peers:
-                missed[peer] = 0 if _answers(peer, self.probe_timeout_s) else missed[peer] + 1
+                answers = accepts(peer.host, peer.port, self.probe_timeout_s)
+                missed[peer] = 0 if answers else missed[peer] + 1
             lost = [peer for peer in peers if missed[peer] >= self.misses]
             waited = time.monotonic() - started
             if lost:
@@ -85,9 +75,10 @@ def _future_of(work: Any):
     return getattr(work, "_work", work).get_future()
 
 
-def _answers(peer: Peer, timeout: float) -> bool:
+def accepts(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host``:``port`` accepts a connection within ``timeout`` seconds."""
     try:
-        socket.create_connection((peer.host.strip("[]"), peer.port), timeout=timeout).close()
+        socket.create_connection((host.strip("[]"), port), timeout=timeout).close()
     except OSError:
         return False
     return True

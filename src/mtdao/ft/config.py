@@ -1,10 +1,5 @@
-"""How a replica of a fault-tolerant run finds and reaches the others: :class:`ReplicaConfig`.
-
-:func:`~mtdao.ft.fault_tolerant_replica` takes it; ``mtdao train`` holds it as its
-fault-tolerance section, one flag per field (``--replica-id``, ``--lighthouse``, ...; the
-docstrings are their help). This module imports nothing but the standard library, so a config
-that holds it loads without torchft.
-"""
+"""A replica's settings, :class:`ReplicaConfig`: the library's and ``mtdao train``'s (one flag per
+field, the docstrings their help). Standard library only, so a config loads without torchft."""
 
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
-"""A replica's line to the run: its torchft manager, served on the replica's ``--bind-host``
-behind a front that refuses torchft's ``Kill`` call (:mod:`.manager_front`), and the lighthouse,
-checked before each quorum.
-
-torchft's manager does not find its way back to a lighthouse that restarted (its quorum waits out
-``--quorum-timeout``). So before each quorum the replica checks that the lighthouse accepts
-connections; while it does not, rounds are skipped and the replica trains on locally, and once it
-does again the replica starts a new manager (its commit count carried over), which registers with
-the restarted lighthouse.
-
-Nor does torchft's manager answer a quorum it already asked the lighthouse for when the
-lighthouse dies under it: it sees its call to the lighthouse fail, yet leaves the replica's own
-processes waiting for the whole ``--quorum-timeout``. So while a quorum waits, the replica's first
-process probes the lighthouse (:func:`watching_the_lighthouse`); when it stops accepting
-connections, the manager front ends the waiting calls, the quorum fails at once and the replica
-trains on as above.
-"""
+"""A replica's line to the run: its fronted torchft manager, and the lighthouse, probed before and
+during each quorum since torchft's manager neither finds a restarted lighthouse nor notices one
+that died under a waiting quorum (a new manager is started once it is back)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +11,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
-from mtdao.ft.plumbing import first_line
+from mtdao.ft.collective_watch import accepts
+from mtdao.ft.lines import first_line
 from mtdao.ft.security.manager_front import FrontUnavailable, manager_bound_to
 from mtdao.ft.security.proven_manager import ProvenManager
 from mtdao.ft.security.torchft_internals import Manager, ManagerInternals
@@ -94,8 +80,7 @@ def start_manager(
 
 
 def listeners(manager: Manager, transport, store) -> str:
-    """Where a process serves: its heal server; in a replica's first process (``store`` given),
-    its manager's gRPC server and the store too."""
+    """Where a process serves (a replica's first process, ``store`` given: manager and store)."""
     heal_host, heal_port = transport.address
     parts = [f"heal state {heal_host}:{heal_port}"]
     if store is not None:
@@ -109,14 +94,8 @@ def listeners(manager: Manager, transport, store) -> str:
 def lighthouse_reachable(config: ReplicaConfig, timeout: float | None = None) -> bool:
     """Whether the lighthouse accepts a connection within ``timeout`` (the connect timeout)."""
     address = urlsplit(config.lighthouse_url)
-    try:
-        with socket.create_connection(
-            (address.hostname, address.port or 80),
-            timeout=config.connect_timeout if timeout is None else timeout,
-        ):
-            return True
-    except OSError:
-        return False
+    timeout = config.connect_timeout if timeout is None else timeout
+    return accepts(address.hostname, address.port or 80, timeout)
 
 
 WATCH_GRACE_S = 2.0  # most quorums end sooner: no probe at all
@@ -126,10 +105,8 @@ WATCH_MISSES = 2  # failed probes in a row that mean the lighthouse is gone, not
 
 @contextmanager
 def watching_the_lighthouse(config: ReplicaConfig, manager: Manager) -> Iterator[threading.Event]:
-    """While the block waits for a quorum, probe the lighthouse every second (after a grace);
-    after WATCH_MISSES failed probes in a row end the calls waiting on this replica's manager
-    (see the module's docstring) and set the event yielded. In the replica's first process only:
-    its manager's server is the one its processes' quorum calls wait on."""
+    """While the block waits for a quorum, probe the lighthouse; once it is gone, end the calls
+    waiting on this replica's manager server (its first process's) and set the event yielded."""
     lost, done = threading.Event(), threading.Event()
     server = ManagerInternals(manager).server  # a FrontedManagerServer
     probe_timeout = min(config.connect_timeout, 2.0)

@@ -1,9 +1,5 @@
-"""The state a healing replica receives from a live peer: what makes it that peer's copy.
-
-It is the trained state a checkpoint saves too (:class:`~mtdao.sync.trained_state.TrainedState`),
-so that what a replica heals and what a run resumes cannot drift apart; what is added here is how
-it travels: a CPU copy, DTensors as their local shards (bound to the sender's processes), and the
-check that the peer's parameters are this replica's before anything is overwritten."""
+"""The state a healing replica receives: the checkpoint's trained state (so healing and resuming
+cannot drift apart), sent as a CPU copy with DTensors as local shards, shapes checked first."""
 
 from __future__ import annotations
 
@@ -20,23 +16,14 @@ from mtdao.sync.trained_state import TrainedState
 if TYPE_CHECKING:
     from mtdao.sync.engine import LocalUpdateSync
 
+# a sharded (DTensor) optimizer state travels as {LOCAL_SHARD: its local shard}, plain data the
+# receiver (the same process of another replica) makes a DTensor like its own parameter again
 LOCAL_SHARD = "mtdao.local_shard"
-"""An optimizer state that is sharded (a DTensor) where it was sent travels as
-``{LOCAL_SHARD: its sender's local shard}`` (plain data: see :mod:`.safe_transport`): the receiver,
-the same process of another replica of the same shape, makes it a DTensor like its own parameter
-again."""
 
 
 class HealedState:
-    """What a healing replica needs from a live peer to carry on as its copy: the ``trained``
-    state (:class:`~mtdao.sync.trained_state.TrainedState`: the parameters, every optimizer state
-    and the engine's state: step, anchors, outer momentum, rounds), as the sender's process
-    holds it.
-
-    The state is copied to CPU when a peer asks for it: the sender goes on training while the
-    receiver fetches it. A process of a sharded replica sends its shards, to the process holding
-    the same shards in the healing replica.
-    """
+    """The ``trained`` state a healing replica takes from a live peer, copied to CPU when asked
+    for (the sender trains on meanwhile); a sharded replica's process sends its own shards."""
 
     def __init__(self, trained: TrainedState) -> None:
         self.trained = trained
@@ -64,15 +51,13 @@ class HealedState:
 
 
 def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[dict], None]]:
-    """(state_dict, load_state_dict) of the state a healing replica receives for ``sync``
-    (:class:`HealedState`): what a fault drill copies and puts back."""
+    """(state_dict, load_state_dict) of what a healing replica receives: a fault drill's copy."""
     healed = HealedState(TrainedState(sync))
     return healed.state_dict, healed.load_state_dict
 
 
 def _portable(value: Any) -> Any:
-    """A CPU copy of ``value``, every DTensor in it as its local shard (a DTensor is bound to the
-    processes of its replica)."""
+    """A CPU copy of ``value``, every DTensor in it as its local shard."""
     if isinstance(value, Tensor):
         shard = local_shard(value)
         copy = shard.detach().to("cpu", copy=True)

@@ -1,34 +1,23 @@
-"""Who a replica is, as its quorums see it: :class:`ReplicaIdentity`, the one object its
-communicator (:mod:`.replicas`) and its manager's quorum step (:mod:`.security.proven_manager`)
-share: what the replica proves itself with at each quorum, and what the quorum made of it."""
+"""Who a replica is, as its quorums see it: shared by its communicator and its quorum step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from mtdao.ft.collective_watch import Peer
-from mtdao.ft.plumbing import QuorumView, Refusal, ReplicaRefused
+from mtdao.ft.plumbing import QuorumView, ReplicaRefused
+from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey
 
 
 @dataclass
 class ReplicaIdentity:
     replica_id: int
-    key: RunKey = field(repr=False)
-    """The run's secret: what a peer proves it belongs to the run with (:mod:`.security.auth`)."""
-    config_digest: str = ""
-    """Digest of the settings every replica must share: a member with another sits out."""
-    training_step: int = 0
-    """The training step this replica has taken, at the quorum being formed."""
-    quorum: QuorumView = field(default_factory=QuorumView)
-    """The last quorum: its members' replica ids in rank order, this replica's rank, its id."""
-    peers: list[Peer] = field(default_factory=list)
-    """The other members of the current quorum, where a probe reaches this process's
-    counterpart in each (its heal server)."""
-    refusal: ReplicaRefused | None = None
-    """Why this replica may not join (a replica id taken, a config that differs): it leaves."""
-    refused: list[Refusal] = field(default_factory=list)
-    """The members of the quorums since the driver last asked that did not prove they belong
-    to the run."""
-    notes: list[str] = field(default_factory=list)
-    """What those quorums did that the replica should say (a refused heal state)."""
+    key: RunKey = field(repr=False)  # the run's secret
+    config_digest: str = ""  # of the settings every replica must share
+    training_step: int = 0  # the step this replica has taken, at the quorum being formed
+    quorum: QuorumView = field(default_factory=QuorumView)  # the last one
+    peers: list[Peer] = field(default_factory=list)  # the other members' heal servers (probes)
+    refusal: ReplicaRefused | None = None  # why this replica may not join: it leaves
+    refused: list[Refusal] = field(default_factory=list)  # peers refused since the driver asked
+    notes: list[str] = field(default_factory=list)  # what those quorums did worth saying

@@ -1,18 +1,8 @@
 """A fault-tolerant replica of any training loop: :func:`fault_tolerant_replica`.
 
-Give its result to :class:`~mtdao.sync.engine.LocalUpdateSync` as the communicator and train in
-``sync.attached()``: the engine prepares each round's quorum (where a new replica, or one that
-fell behind, heals from a live one), averages through it and, at the end, runs the final round
-through one too. The replica says when it joins and when it heals (:class:`JoinsAndHeals`).
-``mtdao train --fault-tolerant`` builds its replicas with the same function.
-
-What a healing replica receives: the engine's trained state (parameters, every optimizer state,
-the engine's step, anchors, rounds in flight and residuals), and whatever the loop registers
-with :meth:`~mtdao.ft.replicas.ReplicaGroups.track_state` (a data loader's position,
-an LR scheduler, RNG: anything with ``state_dict`` and ``load_state_dict``). It is taken where
-the source prepares a round, inside its ``optimizer.step()``, after the step: so change such
-state before ``optimizer.step()`` in the loop (draw the batch first), or derive it from
-``sync.step_count``.
+A healing replica receives its source's state where the source prepares a round, inside its
+``optimizer.step()``: change state registered with ``track_state`` (a data position, RNG) before
+``optimizer.step()`` in the loop, or derive it from ``sync.step_count``.
 """
 
 from __future__ import annotations
@@ -39,8 +29,7 @@ OTHER_ACCOUNTS = (
     "only this account's processes on this machine can join its rounds; other accounts here can "
     "still reach torchft's servers on loopback (stop or stall a replica, list replica ids): on a "
     "shared machine give the run a network namespace of its own (see docs/security.md)"
-)
-"""What a run on loopback without a secret protects from this machine's other accounts."""
+)  # what a run on loopback without a secret protects from this machine's other accounts
 
 
 def fault_tolerant_replica(
@@ -104,8 +93,7 @@ def fault_tolerant_replica(
 
 
 class JoinsAndHeals:
-    """Says, as a warning of this module's logger (shown without any logging set up), when the
-    replica joins the run and when it heals: from whom, and at which step."""
+    """Says when the replica joins and heals, as a warning (shown without logging set up)."""
 
     def __init__(self, replica_id: int) -> None:
         self.replica_id, self.joined = replica_id, False
@@ -134,8 +122,7 @@ def config_digest(shared: Mapping[str, Any]) -> str:
 
 
 class SharedConfig:
-    """The settings every replica must share, as a healing replica checks them against its
-    source's (tracked state: nothing is loaded)."""
+    """The settings every replica must share, checked against a heal source's (nothing loaded)."""
 
     def __init__(self, replica_id: int, shared: Mapping[str, Any]) -> None:
         self.replica_id, self.shared = replica_id, dict(shared)

@@ -1,6 +1,5 @@
-"""Where a fault-tolerant replica's copy lives: one worker among the replicas of the current
-quorum. Its few control values (a NaN verdict, alignment, one loss per replica) move through the
-quorum's transport inside a round; between rounds nothing is coordinated."""
+"""Where a replica's copy lives: one worker of the current quorum, its control values moving
+through the quorum's transport inside a round (nothing is coordinated between rounds)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from mtdao.sync.sharded_layout import ShardGroupSums
 
 
 class ReplicaLayout(WorkerLayout):
-    """This replica among the replicas of the transport's quorum; its gathers go through
-    ``transport`` and belong to the round in progress (a failure discards the round)."""
+    """This replica among the transport's quorum; its gathers belong to the round in progress."""
 
     def __init__(self, transport: ManagerTransport) -> None:
         self.transport = transport
@@ -45,8 +43,7 @@ class ReplicaLayout(WorkerLayout):
 
 
 class ShardedReplicaLayout(ShardGroupSums, ReplicaLayout):
-    """A replica of ``shard_group``'s processes among the replicas of the quorum: a sum over a
-    worker adds the replica's shards first (see :mod:`.shards`)."""
+    """A replica of ``shard_group``'s processes: a sum over a worker adds its shards first."""
 
     def __init__(self, transport: ManagerTransport, shard_group: dist.ProcessGroup) -> None:
         super().__init__(transport)

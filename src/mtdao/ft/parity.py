@@ -1,29 +1,10 @@
-"""Bit parity after every committed round: the replicas compare what the round made identical.
-
-A committed round assigns the same averages to every member: the parameters and states of a
-blocking round, the gradients of a DDP one. Right after the assignment each member hashes what it
-now holds (xxh3-64 per tensor, combined into one number). The members compare these numbers in the
-small all-reduce that opens the next round anyway (:mod:`.round_identity`: each member's step and
-config), so a round costs the hashing and nothing more on the link. When one differs from the
-majority's, every member says so in one line, naming the replica and the first tensor that
-differs (a second exchange, of the per-tensor digests, runs only then), and the deviant sits that
-next round out: it adds nothing to it, fails its own commit, and at the quorum after it is behind
-on commits and heals from a member at the top count, one of the majority. With no majority (two
-members that differ) both are named and each keeps its own state. The processes of a sharded
-replica compare one number, the sum of their shards' digests, so that all of them judge alike.
-
-The final round has no round after it: its members compare at once, in an all-reduce of their
-own on the round's group (when no member sat it out, so that every member is there), and a
-deviant is named; it holds another model than the majority at the end.
-
-Not checked: a delayed round merged into each member's local progress (each then holds its own
-values by design; the final round of such a run is blocking, and checked). A final exchange that
-fails (a peer lost right after the commit) leaves that round unchecked, said in one line.
+"""Bit parity after every committed round (docs/fault-tolerance.md, "Bit parity after every
+round"): each member hashes what the round assigned; the digests travel in the exchange that opens
+the next round, and a deviant is named and sits that round out. The final round compares at once.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,7 +16,7 @@ import torch.distributed as dist
 import xxhash
 from torch import Tensor
 
-from mtdao.ft.plumbing import first_line
+from mtdao.ft.lines import first_line, to_stderr
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.dtensors import local_shard
 
@@ -75,12 +56,9 @@ class Mismatch:
     """Replicas that held something else than the majority after a committed round."""
 
     step: int
-    deviants: list[int]
-    """Replica ids (all of those that differ, when there is no majority)."""
-    majority: list[int]
-    """Replica ids holding the majority's values (empty: no majority)."""
-    tensor: str
-    """The first tensor of the round that differs."""
+    deviants: list[int]  # replica ids (all of those that differ, when there is no majority)
+    majority: list[int]  # replica ids holding the majority's values (empty: no majority)
+    tensor: str  # the first tensor of the round that differs
     final: bool = False
 
     def line(self) -> str:
@@ -121,8 +99,7 @@ Sum = Callable[[Tensor], Tensor]
 
 
 def sum_in_group(quorum: Quorum) -> Sum:
-    """Sums over the round's group once its commit is behind it (no manager call), the wait
-    watched as a round's collectives are."""
+    """Sums over the round's group after its commit (no manager call), the wait watched."""
 
     def summed(table: Tensor) -> Tensor:
         options = dist.AllreduceOptions()
@@ -134,32 +111,24 @@ def sum_in_group(quorum: Quorum) -> Sum:
     return summed
 
 
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 class ParityCheck:
-    """A replica's side of the check (see the module docstring): :meth:`assigned` after each
-    assignment of a committed round, :meth:`position` and :meth:`judge` in the exchange that
-    opens the next. ``sync`` (set when the engine attaches) names the tensors and the step."""
+    """A replica's side of the check: :meth:`assigned` after each assignment of a committed round,
+    :meth:`position` and :meth:`judge` in the exchange that opens the next."""
 
     POSITION_WIDTH = 3
 
-    def __init__(self, say: Callable[[str], None] = _to_stderr) -> None:
+    def __init__(self, say: Callable[[str], None] = to_stderr) -> None:
         self.say = say
         self.sync: LocalUpdateSync | None = None
-        self.final_sum: Callable[[Quorum], Sum] = sum_in_group
-        """How the final round's members sum a table (a test double replaces it)."""
+        self.final_sum: Callable[[Quorum], Sum] = sum_in_group  # a test double replaces it
         self.last: Assigned | None = None
-        self.processes: ReplicaProcesses = ReplicaProcesses()
-        """This replica's processes (the last round's)."""
-        self.seconds = 0.0
-        """Spent hashing and comparing, over the whole run."""
+        self.processes: ReplicaProcesses = ReplicaProcesses()  # the last round's
+        self.seconds = 0.0  # spent hashing and comparing, over the whole run
         self.mismatches: list[Mismatch] = []
 
     def assigned(self, tensors: Sequence[Tensor], quorum: Quorum, final: bool) -> None:
-        """Hash ``tensors``, just assigned by a committed round (a round assigns its parameters
-        and its states in two calls); the final round, with every member in it, compares now."""
+        """Hash ``tensors``, just assigned by a committed round (parameters and states in two
+        calls); the final round, with every member in it, compares now."""
         started = time.perf_counter()
         step, self.processes = self._step(), quorum.processes
         if self.last is None or self.last.step != step or self.last.final != final:
@@ -180,7 +149,7 @@ class ParityCheck:
 
     def judge(self, positions: list[list[int]], members: list[int], rank: int, sum_over: Sum):
         """{quorum rank: why it sits the round out} for the members that held other values than
-        the majority after the last round they all assigned; every member says it in a line."""
+        the majority after the last round they all assigned."""
         started = time.perf_counter()
         try:
             mismatch = self._mismatch(positions, members, rank, sum_over)
@@ -233,9 +202,8 @@ class ParityCheck:
         return mismatch
 
     def _first_differing(self, rows, at, majority, rank, count, reference, sum_over: Sum) -> str:
-        """The name of the first tensor whose digest differs among the members ``at`` the
-        reference round (every one of the ``rows`` members takes part in the sum; those
-        elsewhere add zeros)."""
+        """The first tensor whose digest differs among the members ``at`` the reference round
+        (all ``rows`` members take part in the sum; those elsewhere add zeros)."""
         own = self.last if self.last is not None and self.last.step + 1 == reference else None
         table = torch.zeros(rows, count, dtype=torch.int64)
         if own is not None and len(own.digests) == count:

@@ -1,12 +1,8 @@
-"""What mtdao adds to torchft's pieces: a process group that forms with the proven members of
-each quorum only (who they are is settled before: :mod:`.proven_manager`), with its rendezvous
-bounded by ``--connect-timeout`` and its sockets on the replica's ``--bind-host``; the store on
-the bind host; and the lighthouse.
-"""
+"""What mtdao adds to torchft's pieces: a process group of each quorum's proven members (bounded
+rendezvous, sockets on ``--bind-host``), the store, and the errors a replica raises."""
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
@@ -16,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mtdao.ft.lines import first_line
 from mtdao.ft.security.torchft_internals import GlooGroup, LighthouseServer
 
 
@@ -34,23 +31,12 @@ class QuorumView:
     quorum_id: int = -1
 
 
-@dataclass
-class Refusal:
-    """A quorum member that did not prove it belongs to the run."""
-
-    peer: str
-    """Who it is (its torchft member id): what a refusal is counted by."""
-    line: str
-    """What to say about it."""
-
-
 LEAVE_POLL_S = 0.05
 
 
 def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
-    """Abort ``group`` and keep it until the collectives ``pending`` on it have ended (failed,
-    as a lost peer's do, or timed out), ``linger_s`` at most: no longer, so that a process
-    that ends meanwhile is not held for the whole collective timeout."""
+    """Abort ``group`` and keep it until the collectives ``pending`` on it end, ``linger_s`` at
+    most."""
     group.abort()
     deadline = time.monotonic() + linger_s
     while time.monotonic() < deadline and not all(future.done() for future in pending):
@@ -58,26 +44,19 @@ def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
 
 
 class MembershipGloo(GlooGroup):
-    """torchft's reconfigurable gloo group, formed with the proven members of each quorum only
-    (:mod:`.security.proven_manager`). Its rendezvous waits ``rendezvous_timeout`` seconds at
-    most for a member (one that proved itself but does not come), its collectives
-    ``collective_timeout``; gloo serves on ``bind_host``."""
+    """torchft's reconfigurable gloo group of each quorum's proven members, on ``bind_host``."""
 
     def __init__(
         self, bind_host: str, collective_timeout: timedelta, rendezvous_timeout: float
     ) -> None:
         super().__init__(bind_host, collective_timeout, rendezvous_timeout)
-        self._in_flight: list[Any] = []
-        """The futures of this group's collectives that may still be running."""
+        self._in_flight: list[Any] = []  # futures of collectives that may still be running
 
     def abort(self, errored: bool = True) -> None:
-        """Leave the current group. A collective still in flight on it (one given up on: a lost
-        peer, :mod:`.collective_watch`) would hold the next quorum's group until the collective
-        timeout: torch's abort waits for it, and dropping the group while it is pending blocks
-        the whole process in the group's destructor. So such a group is aborted in a thread of
-        its own that holds it until those collectives end (a lost peer's fail at once) or the
-        collective timeout passes. The thread is not a daemon: a process that ends sooner waits
-        for it (gloo ends the process otherwise)."""
+        """Leave the current group. One with a collective still in flight (a lost peer's) is
+        aborted in a thread that holds it until they end: torch's abort waits for them, and
+        dropping it blocks the process in its destructor. Not a daemon: gloo would end the
+        process."""
         group = self.take_group()
         pending, self._in_flight = [f for f in self._in_flight if not f.done()], []
         if group is None:
@@ -108,12 +87,6 @@ def listening_store(bind_host: str) -> dist.TCPStore:
     return dist.TCPStore(
         host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
     )
-
-
-def first_line(error: BaseException) -> str:
-    """The first sentence of an error, without gloo's ``[path/file.cc:123] `` source location."""
-    text = str(error).strip() or type(error).__name__
-    return re.sub(r"^\[[^\]]*:\d+\]\s*", "", text.splitlines()[0]).split(". ")[0]
 
 
 def start_lighthouse(

@@ -1,19 +1,7 @@
-"""A replica's torchft Manager and its current quorum: what a round's collectives run in.
-
-The manager (replaced by a new one when the lighthouse comes back, :mod:`.connection`) forms a
-quorum of the live replicas and a process group of its members (:class:`~.plumbing.MembershipGloo`,
-which knows who they are); a round runs in it from the quorum to its commit. :class:`Quorum`
-holds both and says what a collective needs: whether a round is open, this replica's rank among
-the members, how to run a blocking sum, how to report a failure (the round is then discarded on
-every process of the replica, :class:`~.shards.ReplicaProcesses`) and whether the round commits.
-The transport (:class:`~.transport.ManagerTransport`) and the layouts
-(:mod:`.layouts`) take it; the communicator (:class:`~.replicas.ReplicaGroups`) forms and commits
-the quorums.
-"""
+"""A replica's torchft Manager and its current quorum: what a round's collectives run in."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -21,7 +9,8 @@ from torch import Tensor
 
 from mtdao.ft.collective_watch import CollectiveWatch
 from mtdao.ft.identity import ReplicaIdentity
-from mtdao.ft.plumbing import MembershipGloo, first_line
+from mtdao.ft.lines import first_line, to_stderr
+from mtdao.ft.plumbing import MembershipGloo
 from mtdao.ft.security.torchft_internals import Manager
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.communicator import RoundNotCommitted
@@ -37,19 +26,12 @@ class Quorum:
         self.manager: Manager | None = None
         self.group, self.identity = group, identity
         self.processes = processes
-        self.open = False
-        """Whether a round is open: between its quorum and its commit."""
-        self.prepared: int | None = None
-        """The step whose round the open quorum was formed for (None: none, or it failed)."""
-        self.unreachable: str | None = None
-        """Why no quorum can form now (the lighthouse is away), or None."""
-        self.discarded: str | None = None
-        """Why the round of the open quorum was discarded before it began (its group did not
-        form: the step trains on locally), or None."""
-        self.before_collective: Callable[[], None] | None = None
-        """Called before each blocking sum of a round (a fault drill holds a replica there)."""
-        self.collectives = CollectiveWatch(say=_to_stderr)
-        """Watches every collective of a round (says what it waits for, gives a lost peer up)."""
+        self.open = False  # whether a round is open: between its quorum and its commit
+        self.prepared: int | None = None  # the step whose round the open quorum is for
+        self.unreachable: str | None = None  # why no quorum can form now (lighthouse away)
+        self.discarded: str | None = None  # why the open quorum's round ended before it began
+        self.before_collective: Callable[[], None] | None = None  # a fault drill's hook
+        self.collectives = CollectiveWatch(say=to_stderr)
 
     @property
     def members(self) -> list[int]:
@@ -79,8 +61,7 @@ class Quorum:
             )
 
     def sum(self, flat: Tensor) -> Tensor:
-        """``flat`` summed over the quorum now, through the manager; a failure discards the
-        round."""
+        """``flat`` summed over the quorum now; a failure discards the round."""
         if self.before_collective is not None:
             self.before_collective()
         self.require_open()
@@ -93,8 +74,7 @@ class Quorum:
         self.collectives.wait(work, what, self.identity.peers)
 
     def check(self) -> None:
-        """Discard the round now if any collective of it failed (in any process of the
-        replica)."""
+        """Discard the round now if any collective of it failed in any process of the replica."""
         failure = self.failure() if self.manager.errored() is not None else None
         failure = self.processes.first_failure(failure)  # every process of the replica stops
         if failure is not None:
@@ -124,8 +104,7 @@ class Quorum:
 
 
 class ManagerWork:
-    """A launched collective of a round: waiting reports a failure to the manager, then checks
-    the round (raising ``RoundNotCommitted`` when it failed)."""
+    """A launched collective of a round: its wait reports a failure, then checks the round."""
 
     def __init__(self, quorum: Quorum, work, outputs: list[Tensor], after=None):
         self.quorum, self.work, self.outputs, self.after = quorum, work, outputs, after
@@ -144,7 +123,3 @@ class ManagerWork:
         if self.after is not None:
             self.outputs, self.after = self.after(self.outputs), None
         return self.outputs
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

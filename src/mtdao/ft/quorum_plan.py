@@ -1,27 +1,6 @@
-"""What a quorum of proven members means for one process of one replica: its rank, who heals from
-whom, and where the round's group meets.
-
-torchft computes this from every member the lighthouse let in, trusting the step each claims: the
-member claiming the highest step becomes everyone's heal source and hosts the group's
-rendezvous. Here the same rules run over the proven members only (:mod:`.proofs`), with the commit
-counts their signed claims carry, so an outsider's claimed step decides nothing:
-
-* the members in order of their torchft ids give the quorum ranks;
-* a member whose heal state a member refused (named in that member's claims for the rest of the
-  run: a faulty source) is never up to date: it heals, from a trusted member, at every quorum,
-  and adds nothing to a round; the commit counts of the others decide;
-* the trusted members at the highest commit count are up to date; every other member heals from
-  one of them (all but one heal from it on a first quorum, when no member has committed yet), spread as
-  torchft spreads them, and a healing member may fall back on the other up-to-date members, so
-  every up-to-date member serves its state when anyone heals;
-* a healing member prefers sources with its own config: when no up-to-date member has it, this
-  replica is the one that differs (its heal then names the differences and refuses it);
-* the round's group meets in the store of an up-to-date member, under a prefix only holders of
-  the run's secret can name;
-* a joining replica (no commit yet) is refused when its replica id is taken in the quorum, or
-  when it shards differently from most up-to-date replicas; a running one with another shard
-  count fails the round instead.
-"""
+"""A quorum of proven members for one process of one replica: its rank, who heals from whom, and
+where the round's group meets, decided by proven commit counts, never a claimed step
+(docs/security.md, "What a peer must prove")."""
 
 from __future__ import annotations
 
@@ -33,22 +12,14 @@ from mtdao.ft.security.proofs import Claim
 
 @dataclass
 class QuorumPlan:
-    members: list[Claim]
-    """The proven members in quorum rank order."""
-    rank: int
-    """This replica's quorum rank."""
-    max_commits: int
-    """The commit count of the up-to-date members: every member's after this quorum."""
-    sources: list[int]
-    """Where this replica heals from, in the order to try (empty: it is up to date)."""
-    serves: bool
-    """Whether this replica serves its state (it is up to date, and someone heals)."""
-    store: str
-    """``host:port/prefix`` where this process's group of the round meets."""
-    refusal: str | None = None
-    """Why this replica may not join (a joiner whose id is taken or whose shards differ)."""
-    failure: str | None = None
-    """Why no member forms this round's group (replicas that shard differently)."""
+    members: list[Claim]  # the proven members in quorum rank order
+    rank: int  # this replica's quorum rank
+    max_commits: int  # the commit count of the up-to-date members: every member's after this quorum
+    sources: list[int]  # where this replica heals from, in order (empty: it is up to date)
+    serves: bool  # whether this replica serves its state (it is up to date, and someone heals)
+    store: str  # ``host:port/prefix`` where this process's group of the round meets
+    refusal: str | None = None  # why this replica may not join (id taken, other shards)
+    failure: str | None = None  # why no member forms this round's group (shards differ)
 
     @property
     def replica_ids(self) -> list[int]:
@@ -59,11 +30,9 @@ class QuorumPlan:
         return bool(self.sources)
 
 
-def plan_quorum(
-    proven: list[Claim], me: str, group_rank: int, rendezvous: str, init_sync: bool = True
-) -> QuorumPlan:
-    """The plan for process ``group_rank`` of member ``me`` (which must be proven), its group
-    meeting under prefix ``rendezvous`` in the chosen store."""
+def plan_quorum(proven: list[Claim], me: str, group_rank: int, rendezvous: str) -> QuorumPlan:
+    """The plan for process ``group_rank`` of proven member ``me``, its group meeting under
+    prefix ``rendezvous`` in the chosen store."""
     members = sorted(proven, key=lambda claim: claim.member)
     rank = next(r for r, claim in enumerate(members) if claim.member == me)
     mine = members[rank]
@@ -71,7 +40,7 @@ def plan_quorum(
     max_commits = max(members[r].commits for r in trusted)
     up_to_date = [r for r in trusted if members[r].commits == max_commits]
     primary = up_to_date[group_rank % len(up_to_date)]
-    first_quorum = init_sync and max_commits == 0
+    first_quorum = max_commits == 0  # all but one heal from it (torchft's init sync)
     healing = [
         r for r in range(len(members)) if r not in up_to_date or (first_quorum and r != primary)
     ]
@@ -95,17 +64,15 @@ def plan_quorum(
 
 
 def trusted_sources(members: list[Claim]) -> list[int]:
-    """The ranks of the members no member refused a heal state from (all of them when every
-    one was refused: a quorum needs a source)."""
+    """The ranks of the members none refused a heal state from (all, if none is left)."""
     refused = {member for claim in members for member in claim.refused}
     trusted = [r for r, claim in enumerate(members) if claim.member not in refused]
     return trusted or list(range(len(members)))
 
 
 def rendezvous(key: RunKey, digest: str, proven: list[Claim]) -> str:
-    """The prefix under which the round's group meets in its store: only holders of the run's
-    secret can name it (a stranger who reaches the store cannot slip into the group), and members
-    that proved different sets meet apart (rather than overwrite each other's addresses)."""
+    """The store prefix of the round's group: only secret holders can name it, and members that
+    proved different sets meet apart."""
     members = sorted(claim.member for claim in proven)
     return f"mtdao/{key.sign('rendezvous', digest, *members)[:32]}"
 

@@ -1,11 +1,5 @@
-"""What a replica says about the peers it refuses: each once, then once a minute with a count.
-
-A stranger that keeps asking the lighthouse for quorums is refused at every quorum it sits in,
-and a flood of them (hundreds of bogus replica ids) would otherwise print hundreds of lines per
-quorum. So a peer is named when it is first refused, and then at most once every ``every_s``
-seconds with how often it was refused meanwhile; and at most ``burst`` lines are said per
-``every_s`` in all, the rest counted in one line.
-"""
+"""Refused peers are named once, then once every ``every_s`` with a count, at most ``burst`` lines
+per ``every_s`` in all: a flood of bogus ids must not print hundreds of lines per quorum."""
 
 from __future__ import annotations
 
@@ -13,7 +7,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from mtdao.ft.plumbing import Refusal
+
+@dataclass
+class Refusal:
+    """A refused peer (or, at a front, a kind of call) and what to say about it."""
+
+    peer: str  # what a refusal is counted by (a quorum member's torchft id)
+    line: str
 
 
 @dataclass
@@ -28,8 +28,10 @@ class RefusalLog:
         every_s: float = 60.0,
         burst: int = 20,
         clock: Callable[[], float] = time.monotonic,
+        held_back: str = "peer quorum entries in the last {s} s that did not prove they belong to "
+        "the run",
     ) -> None:
-        self.every_s, self.burst, self.clock = every_s, burst, clock
+        self.every_s, self.burst, self.clock, self.held_back = every_s, burst, clock, held_back
         self._peers: dict[str, _Peer] = {}
         self._window_start = -float("inf")
         self._said_in_window = 0
@@ -63,10 +65,8 @@ class RefusalLog:
         if not self._held_back or self._said_in_window:
             return []
         held, self._held_back = self._held_back, 0
-        return [
-            f"refused {held} more peer quorum entries in the last {self.every_s:.0f} s that did "
-            "not prove they belong to the run (lines about them held back)"
-        ]
+        what = self.held_back.format(s=f"{self.every_s:.0f}")
+        return [f"refused {held} more {what} (lines about them held back)"]
 
     def _forget(self, now: float) -> None:
         """Drop the peers not refused for ten windows (a flood of ids one after another)."""

@@ -19,15 +19,15 @@ from mtdao.ft.config import ReplicaConfig
 from mtdao.ft.healing import HealedState
 from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
+from mtdao.ft.lines import first_line
 from mtdao.ft.parity import ParityCheck
 from mtdao.ft.plumbing import (
     MembershipGloo,
     QuorumError,
-    Refusal,
-    first_line,
     listening_store,
 )
 from mtdao.ft.quorum import Quorum
+from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey, run_key
 from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
 from mtdao.ft.security.torchft_internals import Manager
@@ -43,13 +43,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class Heal:
-    """A state transfer from a live peer to this replica."""
+    """A state transfer from a live peer (``source``) to this replica; ``seconds``: its whole
+    quorum, waiting, transfer and loading."""
 
     source: int
-    """The replica the state came from."""
     bytes: int
     seconds: float
-    """The whole quorum that carried it: waiting, transfer and loading."""
 
 
 @dataclass
@@ -62,17 +61,12 @@ class RoundStart:
     quorum_id: int
     seconds: float
     heal: Heal | None = None
-    stale: str | None = None
-    """Why this replica sits out this round and heals at the next (None: it takes part)."""
+    stale: str | None = None  # why this replica sits this round out (and heals at the next)
 
 
 class ReplicaGroups(Communicator):
-    """One replica group of a fault-tolerant run: a worker of the engine, averaging with whichever
-    replicas are alive in each round. See the package docstring for the round protocol.
-
-    With ``shard_group``, the replica is that group of processes sharding its tensors (FSDP2),
-    each averaging its shards with the same process of the other replicas (see :mod:`.shards`).
-    """
+    """One replica of a fault-tolerant run: a worker of the engine, averaging with whichever
+    replicas are alive in each round; with ``shard_group``, that group of FSDP2 processes."""
 
     layout: ReplicaLayout
     transport: ManagerTransport
@@ -90,10 +84,8 @@ class ReplicaGroups(Communicator):
         allow_non_finite: bool = False,
         shard_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """Replica ``config.replica_id`` (its lighthouse given); ``key``: the run's secret
-        (None: this account's on this machine, a replica on loopback only); ``config_digest``:
-        of the settings every replica must share (a member with another sits out); the rest as
-        :func:`~mtdao.ft.joining.fault_tolerant_replica` says."""
+        """``key``: the run's secret (None: this account's, on loopback only); ``config_digest``:
+        of the settings every replica must share; the rest as ``fault_tolerant_replica`` says."""
         self.config = config
         self.collective_timeout = timedelta(seconds=collective_timeout)
         self.allow_non_finite = allow_non_finite
@@ -118,13 +110,10 @@ class ReplicaGroups(Communicator):
         self._stale: str | None = None  # why this replica sits the open round out
         self._sitting_out: list[int] = []  # the replicas that do
         self._lighthouse_away: int | None = None  # the step whose quorum found it away
-        self.before_quorum: Callable[[], None] | None = None
-        """Called before each quorum request (a fault drill learns that a joiner has asked)."""
+        self.before_quorum: Callable[[], None] | None = None  # a fault drill's hook
+        # called with each quorum formed and the step this replica then stands at (a heal moves it)
         self.on_quorum: Callable[[RoundStart, int], None] | None = None
-        """Called with each quorum formed and the step this replica then stands at (a heal
-        moves it): how a loop says that it joined or healed."""
         self.parity = ParityCheck()
-        """Compares what each committed round assigned with the other members' (:mod:`.parity`)."""
 
     @property
     def replica_id(self) -> int:
@@ -162,11 +151,8 @@ class ReplicaGroups(Communicator):
         return self.quorum.processes
 
     def connect(self) -> None:
-        """Announce this replica to the lighthouse (heartbeats start): call it once the replica
-        is ready to join, since a live replica that does not join holds up new quorums (the
-        first :meth:`prepare` does, if not called before). In a replica of several processes
-        every process calls it; group rank 0 first starts the replica's manager server and
-        store, then the others connect to them."""
+        """Announce this replica to the lighthouse (heartbeats start) once it is ready to join:
+        a live replica that does not join holds up new quorums. Every process calls it."""
         if self.processes.rank == 0:
             self._store = listening_store(self.config.bind_host)
         failure = self._start_managers()
@@ -193,9 +179,8 @@ class ReplicaGroups(Communicator):
         return None
 
     def _back_in_touch(self, step: int) -> bool:
-        """Whether a quorum can be asked for: the lighthouse accepts connections, and after it
-        was away a new manager has registered with it (see :mod:`.connection`). A step retried
-        without a round (a gradient round cannot be skipped) asks once a second."""
+        """Whether the lighthouse accepts connections (after it was away, a new manager has
+        registered with it); a step retried without a round asks once a second."""
         if self._lighthouse_away == step:
             time.sleep(1.0)
         reachable = (
@@ -241,14 +226,12 @@ class ReplicaGroups(Communicator):
         return [r for r in self.replicas if r not in self._sitting_out]
 
     def refused(self) -> list[Refusal]:
-        """The peers that did not prove they belong to the run in the quorums since the last
-        call (also when a quorum's group then failed to form), each refusal once."""
+        """The peers refused by the quorums since the last call, each refusal once."""
         refused, self.identity.refused = self.identity.refused, []
         return refused
 
     def notes(self) -> list[str]:
-        """What the quorums since the last call did that this replica should say (a heal state
-        it refused), each once."""
+        """What the quorums since the last call did that this replica should say, each once."""
         notes, self.identity.notes = self.identity.notes, []
         return notes
 
@@ -258,10 +241,8 @@ class ReplicaGroups(Communicator):
         return self.quorum.open
 
     def track_state(self, key: str, state: Stateful) -> None:
-        """State a healing replica receives from a live peer (anything with ``state_dict`` and
-        ``load_state_dict``: a data loader's position, an LR scheduler, RNG), loaded in
-        registration order after this replica's identity and before the model (before
-        :meth:`connect`). The engine registers the trained state itself (key ``engine``)."""
+        """State a healing replica also receives (a data position, a schedule, RNG), loaded in
+        registration order after the replica's identity (before :meth:`connect`)."""
         if self.manager is not None:
             raise RuntimeError("track_state() comes before connect()")
         if key in self._tracked:
@@ -275,12 +256,9 @@ class ReplicaGroups(Communicator):
     def prepare(
         self, step: int, round_due: Callable[[int], bool], final: bool = False
     ) -> RoundStart | None:
-        """Before step ``step``'s forward pass (``final``: before the final round, once the
-        last step is taken; ``round_due`` then says whether it has anything to average): a
-        quorum when this replica has not joined yet or a round opens at ``step`` (None
-        otherwise: no coordination between rounds). The engine settled any round still in
-        flight (one quorum at a time). A heal here moves this replica to its source's step;
-        ``round_due`` says whether that step's round is due."""
+        """Before step ``step``'s forward pass (``final``: before the final round): a quorum when
+        this replica has not joined yet or ``round_due(step)``, else None. A heal here moves
+        this replica to its source's step."""
         self._training_step = step - 1
         self.identity.training_step = step - 1
         if self._joined and self.quorum.prepared == step:  # formed already (after the last step)
@@ -378,8 +356,7 @@ class ReplicaGroups(Communicator):
         )
 
     def _identity(self) -> dict[str, Any]:
-        """What a healing peer learns of this replica besides its state: who it is, the step it
-        is at and whether this quorum is for the final round."""
+        """Who this replica is, its step, and whether this quorum is for the final round."""
         return {"replica_id": self.replica_id, "step": self._training_step, "final": self._final}
 
     def _note_source(self, state: dict[str, Any]) -> None:
@@ -417,8 +394,7 @@ class ReplicaGroups(Communicator):
         """Nothing: the first quorum heals every replica from one of them (torchft's init sync)."""
 
     def shutdown(self) -> None:
-        """Leave: stop heartbeats and the state server (the lighthouse drops us after its
-        heartbeat timeout)."""
+        """Leave: stop heartbeats and the state server."""
         if self.manager is not None:
             self.manager.shutdown(wait=False)
         self.process_group.abort(errored=False)  # peers in a round with us fail now, not later

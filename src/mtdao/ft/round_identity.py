@@ -1,17 +1,5 @@
-"""Every round carries its step and config: members that differ sit it out, never averaged.
-
-torchft decides who heals by commit count alone, and the process group is only rebuilt when the
-membership changes. A replica can come back at another training step with a matching commit count
-(one stuck in a collective while the others went on, then failing the same rounds they did): torchft
-would neither heal it nor keep it out, and its parameters would be averaged with states of another
-step. So each round opens with one small all-reduce in which every member puts its training step
-and the digest of its shared settings in its own row. The most common (step, config) is the
-round's reference (a tie goes to the later step); a member elsewhere contributes nothing to the
-round, fails its own commit, and so is behind on commits at the next quorum, where torchft heals it
-from a member that was at the reference. The same exchange carries each member's position in the
-bit-parity check of the round before (:mod:`.parity`): a member that held other values than the
-majority after it sits this round out the same way.
-"""
+"""Every round opens with each member's step and config (and parity position): members that differ
+sit it out, never averaged (docs/security.md, "Step and config at every round")."""
 
 from __future__ import annotations
 
@@ -40,8 +28,7 @@ def exchange_positions(
     config: int,
     parity: Sequence[int] = (),
 ) -> list[tuple[int, ...]]:
-    """(step, config digest, *parity) of every member of the round, in quorum rank order:
-    ``parity`` is its position in the bit-parity check of the round before (:mod:`.parity`)."""
+    """(step, config digest, *parity position) of every member of the round, in rank order."""
     table = torch.zeros(members, 2 + len(parity), dtype=torch.int64)
     table[rank] = torch.tensor([step, config, *parity], dtype=torch.int64)
     table = sum_in_round(table.reshape(-1)).reshape(members, -1)
@@ -67,16 +54,15 @@ def check(
     rank: int,
     step: int,
     identity: ReplicaIdentity,
-    parity: ParityCheck | None = None,
+    parity: ParityCheck,
 ) -> tuple[list[int], str | None]:
-    """(the replicas that sit this round out, why this one does: None when it takes part).
-    With ``parity``, the same exchange compares what the members held after the round before,
-    and one that held other values than the majority sits this round out too."""
+    """(the replicas that sit this round out, why this one does: None when it takes part); the
+    same exchange carries each member's parity position after the round before."""
     config = digest_number(identity.config_digest)
-    own = parity.position() if parity is not None else ()
-    positions = exchange_positions(sum_in_round, rank, len(replicas), step, config, own)
+    positions = exchange_positions(
+        sum_in_round, rank, len(replicas), step, config, parity.position()
+    )
     reasons = sitting_out([position[:2] for position in positions])
-    if parity is not None:
-        parities = [list(position[2:]) for position in positions]
-        reasons = {**parity.judge(parities, replicas, rank, sum_in_round), **reasons}
+    parities = [list(position[2:]) for position in positions]
+    reasons = {**parity.judge(parities, replicas, rank, sum_in_round), **reasons}
     return [replicas[r] for r in reasons], reasons.get(rank)

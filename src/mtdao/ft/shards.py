@@ -1,22 +1,5 @@
-"""Replica groups of several processes: FSDP2 inside a replica, torchft between replicas.
-
-A replica of S processes shards its model (DTensor parameters and states); process s of every
-replica holds the same slice. Each process has its own torchft ``Manager`` with the replica's id,
-torchft's group rank s of S: the managers of one replica share one manager server (group rank 0
-runs it, and the store the groups between replicas meet in), so the replica asks for one quorum,
-heals process by process from the same process of a live peer, and commits a round only when
-every one of its processes has (``should_commit``). Process s averages its shards with process s
-of the other replicas, in a group of its own; so every replica needs the same number of
-processes (checked before any group of a quorum forms:
-:class:`~mtdao.ft.plumbing.MembershipGloo`).
-
-What the processes of one replica must agree on between themselves goes through their shard
-group (:class:`ReplicaProcesses`): that a round failed, as soon as any of them sees a collective
-fail (they then all discard it at the same point, not one of them going on into the next
-collective alone), the heal's size, and the sums over a worker of the layout
-(:class:`~mtdao.ft.replicas.ShardedReplicaLayout`). A replica of one process has none
-of this: every agreement is its own value.
-"""
+"""Replica groups of several processes (FSDP2 inside a replica, torchft between replicas): what a
+replica's processes must agree on goes through their shard group (docs/fault-tolerance.md)."""
 
 from __future__ import annotations
 

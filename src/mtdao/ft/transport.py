@@ -1,17 +1,5 @@
-"""The collectives of a round through a torchft Manager: the transport of a fault-tolerant replica.
-
-The same three collectives as any transport (:mod:`mtdao.sync.transport`), run in the process
-group of the manager's current quorum (:class:`~.quorum.Quorum`): the all-reduce through
-``Manager.allreduce``, the all-to-all and all-gather of a quantized exchange on the quorum's
-group. A collective that fails is reported to the manager, so its round is not committed; the
-wait that sees the failure (in any process of a sharded replica: they agree through their shard
-group) discards the round at once, before anything decoded from it is checked or applied.
-
-The manager runs one quorum and one commit at a time, so rounds do not overlap in flight
-(``rounds_overlap`` False): the engine settles a round in flight before the next one's quorum.
-Who contributes to a call is agreed by the replicas themselves (one small all-reduce), since
-only a replica knows whether it was healed at this round's quorum.
-"""
+"""The collectives of a round through a torchft Manager's quorum; one quorum and one commit at a
+time, so rounds do not overlap in flight, and a failed collective discards its round."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""The run's shared secret, and the signatures made with it.
-
-Every replica of a fault-tolerant run holds the same secret (``--auth-token-file`` or the
-``MTDAO_AUTH_TOKEN`` environment variable). What a replica tells its peers (who it is and where it
-stands at a quorum) and the state it hands a healing peer carry an HMAC-SHA256 made with that
-secret: a peer without it can neither claim a place in a round nor hand anyone a state. The secret
-itself never travels.
-
-A run on loopback may go without one: its replicas then use this account's own secret on this
-machine (:func:`machine_secret`), made on first use in a file only the account can read. Replicas
-the same account starts share it; a process of another account, or anything that does not read
-that file, is refused as a stranger from another machine would be. This module imports neither
-torch nor torchft.
-"""
+"""The run's shared secret and the HMAC-SHA256 signatures made with it; a loopback run without one
+uses this account's own secret (:func:`machine_secret`). Imports neither torch nor torchft."""
 
 from __future__ import annotations
 
@@ -27,8 +15,7 @@ from pathlib import Path
 
 TOKEN_ENV = "MTDAO_AUTH_TOKEN"
 MIN_TOKEN_CHARS = 16
-NO_TOKEN = b""
-"""An empty secret: anyone who runs mtdao can sign with it (tests of the signatures only)."""
+NO_TOKEN = b""  # anyone can sign with it: tests of the signatures only
 MACHINE_SECRET_FILE = "loopback.secret"
 MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))' > FILE"
 
@@ -36,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class RunKey:
-    """HMAC-SHA256 signatures with the run's secret over a sequence of fields; ``origin`` says
-    where the secret came from (for people: never the secret itself)."""
+    """HMAC-SHA256 signatures with the run's secret over fields; ``origin``: where it came from."""
 
     def __init__(self, secret: bytes, origin: str = "") -> None:
         self._secret = secret
@@ -62,8 +48,7 @@ class RunKey:
 
 
 def read_token(token_file: str | None, environ=os.environ) -> bytes | None:
-    """The run's secret: the first line of ``token_file``, else ``$MTDAO_AUTH_TOKEN``; None when
-    neither is set."""
+    """The run's secret from ``token_file``, else ``$MTDAO_AUTH_TOKEN``; None when neither."""
     if token_file is not None:
         source = f"--auth-token-file {token_file}"
         try:  # a pipe is fine (--auth-token-file <(pass show run)): SIGTERM still stops a wait
@@ -92,8 +77,8 @@ def read_token(token_file: str | None, environ=os.environ) -> bytes | None:
 
 
 def run_key(token: bytes | None, bind_host: str, secret_dir: Path | None = None) -> RunKey:
-    """The key of a replica serving on ``bind_host``: a secret is required unless it serves on
-    loopback only, where this account's secret on this machine stands in for it."""
+    """The key of a replica serving on ``bind_host``: on loopback only, this account's secret
+    stands in for a missing one."""
     if token is not None:
         return RunKey(token, "the run's secret")
     if not is_loopback(bind_host):
@@ -112,10 +97,9 @@ def machine_secret_dir() -> Path:
 
 
 def machine_secret(directory: Path) -> bytes:
-    """This account's secret for loopback runs: read from ``directory``/loopback.secret, made
-    there on first use (a 0600 file in a 0700 directory; replicas starting together agree on the
-    first one written; the one that makes it says so). Refused in one line, naming the path and
-    the fix, when another account could read or replace it or it cannot be read as one."""
+    """This account's secret for loopback runs, ``directory``/loopback.secret, made on first use
+    (0600 in a 0700 directory; the first one written wins); refused in one line when another
+    account could read or replace it."""
     path = directory / MACHINE_SECRET_FILE
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -168,9 +152,8 @@ def _make_secret(directory: Path, path: Path) -> bool:
 
 
 def _read_regular_file(path: Path) -> bytes:
-    """The bytes of ``path``; a directory, FIFO, socket or device is refused (OSError EINVAL)
-    before it is opened, and checked again once opened without blocking (an open of a FIFO
-    waits for a writer)."""
+    """The bytes of a regular file ``path`` (else OSError EINVAL), opened without blocking: an
+    open of a FIFO waits for a writer."""
     _refuse_irregular(path.lstat().st_mode)
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     with os.fdopen(descriptor, "rb") as file:

@@ -1,39 +1,7 @@
-"""A front for one of torchft's gRPC servers that lets a fixed set of its calls through and
-nothing else.
-
-torchft's servers answer calls nobody authenticates and that mtdao cannot turn off: the
-lighthouse's port also serves a web dashboard (``GET /status`` lists every replica's addresses,
-``POST /replica/<id>/kill`` stops one), and every replica's manager serves the gRPC call
-``torchft.ManagerService/Kill``, which ends the replica's process. So mtdao runs each such server
-on a loopback address and serves the address its peers use through a :class:`GrpcFront`: a
-gRPC server (grpcio's, on one event loop shared by every front of the process) that takes each
-call whole, checks it, and makes it again as a client of the server behind. Nothing a caller
-sends reaches torchft but a call the front made itself: an allowed method's one request message.
-
-* Only the ``allowed`` methods are served; some only to processes on this machine
-  (``local_only``: a caller at a loopback address or at one of this machine's own), some only
-  when their request message passes a check (``inspect``: e.g. the lighthouse's check of a
-  replica's signed claim). Anything else, an HTTP/1 request or a call of the dashboard among
-  them, ends without reaching the server behind.
-* gRPC's own limits hold every connection: CONNECTIONS at once, HEADER_BYTES of headers per call,
-  MESSAGE_BYTES per request, STREAMS calls at once per connection, HANDSHAKE_S to start
-  speaking HTTP/2, IDLE_S without a call; a call's message must arrive within MESSAGE_S. When
-  the process runs out of file descriptors, gRPC leaves new connections waiting and accepts
-  again a second later; the front says so.
-* At most CALLS calls are in flight on a front, counted by the front (more are answered at
-  once: none waits behind a flood's calls for grpcio to take it).
-* From a host refused HOLD_AFTER times within a second, a refusal is held REFUSAL_HOLD_S before
-  it ends (on the event loop: a held call costs a future, and the holds ending within one
-  HOLD_TICK_S share a timer), so a flood is refused at that pace, not as fast as it can ask
-  again. A refusal costs as little of the front as grpcio allows: a call's path is judged
-  before its message is read, and its first message before the rest.
-* Every refusal is counted (``refused``) and said in one line naming the front, the peer and
-  what it asked for: each kind the first time, then at most once a minute with a count;
-  SAY_BURST lines a minute in all, the rest counted in one line.
-
-This module knows nothing of torchft: its users name the calls (``mtdao lighthouse``;
-:mod:`mtdao.ft.security.manager_front`).
-"""
+"""A front for one of torchft's gRPC servers: a grpcio server that takes each call whole, checks it
+against the allowed methods (and ``inspect``), and makes it again as a client of the server
+behind, so no byte of a caller's reaches torchft (docs/security.md, "The fronts": the limits,
+holds and refusal lines). It knows nothing of torchft: its users name the calls."""
 
 from __future__ import annotations
 
@@ -45,7 +13,6 @@ import ipaddress
 import math
 import resource
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -54,49 +21,33 @@ from urllib.parse import unquote
 import grpc
 from grpc import aio
 
-CONNECTIONS = 512
-"""Connections a front serves at once (more are closed as they come): below the usual limit of
-1024 file descriptors, so a flood of connections leaves the process descriptors of its own."""
-STREAMS = 16
-"""Calls in flight at once on one connection (a replica makes one or two)."""
-CALLS = 1024
-"""Calls in flight at once on a front (more are answered RESOURCE_EXHAUSTED at once)."""
+from mtdao.ft.lines import shown_address, to_stderr
+from mtdao.ft.refusals import Refusal, RefusalLog
+
+# Limits and holds: docs/security.md, "The fronts", gives each with its why.
+CONNECTIONS = 512  # below the usual 1024 descriptors: a flood leaves the process some
+STREAMS = 16  # calls at once per connection (a replica makes one or two)
+CALLS = 1024  # calls in flight on a front; more are answered RESOURCE_EXHAUSTED at once
 HEADER_BYTES = 16 << 10
-"""A call's headers (a replica's are a few hundred bytes)."""
-MESSAGE_BYTES = 1 << 20
-"""A request message (a replica's signed claim is a few kilobytes)."""
-ANSWER_BYTES = 64 << 20
-"""An answer of the server behind (a quorum carries every member's claim)."""
+MESSAGE_BYTES = 1 << 20  # a replica's signed claim is a few kilobytes
+ANSWER_BYTES = 64 << 20  # a quorum carries every member's claim
 HANDSHAKE_S = 10.0
-"""From a connection's start to its HTTP/2 preface and settings."""
 IDLE_S = 60.0
-"""A connection with no call in flight for this long is closed (the caller reconnects)."""
-MESSAGE_S = 10.0
-"""From a call's headers to its whole request message."""
+MESSAGE_S = 10.0  # from a call's headers to its whole request message
 REFUSAL_HOLD_S = 1.0
-"""How long a refusal is held before it ends, once its host is flooding (HOLD_AFTER)."""
-HOLD_AFTER = 10
-"""Refusals of one host within a second from which its refusals are held."""
-HOLD_TICK_S = 0.05
-"""Held refusals end together on ticks this far apart (one timer for all those of a tick)."""
+HOLD_AFTER = 10  # refusals of one host within a second from which its refusals are held
+HOLD_TICK_S = 0.05  # held refusals end together on ticks this far apart (one timer a tick)
 SAY_EVERY_S = 60.0
-"""A kind of refusal said again at most this often (with a count)."""
-SAY_BURST = 20
-"""Lines said per SAY_EVERY_S in all (refusals of many kinds: the rest in one line after)."""
+SAY_BURST = 20  # lines per SAY_EVERY_S in all; the rest counted in one line
 MAX_TRACKED = 4096
 SHOWN_PATH_CHARS = 80
 
 
 class GrpcFront:
-    """Serves ``host``:``port`` (0: any free port) and makes each allowed call again on the
-    server at ``upstream`` (``host:port``), once :meth:`start` names it.
-
-    ``name`` says whose front it is in refusal lines (``lighthouse``, ``manager``); ``allowed``
-    holds the full gRPC paths that may be called (``/package.Service/Method``), ``local_only``
-    those of them served only to callers on this machine; ``inspect`` maps some of them to a
-    check of the request's message (its protobuf bytes, and the caller's (host, port)) that
-    returns whether it may go on (the check says why not itself); ``report`` receives each line
-    (by default, standard error). Raises OSError when ``host``:``port`` cannot be served."""
+    """Serves ``host``:``port`` (0: any), making each call of ``allowed`` (full gRPC paths;
+    ``local_only``: to this machine's callers only; ``inspect``: path -> check of the message
+    and the caller's (host, port), which says why not itself) again on the server behind.
+    ``name`` is whose front it is in ``report``'s lines. Raises OSError when it cannot serve."""
 
     def __init__(
         self,
@@ -112,13 +63,14 @@ class GrpcFront:
         self.name, self.allowed = name, allowed
         self.local_only = local_only & allowed
         self.inspect = inspect or {}
-        self.report = report or _to_stderr
+        self.report = report or to_stderr
         self.clock = clock
         self.refusal_hold_s, self.hold_after = REFUSAL_HOLD_S, HOLD_AFTER
         self.refused = 0
         self._recent: dict[str, collections.deque] = {}  # each host's last refusal times
-        self._said: dict[str, list[float]] = {}  # kind of refusal -> [said at, unsaid since]
-        self._window = [-float("inf"), 0, 0]  # [its start, lines said, refusals held back]
+        self._lines = RefusalLog(
+            SAY_EVERY_S, SAY_BURST, clock, "calls of other kinds in the last {s} s"
+        )
         self._upstream: set[aio.UnaryUnaryCall] = set()  # calls waiting on the server behind
         self._calls = 0  # calls in flight
         self._holds: dict[int, list[asyncio.Future]] = {}  # tick -> the refusals it ends
@@ -126,15 +78,11 @@ class GrpcFront:
         self._channel: aio.Channel | None = None
         self._fd_watch: threading.Thread | None = None
         self._stopped = threading.Event()
-        self._host = numeric_host(host)
-        shown = f"[{self._host}]" if ":" in self._host else self._host
+        self.host = numeric_host(host)
+        shown = f"[{self.host}]" if ":" in self.host else self.host
         self._server, self.port = _on_loop(self._bind(f"{shown}:{port}"))
         if not self.port:
             raise OSError(errno.EADDRINUSE, f"cannot serve {shown}:{port}")
-
-    @property
-    def host(self) -> str:
-        return self._host
 
     def start(self, upstream: str) -> GrpcFront:
         """Serve, making each allowed call again on ``upstream`` (``host:port``)."""
@@ -148,8 +96,7 @@ class GrpcFront:
         _on_loop(self._stop())
 
     def end_calls(self) -> int:
-        """Fail every call waiting on the server behind now (its caller sees it cancelled);
-        the front serves on. How many there were."""
+        """Fail every call waiting on the server behind now; how many there were."""
         return _on_loop(self._cancel_calls())
 
     async def _bind(self, address: str) -> tuple[aio.Server, int]:
@@ -195,18 +142,10 @@ class GrpcFront:
         calls = list(self._upstream)
         for call in calls:
             call.cancel()
-        held = 0
-        for ended in self._holds.values():
-            for hold in ended:
-                if not hold.done():
-                    hold.set_result(None)
-                    held += 1
-        self._holds.clear()
-        return len(calls) + held
+        return len(calls) + sum(self._end_hold(tick) for tick in list(self._holds))
 
     async def call(self, path: str, context: aio.ServicerContext) -> bytes:
-        """One call: counted, checked, then made again on the server behind; its answer or
-        its error goes back to the caller."""
+        """One call: counted, checked, then made again on the server behind."""
         if self._calls >= CALLS:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -254,8 +193,7 @@ class GrpcFront:
     async def _refuse(
         self, context: aio.ServicerContext, peer: tuple[str, int], what: str | None, served
     ) -> None:
-        """Count and say a refusal (``what``: None when a check said why itself), hold it when
-        its host is flooding, and end the call."""
+        """Count, say (``what``: None when a check said why) and end a refusal, held if flooding."""
         self.refused += 1
         if what is not None:
             self._say(peer, what, served)
@@ -267,8 +205,7 @@ class GrpcFront:
         )
 
     async def _hold(self) -> None:
-        """Wait ``refusal_hold_s`` (to the next HOLD_TICK_S), or until :meth:`end_calls`: the
-        refusals of a tick share one timer, and a held call costs a future."""
+        """Wait ``refusal_hold_s`` (to the next tick), or until :meth:`end_calls`."""
         loop = asyncio.get_running_loop()
         tick = math.ceil((loop.time() + self.refusal_hold_s) / HOLD_TICK_S)
         ended = self._holds.get(tick)
@@ -279,47 +216,25 @@ class GrpcFront:
         ended.append(hold)
         await hold
 
-    def _end_hold(self, tick: int) -> None:
-        for hold in self._holds.pop(tick, ()):
-            if not hold.done():
-                hold.set_result(None)
+    def _end_hold(self, tick: int) -> int:
+        held = [hold for hold in self._holds.pop(tick, ()) if not hold.done()]
+        for hold in held:
+            hold.set_result(None)
+        return len(held)
 
     def _say(self, peer: tuple[str, int], what: str, served) -> None:
-        now = self.clock()
-        if now - self._window[0] >= SAY_EVERY_S:
-            if self._window[2]:
-                self.report(
-                    f"{self.name}'s front: refused {self._window[2]} more calls of other kinds "
-                    f"in the last {SAY_EVERY_S:.0f} s (lines about them held back)"
-                )
-            self._window = [now, 0, 0]
-        said = self._said.get(what)
-        if said is not None and now - said[0] < SAY_EVERY_S:
-            said[1] += 1
-            return
-        if self._window[1] >= SAY_BURST:
-            self._window[2] += 1
-            return
-        again = ""
-        if said is not None:
-            again = f" (refused {said[1] + 1} times in the last {now - said[0]:.0f} s)"
-        if len(self._said) >= MAX_TRACKED:  # many kinds: forget the quiet ones
-            self._said = {k: v for k, v in self._said.items() if now - v[0] < SAY_EVERY_S}
-        self._said[what] = [now, 0]
-        self._window[1] += 1
-        self.report(
-            f"{self.name}'s front: refused {what} from {_address(peer)}; "
-            f"{self._served_line(served)}{again}"
-        )
+        """Each kind of refusal said once a minute at most, with a count (:mod:`.refusals`)."""
+        line = f"{what} from {shown_address(peer)}; {self._served_line(served)}"
+        for said in self._lines.lines([Refusal(peer=what, line=line)]):
+            self.report(f"{self.name}'s front: {said}")
 
     def _served_line(self, served) -> str:
         names = ", ".join(sorted(p.rsplit("/", 1)[-1] for p in served))
         return f"only {names} calls are served to it" if names else "no call is served to it"
 
     def _flooding(self, host: str) -> bool:
-        """Whether ``host`` had ``hold_after`` refusals within the last second, this one
-        included: a replica's own first heartbeats, refused before its first quorum, are a few
-        and go unheld; a flood is held."""
+        """Whether ``host`` had ``hold_after`` refusals within a second (a replica's own few
+        first heartbeats go unheld)."""
         now = time.monotonic()
         if len(self._recent) > MAX_TRACKED:  # many hosts: forget the quiet ones
             self._recent = {h: t for h, t in self._recent.items() if now - t[-1] < 1.0}
@@ -328,9 +243,7 @@ class GrpcFront:
         return len(recent) == self.hold_after and now - recent[0] < 1.0
 
     def _watch_descriptors(self) -> None:
-        """Say, at most once a minute, when this process has run out of file descriptors:
-        gRPC then leaves new connections waiting (it accepts again a second later), so
-        callers see a front that is slow to answer."""
+        """Say, once a minute at most, when gRPC leaves connections waiting for descriptors."""
         said_at = -float("inf")
         while not self._stopped.wait(1.0):
             if not _out_of_descriptors() or self.clock() - said_at < SAY_EVERY_S:
@@ -345,8 +258,7 @@ class GrpcFront:
 
 
 class _Calls(grpc.GenericRpcHandler):
-    """Every method: a call the front takes whole (its request read as a stream, so a caller
-    that sends headers and no message is bounded by MESSAGE_S) and decides on."""
+    """Every method, its request read as a stream (a missing message is bounded by MESSAGE_S)."""
 
     def __init__(self, front: GrpcFront) -> None:
         self.front = front
@@ -371,9 +283,8 @@ EOF_SEEN = "the end of the call's messages"
 async def _next_message(
     context: aio.ServicerContext, deadline: float
 ) -> tuple[bytes | None, str | None]:
-    """(the call's next request message, None), (None, EOF_SEEN) at the end of its messages,
-    or (None, why not: None when the caller ended the call). Waits until ``deadline`` (the
-    event loop's time) at most, on a timer rather than a task of its own."""
+    """(next message, None), (None, EOF_SEEN), or (None, why not: None when the caller ended
+    it), waiting until ``deadline`` at most, on a timer rather than a task of its own."""
     task, late = asyncio.current_task(), []
 
     def give_up() -> None:
@@ -401,8 +312,7 @@ _loop_lock = threading.Lock()
 
 
 def _on_loop(coroutine):
-    """Run ``coroutine`` on the event loop every front of this process shares (started on
-    first use, in a thread of its own), and return its result."""
+    """``coroutine``'s result, run on the event loop every front of this process shares."""
     global _loop
     with _loop_lock:
         if _loop is None:
@@ -414,8 +324,7 @@ def _on_loop(coroutine):
 
 
 def from_this_machine(host: str) -> bool:
-    """Whether a caller at ``host`` is on this machine: a loopback address, or one of this
-    machine's own (which a socket can bind)."""
+    """Whether ``host`` is a loopback address or one of this machine's own (a socket binds it)."""
     try:
         address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
@@ -453,14 +362,6 @@ def _out_of_descriptors() -> bool:
             return False
     except OSError as error:
         return error.errno in (errno.EMFILE, errno.ENFILE)
-
-
-def _address(peer: tuple[str, int]) -> str:
-    return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _shown(path: str) -> str:

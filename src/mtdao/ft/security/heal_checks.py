@@ -1,16 +1,6 @@
-"""Whether a heal state may be applied: checked against the receiving replica's own state first.
-
-A member with the run's secret is trusted not to be malicious, but it can be faulty (a bug, a
-bit flip, a diverged replica), and the replica that heals from it would carry its fault on, or
-stop: a NaN became "training loss is NaN at step 1 ... lower --lr", an int64 tensor was cast
-silently into a float32 state, a state of the wrong shape stopped the healthy receiver. So before
-anything is loaded, every tensor of the state must have the key, shape and dtype the receiver's
-own tensor has, and a finite value unless the run allows non-finite states; the state must be at
-the commit count and training step its sender proved at the quorum. What the receiver does not
-hold yet (optimizer states before its first step, rounds in flight) must fit what it does hold:
-an optimizer state is a counter or shaped like its parameter, an element of a list is shaped like
-the list's first element here. :func:`heal_problem` names the first key that fails, in one line.
-"""
+"""Whether a heal state may be applied: a secret holder may be faulty, so every tensor must match
+the receiver's own key, shape and dtype and be finite, and the state must be at the commit count
+and step its sender proved; :func:`heal_problem` names the first key that fails."""
 
 from __future__ import annotations
 

@@ -1,31 +1,21 @@
-"""The listener of a replica's heal server: an HTTP server that no caller can hold for long.
-
-Each request is served in a thread of its own (a state may take a while to send), so a caller
-could otherwise hold the server's threads and memory: a connection that sends its request
-slowly, or never, or an endless header block, or more connections than the process has file
-descriptors. So at most CONNECTIONS requests are served at once (more are closed as they come), a
-request's line and headers must arrive within REQUEST_S and HEAD_BYTES, and when the process is
-out of file descriptors the server says so (once a minute) and waits a second before it accepts
-again, instead of spinning on a listener it cannot accept from.
-"""
+"""The listener of a replica's heal server: an HTTP server no caller can hold for long (caps on
+connections, head size and time; survives running out of file descriptors)."""
 
 from __future__ import annotations
 
 import errno
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-CONNECTIONS = 64
-"""Requests served at once (a replica's peers make one per process that heals)."""
-REQUEST_S = 10.0
-"""From a connection's start to its request's last header."""
-HEAD_BYTES = 16 << 10
-"""A request's line and headers (a heal request's are a few hundred bytes)."""
+from mtdao.ft.lines import to_stderr
+
+CONNECTIONS = 64  # requests served at once (a replica's peers make one per process that heals)
+REQUEST_S = 10.0  # from a connection's start to its request's last header
+HEAD_BYTES = 16 << 10  # a request's line and headers (a heal request's are a few hundred bytes)
 DESCRIPTORS_PAUSE_S = 1.0
 SAY_EVERY_S = 60.0
 
@@ -59,7 +49,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     ) -> None:
         self.address_family = family
         super().__init__(address, handler)
-        self.report = report or _to_stderr
+        self.report = report or to_stderr
         self.turned_away = 0
         self._slots = threading.BoundedSemaphore(CONNECTIONS)
         self._said_at = -float("inf")
@@ -102,8 +92,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 
 class _Capped:
-    """A request's input, of which at most ``budget`` bytes are read: past it, the request's
-    head simply ends (and then fails its checks)."""
+    """A request's head (read by lines: a heal request has no body), ``budget`` bytes at most."""
 
     def __init__(self, raw, budget: int) -> None:
         self.raw, self.budget = raw, budget
@@ -115,20 +104,5 @@ class _Capped:
         self.budget -= len(line)
         return line
 
-    def read(self, size: int = -1) -> bytes:
-        if self.budget <= 0:
-            return b""
-        data = self.raw.read(self.budget if size < 0 else min(size, self.budget))
-        self.budget -= len(data)
-        return data
-
     def close(self) -> None:
         self.raw.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.raw.closed
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

@@ -1,23 +1,5 @@
-"""What ``mtdao lighthouse`` lets into its quorums: replicas that prove they belong to the run.
-
-torchft's lighthouse counts every process that asks it for a quorum, or only sends it heartbeats,
-as a live replica: one in the last quorum that does not ask again holds the next one open for the
-whole ``--join-timeout``, and a flood of heartbeats alone makes it refuse to form any new quorum
-(it waits for half the replicas it hears from). The replicas refuse such peers themselves
-(:mod:`.proofs`), but cannot stop the lighthouse waiting for them. So the lighthouse's front
-(:mod:`mtdao.ft.security.grpc_front`) reads each request message before it goes on:
-
-* a ``Quorum`` request goes on only with a claim signed with the run's secret, naming the replica
-  that asks, with a nonce not seen before (a replayed claim is refused);
-* a ``Heartbeat`` goes on only from a replica id whose quorum request went on, and only from the
-  host that sent that request (a replica's first heartbeats, sent before it first asks for a
-  quorum, are refused and counted, not said): a stranger that learned a member's id cannot keep
-  it, or a dead member, alive in torchft's lighthouse.
-
-A refused request ends its connection before torchft's lighthouse hears of it. Refused quorum
-requests are said once a minute per peer with a count (:mod:`.refusals`), refused heartbeats once
-a minute in one line. Whoever holds the secret is trusted here as in the replicas.
-"""
+"""What ``mtdao lighthouse`` lets into its quorums: quorum requests with a fresh signed claim, and
+heartbeats only from a proven member's host (docs/security.md, "The lighthouse")."""
 
 from __future__ import annotations
 
@@ -27,8 +9,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mtdao.ft.plumbing import Refusal
-from mtdao.ft.refusals import RefusalLog
+from mtdao.ft.lines import shown_address
+from mtdao.ft.refusals import Refusal, RefusalLog
 from mtdao.ft.security.auth import RunKey
 from mtdao.ft.security.proofs import SeenNonces, read_claim
 
@@ -53,11 +35,11 @@ class LighthouseGate:
         self._heartbeats_said_at = clock()
         self._lock = threading.Lock()  # the front serves each connection in a thread
 
-    def inspectors(self) -> dict[str, Callable[[bytes, Any], bool]]:
+    def inspectors(self) -> dict[str, Callable[[bytes, tuple[str, int]], bool]]:
         """The checks to hand the lighthouse's front, by gRPC path."""
         return {QUORUM: self.quorum, HEARTBEAT: self.heartbeat}
 
-    def quorum(self, message: bytes, peer: Any) -> bool:
+    def quorum(self, message: bytes, peer: tuple[str, int]) -> bool:
         """Whether a ``LighthouseQuorumRequest`` may go on."""
         try:
             requester = _string_fields(dict(_fields(message)).get(1, b""))
@@ -74,17 +56,17 @@ class LighthouseGate:
             if claim is not None and not self._seen.first_time(claim.nonce):
                 claim, why = None, "its claim was handed in before (a replay)"
             if claim is not None:
-                self.proven[member] = (self.clock(), _host(peer))
+                self.proven[member] = (self.clock(), peer[0])
                 self._forget()
                 return True
             shown = member[:48] or "(no replica id)"
-            line = f"a quorum request of {shown!r} from {_address(peer)}: {why}"
-            lines = self.refusals.lines([Refusal(peer=member or _address(peer), line=line)])
+            line = f"a quorum request of {shown!r} from {shown_address(peer)}: {why}"
+            lines = self.refusals.lines([Refusal(peer=member or shown_address(peer), line=line)])
         for said in lines:
             self.report(f"lighthouse: {said}")
         return False
 
-    def heartbeat(self, message: bytes, peer: Any) -> bool:
+    def heartbeat(self, message: bytes, peer: tuple[str, int]) -> bool:
         """Whether a ``LighthouseHeartbeatRequest`` may go on."""
         try:
             member = _string_fields(message).get(1, "")
@@ -93,7 +75,7 @@ class LighthouseGate:
         with self._lock:
             now = self.clock()
             proven = self.proven.get(member)
-            if proven is not None and proven[1] == _host(peer):
+            if proven is not None and proven[1] == peer[0]:
                 self.proven[member] = (now, proven[1])
                 return True
             self._heartbeats_refused += 1
@@ -149,11 +131,3 @@ def _varint(data: bytes, offset: int) -> tuple[int, int]:
         offset, shift = offset + 1, shift + 7
         if not byte & 0x80:
             return value, offset
-
-
-def _host(peer: Any) -> str:
-    return peer[0] if isinstance(peer, tuple) else str(peer)
-
-
-def _address(peer: Any) -> str:
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)

@@ -1,28 +1,6 @@
-"""A replica's torchft manager server, behind a front that refuses every call but the one a run
-makes of it.
-
-Every replica's first process runs torchft's ``ManagerServer`` (Rust, gRPC service
-``torchft.ManagerService``), which keeps the replica's heartbeats to the lighthouse going and
-gathers the commit votes of the replica's processes (``ShouldCommit``). It also answers
-``Kill``, which ends the process, ``Quorum`` and ``CheckpointMetadata``, from anyone who reaches
-the port, and torchft offers no way to turn them off (mtdao's replicas ask the lighthouse for
-their quorums themselves and find each other's heal servers in their signed claims:
-:mod:`.proven_manager`). So the server runs on a loopback address and the replica's
-``--bind-host`` is served by a :class:`~mtdao.ft.security.grpc_front.GrpcFront` that makes
-``ShouldCommit`` calls from this machine only (a replica's processes share one, see :mod:`.shards`;
-a stranger's could change the replica's commit votes) and refuses the rest.
-
-The front must sit on the port torchft advertises: the server's ``address()``, which it hands the
-lighthouse (and so healing peers, in their quorum results) and the replica's other processes
-(through the store), is ``http://<hostname>:<port it bound>``. So a port P is held on a
-loopback address the front does not cover: 127.0.0.1 for any other host (127.0.0.2 or ::1 when
-the front is on 127.0.0.1 itself; on Linux all of 127.0.0.0/8 is loopback), ::1 when the front
-serves every IPv4 interface (0.0.0.0: gRPC would serve IPv6 there too, but for ::1 being taken);
-the front then takes P on the bind host, and the server P on that loopback address. A front on
-``::`` (every address, loopback included) leaves no such address: the configuration refuses it.
-When P cannot be had on both, the next P is tried, and after that the replica stops with one
-line rather than serve ``Kill``.
-"""
+"""A replica's torchft manager server on loopback, behind a front on ``--bind-host`` at the port
+torchft advertises, serving only ``ShouldCommit`` from this machine (torchft's ``Kill`` cannot be
+turned off): docs/security.md, "The replica's manager"."""
 
 from __future__ import annotations
 
@@ -37,8 +15,7 @@ from mtdao.ft.security.grpc_front import GrpcFront, numeric_host
 from mtdao.ft.security.torchft_internals import ManagerServer, replace_manager_server
 
 SERVICE = "/torchft.ManagerService/"
-OWN_PROCESS_CALLS = frozenset({SERVICE + "ShouldCommit"})
-MANAGER_CALLS = OWN_PROCESS_CALLS
+OWN_PROCESS_CALLS = frozenset({SERVICE + "ShouldCommit"})  # all it serves, to this machine only
 LOOPBACK_CANDIDATES = ("127.0.0.1", "127.0.0.2", "::1")
 PORT_ATTEMPTS = 20
 
@@ -71,17 +48,15 @@ class FrontedManagerServer:
         self.server.shutdown()
 
     def end_calls(self) -> int:
-        """Fail every call waiting on the server now (its own processes' ``Quorum`` among them):
-        torchft's server cannot cancel one. How many connections were ended."""
+        """Fail every call waiting on the server now (torchft's cannot); how many there were."""
         return self.front.end_calls()
 
 
 def start_fronted(
     start_server: Callable[[str], Any], bind_host: str, port: int
 ) -> FrontedManagerServer:
-    """``start_server(bind)`` (torchft's ``ManagerServer`` with the ``bind`` address given)
-    behind a front on ``bind_host``: on ``port``, or any free one when it is 0. Raises
-    FrontUnavailable, or what ``start_server`` raises for another reason than a taken port."""
+    """``start_server(bind)`` (torchft's ``ManagerServer``) behind a front on ``bind_host`` at
+    ``port`` (0: any free one). Raises FrontUnavailable."""
     last = "none was usable"
     beside = loopbacks_beside(numeric_host(bind_host))
     for _ in range(1 if port else PORT_ATTEMPTS):
@@ -95,7 +70,7 @@ def start_fronted(
             bind = f"[{internal}]:{chosen}" if ":" in internal else f"{internal}:{chosen}"
             try:
                 front = GrpcFront(
-                    "manager", bind_host, chosen, MANAGER_CALLS, local_only=OWN_PROCESS_CALLS
+                    "manager", bind_host, chosen, OWN_PROCESS_CALLS, local_only=OWN_PROCESS_CALLS
                 )
             except OSError as error:
                 if port:
@@ -128,12 +103,9 @@ def start_fronted(
 
 @contextmanager
 def manager_bound_to(bind_host: str) -> Iterator[None]:
-    """torchft's Manager starts its gRPC server on ``[::]`` (every interface) with no way to say
-    otherwise; a Manager built in this thread while this is open gets a
-    :class:`FrontedManagerServer` on ``bind_host`` instead (at the port torchft asked for,
-    usually 0: any). Replicas may start in several threads of one process at once (the tests
-    do), so the bind host is the thread's own and torchft's name for the server stays replaced;
-    outside such a block it is torchft's own server."""
+    """A Manager built in this thread meanwhile gets a :class:`FrontedManagerServer` on
+    ``bind_host``, not torchft's on ``[::]``. The bind host is the thread's own: replicas may
+    start in several threads of one process at once."""
     replace_manager_server(_server_for_this_thread)
     previous = getattr(_bound, "host", None)
     _bound.host = bind_host

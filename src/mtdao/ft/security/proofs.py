@@ -1,28 +1,6 @@
-"""Who is in a quorum, proven: every member signs who it is, fresh for each quorum.
-
-torchft's lighthouse lets any process that reaches it into a quorum, with whatever step it
-claims. So each replica asks the lighthouse for its quorum with a signed :class:`Claim` attached
-(its replica id, torchft member id, commit count, training step, config digest, where it serves,
-and a nonce drawn for this request), and the lighthouse hands every member every claim with the
-quorum. A member is proven in two steps, both bounded in time:
-
-1. **Its claim verifies** (:func:`read_claim`): signed with this run's secret (HMAC-SHA256, see
-   :mod:`.auth`), naming the member that sent it, with a nonce not seen before. A peer without
-   the secret has nothing that verifies and is refused at once, whatever it claims; nothing waits
-   for it.
-2. **It confirms this very quorum** (:func:`confirm_quorum`): a claim is public once a quorum
-   carried it, so a stranger could hand one in again under the member's id. Each candidate
-   therefore signs the quorum's digest (every candidate's nonce and the lighthouse's quorum id:
-   :func:`quorum_digest`) into its own store, under a key only holders of the secret can name,
-   and every member reads each candidate's confirmation from the store its claim names. A
-   replayed claim names a store where no such confirmation appears (its owner is gone, or it
-   did not send that claim and confirms nothing): refused after at most ``wait_s``.
-
-Members then form their round with the proven members only (:mod:`.quorum_plan`), heal only from
-them, and bind heal states and their requests to the same digest (:mod:`.safe_transport`).
-Whether the members stand at one step and config is checked at every round
-(:mod:`.round_identity`).
-"""
+"""Who is in a quorum, proven: a claim signed with the run's secret with a fresh nonce, and a
+confirmation of this very quorum in the member's own store, since a claim is public once a quorum
+carried it (docs/security.md, "What a peer must prove")."""
 
 from __future__ import annotations
 
@@ -36,40 +14,33 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from mtdao.ft.lines import first_line, short_member
 from mtdao.ft.security.auth import RunKey
 
-DATA_KEY = "mtdao"
-"""Where a claim travels in a member's quorum request (torchft's ``data``)."""
+DATA_KEY = "mtdao"  # where a claim travels in a member's quorum request (torchft's ``data``)
 
 
 @dataclass(frozen=True)
 class Claim:
-    replica_id: int
-    """The replica's ``--replica-id``."""
-    member: str
-    """torchft's id of this replica's manager (``<replica id>:<uuid>``): one per manager life."""
-    commits: int
-    """torchft's step: rounds this replica committed."""
-    step: int
-    """The training step this replica has taken."""
-    config: str
-    """Digest of the settings every replica must share."""
-    shards: int
-    """The replica's processes (``--shards``)."""
-    store: str
-    """``host:port`` of the replica's store (its confirmations, and a round's rendezvous)."""
-    heal: tuple[str, ...]
-    """The heal server of each of its processes, in process order."""
-    commit_failures: int = 0
-    """Rounds this replica failed to commit in a row (the round's group is rebuilt then)."""
-    nonce: str = ""
-    """Drawn for this one quorum request."""
-    refused: tuple[str, ...] = ()
-    """The members whose heal state this replica refused, this run: no quorum heals from them
-    (:mod:`.quorum_plan`)."""
+    replica_id: int  # the replica's ``--replica-id``
+    member: str  # torchft's id of this replica's manager (``<replica id>:<uuid>``)
+    commits: int  # torchft's step: rounds this replica committed
+    step: int  # the training step this replica has taken
+    config: str  # digest of the settings every replica must share
+    shards: int  # the replica's processes (``--shards``)
+    store: str  # ``host:port`` of the replica's store (its confirmations, and a round's rendezvous)
+    heal: tuple[str, ...]  # the heal server of each of its processes, in process order
+    commit_failures: int = 0  # rounds failed in a row (the round's group is rebuilt then)
+    nonce: str = ""  # drawn for this one quorum request
+    refused: tuple[str, ...] = ()  # members whose heal state it refused: none heals from them
 
     def body(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> Claim:
+        heal, refused = tuple(fields["heal"]), tuple(fields.get("refused", ()))
+        return cls(**{**fields, "heal": heal, "refused": refused})
 
 
 def new_nonce() -> str:
@@ -95,20 +66,16 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
     if not key.verifies(signature, "claim", body):
         return None, "its claim is not signed with this run's secret"
     try:
-        fields = json.loads(body)
-        fields["heal"] = tuple(fields["heal"])
-        fields["refused"] = tuple(fields.get("refused", ()))
-        claim = Claim(**fields)
+        claim = Claim.from_fields(json.loads(body))
     except (TypeError, ValueError, KeyError, RecursionError):
         return None, "its claim is not readable"
     if claim.member != member_id:
-        return None, f"its claim was made by another member ({_short(claim.member)})"
+        return None, f"its claim was made by another member ({short_member(claim.member)})"
     return claim, ""
 
 
 class SeenNonces:
-    """The nonces of the claims this replica has read, the newest ``limit``: a claim handed in
-    again (a replay) has one of them; a member's own claims never repeat one."""
+    """The newest ``limit`` nonces read: a replayed claim repeats one, a member's own never do."""
 
     def __init__(self, limit: int = 100_000) -> None:
         self.limit = limit
@@ -134,9 +101,7 @@ def quorum_digest(quorum_id: int, claims: Sequence[Claim]) -> str:
 
 
 def confirmation_key(key: RunKey, digest: str) -> str:
-    """Where a member's confirmation of quorum ``digest`` lies in its store: a key only holders
-    of the secret can name (a stranger who reaches the store can neither find nor overwrite
-    it)."""
+    """A store key for a confirmation of ``digest`` that only holders of the secret can name."""
     return f"mtdao/confirm/{key.sign('confirmation key', digest)[:32]}"
 
 
@@ -147,16 +112,11 @@ def confirm_quorum(
     me: Claim,
     candidates: Sequence[Claim],
     wait_s: float,
-    keep: bool = True,
 ) -> dict[str, str]:
-    """Post this member's confirmation of quorum ``digest`` in its own store (unless ``keep`` is
-    False: this member does not stand behind the quorum's claim in its name), then read every
-    other candidate's from the store its claim names, all at once, for at most ``wait_s``.
-    Returns {member: why it is not confirmed} for the candidates that are not.
-    ``open_store(address)`` gives a store client for ``host:port``."""
+    """Post this member's confirmation of ``digest``, then read every other candidate's from its
+    claimed store for at most ``wait_s``: {member: why not} for those not confirmed."""
     name = confirmation_key(key, digest)
-    if keep:
-        open_store(me.store).set(name, key.sign("confirm", digest, me.member))
+    open_store(me.store).set(name, key.sign("confirm", digest, me.member))
     others = [c for c in candidates if c.member != me.member]
 
     def confirmation(claim: Claim) -> str:
@@ -165,7 +125,7 @@ def confirm_quorum(
             store.wait([name], timedelta(seconds=wait_s))
             signature = store.get(name).decode()
         except Exception as error:  # unreachable, or nothing posted in time
-            return f"it did not confirm this quorum within {wait_s:g} s ({_first_line(error)})"
+            return f"it did not confirm this quorum within {wait_s:g} s ({first_line(error, 120)})"
         if not key.verifies(signature, "confirm", digest, claim.member):
             return "its confirmation of this quorum is not signed with this run's secret"
         return ""
@@ -175,12 +135,3 @@ def confirm_quorum(
     with ThreadPoolExecutor(max_workers=min(16, len(others))) as pool:
         verdicts = list(pool.map(confirmation, others))
     return {c.member: why for c, why in zip(others, verdicts) if why}
-
-
-def _short(member: str) -> str:
-    return member if len(member) <= 48 else member[:45] + "..."
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:120] if text else type(error).__name__

@@ -1,30 +1,11 @@
 """A replica's torchft Manager whose quorums hold proven members only, and whose heals are checked.
 
-torchft's Manager asks its own manager server for each quorum, which asks the lighthouse and
-computes, from every member the lighthouse let in, who heals from whom and where the round's
-group meets: a stranger that claims the highest step becomes every replica's heal source and
-hosts the rendezvous (a rogue on loopback froze a run for as long as it lived). Here the quorum
-step of the Manager (its private ``_async_quorum``, :mod:`.torchft_internals`) is mtdao's:
-
-1. the replica's first process asks the lighthouse itself, with its signed claim attached
-   (:mod:`.proofs`); the lighthouse hands every member every claim with the quorum;
-2. it proves the members (claims that verify, nonces never seen, confirmations of this very
-   quorum, each within a bounded wait) and hands the verdict to the replica's other processes
-   through the replica's store;
-3. each process plans the quorum over the proven members only (:mod:`.quorum_plan`): its rank,
-   its heal sources by the commit counts they proved, the store where its group meets;
-4. it forms the round's gloo group with them when the membership changed (or a round failed),
-   its rendezvous bounded by ``--connect-timeout``;
-5. up-to-date members serve their state when anyone heals, bound to the quorum, the source and
-   the receiver (:mod:`.safe_transport`); a healing member fetches it from its first source,
-   checks it against its own state (:mod:`.heal_checks`) and, when it is refused, tries the next
-   source: it keeps its own state when none fits, and its round fails (it heals at a later
-   quorum). A member whose state was refused is named in the refuser's claims for the rest of
-   the run, and no later quorum heals from it (:mod:`.quorum_plan`): a faulty source costs a
-   round, not the run. No healthy replica stops because a peer sent something wrong.
-
-torchft's manager server still carries the replica's heartbeats to the lighthouse and gathers the
-commit votes of its processes (``should_commit``).
+torchft's quorum step trusts every member's claimed step (a stranger would become every heal
+source and host the rendezvous), so it is replaced: the first process asks the lighthouse with its
+signed claim and proves the members (:mod:`.proofs`), relaying the verdict to the others through
+the replica's store; each plans the quorum over proven members (:mod:`.quorum_plan`), forms the
+group when membership changed, and heals from its first source whose state passes
+:mod:`.heal_checks`, else the next; a refused source is never healed from again.
 """
 
 from __future__ import annotations
@@ -39,8 +20,10 @@ from urllib.parse import urlsplit
 
 from mtdao.ft.collective_watch import Peer
 from mtdao.ft.identity import ReplicaIdentity
-from mtdao.ft.plumbing import QuorumError, QuorumView, Refusal, ReplicaRefused
+from mtdao.ft.lines import first_line, short_member
+from mtdao.ft.plumbing import QuorumError, QuorumView, ReplicaRefused
 from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
+from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.heal_checks import heal_problem
 from mtdao.ft.security.proofs import (
     Claim,
@@ -68,10 +51,8 @@ KEPT = 1000
 
 
 class ProvenManager(QuorumStepManager):
-    """torchft's ``Manager`` (same arguments, ``pg`` a
-    :class:`~mtdao.ft.plumbing.MembershipGloo`) with the quorum step described in the
-    module docstring, for the replica ``identity`` (what it proves, and what its quorums
-    made of it). ``allow_non_finite``: whether a heal state may hold NaN/inf."""
+    """torchft's ``Manager`` (``pg`` a ``MembershipGloo``) with the module's quorum step, for the
+    replica ``identity``; ``allow_non_finite``: whether a heal state may hold NaN/inf."""
 
     def __init__(
         self, *, identity: ReplicaIdentity, allow_non_finite: bool = False, **kwargs: Any
@@ -126,7 +107,7 @@ class ProvenManager(QuorumStepManager):
             verdict = json.loads(self.internals.store.get(relay))
             if "error" in verdict:
                 raise QuorumError(verdict["error"])
-        proven = [_claim(fields) for fields in verdict["proven"]]
+        proven = [Claim.from_fields(fields) for fields in verdict["proven"]]
         digest, quorum_id = verdict["digest"], verdict["quorum_id"]
         if verdict.get("failure"):  # this replica is in no proven round: it trains on alone
             self.identity.quorum = QuorumView([self.identity.replica_id], 0, quorum_id)
@@ -181,9 +162,9 @@ class ProvenManager(QuorumStepManager):
             if "PermissionDenied" in str(error):  # the lighthouse's front refused it
                 raise QuorumError(
                     f"the lighthouse at {self._lighthouse_addr} refused this replica's quorum "
-                    f"request ({_first(error)}): an mtdao lighthouse refuses replicas that do "
-                    "not prove the run's secret (is --auth-token-file / $MTDAO_AUTH_TOKEN the "
-                    "one the lighthouse and the other replicas have?)"
+                    f"request ({first_line(error, 160)}): an mtdao lighthouse refuses replicas "
+                    "that do not prove the run's secret (is --auth-token-file / $MTDAO_AUTH_TOKEN "
+                    "the one the lighthouse and the other replicas have?)"
                 ) from None
             raise
         claims, refused, failure = [], [], "the lighthouse formed a quorum without this replica"
@@ -198,12 +179,12 @@ class ProvenManager(QuorumStepManager):
             if claim is not None and not self._seen.first_time(claim.nonce):
                 claim, why = None, "its claim was handed in before (a replay)"
             if claim is None:
-                refused.append(_refusal(member, why))
+                name = member.replica_id.split(":")[0]
+                shown = name if name.isdigit() else repr(short_member(name))
+                refused.append(_refusal(shown, member.replica_id, why, f", step {member.step}"))
             else:
                 claims.append(claim)
-        identity.refused = (identity.refused + refused)[
-            -KEPT:
-        ]  # said by the replica's driver, then dropped
+        identity.refused = (identity.refused + refused)[-KEPT:]  # the driver says them
         verdict = {"quorum_id": quorum.quorum_id, "failure": failure}
         if failure:
             return {**verdict, "digest": "", "proven": []}
@@ -216,7 +197,8 @@ class ProvenManager(QuorumStepManager):
         proven = [c for c in claims if c.member not in unconfirmed]
         for claim in claims:
             if claim.member in unconfirmed:
-                identity.refused.append(_refusal_of(claim, unconfirmed[claim.member]))
+                why = unconfirmed[claim.member]
+                identity.refused.append(_refusal(claim.replica_id, claim.member, why))
         return {**verdict, "digest": digest, "proven": [json.loads(c.body()) for c in proven]}
 
     def _heal_urls(self) -> tuple[str, ...]:
@@ -312,7 +294,7 @@ class ProvenManager(QuorumStepManager):
         own: dict[str, Any] | None = None
         for index in plan.sources:
             source = plan.members[index]
-            peer = f"replica {source.replica_id} ({_short(source.member)})"
+            peer = f"replica {source.replica_id} ({short_member(source.member)})"
             if len(source.heal) <= self.internals.group_rank:
                 self._note(f"not healing from {peer}: it names no heal server for process "
                            f"{self.internals.group_rank}")  # fmt: skip
@@ -344,9 +326,8 @@ class ProvenManager(QuorumStepManager):
         return None
 
     def _refuse_source(self, member: str) -> None:
-        """Remember, for the run, that ``member``'s heal state was refused: every claim of this
-        replica names it from now on, and no quorum heals from it (:mod:`.quorum_plan`). Each
-        process of the replica posts its own in the replica's store; the first claims them all."""
+        """Name ``member`` in every later claim of this replica: no quorum heals from it again.
+        Each process posts its own in the replica's store; the first claims them all."""
         self._refused.add(member)
         refused = json.dumps(sorted(self._refused)[-KEPT:])
         self.internals.store.set(
@@ -354,8 +335,7 @@ class ProvenManager(QuorumStepManager):
         )
 
     def _refused_sources(self) -> tuple[str, ...]:
-        """The members any process of this replica refused a heal state from (see
-        :meth:`_refuse_source`)."""
+        """The members any process of this replica refused a heal state from."""
         refused = set(self._refused)
         for rank in range(1, self.internals.group_world_size):
             key = f"mtdao/refused/{self._member}/{rank}"
@@ -387,36 +367,13 @@ class _Forgetting:
         return call
 
 
-def _claim(fields: dict[str, Any]) -> Claim:
-    return Claim(**{**fields, "heal": tuple(fields["heal"]), "refused": tuple(fields["refused"])})
-
-
-def _refusal(member: Any, why: str) -> Refusal:
-    """A quorum member whose claim proves nothing, as it presents itself to the lighthouse."""
-    name = member.replica_id.split(":")[0]
-    replica = name if name.isdigit() else repr(_short(name))
+def _refusal(replica: object, member: str, why: str, step: str = "") -> Refusal:
+    """A quorum member that proved nothing, as it presents itself (``step``: what it claims)."""
     line = (
-        f"the peer claiming replica id {replica} ({_short(member.replica_id)}, step "
-        f"{member.step}): {why}; it is not averaged with nor healed from"
+        f"the peer claiming replica id {replica} ({short_member(member)}{step}): {why}; it is "
+        "not averaged with nor healed from"
     )
-    return Refusal(peer=member.replica_id, line=line)
-
-
-def _refusal_of(claim: Claim, why: str) -> Refusal:
-    line = (
-        f"the peer claiming replica id {claim.replica_id} ({_short(claim.member)}): {why}; it "
-        "is not averaged with nor healed from"
-    )
-    return Refusal(peer=claim.member, line=line)
-
-
-def _short(member: str) -> str:
-    return member if len(member) <= 48 else member[:45] + "..."
-
-
-def _first(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:160]
+    return Refusal(peer=member, line=line)
 
 
 def _peers(plan: QuorumPlan, group_rank: int) -> list[Peer]:

@@ -1,17 +1,6 @@
-"""Heal state over HTTP that cannot carry code, bound to one quorum, one sender and one receiver.
-
-torchft's own HTTP transport unpickles what a peer sends (``weights_only=False``): a process that
-joins a quorum claiming a later step runs code in every replica that heals from it. This transport
-replaces it. A state is sent as ``torch.save`` bytes of tensors and plain data; a healing member
-asks a proven source for it (:mod:`.proven_manager` chooses which), with a request signed with the
-run's secret over the quorum's digest (:func:`~.proofs.quorum_digest`), the source, itself, its
-process and the step; the source answers only a request it can verify, from a member of its
-quorum, and signs its answer over the same fields and the bytes' SHA-256. The receiver checks
-that signature before reading a byte and loads the bytes with ``torch.load(weights_only=True)``,
-which builds tensors and plain containers only. So a captured request or state is good for
-nothing else: another quorum (or lighthouse life), another receiver, another process, another
-step all fail their signatures. Every heal server is on the replica's ``--bind-host``.
-"""
+"""Heal state over HTTP that cannot carry code (``torch.load(weights_only=True)``, never torchft's
+unpickling transport), requests and states signed over the quorum, sender, receiver, process and
+step (docs/security.md, "Heal state")."""
 
 from __future__ import annotations
 
@@ -27,6 +16,7 @@ from urllib.request import Request, urlopen
 
 import torch
 
+from mtdao.ft.lines import first_line
 from mtdao.ft.security.auth import RunKey
 from mtdao.ft.security.heal_server import BoundedHTTPServer, BoundedRequests
 from mtdao.ft.security.torchft_internals import CheckpointTransport
@@ -44,8 +34,7 @@ class HealRefused(ConnectionError):
 
 @dataclass(frozen=True)
 class HealBinding:
-    """What a state and its request are bound to: the quorum, the source, the receiver, the
-    process (group rank: each process of a replica heals its own shards) and the step."""
+    """What a state and its request are bound to (``group_rank``: each process heals its own)."""
 
     digest: str
     source: str
@@ -59,8 +48,7 @@ class HealBinding:
 
 @dataclass(frozen=True)
 class Quorum:
-    """The quorum this process serves in: its digest, this replica's member id, this process,
-    and the members that may ask for its state."""
+    """The quorum this process serves in, and the members that may ask for its state."""
 
     digest: str
     member: str
@@ -88,15 +76,13 @@ class SignedHealTransport(CheckpointTransport):
         return f"http://{host}:{port}/heal/"
 
     def open(self, quorum: Quorum) -> None:
-        """Answer requests signed for ``quorum`` from now on (before its state is ready: a
-        request waits for that)."""
+        """Answer requests signed for ``quorum`` from now on (they wait for its state)."""
         with self._ready:
             self.quorum = quorum
             self._ready.notify_all()
 
     def serve(self, step: int, state_dict: Any) -> None:
-        """Serve ``state_dict`` (a CPU copy) as this process's state at ``step`` in the quorum
-        opened last, until :meth:`disallow_checkpoint`."""
+        """Serve ``state_dict`` (a CPU copy) at ``step`` until :meth:`disallow_checkpoint`."""
         buffer = io.BytesIO()
         torch.save(state_dict, buffer)
         payload = buffer.getvalue()
@@ -112,10 +98,8 @@ class SignedHealTransport(CheckpointTransport):
             self._served = None  # the healed peers have it by now
 
     def verified(self, step: int, receiver: str, signature: str | None) -> HealBinding | None:
-        """The binding of a request for the state at ``step`` that verifies (None: it does not,
-        or ``receiver`` is no member of the quorum). A request may come from a member that
-        learned of a new quorum a moment before this replica did: it waits up to
-        QUORUM_SKEW_S for this replica to open that quorum."""
+        """The binding of a verified request from a member of the quorum, else None; waits up to
+        QUORUM_SKEW_S for a quorum its sender learned of first."""
         with self._ready:
             binding = None
 
@@ -140,8 +124,7 @@ class SignedHealTransport(CheckpointTransport):
             return self._served[1:] if ready else None
 
     def fetch(self, url: str, binding: HealBinding, peer: str) -> Any:
-        """The state ``peer`` serves at ``url`` (its heal address), as ``binding`` names it;
-        HealRefused says why not (``peer`` describes the source for people)."""
+        """The state ``peer`` serves at its heal address ``url`` for ``binding``, or HealRefused."""
         if not isinstance(url, str) or not URL_PATTERN.match(url):
             raise HealRefused(f"not healing from {peer}: its heal address {url!r} is no URL")
         url = f"{url}{binding.step}"
@@ -162,7 +145,9 @@ class SignedHealTransport(CheckpointTransport):
         try:
             state = torch.load(io.BytesIO(payload), weights_only=True)
         except Exception as error:  # signed, yet damaged: a faulty member, not an attack
-            raise HealRefused(f"{peer} sent a state that does not load: {_first(error)}") from None
+            raise HealRefused(
+                f"{peer} sent a state that does not load: {first_line(error, 200)}"
+            ) from None
         self.received_bytes = len(payload)
         return state
 

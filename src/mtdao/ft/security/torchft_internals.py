@@ -1,15 +1,5 @@
-"""Every use mtdao makes of torchft beyond its public API, in one place: the only module that
-imports torchft.
-
-torchft offers no public way to do what mtdao's replicas must: prove each quorum's members
-before they form a group or heal anyone (mtdao replaces the Manager's quorum step,
-:mod:`.proven_manager`), keep its gloo group's sockets on the replica's bind host, keep its
-manager server behind a front (:mod:`.manager_front`), and ask the lighthouse itself. So it
-reaches into torchft's private attributes, each named here once: :class:`ManagerInternals`,
-:class:`GlooGroup`, the native servers and clients. An upgrade of torchft is checked against
-this module alone (tests/test_ft_torchft_internals.py: the installed version is one of
-WRITTEN_AGAINST, and each private name used here still exists on it).
-"""
+"""Every use of torchft beyond its public API, and the only module that imports torchft: an
+upgrade is checked against this module alone (tests/test_ft_torchft_internals.py)."""
 
 from __future__ import annotations
 
@@ -41,11 +31,8 @@ from torchft.process_group import (  # noqa: E402
 logging.getLogger("torchft").addHandler(logging.NullHandler())
 logging.getLogger("torchft").propagate = False
 
-WRITTEN_AGAINST = ("0.2.0",)
-"""The torchft versions whose private names this module was written against."""
-
-NATIVE = ("LighthouseClient", "LighthouseServer", "ManagerServer")
-"""What is used of ``torchft._torchft``, the native module."""
+WRITTEN_AGAINST = ("0.2.0",)  # the torchft versions whose private names are used here
+NATIVE = ("LighthouseClient", "LighthouseServer", "ManagerServer")  # of torchft._torchft
 
 __all__ = [
     "REPLICA_ID_KEY",
@@ -78,18 +65,13 @@ class _Private:
 class ManagerInternals:
     """torchft's ``Manager``'s private state, as mtdao's quorum step reads and sets it."""
 
-    store = _Private("_store")
-    """The replica's store (a TCPStore client)."""
-    server = _Private("_manager")
-    """The manager's gRPC server (mtdao's: a front with torchft's server behind it)."""
+    store = _Private("_store")  # the replica's store (a TCPStore client)
+    server = _Private("_manager")  # the manager's gRPC server (mtdao's fronted one)
     connect_timeout = _Private("_connect_timeout")
     timeout = _Private("_timeout")
-    group_rank = _Private("_group_rank")
-    """This process's rank in its replica."""
-    group_world_size = _Private("_group_world_size")
-    """The replica's processes."""
-    commits = _Private("_step")
-    """Rounds committed (torchft's step)."""
+    group_rank = _Private("_group_rank")  # this process's rank in its replica
+    group_world_size = _Private("_group_world_size")  # the replica's processes
+    commits = _Private("_step")  # rounds committed (torchft's step)
     commit_failures = _Private("_commit_failures")
     heal_transport = _Private("_checkpoint_transport")
     user_state_dicts = _Private("_user_state_dicts")
@@ -100,11 +82,10 @@ class ManagerInternals:
     replica_world_size = _Private("_participating_replica_world_size")
     quorum_id = _Private("_quorum_id")
 
-    METHODS = {
+    METHODS = {  # the private methods used (overridden or called), with their parameters
         "_async_quorum": ("allow_heal", "shrink_only", "quorum_timeout", "curr_device"),
         "_manager_state_dict": (),
     }
-    """The private methods used (overridden or called), with their parameters."""
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
@@ -137,18 +118,15 @@ class QuorumStepManager(Manager):
 
 
 class GlooGroup(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group with its sockets on ``bind_host``, every collective
-    waiting ``collective_timeout`` (the group itself forms within ``rendezvous_timeout``), and
-    each collective launched handed to :meth:`launched`."""
+    """torchft's reconfigurable gloo group with its sockets on ``bind_host``, each collective
+    launched handed to :meth:`launched`."""
 
-    PRIVATE = ("_pg", "_timeout", "_global_ranks")
-    """The private attributes used."""
-    METHODS = {
+    PRIVATE = ("_pg", "_timeout", "_global_ranks")  # the private attributes used
+    METHODS = {  # the private methods overridden, with their parameters
         "_wrap_work": ("work", "opts"),
         "_opts_hook": ("opts",),
         "_create_pg": ("store", "rank", "world_size"),
     }
-    """The private methods overridden, with their parameters."""
 
     def __init__(
         self, bind_host: str, collective_timeout: timedelta, rendezvous_timeout: float
@@ -193,6 +171,5 @@ class GlooGroup(ProcessGroupGloo):
 
 
 def replace_manager_server(start: Callable[..., Any]) -> None:
-    """Make torchft's Manager start its gRPC server with ``start`` (torchft's own arguments);
-    torchft names no other way to choose where it serves."""
+    """Make torchft's Manager start its gRPC server with ``start`` (it offers no other way)."""
     torchft.manager.ManagerServer = start
