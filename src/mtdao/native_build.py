@@ -207,8 +207,3 @@ def _ninja_on_path() -> Iterator[None]:
         yield
     finally:
         os.environ["PATH"] = path
-
-
-def forget_native_library() -> None:
-    """Decide again at the next request (tests use it to simulate a failed build)."""
-    _loaded.clear()

@@ -20,10 +20,7 @@ Implementations:
 * :mod:`mtdao.sync.testing`: recording and scripted doubles for tests.
 
 Averaging is split from assigning so that the engine can check the averages (NaN/inf) before
-anything is overwritten. :meth:`Communicator.average` returns an :class:`Averages`; a blocking
-communicator returns it complete, one that overlaps communication with compute returns it with
-its collectives in flight and finishes it in :meth:`Averages.wait`. A call may name a codec per
-tensor (:mod:`mtdao.sync.codecs.quantize`); quantized tensors travel as in :mod:`mtdao.sync.exchange`.
+anything is overwritten; what :meth:`Communicator.average` returns may still be in flight.
 """
 
 from __future__ import annotations
@@ -295,11 +292,6 @@ class Communicator:
         """Called once per round, after the engine has checked the averages and before it applies
         any: raise :class:`RoundNotCommitted` if the round must be discarded. The communicators
         here either complete a round on every worker or raise inside it, so they accept it."""
-
-    def _account(self, tensors: Sequence[Tensor], kinds: Sequence[str], collectives: int):
-        """Record one float32 averaging call in the traffic account; returns (bytes, collectives)."""
-        sizes = [(kind, self.layout.worker_bytes(t)) for t, kind in zip(tensors, kinds)]
-        return self._account_sizes(sizes, collectives)
 
     def _account_sizes(
         self,

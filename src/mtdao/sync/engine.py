@@ -18,33 +18,12 @@ or keep a plain loop and let optimizer step hooks call it::
         for batch in data: ...; optimizer.step()
 
 Step t counts optimizer steps from 1 and is the same on every worker. Each averaging is one
-*round* (:class:`~mtdao.sync.rounds.Round`), with one lifecycle on every communicator: opened
-(the tensors due collected and encoded), in flight (the transport's work), landed (averages
-waited for, decoded, checked for NaN/inf), committed (the communicator may still discard it,
-raising ``RoundNotCommitted``: the round is then undone, as if never sent), then applied; every
-committed round leaves a :class:`SyncEvent` in ``events``, recorded at its commit. Three options
-change how a round travels, each in its own module the engine composes:
-
-* ``fragments=P`` (:mod:`.fragments`): the layers fall into P fragments due at staggered steps;
-* ``delay=D`` (:mod:`.overlap`): a round is sent D steps before it is applied (at the policy's
-  step), merged with the local progress made meanwhile, its collectives running while the
-  workers compute;
-* ``codecs`` (:mod:`.compression`, :mod:`.quantize`): a dtype on the link per kind, parameters
-  sent as pseudo-gradients;
-* ``radial_directional`` (:mod:`.radial`): the parameters' and/or momenta's updates averaged
-  as a mean norm and a mean direction apart.
-
-They work on every communicator. One whose transport runs a single round at a time (a torchft
-manager: one quorum, one commit) settles the rounds in flight, landed and committed, before it
-opens the next; they are still applied at their own steps. A communicator that prepares each
-round ahead (a quorum of fault-tolerant replicas) is handed the coming step and what is due then
-(:meth:`LocalUpdateSync.prepare`, which ``attached()`` calls after every step); it never calls
-into the engine.
-
-The rounds are driven from one place, ``sync.rounds``
-(:class:`~mtdao.sync.round_driver.RoundDriver`): what a communicator or a training harness calls
-is there (``before_step``/``after_step`` for a loop that runs the optimizer step itself); the
-engine's state, plain and sharded, is in :mod:`~mtdao.sync.trained_state`.
+round (:class:`~mtdao.sync.rounds.Round`); the rounds, their lifecycle and the options that change
+how they travel (``fragments``, ``delay``, ``codecs``, ``radial_directional``, on every
+communicator) are drawn in docs/design.md ("The step sequence", "A round"). They are driven from
+one place, ``sync.rounds`` (:class:`~mtdao.sync.round_driver.RoundDriver`), which is what a
+communicator or a training harness calls; the engine's state, plain and sharded, is in
+:mod:`~mtdao.sync.trained_state`.
 """
 
 from __future__ import annotations
@@ -261,17 +240,8 @@ class LocalUpdateSync:
     def finish(
         self, on_discarded: Callable[[RoundNotCommitted], None] | None = None
     ) -> SyncEvent | None:
-        """The final round, once training ends: every worker then holds the same global model.
-
-        The rounds in flight land first; then one blocking round averages every tensor the
-        policy averages (the parameters and every state with a period), whatever its fragment,
-        except those every worker holds alike already: the tensors a blocking round assigned at
-        this very step. Under an outer step (DiLoCo) the parameters take the plain average: the
-        outer step belongs to the syncs, and its anchor and momentum stay the last sync's. A run
-        whose last step synced everything without delay sends nothing here, and nothing
-        changes. With a codec the final round is quantized like any other; a communicator that
-        prepares its rounds (a quorum of fault-tolerant replicas) prepares this one too, so
-        replicas that join at its quorum heal and end with the same model.
+        """The final round, once training ends: every worker then holds the same global model
+        (what it averages, and what it leaves alone: docs/design.md, "The step sequence").
 
         A final round the communicator discards (a peer lost while it was in flight) is undone
         and formed again among the workers left, up to :data:`FINAL_ROUND_TRIES` tries in all;

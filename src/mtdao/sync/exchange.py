@@ -9,18 +9,10 @@ encodes the mean (:func:`reduce_chunks`); an all-gather then hands every worker 
 chunk, and all of them decode the same bytes. So every worker ends the round with bit-identical
 values, and the simulator, which runs the same functions on the same blocks, with the same ones.
 
-What it costs each worker on the wire: it sends (M-1)/M of its payload in the all-to-all and
-(M-1)/M in the all-gather, 2 (M-1)/M x the encoded payload, like a ring all-reduce of that payload.
-The traffic account counts the payload (codes, scales and padding), as it counts an all-reduce's:
-every exchange is counted at its bytes on the wire x M / (2 (M-1)).
-
-A top-k payload is not reduced by an owner (:class:`InFlightGatheredMean`): the mean of M top-k
-blocks holds up to M k non-zeros, and encoding it to k again would drop most of the mean (a loss
-no worker's error feedback sees). Every worker gathers every worker's payload instead, decodes
-each and sums them in worker order: the exact mean of what was sent, the same bits everywhere.
-That sends (M-1) x the payload, counted as M/2 x the payload (the same at M = 2, twice as much at
-M = 4); sending the mean back from owners at up to M k values per block would quantize it a second
-time, and at top8 cost more up to M = 5 (the same at 6, less from 7 on).
+A top-k payload is not reduced by an owner (:class:`InFlightGatheredMean`): every worker gathers
+every worker's payload, decodes each and sums them in worker order, since encoding the mean to k
+again would drop most of it. What each exchange costs on the wire, and how the traffic account
+counts it: docs/design.md ("Quantized payloads").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Every round of one engine driven through its lifecycle, from this one file.
 
-A step's trip: :meth:`RoundDriver.before_step` (DDP: the gradients' round, then the gradient
-hooks), the optimizer's step, :meth:`RoundDriver.after_step`: the delayed rounds that land now
-are settled and applied, the exchanges due their second stage advanced, and the round due now
-collected (:meth:`~mtdao.sync.round_plan.RoundPlan.collect`) and opened. Each round then moves
-through the stages of :class:`~mtdao.sync.rounds.Round` here and only here: opened (encoded by
-the plan, then launched), landed (waited for, decoded), checked for NaN/inf (:mod:`.healing`),
-committed by the communicator or discarded (undone, ``RoundNotCommitted`` raised), recorded,
-applied (the parameters through the outer step or as the average, the states assigned or
-merged). The plan (:mod:`.round_plan`) does what fragments, delay and codecs change; the round
+A step's trip and a round's stages are drawn in docs/design.md ("The step sequence", "A
+round"): each round moves through the stages of :class:`~mtdao.sync.rounds.Round` here and only
+here. The plan (:mod:`.round_plan`) does what fragments, delay and codecs change; the round
 (:mod:`.rounds`) keeps its stage; neither calls back here.
 
 :class:`~mtdao.sync.engine.LocalUpdateSync` holds a driver as ``sync.rounds``: its methods are
@@ -19,9 +13,10 @@ itself); a user's loop needs the engine's ``step``, ``attached`` and ``finish``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -115,12 +110,20 @@ class RoundDriver:
 
     # -- around the optimizer step ------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Count the block's wall-clock time in :attr:`seconds_syncing`, however it ends."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds_syncing += time.perf_counter() - started
+
     @torch.no_grad()
     def before_step(self) -> None:
         """DDP: replace every worker's gradients by their average; then run the gradient hooks."""
-        started = time.perf_counter()
         owners = [p for p in self.params if p.grad is not None]
-        try:
+        with self._timed():
             if self.policy.average_gradients and owners:
                 names = [f"gradient of {self._name_of[id(p)]}" for p in owners]
                 grads = [p.grad for p in owners]
@@ -128,8 +131,6 @@ class RoundDriver:
                 gradients = self._open(due)
                 self.communicator.assign(grads, self._settle(gradients).averages)
                 gradients.applied()
-        finally:
-            self.seconds_syncing += time.perf_counter() - started
         for hook in list(self.gradient_hooks.values()):
             hook()
 
@@ -139,14 +140,13 @@ class RoundDriver:
 
         A landing round that is discarded is undone and the step goes on (the round due now is
         still opened); the discard is raised at the end, as a blocking round's is."""
-        started = time.perf_counter()
-        self.step += 1
-        self.traffic.steps = self.step
-        if not self._state_keys_checked:
-            self.policy.check_state_keys(self._state_keys())
-            self._state_keys_checked = True
-        discarded: RoundNotCommitted | None = None
-        try:
+        with self._timed():
+            self.step += 1
+            self.traffic.steps = self.step
+            if not self._state_keys_checked:
+                self.policy.check_state_keys(self._state_keys())
+                self._state_keys_checked = True
+            discarded: RoundNotCommitted | None = None
             for landing in self.pending.pop_landing(self.step):
                 try:
                     self._land(landing)
@@ -165,8 +165,6 @@ class RoundDriver:
                     self.pending.add(opened)
                 else:
                     self._land(opened)
-        finally:
-            self.seconds_syncing += time.perf_counter() - started
         if discarded is not None:
             raise discarded
 
@@ -199,16 +197,13 @@ class RoundDriver:
         next; the first discard is raised once every round is settled."""
         if self.communicator.rounds_overlap:
             return
-        started = time.perf_counter()
         discarded: RoundNotCommitted | None = None
-        try:
+        with self._timed():
             for in_flight in list(self.pending.rounds):
                 try:
                     self._settle(in_flight)
                 except RoundNotCommitted as failure:
                     discarded = discarded or failure
-        finally:
-            self.seconds_syncing += time.perf_counter() - started
         if discarded is not None:
             raise discarded
 
@@ -240,8 +235,7 @@ class RoundDriver:
     @torch.no_grad()
     def final_round(self) -> SyncEvent | None:
         """One try of the final round (see :meth:`~mtdao.sync.engine.LocalUpdateSync.finish`)."""
-        started = time.perf_counter()
-        try:
+        with self._timed():
             self.flush()
             due = self._final_due()
             if self.communicator.prepares_rounds:  # (a heal there may bring another state)
@@ -252,8 +246,6 @@ class RoundDriver:
             final = self._open(due, final=True)
             self._land(final)
             return final.event
-        finally:
-            self.seconds_syncing += time.perf_counter() - started
 
     def _final_due(self) -> SyncRound:
         step = self.step

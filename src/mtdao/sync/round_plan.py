@@ -2,18 +2,12 @@
 
 :class:`RoundPlan` holds the three options of :class:`~mtdao.sync.engine.LocalUpdateSync` that
 change a round without changing the policy, and does the parts of a round that depend on them:
-
-* :meth:`RoundPlan.collect`: the tensors whose round is sent at a step (the fragments due,
-  :mod:`.fragments`; D steps before the policy's step when rounds are delayed);
-* :meth:`RoundPlan.open`: a copy when the round is delayed, parameters as pseudo-gradients when
-  they are quantized (:mod:`.compression`); :meth:`RoundPlan.average`: one communicator call
-  with a codec per tensor (the driver, :mod:`.round_driver`, moves the round through its
-  stages: :class:`~mtdao.sync.rounds.Round`);
-* :meth:`RoundPlan.apply`: assign the averages, or merge them into a delayed round's tensors
-  (:mod:`.overlap`).
-
-Radial-directional averaging (:mod:`.radial`) is a fourth such option: the kinds it names are
-sent as unit updates with their norms, and decoded (:meth:`RoundPlan.decoded`) once landed.
+collecting what is due (:meth:`RoundPlan.collect`: the fragments due, :mod:`.fragments`, D
+steps ahead when delayed), opening and sending it (a copy when delayed, parameters as
+pseudo-gradients when quantized, :mod:`.compression`; radial-directional kinds as unit updates
+and norms, :mod:`.radial`), decoding and applying the averages (:meth:`RoundPlan.apply`: an
+assignment, or a merge, :mod:`.overlap`). The driver (:mod:`.round_driver`) moves the round
+through its stages.
 
 With the defaults (one fragment, no delay, float32) a round is collected, sent and applied exactly
 as a plain blocking round. A sharded tensor (DTensor) is collected whole (fragments and sizes are

@@ -1,24 +1,11 @@
 """What a round is made of: the tensors due, the round itself through its lifecycle, the record it
-leaves, and what is checked before it is applied (see LocalUpdateSync, docs/design.md "A round").
+leaves, and what is checked before it is applied.
 
-A :class:`Round` carries its stage (:class:`Stage`) and the methods that move it, the same on
-every communicator:
-
-1. *opened* for a step: what is due (:class:`SyncRound`), encoded (a copy of each tensor when
-   the round is delayed, parameters as pseudo-gradients when quantized, error-feedback residuals
-   advanced: their previous values are kept in the round);
-2. *in flight* (:meth:`Round.launch`): the transport's work
-   (:class:`~mtdao.sync.communicator.Averages`), for D steps when the round is delayed;
-3. *landed* (:meth:`Round.land`): the averages waited for and decoded, then checked (NaN/inf) by
-   the engine; then *committed* (:meth:`Round.commit`: the communicator's last word) or
-   *discarded* (:meth:`Round.discard`). Only a committed round is recorded;
-4. *applied* (:meth:`Round.applied`) at its landing step: assigned, or merged into the local
-   progress by the delay rule.
-
-A discarded round leaves every worker as if it had not been sent: nothing was written into the
-tensors before the commit, so local progress stands, the anchors were not moved, and the
-error-feedback residuals the round advanced are put back. :class:`RoundsInFlight` holds the
-rounds sent and not yet applied, oldest first.
+A :class:`Round` carries its stage (:class:`Stage`) and the methods that move it (opened,
+:meth:`Round.launch`, :meth:`Round.land`, :meth:`Round.commit` or :meth:`Round.discard`,
+:meth:`Round.applied`), the same on every communicator; what each stage does, and why a discarded
+round leaves every worker as if it had not been sent, is in docs/design.md ("A round").
+:class:`RoundsInFlight` holds the rounds sent and not yet applied, oldest first.
 """
 
 from __future__ import annotations

@@ -33,8 +33,6 @@ SCREENS = {
 }
 RECIPES.update(SCREENS)
 METHODS_WITH_STATE_ROUNDS = ("local-adam", "desloc", "mtdao")
-# fields of a run that are not part of its point: its seed and where it is written
-NOT_POINT_FIELDS = frozenset({"seed", "out", "progress", "resume"})
 
 
 @dataclass(frozen=True)

@@ -51,12 +51,6 @@ PROTOCOL = [
 ]
 
 
-def load_plan(path: Path) -> list[dict]:
-    namespace: dict = {}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return namespace["EXPERIMENTS"]
-
-
 def shown_flags(args: list[str]) -> list[str]:
     """The training flags of a run without its per-run values (LR, seed, output)."""
     flags, skip = [], False

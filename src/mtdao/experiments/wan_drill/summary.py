@@ -110,14 +110,3 @@ def round_counts(record: dict[str, Any]) -> dict[str, dict[str, int]]:
         site: {kind: len(rounds(record, site, kind)) for kind in ("committed", "discarded")}
         for site in record["replicas"]
     }
-
-
-def round_intervals(record: dict[str, Any]) -> list[float]:
-    """Seconds between consecutive rounds every replica committed, outside every event."""
-    together = full_rounds(record)
-    windows = [(e["began"], e.get("ended") or e["until"]) for e in record["events"]]
-    out = []
-    for (t0, _), (t1, _) in zip(together, together[1:]):
-        if not any(a - 5 <= t1 and t0 <= b + 5 for a, b in windows):
-            out.append(t1 - t0)
-    return out

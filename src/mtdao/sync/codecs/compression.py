@@ -1,17 +1,9 @@
 """What each kind of tensor crosses the link as: a dtype per kind, parameters as pseudo-gradients.
 
-Three groups of kinds, each with its own dtype (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
-``int2`` or ``top<k>``, :mod:`mtdao.sync.codecs.quantize`):
-
-* ``params``, sent as the pseudo-gradient ``anchor - x``, where the anchor is the global value
-  the parameter took at its last sync (identical on every worker). A pseudo-gradient is small and
-  centred on zero where ``x`` is neither, so a blockwise scale fits it; the new global value is
-  ``anchor - mean(anchor - x)``. Optional error feedback adds to each worker's pseudo-gradient what
-  quantizing its previous one lost, so the errors of successive rounds cancel instead of drifting
-  the model. (A state needs none: its error decays with the state itself.)
-* ``momenta`` (every state but the second moment): signed and smooth, sent as they are.
-* ``second-moment`` (``exp_avg_sq``): positive over many decades, sent in a domain that keeps its
-  relative precision (:mod:`mtdao.sync.codecs.quantize`).
+Three groups of kinds, each with its own dtype (:mod:`mtdao.sync.codecs.quantize`): ``params``,
+sent as the pseudo-gradient ``anchor - x`` (small and centred on zero where ``x`` is neither, so
+a blockwise scale fits it), with optional error feedback; ``momenta``; ``second-moment``. Why
+each travels as it does: docs/design.md ("Quantized payloads").
 
 ``fp32`` sends the tensor itself, averaged exactly: the default, the same as a plain round.
 """

@@ -4,11 +4,9 @@ Two domains, as for int8 (:mod:`mtdao.sync.codecs.quantize`):
 
 * ``signed``: int8's scheme with fewer levels: the integers ``-Q .. Q`` (``Q = 2^(bits-1) - 1``:
   7 for 4 bits, 1 for 2 bits, a ternary code) times ``unit = absmax / Q``, so a value is at most
-  ``unit / 2`` from its level and zero stays zero. A zero level matters for optimizer states: a
-  grid without one (four levels ``±unit, ±3 unit``) would raise every small momentum to a third of
-  the block's largest, which a measured run did not survive; with one, small values fall to zero,
-  and error feedback (for the parameters) carries them into the next round. The unit travels as
-  one float32 per block (0 for an all-zero block, which so decodes to zeros).
+  ``unit / 2`` from its level and zero stays zero (why a zero level matters: docs/design.md,
+  "Below 8 bits"). The unit travels as one float32 per block (0 for an all-zero block, which so
+  decodes to zeros).
 * ``positive`` (the second moment): the float32 bit pattern (a piecewise-linear log2) quantized
   between the block's smallest and largest positive value, as int8 does, with ``2^bits - 2``
   steps: code 0 is exact zero, codes 1 .. 2^bits - 1 are log-spaced. Nothing positive becomes

@@ -1,17 +1,11 @@
 """Top-k sparsification per block: the k largest magnitudes of each block, as int8 values with
 one float32 scale, and their positions as one byte each.
 
-A dtype ``top<k>`` (``top8``: 8 of every 256 values, 3.1%) keeps, per block, the k entries of
-largest magnitude. Everything it sends is counted: per block k int8 codes, k uint8 indices
-(so blocks are at most 256 long) and the scale, ``2k + 4`` bytes for ``block`` values. A
-fixed k per block keeps every worker's payload the same size, which the all-gather needs, and
-spreads what is kept over the whole tensor. The exchange gathers every worker's payload whole
-and sums them (:mod:`mtdao.sync.exchange`): the mean of M payloads holds up to M k values per
-block, which encoding it to k again would drop.
+A dtype ``top<k>`` (``top8``: 8 of every 256 values) keeps, per block, the k entries of largest
+magnitude: per block k int8 codes, k uint8 indices (so blocks are at most 256 long) and the
+scale, ``2k + 4`` bytes. Why a fixed k, why the exchange gathers every payload whole
+(:mod:`mtdao.sync.exchange`) and why the second moment is refused: docs/design.md ("Below 8 bits").
 
-What a block does not keep decodes to zero, so top-k is for signed values that tolerate it: the
-parameters' pseudo-gradients, with error feedback carrying what was left out into the next round
-(SparseLoCo's recipe), and momenta. It is refused for the second moment, which must stay positive.
 The kept positions are sorted, so equal sets give equal bytes; decoding scatters the values into
 zeros, exactly rounded, the same on every worker. A NaN/inf makes the block's scale NaN/inf, so
 its kept values decode to NaN/inf and the engine's non-finite check still sees it.

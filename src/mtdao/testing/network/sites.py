@@ -262,11 +262,6 @@ class WanSites:
         stats = json.loads(out)[0]["stats64"]
         return {"sent": int(stats["tx"]["bytes"]), "received": int(stats["rx"]["bytes"])}
 
-    def relay_stats(self) -> dict | None:
-        if self._relay is None or self._relay.poll() is not None:
-            return None
-        return json.loads(self._relay_command({"stats": True}))
-
     # -- teardown ---------------------------------------------------------------------------
 
     def close(self) -> None:
