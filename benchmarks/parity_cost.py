@@ -5,7 +5,7 @@
 R fault-tolerant replicas of the micro model (byte vocabulary, batches of 4 sequences of 32
 tokens, MTAdam, parameters and states averaged every ``--sync-period`` steps) and a lighthouse on
 loopback, no failure. Each replica counts the seconds its engine spends in rounds (encoding, the
-collectives, commit and applying: ``LocalUpdateSync.seconds_syncing``; the quorum, which comes
+collectives, commit and applying: ``LocalUpdateSync.rounds.seconds_syncing``; the quorum, which comes
 before, is left out, so the ratio errs high) and the seconds its parity check spends hashing what
 each round assigned and comparing (``ReplicaGroups.parity.seconds``: within the rounds, and in
 the exchange that opens each, which runs anyway). Prints both per round and their ratio, per
@@ -56,7 +56,7 @@ def replica(args: argparse.Namespace) -> None:
     averaged = sum(p.numel() for p in model.parameters())
     print(json.dumps({
         "replica": args.replica_id, "rounds": len(sync.events), "wall_s": wall,
-        "round_s": sync.seconds_syncing, "parity_s": parity.seconds, "mismatches": len(parity.mismatches),
+        "round_s": sync.rounds.seconds_syncing, "parity_s": parity.seconds, "mismatches": len(parity.mismatches),
         "parameters": averaged,
     }), flush=True)  # fmt: skip
 
