@@ -44,9 +44,13 @@ def train_flags(corpus) -> list[str]:
 def test_a_replica_killed_in_the_final_round_leaves_the_survivors_one_model(corpus_dir, tmp_path):
     with Drill(tmp_path, train_flags(corpus_dir), heartbeat_timeout=HEARTBEAT_S) as drill:
         drill.start_lighthouse(min_replicas=2)
+        drill.gate(0)  # all three ready before the first quorum (a late one would join later)
         drill.hold_round("r1", STEPS)  # its final round: the quorum formed, before its sums
         for replica, name in enumerate(("r0", "r1", "r2")):
             drill.start(name, replica)
+        ready = lambda: all(drill.status(n) == ("waiting", 0) for n in ("r0", "r1", "r2"))  # noqa: E731
+        drill.wait_for(ready, limit_s(starts=2, processes=3), "three replicas at 0")
+        drill.gate(None)
         inside = lambda: all(drill.entered_round(n, STEPS) for n in ("r0", "r1", "r2"))  # noqa: E731
         drill.wait_for(inside, limit_s(steps=STEPS, processes=3), "all three in the final round")
         drill.kill("r1")
