@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -197,15 +197,8 @@ class RoundDriver:
         next; the first discard is raised once every round is settled."""
         if self.communicator.rounds_overlap:
             return
-        discarded: RoundNotCommitted | None = None
         with self._timed():
-            for in_flight in list(self.pending.rounds):
-                try:
-                    self._settle(in_flight)
-                except RoundNotCommitted as failure:
-                    discarded = discarded or failure
-        if discarded is not None:
-            raise discarded
+            each_then_first_discard(self._settle, list(self.pending.rounds))
 
     def complete_transfers(self) -> None:
         """Wait until the collectives of every delayed round have completed; the rounds are
@@ -223,14 +216,7 @@ class RoundDriver:
     def flush(self) -> None:
         """Apply every delayed round now; the first discard is raised once every round has
         landed."""
-        discarded: RoundNotCommitted | None = None
-        for pending in self.pending.pop_landing(None):
-            try:
-                self._land(pending)
-            except RoundNotCommitted as failure:
-                discarded = discarded or failure
-        if discarded is not None:
-            raise discarded
+        each_then_first_discard(self._land, self.pending.pop_landing(None))
 
     @torch.no_grad()
     def final_round(self) -> SyncEvent | None:
@@ -384,3 +370,15 @@ class RoundDriver:
 
     def _state_keys(self) -> set[str]:
         return {key for p in self.params for key in self.optimizer.state.get(p, {})}
+
+
+def each_then_first_discard(action: Callable[[Any], None], rounds: Iterable[Any]) -> None:
+    """``action`` on every round, then the first discard raised (the others still land)."""
+    discarded: RoundNotCommitted | None = None
+    for one in rounds:
+        try:
+            action(one)
+        except RoundNotCommitted as failure:
+            discarded = discarded or failure
+    if discarded is not None:
+        raise discarded
