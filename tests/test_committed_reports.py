@@ -15,22 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from mtdao.experiments.ablation import report as ablation
-from mtdao.experiments.ablation import summary as ablation_summary
 from mtdao.experiments.compare import report as compare
 from mtdao.experiments.compare import summary as compare_summary
 from mtdao.experiments.defaults_card import report as defaults_card
 from mtdao.experiments.defaults_card import summary as defaults_card_summary
 from mtdao.experiments.frontier import report as frontier
 from mtdao.experiments.frontier import summary as frontier_summary
-from mtdao.experiments.horizon import report as horizon
-from mtdao.experiments.horizon import summary as horizon_summary
 from mtdao.experiments.rosenbrock import report as rosenbrock
 from mtdao.experiments.rosenbrock import summary as rosenbrock_summary
 from mtdao.experiments.slow_link import report as slow_link
 from mtdao.experiments.slow_link import summary as slow_link_summary
-from mtdao.experiments.sync_options import report as sync_options
-from mtdao.experiments.sync_options import summary as sync_options_summary
 from mtdao.experiments.wan_drill import report as wan_drill
 from mtdao.experiments.wan_drill.checks import Check
 
@@ -59,17 +53,10 @@ def wan_drill_report(results: dict, _) -> str:
 # (kind, schema) -> report.md from (results.json's content, its report directory)
 RENDERERS = {
     (compare_summary.KIND, compare_summary.SCHEMA): lambda r, _: compare.render_compare_report(r),
-    (horizon_summary.KIND, horizon_summary.SCHEMA): lambda r, _: horizon.render_horizon_report(r),
-    (ablation_summary.KIND, ablation_summary.SCHEMA): lambda _, directory: (
-        ablation.render_ablation_report(ablation_summary.load_summary(directory / "results.json"))
-    ),
     (rosenbrock_summary.KIND, rosenbrock_summary.SCHEMA): lambda r, _: rosenbrock.report_markdown(
         r["config"], r["summary"]
     ),
     (slow_link_summary.KIND, slow_link_summary.SCHEMA): lambda r, _: slow_link.render_results(r),
-    (sync_options_summary.KIND, sync_options_summary.SCHEMA): lambda r, _: (
-        sync_options.render_report(r)
-    ),
     (wan_drill.KIND, wan_drill.SCHEMA): wan_drill_report,
     (frontier_summary.KIND, frontier_summary.SCHEMA): lambda r, _: frontier.render_results(r),
     (defaults_card_summary.KIND, defaults_card_summary.SCHEMA): lambda r, _: (

@@ -8,20 +8,8 @@ import math
 
 import pytest
 
-from mtdao.experiments.ablation.report import render_ablation_report
-from mtdao.experiments.ablation.summary import (
-    KIND,
-    SCHEMA,
-    best_versus_local,
-    degradation_curves,
-    degradation_slope,
-    load_summary,
-    period_cell,
-    slope_comparison,
-)
 from mtdao.experiments.common import formatting
 from mtdao.experiments.common.formatting import NOT_RUN, failures_section, stats
-from mtdao.experiments.common.results import stamped
 from mtdao.experiments.compare.summary import claim_checks
 from mtdao.experiments.rosenbrock.report import report_markdown
 from mtdao.experiments.rosenbrock.run import to_json
@@ -94,116 +82,6 @@ def test_claim_checks_apply_the_significance_rule():
     # 0.715 vs 0.61 beyond 0.02: worse, so "beats Local Adam" fails
     assert local["versus"]["outcome"] == "worse" and local["holds"] is False
     assert diloco == {"other": "diloco", "versus": None, "holds": None}
-
-
-# -- ablation -------------------------------------------------------------------------------------
-
-
-def test_period_cell_degradation_noise_and_traffic():
-    runs = [
-        {"final_val_loss": 0.80, "bytes_per_worker": 100, "ddp_bytes_per_worker": 1000},
-        {"final_val_loss": 0.82, "bytes_per_worker": 100, "ddp_bytes_per_worker": 1000},
-    ]
-    cell = period_cell(runs, stats([0.69, 0.71]))
-    assert cell["final_val_loss"]["mean"] == pytest.approx(0.81)
-    assert cell["degradation"] == pytest.approx(0.11)
-    assert cell["noise"] == pytest.approx(2 * math.sqrt(2e-4))  # two stds of 0.0141
-    assert cell["versus_ddp"] == "worse"
-    assert cell["traffic_vs_ddp"] == pytest.approx(10.0)
-    silent = [{**runs[0], "bytes_per_worker": 0}]
-    assert period_cell(silent, stats([0.7]))["traffic_vs_ddp"] == math.inf
-
-
-def test_degradation_slope_per_doubling():
-    assert degradation_slope([8, 32, 128], [0.1, 0.2, 0.3]) == pytest.approx(0.05)
-    assert degradation_slope([8, 32], [0.1, math.nan]) is None
-
-
-def _variant(slope, noises, method="mtdao", beta=0.99, means=None):
-    periods = {k: {"noise": n, "degradation": 0.0} for k, n in noises.items()}
-    for k, mean in (means or {}).items():
-        periods[k]["final_val_loss"] = {"mean": mean, "std": 0.01, "n": 3}
-    return {
-        "method": method,
-        "betas": [beta],
-        "sync_policy": "unified",
-        "slope_per_doubling": slope,
-        "periods": periods,
-    }
-
-
-def test_slope_comparison_over_the_common_k_range():
-    slow = _variant(-0.01, {8: 0.01, 32: 0.02, 128: 0.03}, beta=0.995)
-    fast = _variant(0.02, {8: 0.02, 128: 0.02})
-    c = slope_comparison(slow, fast)
-    # (-0.01 - 0.02) per doubling over log2(128 / 8) = 4 doublings; noise mean(0.01, 0.03, 0.02, 0.02)
-    assert c["ks"] == [8, 128]
-    assert c["difference"] == pytest.approx(-0.12)
-    assert c["noise"] == pytest.approx(0.02)
-    assert c["outcome"] == "slower"
-    assert slope_comparison(fast, slow)["outcome"] == "faster"
-    noisy = _variant(-0.01, {8: 0.5, 128: 0.5})
-    assert slope_comparison(noisy, fast)["outcome"] == "alike"
-
-
-def test_best_mtdao_variant_against_local_adam_per_k():
-    variants = {
-        "Local Adam": _variant(
-            None, {32: 0, 128: 0}, method="local-adam", means={32: 0.9, 128: 0.94}
-        ),
-        "A": _variant(None, {32: 0}, means={32: 0.85}),
-        "B": _variant(None, {32: 0, 128: 0}, means={32: 0.88, 128: 0.95}),
-    }
-    # K = 32: A (0.85) beats 0.90 beyond 0.02; K = 128: only B, 0.95 vs 0.94 within 0.02; K = 512: none
-    assert best_versus_local(variants, [32, 128, 512]) == [(32, "A", "better"), (128, "B", "tie")]
-
-
-def test_ablation_report_renders_the_same_from_results_json(tmp_path):
-    cell = {
-        "final_val_loss": {"mean": 0.8, "std": 0.0, "n": 1, "values": [0.8]},
-        "degradation": 0.1,
-        "noise": 0.0,
-        "versus_ddp": "worse",
-        "bytes_per_worker": 2e6,
-        "traffic_vs_ddp": 4.0,
-        "periods": None,
-    }
-    summary = {
-        "settings": {
-            "model": "micro",
-            "workers": 4,
-            "steps": 10,
-            "batch_size": 2,
-            "seq_len": 8,
-            "tokens": 640,
-            "optimizer": "adam",
-            "lrs": {"ddp": 8e-3},
-            "seeds": [0],
-            "omega": 0.9,
-            "periods": [8, 32],
-        },
-        "ddp": {"final_val_loss": {"mean": 0.7, "std": 0.0, "n": 1, "values": [0.7]}},
-        "variants": {
-            "Local Adam": {
-                "method": "local-adam",
-                "betas": None,
-                "omegas": None,
-                "sync_policy": None,
-                "color": "#ff7f0e",
-                "linestyle": "-",
-                "periods": {8: cell, 32: {**cell, "degradation": 0.3}},
-                "slope_per_doubling": 0.1,
-            }
-        },
-        "failures": {},
-    }
-    text = render_ablation_report(summary)
-    assert "| Local Adam | 0.8000 (+0.1000) | 0.8000 (+0.3000) | +0.1000 |" in text
-    assert "| Local Adam | 2.0 MB (4.0x less) | 2.0 MB (4.0x less) |" in text
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(stamped(KIND, SCHEMA, summary)))  # K keys: now strings
-    assert render_ablation_report(load_summary(path)) == text
-    assert degradation_curves(load_summary(path))["Local Adam"]["periods"] == [8, 32]
 
 
 # -- slow link ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Report math of ``mtdao compare`` / ``mtdao ablation`` on hand-built results (no training),
+"""Report math of ``mtdao compare`` on hand-built results (no training),
 the suite's bookkeeping, and one tiny end-to-end comparison."""
 
 from __future__ import annotations
@@ -9,9 +9,6 @@ import shlex
 
 import pytest
 
-from mtdao.experiments.ablation import report as ablation_report
-from mtdao.experiments.ablation import run as ablation
-from mtdao.experiments.ablation import summary as ablation_summary
 from mtdao.experiments.common import formatting, study_flags, suite, wallclock
 from mtdao.experiments.compare import plots as compare_plots
 from mtdao.experiments.compare import report as compare_report
@@ -208,41 +205,6 @@ def test_report_and_plots_are_written(tmp_path):
     assert compare_report.render_compare_report(saved) == text
 
 
-def test_ablation_summary_slopes_and_plot(tmp_path):
-    variants = ablation.build_variants([0.99, 0.995], 0.9, ["unified"])
-    ddp = [fake_run("ddp", 0, 0.70)]
-    slopes = {"Local Adam": 0.05, variants[1].name: 0.04, variants[2].name: 0.01}
-    per_variant = {
-        name: {k: [fake_run("local-adam", 0, 0.70 + slope * math.log2(k))] for k in (8, 32, 128)}
-        for name, slope in slopes.items()
-    }
-    settings = {
-        "model": "micro",
-        "workers": 4,
-        "steps": STEPS,
-        "batch_size": 2,
-        "seq_len": 16,
-        "tokens": 1,
-        "periods": [8, 32, 128],
-        "seeds": [0],
-        "lrs": {"ddp": 8e-3},
-        "omega": 0.9,
-        "optimizer": "adam",
-    }
-    summary = ablation_summary.summarize_ablation(ddp, per_variant, variants, settings)
-    for name, slope in slopes.items():
-        assert summary["variants"][name]["slope_per_doubling"] == pytest.approx(slope)
-    text = ablation_report.render_ablation_report(summary)
-    assert "beta 0.995 degrades more slowly than beta 0.99" in text
-    assert "(+0.1500)" in text  # Local Adam at K = 8: 0.05 * 3
-    curves = {
-        n: {"periods": [8, 32, 128], "degradation": [s * 3, s * 5, s * 7]}
-        for n, s in slopes.items()
-    }
-    plot = ablation_report.plot_degradation_vs_k(curves, tmp_path / "d.png", "t")
-    assert plot.stat().st_size > 10_000
-
-
 # -- suite bookkeeping ----------------------------------------------------------------------------
 
 
@@ -327,25 +289,6 @@ def test_compare_end_to_end(tmp_path):
     assert compare_report.render_compare_report(results) == text  # re-renders from results.json
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "alignment.png", "traffic.png"):
         assert (out / name).stat().st_size > 0
-
-
-@pytest.mark.slow
-def test_ablation_end_to_end(tmp_path):
-    out = tmp_path / "abl"
-    run_experiment(
-        "ablation --periods 2 4 --slow-betas 0.99 --policies unified --steps 4 --eval-every 2", out
-    )
-    summary = ablation_summary.load_summary(out / "results.json")
-    assert set(summary["variants"]) == {"Local Adam", "MT-DAO beta 0.99, unified"}
-    ddp = summary["ddp"]["final_val_loss"]["mean"]
-    for variant in summary["variants"].values():
-        assert set(variant["periods"]) == {2, 4}
-        for cell in variant["periods"].values():
-            assert cell["degradation"] == pytest.approx(cell["final_val_loss"]["mean"] - ddp)
-    # the report on disk is the one its results.json renders
-    text = (out / "report.md").read_text()
-    assert ablation_report.render_ablation_report(summary) == text
-    assert (out / "degradation_vs_k.png").stat().st_size > 0
 
 
 def test_a_suite_takes_the_thread_count_omp_num_threads_asks_for(monkeypatch):

@@ -10,10 +10,9 @@ import pytest
 
 from mtdao.experiments.common.figures import log_tick_values
 from mtdao.experiments.compare import plots as compare_plots
-from mtdao.experiments.sync_options import report as sync_options_report
 
-# summaries of two studies run under earlier defaults (the results.json of their reports then,
-# the compare one cut to what its figures read): data with the ranges these tests are about
+# the summary of a comparison run under earlier defaults (the results.json of its report then, cut
+# to what its figures read): data with the ranges these tests are about
 DATA = Path(__file__).resolve().parent / "data"
 
 
@@ -26,8 +25,7 @@ def drawn(monkeypatch):
         fig.canvas.draw()
         figures.append(fig)
 
-    for module in (compare_plots, sync_options_report):
-        monkeypatch.setattr(module, "save", keep)
+    monkeypatch.setattr(compare_plots, "save", keep)
     yield figures
     for fig in figures:
         compare_plots.pyplot().close(fig)
@@ -50,29 +48,6 @@ def test_narrow_log_axes_get_several_plain_labels():
     ]
     assert log_tick_values(2.93, 3.25) == [3.0, 3.1, 3.2]  # a 40-step smoke run's range
     assert log_tick_values(2.0, 2.0) == []
-
-
-def test_options_plot_draws_tiny_differences_as_they_are(tmp_path, drawn):
-    summary = json.loads((DATA / "sync-options-summary.json").read_text())
-    for rows in summary["table"].values():
-        for index, row in enumerate(rows.values()):
-            row["val_loss"].update(mean=3.0551 + 1e-4 * index, std=5e-5)
-    sync_options_report.plot_options(tmp_path, summary)
-    (fig,) = drawn
-    for ax in fig.axes:
-        assert ax.xaxis.get_major_formatter().get_offset() == ""  # no "+3.055" beside the ticks
-        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
-        assert all(label.startswith("3.05") for label in labels), labels
-        assert not ax.patches  # dots with error bars, no bars from a truncated axis' edge
-    # an option keeps its colour in both panels
-    first, second = (
-        {
-            label.get_text(): container.lines[0].get_color()
-            for label, container in zip(ax.get_yticklabels(), ax.containers)
-        }
-        for ax in fig.axes
-    )
-    assert len(first) > 2 and all(second[name] == first[name] for name in second if name in first)
 
 
 def one_sync_summary() -> dict:

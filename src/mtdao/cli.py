@@ -38,17 +38,9 @@ COMMANDS = {
         "mtdao.experiments.compare.run",
         "run every method on the same budget and seeds; write report.md and plots",
     ),
-    "ablation": (
-        "mtdao.experiments.ablation.run",
-        "loss degradation vs sync period K: Local Adam vs MT-DAO's slow momenta",
-    ),
     "slow-link": (
         "mtdao.experiments.slow_link.run",
         "DDP vs MT-DAO with real gloo workers across an emulated slow link (root)",
-    ),
-    "sync-options": (
-        "mtdao.experiments.sync_options.run",
-        "loss and traffic of overlapped, fragmented and quantized rounds vs float32 rounds",
     ),
     "frontier": (
         "mtdao.experiments.frontier.run",

@@ -39,7 +39,7 @@ def add_study_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 def add_budget_arguments(
     parser: argparse.ArgumentParser, *, out: str, seeds: list[int], steps: int = 1000
 ) -> None:
-    """Model, data and budget flags common to ``mtdao compare`` and ``mtdao ablation``."""
+    """Model, data and budget flags of ``mtdao compare`` and ``mtdao frontier``."""
     add = parser.add_argument
     add("--model", default="micro", choices=MODEL_PRESETS, help="model preset (default: micro)")
     add("--optimizer", default="adam", choices=BASE_OPTIMIZERS, help="base optimizer (adam)")

@@ -8,11 +8,12 @@ import argparse
 import math
 from pathlib import Path
 
-from mtdao.experiments.common.formatting import format_lr
+from mtdao.experiments.common.formatting import NOT_RUN, format_lr
 from mtdao.experiments.common.results import read_results
 from mtdao.experiments.common.study_flags import base_config
 from mtdao.experiments.common.suite import (
     RUNS_DIR,
+    SuiteResult,
     load_results,
     run_dir_of,
     run_suite,
@@ -43,6 +44,23 @@ def run_name(point: FrontierPoint, lr: float, seed: int) -> str:
     return f"{point.name}-lr{format_lr(lr)}-seed{seed}"
 
 
+def finished_runs(runs: list[tuple[str, TrainConfig]], out: Path) -> SuiteResult:
+    """The runs already finished in ``out`` (refusing one trained with other settings); the
+    others are reported not run."""
+    suite = SuiteResult()
+    for name, config in runs:
+        results = load_results(run_dir_of(out, name))
+        if results is None:
+            suite.failures[name] = NOT_RUN
+        elif stale_settings(results, config):
+            raise ValueError(
+                f"{run_dir_of(out, name)}: {'; '.join(stale_settings(results, config))}"
+            )
+        else:
+            suite.results[name] = results
+    return suite
+
+
 class Study:
     """The runs of one frontier study: trains them in phases and remembers their results."""
 
@@ -69,8 +87,6 @@ class Study:
                     self.reused.add(name)
             runs = [(name, config) for name, config in runs if name not in self.reused]
         if self.args.no_train or only_finished:
-            from mtdao.experiments.sync_options.run import finished_runs
-
             suite = finished_runs(runs, self.out)
         else:
             suite = run_suite(runs, self.out, jobs=self.args.jobs, threads=self.args.threads)

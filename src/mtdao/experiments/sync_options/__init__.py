@@ -1,1 +1,0 @@
-"""``mtdao sync-options``: the loss and traffic of overlapped, fragmented and quantized rounds."""
