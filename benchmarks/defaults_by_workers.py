@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from mtdao.experiments.common.corpora import corpus_paths
-from mtdao.experiments.common.figures import STYLE, color, pyplot
+from mtdao.experiments.common.figures import color, saved_figure
 from mtdao.experiments.common.formatting import LABELS, SIGNIFICANCE_RULE, compare_losses, pm, stats
 from mtdao.experiments.common.suite import run_suite
 from mtdao.train.config import TrainConfig
@@ -149,11 +149,8 @@ def render_report(results: dict) -> str:
 
 def plot(args: argparse.Namespace, table: list[dict], path: Path) -> None:
     """Final loss against M per method (one panel per corpus), MT-DAO's gaps beside them."""
-    with pyplot().rc_context(STYLE):
-        plt = pyplot()
-        figure, axes = plt.subplots(
-            len(args.corpora), 2, figsize=(10, 3.6 * len(args.corpora)), squeeze=False
-        )
+    rows, size = len(args.corpora), (10, 3.6 * len(args.corpora))
+    with saved_figure(path, rows, 2, figsize=size, squeeze=False, save_dpi=120) as (figure, axes):
         for row, corpus in enumerate(args.corpora):
             mine = [c for c in table if c["corpus"] == corpus]
             loss_axis, gap_axis = axes[row]
@@ -195,8 +192,6 @@ def plot(args: argparse.Namespace, table: list[dict], path: Path) -> None:
             loss_axis.legend(fontsize=8)
             gap_axis.legend(fontsize=8)
         figure.tight_layout()
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> int:

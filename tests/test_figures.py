@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mtdao.experiments.common import figures
 from mtdao.experiments.common.figures import log_tick_values
 from mtdao.experiments.compare import plots as compare_plots
 
@@ -19,16 +20,16 @@ DATA = Path(__file__).resolve().parent / "data"
 @pytest.fixture
 def drawn(monkeypatch):
     """The figures a plot function saves, drawn and kept open for inspection."""
-    figures = []
+    kept = []
 
-    def keep(fig, path):
+    def keep(fig, path, dpi=None):
         fig.canvas.draw()
-        figures.append(fig)
+        kept.append(fig)
 
-    monkeypatch.setattr(compare_plots, "save", keep)
-    yield figures
-    for fig in figures:
-        compare_plots.pyplot().close(fig)
+    monkeypatch.setattr(figures, "save", keep)
+    yield kept
+    for fig in kept:
+        figures.pyplot().close(fig)
 
 
 def test_narrow_log_axes_get_several_plain_labels():

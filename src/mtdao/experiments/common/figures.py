@@ -7,10 +7,21 @@ curves are means over seeds with a min-max band.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 from mtdao.train.plots import pyplot
 
-__all__ = ["METHOD_COLORS", "STYLE", "color", "eng_formatter", "plain_log_ticks", "pyplot"]
+__all__ = [
+    "METHOD_COLORS",
+    "STYLE",
+    "color",
+    "eng_formatter",
+    "plain_log_ticks",
+    "pyplot",
+    "saved_figure",
+]
 
 METHOD_COLORS = {
     "ddp": "#222222",
@@ -92,7 +103,25 @@ def plain_log_ticks(axis) -> None:
     axis.set_minor_locator(NullLocator())
 
 
-def save(fig, path) -> None:
-    """Write ``fig`` to ``path`` and free it."""
-    fig.savefig(path)
+def save(fig, path, dpi: float | None = None) -> None:
+    """Write ``fig`` to ``path`` (at the figure's own dpi unless given) and free it."""
+    fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+@contextmanager
+def saved_figure(
+    path,
+    *grid: int,
+    style: Mapping[str, Any] | None = STYLE,
+    save_dpi: float | None = None,
+    **subplots,
+) -> Iterator[tuple[Any, Any]]:
+    """``(fig, axes)`` of ``pyplot().subplots(*grid, **subplots)``, drawn under ``style`` (None:
+    matplotlib's own) and saved to ``path`` (at ``save_dpi``, else the figure's) when the block
+    ends; the layout is the block's."""
+    plt = pyplot()
+    with plt.rc_context(style or {}):
+        fig, axes = plt.subplots(*grid, **subplots)
+        yield fig, axes
+        save(fig, path, save_dpi)

@@ -18,8 +18,7 @@ from mtdao.experiments.common.figures import (
     color,
     eng_formatter,
     plain_log_ticks,
-    pyplot,
-    save,
+    saved_figure,
 )
 from mtdao.experiments.common.formatting import format_bytes, format_traffic, join_numbers, label
 from mtdao.experiments.common.wallclock import LINK_PRESETS, Link, step_end_times
@@ -131,9 +130,7 @@ def _footnote(fig, text: str) -> None:
 
 
 def plot_loss_vs_tokens(summary: Mapping[str, Any], path: Path) -> Path:
-    plt = pyplot()
-    with plt.rc_context(STYLE):
-        fig, (full, zoom) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=130)
+    with saved_figure(path, 1, 2, figsize=(12, 4.6), dpi=130) as (fig, (full, zoom)):
         means, tokens = [], []
         for method in _order(summary):
             _, tokens, values = eval_matrix(summary["runs"][method])
@@ -162,7 +159,6 @@ def plot_loss_vs_tokens(summary: Mapping[str, Any], path: Path) -> Path:
             f"{s.get('steps')} steps, seeds {join_numbers(s.get('seeds', []))}; "
             "band: min-max over seeds",
         )
-        save(fig, path)
     return Path(path)
 
 
@@ -188,12 +184,9 @@ def _loss_vs_time_panel(ax, summary: Mapping[str, Any], name: str) -> None:
 
 
 def plot_loss_vs_time(summary: Mapping[str, Any], path: Path) -> Path:
-    plt = pyplot()
     links = [name for name in TIME_LINKS if name in LINK_PRESETS]
-    with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(
-            1, len(links), figsize=(6 * len(links), 4.6), dpi=130, squeeze=False
-        )
+    size = (6 * len(links), 4.6)
+    with saved_figure(path, 1, len(links), figsize=size, dpi=130, squeeze=False) as (fig, axes):
         for ax, name in zip(axes[0], links):
             _loss_vs_time_panel(ax, summary, name)
         axes[0][0].legend(loc="lower left")
@@ -202,17 +195,14 @@ def plot_loss_vs_time(summary: Mapping[str, Any], path: Path) -> Path:
             f"Same tokens, modelled time: compute {summary['compute_s_per_step'] * 1e3:.1f} "
             "ms/step for every method + ring all-reduces of the logged traffic (dot: end of run)",
         )
-        save(fig, path)
     return Path(path)
 
 
 def plot_alignment(summary: Mapping[str, Any], path: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
-    plt = pyplot()
     methods = [m for m in _order(summary) if all(r.get("alignment") for r in summary["runs"][m])]
-    with plt.rc_context(STYLE):
-        fig, (cos_ax, drift_ax) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=130)
+    with saved_figure(path, 1, 2, figsize=(12, 4.6), dpi=130) as (fig, (cos_ax, drift_ax)):
         sync_steps: set[int] = set()
         for method in methods:
             for ax, key in ((cos_ax, "cosine"), (drift_ax, "drift")):
@@ -246,16 +236,15 @@ def plot_alignment(summary: Mapping[str, Any], path: Path) -> Path:
                 0.5, 0.5, "no parameter syncs logged", ha="center", transform=cos_ax.transAxes
             )
             fig.tight_layout()
-        save(fig, path)
     return Path(path)
 
 
 def plot_traffic(summary: Mapping[str, Any], path: Path) -> Path:
-    plt = pyplot()
     methods = _order(summary)[::-1]  # first method on top
     summaries = summary["methods"]
-    with plt.rc_context({**STYLE, "axes.grid": False, "axes.axisbelow": True}):
-        fig, ax = plt.subplots(figsize=(8, 0.6 * len(methods) + 1.6), dpi=130)
+    style = {**STYLE, "axes.grid": False, "axes.axisbelow": True}
+    size = (8, 0.6 * len(methods) + 1.6)
+    with saved_figure(path, style=style, figsize=size, dpi=130) as (fig, ax):
         sent = [max(summaries[m]["bytes_per_worker"], 1.0) for m in methods]
         floor = min(sent) / 10
         ax.barh(
@@ -284,7 +273,6 @@ def plot_traffic(summary: Mapping[str, Any], path: Path) -> Path:
         ax.set_xlabel("bytes sent per worker over the run (log scale)")
         ax.set_title("Communication per worker")
         fig.tight_layout()
-        save(fig, path)
     return Path(path)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mtdao.experiments.common.figures import STYLE, pyplot, save
+from mtdao.experiments.common.figures import saved_figure
 from mtdao.experiments.common.formatting import MISSING, failures_section, pm, signed, table
 from mtdao.train.config import TextSettings
 
@@ -196,16 +196,19 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
     corpora = list(dict.fromkeys(cell["corpus"] for cell in summary["cells"]))
     periods = sorted({cell["sync_period"] for cell in summary["cells"]})
     names = [e["name"] for e in summary["entries"] if e["name"] != "ddp"]
-    drawn = False
-    plt = pyplot()
-    with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(
-            1,
-            max(1, len(corpora)),
-            figsize=(4.2 * max(1, len(corpora)), 3.6),
-            squeeze=False,
-            sharey=True,
-        )
+
+    def relative_points(cells: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
+        return [
+            (c["steps"], 100 * (s["mean"] / d["mean"] - 1))
+            for c in cells
+            if (s := c["entries"][name]["stats"]) and (d := c["entries"]["ddp"]["stats"])
+        ]
+
+    if not any(relative_points(summary["cells"], name) for name in names):
+        return False
+    panels = max(1, len(corpora))
+    size = (4.2 * panels, 3.6)
+    with saved_figure(path, 1, panels, figsize=size, squeeze=False, sharey=True) as (fig, axes):
         for axis, corpus in zip(axes[0], corpora):
             for p_index, period in enumerate(periods):
                 cells = sorted(
@@ -217,15 +220,9 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
                     key=lambda c: c["steps"],
                 )
                 for name in names:
-                    points = [
-                        (c["steps"], 100 * (s["mean"] / d["mean"] - 1))
-                        for c in cells
-                        if (s := c["entries"][name]["stats"])
-                        and (d := c["entries"]["ddp"]["stats"])
-                    ]
+                    points = relative_points(cells, name)
                     if not points:
                         continue
-                    drawn = True
                     steps, relative = zip(*points)
                     axis.plot(
                         steps,
@@ -244,23 +241,19 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
             axis.set_title(corpus)
             axis.set_xlabel("steps (run length)")
         axes[0][0].set_ylabel("final val loss above DDP's (%)")
-        if drawn:
-            # from every panel: a card run in part may have nothing on the first corpus
-            legend = {}
-            for axis in axes[0]:
-                for handle, label in zip(*axis.get_legend_handles_labels()):
-                    legend.setdefault(label, handle)
-            labels = list(legend)
-            fig.legend(
-                list(legend.values()),
-                labels,
-                loc="lower center",
-                ncol=min(4, len(labels)),
-                fontsize=8,
-                bbox_to_anchor=(0.5, -0.02),
-            )
-            fig.tight_layout(rect=(0, 0.08, 1, 1))
-            save(fig, path)
-        else:
-            plt.close(fig)
-    return drawn
+        # from every panel: a card run in part may have nothing on the first corpus
+        legend = {}
+        for axis in axes[0]:
+            for handle, label in zip(*axis.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        labels = list(legend)
+        fig.legend(
+            list(legend.values()),
+            labels,
+            loc="lower center",
+            ncol=min(4, len(labels)),
+            fontsize=8,
+            bbox_to_anchor=(0.5, -0.02),
+        )
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return True

@@ -263,9 +263,7 @@ def reduction_text(row) -> str:
 
 
 def plot_frontier(path: Path, rows) -> None:
-    plt = figures.pyplot()
-    with plt.rc_context(figures.STYLE):
-        fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
+    with figures.saved_figure(path, figsize=(8, 5), constrained_layout=True) as (_, ax):
         ddp = ddp_row(rows)
         for method, front in fronts_by_method(rows).items():
             points = [r for r in rows if r["method"] == method and finite(r)]
@@ -295,4 +293,3 @@ def plot_frontier(path: Path, rows) -> None:
         ax.set_ylabel("final validation loss")
         ax.set_title("Loss against traffic, each method's Pareto frontier")
         ax.legend()
-        figures.save(fig, path)

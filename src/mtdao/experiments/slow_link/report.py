@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtdao.experiments.common.figures import pyplot, save
+from mtdao.experiments.common.figures import saved_figure
 from mtdao.experiments.common.formatting import format_traffic, megabytes, table
 
 COLUMNS = (
@@ -142,45 +142,44 @@ download per worker){delay_line(rows[0])}. torch {torch}, {cores} CPU cores.
 
 def plot_time_to_loss(out: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
     """Validation loss against measured wall-clock, one panel per link rate."""
-    plt = pyplot()
     rates = sorted({r["rate_mbit"] for r in rows})
-    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.0), dpi=120, squeeze=False)
-    for ax, rate in zip(axes[0], rates):
-        for index, row in enumerate(r for r in rows if r["rate_mbit"] == rate):
-            points = [(e["wall_time_s"], e["val_loss"]) for e in row["evals"]]
-            ax.plot(*zip(*points), "o-", color=f"C{index}", lw=2, ms=3, label=row["method"])
-            if row["method"] == "ddp":
-                ax.axhline(
-                    row["final_val_loss"], color="0.5", ls="--", lw=1, label="DDP's final loss"
-                )
-        ax.set_title(f"{rate:g} Mbit/s link")
-        ax.set_xlabel("wall-clock training seconds (measured)")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
     path = Path(out) / "time_to_loss.png"
-    save(fig, path)
+    size = (5.5 * len(rates), 4.0)
+    panels = saved_figure(path, 1, len(rates), figsize=size, dpi=120, squeeze=False, style=None)
+    with panels as (fig, axes):
+        for ax, rate in zip(axes[0], rates):
+            for index, row in enumerate(r for r in rows if r["rate_mbit"] == rate):
+                points = [(e["wall_time_s"], e["val_loss"]) for e in row["evals"]]
+                ax.plot(*zip(*points), "o-", color=f"C{index}", lw=2, ms=3, label=row["method"])
+                if row["method"] == "ddp":
+                    ax.axhline(
+                        row["final_val_loss"], color="0.5", ls="--", lw=1, label="DDP's final loss"
+                    )
+            ax.set_title(f"{rate:g} Mbit/s link")
+            ax.set_xlabel("wall-clock training seconds (measured)")
+            ax.set_ylabel("validation loss (nats/token)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
     return path
 
 
 def plot_time_to_target(out: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
     """Seconds to DDP's final loss per row, one panel per link rate ('never' rows unbarred)."""
-    plt = pyplot()
     rates = sorted({r["rate_mbit"] for r in rows})
-    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 0.5 + 0.45 * len(rows)))
-    for ax, rate in zip(list(getattr(axes, "flat", [axes])), rates):
-        at_rate = [r for r in rows if r["rate_mbit"] == rate]
-        names = [r["method"] for r in at_rate]
-        times = [r.get("time_to_ddp_loss_s") for r in at_rate]
-        ax.barh(names, [t or 0.0 for t in times], color=[f"C{i}" for i in range(len(names))])
-        for y, seconds in enumerate(times):
-            ax.text(seconds or 0.0, y, f" {_seconds(seconds)}", va="center", fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{rate:g} Mbit/s link: time to DDP's final loss")
-        ax.set_xlabel("wall-clock training seconds (measured)")
-        ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
     path = Path(out) / "time_to_ddp_loss.png"
-    save(fig, path)
+    size = (5.5 * len(rates), 0.5 + 0.45 * len(rows))
+    with saved_figure(path, 1, len(rates), figsize=size, squeeze=False, style=None) as (fig, axes):
+        for ax, rate in zip(axes[0], rates):
+            at_rate = [r for r in rows if r["rate_mbit"] == rate]
+            names = [r["method"] for r in at_rate]
+            times = [r.get("time_to_ddp_loss_s") for r in at_rate]
+            ax.barh(names, [t or 0.0 for t in times], color=[f"C{i}" for i in range(len(names))])
+            for y, seconds in enumerate(times):
+                ax.text(seconds or 0.0, y, f" {_seconds(seconds)}", va="center", fontsize=8)
+            ax.invert_yaxis()
+            ax.set_title(f"{rate:g} Mbit/s link: time to DDP's final loss")
+            ax.set_xlabel("wall-clock training seconds (measured)")
+            ax.grid(axis="x", alpha=0.3)
+        fig.tight_layout()
     return path

@@ -12,11 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mtdao.experiments.common.figures import saved_figure
 from mtdao.experiments.wan_drill.checks import Check, mean_final_loss
 from mtdao.experiments.wan_drill.summary import event_effects, round_counts, rounds, site_bytes
 
 KIND, SCHEMA = "wan-drill", 1  # results.json (see mtdao.experiments.common.results)
 
+PLAIN = dict(style=None, save_dpi=110)  # the drill's figures: matplotlib's own style
 EVENT_COLOURS = {"kill": "tab:red", "partition": "tab:purple", "slow_link": "tab:orange",
                  "straggler": "tab:brown", "lighthouse_restart": "tab:gray"}  # fmt: skip
 
@@ -51,15 +53,6 @@ EMULATION = {
         "- slow link: the token buckets changed; straggler: a CPU cgroup quota; kill: SIGKILL",
     ),
 }
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def step_times(record: dict[str, Any], site: str) -> tuple[list[float], list[int]]:
@@ -104,33 +97,31 @@ def shade_events(axis, record: dict[str, Any]) -> None:
 
 def plot_timeline(out: Path, record: dict[str, Any]) -> Path:
     """One row per replica: its step against wall time, its rounds, the events shaded."""
-    plt = _pyplot()
     sites = list(record["replicas"])
-    figure, axes = plt.subplots(len(sites), 1, figsize=(10, 1.2 + 1.9 * len(sites)), sharex=True,
-                                squeeze=False)  # fmt: skip
-    for row, (axis, site) in enumerate(zip(axes[:, 0], sites)):
-        times, steps = step_times(record, site)
-        colour = f"C{row}"
-        axis.plot(times, steps, lw=1.2, color=colour)
-        for kind, marker in (("committed", "o"), ("discarded", "x")):
-            points = [(e["time"] - record["t0"], e["step"]) for e in rounds(record, site, kind)]
-            if points:
-                xs, ys = zip(*points)
-                axis.scatter(xs, ys, marker=marker, s=10 if kind == "committed" else 50,
-                             color=colour if kind == "committed" else "red", zorder=3,
-                             label=kind)  # fmt: skip
-        for incarnation in record["replicas"][site]["incarnations"][1:]:
-            axis.axvline(incarnation["started"] - record["t0"], color="black", ls=":", lw=1)
-        shade_events(axis, record)
-        axis.set_ylabel(f"{site}: step")
-        if row == 0:
-            axis.legend(loc="lower right", fontsize=8)
-    axes[-1, 0].set_xlabel("wall time since every replica's first step (s); dotted: a restart")
-    figure.suptitle("replicas across the WAN: dots committed rounds, red crosses discarded")
-    figure.tight_layout()
     path = out / "timeline.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    size = (10, 1.2 + 1.9 * len(sites))
+    rows = saved_figure(path, len(sites), 1, figsize=size, sharex=True, squeeze=False, **PLAIN)
+    with rows as (figure, axes):
+        for row, (axis, site) in enumerate(zip(axes[:, 0], sites)):
+            times, steps = step_times(record, site)
+            colour = f"C{row}"
+            axis.plot(times, steps, lw=1.2, color=colour)
+            for kind, marker in (("committed", "o"), ("discarded", "x")):
+                points = [(e["time"] - record["t0"], e["step"]) for e in rounds(record, site, kind)]
+                if points:
+                    xs, ys = zip(*points)
+                    axis.scatter(xs, ys, marker=marker, s=10 if kind == "committed" else 50,
+                                 color=colour if kind == "committed" else "red", zorder=3,
+                                 label=kind)  # fmt: skip
+            for incarnation in record["replicas"][site]["incarnations"][1:]:
+                axis.axvline(incarnation["started"] - record["t0"], color="black", ls=":", lw=1)
+            shade_events(axis, record)
+            axis.set_ylabel(f"{site}: step")
+            if row == 0:
+                axis.legend(loc="lower right", fontsize=8)
+        axes[-1, 0].set_xlabel("wall time since every replica's first step (s); dotted: a restart")
+        figure.suptitle("replicas across the WAN: dots committed rounds, red crosses discarded")
+        figure.tight_layout()
     return path
 
 
@@ -148,46 +139,42 @@ def baseline_summary(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot_loss(out: Path, record, baselines: list[dict], ddp: dict | None) -> Path:
-    plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(8, 4.8))
-    for site in record["replicas"]:
-        points = drill_losses(record, site)
-        if points:
-            axis.plot(*zip(*points), marker="o", ms=3, lw=1.2, label=f"drill {site}")
-    for base in baselines:
-        if base["curve"]:
-            axis.plot(*zip(*base["curve"]), ls="--", color="gray", lw=1,
-                      label=f"no events, seed {base['seed']}")  # fmt: skip
-    if ddp is not None:
-        axis.plot(*zip(*ddp_losses(ddp)), color="black", marker="s", ms=3, label="DDP, same links")
-    shade_events(axis, record)
-    axis.set_xlabel("wall time since the first step (s)")
-    axis.set_ylabel("validation loss")
-    if axis.get_legend_handles_labels()[0]:
-        axis.legend(fontsize=8)
-    figure.tight_layout()
     path = out / "loss.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    with saved_figure(path, figsize=(8, 4.8), **PLAIN) as (figure, axis):
+        for site in record["replicas"]:
+            points = drill_losses(record, site)
+            if points:
+                axis.plot(*zip(*points), marker="o", ms=3, lw=1.2, label=f"drill {site}")
+        for base in baselines:
+            if base["curve"]:
+                axis.plot(*zip(*base["curve"]), ls="--", color="gray", lw=1,
+                          label=f"no events, seed {base['seed']}")  # fmt: skip
+        if ddp is not None:
+            axis.plot(
+                *zip(*ddp_losses(ddp)), color="black", marker="s", ms=3, label="DDP, same links"
+            )
+        shade_events(axis, record)
+        axis.set_xlabel("wall time since the first step (s)")
+        axis.set_ylabel("validation loss")
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+        figure.tight_layout()
     return path
 
 
 def plot_bytes(out: Path, record: dict[str, Any]) -> Path:
-    plt = _pyplot()
     counts = site_bytes(record)
     sites = list(counts)
-    figure, axis = plt.subplots(figsize=(6, 3.6))
-    xs = range(len(sites))
-    axis.bar([x - 0.2 for x in xs], [counts[s]["sent"] / 1e6 for s in sites], 0.4, label="sent")
-    axis.bar([x + 0.2 for x in xs], [counts[s]["received"] / 1e6 for s in sites], 0.4,
-             label="received")  # fmt: skip
-    axis.set_xticks(list(xs), sites)
-    axis.set_ylabel("MB on the site's link")
-    axis.legend()
-    figure.tight_layout()
     path = out / "bytes.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    with saved_figure(path, figsize=(6, 3.6), **PLAIN) as (figure, axis):
+        xs = range(len(sites))
+        axis.bar([x - 0.2 for x in xs], [counts[s]["sent"] / 1e6 for s in sites], 0.4, label="sent")
+        axis.bar([x + 0.2 for x in xs], [counts[s]["received"] / 1e6 for s in sites], 0.4,
+                 label="received")  # fmt: skip
+        axis.set_xticks(list(xs), sites)
+        axis.set_ylabel("MB on the site's link")
+        axis.legend()
+        figure.tight_layout()
     return path
 
 
