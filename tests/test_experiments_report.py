@@ -208,6 +208,14 @@ def test_report_and_plots_are_written(tmp_path):
 # -- suite bookkeeping ----------------------------------------------------------------------------
 
 
+def test_a_report_names_the_command_that_was_typed(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["mtdao", "frontier", "--no-train", "--out", "runs/a b"])
+    assert (
+        study_flags.typed_command("frontier", ["--no-train"]) == "mtdao frontier --out 'runs/a b'"
+    )
+    assert study_flags.typed_command("slow-link") == "mtdao slow-link"  # called otherwise
+
+
 def test_parse_lr_pins():
     methods = ["ddp", "mtdao"]
     assert study_flags.parse_lr_pins(["mtdao=1e-2", "4e-3"], methods) == {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -96,6 +97,13 @@ def interrupted_suite(args: argparse.Namespace, argv: list[str]) -> str:
         f"mtdao {args.command}: interrupted; the finished runs in {Path(args.out) / RUNS_DIR} are "
         f"kept (an unfinished one resumes from its last checkpoint); continue with: {command}"
     )
+
+
+def typed_command(name: str, leave_out: Sequence[str] = ()) -> str:
+    """The ``mtdao NAME ...`` command line this process was started with, less ``leave_out``: what
+    a report names to rerun its study; ``mtdao NAME`` when the study was called otherwise."""
+    argv = [arg for arg in sys.argv[1:] if arg not in leave_out]
+    return shlex.join(["mtdao", *argv]) if argv[:1] == [name] else f"mtdao {name}"
 
 
 def default_eval_every(steps: int) -> int:

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
-import sys
 from pathlib import Path
 
-from mtdao.experiments.common.study_flags import add_budget_arguments, parse_lr_pins
+from mtdao.experiments.common.study_flags import (
+    add_budget_arguments,
+    parse_lr_pins,
+    typed_command,
+)
 from mtdao.experiments.frontier.grid import GRIDS, select
 from mtdao.experiments.frontier.study import Study, point_config
 from mtdao.train.config import resolve
@@ -142,11 +144,9 @@ def run_frontier(args: argparse.Namespace) -> int:
         resolve(point_config(args, point, 1e-3, args.seeds[0]))
     study = Study(args, points, factors)
     outcome = study.run(pins)
-    # the study's command: a --no-train re-render reports the runs the same command trains
-    argv = [a for a in sys.argv[1:] if a != "--no-train"]
-    command = shlex.join(["mtdao", *argv]) if argv[:1] == ["frontier"] else ""
     settings = {
-        "command": command or "mtdao frontier",
+        # a --no-train re-render names the command that trains the runs it reports
+        "command": typed_command("frontier", leave_out=["--no-train"]),
         "model": args.model,
         "workers": args.workers,
         "steps": args.steps,

@@ -33,7 +33,6 @@ import math
 import os
 import shlex
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 
 from mtdao.experiments.common.formatting import format_bytes
 from mtdao.experiments.common.results import stamped
-from mtdao.experiments.common.study_flags import add_study_schedule_arguments
+from mtdao.experiments.common.study_flags import add_study_schedule_arguments, typed_command
 from mtdao.experiments.slow_link.report import (
     plot_time_to_loss,
     plot_time_to_target,
@@ -355,7 +354,6 @@ def run_slow_link(args: argparse.Namespace) -> int:
     args.runs = run_specs(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["mtdao", *sys.argv[1:]]) if sys.argv[1:2] == ["slow-link"] else ""
     rows: list[dict] = []
     try:
         for index, rate in enumerate(args.rates):
@@ -364,7 +362,7 @@ def run_slow_link(args: argparse.Namespace) -> int:
         print(f"skipped: {error}")
         return 0
     rows = compare_to_ddp(rows)
-    measured = {"command": command or "mtdao slow-link", "workers": args.workers, **environment()}
+    measured = {"command": typed_command("slow-link"), "workers": args.workers, **environment()}
     results = stamped(KIND, SCHEMA, {**measured, "rows": rows})
     (out / "results.json").write_text(json.dumps(results, indent=2))
     report = out / "report.md"

@@ -27,6 +27,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from mtdao.experiments.common.study_flags import typed_command
 from mtdao.experiments.wan_drill.checks import mean_final_loss, run_checks
 from mtdao.experiments.wan_drill.drill import DrillSettings, run_drill
 from mtdao.experiments.wan_drill.report import (
@@ -202,10 +203,7 @@ def _run_wan_drill(args: argparse.Namespace) -> int:
     losses = [x for x in map(mean_final_loss, baselines) if x is not None]
     want_loss = bool(args.baseline or args.baseline_seeds)
     checks = run_checks(record, losses if want_loss else None, args.loss_slack)
-    command = (
-        shlex.join(["mtdao", *sys.argv[1:]]) if "wan-drill" in sys.argv[1:2] else "mtdao wan-drill"
-    )
-    write_outputs(out, record, checks, baselines, ddp, command)
+    write_outputs(out, record, checks, baselines, ddp, typed_command("wan-drill"))
     for check in checks:
         print(f"{'pass' if check.passed else 'FAIL'}  {check.name}: {check.detail}")
     print(f"report: {out / 'report.md'}")
