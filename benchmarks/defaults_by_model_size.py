@@ -18,13 +18,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, pm, stats
+from mtdao.experiments.common.formatting import LABELS, SIGNIFICANCE_RULE, gap, pm, stats
 from mtdao.experiments.common.suite import run_suite
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.config import TrainConfig
 
 METHODS = ("ddp", "local-adam", "mtdao")
-LABELS = {"ddp": "DDP", "local-adam": "Local Adam", "mtdao": "MT-DAO"}
 
 
 def run_name(model: str, steps: int, sync_period: int, method: str, seed: int) -> str:
@@ -41,12 +40,6 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, TrainConfig]]:
                                      sync_period=args.sync_period, seed=seed, progress=False)  # fmt: skip
                 runs.append((run_name(model, args.steps, args.sync_period, method, seed), config))
     return runs
-
-
-def gap(mine: dict, theirs: dict) -> str:
-    relative = (mine["mean"] - theirs["mean"]) / theirs["mean"]
-    verdict = compare_losses(mine, theirs) if min(mine["n"], theirs["n"]) > 1 else "one seed"
-    return f"{relative * 100:+.1f}% ({verdict})"
 
 
 def table(args: argparse.Namespace, results: dict[str, dict]) -> str:

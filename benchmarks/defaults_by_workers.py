@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mtdao.experiments.common.corpora import corpus_paths
 from mtdao.experiments.common.figures import color, saved_figure
-from mtdao.experiments.common.formatting import LABELS, SIGNIFICANCE_RULE, compare_losses, pm, stats
+from mtdao.experiments.common.formatting import LABELS, SIGNIFICANCE_RULE, gap, pm, stats
 from mtdao.experiments.common.suite import run_suite
 from mtdao.train.config import TrainConfig
 
@@ -61,14 +61,6 @@ def planned_runs(args: argparse.Namespace, data: dict[str, str]) -> list[tuple[s
                     name = run_name(corpus, workers, batch, method, seed, args.steps)
                     runs.append((name, config))
     return runs
-
-
-def gap(mine: dict | None, theirs: dict | None) -> str:
-    if mine is None or theirs is None:
-        return ""
-    relative = (mine["mean"] - theirs["mean"]) / theirs["mean"]
-    verdict = compare_losses(mine, theirs) if min(mine["n"], theirs["n"]) > 1 else "one seed"
-    return f"{relative * 100:+.1f}% ({verdict})"
 
 
 def cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:

@@ -28,6 +28,16 @@ def test_mean_and_std_as_text():
     assert formatting.plus_minus(0.00387, 0.00033, ".3g", ".2g") == "0.00387 ± 0.00033"
 
 
+def test_a_gap_is_relative_with_its_verdict():
+    # 1.72 vs 1.67: +3.0%; beyond the stds' sum 0.02 with three seeds each, with one a verdict waits
+    mine, theirs = stats([1.71, 1.72, 1.73]), stats([1.66, 1.67, 1.68])
+    assert formatting.gap(mine, theirs) == "+3.0% (worse)"
+    assert formatting.gap(theirs, mine) == "-2.9% (better)"
+    assert formatting.gap(stats([1.72]), theirs) == "+3.0% (one seed)"
+    assert formatting.gap(stats([1.671, 1.672]), theirs) == "+0.1% (tie)"
+    assert formatting.gap(None, theirs) == ""
+
+
 def test_traffic_ratio_as_text():
     assert formatting.format_traffic(100 / 30) == "3.3x less"
     assert formatting.format_traffic(0.5, "DDP") == "2.0x more than DDP"

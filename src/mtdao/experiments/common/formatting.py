@@ -67,6 +67,12 @@ def compare_losses(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     return "better" if difference < 0 else "worse"
 
 
+def verdict(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    """:func:`compare_losses`, or 'one seed' while either side has a single seed (no spread to
+    judge the difference by)."""
+    return compare_losses(a, b) if min(a["n"], b["n"]) > 1 else "one seed"
+
+
 # -- numbers as text -------------------------------------------------------------------------------
 
 
@@ -101,6 +107,14 @@ def format_relative(value: float, reference: float) -> str:
     if not reference:
         return "n/a"
     return f"{(value - reference) / reference * 100:+.1f}%"
+
+
+def gap(mine: Mapping[str, Any] | None, theirs: Mapping[str, Any] | None) -> str:
+    """``mine``'s mean loss relative to ``theirs`` with the :func:`verdict`: +3.3% (worse); empty
+    when either is missing."""
+    if mine is None or theirs is None:
+        return ""
+    return f"{format_relative(mine['mean'], theirs['mean'])} ({verdict(mine, theirs)})"
 
 
 def format_seconds(seconds: float | None) -> str:

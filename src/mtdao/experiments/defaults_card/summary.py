@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, stats
+from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, stats, verdict
 from mtdao.experiments.common.steps_to_loss import steps_to_reference_loss
 from mtdao.experiments.defaults_card.grid import CURRENT_ENTRIES, ENTRIES, Grid, run_name
 from mtdao.train.config import TextSettings
@@ -170,7 +170,7 @@ def _gaps(by_entry: dict[str, dict], candidates: list[str]) -> dict[str, dict[st
             gaps.setdefault(name, {})[reference] = {
                 "difference": a["mean"] - b["mean"],
                 "relative": (a["mean"] - b["mean"]) / b["mean"] if b["mean"] else None,
-                "verdict": compare_losses(a, b) if min(a["n"], b["n"]) > 1 else "one seed",
+                "verdict": verdict(a, b),
                 "lower_on": lower,
                 "shared_seeds": len(shared),
             }
