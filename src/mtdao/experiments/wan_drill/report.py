@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.common.figures import saved_figure
+from mtdao.experiments.common.formatting import megabytes, table
 from mtdao.experiments.wan_drill.checks import Check, mean_final_loss
 from mtdao.experiments.wan_drill.summary import event_effects, round_counts, rounds, site_bytes
 
@@ -196,46 +197,53 @@ def render_report(
         f"K = {s['sync_period']}, seed {s['seed']}) and a lighthouse, each in a site of its own; "
         f"emulation: **{record['emulation']}**.",
         "",
-        "| check | | detail |",
-        "|---|---|---|",
     ]
+    lines += ["| check | | detail |", "|---|---|---|"]  # the verdicts' column has no name
     lines += [f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.detail} |" for c in checks]
-    lines += [
-        "",
-        "## Links",
-        "",
-        "| site | rate (Mbit/s) | one-way delay (ms) | jitter (ms) | loss |",
-    ]
-    lines += ["|---|---|---|---|---|"]
-    for site, link in record["links"].items():
-        lines.append(f"| {site} | {link['rate_mbit']:g} | {link['delay_ms']:g} | "
-                     f"{link['jitter_ms']:g} | {link['loss']:g} |")  # fmt: skip
+    lines += ["", "## Links", ""]
+    lines += table(
+        ("site", "rate (Mbit/s)", "one-way delay (ms)", "jitter (ms)", "loss"),
+        [
+            (site, *(f"{link[key]:g}" for key in ("rate_mbit", "delay_ms", "jitter_ms", "loss")))
+            for site, link in record["links"].items()
+        ],
+    )
     lines += ["", "A path between two sites crosses both sites' links (delays add).", ""]
     # a record from before the drill bound its sites' addresses and shared a secret says nothing
     secured = [SECURED] if record.get("secured") else []
     lines += ["How it is emulated:", "", *EMULATION[record["emulation"]], *secured, ""]
-    lines += ["## Events", "", "| event | at (s) | lasted (s) | time to heal (s) | group steps lost | "
-              "replica's absent steps | rounds discarded |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for effect in event_effects(record):
-        lines.append(
-            f"| {effect['label']} | {effect['at_s']:.1f} | {effect['for_s']:.1f} | "
-            f"{_fmt(effect['heal_s'])} | {_fmt(effect['steps_lost'], '.0f')} | "
-            f"{_fmt(effect['absent_steps'], 'd')} | {effect['rounds_discarded']} |"
-        )
+    lines += ["## Events", ""]
+    lines += table(
+        ("event", "at (s)", "lasted (s)", "time to heal (s)", "group steps lost",
+         "replica's absent steps", "rounds discarded"),
+        [
+            (e["label"], f"{e['at_s']:.1f}", f"{e['for_s']:.1f}", _fmt(e["heal_s"]),
+             _fmt(e["steps_lost"], ".0f"), _fmt(e["absent_steps"], "d"), str(e["rounds_discarded"]))
+            for e in event_effects(record)
+        ],
+    )  # fmt: skip
     lines += ["", "Time to heal: from the event's end to the next round all replicas committed "
               "together. Group steps lost: how far the most advanced replica fell behind its pace "
               "before the event, when healed. Absent steps: group steps the struck replica missed "
               "(from its step at the event to the step it healed to).", ""]  # fmt: skip
     lines += ["", "![timeline](timeline.png)", "", "## Rounds and bytes", ""]
-    lines += ["| replica | rounds committed | discarded | incarnations | final val loss |"]
-    lines += ["|---|---|---|---|---|"]
-    for site, counts in round_counts(record).items():
-        replica = record["replicas"][site]
-        lines.append(f"| {site} | {counts['committed']} | {counts['discarded']} | "
-                     f"{len(replica['incarnations'])} | {_fmt(replica['final_val_loss'], '.4f')} |")  # fmt: skip
-    lines += ["", "| site | MB sent | MB received |", "|---|---|---|"]
-    for site, counts in site_bytes(record).items():
-        lines.append(f"| {site} | {counts['sent'] / 1e6:.1f} | {counts['received'] / 1e6:.1f} |")
+    replicas = record["replicas"]
+    lines += table(
+        ("replica", "rounds committed", "discarded", "incarnations", "final val loss"),
+        [
+            (site, str(n["committed"]), str(n["discarded"]),
+             str(len(replicas[site]["incarnations"])), _fmt(replicas[site]["final_val_loss"], ".4f"))
+            for site, n in round_counts(record).items()
+        ],
+    )  # fmt: skip
+    lines += [""]
+    lines += table(
+        ("site", "MB sent", "MB received"),
+        [
+            (site, megabytes(n["sent"]), megabytes(n["received"]))
+            for site, n in site_bytes(record).items()
+        ],
+    )
     lines += ["", "![bytes](bytes.png)", "", "## Loss against wall time", ""]
     if baselines:
         finals = ", ".join(
