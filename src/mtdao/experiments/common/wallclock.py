@@ -10,9 +10,8 @@ Cost of one ring all-reduce of n bytes over M workers (alpha-beta model, Thakur 
     2 (M - 1) * latency  +  2 (M - 1) / M * 8 n / bandwidth
 
 The ring has 2(M - 1) dependent steps (reduce-scatter then all-gather) and each one waits for a
-message from its neighbour, so by default latency is charged per ring step (``"ring_steps"``);
-``"once"`` charges it once per collective, an optimistic bound for latency-hiding algorithms (trees,
-pipelined chunks). Compute and communication are assumed not to overlap, which flatters nobody:
+message from its neighbour, so latency is charged per ring step. Compute and communication are
+assumed not to overlap, which flatters nobody:
 DDP can hide some of its all-reduce behind the backward pass, local methods can hide theirs too.
 """
 
@@ -20,9 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
-
-LatencyCharge = Literal["ring_steps", "once"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +29,7 @@ class Link:
     bandwidth_gbit: float
     """Per-worker bandwidth in Gbit/s (1e9 bits per second)."""
     latency_s: float
-    """Cost of one message, in seconds, charged as set by ``latency_charge``."""
+    """Cost of one message, in seconds, charged at every step of the ring."""
 
 
 LINK_PRESETS: dict[str, Link] = {
@@ -52,34 +48,17 @@ LINK_PRESETS: dict[str, Link] = {
 }
 
 
-def link_preset(name: str) -> Link:
-    if name not in LINK_PRESETS:
-        raise ValueError(f"unknown link preset {name!r}; known: {', '.join(LINK_PRESETS)}")
-    return LINK_PRESETS[name]
-
-
-def allreduce_seconds(
-    num_bytes: float, workers: int, link: Link, latency_charge: LatencyCharge = "ring_steps"
-) -> float:
+def allreduce_seconds(num_bytes: float, workers: int, link: Link) -> float:
     """Seconds for a ring all-reduce of ``num_bytes`` per worker over ``workers`` on ``link``."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if num_bytes < 0:
         raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
-    if latency_charge not in ("ring_steps", "once"):
-        raise ValueError(f"latency_charge must be 'ring_steps' or 'once', got {latency_charge!r}")
     if workers == 1 or num_bytes == 0:
         return 0.0  # nothing to exchange
     ring_steps = 2 * (workers - 1)
-    latency = link.latency_s * (ring_steps if latency_charge == "ring_steps" else 1)
+    latency = link.latency_s * ring_steps
     return latency + ring_steps / workers * num_bytes * 8 / (link.bandwidth_gbit * 1e9)
-
-
-def periodic_collectives(steps: int, period: int, num_bytes: float) -> list[tuple[int, float]]:
-    """Events of a state of ``num_bytes`` averaged after every ``period``-th of ``steps`` steps."""
-    if period < 1:
-        raise ValueError(f"period must be >= 1, got {period}")
-    return [(step, num_bytes) for step in range(period, steps + 1, period)]
 
 
 def _bytes_by_step(collectives: Iterable[tuple[int, float]]) -> dict[int, float]:
@@ -98,7 +77,6 @@ def step_end_times(
     link: Link,
     *,
     steps: int,
-    latency_charge: LatencyCharge = "ring_steps",
 ) -> list[float]:
     """Modelled seconds at which steps 1..``steps`` complete (entry i is step i + 1).
 
@@ -110,7 +88,7 @@ def step_end_times(
     for step in range(1, steps + 1):
         now += compute_s_per_step
         if step in by_step:
-            now += allreduce_seconds(by_step[step], workers, link, latency_charge)
+            now += allreduce_seconds(by_step[step], workers, link)
         times.append(now)
     return times
 
@@ -122,13 +100,12 @@ def time_to_step(
     link: Link,
     *,
     step: int,
-    latency_charge: LatencyCharge = "ring_steps",
 ) -> float:
     """Modelled seconds at which ``step`` completes, e.g. when a method first reaches a target loss."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     communication = sum(
-        allreduce_seconds(num_bytes, workers, link, latency_charge)
+        allreduce_seconds(num_bytes, workers, link)
         for event_step, num_bytes in _bytes_by_step(collectives).items()
         if event_step <= step
     )
@@ -142,18 +119,10 @@ def run_seconds(
     link: Link,
     *,
     steps: int,
-    latency_charge: LatencyCharge = "ring_steps",
 ) -> float:
     """Modelled seconds for a whole run of ``steps`` steps with the logged ``collectives``."""
     by_step = _bytes_by_step(collectives)
     late = [step for step in by_step if step > steps]
     if late:
         raise ValueError(f"collectives logged after the last step {steps}: steps {sorted(late)}")
-    return time_to_step(
-        compute_s_per_step,
-        by_step.items(),
-        workers,
-        link,
-        step=steps,
-        latency_charge=latency_charge,
-    )
+    return time_to_step(compute_s_per_step, by_step.items(), workers, link, step=steps)
