@@ -25,6 +25,7 @@ from pathlib import Path
 from mtdao.experiments.common.corpora import corpus_paths
 from mtdao.experiments.common.figures import color, saved_figure
 from mtdao.experiments.common.formatting import LABELS, SIGNIFICANCE_RULE, gap, pm, stats
+from mtdao.experiments.common.results import write_report
 from mtdao.experiments.common.suite import run_suite
 from mtdao.train.config import TrainConfig
 
@@ -128,7 +129,7 @@ def markdown(args: argparse.Namespace, table: list[dict]) -> str:
     return "\n".join([*lines, "", "Final validation loss of each seed:", "", *per_seed])
 
 
-def render_report(results: dict) -> str:
+def render(results: dict) -> str:
     """report.md from results.json alone."""
     settings = argparse.Namespace(
         **{k: results[k] for k in ("methods", "steps", "per_worker_batch")}
@@ -217,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                    "methods": args.methods, "steps": args.steps,
                    "per_worker_batch": args.per_worker_batch, "global_batch": GLOBAL_BATCH,
                    "data": data, "cells": table}  # fmt: skip
-        (args.report / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        (args.report / "report.md").write_text(render_report(results))
+        write_report(args.report, results, render, to_text=lambda r: json.dumps(r, indent=1) + "\n")
         plot(args, table, args.report / "workers.png")
     return 1 if suite.failures else 0
 

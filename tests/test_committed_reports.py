@@ -26,7 +26,6 @@ from mtdao.experiments.rosenbrock import summary as rosenbrock_summary
 from mtdao.experiments.slow_link import report as slow_link
 from mtdao.experiments.slow_link import summary as slow_link_summary
 from mtdao.experiments.wan_drill import report as wan_drill
-from mtdao.experiments.wan_drill.checks import Check
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORTS = ROOT / "reports"
@@ -44,25 +43,15 @@ def benchmark_script(name: str):
 workers_study = benchmark_script("defaults_by_workers")
 
 
-def wan_drill_report(results: dict, _) -> str:
-    checks = [Check(**check) for check in results["checks"]]
-    record, baselines, ddp = results["record"], results["baselines"], results["ddp"]
-    return wan_drill.render_report(record, checks, baselines, ddp, results["command"])
-
-
-# (kind, schema) -> report.md from (results.json's content, its report directory)
+# (kind, schema) -> the study's render: report.md from results.json's content
 RENDERERS = {
-    (compare_summary.KIND, compare_summary.SCHEMA): lambda r, _: compare.render_compare_report(r),
-    (rosenbrock_summary.KIND, rosenbrock_summary.SCHEMA): lambda r, _: rosenbrock.report_markdown(
-        r["config"], r["summary"]
-    ),
-    (slow_link_summary.KIND, slow_link_summary.SCHEMA): lambda r, _: slow_link.render_results(r),
-    (wan_drill.KIND, wan_drill.SCHEMA): wan_drill_report,
-    (frontier_summary.KIND, frontier_summary.SCHEMA): lambda r, _: frontier.render_results(r),
-    (defaults_card_summary.KIND, defaults_card_summary.SCHEMA): lambda r, _: (
-        "\n".join(defaults_card.card_report_lines(r)) + "\n"
-    ),
-    (workers_study.KIND, workers_study.SCHEMA): lambda r, _: workers_study.render_report(r),
+    (compare_summary.KIND, compare_summary.SCHEMA): compare.render,
+    (rosenbrock_summary.KIND, rosenbrock_summary.SCHEMA): rosenbrock.render,
+    (slow_link_summary.KIND, slow_link_summary.SCHEMA): slow_link.render,
+    (wan_drill.KIND, wan_drill.SCHEMA): wan_drill.render,
+    (frontier_summary.KIND, frontier_summary.SCHEMA): frontier.render,
+    (defaults_card_summary.KIND, defaults_card_summary.SCHEMA): defaults_card.render,
+    (workers_study.KIND, workers_study.SCHEMA): workers_study.render,
 }
 
 
@@ -103,5 +92,5 @@ def test_every_results_json_names_its_kind_and_schema():
 @pytest.mark.parametrize("report_dir", report_dirs(), ids=lambda d: d.name)
 def test_committed_report_re_renders_from_its_results(report_dir):
     results = json.loads((report_dir / "results.json").read_text())
-    rendered = RENDERERS[results["kind"], results["schema"]](results, report_dir)
+    rendered = RENDERERS[results["kind"], results["schema"]](results)
     assert rendered == (report_dir / "report.md").read_text()

@@ -127,7 +127,7 @@ def test_the_gaps_follow_the_significance_rule():
     one_seed = {k: v for k, v in results.items() if k.endswith("-s0")}
     summary = summarize_card(grid, {"builtin": "builtin"}, {}, one_seed, {})
     assert summary["cells"][0]["gaps"]["mtdao"]["ddp"]["verdict"] == "one seed"
-    lines = "\n".join(card_report_lines(summary, plotted=False))
+    lines = "\n".join(card_report_lines(summary))
     assert "| builtin | 300 | 32 | 1.0000 | 1.2000 | 1.0100 |" in lines
     assert "+0.0100 (+1.0%) one seed, lower on 0/1" in lines
 
@@ -146,7 +146,7 @@ def test_a_short_run_is_held_to_the_longer_run_at_its_last_step():
     assert check["entries"]["ddp"] == {"mean": pytest.approx(-0.05), "seeds": 2}
     assert check["entries"]["mtdao"] == {"mean": pytest.approx(0.10), "seeds": 1}
     summary = summarize_card(grid, {"builtin": "builtin"}, {}, results, {})
-    lines = "\n".join(card_report_lines(summary, plotted=False))
+    lines = "\n".join(card_report_lines(summary))
     assert "| builtin | 32 | 300 / 3000 | -5.0% (2) | +10.0% (1) |" in lines
 
 
@@ -243,7 +243,7 @@ def test_the_card_times_each_current_entry_to_ddps_loss_per_seed():
     assert mtdao["fraction"] == pytest.approx(0.9)
     assert timed["entries"]["local-adam"]["reached"] == 0
     assert timed["entries"]["local-adam"]["seeds"] == 2
-    lines = "\n".join(card_report_lines(summary, plotted=False))
+    lines = "\n".join(card_report_lines(summary))
     assert "## Steps to DDP's loss" in lines
     assert "2700 ± 0 (0.90x; 1/1 seeds)" in lines and "not by 3000 (0/2 seeds)" in lines
 
@@ -269,4 +269,4 @@ def test_a_reused_card_fills_the_runs_this_one_lacks_and_says_so():
     (reference,) = [c for c in merged["cells"] if c["steps"] == 3000]
     assert reference["entries"]["mtdao"]["by_seed"]["0"] == 1.1
     assert merged["runs_finished"] == 1
-    assert "more runs are those recorded in `old`" in "\n".join(card_report_lines(merged, False))
+    assert "more runs are those recorded in `old`" in "\n".join(card_report_lines(merged))

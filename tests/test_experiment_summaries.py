@@ -11,7 +11,7 @@ import pytest
 from mtdao.experiments.common import formatting
 from mtdao.experiments.common.formatting import NOT_RUN, failures_section, stats
 from mtdao.experiments.compare.summary import claim_checks
-from mtdao.experiments.rosenbrock.report import report_markdown
+from mtdao.experiments.rosenbrock.report import render as render_rosenbrock
 from mtdao.experiments.rosenbrock.run import to_json
 from mtdao.experiments.rosenbrock.summary import summarize as summarize_rosenbrock
 from mtdao.experiments.slow_link.summary import compare_to_ddp, time_to_loss, wall_at_step
@@ -193,10 +193,10 @@ def test_rosenbrock_report_renders_the_same_from_results_json():
         "steps": 60,
         "start": [-1.5, 2.0],
     }
-    text = report_markdown(config, summarize_rosenbrock(results))
+    text = render_rosenbrock({"config": config, "summary": summarize_rosenbrock(results)})
     assert "| local-adam | 0.9999 | 1.0 | inf ± 0 | inf ± 0 | inf | 1/1 | 0/1 |" in text
     assert "**local-adam** diverged on all 1 seeds: final f = inf ± 0" in text
     # results.json stores inf as null; the report reads the same from it
     saved = json.loads(to_json({"config": config, "summary": summarize_rosenbrock(results)}))
     assert saved["summary"]["local-adam"]["final_loss_mean"] is None
-    assert report_markdown(saved["config"], saved["summary"]) == text
+    assert render_rosenbrock(saved) == text

@@ -178,7 +178,7 @@ def test_each_method_line_shows_its_own_warmups():
     summary = fake_compare({"ddp": [0.75], "mtdao": [0.70]})
     summary["methods"]["mtdao"]["settings"].update(omega_warmup=0.3, beta_warmup=0.25)
     summary["methods"]["ddp"]["settings"].update(omega_warmup=0.0, beta_warmup=0.0)
-    lines = compare_report.render_compare_report(summary).splitlines()
+    lines = compare_report.render(summary).splitlines()
     mtdao = next(line for line in lines if line.startswith("- MT-DAO: lr"))
     ddp = next(line for line in lines if line.startswith("- DDP: lr"))
     assert mtdao.endswith(", omega warm-up 0.3, beta warm-up 0.25") and "warm-up" not in ddp
@@ -194,7 +194,7 @@ def test_report_and_plots_are_written(tmp_path):
     summary = fake_compare(
         {"ddp": [0.75, 0.76, 0.77], **BASELINES, "mtdao": [0.70, 0.71, 0.72]}, sweep=sweep
     )
-    text = compare_report.render_compare_report(summary)
+    text = compare_report.render(summary)
     assert "## Verdict" in text and "## Learning-rate sweep" in text
     assert "| MT-DAO | 0.008 | 0.7100 ± 0.0100 |" in text
     assert "3.3x less" in text and "**0.7500**" in text and "failed" in text
@@ -202,7 +202,7 @@ def test_report_and_plots_are_written(tmp_path):
         assert path.stat().st_size > 10_000
     # results.json holds the summary: the report renders the same from it
     saved = json.loads(json.dumps(summary))
-    assert compare_report.render_compare_report(saved) == text
+    assert compare_report.render(saved) == text
 
 
 # -- suite bookkeeping ----------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def test_compare_end_to_end(tmp_path):
     assert results["methods"]["mtdao"]["alignment"]["syncs_per_run"] == 3
     text = (out / "report.md").read_text()
     assert "## Verdict" in text and "| DDP | 0.008 |" in text
-    assert compare_report.render_compare_report(results) == text  # re-renders from results.json
+    assert compare_report.render(results) == text  # re-renders from results.json
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "alignment.png", "traffic.png"):
         assert (out / name).stat().st_size > 0
 

@@ -1,14 +1,10 @@
-"""``mtdao compare``'s report.md, rendered from the summary of :mod:`.summary` alone.
-
-:func:`render_compare_report` reads nothing but the summary dict (the content of results.json), so
-a committed report re-renders from its results.json.
-"""
+"""``mtdao compare``'s report.md, rendered from the summary of :mod:`.summary` alone (the content
+of results.json), so a committed report re-renders from its results.json."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.common.formatting import (
@@ -348,7 +344,7 @@ def render_sweep(sweep: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def render_compare_report(summary: Mapping[str, Any]) -> str:
+def render(summary: Mapping[str, Any]) -> str:
     s = summary["settings"]
     lines = [
         f"# MT-DAO vs baselines: {s.get('model')} model, M = {s.get('workers')}, "
@@ -373,9 +369,3 @@ def render_compare_report(summary: Mapping[str, Any]) -> str:
     if summary.get("missing_methods"):
         lines += [f"No finished runs for: {', '.join(summary['missing_methods'])}.", ""]
     return "\n".join(lines)
-
-
-def write_compare_report(out_dir: Path, summary: Mapping[str, Any]) -> Path:
-    path = Path(out_dir) / "report.md"
-    path.write_text(render_compare_report(summary))
-    return path

@@ -123,11 +123,10 @@ def _finite(value) -> bool:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from mtdao.experiments.common.results import stamped
+    from mtdao.experiments.common.results import stamped, write_report
     from mtdao.experiments.compare.plots import write_compare_plots
-    from mtdao.experiments.compare.report import write_compare_report
+    from mtdao.experiments.compare.report import render
     from mtdao.experiments.compare.summary import KIND, SCHEMA, summarize_compare
-    from mtdao.train.metrics import write_json
 
     if args.preset == "defaults-card":
         from mtdao.experiments.defaults_card.run import run_defaults_card
@@ -175,9 +174,8 @@ def run_compare(args: argparse.Namespace) -> int:
         failures=failures,
         compute_runs=all_results.values(),
     )
-    write_json(out / "results.json", stamped(KIND, SCHEMA, summary))
+    report = write_report(out, stamped(KIND, SCHEMA, summary), render)
     write_compare_plots(out, summary)
-    report = write_compare_report(out, summary)
     print(f"report: {report}  results: {out / 'results.json'}  plots: {out}/*.png")
     if failures:
         print(f"{len(failures)} run(s) failed: {', '.join(failures)}")

@@ -37,14 +37,12 @@ SPLIT_NOTES = {
 }
 
 
-def write_card_report(out: Path, summary: dict[str, Any]) -> Path:
-    plotted = plot_card(summary, out / "card.png")
-    path = out / "report.md"
-    path.write_text("\n".join(card_report_lines(summary, plotted)) + "\n")
-    return path
+def render(summary: dict[str, Any]) -> str:
+    """report.md from the card's results.json."""
+    return "\n".join(card_report_lines(summary)) + "\n"
 
 
-def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str]:
+def card_report_lines(summary: dict[str, Any]) -> list[str]:
     entries = summary["entries"]
     # a summary without the field predates the shuffled split: its shards were contiguous
     grid, split = summary["grid"], summary.get("data_split", "contiguous")
@@ -73,7 +71,7 @@ def card_report_lines(summary: dict[str, Any], plotted: bool = True) -> list[str
         ),
         "",
     ]
-    if plotted:
+    if drawable(summary):  # then plot_card drew card.png
         lines += ["![MT-DAO against DDP and Local Adam, per corpus](card.png)", ""]
     header = ["corpus", "steps", "K", *(f"`{e['name']}`" for e in entries)]
     header += ["MT-DAO − Local Adam", "MT-DAO − DDP"]
@@ -190,22 +188,31 @@ def _gap(gap: dict[str, Any] | None) -> str:
     )
 
 
+def _drawn_entries(summary: dict[str, Any]) -> list[str]:
+    return [e["name"] for e in summary["entries"] if e["name"] != "ddp"]
+
+
+def _relative_points(cells: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
+    """(steps, % above DDP's final loss) of ``name`` in each of ``cells`` where both finished."""
+    return [
+        (c["steps"], 100 * (s["mean"] / d["mean"] - 1))
+        for c in cells
+        if (s := c["entries"][name]["stats"]) and (d := c["entries"]["ddp"]["stats"])
+    ]
+
+
+def drawable(summary: dict[str, Any]) -> bool:
+    """Whether card.png has a point to show."""
+    return any(_relative_points(summary["cells"], name) for name in _drawn_entries(summary))
+
+
 def plot_card(summary: dict[str, Any], path: Path) -> bool:
     """One panel per corpus: each entry's loss relative to DDP's against the run length, one
     line style per sync period. False when there is nothing to draw."""
+    if not drawable(summary):
+        return False
     corpora = list(dict.fromkeys(cell["corpus"] for cell in summary["cells"]))
     periods = sorted({cell["sync_period"] for cell in summary["cells"]})
-    names = [e["name"] for e in summary["entries"] if e["name"] != "ddp"]
-
-    def relative_points(cells: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
-        return [
-            (c["steps"], 100 * (s["mean"] / d["mean"] - 1))
-            for c in cells
-            if (s := c["entries"][name]["stats"]) and (d := c["entries"]["ddp"]["stats"])
-        ]
-
-    if not any(relative_points(summary["cells"], name) for name in names):
-        return False
     panels = max(1, len(corpora))
     size = (4.2 * panels, 3.6)
     with saved_figure(path, 1, panels, figsize=size, squeeze=False, sharey=True) as (fig, axes):
@@ -219,8 +226,8 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
                     ),
                     key=lambda c: c["steps"],
                 )
-                for name in names:
-                    points = relative_points(cells, name)
+                for name in _drawn_entries(summary):
+                    points = _relative_points(cells, name)
                     if not points:
                         continue
                     steps, relative = zip(*points)

@@ -24,13 +24,12 @@ import argparse
 from pathlib import Path
 
 from mtdao.experiments.common.corpora import corpus_paths
-from mtdao.experiments.common.results import read_results
+from mtdao.experiments.common.results import read_results, write_report
 from mtdao.experiments.common.suite import run_suite
 from mtdao.experiments.defaults_card.grid import FULL, QUICK, card_runs
-from mtdao.experiments.defaults_card.report import write_card_report
+from mtdao.experiments.defaults_card.report import plot_card, render
 from mtdao.experiments.defaults_card.summary import KIND, SCHEMA, reuse_card, summarize_card
 from mtdao.train.config import resolve
-from mtdao.train.metrics import write_json
 
 
 def run_defaults_card(args: argparse.Namespace) -> int:
@@ -53,7 +52,7 @@ def run_defaults_card(args: argparse.Namespace) -> int:
     if args.reuse:
         earlier = read_results(Path(args.reuse) / "results.json", KIND, SCHEMA)
         summary = reuse_card(summary, earlier, grid, data, suite, args.data_split, args.reuse)
-    write_json(out / "results.json", summary)
-    report = write_card_report(out, summary)
+    plot_card(summary, out / "card.png")
+    report = write_report(out, summary, render)
     print(f"report: {report}  results: {out / 'results.json'}")
     return 1 if suite.failures else 0

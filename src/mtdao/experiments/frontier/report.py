@@ -4,7 +4,6 @@ and results.json (what report.md re-renders from), from the rows of :mod:`.summa
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from mtdao.experiments.common.formatting import (
     stats,
     table,
 )
-from mtdao.experiments.common.results import stamped
+from mtdao.experiments.common.results import json_text, stamped, write_report
 from mtdao.experiments.frontier.summary import (
     BUDGET_FACTORS,
     KIND,
@@ -42,10 +41,8 @@ def write_frontier_report(
     report.mkdir(parents=True, exist_ok=True)
     rows = outcome["rows"]
     content = {"settings": dict(settings), **outcome, "failures": failures}
-    results = stamped(KIND, SCHEMA, content)
-    (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (report / "frontier.json").write_text(json.dumps(frontier_json(rows), indent=2) + "\n")
-    (report / "report.md").write_text(render_results(results))
+    write_report(report, stamped(KIND, SCHEMA, content), render)
+    (report / "frontier.json").write_text(json_text(frontier_json(rows)))
     if any(finite(r) for r in rows):
         plot_frontier(report / "frontier.png", rows)
 
@@ -54,14 +51,9 @@ def ddp_row(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     return next((r for r in rows if r["method"] == "ddp" and finite(r)), None)
 
 
-def render_results(results: Mapping[str, Any]) -> str:
+def render(results: Mapping[str, Any]) -> str:
     """report.md from a results.json."""
-    return render_report(results["settings"], results, results["failures"])
-
-
-def render_report(settings, outcome, failures) -> str:
-    rows = outcome["rows"]
-    s = settings
+    rows, s = results["rows"], results["settings"]
     lines = [
         f"# Loss against traffic: {s['model']} model, M = {s['workers']}, {s['steps']} steps",
         "",
@@ -98,7 +90,7 @@ def render_report(settings, outcome, failures) -> str:
         "## Learning-rate sweeps (first seed)",
         "",
     ]
-    for method, sweep in outcome["sweeps"].items():
+    for method, sweep in results["sweeps"].items():
         losses = ", ".join(
             f"{lr}: {loss:.4f}" if math.isfinite(loss) else f"{lr}: {MISSING} (not run or diverged)"
             for lr, loss in sweep["losses"].items()
@@ -113,9 +105,9 @@ def render_report(settings, outcome, failures) -> str:
             if better:
                 line += f". **{', '.join(better)} did better: {label(method)} is not at its best LR here**"
         lines.append(line)
-    lines += other_lrs_section(rows, outcome.get("other_lr_rows", []))
+    lines += other_lrs_section(rows, results.get("other_lr_rows", []))
     lines += ["", "Each point's exact `mtdao train` flags are in frontier.json (`argv`).", ""]
-    lines += failures_section(failures)
+    lines += failures_section(results["failures"])
     return "\n".join(lines) + "\n"
 
 

@@ -189,8 +189,10 @@ def _table_row(method: str, s: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def report_markdown(config: Mapping[str, Any], summary: Mapping[str, Mapping[str, Any]]) -> str:
-    """report.md from the shared config (every field but method and seed) and the summary."""
+def render(results: Mapping[str, Any]) -> str:
+    """report.md from results.json: the shared config (every field but method and seed) and the
+    summary."""
+    config, summary = results["config"], results["summary"]
     seeds = " ".join(str(s) for s in next(iter(summary.values()))["seeds"])
     header = ["method", "beta", "omega", "final f (mean ± std)", "final distance"]
     header += ["per-seed final f", "diverged", "converged"]
@@ -215,11 +217,3 @@ def report_markdown(config: Mapping[str, Any], summary: Mapping[str, Mapping[str
             "",
         ]
     )
-
-
-def write_rosenbrock_report(out_dir: Path, payload: Mapping[str, Any]) -> Path:
-    """report.md and both plots from a report's results.json content."""
-    path = Path(out_dir) / "report.md"
-    path.write_text(report_markdown(payload["config"], payload["summary"]))
-    write_plots(payload["runs"], out_dir, payload["config"])
-    return path

@@ -188,8 +188,8 @@ def summary_line(result: dict[str, Any]) -> dict[str, Any]:
 
 def write_report(config: RosenbrockConfig, seeds: list[int], out_dir: Path) -> dict[str, Any]:
     """Run every method over ``seeds``; write report.md, results.json and the two plots."""
-    from mtdao.experiments.common.results import stamped
-    from mtdao.experiments.rosenbrock.report import write_rosenbrock_report
+    from mtdao.experiments.common.results import stamped, write_report
+    from mtdao.experiments.rosenbrock.report import render, write_plots
     from mtdao.experiments.rosenbrock.summary import KIND, SCHEMA, summarize
 
     results = [
@@ -199,8 +199,8 @@ def write_report(config: RosenbrockConfig, seeds: list[int], out_dir: Path) -> d
     shared = {k: v for k, v in asdict(config).items() if k not in ("method", "seed")}
     content = {"config": shared, "seeds": seeds, "summary": summarize(results), "runs": results}
     payload = stamped(KIND, SCHEMA, content)
-    (out_dir / "results.json").write_text(to_json(payload))
-    write_rosenbrock_report(out_dir, payload)
+    write_report(out_dir, payload, render, to_text=to_json)
+    write_plots(results, out_dir, shared)
     return payload
 
 

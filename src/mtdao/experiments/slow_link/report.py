@@ -104,7 +104,7 @@ def run_line(r: Mapping[str, Any]) -> str:
     )
 
 
-def render_results(results: Mapping[str, Any]) -> str:
+def render(results: Mapping[str, Any]) -> str:
     """report.md from a results.json: the rows and where they were measured."""
     return render_report(
         results["rows"],

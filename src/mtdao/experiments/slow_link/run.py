@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from mtdao.experiments.common.formatting import format_bytes
-from mtdao.experiments.common.results import stamped
+from mtdao.experiments.common.results import stamped, write_report
 from mtdao.experiments.common.study_flags import add_study_schedule_arguments, typed_command
 from mtdao.experiments.slow_link.report import (
     plot_time_to_loss,
     plot_time_to_target,
-    render_results,
+    render,
     report_table,
 )
 from mtdao.experiments.slow_link.summary import KIND, SCHEMA, compare_to_ddp
@@ -363,10 +363,7 @@ def run_slow_link(args: argparse.Namespace) -> int:
         return 0
     rows = compare_to_ddp(rows)
     measured = {"command": typed_command("slow-link"), "workers": args.workers, **environment()}
-    results = stamped(KIND, SCHEMA, {**measured, "rows": rows})
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    report = out / "report.md"
-    report.write_text(render_results(results))
+    report = write_report(out, stamped(KIND, SCHEMA, {**measured, "rows": rows}), render)
     plots = [plot_time_to_loss(out, rows), plot_time_to_target(out, rows)]
     print(report_table(rows))
     print(f"report: {report}  plots: {' '.join(map(str, plots))}  rows: {out / 'results.json'}")

@@ -183,13 +183,11 @@ def _fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def render_report(
-    record: dict[str, Any],
-    checks: list[Check],
-    baselines: list[dict],
-    ddp: dict | None,
-    command: str,
-) -> str:
+def render(results: dict[str, Any]) -> str:
+    """report.md from results.json: the drill's record and checks, the drills without events and
+    DDP over the same links beside them."""
+    record, baselines, ddp = results["record"], results["baselines"], results["ddp"]
+    checks, command = [Check(**check) for check in results["checks"]], results["command"]
     s = record["settings"]
     lines = [f"# WAN drill: scenario `{record['scenario']['name']}`", "", f"    {command}", ""]
     lines += [

@@ -25,8 +25,8 @@ import sys
 import time
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
 
+from mtdao.experiments.common.results import stamped, write_report
 from mtdao.experiments.common.study_flags import typed_command
 from mtdao.experiments.wan_drill.checks import mean_final_loss, run_checks
 from mtdao.experiments.wan_drill.drill import DrillSettings, run_drill
@@ -37,7 +37,7 @@ from mtdao.experiments.wan_drill.report import (
     plot_bytes,
     plot_loss,
     plot_timeline,
-    render_report,
+    render,
 )
 from mtdao.flags import DefaultsHelpFormatter
 from mtdao.testing.network.netem import LinkUnavailable
@@ -213,17 +213,8 @@ def _run_wan_drill(args: argparse.Namespace) -> int:
 def write_outputs(out: Path, record, checks, baselines, ddp, command: str) -> None:
     """``results.json`` (everything the report is drawn from), the plots and ``report.md``."""
     summaries = [baseline_summary(b) for b in baselines]
-    results: dict[str, Any] = {
-        "kind": KIND,
-        "schema": SCHEMA,
-        "command": command,
-        "checks": [vars(c) for c in checks],
-        "baselines": summaries,
-        "ddp": ddp,
-        "record": record,
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    content = {"command": command, "checks": [vars(c) for c in checks], "baselines": summaries}
+    write_report(out, stamped(KIND, SCHEMA, {**content, "ddp": ddp, "record": record}), render)
     plot_timeline(out, record)
     plot_loss(out, record, summaries, ddp)
     plot_bytes(out, record)
-    (out / "report.md").write_text(render_report(record, checks, summaries, ddp, command))
