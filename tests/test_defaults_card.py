@@ -12,7 +12,6 @@ import pytest
 
 from mtdao.cli import main
 from mtdao.experiments.common.corpora import write_gnu_info_corpus
-from mtdao.experiments.common.steps_to_loss import steps_to_reach
 from mtdao.experiments.defaults_card import run as defaults_card
 from mtdao.experiments.defaults_card.grid import (
     CURRENT_ENTRIES,
@@ -23,6 +22,7 @@ from mtdao.experiments.defaults_card.grid import (
     run_name,
 )
 from mtdao.experiments.defaults_card.report import card_report_lines
+from mtdao.experiments.defaults_card.steps_to_loss import steps_to_reach
 from mtdao.experiments.defaults_card.summary import reuse_card, summarize_card
 from mtdao.train.config import TrainConfig, default_lr
 

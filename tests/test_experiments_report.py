@@ -9,10 +9,11 @@ import shlex
 
 import pytest
 
-from mtdao.experiments.common import formatting, study_flags, suite, wallclock
+from mtdao.experiments.common import formatting, study_flags, suite
 from mtdao.experiments.compare import plots as compare_plots
 from mtdao.experiments.compare import report as compare_report
 from mtdao.experiments.compare import summary as compare_summary
+from mtdao.experiments.compare import wallclock
 from mtdao.train.config import TrainConfig
 
 PARAM_BYTES = 1000  # bytes of one model-sized buffer per worker

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mtdao.experiments.common.wallclock import (
+from mtdao.experiments.compare.wallclock import (
     LINK_PRESETS,
     Link,
     allreduce_seconds,

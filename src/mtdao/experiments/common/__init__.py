@@ -1,2 +1,2 @@
-"""What every study shares: suites of runs, how figures are stated and drawn, the wall-clock
-model, held-out corpora and the kind and schema of results.json."""
+"""What several studies share: suites of runs, how figures are stated and drawn, held-out corpora
+and how results.json and the report rendered from it are written."""

@@ -21,7 +21,7 @@ from mtdao.experiments.common.figures import (
     saved_figure,
 )
 from mtdao.experiments.common.formatting import format_bytes, format_traffic, join_numbers, label
-from mtdao.experiments.common.wallclock import LINK_PRESETS, Link, step_end_times
+from mtdao.experiments.compare.wallclock import LINK_PRESETS, Link, step_end_times
 
 TIME_LINKS = ("1gbit", "100mbit-cross-continent")
 VAL_LOSS = "validation loss (nats/token)"

@@ -8,7 +8,7 @@ Everything here is arithmetic on those dicts, so it is tested without training a
 * mean ± std over seeds (sample std, ddof = 1; 0 with one seed), judged by the significance rule
   of :mod:`mtdao.experiments.common.formatting`;
 * traffic: bytes each worker contributed to collectives; DDP's is one gradient per step;
-* modelled wall-clock: :mod:`mtdao.experiments.common.wallclock` on the logged collectives with ONE
+* modelled wall-clock: :mod:`mtdao.experiments.compare.wallclock` on the logged collectives with ONE
   compute time per step for every method (the median measured over all runs), since every method
   does the same forward/backward/update per step and only communication differs;
 * the paper's claim, checked per baseline (:func:`claim_checks`).
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, compare_losses, stats
-from mtdao.experiments.common.wallclock import LINK_PRESETS, Link, run_seconds, time_to_step
+from mtdao.experiments.compare.wallclock import LINK_PRESETS, Link, run_seconds, time_to_step
 
 KIND, SCHEMA = "compare", 1  # results.json (see mtdao.experiments.common.results)
 

@@ -105,7 +105,7 @@ class Grid:
     approach_steps: tuple[int, ...] = ()
     """Extra lengths below ``reference_steps`` run by the current entries only: the steps each
     needs to reach DDP's loss at ``reference_steps`` is interpolated between its runs' lengths
-    (:mod:`mtdao.experiments.common.steps_to_loss`)."""
+    (:mod:`mtdao.experiments.defaults_card.steps_to_loss`)."""
     reference_steps: int | None = None
     """The length whose DDP loss the other entries are timed to reach (None: not timed)."""
 

@@ -10,8 +10,8 @@ import dataclasses
 from typing import Any
 
 from mtdao.experiments.common.formatting import SIGNIFICANCE_RULE, stats, verdict
-from mtdao.experiments.common.steps_to_loss import steps_to_reference_loss
 from mtdao.experiments.defaults_card.grid import CURRENT_ENTRIES, ENTRIES, Grid, run_name
+from mtdao.experiments.defaults_card.steps_to_loss import steps_to_reference_loss
 from mtdao.train.config import TextSettings
 
 KIND, SCHEMA = "defaults-card", 1  # results.json (see mtdao.experiments.common.results)
