@@ -113,7 +113,7 @@ def test_budget_table_names_the_best_method_and_whether_its_lead_is_beyond_noise
     assert fronts_by_method(rows)["diloco"][0]["name"] == "dl-cheap"
 
 
-def test_frontier_json_has_the_issue_schema():
+def test_frontier_json_holds_every_point_with_its_argv():
     (point,) = frontier_json([row("x", "diloco", 1.25, 1234, std=0.01, n=2)])["points"]
     assert set(point) == {
         "method",

@@ -14,7 +14,7 @@ own best (a method's best LR at K = 32 need not be its best at K = 256). Seeds: 
 (a point off the front reports the ones it already has).
 ``--betas``/``--omegas`` set MT-DAO's momenta (its defaults suit runs of 3000 steps or more).
 
-Output in ``--report``: frontier.png, report.md, frontier.json (the issue's schema: every point's
+Output in ``--report``: frontier.png, report.md, frontier.json (every point's
 exact ``mtdao train`` argument list, losses over seeds, bytes per worker, steady-state reduction)
 and results.json (everything report.md is rendered from).
 Runs live in ``--out``/runs/<point>-lr<LR>-seed<S>; finished runs are reused. ``--reuse REPORT``

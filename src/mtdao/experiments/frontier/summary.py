@@ -127,7 +127,7 @@ def budget_rows(
 def goal_points(
     rows: Sequence[Mapping[str, Any]], ddp_loss: float, method: str = "mtdao"
 ) -> list[dict[str, Any]]:
-    """The issue's goals for ``method``: its cheapest point within 1% of DDP's loss and within 3%,
+    """The study's goals for ``method``: its cheapest point within 1% of DDP's loss and within 3%,
     with the traffic reduction each reaches (None where no point is that close)."""
     goals = []
     for within, wanted in ((0.01, 200), (0.03, 500)):
@@ -152,7 +152,7 @@ def goal_points(
 
 
 def frontier_json(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """``reports/frontier/frontier.json``: every point that finished, in the issue's schema."""
+    """``reports/frontier/frontier.json``: every point that finished, for tools."""
     points = []
     for row in rows:
         loss = row["val_loss"]
