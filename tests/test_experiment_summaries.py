@@ -10,6 +10,7 @@ import pytest
 
 from mtdao.experiments.common import formatting
 from mtdao.experiments.common.formatting import NOT_RUN, failures_section, stats
+from mtdao.experiments.common.results import stamped, write_report
 from mtdao.experiments.compare.summary import claim_checks
 from mtdao.experiments.rosenbrock.report import render as render_rosenbrock
 from mtdao.experiments.rosenbrock.run import to_json
@@ -36,6 +37,16 @@ def test_a_gap_is_relative_with_its_verdict():
     assert formatting.gap(stats([1.72]), theirs) == "+3.0% (one seed)"
     assert formatting.gap(stats([1.671, 1.672]), theirs) == "+0.1% (tie)"
     assert formatting.gap(None, theirs) == ""
+
+
+def test_a_report_is_rendered_from_its_results_json_as_written(tmp_path):
+    out, seen = tmp_path / "new" / "study", []
+    results = stamped("toy", 1, {"final_loss_by_seed": {2: 1.5, 10: 1.25}})
+    report = write_report(out, results, lambda read: seen.append(read) or "report\n")
+    assert report == out / "report.md" and report.read_text() == "report\n"
+    assert seen == [json.loads((out / "results.json").read_text())]
+    assert seen[0]["kind"] == "toy"
+    assert list(seen[0]["final_loss_by_seed"]) == ["2", "10"]  # as a re-render reads them
 
 
 def test_traffic_ratio_as_text():

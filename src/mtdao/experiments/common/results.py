@@ -45,10 +45,11 @@ def write_report(
     render: Callable[[dict[str, Any]], str],
     to_text: Callable[[Mapping[str, Any]], str] = json_text,
 ) -> Path:
-    """``results.json`` (``results`` as ``to_text`` writes it) and ``report.md`` in ``out``, the
-    report rendered from what results.json holds, read back: it re-renders from that file alone.
-    Returns report.md's path."""
+    """``results.json`` (``results`` as ``to_text`` writes it) and ``report.md`` in ``out`` (made if
+    missing), the report rendered from what results.json holds, read back: it re-renders from that
+    file alone. Returns report.md's path."""
     text = to_text(results)
+    Path(out).mkdir(parents=True, exist_ok=True)
     write_text_atomic(Path(out) / "results.json", text)
     report = Path(out) / "report.md"
     report.write_text(render(json.loads(text)))

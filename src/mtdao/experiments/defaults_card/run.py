@@ -52,7 +52,7 @@ def run_defaults_card(args: argparse.Namespace) -> int:
     if args.reuse:
         earlier = read_results(Path(args.reuse) / "results.json", KIND, SCHEMA)
         summary = reuse_card(summary, earlier, grid, data, suite, args.data_split, args.reuse)
-    plot_card(summary, out / "card.png")
     report = write_report(out, summary, render)
+    plot_card(summary, out / "card.png")
     print(f"report: {report}  results: {out / 'results.json'}")
     return 1 if suite.failures else 0
