@@ -36,6 +36,7 @@ def read_results(path: Path, kind: str, schema: int) -> dict[str, Any]:
 
 
 def json_text(results: Mapping[str, Any]) -> str:
+    """results.json as the studies write it: indented, ending in a newline."""
     return json.dumps(results, indent=2) + "\n"
 
 
