@@ -213,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(args, table)
     print(text)
     if args.report:
-        args.report.mkdir(parents=True, exist_ok=True)
         results = {"kind": KIND, "schema": SCHEMA, "command": "python " + " ".join(sys.argv),
                    "methods": args.methods, "steps": args.steps,
                    "per_worker_batch": args.per_worker_batch, "global_batch": GLOBAL_BATCH,

@@ -16,7 +16,7 @@ from mtdao.experiments.rosenbrock.run import (
     rosenbrock,
     rosenbrock_grad,
     run,
-    write_report,
+    run_study,
 )
 
 SMALL = dict(workers=8, steps=60, sync_period=4)
@@ -107,7 +107,7 @@ def test_divergence_is_reported_not_raised():
 
 
 def test_report_writes_table_results_and_plots(tmp_path):
-    payload = write_report(RosenbrockConfig(**SMALL), [0, 1], tmp_path)
+    payload = run_study(RosenbrockConfig(**SMALL), [0, 1], tmp_path)
     assert set(payload["summary"]) == {"local-adam", "mtdao", "ddp"}
     assert len(payload["runs"]) == 6
     text = (tmp_path / "report.md").read_text()

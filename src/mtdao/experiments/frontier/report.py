@@ -38,7 +38,6 @@ from mtdao.experiments.frontier.summary import (
 def write_frontier_report(
     report: Path, settings: Mapping[str, Any], outcome: Mapping[str, Any], failures
 ) -> None:
-    report.mkdir(parents=True, exist_ok=True)
     rows = outcome["rows"]
     content = {"settings": dict(settings), **outcome, "failures": failures}
     write_report(report, stamped(KIND, SCHEMA, content), render)

@@ -186,7 +186,7 @@ def summary_line(result: dict[str, Any]) -> dict[str, Any]:
 # -- every method over seeds ------------------------------------------------------------------
 
 
-def write_report(config: RosenbrockConfig, seeds: list[int], out_dir: Path) -> dict[str, Any]:
+def run_study(config: RosenbrockConfig, seeds: list[int], out_dir: Path) -> dict[str, Any]:
     """Run every method over ``seeds``; write report.md, results.json and the two plots."""
     from mtdao.experiments.common.results import stamped, write_report
     from mtdao.experiments.rosenbrock.report import render, write_plots
@@ -195,7 +195,6 @@ def write_report(config: RosenbrockConfig, seeds: list[int], out_dir: Path) -> d
     results = [
         run(replace(config, method=method, seed=seed)) for method in METHODS for seed in seeds
     ]
-    out_dir.mkdir(parents=True, exist_ok=True)
     shared = {k: v for k, v in asdict(config).items() if k not in ("method", "seed")}
     content = {"config": shared, "seeds": seeds, "summary": summarize(results), "runs": results}
     payload = stamped(KIND, SCHEMA, content)
@@ -284,7 +283,7 @@ def run_command(args: argparse.Namespace) -> int:
                 f"--json/--out do not apply to --report (it writes into {args.report})"
             )
         seeds = args.seeds if args.seeds is not None else [0, 1, 2, 3, 4]
-        payload = write_report(config, seeds, args.report)
+        payload = run_study(config, seeds, args.report)
         from mtdao.experiments.rosenbrock.report import outcome
 
         for method, stats in payload["summary"].items():
