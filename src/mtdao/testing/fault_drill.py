@@ -299,19 +299,13 @@ class Drill:
 
     def global_rounds(self, name: str) -> dict[int, str]:
         """{step: global digest} of every round the replica committed (:func:`global_digest`)."""
-        path = self.root / f"{name}.globals"
-        if not path.exists():
-            return {}
-        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
-        return {int(step): digest for step, digest in lines}
+        return self.rounds(name, "globals")
 
-    def rounds(self, name: str) -> dict[int, str]:
+    def rounds(self, name: str, digests: str = "rounds") -> dict[int, str]:
         """{step: state digest} of every round the replica committed."""
-        path = self.root / f"{name}.rounds"
-        if not path.exists():
-            return {}
-        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
-        return {int(step): digest for step, digest in lines}
+        path = self.root / f"{name}.{digests}"
+        lines = path.read_text().split("\n") if path.exists() else []
+        return {int(step): digest for step, digest in (line.split() for line in lines if line)}
 
     def events(self, name: str, event: str | None = None) -> list[dict]:
         import json

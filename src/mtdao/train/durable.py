@@ -171,17 +171,3 @@ def fsync_directory(path: Path) -> None:
 def _remove_quietly(path: Path) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
-
-
-__all__ = [
-    "CHECKSUM",
-    "WriteError",
-    "describe_os_error",
-    "file_checksum",
-    "fsync_directory",
-    "new_hasher",
-    "temporary_path",
-    "write_atomic",
-    "write_json_atomic",
-    "write_text_atomic",
-]

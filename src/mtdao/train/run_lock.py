@@ -204,18 +204,3 @@ def describe_holder(lock_path: Path, attempts: int = 20) -> str:
             return f"pid {pid} on {host}" if elsewhere else f"pid {pid}"
         time.sleep(0.01)
     return "pid unknown"
-
-
-__all__ = [
-    "LOCK_FILE",
-    "RUN_FILES",
-    "RunDirError",
-    "RunLock",
-    "RunLockedError",
-    "check_run_dir",
-    "clear_run_files",
-    "describe_holder",
-    "holds_run",
-    "refuse_to_replace_a_run",
-    "run_files",
-]

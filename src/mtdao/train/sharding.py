@@ -30,7 +30,7 @@ from mtdao.sync.shard_mesh import build_mesh, check_shardable
 from mtdao.sync.sharded_layout import ShardedWorkerLayout
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
-from mtdao.train.workers import WorkerSet, language_model_loss
+from mtdao.train.workers import ProcessWorkerSet, language_model_loss
 
 # -- topology -------------------------------------------------------------------------------------
 
@@ -133,16 +133,12 @@ def build_sharded_replica(
 # -- the workers ----------------------------------------------------------------------------------
 
 
-class ShardedWorkerSet(WorkerSet):
+class ShardedWorkerSet(ProcessWorkerSet):
     """This process: shard ``layout.shard_rank`` of worker ``layout.rank``, an FSDP2 model."""
 
     def __init__(self, model: nn.Module, layout, mesh) -> None:
-        self.model = model
-        self.layout = layout
+        super().__init__(model, layout)
         self.mesh = mesh
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.model.named_parameters())
 
     def losses(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """This process's loss on its rows of the worker's batch (FSDP averages the gradients of

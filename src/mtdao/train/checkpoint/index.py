@@ -130,22 +130,3 @@ def load_meta(run_dir: Path) -> dict[str, Any]:
     if latest is None:
         raise CheckpointError(f"no checkpoint to resume from: {run_dir} holds no complete one")
     return latest.meta
-
-
-__all__ = [
-    "CHECKPOINTS_DIR",
-    "COMPLETE_NAME",
-    "FORMAT",
-    "SET_ASIDE_NAME",
-    "CheckpointError",
-    "CheckpointInfo",
-    "checkpoint_path",
-    "has_checkpoint",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_meta",
-    "read_meta",
-    "scan_checkpoints",
-    "set_aside_checkpoints",
-    "verify_files",
-]
