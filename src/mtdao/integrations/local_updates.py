@@ -57,16 +57,39 @@ def launched_workers(shards: int) -> int:
 
 @dataclass
 class LocalRun:
-    """The optimizer and the engine of a run, built together."""
+    """The optimizer and the engine of a run, built together, and what every trainer's step
+    hooks do with them."""
 
     config: LocalUpdates
     """Resolved."""
     optimizer: torch.optim.Optimizer
     sync: LocalUpdateSync
+    planned_steps: int = 0
+    """The optimizer steps the trainer plans (0: no planned end, so no final round before the
+    trainer's own end): the warm-ups span them, and the final round follows the last."""
+    warmups: tuple[OmegaWarmup, BetaWarmup] | tuple[()] = ()
+    finished: bool = False
 
-    def warmups(self, total_steps: int) -> tuple[OmegaWarmup, BetaWarmup]:
-        """The omega and beta warm-ups over a run of ``total_steps`` optimizer steps."""
-        return warmups_of(self.config, max(1, total_steps))
+    def plan(self, total_steps: int) -> None:
+        self.planned_steps = total_steps
+        self.warmups = warmups_of(self.config, max(1, total_steps))
+
+    def apply_warmups(self) -> None:
+        """The omegas and betas of the step about to be taken."""
+        for warmup in self.warmups:
+            warmup.apply(self.optimizer, self.sync.step_count)
+
+    def after_step(self) -> None:
+        """The rounds due; after the last planned step, the final round (before its evaluation
+        and checkpoint)."""
+        self.sync.rounds.after_step()
+        if self.config.final_round and self.sync.step_count == self.planned_steps:
+            self.finish()
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.sync.finish()
+            self.finished = True
 
 
 def build_local_run(

@@ -100,27 +100,20 @@ class LocalUpdateTrainer(Trainer):
                 decayed,
             )
             self.optimizer = self.local_run.optimizer
-            self._warmups = self.local_run.warmups(max(1, args.max_steps))
+            self.local_run.plan(args.max_steps)
             self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
-            self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+            self.optimizer.register_step_post_hook(lambda *_: self.local_run.after_step())
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self.local_run is not None:  # the warm-ups span the run the Trainer plans
-            self._warmups = self.local_run.warmups(num_training_steps)
+        if self.local_run is not None:  # the run the Trainer plans (its state.max_steps)
+            self.local_run.plan(num_training_steps)
         return scheduler
 
     def _before_step(self) -> None:
-        step = self.sync.step_count  # 0-based index of the step about to be taken
-        for warmup in self._warmups:
-            warmup.apply(self.optimizer, step)
+        self.local_run.apply_warmups()
         self.sync.rounds.before_step()
-
-    def _after_step(self) -> None:
-        self.sync.rounds.after_step()
-        if self.local_updates.final_round and self.sync.step_count == self.state.max_steps:
-            self.sync.finish()  # before the last step's evaluation and checkpoint
 
     def evaluate(self, *args, **kwargs):
         """The Trainer's evaluation of the global model: between syncs the workers' average is
