@@ -1,10 +1,5 @@
-"""What a Trainer run needs from mtdao: the method's settings, and the optimizer and engine they
-build, made by the library's builders (:mod:`mtdao.methods`; nothing here decides an update
-or a sync).
-
-Nothing in this module imports transformers: it serves any trainer that hands over a model and
-its learning rate, weight decay and gradient-clipping norm.
-"""
+"""What a trainer run needs from mtdao: the method's settings, and the optimizer and engine they
+build with the library's builders (:mod:`mtdao.methods`). Nothing here imports transformers."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Files that are either wholly written or not there at all, with their checksums.
-
-Every write goes to a temporary file in the same directory, is flushed to disk (fsync), and is
-renamed over its final name; a failure removes the temporary file, so a full disk leaves nothing
-behind. Checksums are xxHash XXH3-128: fast enough to compute while writing (tens of GB/s,
-against about 1 GB/s for SHA-256) and ample to catch flipped or truncated bytes, which is all they
-are for.
-"""
+"""Files that are either wholly written or not there at all, with their checksums: a temporary
+file, fsync, rename. Checksums are XXH3-128: fast enough to compute while writing and ample to
+catch flipped or truncated bytes, which is all they are for."""
 
 from __future__ import annotations
 

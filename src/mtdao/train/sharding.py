@@ -1,21 +1,7 @@
-"""Workers bigger than one process: M replica groups of S processes, each group sharding its model.
-
-``--workers M --shards S`` under ``torchrun`` (world size M x S): process ``r`` belongs to worker
-``r // S`` and holds shard ``r % S`` of it. Inside a worker, FSDP2 (``fully_shard`` on every
-transformer block and on the model) shards parameters and optimizer states over the S processes,
-splits the worker's batch between them and reduces their gradients every step. Between workers,
-the sync engine averages each local shard over the M processes that hold it (the device mesh's
-``replicate`` dimension); see :mod:`mtdao.sync.sharded_layout`.
-
-A worker computes what one unsharded worker computes: the same batch (its S processes each take
-``batch_size / S`` of its sequences; FSDP averages their gradients), the same clipping norm (summed
-over shards), the same averages. ``--shards 1`` is the unsharded harness, unchanged.
-
-A replica of a fault-tolerant run (``--fault-tolerant --shards S``) is one such worker launched on
-its own (torchrun world size S): FSDP2 over its S processes, and its communicator
-(:mod:`mtdao.ft`) averaging each local shard with the same process of the other
-replicas.
-"""
+"""Workers bigger than one process: M replica groups of S processes, each group sharding its model
+with FSDP2 (``--workers M --shards S`` under torchrun; process r holds shard r % S of worker
+r // S). A sharded worker computes what one unsharded worker computes (docs/training.md, "Sharded
+workers"); a fault-tolerant replica with ``--shards S`` is one such worker launched on its own."""
 
 from __future__ import annotations
 

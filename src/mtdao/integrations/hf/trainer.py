@@ -1,21 +1,7 @@
 """A ``transformers.Trainer`` whose run takes local steps and averages through mtdao's engine.
 
-What the subclass changes, each in one method:
-
-- the optimizer (``create_optimizer``) is the method's, with the engine hooked into its
-  ``step()``: [gradient averaging] -> clipping -> step -> the rounds due;
-- the model is never wrapped in DDP (``_wrap_model``): Accelerate prepares it as it would for
-  evaluation (device, mixed precision, compile), so no gradient is all-reduced in backward and
-  only the engine's rounds cross the network;
-- clipping (``_clip_grad_norm``) moves into the engine, after any gradient averaging and per
-  worker, as in ``mtdao train``;
-- checkpoints (``_save_checkpoint``, ``_load_optimizer_and_scheduler``) add each process's own
-  state to the Trainer's folder, so that resuming continues the run exactly;
-- the logs (``log``) carry the traffic account: bytes per worker, DDP's bytes, the reduction;
-- ``evaluate`` scores the global model (the workers' average swapped in between syncs), and the
-  last step is followed by the final round (``LocalUpdates.final_round``), so ``save_model()``
-  after training writes the one global model.
-"""
+What the subclass changes, one method each, and why: docs/integrations.md ("What the subclass
+changes, and why")."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """A Lightning strategy whose processes are workers taking local steps, averaged by mtdao's engine.
 
-It is Lightning's ``DDPStrategy`` (launch, process group, samplers, barriers and reductions of
-logged values) with what makes it DDP taken out and the engine put in, each in one method:
-
-- ``configure_ddp`` does not wrap the model: no gradient is all-reduced in backward, and only
-  the engine's rounds cross the network;
-- :func:`method_optimizer` (called from ``configure_optimizers``) builds the method's optimizer
-  and its engine with the library's builders; ``setup_optimizers`` refuses any other optimizer;
-- ``optimizer_step`` runs Lightning's closure (forward, backward), then the engine's gradient
-  averaging (DDP methods), so that Lightning's own clipping (``gradient_clip_val``,
-  ``configure_gradient_clipping``) comes after it, per worker; then the step, the rounds due,
-  the traffic in the logs, and after the run's last planned step the final round;
-- validation scores the global model: the workers' average is swapped in for it;
-- checkpoints add each process's own state beside Lightning's file (``<file>.mtdao/``), and
-  resuming loads it on top, so the resumed run is the uninterrupted one.
-"""
+It is Lightning's ``DDPStrategy`` with what makes it DDP taken out and the engine put in, one
+method each; which, and why: docs/integrations.md ("What the strategy changes, and why")."""
 
 from __future__ import annotations
 

@@ -1,24 +1,17 @@
-"""Checkpoints of sharded workers: torch.distributed.checkpoint (DCP) files inside the store.
-
-The :class:`~mtdao.train.checkpoint.store.CheckpointStore` sequence is unchanged (refuse NaN/inf before
-writing, write into ``step-N.partial``, record every file's checksum in ``meta.json``, commit by
-one rename, keep the newest N, verify on load and fall back); only the files differ::
+"""Checkpoints of sharded workers: torch.distributed.checkpoint (DCP) files inside the store,
+whose sequence is unchanged; only the files differ::
 
     step-00000120/
         meta.json                 backend "dcp", workers M, shards S, every file's checksum
         model/.metadata           DCP: where each slice of each tensor lives
-        model/__<rank>_0.distcp   DCP: the shards process <rank> held (parameters, optimizer
-                                  states, the sync engine's anchors and outer momentum, its
-                                  rounds in flight and error-feedback residuals), under
+        model/__<rank>_0.distcp   DCP: process <rank>'s shards of everything element-wise
+                                  (parameters, optimizer states, the engine's tensors), under
                                   "worker<w>." keys: every worker's copy is kept
         worker<w>.pt              worker w's own state: data position, RNG, the engine's step and
-                                  record of rounds, clocks, evaluations (one process per worker
-                                  writes it)
+                                  record of rounds, clocks, evaluations
 
 DCP records every tensor's global shape, so a checkpoint loads into another number of shards per
-worker (each process reads the slices its new shards cover). The number of workers must match:
-each worker's data position and local progress are its own, and cannot be split or merged.
-"""
+worker; the number of workers must match (a worker's data position cannot be split or merged)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Finding the complete checkpoints of a run directory (the newest one, its path and metadata),
-and checking their files.
-
-A ``checkpoints/step-N`` (or ``step-N.K``) directory is complete by construction: it only appears
-by the rename that commits it (see :mod:`mtdao.train.checkpoint.store`). Listing reads only the small
-``meta.json`` files; ``verify_files`` reads every byte to check sizes and checksums.
-"""
+"""Finding the complete checkpoints of a run directory and checking their files. Listing reads
+only the small ``meta.json`` files; ``verify_files`` reads every byte."""
 
 from __future__ import annotations
 

@@ -6,23 +6,12 @@ Layout inside the run directory::
         step-00000120/           a complete checkpoint (it only ever appears by one rename)
             meta.json            step, world size, save sequence, every file's size and checksum,
                                  the run's config (human-readable)
-            rank0.pt ...         one file per process: its workers' parameters, optimizer and sync
-                                 state, data positions, RNG state
-        step-00000180/
+            rank0.pt ...         one file per process: its workers' whole run state
         step-00000240.partial/   being written, or left by a crash (the next save removes it)
+        step-00000060.damaged/   failed its check on a load: kept for inspection, never loaded
 
-Saving, on every process: refuse a state holding NaN/inf or an object the safe loader cannot read,
-before anything is written -> process 0 removes leftovers and creates ``step-N.partial`` -> every
-process writes ``rank<r>.pt`` (temporary file, fsync, rename) -> process 0 checks every rank's file
-is there, writes ``meta.json`` with their checksums and renames the directory to ``step-N``: the
-commit -> it deletes checkpoints older than the newest ``keep``. At every instant of that sequence
-the checkpoints committed before are intact, and a ``step-N`` directory is complete by construction.
-
-Loading: checkpoints newest first (by save sequence, so a run resumed from an older checkpoint
-overtakes a damaged newer one); the first whose files match their checksums and load on every
-process is used. A damaged one is skipped with a warning naming the file and renamed
-``step-N.damaged`` (kept for inspection, never loaded or counted among the kept ones again).
-"""
+What a save and a load guarantee: docs/training.md ("Checkpoints and resuming"). Loads go newest
+first by save sequence, so a run resumed from an older checkpoint overtakes a damaged newer one."""
 
 from __future__ import annotations
 
