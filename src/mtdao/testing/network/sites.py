@@ -1,23 +1,14 @@
 """WAN sites on one machine: a network namespace per site, each linked to a hub by a shaped link.
 
-Layout (everything lives in namespaces this module creates; deleting them removes every veth):
-
     hub namespace     port0 … port{N-1}          a switch: the kernel bridge with netem, or
                                                  :mod:`.relay` where the kernel has no netem
     site namespace i  link0 = 10.214.0.(i+1)/24 ── port i
 
-Each site's link has its own rate, one-way delay, jitter and loss (:class:`LinkSpec`); a path from
-site i to site j crosses both links, so it waits ``delay_i + delay_j``. The rate is a token
-bucket on both ends of the veth (upload and download). Delay, jitter and loss are a ``netem``
-qdisc where the kernel has one, else the userspace relay; partitions drop every frame of the
-site (netem ``loss 100%``, or the relay's partition) so its connections stall as across a cut
-link. Which of the two is used is :attr:`WanSites.emulation`.
-
-Every program runs in its site with a hostname of its own (a UTS namespace) that every site
-resolves to the site's address (``/etc/netns/<ns>/hosts``, bind-mounted by ``ip netns exec``):
-torchft advertises ``socket.gethostname()`` for its manager, store and heal transport, so a
-replica's peers dial its site's address, through the shaped links.
-"""
+Each site's link has its own rate (a token bucket on both veth ends), one-way delay, jitter and
+loss (:class:`LinkSpec`); a path between two sites crosses both links. A partition drops every
+frame of the site. Every program runs in its site with a hostname of its own that every site
+resolves to the site's address, since torchft advertises ``socket.gethostname()``: a replica's
+peers then dial its site's address, through the shaped links."""
 
 from __future__ import annotations
 
