@@ -73,7 +73,7 @@ def lock_run_dir(config: TrainConfig, process: ProcessInfo, collective: Collecti
 
 
 def choose_start(config: TrainConfig, process: ProcessInfo, store: ckpt.CheckpointStore) -> Start:
-    """Decide how the run in ``config.out`` starts (the lock is held); see the module notes."""
+    """Decide how the run in ``config.out`` starts (the lock is held), by the rules of docs/training.md."""
     run_dir, collective = Path(config.job.out), store.collective
     if config.job.resume:
         loaded = store.load()
