@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from mtdao.integrations.sharding import reshard
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.shard_mesh import build_mesh, check_shardable
@@ -171,15 +172,6 @@ class EvaluatedShards(nn.Module):
             reshard(self.model)
             if shards:
                 torch._foreach_copy_(shards, own)
-
-
-def reshard(model: nn.Module) -> None:
-    """Free every FSDP2 module's unsharded parameters (the next forward gathers them anew)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 # -- what a process holds -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from mtdao.integrations.local_updates import (
     traffic_logs,
     workers_agree,
 )
+from mtdao.integrations.sharding import reshard
 from mtdao.integrations.worker_state import load_worker_state, save_worker_state
 from mtdao.sync import LocalUpdateSync
 
@@ -166,14 +167,3 @@ class LocalUpdateTrainer(Trainer):
         if self.local_run is not None and "eval_loss" not in logs:
             logs = {**logs, **traffic_logs(self.sync.traffic)}
         super().log(logs, start_time)
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Free the parameters an FSDP2 model keeps gathered after a forward pass (its root module
-    does): gathered during the evaluation, they would hold the average the next training step
-    computes with."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
