@@ -17,7 +17,7 @@ from mtdao.sync.shard_mesh import build_mesh, check_shardable
 from mtdao.sync.sharded_layout import ShardedWorkerLayout
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
-from mtdao.train.workers import ProcessWorkerSet, language_model_loss
+from mtdao.train.workers import ProcessWorkerSet
 
 # -- topology -------------------------------------------------------------------------------------
 
@@ -132,9 +132,7 @@ class ShardedWorkerSet(ProcessWorkerSet):
         the worker's processes; the layout's ``gather`` averages their losses)."""
         rows = inputs.shape[0] // self.layout.num_shards
         mine = slice(self.layout.shard_rank * rows, (self.layout.shard_rank + 1) * rows)
-        with self.autocast():
-            logits = self.model(inputs[mine])
-        return language_model_loss(logits, targets[mine]).reshape(1)
+        return super().losses(inputs[mine], targets[mine])
 
     @torch.no_grad()
     def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
