@@ -19,11 +19,8 @@
 A replica of several processes (``--shards``, under torchrun) is steered by the same files; each
 process writes its own status, digests (of its shards) and pid, process r > 0 as ``NAME.rR``.
 
-:class:`Drill` is the controller: it starts a lighthouse and replicas as subprocesses (a sharded
-one under ``torchrun --max-restarts``), moves the gate, kills replicas or single processes of
-them with SIGKILL and reads what they recorded. It is the one controller of every drill: the
-fault-tolerance tests and ``benchmarks/fault_tolerance.py`` run it on loopback, the WAN drill
-(:mod:`mtdao.experiments.wan_drill.drill`) launches its processes inside emulated sites.
+:class:`Drill` is the one controller of every drill: the fault-tolerance tests and
+``benchmarks/fault_tolerance.py`` run it on loopback, the WAN drill inside emulated sites.
 """
 
 from __future__ import annotations
