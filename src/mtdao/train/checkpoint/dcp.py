@@ -15,7 +15,6 @@ worker; the number of workers must match (a worker's data position cannot be spl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,8 @@ from mtdao.state_files import read_state_file
 from mtdao.sync.dtensors import local_shard
 from mtdao.train.checkpoint.dcp_metadata import read_metadata, safe_reader
 from mtdao.train.checkpoint.index import CheckpointInfo, read_meta, verify_files
-from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore
-from mtdao.train.durable import CHECKSUM, file_checksum, write_atomic, write_json_atomic
+from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore, write_checksummed
+from mtdao.train.durable import CHECKSUM, file_checksum, fsync_directory
 
 MODEL_DIR = "model"
 
@@ -79,7 +78,6 @@ class ShardedCheckpointStore(CheckpointStore):
     def _write_rank_file(self, staging: Path, state: Any) -> dict[str, Any]:
         """Every process: its DCP shard file (process 0 also DCP's metadata); the first process
         of each worker: the worker's file. Returns {file name: size and checksum}."""
-        import torch
         import torch.distributed.checkpoint as dcp
 
         model_dir = staging / MODEL_DIR
@@ -98,24 +96,11 @@ class ShardedCheckpointStore(CheckpointStore):
         files = {name: _digest(staging / name) for name in names}
         if self.shard == 0:
             name = worker_file(self.worker)
-            size, checksum = write_atomic(
-                staging / name, lambda f: torch.save(state["worker"], f), CHECKSUM
-            )
-            files[name] = {"bytes": size, CHECKSUM: checksum}
-        if self.rank != 0:  # for process 0 to collect into meta.json
-            write_json_atomic(staging / f"rank{self.rank}.files.json", files, sync=False)
+            files[name] = write_checksummed(staging / name, state["worker"])
         return files
 
-    def _collect_files(self, staging: Path, digest: dict) -> dict[str, dict]:
-        from mtdao.train.durable import fsync_directory
-
-        files = dict(digest)
-        for rank in range(1, self.world_size):
-            sidecar = staging / f"rank{rank}.files.json"
-            if not sidecar.is_file():
-                raise CheckpointError(f"process {rank} wrote no file in {staging}")
-            files.update(json.loads(sidecar.read_text()))
-            sidecar.unlink()
+    def _collect_files(self, staging: Path, files: dict) -> dict[str, dict]:
+        files = super()._collect_files(staging, files)
         fsync_directory(staging / MODEL_DIR)
         return files
 
