@@ -1,18 +1,10 @@
-"""Command-line flags generated from a config dataclass in sections, and the one way back from
-flags to argv.
+"""Command-line flags generated from a config dataclass in sections, and the one way back.
 
-A config's fields are its sections, each a dataclass of settings; a setting's name is unique
-across the sections. :func:`add_dataclass_arguments` gives every setting a flag
-(``--sync-period`` for ``sync_period``), under its section's title in ``--help``; the help text
-is the docstring written under the field, followed by its default. A field's ``metadata`` may
-name ``choices``, a switch spelling (``flag``: ``--no-bf16`` for a field that defaults to True)
-and a mutually ``exclusive`` group. A switch that turns a default-on field off says what the
-*flag* does in ``metadata["off"]`` ("Hide the progress bar."): the field's docstring describes
-the field, which is the opposite of what its ``--no-`` flag does. :func:`argv_from_namespace` is
-the inverse of any parser's options: the argv that parses back to the same namespace;
-:func:`dataclass_to_argv` applies it to a config, so that whatever launches ``mtdao train`` in a
-subprocess reproduces a config exactly.
-"""
+Every setting gets a flag (``--sync-period`` for ``sync_period``) under its section's title; its
+help is the docstring under the field. ``metadata`` may name ``choices``, a switch spelling
+(``flag``) with the switch's own help (``off``: the field's docstring says the opposite), and a
+mutually ``exclusive`` group. :func:`dataclass_to_argv` is the inverse, so that whatever launches
+``mtdao train`` in a subprocess reproduces a config exactly."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Building and loading the package's hand-written CPU kernels: the optimizer's
-(``csrc/multi_tensor_step.cpp``) and the link codecs' (``mtdao/sync/codecs/csrc/codecs.cpp``).
-
-A kernel is compiled with ``torch.utils.cpp_extension`` the first time a machine needs it and
-kept in a folder of torch's extensions root (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``) named by a hash of the source, the flags, torch and Python; later
-processes load the library from there directly (a changed source or another torch gets a folder of
-its own, never a stale build). Builds are serialized by a lock the operating system drops when its
-holder dies, so a process killed while building leaves no lock behind that would block the next.
-The build needs a C++ compiler and ``ninja`` (a dependency of this package). If anything fails,
-:func:`native_library` warns once and returns False; the caller then takes another path (the
-optimizers their compiled (inductor) kernels or the foreach path, the codecs torch's operations).
-"""
+"""Building and loading the package's hand-written CPU kernels (the optimizer's and the link
+codecs'), with ``torch.utils.cpp_extension`` the first time a machine needs one, into a folder
+named by a hash of the source, flags, torch and Python (never a stale build). Builds are
+serialized by a lock the OS drops when its holder dies. If anything fails, :func:`native_library`
+warns once and returns False, and the caller takes another path."""
 
 from __future__ import annotations
 

@@ -260,13 +260,3 @@ def validation_batches(
     starts = torch.arange(num_windows) * seq_len
     windows = tokens[starts[:, None] + torch.arange(seq_len + 1)]
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in windows.split(batch_size)]
-
-
-__all__ = [
-    "SPLITS",
-    "TokenizedCorpus",
-    "WorkerShard",
-    "encode_corpus",
-    "stacked_batches",
-    "validation_batches",
-]

@@ -303,6 +303,3 @@ def _read_hf_texts(dataset, max_chars: int, source: str) -> list[str]:
             if total_chars >= max_chars:
                 break
     return texts
-
-
-__all__ = ["Corpus", "content_hash", "load_corpus"]

@@ -207,13 +207,3 @@ def _cached_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> BPETokenize
     except OSError as error:
         logger.warning("tokenizer cache %s not written: %s", path, error)
     return tokenizer
-
-
-__all__ = [
-    "BPETokenizer",
-    "ByteTokenizer",
-    "HFTokenizer",
-    "Tokenizer",
-    "load_tokenizer",
-    "tokenizer_fingerprint",
-]

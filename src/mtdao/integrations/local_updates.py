@@ -1,10 +1,5 @@
-"""What a Trainer run needs from mtdao: the method's settings, and the optimizer and engine they
-build, made by the library's builders (:mod:`mtdao.methods`; nothing here decides an update
-or a sync).
-
-Nothing in this module imports transformers: it serves any trainer that hands over a model and
-its learning rate, weight decay and gradient-clipping norm.
-"""
+"""What a trainer run needs from mtdao: the method's settings, and the optimizer and engine they
+build with the library's builders (:mod:`mtdao.methods`). Nothing here imports transformers."""
 
 from __future__ import annotations
 
@@ -57,16 +52,39 @@ def launched_workers(shards: int) -> int:
 
 @dataclass
 class LocalRun:
-    """The optimizer and the engine of a run, built together."""
+    """The optimizer and the engine of a run, built together, and what every trainer's step
+    hooks do with them."""
 
     config: LocalUpdates
     """Resolved."""
     optimizer: torch.optim.Optimizer
     sync: LocalUpdateSync
+    planned_steps: int = 0
+    """The optimizer steps the trainer plans (0: no planned end, so no final round before the
+    trainer's own end): the warm-ups span them, and the final round follows the last."""
+    warmups: tuple[OmegaWarmup, BetaWarmup] | tuple[()] = ()
+    finished: bool = False
 
-    def warmups(self, total_steps: int) -> tuple[OmegaWarmup, BetaWarmup]:
-        """The omega and beta warm-ups over a run of ``total_steps`` optimizer steps."""
-        return warmups_of(self.config, max(1, total_steps))
+    def plan(self, total_steps: int) -> None:
+        self.planned_steps = total_steps
+        self.warmups = warmups_of(self.config, max(1, total_steps))
+
+    def apply_warmups(self) -> None:
+        """The omegas and betas of the step about to be taken."""
+        for warmup in self.warmups:
+            warmup.apply(self.optimizer, self.sync.step_count)
+
+    def after_step(self) -> None:
+        """The rounds due; after the last planned step, the final round (before its evaluation
+        and checkpoint)."""
+        self.sync.rounds.after_step()
+        if self.config.final_round and self.sync.step_count == self.planned_steps:
+            self.finish()
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.sync.finish()
+            self.finished = True
 
 
 def build_local_run(

@@ -25,3 +25,14 @@ def shard_workers(model: nn.Module, workers: int, shards: int) -> ProcessGroupWo
             fully_shard(module, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     return ProcessGroupWorkers(mesh.get_group("replicate"), shard_group=mesh.get_group("shard"))
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the parameters FSDP2 modules keep gathered after a forward pass (the root module
+    does; a training step frees them in its backward). Left gathered after an evaluation, they
+    would hold the average the next training step computes with."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

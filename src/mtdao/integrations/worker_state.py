@@ -1,13 +1,9 @@
 """The part of a trainer's checkpoint that is each worker's own.
 
-A trainer (Hugging Face's, Lightning's) saves one model and one optimizer state (process 0's),
-which is all of the run when every process holds the same values, as under DDP. With local
-updates the workers differ between syncs, so each process adds one file to a folder of the
-checkpoint: the engine's state (its step, anchors, outer momentum, rounds in flight, traffic
-account) and, with more than one worker, this worker's own parameters and optimizer state.
-Resuming loads the trainer's files, then this one on top. (Sharded workers are not checkpointed
-through a trainer: see the integrations.)
-"""
+A trainer saves process 0's model and optimizer, which is the whole run only when every process
+holds the same values (DDP). With local updates the workers differ between syncs, so each process
+adds one file: the engine's state and, with more than one worker, its own parameters and
+optimizer state. Resuming loads the trainer's files, then this one on top."""
 
 from __future__ import annotations
 

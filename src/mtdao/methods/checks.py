@@ -1,9 +1,5 @@
-"""The checks of a method's settings: each bad one refused with a one-line ValueError that names
-the field as the library spells it (`sync_period`); ``mtdao train`` shows the same message with
-its flags (--sync-period, :func:`mtdao.flags.as_flags`).
-
-The config is taken as it comes (``Any``): :mod:`mtdao.methods.config` imports this module.
-"""
+"""The checks of a method's settings: one-line ValueErrors naming the field (`sync_period`), which
+``mtdao train`` spells as its flag (--sync-period, :func:`mtdao.flags.as_flags`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""A method's settings, as one value: what ``mtdao train``'s method flags and the Hugging Face
-integration's ``LocalUpdates`` both say (checked by :mod:`mtdao.methods.checks`, completed by
-:mod:`mtdao.methods.defaults`, built by :mod:`mtdao.methods.recipes`).
-
-:class:`SyncConfig` holds the method, its base optimizer, its periods, its round options and the
-hyperparameters that depend on the method; the learning rate, its schedule, the weight decay and
-the gradient-clipping norm belong to the training loop. The harness's config holds one as its
-``sync`` section, each field the ``mtdao train`` flag of its name.
-"""
+"""A method's settings as one value, what ``mtdao train``'s method flags and the integrations'
+``LocalUpdates`` both say. The learning rate, its schedule, the weight decay and the clipping
+norm belong to the training loop."""
 
 from __future__ import annotations
 

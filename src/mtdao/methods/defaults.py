@@ -1,11 +1,5 @@
-"""The defaults that depend on the method and the base optimizer: learning rate, momenta, second
-moment, epsilon, warm-ups, period rule.
-
-One row per base optimizer (:data:`OPTIMIZER_DEFAULTS`); :func:`method_defaults` fills a method's
-unset settings from it and from the method table (:meth:`mtdao.methods.SyncConfig.resolved`, and
-the harness's :func:`mtdao.train.config.resolve` through it); the checks refuse a `beta2` or
-`eps` the optimizer does not have.
-"""
+"""The defaults that depend on the method and the base optimizer: one row per base optimizer
+(:data:`OPTIMIZER_DEFAULTS`), applied to a method's unset settings by :func:`method_defaults`."""
 
 from __future__ import annotations
 

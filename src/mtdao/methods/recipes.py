@@ -1,11 +1,6 @@
-"""Each named method as one short function of its parts: the base optimizer (with the method's
-momenta, resolved into the config), the sync policy (what is averaged when) and the outer step
-(what a parameter average becomes), as optax's ``adamw`` chains its transformations.
-
-The policy reads the optimizer's decays (half-life periods, DeSLoc without a second moment), so a
-recipe takes the optimizer built from the same config (:func:`build_optimizer`) or the caller's
-own; :func:`build_sync` hands the parts to the engine.
-"""
+"""Each named method as one short function of its parts: the base optimizer, the sync policy and
+the outer step, as optax's ``adamw`` chains its transformations. The policy reads the optimizer's
+decays (half-life periods, DeSLoc without a second moment), so a recipe takes the optimizer."""
 
 from __future__ import annotations
 

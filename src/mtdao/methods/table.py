@@ -1,17 +1,5 @@
-"""The compared methods by name, and what each is made of.
-
-| method      | optimizer                    | what is averaged                                   |
-|-------------|------------------------------|----------------------------------------------------|
-| ddp         | Adam / ADOPT / SGDM (b1=0.9) | gradients, every step                              |
-| qh-ddp      | MT-DAO optimizer             | gradients, every step                              |
-| local-adam  | Adam / ADOPT / SGDM          | parameters and all states every K                  |
-| diloco      | Adam / ADOPT / SGDM          | parameters every K through a Nesterov outer step   |
-| desloc      | Adam / ADOPT / SGDM          | parameters every K, momenta 3K, second moment 6K   |
-| mtdao       | MT-DAO optimizer             | parameters and states, unified or half-life        |
-
-The one home of the method and period-rule names; :mod:`mtdao.methods.recipes` composes each
-method's parts, :mod:`mtdao.methods.defaults` holds its default hyperparameters.
-"""
+"""The compared methods by name, and what each is made of (``mtdao train --help`` lists them):
+the one home of the method and period-rule names."""
 
 from __future__ import annotations
 

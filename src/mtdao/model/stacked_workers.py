@@ -1,12 +1,7 @@
-"""M copies of a module as one module, for workers simulated in one process.
-
-:func:`stack_workers` gives each parameter a leading worker dimension of size M and runs the
-forward of every worker at once (``torch.func.vmap`` over ``functional_call``), so M workers cost
-about M single-worker steps. Worker w's copy of a parameter of shape S is ``tensor[w]`` of a
-tensor of shape [M, *S]: the layout :class:`mtdao.sync.SimulatedWorkers` averages over (dim 0).
-
-Depends on torch only; the sync package re-exports :func:`stack_workers` (``mtdao.sync``).
-"""
+"""M copies of a module as one module, for workers simulated in one process: each parameter gets a
+leading worker dimension (worker w's copy is ``tensor[w]``, the layout
+:class:`mtdao.sync.SimulatedWorkers` averages over) and every worker's forward runs at once
+(``vmap`` over ``functional_call``). Depends on torch only."""
 
 from __future__ import annotations
 

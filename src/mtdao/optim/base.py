@@ -93,22 +93,13 @@ def local_shards(tensors: list[Tensor]) -> list[Tensor]:
 class MultiTimescaleOptimizer(Optimizer):
     """Base class: a subclass names its kernels and the group entries they take.
 
-    Two choices per group. Where the tensors live: ``flat=True`` puts the parameters of a group,
-    device and dtype, their gradients and each of their states in flat buffers (the parameters and
-    states become views into them, see :mod:`mtdao.optim.flat`), so the update runs once over the
-    buffers; ``flat=False`` updates the tensors where they are. Which kernels run: ``fused``
-    (kernels that read and write each element once: on the CPU one C++ call per bucket, elsewhere
-    compiled kernels, see :mod:`mtdao.optim.fused`), ``foreach`` (one multi-tensor kernel per
-    operation) or a for-loop over tensors.
-
-    The defaults (``flat=None, fused=None, foreach=None``) take the fastest measured combination
-    per device: on the CPU the C++ kernel over the tensors where they are, whatever the size; on
-    CUDA flat buffers (:data:`mtdao.optim.flat.FLAT_BY_DEFAULT`) and the compiled kernel over them
-    where compiling pays (:func:`mtdao.optim.fused.fusing_pays`), the foreach path otherwise.
-    Where no fused kernel can be built, ``fused=True`` falls back to the foreach path too (decided
-    at first use, with one warning). Parameters that cannot live in a flat buffer (DTensors,
-    views of a storage some other code laid out) are updated where they are.
-    """
+    Two choices per group: where the tensors live (``flat=True``: in flat buffers, see
+    :mod:`mtdao.optim.flat`; ``False``: where they are) and which kernels run (``fused``, see
+    :mod:`mtdao.optim.fused`; ``foreach``; or a for-loop). The defaults (None) take the fastest
+    measured combination per device: on the CPU the C++ kernel over the tensors where they are, on
+    CUDA flat buffers and the compiled kernel where compiling pays, the foreach path otherwise (also
+    where no fused kernel can be built, with one warning). Parameters that cannot live in a flat
+    buffer (DTensors, views of a storage laid out elsewhere) are updated where they are."""
 
     _has_second_moment = True
     single_tensor_kernel: Callable[..., None]

@@ -1,17 +1,8 @@
-"""Compiling the fused update kernels: once per process and kernel spec, checked at first use.
-
-An element update (see :mod:`mtdao.optim.fused`) is a plain PyTorch function over one flat tensor
-set: parameter, gradient, N momenta, second moment and a 1-D float64 tensor of coefficients. A kernel
-applies it to ``slots`` tensor sets per call and is compiled with ``torch.compile`` (inductor:
-C++/OpenMP on CPU, Triton on CUDA) into code that reads and writes each element once. Every size
-is symbolic and every hyperparameter (learning rate, bias corrections, ADOPT's clip) lives in the
-coefficient tensor, so one compilation serves every tensor of every model, every learning rate and
-every step.
-
-The first request for a spec compiles it and runs it on scratch tensors against the same function
-run eagerly. If that fails (no C++ compiler, an inductor error, an unsupported dtype, a wrong
-result) the spec is marked unavailable with one warning, and the optimizer takes its foreach path.
-"""
+"""Compiling the fused update kernels (``torch.compile``, inductor: C++/OpenMP on CPU, Triton on
+CUDA) once per process and kernel spec. Every size is symbolic and every hyperparameter lives in
+the coefficient tensor, so one compilation serves every tensor, learning rate and step. The first
+request for a spec checks it against the same function run eagerly; a failure marks the spec
+unavailable with one warning, and the optimizer takes its foreach path."""
 
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
-"""Parameters and optimizer states in flat buffers, so that a step is a few kernel launches.
+"""Parameters and optimizer states in flat buffers, so that a step is a few kernel launches (on a
+GPU a launch costs microseconds whatever its size: BENCHMARKS.md, "How fast is the optimizer
+step?").
 
-On a GPU each kernel launch costs microseconds of driver and Python time whatever its size, so a
-step that launches per tensor (or per chunk of tensors) over a model of many tensors spends most of
-its time launching (BENCHMARKS.md, "How fast is the optimizer step?"). Here the parameters of one param group, device
-and dtype form a *bucket*: their data, their gradients and each of their optimizer states live in
-one flat buffer each, and a step gathers the gradients into the bucket's buffer (one multi-tensor
-copy) and runs the update once over the whole buffers.
-
-What the rest of the library sees does not change: each parameter's ``.data`` and each of its
-states in ``optimizer.state[p]`` (``step`` included) are views into the bucket's buffers, with the
-shape and strides they had, so the sync engine, the codecs and checkpoints read and write them in
-place as before, and ``state_dict`` stays per parameter. Before a step :meth:`FlatBucket.refresh`
-checks that they still are: whatever replaced one (``optimizer.state[p][key] = tensor``, a
-``.data`` set by ``model.to()``) is copied into its slot and viewed again.
-
-Each tensor's slot starts on a 256-byte boundary (the alignment the caching allocators give a
-tensor of its own, which vectorized kernels and matrix libraries expect). Slots are padded with
-zeros that stay zero: a zero gradient leaves a zero parameter and zero states unchanged.
-"""
+The parameters of one param group, device and dtype form a *bucket*: their data, gradients and
+each state live in one flat buffer each. What the rest of the library sees does not change: each
+parameter's ``.data`` and each of its states are views into the buffers with their own shape and
+strides, so the engine, the codecs and checkpoints work on them in place. Before a step
+:meth:`FlatBucket.refresh` copies whatever replaced one into its slot. Slots start on 256-byte
+boundaries and are padded with zeros that stay zero (a zero gradient leaves them unchanged)."""
 
 from __future__ import annotations
 

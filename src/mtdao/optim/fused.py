@@ -1,27 +1,15 @@
-"""The MT-DAO update rules as fused kernels (``fused=True``): one C++ call per bucket on the CPU,
-compiled kernels elsewhere.
+"""The MT-DAO update rules as fused kernels (``fused=True``): one C++ call per bucket on the CPU
+(:mod:`mtdao.optim.native`), compiled kernels elsewhere (:mod:`mtdao.optim.compilation`), each
+reading and writing every element once where the foreach form makes a pass per operation.
 
-Each rule is an *element update*: a pure in-place function of one tensor set (parameter ``x``,
-gradient ``g``, momenta ``u_j``, second moment ``v``) and a 1-D float64 tensor ``c`` of
-coefficients (float64 whatever the parameters: a C++ compiler may then keep them in registers,
-as a ``double*`` cannot alias the ``float*`` the kernel writes; a ``float*`` is reloaded on every
-iteration, 10-15% of the kernel's time at memory speed). It
-computes the same update as the foreach form in :mod:`mtdao.optim.functional` and agrees with it
-to float rounding (the tests hold them to that). Compiled (:mod:`mtdao.optim.compilation`), it
-reads every element once and writes it once, which is all an element-wise optimizer has to do; the
-foreach form makes one pass over memory per operation. On the CPU a hand-written C++ kernel
-(:mod:`mtdao.optim.native`) does the same operations in the same order over all tensors of a
-bucket in one call (agreeing with the element update run eagerly to float rounding); compiled
-kernels serve CUDA and CPUs where the C++ kernel cannot be built.
-
-All hyperparameters, the learning rate and the step-dependent factors (bias corrections, ADOPT's
-clip) are coefficients: tensor values, not constants of the kernel, so a changing learning rate or
-step never compiles anything again. Coefficients are ``constant + lr * per_lr`` so that a tensor
-learning rate (for example one an LR scheduler fills in place) stays on its device.
-
-Parameters stored in bf16/fp16 are read, updated in their float32 state's precision and rounded
-back once, without the float32 copies the foreach path makes.
-"""
+Each rule is an *element update*: a pure in-place function of one tensor set (``x``, ``g``,
+momenta ``u_j``, ``v``) and a 1-D float64 tensor ``c`` of coefficients, agreeing with
+:mod:`mtdao.optim.functional` to float rounding. Coefficients are float64 whatever the parameters
+(a C++ compiler may then keep them in registers: a ``double*`` cannot alias the ``float*`` the
+kernel writes, 10-15% of its time at memory speed), and every hyperparameter and step-dependent
+factor is one of them, ``constant + lr * per_lr``, so a changing learning rate or step never
+compiles anything again and a tensor learning rate stays on its device. bf16/fp16 parameters are
+updated in their float32 state's precision and rounded back once, without float32 copies."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Running the hand-written CPU kernel over a bucket: one call for every tensor of the bucket.
-
-The kernel (``csrc/multi_tensor_step.cpp``, built by :mod:`mtdao.native_build`) takes lists
-of all the bucket's tensors and walks them in one call, as torch's fused AdamW does; its per-call
-cost does not grow with the number of momenta. It is checked once per kernel spec against the
-element update of :mod:`mtdao.optim.fused` run eagerly; if that fails, the spec is marked
-unavailable with one warning and the caller takes another path.
-"""
+"""Running the hand-written CPU kernel (``csrc/multi_tensor_step.cpp``) over a bucket: one call for
+all its tensors, as torch's fused AdamW does, whatever the number of momenta. Each kernel spec is
+checked once against the element update run eagerly; a failure marks it unavailable with one
+warning and the caller takes another path."""
 
 from __future__ import annotations
 

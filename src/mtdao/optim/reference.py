@@ -1,13 +1,8 @@
 """Slow, literal reference implementations of the MT-DAO update rules: the test oracle.
 
-One function per variant, one tensor at a time, out of place: each takes a parameter ``x``, its
-gradient ``g`` and a state dict, and returns a new parameter and a new state dict without touching
-its inputs. Every line follows the algorithm's pseudo-code; nothing here is shared with
-:mod:`mtdao.optim.functional` (the fast path this checks), and nothing here is meant to be fast.
-
-State dicts use the optimizer's keys: ``step`` (a Python int, number of calls so far),
-``exp_avg_0`` .. ``exp_avg_{N-1}`` (u_1 .. u_N) and, for Adam and ADOPT, ``exp_avg_sq`` (v).
-"""
+One function per variant, one tensor at a time, out of place, every line the algorithm's
+pseudo-code; nothing is shared with :mod:`mtdao.optim.functional`, the fast path this checks.
+State dicts use the optimizer's keys, ``step`` a Python int."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Warm-ups of MT-DAO's hyperparameters: the mixing weights (omegas) and the slow momentum decays
-(betas), as objects applied to the optimizer's param groups before each step.
-
-The multipliers are pure functions of the step (:func:`ramp`, :func:`warmed_beta`,
-:func:`step_capped_beta`); the objects hold what they scale (the target omegas and betas) so that
-nothing is stashed in the optimizer's param groups, and carry their definition in ``state_dict``.
-Any training loop applies them (``warmup.apply(optimizer, step)``); :mod:`mtdao.methods`
-builds them for a method.
-"""
+"""Warm-ups of MT-DAO's omegas and slow betas, as objects applied to the optimizer's param groups
+before each step (``warmup.apply(optimizer, step)``): pure functions of the step, holding their
+targets and carrying their definition in ``state_dict``."""
 
 from __future__ import annotations
 

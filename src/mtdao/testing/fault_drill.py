@@ -19,11 +19,8 @@
 A replica of several processes (``--shards``, under torchrun) is steered by the same files; each
 process writes its own status, digests (of its shards) and pid, process r > 0 as ``NAME.rR``.
 
-:class:`Drill` is the controller: it starts a lighthouse and replicas as subprocesses (a sharded
-one under ``torchrun --max-restarts``), moves the gate, kills replicas or single processes of
-them with SIGKILL and reads what they recorded. It is the one controller of every drill: the
-fault-tolerance tests and ``benchmarks/fault_tolerance.py`` run it on loopback, the WAN drill
-(:mod:`mtdao.experiments.wan_drill.drill`) launches its processes inside emulated sites.
+:class:`Drill` is the one controller of every drill: the fault-tolerance tests and
+``benchmarks/fault_tolerance.py`` run it on loopback, the WAN drill inside emulated sites.
 """
 
 from __future__ import annotations
@@ -299,19 +296,13 @@ class Drill:
 
     def global_rounds(self, name: str) -> dict[int, str]:
         """{step: global digest} of every round the replica committed (:func:`global_digest`)."""
-        path = self.root / f"{name}.globals"
-        if not path.exists():
-            return {}
-        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
-        return {int(step): digest for step, digest in lines}
+        return self.rounds(name, "globals")
 
-    def rounds(self, name: str) -> dict[int, str]:
+    def rounds(self, name: str, digests: str = "rounds") -> dict[int, str]:
         """{step: state digest} of every round the replica committed."""
-        path = self.root / f"{name}.rounds"
-        if not path.exists():
-            return {}
-        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
-        return {int(step): digest for step, digest in lines}
+        path = self.root / f"{name}.{digests}"
+        lines = path.read_text().split("\n") if path.exists() else []
+        return {int(step): digest for step, digest in (line.split() for line in lines if line)}
 
     def events(self, name: str, event: str | None = None) -> list[dict]:
         import json

@@ -1,21 +1,11 @@
-"""The training configuration: one dataclass in sections, a docstring per setting, every default
-in one place.
+"""The training configuration: one dataclass in sections, a docstring per setting (the ``mtdao
+train`` flag's help), every default in one place.
 
-A :class:`TrainConfig` holds what the user asked for, in sections (the method, the workers, the
-training budget, the LR schedule, the data, the run directory, checkpoints, fault tolerance),
-each setting marked where it may differ between a run and its resumption (``resumable``) or
-between the replicas of one run (``replica_local``); fields left ``None`` take a default that
-depends on the method and the base optimizer (:data:`OPTIMIZER_DEFAULTS`, in
-:mod:`mtdao.methods.defaults`; the method table in :mod:`mtdao.methods.table`).
-:func:`resolve` validates a config once (:mod:`mtdao.train.config_checks`) and fills in every
-default; the resolved config is what a run uses, what ``config.json`` and ``results.json`` hold,
-and what a resume is compared with. Resolving is idempotent, so a saved resolved config resolves
-to itself, and a ``config.json`` written with unset (null) fields, as older versions wrote it,
-resolves to the values those fields take today.
-
-The ``mtdao train`` flags are generated from the fields (:mod:`mtdao.train.command`): the help
-text is the field's docstring, ``metadata`` names choices and the spelling of boolean switches.
-"""
+Settings are marked where they may differ between a run and its resumption (``resumable``) or
+between the replicas of one run (``replica_local``). :func:`resolve` checks a config once
+(:mod:`mtdao.train.config_checks`) and fills in every default; the resolved config is what a run
+uses, saves and compares a resume with. Resolving is idempotent, and a ``config.json`` with unset
+(null) fields resolves to the values they take today."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""The checks of a training configuration, apart from the dataclass (:mod:`mtdao.train.config`).
-
-:func:`check_config` refuses a bad config with a one-line ValueError naming the flag (``resolve``
-calls it before filling in any default); :func:`config_warnings` lists the settings of a resolved
-config that are allowed but probably not what was meant. The method's settings (its periods, round
-options and hyperparameters) are checked by the library's rules
-(:func:`mtdao.methods.checks.check_method`), whose messages name fields (`sync_period`):
-:func:`~mtdao.train.config.resolve` spells them as the flags (--sync-period).
-
-The config is taken as it comes (``Any``): this module sits below :mod:`mtdao.train.config`,
-which imports it.
-"""
+"""The checks of a training configuration: :func:`check_config` refuses a bad one in one line
+naming the flag, :func:`config_warnings` lists what is allowed but probably not meant. The method's
+own settings are :func:`mtdao.methods.checks.check_method`'s. Takes the config as ``Any``:
+:mod:`mtdao.train.config` imports this module."""
 
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ class CollectiveError(RuntimeError):
 class ProcessInfo:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
 
     @property
     def distributed(self) -> bool:
@@ -61,11 +60,7 @@ def init_process_group(
             dist.init_process_group(
                 backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
             )
-    return ProcessInfo(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-    )
+    return ProcessInfo(rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
 def restart_store(timeout: datetime.timedelta):
@@ -84,11 +79,6 @@ def restart_store(timeout: datetime.timedelta):
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"mtdao/attempt-{attempt}", shared)
-
-
-def barrier(info: ProcessInfo) -> None:
-    if info.distributed:
-        dist.barrier()
 
 
 def leave_process_group() -> None:

@@ -1,11 +1,6 @@
-"""Files that are either wholly written or not there at all, with their checksums.
-
-Every write goes to a temporary file in the same directory, is flushed to disk (fsync), and is
-renamed over its final name; a failure removes the temporary file, so a full disk leaves nothing
-behind. Checksums are xxHash XXH3-128: fast enough to compute while writing (tens of GB/s,
-against about 1 GB/s for SHA-256) and ample to catch flipped or truncated bytes, which is all they
-are for.
-"""
+"""Files that are either wholly written or not there at all, with their checksums: a temporary
+file, fsync, rename. Checksums are XXH3-128: fast enough to compute while writing and ample to
+catch flipped or truncated bytes, which is all they are for."""
 
 from __future__ import annotations
 
@@ -171,17 +166,3 @@ def fsync_directory(path: Path) -> None:
 def _remove_quietly(path: Path) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
-
-
-__all__ = [
-    "CHECKSUM",
-    "WriteError",
-    "describe_os_error",
-    "file_checksum",
-    "fsync_directory",
-    "new_hasher",
-    "temporary_path",
-    "write_atomic",
-    "write_json_atomic",
-    "write_text_atomic",
-]

@@ -1,10 +1,5 @@
-"""What a caller adds to the one training loop (:func:`mtdao.train.trainer.loop`).
-
-The loop is the same for every run; a run that is more than its own processes plugs in here.
-The plain run uses :class:`LoopHooks` as it is (no-ops); a replica of a fault-tolerant run
-(:mod:`mtdao.train.fault_tolerance.replica`) forms a quorum before a step that syncs, records committed
-rounds, carries on past a discarded one and checks its own loss.
-"""
+"""What a caller adds to the one training loop (:func:`mtdao.train.trainer.loop`): the plain run
+uses :class:`LoopHooks` as it is; a fault-tolerant replica overrides them."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Running out of memory: one line naming the flags that size the run, not an allocator trace.
-
-An allocation the device cannot satisfy (CUDA's ``OutOfMemoryError``, the CPU allocator's "can't
-allocate memory", Python's ``MemoryError``) is reported with what it tried to allocate and the
-flags to lower. A process the kernel's OOM killer ends gets no chance to say anything: on a
-machine without swap, keep a run well inside its memory (``--batch-size`` first).
-"""
+"""Running out of memory: one line naming the flags that size the run, not an allocator trace. (A
+process the kernel's OOM killer ends cannot say anything: keep a run inside its memory.)"""
 
 from __future__ import annotations
 

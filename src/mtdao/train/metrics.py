@@ -1,10 +1,7 @@
 """Run outputs: metrics as JSON lines (and TensorBoard when installed), results.json.
 
-``metrics.jsonl`` is only ever appended to, one whole line per write, so a crash can tear at most
-its last line. A resumed run drops that torn line (with a warning naming the file and the line)
-and keeps every complete record. A write that fails (a full disk) is cut back off the file, so
-the file keeps only whole records, and stops the run with one line (:class:`WriteError`).
-"""
+``metrics.jsonl`` is only appended to, one whole line per write, so a crash tears at most its last
+line, which a resumed run drops with a warning; a failed write is cut back off the file."""
 
 from __future__ import annotations
 

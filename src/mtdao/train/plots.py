@@ -1,10 +1,6 @@
 """A picture of one run (``loss.png``): loss against tokens with the sync rounds marked, and the
-bytes each worker has sent, optionally beside a reference run (e.g. DDP's on the same budget).
-
-The curves come from the run directory alone: ``metrics.jsonl`` (losses, bytes at each log line)
-and, once the run has finished, ``results.json`` (its communication events, one per step that
-sent anything, so the bytes are exact and the rounds can be marked).
-"""
+bytes each worker has sent, optionally beside a reference run, drawn from the run directory alone
+(``metrics.jsonl``, and ``results.json`` once the run has finished)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """One run per directory, and never a run's files deleted by accident.
 
-A run holds an exclusive ``flock`` on ``<run dir>/run.lock`` for its whole life. The kernel drops
-the lock when the process ends, however it ends (SIGKILL, out of memory, a power cut leaves no
-process to hold it), so there is no stale lock to clean up. The file holds the holder's pid and
-host, for the refusal message only: the lock is the flock, not the file's existence. Forked
-children inherit the lock (exec'd ones do not); it is released when all of them have exited.
-
-Under torchrun only process 0 takes the lock: it speaks for the whole job.
-
-A start that fails before the run writes anything leaves the directory as it found it: the lock
-file, and the directory if the lock made it, are removed on release while no run is in it.
-"""
+A run holds an exclusive ``flock`` on ``<run dir>/run.lock`` for its whole life; the kernel drops
+it when the process ends, however it ends, so no stale lock is left to clean up. The file holds
+the holder's pid and host for the refusal message only. Under torchrun only process 0 takes it. A
+start that fails before the run writes anything leaves the directory as it found it."""
 
 from __future__ import annotations
 
@@ -204,18 +197,3 @@ def describe_holder(lock_path: Path, attempts: int = 20) -> str:
             return f"pid {pid} on {host}" if elsewhere else f"pid {pid}"
         time.sleep(0.01)
     return "pid unknown"
-
-
-__all__ = [
-    "LOCK_FILE",
-    "RUN_FILES",
-    "RunDirError",
-    "RunLock",
-    "RunLockedError",
-    "check_run_dir",
-    "clear_run_files",
-    "describe_holder",
-    "holds_run",
-    "refuse_to_replace_a_run",
-    "run_files",
-]

@@ -1,10 +1,6 @@
-"""The learning-rate schedule the harness applies to the optimizer before each step, and the
-re-planning of a run for other --steps. The warm-ups of the omegas and the slow momentum decays
-are the library's (:mod:`mtdao.optim.warmups`).
-
-The multiplier is a pure function of the step (:func:`lr_multiplier`); the schedule holds what it
-scales (the peak LR) and carries its definition in ``state_dict``.
-"""
+"""The learning-rate schedule the harness applies before each step (a pure function of the step,
+:func:`lr_multiplier`), and the re-planning of a run for other --steps. The warm-ups of the
+omegas and betas are the library's (:mod:`mtdao.optim.warmups`)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""Workers bigger than one process: M replica groups of S processes, each group sharding its model.
-
-``--workers M --shards S`` under ``torchrun`` (world size M x S): process ``r`` belongs to worker
-``r // S`` and holds shard ``r % S`` of it. Inside a worker, FSDP2 (``fully_shard`` on every
-transformer block and on the model) shards parameters and optimizer states over the S processes,
-splits the worker's batch between them and reduces their gradients every step. Between workers,
-the sync engine averages each local shard over the M processes that hold it (the device mesh's
-``replicate`` dimension); see :mod:`mtdao.sync.sharded_layout`.
-
-A worker computes what one unsharded worker computes: the same batch (its S processes each take
-``batch_size / S`` of its sequences; FSDP averages their gradients), the same clipping norm (summed
-over shards), the same averages. ``--shards 1`` is the unsharded harness, unchanged.
-
-A replica of a fault-tolerant run (``--fault-tolerant --shards S``) is one such worker launched on
-its own (torchrun world size S): FSDP2 over its S processes, and its communicator
-(:mod:`mtdao.ft`) averaging each local shard with the same process of the other
-replicas.
-"""
+"""Workers bigger than one process: M replica groups of S processes, each group sharding its model
+with FSDP2 (``--workers M --shards S`` under torchrun; process r holds shard r % S of worker
+r // S). A sharded worker computes what one unsharded worker computes (docs/training.md, "Sharded
+workers"); a fault-tolerant replica with ``--shards S`` is one such worker launched on its own."""
 
 from __future__ import annotations
 
@@ -24,13 +10,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from mtdao.integrations.sharding import reshard
 from mtdao.sync.dtensors import local_shard
 from mtdao.sync.process_group import ProcessGroupWorkers
 from mtdao.sync.shard_mesh import build_mesh, check_shardable
 from mtdao.sync.sharded_layout import ShardedWorkerLayout
 from mtdao.train.config import TrainConfig
 from mtdao.train.distributed import ProcessInfo
-from mtdao.train.workers import WorkerSet, language_model_loss
+from mtdao.train.workers import ProcessWorkerSet
 
 # -- topology -------------------------------------------------------------------------------------
 
@@ -133,25 +120,19 @@ def build_sharded_replica(
 # -- the workers ----------------------------------------------------------------------------------
 
 
-class ShardedWorkerSet(WorkerSet):
+class ShardedWorkerSet(ProcessWorkerSet):
     """This process: shard ``layout.shard_rank`` of worker ``layout.rank``, an FSDP2 model."""
 
     def __init__(self, model: nn.Module, layout, mesh) -> None:
-        self.model = model
-        self.layout = layout
+        super().__init__(model, layout)
         self.mesh = mesh
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.model.named_parameters())
 
     def losses(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """This process's loss on its rows of the worker's batch (FSDP averages the gradients of
         the worker's processes; the layout's ``gather`` averages their losses)."""
         rows = inputs.shape[0] // self.layout.num_shards
         mine = slice(self.layout.shard_rank * rows, (self.layout.shard_rank + 1) * rows)
-        with self.autocast():
-            logits = self.model(inputs[mine])
-        return language_model_loss(logits, targets[mine]).reshape(1)
+        return super().losses(inputs[mine], targets[mine])
 
     @torch.no_grad()
     def global_model(self, excluded: Sequence[int] = ()) -> nn.Module:
@@ -189,15 +170,6 @@ class EvaluatedShards(nn.Module):
             reshard(self.model)
             if shards:
                 torch._foreach_copy_(shards, own)
-
-
-def reshard(model: nn.Module) -> None:
-    """Free every FSDP2 module's unsharded parameters (the next forward gathers them anew)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 # -- what a process holds -------------------------------------------------------------------------

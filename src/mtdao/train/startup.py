@@ -1,20 +1,9 @@
 """Opening the run directory: one run per directory, no run replaced by accident, and the
-checkpoint a resumed run starts from.
+checkpoint a resumed run starts from (the rules: docs/training.md, "Checkpoints and resuming").
 
-Every process of the run calls these together, before the run is built (so a refusal comes before
-the data is loaded). Process 0 holds the directory's lock for the whole job. The other decisions
-read the same files on every process, and the processes agree before going on, so they all stop
-together with the same one-line error:
-
-* a fresh run needs a directory without a run in it, or ``--overwrite`` (which deletes the files
-  a run writes, and nothing else);
-* ``--resume`` takes the newest checkpoint that verifies (older ones as fallback); with none yet
-  it starts fresh and says so, so one command line serves a first start and every restart; but a
-  run that has made progress (a finished run, or checkpoints all set aside as damaged by an
-  earlier resume) is never started over without ``--overwrite``;
-* a resumed run with another ``--steps`` is re-planned only with ``--extend``
-  (:class:`~mtdao.train.schedule.StepsChange` says what that does to the schedule).
-"""
+Every process calls these together, before the run is built, and the processes agree before going
+on, so they all stop together with the same one-line error. Process 0 holds the directory's lock
+for the whole job."""
 
 from __future__ import annotations
 
@@ -84,7 +73,7 @@ def lock_run_dir(config: TrainConfig, process: ProcessInfo, collective: Collecti
 
 
 def choose_start(config: TrainConfig, process: ProcessInfo, store: ckpt.CheckpointStore) -> Start:
-    """Decide how the run in ``config.out`` starts (the lock is held); see the module notes."""
+    """Decide how the run in ``config.out`` starts (the lock is held), by the rules of docs/training.md."""
     run_dir, collective = Path(config.job.out), store.collective
     if config.job.resume:
         loaded = store.load()

@@ -1,10 +1,6 @@
-"""One torch thread when the machine is already busy (``mtdao train`` without OMP_NUM_THREADS).
-
-torch's intra-op threads wait for each other at every operation; when every core already has a
-job, a second thread mostly waits. Measured on 2 cores with some twenty busy processes, the
-default job took 7.8 s per step with one thread and 18.7 s with two (docs/training.md, "Time
-per step, and threads"). An idle machine keeps torch's default.
-"""
+"""One torch thread when the machine is already busy (``mtdao train`` without OMP_NUM_THREADS):
+when every core already has a job, a second intra-op thread mostly waits (docs/training.md, "Time
+per step, and threads")."""
 
 from __future__ import annotations
 

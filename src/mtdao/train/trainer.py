@@ -41,8 +41,6 @@ from mtdao.train.sharding import check_topology
 from mtdao.train.startup import Start, choose_start, lock_run_dir
 from mtdao.units import format_bytes
 
-__all__ = ["Run", "build_run", "train", "train_step", "set_hyperparameters"]
-
 logger = logging.getLogger(__name__)
 
 

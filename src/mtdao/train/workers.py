@@ -1,10 +1,6 @@
-"""The workers of a run: M simulated in one process, or this process as one of M real ones.
-
-Both expose the same small surface to the training loop: parameters to optimize, the next batch
-of each local worker, per-worker losses for it, per-worker gradient clipping, and the global (averaged) model for evaluation.
-Where each worker's copy lives is the communicator's layout (:mod:`mtdao.sync.layout`); the
-simulated workers are a model stacked with :func:`mtdao.sync.stack_workers`.
-"""
+"""The workers of a run: M simulated in one process, or this process as one of M real ones, with the
+same small surface for the training loop. Where each worker's copy lives is the communicator's
+layout (:mod:`mtdao.sync.layout`)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
 """A ``transformers.Trainer`` whose run takes local steps and averages through mtdao's engine.
 
-What the subclass changes, each in one method:
-
-- the optimizer (``create_optimizer``) is the method's, with the engine hooked into its
-  ``step()``: [gradient averaging] -> clipping -> step -> the rounds due;
-- the model is never wrapped in DDP (``_wrap_model``): Accelerate prepares it as it would for
-  evaluation (device, mixed precision, compile), so no gradient is all-reduced in backward and
-  only the engine's rounds cross the network;
-- clipping (``_clip_grad_norm``) moves into the engine, after any gradient averaging and per
-  worker, as in ``mtdao train``;
-- checkpoints (``_save_checkpoint``, ``_load_optimizer_and_scheduler``) add each process's own
-  state to the Trainer's folder, so that resuming continues the run exactly;
-- the logs (``log``) carry the traffic account: bytes per worker, DDP's bytes, the reduction;
-- ``evaluate`` scores the global model (the workers' average swapped in between syncs), and the
-  last step is followed by the final round (``LocalUpdates.final_round``), so ``save_model()``
-  after training writes the one global model.
-"""
+What the subclass changes, one method each, and why: docs/integrations.md ("What the subclass
+changes, and why")."""
 
 from __future__ import annotations
 
@@ -33,6 +19,7 @@ from mtdao.integrations.local_updates import (
     traffic_logs,
     workers_agree,
 )
+from mtdao.integrations.sharding import reshard
 from mtdao.integrations.worker_state import load_worker_state, save_worker_state
 from mtdao.sync import LocalUpdateSync
 
@@ -100,27 +87,20 @@ class LocalUpdateTrainer(Trainer):
                 decayed,
             )
             self.optimizer = self.local_run.optimizer
-            self._warmups = self.local_run.warmups(max(1, args.max_steps))
+            self.local_run.plan(args.max_steps)
             self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
-            self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+            self.optimizer.register_step_post_hook(lambda *_: self.local_run.after_step())
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self.local_run is not None:  # the warm-ups span the run the Trainer plans
-            self._warmups = self.local_run.warmups(num_training_steps)
+        if self.local_run is not None:  # the run the Trainer plans (its state.max_steps)
+            self.local_run.plan(num_training_steps)
         return scheduler
 
     def _before_step(self) -> None:
-        step = self.sync.step_count  # 0-based index of the step about to be taken
-        for warmup in self._warmups:
-            warmup.apply(self.optimizer, step)
+        self.local_run.apply_warmups()
         self.sync.rounds.before_step()
-
-    def _after_step(self) -> None:
-        self.sync.rounds.after_step()
-        if self.local_updates.final_round and self.sync.step_count == self.state.max_steps:
-            self.sync.finish()  # before the last step's evaluation and checkpoint
 
     def evaluate(self, *args, **kwargs):
         """The Trainer's evaluation of the global model: between syncs the workers' average is
@@ -187,14 +167,3 @@ class LocalUpdateTrainer(Trainer):
         if self.local_run is not None and "eval_loss" not in logs:
             logs = {**logs, **traffic_logs(self.sync.traffic)}
         super().log(logs, start_time)
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Free the parameters an FSDP2 model keeps gathered after a forward pass (its root module
-    does): gathered during the evaluation, they would hold the average the next training step
-    computes with."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()

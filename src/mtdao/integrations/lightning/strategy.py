@@ -1,20 +1,7 @@
 """A Lightning strategy whose processes are workers taking local steps, averaged by mtdao's engine.
 
-It is Lightning's ``DDPStrategy`` (launch, process group, samplers, barriers and reductions of
-logged values) with what makes it DDP taken out and the engine put in, each in one method:
-
-- ``configure_ddp`` does not wrap the model: no gradient is all-reduced in backward, and only
-  the engine's rounds cross the network;
-- :func:`method_optimizer` (called from ``configure_optimizers``) builds the method's optimizer
-  and its engine with the library's builders; ``setup_optimizers`` refuses any other optimizer;
-- ``optimizer_step`` runs Lightning's closure (forward, backward), then the engine's gradient
-  averaging (DDP methods), so that Lightning's own clipping (``gradient_clip_val``,
-  ``configure_gradient_clipping``) comes after it, per worker; then the step, the rounds due,
-  the traffic in the logs, and after the run's last planned step the final round;
-- validation scores the global model: the workers' average is swapped in for it;
-- checkpoints add each process's own state beside Lightning's file (``<file>.mtdao/``), and
-  resuming loads it on top, so the resumed run is the uninterrupted one.
-"""
+It is Lightning's ``DDPStrategy`` with what makes it DDP taken out and the engine put in, one
+method each; which, and why: docs/integrations.md ("What the strategy changes, and why")."""
 
 from __future__ import annotations
 
@@ -83,11 +70,8 @@ class LocalUpdateStrategy(DDPStrategy):
                 "workers are not supported under Lightning (docs/integrations.md says why)"
             )
         self.local_run: LocalRun | None = None
-        self._planned_steps = 0
-        self._finished = False
         self._averaged: contextlib.ExitStack | None = None
         self._resumed_from: str | None = None
-        self._warmups: tuple = ()
 
     @property
     def sync(self) -> LocalUpdateSync:
@@ -111,10 +95,8 @@ class LocalUpdateStrategy(DDPStrategy):
     ) -> torch.optim.Optimizer:
         # Lightning clips, after the averaging (optimizer_step): the engine does not clip
         self.local_run = build_local_run(module, self.local_updates, lr, weight_decay, 0.0, decayed)
-        self._finished = False
-        planned = module.trainer.estimated_stepping_batches  # 0: no planned end (no final round
-        self._planned_steps = int(planned) if math.isfinite(planned) else 0  # before on_train_end)
-        self._warmups = self.local_run.warmups(max(1, self._planned_steps))
+        planned = module.trainer.estimated_stepping_batches
+        self.local_run.plan(int(planned) if math.isfinite(planned) else 0)
         return self.local_run.optimizer
 
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -149,8 +131,7 @@ class LocalUpdateStrategy(DDPStrategy):
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs) -> Any:
         sync = self.sync
-        for warmup in self._warmups:
-            warmup.apply(self.local_run.optimizer, sync.step_count)
+        self.local_run.apply_warmups()
 
         def closure_then_average() -> Any:
             loss = closure()  # forward, zero_grad, backward
@@ -158,18 +139,11 @@ class LocalUpdateStrategy(DDPStrategy):
             return loss  # Lightning's clipping follows, then the step
 
         output = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        sync.rounds.after_step()
-        if self.local_updates.final_round and sync.step_count == self._planned_steps:
-            self._finish()  # before the last step's validation and checkpoint
+        self.local_run.after_step()
         self.lightning_module.log_dict(
             traffic_logs(sync.traffic), on_step=True, on_epoch=False, batch_size=1
         )
         return output
-
-    def _finish(self) -> None:
-        if not self._finished:
-            self.sync.finish()
-            self._finished = True
 
     def on_train_end(self) -> None:
         """A run stopped before its planned steps (early stopping, a time limit) ends with one
@@ -177,7 +151,7 @@ class LocalUpdateStrategy(DDPStrategy):
         if self.local_run is None:
             return
         if self.local_updates.final_round:
-            self._finish()
+            self.local_run.finish()
         else:
             self.sync.rounds.flush()
 

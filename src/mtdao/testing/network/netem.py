@@ -24,10 +24,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 SUBNET = "10.213.0"
 HOST_IFACE = "link0"
 BRIDGE = "bridge0"
+NETNS_ETC = Path("/etc/netns")
 _NAME_PART = re.compile(r"[A-Za-z0-9_]{1,32}")
 _invocations = iter(range(1 << 62))  # unique suffix per link within one process
 
@@ -152,20 +154,9 @@ class EmulatedLink:
             return
         with termination_signals_held():
             self._closed = True
-            for process in self._processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-            failures = []
-            for ns in reversed(self._created):
-                try:
-                    _sh("ip", "netns", "delete", ns)
-                except LinkCommandError as error:
-                    if "No such file" not in str(error):
-                        failures.append(str(error))
+            failures = delete_namespaces(list(reversed(self._created)), self._processes)
             self._created.clear()
-            if failures:
-                raise LinkCommandError("teardown incomplete: " + "; ".join(failures))
+            raise_failures(failures)
 
 
 @contextlib.contextmanager
@@ -225,18 +216,49 @@ def emulated_link(
             link.close()
 
 
-def cleanup_stale(prefix: str = "mtdao") -> list[str]:
-    """Delete namespaces left by killed runs with ``prefix`` (their pid is gone); return their names."""
+def delete_namespaces(names: list[str], processes: list[subprocess.Popen] = ()) -> list[str]:
+    """Kill ``processes`` and whatever else runs in the namespaces, delete them and their
+    ``/etc/netns`` files; the failures, as messages (a namespace outlives its deletion while a
+    process holds it)."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    failures = []
+    for ns in names:
+        try:
+            for pid in _sh("ip", "netns", "pids", ns).split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        except LinkCommandError:
+            pass  # already gone
+        try:
+            _sh("ip", "netns", "delete", ns)
+        except LinkCommandError as error:
+            if "No such file" not in str(error):
+                failures.append(str(error))
+        shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+    return failures
+
+
+def raise_failures(failures: list[str]) -> None:
+    if failures:
+        raise LinkCommandError("teardown incomplete: " + "; ".join(failures))
+
+
+def cleanup_stale(prefix: str = "mtdao", rest: str = r"(?:hub|h\d+)") -> list[str]:
+    """Delete the namespaces ``<prefix>-<pid>-<n>-<rest>`` left by killed runs (their pid is
+    gone); returns their names."""
     _check_available()
-    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)-\d+-(?:hub|h\d+)")
-    removed = []
-    for line in _sh("ip", "netns", "list").splitlines():
-        name = line.split(" ", 1)[0]
-        match = pattern.fullmatch(name)
-        if match and not _pid_alive(int(match.group(1))):
-            _sh("ip", "netns", "delete", name)
-            removed.append(name)
-    return removed
+    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)-\d+-{rest}")
+    names = [line.split(" ", 1)[0] for line in _sh("ip", "netns", "list").splitlines()]
+    if NETNS_ETC.is_dir():
+        names += [path.name for path in NETNS_ETC.iterdir()]
+    stale = sorted(
+        {n for n in names if (m := pattern.fullmatch(n)) and not _pid_alive(int(m.group(1)))}
+    )
+    delete_namespaces(stale)
+    return stale
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,30 +1,20 @@
-"""A userspace Ethernet switch between WAN sites that delays, jitters, drops and partitions.
+"""A userspace Ethernet switch between WAN sites that delays, jitters, drops and partitions: what
+the hub namespace of :mod:`.sites` runs where the kernel has no ``netem`` qdisc. It learns source
+MAC addresses like a switch and forwards each frame (read whole from an ``AF_PACKET`` socket)
+once its delay has passed; rate limits stay in the kernel's token buckets.
 
-Where the kernel has no ``netem`` qdisc, the hub namespace of :mod:`.sites` runs this program
-instead of a bridge: it reads every frame arriving on a site's port (an ``AF_PACKET`` socket),
-learns source MAC addresses like a switch, and sends the frame out of the destination's port
-once its delay has passed. Rate limits stay in the kernel (token buckets on both veth ends), so
-this process only times and forwards frames.
-
-A frame from site i to site j waits ``delay_i + delay_j`` (each site's link one way) plus a
-Gaussian jitter of standard deviation ``sqrt(jitter_i**2 + jitter_j**2)``, never released before
-the frame ahead of it on the same path (jitter without reordering, as on a real routed path; TCP
-would read reordering as loss). It is dropped with probability ``1 - (1 - loss_i)(1 - loss_j)``.
-A partitioned site's frames, both ways, are dropped: its TCP connections stall and retransmit as
-across a cut link, and resume if the partition heals before they time out.
-
-``PACKET_VNET_HDR`` keeps the veths' segmentation offload: a frame may be a TCP super-segment of
-up to 64 KiB that the kernel splits at the receiving end, so one syscall moves many packets and
-a dropped one loses all of them (a burst loss). Frames are read whole, never parsed beyond the
-Ethernet header.
+A frame from site i to site j waits ``delay_i + delay_j`` plus a Gaussian jitter of deviation
+``sqrt(jitter_i**2 + jitter_j**2)``, never released before the frame ahead of it on its path (TCP
+would read reordering as loss), and is dropped with probability ``1 - (1 - loss_i)(1 - loss_j)``.
+A partitioned site's frames are dropped both ways, as across a cut link. ``PACKET_VNET_HDR``
+keeps segmentation offload: a frame may be a 64 KiB TCP super-segment, so a drop is a burst loss.
 
     python -m mtdao.testing.network.relay '{"ports": [{"name": "port0", "delay_ms": 20, ...}]}'
 
 It prints ``ready`` once every port is open, then reads JSON commands, one per line, on stdin:
 ``{"partition": i}``, ``{"heal": i}``, ``{"set": i, "delay_ms": .., "jitter_ms": .., "loss": ..}``,
-``{"stats": true}`` (prints per-port forwarded and dropped frames and bytes as a JSON line).
-It exits when stdin closes.
-"""
+``{"stats": true}`` (per-port forwarded and dropped frames and bytes, one JSON line). It exits
+when stdin closes."""
 
 from __future__ import annotations
 

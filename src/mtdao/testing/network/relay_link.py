@@ -1,12 +1,7 @@
-"""The slow link with a delay on a kernel without ``netem``: the WAN drill's sites and switch.
-
-:func:`mtdao.testing.network.netem.emulated_link` delays frames with the kernel's ``netem`` qdisc.
-Where the kernel has none, :func:`slow_link` builds the same hosts as :class:`WanSites` (one
-namespace each, on a token-bucket link of the rate) whose hub runs the userspace switch
-(:mod:`.relay`) that holds every frame for the delay. A frame between two sites crosses both
-sites' links, so each link gets half of the one-way delay asked for. The host interface is
-``link0`` either way, so workers bind gloo to the same name.
-"""
+"""The slow link with a delay on a kernel without ``netem``: the same hosts as
+:func:`mtdao.testing.network.netem.emulated_link` (interface ``link0``, a token-bucket link of the
+rate) on :class:`WanSites` whose hub runs the userspace switch (:mod:`.relay`). A frame crosses
+two sites' links, so each link gets half of the one-way delay asked for."""
 
 from __future__ import annotations
 

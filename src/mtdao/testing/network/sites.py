@@ -1,23 +1,14 @@
 """WAN sites on one machine: a network namespace per site, each linked to a hub by a shaped link.
 
-Layout (everything lives in namespaces this module creates; deleting them removes every veth):
-
     hub namespace     port0 … port{N-1}          a switch: the kernel bridge with netem, or
                                                  :mod:`.relay` where the kernel has no netem
     site namespace i  link0 = 10.214.0.(i+1)/24 ── port i
 
-Each site's link has its own rate, one-way delay, jitter and loss (:class:`LinkSpec`); a path from
-site i to site j crosses both links, so it waits ``delay_i + delay_j``. The rate is a token
-bucket on both ends of the veth (upload and download). Delay, jitter and loss are a ``netem``
-qdisc where the kernel has one, else the userspace relay; partitions drop every frame of the
-site (netem ``loss 100%``, or the relay's partition) so its connections stall as across a cut
-link. Which of the two is used is :attr:`WanSites.emulation`.
-
-Every program runs in its site with a hostname of its own (a UTS namespace) that every site
-resolves to the site's address (``/etc/netns/<ns>/hosts``, bind-mounted by ``ip netns exec``):
-torchft advertises ``socket.gethostname()`` for its manager, store and heal transport, so a
-replica's peers dial its site's address, through the shaped links.
-"""
+Each site's link has its own rate (a token bucket on both veth ends), one-way delay, jitter and
+loss (:class:`LinkSpec`); a path between two sites crosses both links. A partition drops every
+frame of the site. Every program runs in its site with a hostname of its own that every site
+resolves to the site's address, since torchft advertises ``socket.gethostname()``: a replica's
+peers then dial its site's address, through the shaped links."""
 
 from __future__ import annotations
 
@@ -25,25 +16,25 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, replace
-from pathlib import Path
 
+from mtdao.testing.network import netem
 from mtdao.testing.network.netem import (
+    NETNS_ETC,
     LinkCommandError,
     LinkUnavailable,
-    _check_available,
     _sh,
+    delete_namespaces,
+    raise_failures,
     termination_signals_held,
 )
 
 SUBNET = "10.214.0"
 SITE_IFACE = "link0"
-NETNS_ETC = Path("/etc/netns")
 _invocations = iter(range(1 << 62))
 
 
@@ -269,14 +260,10 @@ class WanSites:
             return
         with termination_signals_held():
             self._closed = True
-            for process in [*self._processes, *([self._relay] if self._relay else [])]:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-            failures = delete_namespaces(list(reversed(self._created)))
+            processes = [*self._processes, *([self._relay] if self._relay else [])]
+            failures = delete_namespaces(list(reversed(self._created)), processes)
             self._created.clear()
-            if failures:
-                raise LinkCommandError("teardown incomplete: " + "; ".join(failures))
+            raise_failures(failures)
 
 
 @contextlib.contextmanager
@@ -297,40 +284,9 @@ def _raise_exit(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def delete_namespaces(names: list[str]) -> list[str]:
-    """Kill what still runs in the namespaces, delete them and their ``/etc/netns`` files; the
-    failures, as messages (a namespace outlives its deletion while a process holds it)."""
-    failures = []
-    for ns in names:
-        try:
-            for pid in _sh("ip", "netns", "pids", ns).split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-        except LinkCommandError:
-            pass  # already gone
-        try:
-            _sh("ip", "netns", "delete", ns)
-        except LinkCommandError as error:
-            if "No such file" not in str(error):
-                failures.append(str(error))
-        shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
-    return failures
-
-
 def cleanup_stale(prefix: str = "mtdaowan") -> list[str]:
     """Delete namespaces left by killed runs with ``prefix`` (their pid is gone); their names."""
-    _check_available()
-    from mtdao.testing.network.netem import _pid_alive
-
-    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)-\d+-[a-z0-9]+")
-    names = [line.split(" ", 1)[0] for line in _sh("ip", "netns", "list").splitlines()]
-    if NETNS_ETC.is_dir():
-        names += [path.name for path in NETNS_ETC.iterdir()]
-    stale = sorted(
-        {n for n in names if (m := pattern.fullmatch(n)) and not _pid_alive(int(m.group(1)))}
-    )
-    delete_namespaces(stale)
-    return stale
+    return netem.cleanup_stale(prefix, rest="[a-z0-9]+")
 
 
 def live_namespaces(prefix: str) -> list[str]:

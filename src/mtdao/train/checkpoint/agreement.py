@@ -53,11 +53,3 @@ class ProcessGroupCollective:
         value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
         self.dist.all_reduce(value, op=self.dist.ReduceOp.MIN, group=self.group)
         return bool(value.item())
-
-
-__all__ = [
-    "BarrierOnly",
-    "Collective",
-    "ProcessGroupCollective",
-    "SingleProcess",
-]

@@ -1,12 +1,6 @@
-"""The checkpoints of one run: saved, restored, and fallen back from, in one format chosen once.
-
-Unsharded workers write plain files (:mod:`.snapshot`), sharded ones DCP
-(:mod:`.sharded_snapshot`); the :class:`Checkpointer` picks the format from the config when the
-run starts, and the training loop only calls :meth:`~Checkpointer.save` and
-:meth:`~Checkpointer.restore`. Which checkpoint a resume starts from, and what is refused, is
-:mod:`mtdao.train.startup`'s; the atomic files and their checks are the stores' (:mod:`.store`,
-:mod:`.dcp`).
-"""
+"""The checkpoints of one run, in one format chosen when it starts: plain files for unsharded
+workers (:mod:`.snapshot`), DCP for sharded ones (:mod:`.sharded_snapshot`). Which checkpoint a
+resume starts from is :mod:`mtdao.train.startup`'s."""
 
 from __future__ import annotations
 

@@ -1,28 +1,20 @@
-"""Checkpoints of sharded workers: torch.distributed.checkpoint (DCP) files inside the store.
-
-The :class:`~mtdao.train.checkpoint.store.CheckpointStore` sequence is unchanged (refuse NaN/inf before
-writing, write into ``step-N.partial``, record every file's checksum in ``meta.json``, commit by
-one rename, keep the newest N, verify on load and fall back); only the files differ::
+"""Checkpoints of sharded workers: torch.distributed.checkpoint (DCP) files inside the store,
+whose sequence is unchanged; only the files differ::
 
     step-00000120/
         meta.json                 backend "dcp", workers M, shards S, every file's checksum
         model/.metadata           DCP: where each slice of each tensor lives
-        model/__<rank>_0.distcp   DCP: the shards process <rank> held (parameters, optimizer
-                                  states, the sync engine's anchors and outer momentum, its
-                                  rounds in flight and error-feedback residuals), under
+        model/__<rank>_0.distcp   DCP: process <rank>'s shards of everything element-wise
+                                  (parameters, optimizer states, the engine's tensors), under
                                   "worker<w>." keys: every worker's copy is kept
         worker<w>.pt              worker w's own state: data position, RNG, the engine's step and
-                                  record of rounds, clocks, evaluations (one process per worker
-                                  writes it)
+                                  record of rounds, clocks, evaluations
 
 DCP records every tensor's global shape, so a checkpoint loads into another number of shards per
-worker (each process reads the slices its new shards cover). The number of workers must match:
-each worker's data position and local progress are its own, and cannot be split or merged.
-"""
+worker; the number of workers must match (a worker's data position cannot be split or merged)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +22,8 @@ from mtdao.state_files import read_state_file
 from mtdao.sync.dtensors import local_shard
 from mtdao.train.checkpoint.dcp_metadata import read_metadata, safe_reader
 from mtdao.train.checkpoint.index import CheckpointInfo, read_meta, verify_files
-from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore
-from mtdao.train.durable import CHECKSUM, file_checksum, write_atomic, write_json_atomic
+from mtdao.train.checkpoint.store import CheckpointError, CheckpointStore, write_checksummed
+from mtdao.train.durable import CHECKSUM, file_checksum, fsync_directory
 
 MODEL_DIR = "model"
 
@@ -86,7 +78,6 @@ class ShardedCheckpointStore(CheckpointStore):
     def _write_rank_file(self, staging: Path, state: Any) -> dict[str, Any]:
         """Every process: its DCP shard file (process 0 also DCP's metadata); the first process
         of each worker: the worker's file. Returns {file name: size and checksum}."""
-        import torch
         import torch.distributed.checkpoint as dcp
 
         model_dir = staging / MODEL_DIR
@@ -105,24 +96,11 @@ class ShardedCheckpointStore(CheckpointStore):
         files = {name: _digest(staging / name) for name in names}
         if self.shard == 0:
             name = worker_file(self.worker)
-            size, checksum = write_atomic(
-                staging / name, lambda f: torch.save(state["worker"], f), CHECKSUM
-            )
-            files[name] = {"bytes": size, CHECKSUM: checksum}
-        if self.rank != 0:  # for process 0 to collect into meta.json
-            write_json_atomic(staging / f"rank{self.rank}.files.json", files, sync=False)
+            files[name] = write_checksummed(staging / name, state["worker"])
         return files
 
-    def _collect_files(self, staging: Path, digest: dict) -> dict[str, dict]:
-        from mtdao.train.durable import fsync_directory
-
-        files = dict(digest)
-        for rank in range(1, self.world_size):
-            sidecar = staging / f"rank{rank}.files.json"
-            if not sidecar.is_file():
-                raise CheckpointError(f"process {rank} wrote no file in {staging}")
-            files.update(json.loads(sidecar.read_text()))
-            sidecar.unlink()
+    def _collect_files(self, staging: Path, files: dict) -> dict[str, dict]:
+        files = super()._collect_files(staging, files)
         fsync_directory(staging / MODEL_DIR)
         return files
 

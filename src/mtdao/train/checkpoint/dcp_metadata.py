@@ -1,15 +1,8 @@
-"""Reading a sharded checkpoint's DCP ``.metadata`` without letting it run code.
-
-torch.distributed.checkpoint keeps its metadata (where each slice of each tensor lives) as a
-pickle, and its reader loads it with ``pickle.load``: a file edited by anyone who can write to the
-run directory runs what it likes on every process that resumes (its checksum in ``meta.json`` is
-no defence: whoever replaces the file can rewrite that too). Here it is read by an unpickler that
-builds only DCP's own metadata classes and the few plain types they hold (torch.Size, dtypes,
-layouts, paths); anything else is refused before it is built. Every slice it points to must lie
-in a file the checkpoint's ``meta.json`` lists (so checksummed), inside the checkpoint's ``model``
-directory, and within that file's bytes: a forged metadata can make DCP read neither another file
-nor past the end of its own, nor through a stream transform (mtdao saves without any).
-"""
+"""Reading a sharded checkpoint's DCP ``.metadata`` without letting it run code (DCP's own reader
+uses ``pickle.load``, and a checksum is no defence against whoever can rewrite both): only DCP's
+metadata classes and the plain types they hold are built, and every slice must lie inside a
+checksummed file of the checkpoint's ``model`` directory, with no stream transform
+(docs/design.md, "On sharded workers")."""
 
 from __future__ import annotations
 

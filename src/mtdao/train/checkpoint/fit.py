@@ -1,11 +1,6 @@
-"""Whether a checkpoint that loaded can be restored into the built run, checked before any of it is.
-
-A checkpoint's files can verify and load (checksums match, the safe loader reads them) and still
-not be this run's state: edited or forged, its parameters named or shaped otherwise, a state
-missing. Restoring it would stop with a traceback halfway, or, worse, broadcast a wrong-shaped
-tensor into the model. The checks here compare it with the built run, without touching the run,
-so that the harness can set it aside and fall back to the checkpoint before it.
-"""
+"""Whether a checkpoint that loaded can be restored into the built run, checked before any of it
+is: files that verify can still be edited, forged or another model's, and restoring them would
+stop halfway or broadcast a wrong-shaped tensor. A misfit is set aside and the one before taken."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Finding the complete checkpoints of a run directory (the newest one, its path and metadata),
-and checking their files.
-
-A ``checkpoints/step-N`` (or ``step-N.K``) directory is complete by construction: it only appears
-by the rename that commits it (see :mod:`mtdao.train.checkpoint.store`). Listing reads only the small
-``meta.json`` files; ``verify_files`` reads every byte to check sizes and checksums.
-"""
+"""Finding the complete checkpoints of a run directory and checking their files. Listing reads
+only the small ``meta.json`` files; ``verify_files`` reads every byte."""
 
 from __future__ import annotations
 
@@ -130,22 +125,3 @@ def load_meta(run_dir: Path) -> dict[str, Any]:
     if latest is None:
         raise CheckpointError(f"no checkpoint to resume from: {run_dir} holds no complete one")
     return latest.meta
-
-
-__all__ = [
-    "CHECKPOINTS_DIR",
-    "COMPLETE_NAME",
-    "FORMAT",
-    "SET_ASIDE_NAME",
-    "CheckpointError",
-    "CheckpointInfo",
-    "checkpoint_path",
-    "has_checkpoint",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_meta",
-    "read_meta",
-    "scan_checkpoints",
-    "set_aside_checkpoints",
-    "verify_files",
-]

@@ -1,13 +1,7 @@
-"""Everything a training run carries from one step to the next, defined once.
-
-A run is its trained part (each worker's parameters, optimizer states and sync engine:
-:class:`~mtdao.sync.trained_state.TrainedState`, which a healing replica receives too) and its
-progress (the step, the data positions, the RNG, the clock, the evaluations so far and the record
-of extensions). The plain checkpoint saves :meth:`RunState.state_dict`; a run of sharded workers
-saves :meth:`RunState.sharded_state_dict` (DCP tensors and one plain file per worker, see
-:mod:`mtdao.train.checkpoint.dcp`); both restore through this object, so that what is saved and
-what is restored cannot drift apart between the two, or from what healing copies.
-"""
+"""Everything a training run carries from one step to the next, defined once: its trained part
+(:class:`~mtdao.sync.trained_state.TrainedState`, which a healing replica receives too) and its
+progress (step, data positions, RNG, clock, evaluations, extensions). Both checkpoint formats save
+and restore through this object, so what is saved and what is restored cannot drift apart."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""A run's checkpoint in DCP (sharded workers, ``--shards`` > 1).
-
-What the run carries is :class:`~mtdao.train.checkpoint.run_state.RunState`'s; its sharded form puts what is
-sharded (parameters, optimizer states, the engine's anchors, outer momentum, rounds in flight and
-residuals) in DCP, under each worker's key and the tensors' names, and what belongs to a worker
-(its data position, the RNG, the engine's step and record of rounds, clocks, evaluations) in one
-file per worker. See :mod:`mtdao.train.checkpoint.dcp` for the layout and what may change between
-save and load. The store only reads files, so it chooses the checkpoint before the run is built
-(as the plain one does); the sharded tensors are read into the built run by :meth:`DcpFormat.restore`.
-One of the two formats of a :class:`~mtdao.train.checkpoint.checkpointer.Checkpointer`.
-"""
+"""A run's checkpoint in DCP (sharded workers, ``--shards`` > 1): :class:`~.run_state.RunState`'s
+sharded form, layout in :mod:`.dcp`. The store chooses the checkpoint from its files before the
+run is built; :meth:`DcpFormat.restore` reads the tensors into the built run."""
 
 from __future__ import annotations
 

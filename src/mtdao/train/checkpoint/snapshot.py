@@ -1,14 +1,5 @@
-"""A run's checkpoint as plain files: one ``torch.save`` per process (unsharded workers).
-
-A checkpoint holds, per process, the run's state as :class:`~mtdao.train.checkpoint.run_state.RunState`
-defines it: the workers' parameters, the optimizer and sync-engine state (anchors, outer
-momentum, traffic account, every round), the data positions, the RNG state, the clock, the
-evaluations so far and the record of extensions. The store (:mod:`.store`) writes it atomically,
-keeps the newest ``--keep-checkpoints`` and refuses a state holding NaN/inf, so that a diverged
-run never replaces its last good checkpoint. This is one of the two formats a
-:class:`~mtdao.train.checkpoint.checkpointer.Checkpointer` chooses between; the other, for
-sharded workers, is :mod:`.sharded_snapshot`.
-"""
+"""A run's checkpoint as plain files: :class:`~.run_state.RunState`, one ``torch.save`` per process
+(unsharded workers)."""
 
 from __future__ import annotations
 

@@ -6,23 +6,12 @@ Layout inside the run directory::
         step-00000120/           a complete checkpoint (it only ever appears by one rename)
             meta.json            step, world size, save sequence, every file's size and checksum,
                                  the run's config (human-readable)
-            rank0.pt ...         one file per process: its workers' parameters, optimizer and sync
-                                 state, data positions, RNG state
-        step-00000180/
+            rank0.pt ...         one file per process: its workers' whole run state
         step-00000240.partial/   being written, or left by a crash (the next save removes it)
+        step-00000060.damaged/   failed its check on a load: kept for inspection, never loaded
 
-Saving, on every process: refuse a state holding NaN/inf or an object the safe loader cannot read,
-before anything is written -> process 0 removes leftovers and creates ``step-N.partial`` -> every
-process writes ``rank<r>.pt`` (temporary file, fsync, rename) -> process 0 checks every rank's file
-is there, writes ``meta.json`` with their checksums and renames the directory to ``step-N``: the
-commit -> it deletes checkpoints older than the newest ``keep``. At every instant of that sequence
-the checkpoints committed before are intact, and a ``step-N`` directory is complete by construction.
-
-Loading: checkpoints newest first (by save sequence, so a run resumed from an older checkpoint
-overtakes a damaged newer one); the first whose files match their checksums and load on every
-process is used. A damaged one is skipped with a warning naming the file and renamed
-``step-N.damaged`` (kept for inspection, never loaded or counted among the kept ones again).
-"""
+What a save and a load guarantee: docs/training.md ("Checkpoints and resuming"). Loads go newest
+first by save sequence, so a run resumed from an older checkpoint overtakes a damaged newer one."""
 
 from __future__ import annotations
 
@@ -141,9 +130,11 @@ class CheckpointStore:
         staging = self.root / f"step-{step:08d}.partial"
         error = self._attempt(step, self._prepare, staging) if self.rank == 0 else None
         self._agree_or_raise(error, f"process 0 could not create {staging}", step)
-        digest, error = {}, None
+        files, error = {}, None
         try:
-            digest = self._write_rank_file(staging, state)
+            files = self._write_rank_file(staging, state)
+            if self.rank != 0:  # for process 0 to collect into meta.json (durable only there)
+                write_json_atomic(staging / f"rank{self.rank}.files.json", files, sync=False)
         except OSError as failure:
             error = self._write_error(step, failure)
         if not self.collective.all_true(error is None):
@@ -153,7 +144,7 @@ class CheckpointStore:
         final = None
         if self.rank == 0:
             try:
-                final = self._commit(staging, step, {**(meta or {}), "finite": finite}, digest)
+                final = self._commit(staging, step, {**(meta or {}), "finite": finite}, files)
             except (OSError, CheckpointError) as failure:
                 _remove_tree(staging)
                 error = self._write_error(step, failure)
@@ -202,25 +193,23 @@ class CheckpointStore:
         staging.mkdir()
 
     def _write_rank_file(self, staging: Path, state: Any) -> dict[str, Any]:
+        """This process's files in ``staging``: {file name: size and checksum}."""
         name = f"rank{self.rank}.pt"
-        size, checksum = write_atomic(staging / name, lambda f: torch.save(state, f), CHECKSUM)
-        digest = {"bytes": size, CHECKSUM: checksum}
-        if self.rank != 0:  # for process 0 to collect into meta.json (durable only there)
-            write_json_atomic(staging / f"{name}.digest.json", digest, sync=False)
-        return digest
+        return {name: write_checksummed(staging / name, state)}
 
-    def _collect_files(self, staging: Path, digest: dict) -> dict[str, dict]:
+    def _collect_files(self, staging: Path, files: dict) -> dict[str, dict]:
         """Process 0: {file name: size and checksum} of every process's files in ``staging``."""
-        files = {"rank0.pt": digest}
+        files = dict(files)
         for rank in range(1, self.world_size):
-            sidecar = staging / f"rank{rank}.pt.digest.json"
-            if not (staging / f"rank{rank}.pt").is_file() or not sidecar.is_file():
+            sidecar = staging / f"rank{rank}.files.json"
+            if not sidecar.is_file():
                 raise CheckpointError(f"process {rank} wrote no file in {staging}")
-            files[f"rank{rank}.pt"] = json.loads(sidecar.read_text())
+            files.update(json.loads(sidecar.read_text()))
+            sidecar.unlink()
         return files
 
-    def _commit(self, staging: Path, step: int, meta: dict, digest: dict) -> Path:
-        files = self._collect_files(staging, digest)
+    def _commit(self, staging: Path, step: int, meta: dict, files: dict) -> Path:
+        files = self._collect_files(staging, files)
         found = list_checkpoints(self.run_dir)
         meta.update(
             format=FORMAT,
@@ -324,6 +313,12 @@ class CheckpointStore:
             if self._check_every_rank:  # the others may have loaded it: no agreed fallback
                 raise CheckpointError(problem) from None
             return None, problem
+
+
+def write_checksummed(path: Path, state: Any) -> dict[str, Any]:
+    """``torch.save`` into ``path`` atomically; returns its size and checksum."""
+    size, checksum = write_atomic(path, lambda f: torch.save(state, f), CHECKSUM)
+    return {"bytes": size, CHECKSUM: checksum}
 
 
 def _free_name(path: Path) -> Path:
