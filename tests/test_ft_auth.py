@@ -23,7 +23,8 @@ import torch
 from dict_store import DictStore
 from wait_limits import limit_s
 
-from mtdao.ft.round_identity import exchange_positions, sitting_out
+from mtdao.ft.parity import summed_rows
+from mtdao.ft.round_identity import sitting_out
 from mtdao.ft.security import auth
 from mtdao.ft.security.auth import TOKEN_ENV, RunKey, machine_secret, read_token, run_key
 from mtdao.ft.security.proofs import Claim, claim_data, confirm_quorum, read_claim
@@ -280,8 +281,8 @@ def test_every_member_reads_every_members_step_from_one_sum():
         others[0], others[2] = torch.tensor([12, 2**59]), torch.tensor([8, 2**59])
         return table + others.reshape(-1)
 
-    positions = exchange_positions(sum_over_three, 1, 3, 12, 2**59)
-    assert positions == [(12, 2**59), (12, 2**59), (8, 2**59)]
+    positions = summed_rows(sum_over_three, 1, 3, [12, 2**59])
+    assert positions == [[12, 2**59], [12, 2**59], [8, 2**59]]
 
 
 # -- the heal transport -------------------------------------------------------------------------
