@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -101,11 +102,13 @@ class ReplicaGroups(Communicator):
         if shard_group is not None:
             self.shard_over(shard_group)
         self._tracked: dict[str, Stateful] = {}
-        self.track_state("replica", _Identity(self))
+        # tracked first: a healing replica learns its source from it
+        self.track_state(
+            "replica", SimpleNamespace(state_dict=self._identity, load_state_dict=self._note_source)
+        )
         self._fresh = False  # healed at this round's quorum: ran none of its local steps
         self._heal: Heal | None = None
         self._joined = False
-        self._training_step = 0  # the engine's step before the coming one (a heal moves it)
         self._final = False  # whether the open quorum is for the final round
         self._stale: str | None = None  # why this replica sits the open round out
         self._sitting_out: list[int] = []  # the replicas that do
@@ -235,11 +238,6 @@ class ReplicaGroups(Communicator):
         notes, self.identity.notes = self.identity.notes, []
         return notes
 
-    @property
-    def in_round(self) -> bool:
-        """Whether a round is open (between its quorum and its commit)."""
-        return self.quorum.open
-
     def track_state(self, key: str, state: Stateful) -> None:
         """State a healing replica also receives (a data position, a schedule, RNG), loaded in
         registration order after the replica's identity (before :meth:`connect`)."""
@@ -259,16 +257,13 @@ class ReplicaGroups(Communicator):
         """Before step ``step``'s forward pass (``final``: before the final round): a quorum when
         this replica has not joined yet or ``round_due(step)``, else None. A heal here moves
         this replica to its source's step."""
-        self._training_step = step - 1
-        self.identity.training_step = step - 1
+        self.identity.training_step = step - 1  # a heal moves it to its source's
         if self._joined and self.quorum.prepared == step:  # formed already (after the last step)
             if final and not round_due(step):  # a quorum no round follows: close it
                 self._empty_round()
             self._final = final
             return None
-        if self._joined and not (final or round_due(step)):
-            return None
-        if final and not round_due(step):
+        if not round_due(step) and (self._joined or final):
             return None
         if self.manager is None:
             self.connect()
@@ -283,16 +278,15 @@ class ReplicaGroups(Communicator):
             self._lighthouse_away = step  # the lighthouse went while this quorum waited
             self.quorum.unreachable = self._unreachable()
             return None
-        if self._training_step == 0:  # healed to the first step: no local step missed, it counts
+        if self.identity.training_step == 0:  # healed to the first step: missed nothing, counts
             self._fresh = False
-        coming = self._training_step + 1  # after a heal, the step its source takes next
+        coming = self.identity.training_step + 1  # after a heal, the step its source takes next
         self.quorum.prepared = coming
-        self.identity.training_step = self._training_step
         try:
             self.quorum.check()  # a group that did not form (a member did not come)
             self._sitting_out, self._stale = round_identity.check(  # see round_identity
-                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.identity,
-                self.parity,
+                self.quorum.sum, self.replicas, self.quorum.rank, self.identity.training_step,
+                self.identity.config_digest, self.parity,
             )  # fmt: skip
             if not (self._final or round_due(coming)):
                 self._empty_round()
@@ -304,7 +298,7 @@ class ReplicaGroups(Communicator):
         start.stale = self._stale
         self._joined = True  # not before: a joiner whose first quorum failed asks again at once
         if self.on_quorum is not None:
-            self.on_quorum(start, self._training_step)
+            self.on_quorum(start, self.identity.training_step)
         return start
 
     def _empty_round(self) -> None:
@@ -357,14 +351,15 @@ class ReplicaGroups(Communicator):
 
     def _identity(self) -> dict[str, Any]:
         """Who this replica is, its step, and whether this quorum is for the final round."""
-        return {"replica_id": self.replica_id, "step": self._training_step, "final": self._final}
+        step = self.identity.training_step
+        return {"replica_id": self.replica_id, "step": step, "final": self._final}
 
     def _note_source(self, state: dict[str, Any]) -> None:
         if self.identity.refusal is not None:  # load nothing: this replica leaves
             raise self.identity.refusal
         self._heal = Heal(source=int(state["replica_id"]), bytes=0, seconds=0.0)
         self.parity.last = None  # what it assigned is gone: it holds its source's state now
-        self._training_step, self._final = int(state["step"]), bool(state["final"])
+        self.identity.training_step, self._final = int(state["step"]), bool(state["final"])
 
     # -- the round ---------------------------------------------------------------------------
 
@@ -398,16 +393,3 @@ class ReplicaGroups(Communicator):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
         self.process_group.abort(errored=False)  # peers in a round with us fail now, not later
-
-
-class _Identity:
-    """The replica's identity, tracked first: a healing replica learns its source from it."""
-
-    def __init__(self, replicas: ReplicaGroups) -> None:
-        self.replicas = replicas
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.replicas._identity()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.replicas._note_source(state)

@@ -4,12 +4,8 @@ sit it out, never averaged (docs/security.md, "Step and config at every round").
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from mtdao.ft.parity import ParityCheck, Sum, summed_rows
-
-if TYPE_CHECKING:
-    from mtdao.ft.identity import ReplicaIdentity
 
 
 def digest_number(config_digest: str) -> int:
@@ -35,12 +31,12 @@ def check(
     replicas: list[int],
     rank: int,
     step: int,
-    identity: ReplicaIdentity,
+    config_digest: str,
     parity: ParityCheck,
 ) -> tuple[list[int], str | None]:
     """(the replicas that sit this round out, why this one does: None when it takes part); the
     same exchange carries each member's parity position after the round before."""
-    config = digest_number(identity.config_digest)
+    config = digest_number(config_digest)
     row = [step, config, *parity.position()]
     positions = summed_rows(sum_in_round, rank, len(replicas), row)
     reasons = sitting_out([(position[0], position[1]) for position in positions])
