@@ -33,7 +33,6 @@ from mtdao.ft.security.auth import RunKey, run_key
 from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
 from mtdao.ft.security.torchft_internals import Manager
 from mtdao.ft.shards import ReplicaProcesses
-from mtdao.ft.transport import ManagerTransport
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
 from mtdao.sync.dtensors import local_shard
@@ -70,7 +69,7 @@ class ReplicaGroups(Communicator):
     replicas are alive in each round; with ``shard_group``, that group of FSDP2 processes."""
 
     layout: ReplicaLayout
-    transport: ManagerTransport
+    transport: Quorum
     prepares_rounds = True
     heals_joiners = True
 
@@ -95,10 +94,9 @@ class ReplicaGroups(Communicator):
         self.process_group = MembershipGloo(
             config.bind_host, self.collective_timeout, config.connect_timeout
         )
-        self.quorum = Quorum(self.process_group, self.identity, ReplicaProcesses())
-        transport = ManagerTransport(self.quorum, bucket_bytes)
-        super().__init__(ReplicaLayout(transport))
-        self.transport = transport
+        quorum = Quorum(self.process_group, self.identity, ReplicaProcesses(), bucket_bytes)
+        super().__init__(ReplicaLayout(quorum))
+        self.quorum = self.transport = quorum  # a round's collectives run in its quorum
         if shard_group is not None:
             self.shard_over(shard_group)
         self._tracked: dict[str, Stateful] = {}
