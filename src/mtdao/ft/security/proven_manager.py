@@ -61,7 +61,7 @@ class ProvenManager(QuorumStepManager):
         self.identity = identity
         self._lighthouse_addr = kwargs["lighthouse_addr"]
         self._store_address = f"{kwargs['store_addr']}:{kwargs['store_port']}"
-        self._member = self.internals.store.get(REPLICA_ID_KEY).decode()
+        self._member = self.internals.store.get(REPLICA_ID_KEY).decode()  # <replica id>:<uuid>
         self._allow_non_finite = allow_non_finite
         self._confirm_wait_s = min(CONFIRM_WAIT_S, self.internals.connect_timeout.total_seconds())
         self._seen = SeenNonces()
@@ -76,15 +76,6 @@ class ProvenManager(QuorumStepManager):
         self.internals.store.set(
             self._heal_key(self.internals.group_rank), self.internals.heal_transport.metadata()
         )
-
-    @property
-    def pg(self):
-        return self.internals.process_group
-
-    @property
-    def member(self) -> str:
-        """torchft's id of this replica's manager (``<replica id>:<uuid>``)."""
-        return self._member
 
     # -- the quorum ----------------------------------------------------------------------------
 
@@ -237,7 +228,7 @@ class ProvenManager(QuorumStepManager):
             if plan.failure is None:  # they form a group with it: join it, then leave at once
                 with contextlib.suppress(Exception):
                     self._configure(plan, digest)
-                self.pg.abort(errored=False)
+                self.internals.process_group.abort(errored=False)
             return False
         if plan.failure is not None:
             self.report_error(RuntimeError(plan.failure))
@@ -257,7 +248,7 @@ class ProvenManager(QuorumStepManager):
     def _configure(self, plan: QuorumPlan, digest: str) -> None:
         self.internals.quorum_id = int(digest[:15], 16)
         group_world = self.internals.group_world_size
-        self.pg.configure(
+        self.internals.process_group.configure(
             f"{plan.store}/{self.internals.group_rank}",
             self._member,
             plan.rank,
@@ -282,7 +273,7 @@ class ProvenManager(QuorumStepManager):
         state = self._fetch_heal(plan, digest)
         if state is None:  # keep this replica's own state; its round fails, a later one heals it
             self.report_error(HealRefused("no proven source sent a state that fits this replica"))
-            self.pg.abort()  # its peers fail this round now rather than wait for it
+            self.internals.process_group.abort()  # its peers fail this round now, not later
             return
         self.internals.pending_state_dict = state
         self.load_state_dict(state["torchft"])
