@@ -14,8 +14,7 @@ from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
 from mtdao.ft.collective_watch import CollectiveWatch
 from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.lines import first_line, to_stderr
-from mtdao.ft.plumbing import MembershipGloo
-from mtdao.ft.security.torchft_internals import Manager
+from mtdao.ft.security.torchft_internals import GlooGroup, Manager
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.communicator import RoundNotCommitted
 from mtdao.sync.transport import Transport, Work, contributors, flat_copy, split
@@ -30,7 +29,7 @@ class Quorum(Transport):
 
     def __init__(
         self,
-        group: MembershipGloo,
+        group: GlooGroup,
         identity: ReplicaIdentity,
         processes: ReplicaProcesses,
         bucket_bytes: float,

@@ -22,16 +22,12 @@ from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.ft.lines import first_line
 from mtdao.ft.parity import ParityCheck
-from mtdao.ft.plumbing import (
-    MembershipGloo,
-    QuorumError,
-    listening_store,
-)
+from mtdao.ft.plumbing import QuorumError, listening_store
 from mtdao.ft.quorum import Quorum
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey, run_key
 from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
-from mtdao.ft.security.torchft_internals import Manager
+from mtdao.ft.security.torchft_internals import GlooGroup, Manager
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
@@ -91,7 +87,7 @@ class ReplicaGroups(Communicator):
         self.allow_non_finite = allow_non_finite
         key = key or run_key(None, config.bind_host)
         self.identity = ReplicaIdentity(config.replica_id, key, config_digest)
-        self.process_group = MembershipGloo(
+        self.process_group = GlooGroup(
             config.bind_host, self.collective_timeout, config.connect_timeout
         )
         quorum = Quorum(self.process_group, self.identity, ReplicaProcesses(), bucket_bytes)

@@ -51,7 +51,7 @@ KEPT = 1000
 
 
 class ProvenManager(QuorumStepManager):
-    """torchft's ``Manager`` (``pg`` a ``MembershipGloo``) with the module's quorum step, for the
+    """torchft's ``Manager`` (``pg`` a ``GlooGroup``) with the module's quorum step, for the
     replica ``identity``; ``allow_non_finite``: whether a heal state may hold NaN/inf."""
 
     def __init__(
