@@ -4,7 +4,6 @@ the errors a replica raises."""
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -18,13 +17,6 @@ class ReplicaRefused(ValueError):
 
 class QuorumError(ConnectionError):
     """The lighthouse cannot be reached, or no quorum formed within the timeout."""
-
-
-@dataclass
-class QuorumView:
-    replicas: list[int] = field(default_factory=list)
-    rank: int = 0
-    quorum_id: int = -1
 
 
 def listening_store(bind_host: str) -> dist.TCPStore:

@@ -47,7 +47,7 @@ class Quorum(Transport):
     @property
     def members(self) -> list[int]:
         """The replica ids of the quorum, in rank order."""
-        return self.identity.quorum.replicas
+        return self.identity.members
 
     @property
     def num_workers(self) -> int:  # type: ignore[override]
@@ -56,7 +56,7 @@ class Quorum(Transport):
     @property
     def rank(self) -> int:  # type: ignore[override]
         """This replica's rank in the quorum."""
-        return self.identity.quorum.rank
+        return self.identity.rank
 
     def require_open(self) -> None:
         """Raise unless a round is open (a discard while the lighthouse is away)."""

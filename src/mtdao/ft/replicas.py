@@ -184,8 +184,7 @@ class ReplicaGroups(Communicator):
             connection.lighthouse_reachable(self.config) if self.processes.rank == 0 else None
         )
         if not self.processes.from_first(reachable):
-            self._lighthouse_away = step
-            self.quorum.unreachable = self._unreachable()
+            self._away_at(step)
             return False
         if self._lighthouse_away is None:
             return True
@@ -199,8 +198,10 @@ class ReplicaGroups(Communicator):
             self._lighthouse_away, self.quorum.unreachable = None, None
         return failure is None
 
-    def _unreachable(self) -> str:
-        return (
+    def _away_at(self, step: int) -> None:
+        """The lighthouse is away at ``step``: its rounds are discarded until it is back."""
+        self._lighthouse_away = step
+        self.quorum.unreachable = (
             f"the lighthouse at {self.config.lighthouse_url} is unreachable; training on "
             "locally until it is back"
         )
@@ -269,8 +270,7 @@ class ReplicaGroups(Communicator):
         except QuorumError:
             if not self._joined:
                 raise
-            self._lighthouse_away = step  # the lighthouse went while this quorum waited
-            self.quorum.unreachable = self._unreachable()
+            self._away_at(step)  # the lighthouse went while this quorum waited
             return None
         if self.identity.training_step == 0:  # healed to the first step: missed nothing, counts
             self._fresh = False
@@ -338,7 +338,7 @@ class ReplicaGroups(Communicator):
             replicas=list(after),
             joined=sorted(set(after) - set(before)),
             left=sorted(set(before) - set(after)),
-            quorum_id=self.identity.quorum.quorum_id,
+            quorum_id=self.identity.quorum_id,
             seconds=seconds,
             heal=self._heal,
         )

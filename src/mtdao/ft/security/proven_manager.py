@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from mtdao.ft.collective_watch import Peer
 from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.lines import first_line, short_member
-from mtdao.ft.plumbing import QuorumError, QuorumView, ReplicaRefused
+from mtdao.ft.plumbing import QuorumError, ReplicaRefused
 from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.heal_checks import heal_problem
@@ -100,14 +100,15 @@ class ProvenManager(QuorumStepManager):
                 raise QuorumError(verdict["error"])
         proven = [Claim.from_fields(fields) for fields in verdict["proven"]]
         digest, quorum_id = verdict["digest"], verdict["quorum_id"]
+        self.identity.quorum_id = quorum_id
         if verdict.get("failure"):  # this replica is in no proven round: it trains on alone
-            self.identity.quorum = QuorumView([self.identity.replica_id], 0, quorum_id)
+            self.identity.members, self.identity.rank = [self.identity.replica_id], 0
             self.report_error(RuntimeError(verdict["failure"]))
             return
         members = tuple(sorted(c.member for c in proven))
         meeting = rendezvous(self.identity.key, digest, proven)
         plan = plan_quorum(proven, self._member, self.internals.group_rank, meeting)
-        self.identity.quorum = QuorumView(plan.replica_ids, plan.rank, quorum_id)
+        self.identity.members, self.identity.rank = plan.replica_ids, plan.rank
         self.identity.peers = _peers(plan, self.internals.group_rank)
         self.internals.replica_rank = plan.rank
         self.internals.replica_world_size = len(plan.members)
