@@ -19,6 +19,7 @@ from mtdao.ft.security.proofs import SeenNonces, read_claim
 
 SERVICE = "/torchft.LighthouseService/"
 QUORUM, HEARTBEAT = SERVICE + "Quorum", SERVICE + "Heartbeat"
+CALLS = frozenset({QUORUM, HEARTBEAT})  # all the replicas make: not torchft's dashboard
 FORGET_S = 600.0
 """A replica id that neither asked for a quorum nor sent a heartbeat for this long is forgotten."""
 
