@@ -390,7 +390,8 @@ ENGINES = {
 def test_every_engines_heal_state_loads_with_the_safe_loader(name):
     """What a healing replica receives is tensors and plain data only, for every policy."""
     from mtdao import MTAdam
-    from mtdao.ft import engine_state
+    from mtdao.ft.healing import HealedState
+    from mtdao.sync.trained_state import TrainedState
 
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 4, generator=gen)) for _ in range(2)]
@@ -399,9 +400,9 @@ def test_every_engines_heal_state_loads_with_the_safe_loader(name):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         sync.step()
-    state = engine_state(sync)[0]()
+    state = HealedState(TrainedState(sync)).state_dict()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    engine_state(sync)[1](loaded)  # and it loads back
+    HealedState(TrainedState(sync)).load_state_dict(loaded)  # and it loads back
     assert loaded["sync"]["step"] == 3

@@ -19,7 +19,6 @@ _LAZY = {
     "ReplicaGroups": "mtdao.ft.replicas",
     "ReplicaRefused": "mtdao.ft.plumbing",
     "RoundStart": "mtdao.ft.replicas",
-    "engine_state": "mtdao.ft.healing",
     "start_lighthouse": "mtdao.ft.plumbing",
 }
 __all__ = sorted(_LAZY)
