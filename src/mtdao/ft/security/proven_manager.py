@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -183,14 +182,19 @@ class ProvenManager(QuorumStepManager):
         self._seen.first_time(mine.nonce)
         claims.append(mine)
         digest = quorum_digest(quorum.quorum_id, claims)
-        unconfirmed = confirm_quorum(
-            self._open_store, key, digest, mine, claims, self._confirm_wait_s
-        )
+        try:
+            unconfirmed = confirm_quorum(
+                self._open_store, key, digest, mine, claims, self._confirm_wait_s
+            )
+        except Exception:  # this replica's own store did not answer: opened anew next time
+            self._stores.pop(mine.store, None)
+            raise
         proven = [c for c in claims if c.member not in unconfirmed]
         for claim in claims:
             if claim.member in unconfirmed:
                 why = unconfirmed[claim.member]
                 identity.refused.append(_refusal(claim.replica_id, claim.member, why))
+                self._stores.pop(claim.store, None)  # opened anew next time (it may have failed)
         return {**verdict, "digest": digest, "proven": [json.loads(c.body()) for c in proven]}
 
     def _heal_urls(self) -> tuple[str, ...]:
@@ -203,19 +207,15 @@ class ProvenManager(QuorumStepManager):
         return f"mtdao/heal/{self._member}/{group_rank}"
 
     def _open_store(self, address: str) -> Any:
-        """A client of the store at ``host:port`` (kept while it answers)."""
+        """A client of the store at ``host:port`` (kept while its member confirms quorums)."""
         with self._stores_lock:
             store = self._stores.get(address)
         if store is None:
             timeout = timedelta(seconds=self._confirm_wait_s)
-            store = _Forgetting(create_store_client(f"{address}/", timeout), self, address)
+            store = create_store_client(f"{address}/", timeout)
             with self._stores_lock:
                 self._stores[address] = store
         return store
-
-    def _forget_store(self, address: str) -> None:
-        with self._stores_lock:
-            self._stores.pop(address, None)
 
     # -- the group -----------------------------------------------------------------------------
 
@@ -338,25 +338,6 @@ class ProvenManager(QuorumStepManager):
     def _note(self, line: str) -> None:
         if self.internals.group_rank == 0:
             self.identity.notes = [*self.identity.notes[-KEPT:], line]
-
-
-class _Forgetting:
-    """A store client that drops itself from its manager's cache when a call fails."""
-
-    def __init__(self, store: Any, manager: ProvenManager, address: str) -> None:
-        self._store, self._manager, self._address = store, manager, address
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._store, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(*args, **kwargs)
-            except Exception:
-                self._manager._forget_store(self._address)
-                raise
-
-        return call
 
 
 def _refusal(replica: object, member: str, why: str, step: str = "") -> Refusal:
