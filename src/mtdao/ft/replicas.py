@@ -150,15 +150,17 @@ class ReplicaGroups(Communicator):
     def connect(self) -> None:
         """Announce this replica to the lighthouse (heartbeats start) once it is ready to join:
         a live replica that does not join holds up new quorums. Every process calls it."""
-        if self.processes.rank == 0:
-            self._store = listening_store(self.config.bind_host)
         failure = self._start_managers()
         if failure is not None:
             raise QuorumError(failure)
 
     def _start_managers(self) -> str | None:
-        """A heal transport and this process's manager (group rank 0's first); why not, if so."""
+        """A store, a heal transport and this process's manager (group rank 0's first); why not,
+        if so. The store is new each time: a restarted lighthouse counts quorum ids anew, and an
+        old store's keys would match."""
         bind_host = self.config.bind_host
+        if self.processes.rank == 0:
+            self._store = listening_store(bind_host)
         self.heal_transport = SignedHealTransport(self.key, bind_host, self.collective_timeout)
         store, failure, manager = None, None, None
         if self.processes.rank == 0:
@@ -190,8 +192,6 @@ class ReplicaGroups(Communicator):
             return True
         commits = self.manager.state_dict()
         self.manager.shutdown(wait=False)  # its heal server with it
-        if self.processes.rank == 0:  # a new store: the restarted lighthouse counts quorum ids
-            self._store = listening_store(self.config.bind_host)  # anew, old keys would match
         failure = self._start_managers()
         if failure is None:
             self.manager.load_state_dict(commits)

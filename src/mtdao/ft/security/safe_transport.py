@@ -107,19 +107,16 @@ class SignedHealTransport(CheckpointTransport):
     def verified(self, step: int, receiver: str, signature: str | None) -> HealBinding | None:
         """The binding of a verified request from a member of the quorum, else None; waits up to
         QUORUM_SKEW_S for a quorum its sender learned of first."""
-        with self._ready:
-            binding = None
 
-            def matches() -> bool:
-                nonlocal binding
-                quorum = self.quorum
-                if quorum is None or receiver not in quorum.receivers:
-                    return False
-                fields = (quorum.digest, quorum.member, receiver, quorum.group_rank, step)
-                binding = HealBinding(*fields)
-                return self.key.verifies(signature, "fetch", *binding.fields())
+        def binding() -> HealBinding | None:
+            quorum = self.quorum
+            if quorum is None or receiver not in quorum.receivers:
+                return None
+            bound = HealBinding(quorum.digest, quorum.member, receiver, quorum.group_rank, step)
+            return bound if self.key.verifies(signature, "fetch", *bound.fields()) else None
 
-            return binding if self._ready.wait_for(matches, QUORUM_SKEW_S) else None
+        with self._ready:  # wait_for returns the binding once there is one, else None
+            return self._ready.wait_for(binding, QUORUM_SKEW_S)
 
     def served(self, step: int) -> tuple[bytes, str] | None:
         """The state served at ``step`` and its SHA-256, once ready (None after the timeout)."""
