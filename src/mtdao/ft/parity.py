@@ -89,10 +89,6 @@ class Assigned:
     digests: list[int]
     final: bool
 
-    def position(self) -> list[int]:
-        """(the round's step + 1, the combined digest, the tensor count): 0 for none."""
-        return [self.step + 1, combined_digest(self.digests), len(self.digests)]
-
 
 Sum = Callable[[Tensor], Tensor]
 """A flat int64 table summed over the round's members (each writes its own row)."""
@@ -122,8 +118,6 @@ class ParityCheck:
     """A replica's side of the check: :meth:`assigned` after each assignment of a committed round,
     :meth:`position` and :meth:`judge` in the exchange that opens the next."""
 
-    POSITION_WIDTH = 3
-
     def __init__(self, say: Callable[[str], None] = to_stderr) -> None:
         self.say = say
         self.sync: LocalUpdateSync | None = None
@@ -147,12 +141,13 @@ class ParityCheck:
             self._compare_final(quorum)
 
     def position(self) -> list[int]:
-        """This replica's columns in the exchange that opens a round."""
+        """This replica's columns in the exchange that opens a round: the last round's step + 1,
+        its combined digest and its tensor count (zeros: none)."""
         if self.last is None:
-            return [0] * self.POSITION_WIDTH
-        step, combined, count = self.last.position()
+            return [0, 0, 0]
         # a sharded replica: one digest over its processes' shards, so that they all judge alike
-        return [step, self.processes.sum(combined), count]
+        combined = self.processes.sum(combined_digest(self.last.digests))
+        return [self.last.step + 1, combined, len(self.last.digests)]
 
     def judge(self, positions: list[list[int]], members: list[int], rank: int, sum_over: Sum):
         """{quorum rank: why it sits the round out} for the members that held other values than
