@@ -14,10 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mtdao.ft.plumbing import MembershipGloo
 from mtdao.ft.quorum_plan import plan_quorum, rendezvous
 from mtdao.ft.security.auth import RunKey
 from mtdao.ft.security.proofs import Claim
+from mtdao.ft.security.torchft_internals import GlooGroup
 
 SECRETS = [b"0123456789abcdef0123", b"0123456789abcdef0123", b"another-secret-than-the-runs"]
 VALUES = [1.0, 2.0, 10.0]
@@ -36,7 +36,7 @@ def main() -> None:
         key = RunKey(SECRETS[rank])
         mine = claims[rank].member
         plan = plan_quorum(proven[rank], mine, 0, rendezvous(key, "digest", proven[rank]))
-        group = MembershipGloo("127.0.0.1", timedelta(seconds=20), rendezvous_timeout=20.0)
+        group = GlooGroup("127.0.0.1", timedelta(seconds=20), rendezvous_timeout=20.0)
         ranks = [c.replica_id for c in plan.members]
         group.configure(f"{plan.store}/0", mine, plan.rank, len(ranks), 1, 0, 1, ranks)
         value = torch.tensor([VALUES[rank]])

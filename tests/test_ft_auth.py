@@ -23,7 +23,8 @@ import torch
 from dict_store import DictStore
 from wait_limits import limit_s
 
-from mtdao.ft.round_identity import exchange_positions, sitting_out
+from mtdao.ft.parity import summed_rows
+from mtdao.ft.round_identity import sitting_out
 from mtdao.ft.security import auth
 from mtdao.ft.security.auth import TOKEN_ENV, RunKey, machine_secret, read_token, run_key
 from mtdao.ft.security.proofs import Claim, claim_data, confirm_quorum, read_claim
@@ -280,8 +281,8 @@ def test_every_member_reads_every_members_step_from_one_sum():
         others[0], others[2] = torch.tensor([12, 2**59]), torch.tensor([8, 2**59])
         return table + others.reshape(-1)
 
-    positions = exchange_positions(sum_over_three, 1, 3, 12, 2**59)
-    assert positions == [(12, 2**59), (12, 2**59), (8, 2**59)]
+    positions = summed_rows(sum_over_three, 1, 3, [12, 2**59])
+    assert positions == [[12, 2**59], [12, 2**59], [8, 2**59]]
 
 
 # -- the heal transport -------------------------------------------------------------------------
@@ -389,7 +390,8 @@ ENGINES = {
 def test_every_engines_heal_state_loads_with_the_safe_loader(name):
     """What a healing replica receives is tensors and plain data only, for every policy."""
     from mtdao import MTAdam
-    from mtdao.ft import engine_state
+    from mtdao.ft.healing import HealedState
+    from mtdao.sync.trained_state import TrainedState
 
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 4, generator=gen)) for _ in range(2)]
@@ -398,9 +400,9 @@ def test_every_engines_heal_state_loads_with_the_safe_loader(name):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         sync.step()
-    state = engine_state(sync)[0]()
+    state = HealedState(TrainedState(sync)).state_dict()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    engine_state(sync)[1](loaded)  # and it loads back
+    HealedState(TrainedState(sync)).load_state_dict(loaded)  # and it loads back
     assert loaded["sync"]["step"] == 3

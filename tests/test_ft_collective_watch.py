@@ -79,7 +79,7 @@ def test_a_group_left_with_a_collective_given_up_on_is_held_only_until_it_ends()
     the process in gloo's destructor), and let go as soon as it ends, not after the whole
     collective timeout: a replica whose last round lost a peer used to wait that long to exit."""
     pytest.importorskip("torchft")
-    from mtdao.ft.plumbing import _leave_group
+    from mtdao.ft.security.torchft_internals import _leave_group
 
     class Group:
         aborted = False

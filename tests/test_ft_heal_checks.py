@@ -13,10 +13,11 @@ import torch
 from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, unified
 from mtdao.sync.codecs.compression import SyncCodecs
+from mtdao.sync.trained_state import TrainedState
 
 pytest.importorskip("torchft")
 
-from mtdao.ft import engine_state  # noqa: E402
+from mtdao.ft.healing import HealedState  # noqa: E402
 from mtdao.ft.security.heal_checks import heal_problem  # noqa: E402
 
 COMMITS, STEP = 3, 6
@@ -36,12 +37,12 @@ def engine(steps: int, **options) -> LocalUpdateSync:
 
 def heal_state(sync: LocalUpdateSync) -> dict:
     """What a source sends: torchft's progress and every tracked state."""
-    user = {"replica": {"replica_id": 0}, "engine": engine_state(sync)[0]()}
+    user = {"replica": {"replica_id": 0}, "engine": HealedState(TrainedState(sync)).state_dict()}
     return {"torchft": {"step": COMMITS, "batches_committed": 6}, "user": user}
 
 
 def own(sync: LocalUpdateSync) -> dict:
-    return {"replica": {"replica_id": 1}, "engine": engine_state(sync)[0]()}
+    return {"replica": {"replica_id": 1}, "engine": HealedState(TrainedState(sync)).state_dict()}
 
 
 def problem(received: dict, receiver: LocalUpdateSync, **options) -> str | None:

@@ -15,9 +15,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-import mtdao.ft.security.heal_server as heal_server  # noqa: E402
+import mtdao.ft.security.safe_transport as safe_transport  # noqa: E402
 from mtdao.ft.security.auth import RunKey  # noqa: E402
-from mtdao.ft.security.safe_transport import SignedHealTransport  # noqa: E402
 
 KEY = RunKey(b"0123456789abcdef0123")
 # a request to a server in this process answers in milliseconds: these limits only stop a hang
@@ -26,8 +25,8 @@ LOCAL_S = 10.0
 
 @pytest.fixture
 def served(monkeypatch):
-    monkeypatch.setattr(heal_server.BoundedRequests, "timeout", 0.5)
-    transport = SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
+    monkeypatch.setattr(safe_transport.HealRequests, "timeout", 0.5)
+    transport = safe_transport.SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
     yield transport
     transport.shutdown()
 
@@ -57,8 +56,8 @@ def test_an_endless_header_block_is_cut_and_refused(served):
 
 def test_connections_past_the_cap_are_closed_and_the_server_serves_on(served, monkeypatch):
     # the holders stay while the rest are accepted (slowly, on a crowded machine)
-    monkeypatch.setattr(heal_server.BoundedRequests, "timeout", 6 * LOCAL_S)
-    holders = [socket.create_connection(served.address) for _ in range(heal_server.CONNECTIONS)]
+    monkeypatch.setattr(safe_transport.HealRequests, "timeout", 6 * LOCAL_S)
+    holders = [socket.create_connection(served.address) for _ in range(safe_transport.CONNECTIONS)]
     try:
         deadline = time.monotonic() + 3 * LOCAL_S
         while served._server._slots._value and time.monotonic() < deadline:
@@ -70,17 +69,15 @@ def test_connections_past_the_cap_are_closed_and_the_server_serves_on(served, mo
         for holder in holders:
             holder.close()
     deadline = time.monotonic() + LOCAL_S
-    while served._server._slots._value < heal_server.CONNECTIONS and time.monotonic() < deadline:
+    while served._server._slots._value < safe_transport.CONNECTIONS and time.monotonic() < deadline:
         time.sleep(0.05)
     assert answer(served.address, b"GET /heal/1 HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 403")
 
 
 def test_out_of_file_descriptors_is_said_once_a_minute_and_paces_the_accepts(monkeypatch):
     lines: list[str] = []
-    server = heal_server.BoundedHTTPServer(
-        ("127.0.0.1", 0), heal_server.BoundedRequests, socket.AF_INET, lines.append
-    )
-    monkeypatch.setattr(heal_server, "DESCRIPTORS_PAUSE_S", 0.2)
+    server = safe_transport.HealServer("127.0.0.1", None, lines.append)
+    monkeypatch.setattr(safe_transport, "DESCRIPTORS_PAUSE_S", 0.2)
 
     def out_of_descriptors(self):
         raise OSError(errno.EMFILE, "Too many open files")

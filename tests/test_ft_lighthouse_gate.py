@@ -33,9 +33,8 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 from mtdao.ft import start_lighthouse  # noqa: E402
 from mtdao.ft.security.auth import RunKey  # noqa: E402
 from mtdao.ft.security.grpc_front import GrpcFront  # noqa: E402
-from mtdao.ft.security.lighthouse_gate import LighthouseGate  # noqa: E402
+from mtdao.ft.security.lighthouse_gate import CALLS, LighthouseGate  # noqa: E402
 from mtdao.ft.security.proofs import Claim, claim_data, new_nonce  # noqa: E402
-from mtdao.train.fault_tolerance.lighthouse import LIGHTHOUSE_CALLS  # noqa: E402
 
 KEY = RunKey(b"0123456789abcdef0123")
 # a call to the lighthouse in this process answers in milliseconds (a quorum of one forms at once,
@@ -49,7 +48,7 @@ def gated():
     lines: list[str] = []
     gate = LighthouseGate(KEY, lines.append)
     front = GrpcFront(
-        "lighthouse", "127.0.0.1", 0, LIGHTHOUSE_CALLS, lines.append, inspect=gate.inspectors()
+        "lighthouse", "127.0.0.1", 0, CALLS, lines.append, inspect=gate.inspectors()
     ).start(f"127.0.0.1:{server.address().rsplit(':', 1)[1]}")
     yield f"http://127.0.0.1:{front.port}", lines
     front.shutdown()

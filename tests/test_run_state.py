@@ -138,27 +138,28 @@ def test_without_its_plain_part_the_layout_holds_what_every_such_engine_holds():
 @pytest.mark.parametrize("name", ENGINES)
 def test_a_heal_carries_the_trained_state_a_checkpoint_saves(name):
     pytest.importorskip("torchft")
-    from mtdao.ft import engine_state
+    from mtdao.ft.healing import HealedState
 
     params, sync = engine(name)
     train(sync, params, 6)
-    healed = engine_state(sync)[0]()
+    healed = HealedState(TrainedState(sync)).state_dict()
     assert_same(healed, TrainedState(sync).state_dict(), "heal")
     assert list(healed) == ["params", "optimizer", "sync"]
 
 
 def test_healing_refuses_a_peer_of_other_shapes_and_overwrites_nothing():
     pytest.importorskip("torchft")
-    from mtdao.ft import ReplicaRefused, engine_state
+    from mtdao.ft import ReplicaRefused
+    from mtdao.ft.healing import HealedState
 
     params, sync = engine("diloco (anchors, outer momentum)")
     train(sync, params, 2)
-    state = engine_state(sync)[0]()
+    state = HealedState(TrainedState(sync)).state_dict()
     first = next(iter(state["params"]))
     state["params"][first] = torch.zeros(2, 2)
     before = [p.detach().clone() for p in params]
     with pytest.raises(ReplicaRefused, match="parameter shapes"):
-        engine_state(sync)[1](state)
+        HealedState(TrainedState(sync)).load_state_dict(state)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert sync.step_count == 2
 

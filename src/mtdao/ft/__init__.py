@@ -11,20 +11,14 @@ import importlib
 _LAZY = {
     "OTHER_ACCOUNTS": "mtdao.ft.joining",
     "SharedConfig": "mtdao.ft.joining",
-    "config_digest": "mtdao.ft.joining",
     "fault_tolerant_replica": "mtdao.ft.joining",
     "Heal": "mtdao.ft.replicas",
     "QuorumError": "mtdao.ft.plumbing",
     "RefusalLog": "mtdao.ft.refusals",
     "ReplicaConfig": "mtdao.ft.config",
     "ReplicaGroups": "mtdao.ft.replicas",
-    "ReplicaIdentity": "mtdao.ft.identity",
-    "ReplicaLayout": "mtdao.ft.layouts",
-    "ReplicaProcesses": "mtdao.ft.shards",
     "ReplicaRefused": "mtdao.ft.plumbing",
     "RoundStart": "mtdao.ft.replicas",
-    "ShardedReplicaLayout": "mtdao.ft.layouts",
-    "engine_state": "mtdao.ft.healing",
     "start_lighthouse": "mtdao.ft.plumbing",
 }
 __all__ = sorted(_LAZY)

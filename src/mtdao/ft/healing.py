@@ -3,8 +3,7 @@ cannot drift apart), sent as a CPU copy with DTensors as local shards, shapes ch
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -12,9 +11,6 @@ from torch import Tensor
 from mtdao.ft.plumbing import ReplicaRefused
 from mtdao.sync.dtensors import local_shard, shard_like
 from mtdao.sync.trained_state import TrainedState
-
-if TYPE_CHECKING:
-    from mtdao.sync.engine import LocalUpdateSync
 
 # a sharded (DTensor) optimizer state travels as {LOCAL_SHARD: its local shard}, plain data the
 # receiver (the same process of another replica) makes a DTensor like its own parameter again
@@ -48,12 +44,6 @@ class HealedState:
                     shard = value[LOCAL_SHARD].to(local_shard(param).device)
                     param_state[key] = shard_like(param, shard)
         self.trained.load_state_dict(state)
-
-
-def engine_state(sync: LocalUpdateSync) -> tuple[Callable[[], dict], Callable[[dict], None]]:
-    """(state_dict, load_state_dict) of what a healing replica receives: a fault drill's copy."""
-    healed = HealedState(TrainedState(sync))
-    return healed.state_dict, healed.load_state_dict
 
 
 def _portable(value: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mtdao.ft.collective_watch import Peer
-from mtdao.ft.plumbing import QuorumView, ReplicaRefused
+from mtdao.ft.plumbing import ReplicaRefused
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey
 
@@ -16,7 +16,9 @@ class ReplicaIdentity:
     key: RunKey = field(repr=False)  # the run's secret
     config_digest: str = ""  # of the settings every replica must share
     training_step: int = 0  # the step this replica has taken, at the quorum being formed
-    quorum: QuorumView = field(default_factory=QuorumView)  # the last one
+    members: list[int] = field(default_factory=list)  # the last quorum's, in rank order
+    rank: int = 0  # this replica's in it
+    quorum_id: int = -1
     peers: list[Peer] = field(default_factory=list)  # the other members' heal servers (probes)
     refusal: ReplicaRefused | None = None  # why this replica may not join: it leaves
     refused: list[Refusal] = field(default_factory=list)  # peers refused since the driver asked

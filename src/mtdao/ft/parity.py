@@ -89,13 +89,16 @@ class Assigned:
     digests: list[int]
     final: bool
 
-    def position(self) -> list[int]:
-        """(the round's step + 1, the combined digest, the tensor count): 0 for none."""
-        return [self.step + 1, combined_digest(self.digests), len(self.digests)]
-
 
 Sum = Callable[[Tensor], Tensor]
 """A flat int64 table summed over the round's members (each writes its own row)."""
+
+
+def summed_rows(sum_over: Sum, rank: int, rows: int, row: Sequence[int]) -> list[list[int]]:
+    """Every member's ``row`` (this one's at ``rank``) from one sum over the ``rows`` members."""
+    table = torch.zeros(rows, len(row), dtype=torch.int64)
+    table[rank] = torch.tensor(list(row), dtype=torch.int64)
+    return sum_over(table.reshape(-1)).reshape(rows, len(row)).tolist()
 
 
 def sum_in_group(quorum: Quorum) -> Sum:
@@ -114,8 +117,6 @@ def sum_in_group(quorum: Quorum) -> Sum:
 class ParityCheck:
     """A replica's side of the check: :meth:`assigned` after each assignment of a committed round,
     :meth:`position` and :meth:`judge` in the exchange that opens the next."""
-
-    POSITION_WIDTH = 3
 
     def __init__(self, say: Callable[[str], None] = to_stderr) -> None:
         self.say = say
@@ -140,12 +141,13 @@ class ParityCheck:
             self._compare_final(quorum)
 
     def position(self) -> list[int]:
-        """This replica's columns in the exchange that opens a round."""
+        """This replica's columns in the exchange that opens a round: the last round's step + 1,
+        its combined digest and its tensor count (zeros: none)."""
         if self.last is None:
-            return [0] * self.POSITION_WIDTH
-        step, combined, count = self.last.position()
+            return [0, 0, 0]
         # a sharded replica: one digest over its processes' shards, so that they all judge alike
-        return [step, self.processes.sum(combined), count]
+        combined = self.processes.sum(combined_digest(self.last.digests))
+        return [self.last.step + 1, combined, len(self.last.digests)]
 
     def judge(self, positions: list[list[int]], members: list[int], rank: int, sum_over: Sum):
         """{quorum rank: why it sits the round out} for the members that held other values than
@@ -164,9 +166,7 @@ class ParityCheck:
         started = time.perf_counter()
         sum_over = self.final_sum(quorum)
         try:
-            table = torch.zeros(len(quorum.members), self.POSITION_WIDTH, dtype=torch.int64)
-            table[quorum.rank] = torch.tensor(self.position())
-            positions = sum_over(table.reshape(-1)).reshape(len(quorum.members), -1).tolist()
+            positions = summed_rows(sum_over, quorum.rank, len(quorum.members), self.position())
             self._mismatch(positions, quorum.members, quorum.rank, sum_over)
         except Exception as error:  # the round stands
             self.say(f"parity: the final round is unchecked: {first_line(error)}")
@@ -205,13 +205,11 @@ class ParityCheck:
         """The first tensor whose digest differs among the members ``at`` the reference round
         (all ``rows`` members take part in the sum; those elsewhere add zeros)."""
         own = self.last if self.last is not None and self.last.step + 1 == reference else None
-        table = torch.zeros(rows, count, dtype=torch.int64)
-        if own is not None and len(own.digests) == count:
-            table[rank] = torch.tensor(own.digests, dtype=torch.int64)
-        table = sum_over(table.reshape(-1)).reshape(rows, count)
-        reference_row = table[(majority or at)[0]]
-        differs = (table[at] != reference_row).any(dim=0).nonzero()
-        index = int(differs[0]) if len(differs) else 0
+        row = own.digests if own is not None and len(own.digests) == count else [0] * count
+        table = summed_rows(sum_over, rank, rows, row)
+        reference = table[(majority or at)[0]]
+        differs = (i for i in range(count) if any(table[r][i] != reference[i] for r in at))
+        index = next(differs, 0)
         if own is not None and len(own.tensors) == count:
             return self._name(own.tensors[index], index)
         return f"tensor {index} of the round"

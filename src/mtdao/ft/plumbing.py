@@ -1,19 +1,14 @@
-"""What mtdao adds to torchft's pieces: a process group of each quorum's proven members (bounded
-rendezvous, sockets on ``--bind-host``), the store, and the errors a replica raises."""
+"""What mtdao adds to torchft's pieces: the replica's store on ``--bind-host``, the lighthouse, and
+the errors a replica raises."""
 
 from __future__ import annotations
 
 import socket
-import threading
-import time
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
 from mtdao.ft.lines import first_line
-from mtdao.ft.security.torchft_internals import GlooGroup, LighthouseServer
+from mtdao.ft.security.torchft_internals import LighthouseServer
 
 
 class ReplicaRefused(ValueError):
@@ -22,57 +17,6 @@ class ReplicaRefused(ValueError):
 
 class QuorumError(ConnectionError):
     """The lighthouse cannot be reached, or no quorum formed within the timeout."""
-
-
-@dataclass
-class QuorumView:
-    replicas: list[int] = field(default_factory=list)
-    rank: int = 0
-    quorum_id: int = -1
-
-
-LEAVE_POLL_S = 0.05
-
-
-def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
-    """Abort ``group`` and keep it until the collectives ``pending`` on it end, ``linger_s`` at
-    most."""
-    group.abort()
-    deadline = time.monotonic() + linger_s
-    while time.monotonic() < deadline and not all(future.done() for future in pending):
-        time.sleep(LEAVE_POLL_S)
-
-
-class MembershipGloo(GlooGroup):
-    """torchft's reconfigurable gloo group of each quorum's proven members, on ``bind_host``."""
-
-    def __init__(
-        self, bind_host: str, collective_timeout: timedelta, rendezvous_timeout: float
-    ) -> None:
-        super().__init__(bind_host, collective_timeout, rendezvous_timeout)
-        self._in_flight: list[Any] = []  # futures of collectives that may still be running
-
-    def abort(self, errored: bool = True) -> None:
-        """Leave the current group. One with a collective still in flight (a lost peer's) is
-        aborted in a thread that holds it until they end: torch's abort waits for them, and
-        dropping it blocks the process in its destructor. Not a daemon: gloo would end the
-        process."""
-        group = self.take_group()
-        pending, self._in_flight = [f for f in self._in_flight if not f.done()], []
-        if group is None:
-            return
-        if not pending:
-            group.abort()
-            return
-        linger_s = self.collective_timeout.total_seconds()
-        threading.Thread(
-            target=_leave_group, args=(group, pending, linger_s), name="mtdao-gloo-leave"
-        ).start()
-
-    def launched(self, work: Any) -> None:
-        """Remember the collectives in flight (see :meth:`abort`)."""
-        self._in_flight = [f for f in self._in_flight if not f.done()]
-        self._in_flight.append(work.get_future())
 
 
 def listening_store(bind_host: str) -> dist.TCPStore:

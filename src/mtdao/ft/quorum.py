@@ -1,31 +1,42 @@
-"""A replica's torchft Manager and its current quorum: what a round's collectives run in."""
+"""A replica's torchft Manager and its current quorum: the transport of a round's collectives. One
+quorum and one commit at a time, so rounds do not overlap in flight; a failed collective discards
+its round."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from mtdao.ft.collective_watch import CollectiveWatch
 from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.lines import first_line, to_stderr
-from mtdao.ft.plumbing import MembershipGloo
-from mtdao.ft.security.torchft_internals import Manager
+from mtdao.ft.security.torchft_internals import GlooGroup, Manager
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.communicator import RoundNotCommitted
+from mtdao.sync.transport import Transport, Work, contributors, flat_copy, split
 
 
-class Quorum:
+class Quorum(Transport):
     """This replica's manager (None until it connects) and the quorum it last formed, in
-    ``group`` (its members, in rank order), over this replica's ``processes``."""
+    ``group`` (its members, in rank order), over this replica's ``processes``; float32 buckets
+    of at most ``bucket_bytes``."""
+
+    rounds_overlap = False
 
     def __init__(
-        self, group: MembershipGloo, identity: ReplicaIdentity, processes: ReplicaProcesses
+        self,
+        group: GlooGroup,
+        identity: ReplicaIdentity,
+        processes: ReplicaProcesses,
+        bucket_bytes: float,
     ) -> None:
         self.manager: Manager | None = None
         self.group, self.identity = group, identity
-        self.processes = processes
+        self.processes, self.bucket_bytes = processes, bucket_bytes
         self.open = False  # whether a round is open: between its quorum and its commit
         self.prepared: int | None = None  # the step whose round the open quorum is for
         self.unreachable: str | None = None  # why no quorum can form now (lighthouse away)
@@ -36,16 +47,16 @@ class Quorum:
     @property
     def members(self) -> list[int]:
         """The replica ids of the quorum, in rank order."""
-        return self.identity.quorum.replicas
+        return self.identity.members
 
     @property
-    def size(self) -> int:
+    def num_workers(self) -> int:  # type: ignore[override]
         return max(1, len(self.members))
 
     @property
-    def rank(self) -> int:
+    def rank(self) -> int:  # type: ignore[override]
         """This replica's rank in the quorum."""
-        return self.identity.quorum.rank
+        return self.identity.rank
 
     def require_open(self) -> None:
         """Raise unless a round is open (a discard while the lighthouse is away)."""
@@ -60,13 +71,55 @@ class Quorum:
                 "that opens it (LocalUpdateSync.prepare; attached() does it)"
             )
 
-    def sum(self, flat: Tensor) -> Tensor:
-        """``flat`` summed over the quorum now; a failure discards the round."""
+    def sum(self, value: Tensor) -> Tensor:
+        """``value`` summed over the quorum now (after the before-collective hook); a failure
+        discards the round."""
         if self.before_collective is not None:
             self.before_collective()
         self.require_open()
+        flat = value.reshape(-1)
         work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
-        return ManagerWork(self, work, [flat]).wait()[0]
+        return ManagerWork(self, work, [flat]).wait()[0].view(value.shape)
+
+    def contributors(self, excluded: Sequence[int], contributes: bool = True) -> list[int]:
+        flags = torch.zeros(self.num_workers, dtype=torch.float64)
+        if contributes and self.rank not in set(excluded):
+            flags[self.rank] = 1.0
+        summed = self.sum(flags)  # a round's first collective
+        counted = [w for w, flag in enumerate(summed.tolist()) if flag > 0.5]
+        if not counted:
+            self.fail("no replica contributed to the average")
+        left_out = [w for w in range(self.num_workers) if w not in counted]
+        return contributors(self.num_workers, left_out)
+
+    def all_reduce_sum(self, buffers: Sequence[Tensor], counted: Sequence[int]) -> Work:
+        self.require_open()
+        flat = flat_copy(buffers, self.rank in counted)
+        work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
+        return ManagerWork(self, work, [flat], lambda outputs: split(outputs[0], buffers))
+
+    def all_to_all(self, buffer: Tensor) -> Work:
+        received = torch.zeros_like(buffer[0])
+        args = (received, buffer[0], [], [], AllToAllOptions())
+        return self._launch(lambda: self.group.alltoall_base(*args), [received.unsqueeze(0)])
+
+    def all_gather(self, buffer: Tensor) -> Work:
+        gathered = buffer.new_zeros((self.num_workers, *buffer.shape[1:]))
+        args = ([list(gathered.unbind(0))], [buffer[0]], AllgatherOptions())
+        return self._launch(lambda: self.group.allgather(*args), [gathered])
+
+    def _launch(self, launch, outputs: list[Tensor]) -> Work:
+        """A collective on the quorum's group; nothing is launched once the round has failed
+        (its outputs stay zeros, and the wait discards the round)."""
+        self.require_open()
+        if self.manager.errored() is not None:
+            return ManagerWork(self, None, outputs)
+        try:
+            work = launch()
+        except Exception as error:  # a group already broken by a lost peer
+            self.manager.report_error(error)
+            work = None
+        return ManagerWork(self, work, outputs)
 
     def wait_for(self, work) -> None:
         """Wait for a collective of the open round, watched (see :mod:`.collective_watch`)."""

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,18 +22,13 @@ from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
 from mtdao.ft.lines import first_line
 from mtdao.ft.parity import ParityCheck
-from mtdao.ft.plumbing import (
-    MembershipGloo,
-    QuorumError,
-    listening_store,
-)
+from mtdao.ft.plumbing import QuorumError, listening_store
 from mtdao.ft.quorum import Quorum
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey, run_key
 from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
-from mtdao.ft.security.torchft_internals import Manager
+from mtdao.ft.security.torchft_internals import GlooGroup, Manager
 from mtdao.ft.shards import ReplicaProcesses
-from mtdao.ft.transport import ManagerTransport
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
 from mtdao.sync.dtensors import local_shard
@@ -69,7 +65,7 @@ class ReplicaGroups(Communicator):
     replicas are alive in each round; with ``shard_group``, that group of FSDP2 processes."""
 
     layout: ReplicaLayout
-    transport: ManagerTransport
+    transport: Quorum
     prepares_rounds = True
     heals_joiners = True
 
@@ -91,21 +87,22 @@ class ReplicaGroups(Communicator):
         self.allow_non_finite = allow_non_finite
         key = key or run_key(None, config.bind_host)
         self.identity = ReplicaIdentity(config.replica_id, key, config_digest)
-        self.process_group = MembershipGloo(
+        self.process_group = GlooGroup(
             config.bind_host, self.collective_timeout, config.connect_timeout
         )
-        self.quorum = Quorum(self.process_group, self.identity, ReplicaProcesses())
-        transport = ManagerTransport(self.quorum, bucket_bytes)
-        super().__init__(ReplicaLayout(transport))
-        self.transport = transport
+        quorum = Quorum(self.process_group, self.identity, ReplicaProcesses(), bucket_bytes)
+        super().__init__(ReplicaLayout(quorum))
+        self.quorum = self.transport = quorum  # a round's collectives run in its quorum
         if shard_group is not None:
             self.shard_over(shard_group)
         self._tracked: dict[str, Stateful] = {}
-        self.track_state("replica", _Identity(self))
+        # tracked first: a healing replica learns its source from it
+        self.track_state(
+            "replica", SimpleNamespace(state_dict=self._identity, load_state_dict=self._note_source)
+        )
         self._fresh = False  # healed at this round's quorum: ran none of its local steps
         self._heal: Heal | None = None
         self._joined = False
-        self._training_step = 0  # the engine's step before the coming one (a heal moves it)
         self._final = False  # whether the open quorum is for the final round
         self._stale: str | None = None  # why this replica sits the open round out
         self._sitting_out: list[int] = []  # the replicas that do
@@ -153,15 +150,17 @@ class ReplicaGroups(Communicator):
     def connect(self) -> None:
         """Announce this replica to the lighthouse (heartbeats start) once it is ready to join:
         a live replica that does not join holds up new quorums. Every process calls it."""
-        if self.processes.rank == 0:
-            self._store = listening_store(self.config.bind_host)
         failure = self._start_managers()
         if failure is not None:
             raise QuorumError(failure)
 
     def _start_managers(self) -> str | None:
-        """A heal transport and this process's manager (group rank 0's first); why not, if so."""
+        """A store, a heal transport and this process's manager (group rank 0's first); why not,
+        if so. The store is new each time: a restarted lighthouse counts quorum ids anew, and an
+        old store's keys would match."""
         bind_host = self.config.bind_host
+        if self.processes.rank == 0:
+            self._store = listening_store(bind_host)
         self.heal_transport = SignedHealTransport(self.key, bind_host, self.collective_timeout)
         store, failure, manager = None, None, None
         if self.processes.rank == 0:
@@ -187,23 +186,22 @@ class ReplicaGroups(Communicator):
             connection.lighthouse_reachable(self.config) if self.processes.rank == 0 else None
         )
         if not self.processes.from_first(reachable):
-            self._lighthouse_away = step
-            self.quorum.unreachable = self._unreachable()
+            self._away_at(step)
             return False
         if self._lighthouse_away is None:
             return True
         commits = self.manager.state_dict()
         self.manager.shutdown(wait=False)  # its heal server with it
-        if self.processes.rank == 0:  # a new store: the restarted lighthouse counts quorum ids
-            self._store = listening_store(self.config.bind_host)  # anew, old keys would match
         failure = self._start_managers()
         if failure is None:
             self.manager.load_state_dict(commits)
             self._lighthouse_away, self.quorum.unreachable = None, None
         return failure is None
 
-    def _unreachable(self) -> str:
-        return (
+    def _away_at(self, step: int) -> None:
+        """The lighthouse is away at ``step``: its rounds are discarded until it is back."""
+        self._lighthouse_away = step
+        self.quorum.unreachable = (
             f"the lighthouse at {self.config.lighthouse_url} is unreachable; training on "
             "locally until it is back"
         )
@@ -235,11 +233,6 @@ class ReplicaGroups(Communicator):
         notes, self.identity.notes = self.identity.notes, []
         return notes
 
-    @property
-    def in_round(self) -> bool:
-        """Whether a round is open (between its quorum and its commit)."""
-        return self.quorum.open
-
     def track_state(self, key: str, state: Stateful) -> None:
         """State a healing replica also receives (a data position, a schedule, RNG), loaded in
         registration order after the replica's identity (before :meth:`connect`)."""
@@ -259,16 +252,13 @@ class ReplicaGroups(Communicator):
         """Before step ``step``'s forward pass (``final``: before the final round): a quorum when
         this replica has not joined yet or ``round_due(step)``, else None. A heal here moves
         this replica to its source's step."""
-        self._training_step = step - 1
-        self.identity.training_step = step - 1
+        self.identity.training_step = step - 1  # a heal moves it to its source's
         if self._joined and self.quorum.prepared == step:  # formed already (after the last step)
             if final and not round_due(step):  # a quorum no round follows: close it
                 self._empty_round()
             self._final = final
             return None
-        if self._joined and not (final or round_due(step)):
-            return None
-        if final and not round_due(step):
+        if not round_due(step) and (self._joined or final):
             return None
         if self.manager is None:
             self.connect()
@@ -280,19 +270,17 @@ class ReplicaGroups(Communicator):
         except QuorumError:
             if not self._joined:
                 raise
-            self._lighthouse_away = step  # the lighthouse went while this quorum waited
-            self.quorum.unreachable = self._unreachable()
+            self._away_at(step)  # the lighthouse went while this quorum waited
             return None
-        if self._training_step == 0:  # healed to the first step: no local step missed, it counts
+        if self.identity.training_step == 0:  # healed to the first step: missed nothing, counts
             self._fresh = False
-        coming = self._training_step + 1  # after a heal, the step its source takes next
+        coming = self.identity.training_step + 1  # after a heal, the step its source takes next
         self.quorum.prepared = coming
-        self.identity.training_step = self._training_step
         try:
             self.quorum.check()  # a group that did not form (a member did not come)
             self._sitting_out, self._stale = round_identity.check(  # see round_identity
-                self.quorum.sum, self.replicas, self.quorum.rank, self._training_step, self.identity,
-                self.parity,
+                self.quorum.sum, self.replicas, self.quorum.rank, self.identity.training_step,
+                self.identity.config_digest, self.parity,
             )  # fmt: skip
             if not (self._final or round_due(coming)):
                 self._empty_round()
@@ -304,7 +292,7 @@ class ReplicaGroups(Communicator):
         start.stale = self._stale
         self._joined = True  # not before: a joiner whose first quorum failed asks again at once
         if self.on_quorum is not None:
-            self.on_quorum(start, self._training_step)
+            self.on_quorum(start, self.identity.training_step)
         return start
 
     def _empty_round(self) -> None:
@@ -350,21 +338,22 @@ class ReplicaGroups(Communicator):
             replicas=list(after),
             joined=sorted(set(after) - set(before)),
             left=sorted(set(before) - set(after)),
-            quorum_id=self.identity.quorum.quorum_id,
+            quorum_id=self.identity.quorum_id,
             seconds=seconds,
             heal=self._heal,
         )
 
     def _identity(self) -> dict[str, Any]:
         """Who this replica is, its step, and whether this quorum is for the final round."""
-        return {"replica_id": self.replica_id, "step": self._training_step, "final": self._final}
+        step = self.identity.training_step
+        return {"replica_id": self.replica_id, "step": step, "final": self._final}
 
     def _note_source(self, state: dict[str, Any]) -> None:
         if self.identity.refusal is not None:  # load nothing: this replica leaves
             raise self.identity.refusal
         self._heal = Heal(source=int(state["replica_id"]), bytes=0, seconds=0.0)
         self.parity.last = None  # what it assigned is gone: it holds its source's state now
-        self._training_step, self._final = int(state["step"]), bool(state["final"])
+        self.identity.training_step, self._final = int(state["step"]), bool(state["final"])
 
     # -- the round ---------------------------------------------------------------------------
 
@@ -398,16 +387,3 @@ class ReplicaGroups(Communicator):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
         self.process_group.abort(errored=False)  # peers in a round with us fail now, not later
-
-
-class _Identity:
-    """The replica's identity, tracked first: a healing replica learns its source from it."""
-
-    def __init__(self, replicas: ReplicaGroups) -> None:
-        self.replicas = replicas
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.replicas._identity()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.replicas._note_source(state)

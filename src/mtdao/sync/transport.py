@@ -12,7 +12,7 @@ process group, all M rows in the simulator, so the same encoding code serves bot
 
 Implementations: :class:`GroupTransport` (a ``torch.distributed`` group: launched without
 blocking), :class:`StackedTransport` (the simulator: tensors stacked along dim 0, moved by
-indexing), and the torchft Manager's (:mod:`mtdao.ft.transport`: collectives through
+indexing), and the torchft Manager's (:mod:`mtdao.ft.quorum`: collectives through
 the manager, whose quorum and commit decide a round). A transport also says who contributes to a
 round (:meth:`Transport.contributors`; the torchft one asks the others) and whether rounds may
 overlap in flight (:attr:`Transport.rounds_overlap`; a manager runs one quorum at a time). The

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from mtdao.sync.trained_state import TrainedState
 from mtdao.testing.digests import global_digest, state_digest
 from mtdao.testing.ports import unused_port
 
@@ -76,10 +77,10 @@ class DrillObserver:
         _wait_while(lambda: (self.control / f"{self.name}.hold").exists())
 
     def before_step(self, run) -> None:
-        from mtdao import ft
+        from mtdao.ft.healing import HealedState
 
         if self.rewind and run.step == self.rewind[1] and self.saved is not None:
-            ft.engine_state(run.sync)[1](self.saved)
+            HealedState(TrainedState(run.sync)).load_state_dict(self.saved)
             self.saved = None
             run.sync.communicator.forget_prepared_round()
             print(f"fault drill: rewound to step {run.step}", flush=True)
@@ -90,14 +91,14 @@ class DrillObserver:
         _write(self.control / f"{self.label}.status", f"running {run.step}")
 
     def after_round(self, run) -> None:
-        from mtdao import ft
+        from mtdao.ft.healing import HealedState
 
         with open(self.control / f"{self.label}.rounds", "a") as handle:
             handle.write(f"{run.step} {state_digest(run)}\n")
         with open(self.control / f"{self.label}.globals", "a") as handle:
             handle.write(f"{run.step} {global_digest(run)}\n")
         if self.rewind and run.step == self.rewind[0] and self.saved is None:
-            self.saved = ft.engine_state(run.sync)[0]()
+            self.saved = HealedState(TrainedState(run.sync)).state_dict()
 
     def _hold_in_round(self, step: int) -> None:
         _write(self.control / f"{self.label}.entered-{step}", "")

@@ -144,8 +144,9 @@ class GrpcFront:
             call.cancel()
         return len(calls) + sum(self._end_hold(tick) for tick in list(self._holds))
 
-    async def call(self, path: str, context: aio.ServicerContext) -> bytes:
-        """One call: counted, checked, then made again on the server behind."""
+    async def call(self, path: str, requests, context: aio.ServicerContext) -> bytes:
+        """One call: counted, checked, then made again on the server behind (its messages are
+        read through ``context``, not the ``requests`` generator)."""
         if self._calls >= CALLS:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -268,13 +269,10 @@ class _Calls(grpc.GenericRpcHandler):
         path = method if isinstance(method, str) else method.decode("ascii", "backslashreplace")
         handler = self.front._handlers.get(path)
         if handler is None:
-            handler = grpc.stream_unary_rpc_method_handler(functools.partial(self._call, path))
+            handler = grpc.stream_unary_rpc_method_handler(functools.partial(self.front.call, path))
             if path in self.front.allowed:  # a stranger's paths are not kept
                 self.front._handlers[path] = handler
         return handler
-
-    async def _call(self, path: str, requests, context: aio.ServicerContext) -> bytes:
-        return await self.front.call(path, context)  # read through the context: no generator
 
 
 EOF_SEEN = "the end of the call's messages"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+
+from google.protobuf.empty_pb2 import Empty
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from mtdao.ft.lines import shown_address
 from mtdao.ft.refusals import Refusal, RefusalLog
@@ -16,6 +19,7 @@ from mtdao.ft.security.proofs import SeenNonces, read_claim
 
 SERVICE = "/torchft.LighthouseService/"
 QUORUM, HEARTBEAT = SERVICE + "Quorum", SERVICE + "Heartbeat"
+CALLS = frozenset({QUORUM, HEARTBEAT})  # all the replicas make: not torchft's dashboard
 FORGET_S = 600.0
 """A replica id that neither asked for a quorum nor sent a heartbeat for this long is forgotten."""
 
@@ -41,13 +45,13 @@ class LighthouseGate:
 
     def quorum(self, message: bytes, peer: tuple[str, int]) -> bool:
         """Whether a ``LighthouseQuorumRequest`` may go on."""
-        try:
-            requester = _string_fields(dict(_fields(message)).get(1, b""))
+        try:  # QuorumMember requester = 1 {string replica_id = 1; string data = 7}
+            requester = _field(message, 1)
+            member, posted = _field(requester, 1).decode(), _field(requester, 7).decode()
         except ValueError:
-            requester = {}
-        member = requester.get(1, "")
+            member, posted = "", ""
         try:
-            data = json.loads(requester.get(7) or "null")
+            data = json.loads(posted or "null")
         except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
             claim, why = None, "its claim is not readable"
         else:
@@ -68,8 +72,8 @@ class LighthouseGate:
 
     def heartbeat(self, message: bytes, peer: tuple[str, int]) -> bool:
         """Whether a ``LighthouseHeartbeatRequest`` may go on."""
-        try:
-            member = _string_fields(message).get(1, "")
+        try:  # string replica_id = 1
+            member = _field(message, 1).decode()
         except ValueError:
             member = ""
         with self._lock:
@@ -98,36 +102,13 @@ class LighthouseGate:
             self.proven = {m: p for m, p in self.proven.items() if p[0] >= horizon}
 
 
-def _fields(message: bytes) -> Iterator[tuple[int, Any]]:
-    """The (field number, value) pairs of a protobuf message: varints as int, length-delimited
-    fields as bytes (the two kinds torchft's lighthouse requests use). Raises ValueError."""
-    offset = 0
-    while offset < len(message):
-        key, offset = _varint(message, offset)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, offset = _varint(message, offset)
-        elif wire == 2:
-            size, offset = _varint(message, offset)
-            value, offset = message[offset : offset + size], offset + size
-            if offset > len(message):
-                raise ValueError("a field runs past the message")
-        else:
-            raise ValueError(f"wire type {wire} is not one of the lighthouse's requests")
-        yield number, value
-
-
-def _string_fields(message: bytes) -> dict[int, str]:
-    return {n: v.decode() for n, v in _fields(message) if isinstance(v, bytes)}
-
-
-def _varint(data: bytes, offset: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if offset >= len(data) or shift > 63:
-            raise ValueError("a truncated varint")
-        byte = data[offset]
-        value |= (byte & 0x7F) << shift
-        offset, shift = offset + 1, shift + 7
-        if not byte & 0x80:
-            return value, offset
+def _field(message: bytes, number: int) -> bytes:
+    """Length-delimited field ``number`` of a protobuf message (b"": none). torchft ships no
+    message classes: parsed as an empty message, every field stays unknown. Raises ValueError."""
+    parsed = Empty()
+    try:
+        parsed.ParseFromString(message)
+    except DecodeError:
+        raise ValueError("not a protobuf message") from None
+    fields = {f.field_number: f.data for f in UnknownFieldSet(parsed) if f.wire_type == 2}
+    return fields.get(number, b"")

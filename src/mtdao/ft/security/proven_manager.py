@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,7 +20,7 @@ from urllib.parse import urlsplit
 from mtdao.ft.collective_watch import Peer
 from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.lines import first_line, short_member
-from mtdao.ft.plumbing import QuorumError, QuorumView, ReplicaRefused
+from mtdao.ft.plumbing import QuorumError, ReplicaRefused
 from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.heal_checks import heal_problem
@@ -51,7 +50,7 @@ KEPT = 1000
 
 
 class ProvenManager(QuorumStepManager):
-    """torchft's ``Manager`` (``pg`` a ``MembershipGloo``) with the module's quorum step, for the
+    """torchft's ``Manager`` (``pg`` a ``GlooGroup``) with the module's quorum step, for the
     replica ``identity``; ``allow_non_finite``: whether a heal state may hold NaN/inf."""
 
     def __init__(
@@ -61,7 +60,7 @@ class ProvenManager(QuorumStepManager):
         self.identity = identity
         self._lighthouse_addr = kwargs["lighthouse_addr"]
         self._store_address = f"{kwargs['store_addr']}:{kwargs['store_port']}"
-        self._member = self.internals.store.get(REPLICA_ID_KEY).decode()
+        self._member = self.internals.store.get(REPLICA_ID_KEY).decode()  # <replica id>:<uuid>
         self._allow_non_finite = allow_non_finite
         self._confirm_wait_s = min(CONFIRM_WAIT_S, self.internals.connect_timeout.total_seconds())
         self._seen = SeenNonces()
@@ -76,15 +75,6 @@ class ProvenManager(QuorumStepManager):
         self.internals.store.set(
             self._heal_key(self.internals.group_rank), self.internals.heal_transport.metadata()
         )
-
-    @property
-    def pg(self):
-        return self.internals.process_group
-
-    @property
-    def member(self) -> str:
-        """torchft's id of this replica's manager (``<replica id>:<uuid>``)."""
-        return self._member
 
     # -- the quorum ----------------------------------------------------------------------------
 
@@ -109,14 +99,15 @@ class ProvenManager(QuorumStepManager):
                 raise QuorumError(verdict["error"])
         proven = [Claim.from_fields(fields) for fields in verdict["proven"]]
         digest, quorum_id = verdict["digest"], verdict["quorum_id"]
+        self.identity.quorum_id = quorum_id
         if verdict.get("failure"):  # this replica is in no proven round: it trains on alone
-            self.identity.quorum = QuorumView([self.identity.replica_id], 0, quorum_id)
+            self.identity.members, self.identity.rank = [self.identity.replica_id], 0
             self.report_error(RuntimeError(verdict["failure"]))
             return
         members = tuple(sorted(c.member for c in proven))
         meeting = rendezvous(self.identity.key, digest, proven)
         plan = plan_quorum(proven, self._member, self.internals.group_rank, meeting)
-        self.identity.quorum = QuorumView(plan.replica_ids, plan.rank, quorum_id)
+        self.identity.members, self.identity.rank = plan.replica_ids, plan.rank
         self.identity.peers = _peers(plan, self.internals.group_rank)
         self.internals.replica_rank = plan.rank
         self.internals.replica_world_size = len(plan.members)
@@ -191,14 +182,19 @@ class ProvenManager(QuorumStepManager):
         self._seen.first_time(mine.nonce)
         claims.append(mine)
         digest = quorum_digest(quorum.quorum_id, claims)
-        unconfirmed = confirm_quorum(
-            self._open_store, key, digest, mine, claims, self._confirm_wait_s
-        )
+        try:
+            unconfirmed = confirm_quorum(
+                self._open_store, key, digest, mine, claims, self._confirm_wait_s
+            )
+        except Exception:  # this replica's own store did not answer: opened anew next time
+            self._stores.pop(mine.store, None)
+            raise
         proven = [c for c in claims if c.member not in unconfirmed]
         for claim in claims:
             if claim.member in unconfirmed:
                 why = unconfirmed[claim.member]
                 identity.refused.append(_refusal(claim.replica_id, claim.member, why))
+                self._stores.pop(claim.store, None)  # opened anew next time (it may have failed)
         return {**verdict, "digest": digest, "proven": [json.loads(c.body()) for c in proven]}
 
     def _heal_urls(self) -> tuple[str, ...]:
@@ -211,19 +207,15 @@ class ProvenManager(QuorumStepManager):
         return f"mtdao/heal/{self._member}/{group_rank}"
 
     def _open_store(self, address: str) -> Any:
-        """A client of the store at ``host:port`` (kept while it answers)."""
+        """A client of the store at ``host:port`` (kept while its member confirms quorums)."""
         with self._stores_lock:
             store = self._stores.get(address)
         if store is None:
             timeout = timedelta(seconds=self._confirm_wait_s)
-            store = _Forgetting(create_store_client(f"{address}/", timeout), self, address)
+            store = create_store_client(f"{address}/", timeout)
             with self._stores_lock:
                 self._stores[address] = store
         return store
-
-    def _forget_store(self, address: str) -> None:
-        with self._stores_lock:
-            self._stores.pop(address, None)
 
     # -- the group -----------------------------------------------------------------------------
 
@@ -237,7 +229,7 @@ class ProvenManager(QuorumStepManager):
             if plan.failure is None:  # they form a group with it: join it, then leave at once
                 with contextlib.suppress(Exception):
                     self._configure(plan, digest)
-                self.pg.abort(errored=False)
+                self.internals.process_group.abort(errored=False)
             return False
         if plan.failure is not None:
             self.report_error(RuntimeError(plan.failure))
@@ -257,7 +249,7 @@ class ProvenManager(QuorumStepManager):
     def _configure(self, plan: QuorumPlan, digest: str) -> None:
         self.internals.quorum_id = int(digest[:15], 16)
         group_world = self.internals.group_world_size
-        self.pg.configure(
+        self.internals.process_group.configure(
             f"{plan.store}/{self.internals.group_rank}",
             self._member,
             plan.rank,
@@ -282,7 +274,7 @@ class ProvenManager(QuorumStepManager):
         state = self._fetch_heal(plan, digest)
         if state is None:  # keep this replica's own state; its round fails, a later one heals it
             self.report_error(HealRefused("no proven source sent a state that fits this replica"))
-            self.pg.abort()  # its peers fail this round now rather than wait for it
+            self.internals.process_group.abort()  # its peers fail this round now, not later
             return
         self.internals.pending_state_dict = state
         self.load_state_dict(state["torchft"])
@@ -346,25 +338,6 @@ class ProvenManager(QuorumStepManager):
     def _note(self, line: str) -> None:
         if self.internals.group_rank == 0:
             self.identity.notes = [*self.identity.notes[-KEPT:], line]
-
-
-class _Forgetting:
-    """A store client that drops itself from its manager's cache when a call fails."""
-
-    def __init__(self, store: Any, manager: ProvenManager, address: str) -> None:
-        self._store, self._manager, self._address = store, manager, address
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._store, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(*args, **kwargs)
-            except Exception:
-                self._manager._forget_store(self._address)
-                raise
-
-        return call
 
 
 def _refusal(replica: object, member: str, why: str, step: str = "") -> Refusal:

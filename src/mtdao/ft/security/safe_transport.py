@@ -1,24 +1,26 @@
 """Heal state over HTTP that cannot carry code (``torch.load(weights_only=True)``, never torchft's
 unpickling transport), requests and states signed over the quorum, sender, receiver, process and
-step (docs/security.md, "Heal state")."""
+step, served by an HTTP server no caller can hold for long (docs/security.md, "Heal state")."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.request import Request, urlopen
 
 import torch
 
-from mtdao.ft.lines import first_line
+from mtdao.ft.lines import first_line, to_stderr
 from mtdao.ft.security.auth import RunKey
-from mtdao.ft.security.heal_server import BoundedHTTPServer, BoundedRequests
 from mtdao.ft.security.torchft_internals import CheckpointTransport
 
 SIGNATURE_HEADER = "X-Mtdao-Signature"
@@ -26,6 +28,11 @@ RECEIVER_HEADER = "X-Mtdao-Receiver"
 URL_PATTERN = re.compile(r"^http://[^/?#\s]+/heal/$")
 QUORUM_SKEW_S = 5.0
 """How long a heal request signed for a quorum this replica has not opened yet waits for it."""
+CONNECTIONS = 64  # requests served at once (a replica's peers make one per process that heals)
+REQUEST_S = 10.0  # from a connection's start to its request's last header
+HEAD_BYTES = 16 << 10  # a request's line and headers (a heal request's are a few hundred bytes)
+DESCRIPTORS_PAUSE_S = 1.0
+SAY_EVERY_S = 60.0
 
 
 class HealRefused(ConnectionError):
@@ -63,7 +70,7 @@ class SignedHealTransport(CheckpointTransport):
         self.quorum: Quorum | None = None
         self._served: tuple[int, bytes, str] | None = None  # step, payload, its SHA-256
         self._ready = threading.Condition()
-        self._server = _server(bind_host, self)
+        self._server = HealServer(bind_host, self)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
@@ -100,19 +107,16 @@ class SignedHealTransport(CheckpointTransport):
     def verified(self, step: int, receiver: str, signature: str | None) -> HealBinding | None:
         """The binding of a verified request from a member of the quorum, else None; waits up to
         QUORUM_SKEW_S for a quorum its sender learned of first."""
-        with self._ready:
-            binding = None
 
-            def matches() -> bool:
-                nonlocal binding
-                quorum = self.quorum
-                if quorum is None or receiver not in quorum.receivers:
-                    return False
-                fields = (quorum.digest, quorum.member, receiver, quorum.group_rank, step)
-                binding = HealBinding(*fields)
-                return self.key.verifies(signature, "fetch", *binding.fields())
+        def binding() -> HealBinding | None:
+            quorum = self.quorum
+            if quorum is None or receiver not in quorum.receivers:
+                return None
+            bound = HealBinding(quorum.digest, quorum.member, receiver, quorum.group_rank, step)
+            return bound if self.key.verifies(signature, "fetch", *bound.fields()) else None
 
-            return binding if self._ready.wait_for(matches, QUORUM_SKEW_S) else None
+        with self._ready:  # wait_for returns the binding once there is one, else None
+            return self._ready.wait_for(binding, QUORUM_SKEW_S)
 
     def served(self, step: int) -> tuple[bytes, str] | None:
         """The state served at ``step`` and its SHA-256, once ready (None after the timeout)."""
@@ -161,10 +165,19 @@ class SignedHealTransport(CheckpointTransport):
             self._thread.join()
 
 
-class HealRequests(BoundedRequests):
-    """``GET /heal/<step>``, signed for this quorum, this source and the receiver it names."""
+class HealRequests(BaseHTTPRequestHandler):
+    """``GET /heal/<step>``, signed for this quorum, this source and the receiver it names; the
+    request must arrive within REQUEST_S and HEAD_BYTES."""
 
     server: Any
+    timeout = REQUEST_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _Capped(self.rfile, HEAD_BYTES)
+
+    def log_message(self, *args: Any) -> None:  # one access-log line per request otherwise
+        pass
 
     def do_GET(self) -> None:
         transport: SignedHealTransport = self.server.transport
@@ -191,13 +204,74 @@ class HealRequests(BoundedRequests):
         self.wfile.write(payload)
 
 
-def _server(bind_host: str, transport: SignedHealTransport) -> BoundedHTTPServer:
-    host = bind_host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server = BoundedHTTPServer((host, 0), HealRequests, family)
-    server.transport = transport
-    server.advertised = advertised_host(bind_host)
-    return server
+class HealServer(ThreadingHTTPServer):
+    """The heal server of ``transport`` on ``bind_host`` (a free port): at most CONNECTIONS
+    requests at once, and it survives running out of file descriptors (``report``: its lines)."""
+
+    daemon_threads = True
+
+    def __init__(self, bind_host: str, transport: Any, report=to_stderr) -> None:
+        host = bind_host.strip("[]")
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, 0), HealRequests)
+        self.transport, self.advertised = transport, advertised_host(bind_host)
+        self.report = report
+        self.turned_away = 0
+        self._slots = threading.BoundedSemaphore(CONNECTIONS)
+        self._said_at = -float("inf")
+
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as error:
+            if error.errno in (errno.EMFILE, errno.ENFILE):
+                self._out_of_descriptors()
+            raise  # socketserver drops this one attempt and serves on
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.turned_away += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _out_of_descriptors(self) -> None:
+        now = time.monotonic()
+        if now - self._said_at >= SAY_EVERY_S:
+            self._said_at = now
+            self.report(
+                f"heal server on port {self.server_address[1]}: this process has used all of its "
+                "file descriptors; new connections wait until some close (raise the limit with "
+                "ulimit -n, or firewall the port to the run's machines)"
+            )
+        time.sleep(DESCRIPTORS_PAUSE_S)  # the listener stays readable: no busy loop meanwhile
+
+
+class _Capped:
+    """A request's head (read by lines: a heal request has no body), ``budget`` bytes at most."""
+
+    def __init__(self, raw, budget: int) -> None:
+        self.raw, self.budget = raw, budget
+
+    def readline(self, size: int = -1) -> bytes:
+        if self.budget <= 0:
+            return b""
+        line = self.raw.readline(self.budget if size < 0 else min(size, self.budget))
+        self.budget -= len(line)
+        return line
+
+    def close(self) -> None:
+        self.raw.close()
 
 
 def advertised_host(bind_host: str) -> str:
@@ -211,8 +285,3 @@ def advertised_host(bind_host: str) -> str:
 
 def _sha(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
-
-
-def _first(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:200]

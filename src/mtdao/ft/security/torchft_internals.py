@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -118,8 +120,8 @@ class QuorumStepManager(Manager):
 
 
 class GlooGroup(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group with its sockets on ``bind_host``, each collective
-    launched handed to :meth:`launched`."""
+    """torchft's reconfigurable gloo group of each quorum's proven members, its sockets on
+    ``bind_host``, the collectives in flight kept so that leaving never blocks."""
 
     PRIVATE = ("_pg", "_timeout", "_global_ranks")  # the private attributes used
     METHODS = {  # the private methods overridden, with their parameters
@@ -133,17 +135,28 @@ class GlooGroup(ProcessGroupGloo):
     ) -> None:
         super().__init__(timeout=timedelta(seconds=rendezvous_timeout))
         self.bind_host, self.collective_timeout = bind_host, collective_timeout
+        self._in_flight: list[Any] = []  # futures of collectives that may still be running
 
-    def take_group(self) -> Any:
-        """The current group, which this object no longer holds (None: none)."""
+    def abort(self, errored: bool = True) -> None:
+        """Leave the current group. One with a collective still in flight (a lost peer's) is
+        aborted in a thread that holds it until they end: torch's abort waits for them, and
+        dropping it blocks the process in its destructor. Not a daemon: gloo would end the
+        process."""
         group, self._pg = self._pg, None
-        return group
-
-    def launched(self, work: Any) -> None:
-        """Called with each collective launched on the group."""
+        pending, self._in_flight = [f for f in self._in_flight if not f.done()], []
+        if group is None:
+            return
+        if not pending:
+            group.abort()
+            return
+        linger_s = self.collective_timeout.total_seconds()
+        threading.Thread(
+            target=_leave_group, args=(group, pending, linger_s), name="mtdao-gloo-leave"
+        ).start()
 
     def _wrap_work(self, work: Any, opts: object) -> Any:
-        self.launched(work)
+        self._in_flight = [f for f in self._in_flight if not f.done()]
+        self._in_flight.append(work.get_future())
         return work
 
     def _opts_hook(self, opts: Any) -> Any:
@@ -168,6 +181,18 @@ class GlooGroup(ProcessGroupGloo):
             backend.options.global_ranks_in_group = self._global_ranks
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
         return pg
+
+
+LEAVE_POLL_S = 0.05
+
+
+def _leave_group(group: Any, pending: list[Any], linger_s: float) -> None:
+    """Abort ``group`` and keep it until the collectives ``pending`` on it end, ``linger_s`` at
+    most."""
+    group.abort()
+    deadline = time.monotonic() + linger_s
+    while time.monotonic() < deadline and not all(future.done() for future in pending):
+        time.sleep(LEAVE_POLL_S)
 
 
 def replace_manager_server(start: Callable[..., Any]) -> None:

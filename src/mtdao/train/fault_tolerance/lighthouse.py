@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 
 from mtdao.flags import DefaultsHelpFormatter
+from mtdao.ft.lines import to_stderr as _say
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
-LIGHTHOUSE_CALLS = frozenset(
-    "/torchft.LighthouseService/" + method for method in ("Quorum", "Heartbeat")
-)
 
 
 def add_parser(subparsers) -> None:
@@ -98,7 +95,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
     from mtdao.ft.security.auth import is_loopback, read_token, run_key
     from mtdao.ft.security.grpc_front import GrpcFront
-    from mtdao.ft.security.lighthouse_gate import LighthouseGate
+    from mtdao.ft.security.lighthouse_gate import CALLS, LighthouseGate
     from mtdao.ft.security.safe_transport import advertised_host
 
     token = read_token(args.auth_token_file)
@@ -120,7 +117,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     internal = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"  # address() names the host
     try:
         front = GrpcFront(
-            "lighthouse", host, args.port, LIGHTHOUSE_CALLS,
+            "lighthouse", host, args.port, CALLS,
             inspect=gate.inspectors() if gate else None,
         )  # fmt: skip
     except OSError as error:
@@ -155,13 +152,9 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     finally:
         front.shutdown()
         server.shutdown()
-    print("lighthouse: stopped", file=sys.stderr, flush=True)
+    _say("lighthouse: stopped")
     return 0
 
 
 def _stop_starting(*_) -> None:
     raise KeyboardInterrupt  # mtdao's main says "mtdao lighthouse: interrupted" (exit 130)
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

@@ -39,6 +39,7 @@ from mtdao.sync.repeated_lines import RepeatedLines
 from mtdao.train import trainer
 from mtdao.train.config import TrainConfig, marked
 from mtdao.train.distributed import ProcessInfo
+from mtdao.train.fault_tolerance.lighthouse import INSTALL_HINT
 from mtdao.train.loop_hooks import LoopHooks
 from mtdao.train.metrics import write_json
 from mtdao.train.setup import Run, build_run
@@ -46,8 +47,6 @@ from mtdao.train.setup import Run, build_run
 # Settings that may differ between the replicas of one run (marked replica_local on the field);
 # every other must match the quorum's, or the replica is refused when it first heals.
 REPLICA_FIELDS = marked("replica_local")
-
-INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
 
 
 class ReplicaObserver:
