@@ -27,13 +27,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def cpp_kernels() -> None:
     """Build the C++ optimizer and codec kernels (once per machine) before any test, so that no
-    test's subprocess, with its timeout, is the one that pays for a build."""
+    test's subprocess, with its timeout, is the one that pays for a build. Each kernel's build
+    holds a lock of its own: the second of two processes takes the kernels in the other order, so
+    on a cold cache they build both at once instead of one after the other."""
     from mtdao.native_build import native_library
     from mtdao.sync.codecs import native_codecs
     from mtdao.sync.codecs.quantize import Codec
 
-    native_library()
-    native_codecs.usable(Codec)
+    builds = [native_library, lambda: native_codecs.usable(Codec)]
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw1":
+        builds.reverse()
+    for build in builds:
+        build()
 
 
 @pytest.fixture(scope="module")

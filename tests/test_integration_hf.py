@@ -16,31 +16,35 @@ import json
 import os
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 import torch
+from wait_limits import limit_s
 
-transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+from mtdao.optim import MTAdam
+from mtdao.sync.communicator import Traffic
+from mtdao.testing.ports import unused_port
 
-from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, traffic_summary  # noqa: E402
-from mtdao.integrations.worker_state import load_worker_state  # noqa: E402
-from mtdao.optim import MTAdam  # noqa: E402
-from mtdao.sync.communicator import Traffic  # noqa: E402
-from mtdao.testing.ports import unused_port  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from integration_hf_run import PERIOD, Blocks, tiny_llama, training_args  # noqa: E402
-from wait_limits import limit_s  # noqa: E402
+pytestmark = pytest.mark.skipif(find_spec("transformers") is None, reason="needs the hf extra")
 
 ROOT = Path(__file__).resolve().parents[1]
 # An HF process's start costs two of the model's: transformers beside torch, 10 s of CPU against
 # mtdao train's 5.5 s (its steps, under 10 ms here, cost less than a micro model's).
 HF_STARTS = 2
-# The three jobs at once (2 + 2 + 4 processes): torchrun's start, then its workers'; the longest
-# job, the checks, runs four Trainer runs and a plain loop in turn, of at most 3 K + 2 steps each.
-CHECK_STEPS = 5 * (3 * PERIOD + 2)
-TORCHRUN_TIMEOUT_S = limit_s(starts=1 + HF_STARTS, steps=CHECK_STEPS, processes=2 + 2 + 4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hf_imports() -> None:
+    """transformers and what this file takes from it, imported once its first test runs, not at
+    collection: every test process collects every file, and these imports cost seconds of CPU."""
+    global LocalUpdates, LocalUpdateTrainer, traffic_summary, load_worker_state
+    global PERIOD, Blocks, tiny_llama, training_args
+    from integration_hf_run import PERIOD, Blocks, tiny_llama, training_args
+
+    from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, traffic_summary
+    from mtdao.integrations.worker_state import load_worker_state
 
 
 def make_trainer(out: Path, steps: int, method: LocalUpdates, save_steps: int = 0, **kwargs):
@@ -162,10 +166,15 @@ def torchrun_jobs(tmp_path_factory) -> dict:
         processes=4,
     )
     jobs = {"checks": checks, "example": example, "sharded": sharded}
+    # The three jobs at once (2 + 2 + 4 processes): torchrun's start, then its workers'; the
+    # longest job, the checks, runs four Trainer runs and a plain loop in turn, of at most
+    # 3 K + 2 steps each.
+    check_steps = 5 * (3 * PERIOD + 2)
+    timeout_s = limit_s(starts=1 + HF_STARTS, steps=check_steps, processes=2 + 2 + 4)
     outputs = {}
     try:
         for name, job in jobs.items():
-            outputs[name] = job.communicate(timeout=TORCHRUN_TIMEOUT_S)[0]
+            outputs[name] = job.communicate(timeout=timeout_s)[0]
             assert job.returncode == 0, outputs[name][-6000:]
     finally:
         for job in jobs.values():

@@ -7,6 +7,8 @@ check branches on data, eager attention does not), so the docs stay true.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -51,8 +53,19 @@ def test_keyword_inputs_reach_each_worker_with_its_own_slice():
         assert_close(out[w], expected)
 
 
-transformers = pytest.importorskip("transformers", reason="needs the hf extra")
-from mtdao.integrations.hf import stack_hf_workers  # noqa: E402
+@pytest.fixture(scope="module")
+def hf_imports() -> None:
+    """transformers, imported once the first test that needs it runs, not at collection: every
+    test process collects every file, and the import costs seconds of CPU."""
+    global transformers, stack_hf_workers
+    import transformers
+
+    from mtdao.integrations.hf import stack_hf_workers
+
+
+def needs_transformers(test):
+    test = pytest.mark.usefixtures("hf_imports")(test)
+    return pytest.mark.skipif(find_spec("transformers") is None, reason="needs the hf extra")(test)
 
 
 def llama(**overrides):
@@ -85,6 +98,7 @@ def gpt2(**overrides):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
+@needs_transformers
 @pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2"])
 def test_each_simulated_worker_is_the_model_with_its_own_parameters(build):
     model = build()
@@ -102,6 +116,7 @@ def test_each_simulated_worker_is_the_model_with_its_own_parameters(build):
         assert_close(out.logits[w], single.logits)
 
 
+@needs_transformers
 def test_simulated_hf_workers_train_and_agree_after_a_sync():
     workers = stack_hf_workers(llama(), M)
     optimizer = mtdao.MTAdam(workers.parameters(), lr=1e-2, betas=(0.99,), omegas=(0.9,))
@@ -119,6 +134,7 @@ def test_simulated_hf_workers_train_and_agree_after_a_sync():
     assert sync.traffic.rounds == 2
 
 
+@needs_transformers
 def test_a_cache_in_the_output_cannot_be_stacked_so_stack_hf_workers_turns_it_off():
     ids = torch.randint(0, 64, (M, 2, 16))
     with pytest.raises(ValueError, match="DynamicCache"):
@@ -128,6 +144,7 @@ def test_a_cache_in_the_output_cannot_be_stacked_so_stack_hf_workers_turns_it_of
     assert model.config.use_cache is False
 
 
+@needs_transformers
 def test_padding_masks_need_eager_attention():
     """transformers' SDPA path asks ``padding_mask.all()`` (a data-dependent branch vmap
     refuses); its eager attention builds the mask arithmetically."""
@@ -141,6 +158,7 @@ def test_padding_masks_need_eager_attention():
     assert_close(out.logits[1], model(input_ids=ids[1], attention_mask=mask[1]).logits)
 
 
+@needs_transformers
 def test_a_module_without_a_transformers_config_is_pointed_to_stack_workers():
     with pytest.raises(ValueError, match="use mtdao.sync.stack_workers"):
         stack_hf_workers(torch.nn.Linear(2, 2), M)

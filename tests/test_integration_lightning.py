@@ -17,32 +17,34 @@ import json
 import os
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 import torch
+from wait_limits import limit_s
 
-L = pytest.importorskip("lightning", reason="needs the lightning extra")
+from mtdao.optim import MTAdam
+from mtdao.testing.ports import unused_port
 
-from mtdao.integrations.lightning import (  # noqa: E402
-    LocalUpdates,
-    LocalUpdateStrategy,
-    method_optimizer,
-)
-from mtdao.optim import MTAdam  # noqa: E402
-from mtdao.testing.ports import unused_port  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from integration_lightning_run import RUN_STEPS, TinyLM, tokens  # noqa: E402
-from wait_limits import limit_s  # noqa: E402
+pytestmark = pytest.mark.skipif(find_spec("lightning") is None, reason="needs the lightning extra")
 
 ROOT = Path(__file__).resolve().parents[1]
 # A Lightning process's start costs two of the model's, as a transformers one does (lightning
 # beside torch); the checks run five Lightning fits and a plain loop in turn.
 LIGHTNING_STARTS = 2
-CHECK_STEPS = 5 * RUN_STEPS + 3
-TORCHRUN_TIMEOUT_S = limit_s(starts=1 + LIGHTNING_STARTS, steps=CHECK_STEPS, processes=2 + 2)
 EPOCH_BATCHES = 5  # one process, batches of 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lightning_imports() -> None:
+    """Lightning and what this file takes from it, imported once its first test runs, not at
+    collection: every test process collects every file, and these imports cost seconds of CPU."""
+    global L, LocalUpdates, LocalUpdateStrategy, method_optimizer, RUN_STEPS, TinyLM, tokens
+    import lightning as L
+    from integration_lightning_run import RUN_STEPS, TinyLM, tokens
+
+    from mtdao.integrations.lightning import LocalUpdates, LocalUpdateStrategy, method_optimizer
 
 
 @pytest.fixture(autouse=True)
@@ -124,17 +126,15 @@ def test_one_process_resume_is_exact(tmp_path):
         assert torch.equal(p, q)
 
 
-class OwnOptimizer(TinyLM):
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class OnAnotherStrategy(TinyLM):
-    def configure_optimizers(self):
-        return method_optimizer(self, 1e-3)
-
-
 def test_bad_settings_are_refused(tmp_path):
+    class OwnOptimizer(TinyLM):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class OnAnotherStrategy(TinyLM):
+        def configure_optimizers(self):
+            return method_optimizer(self, 1e-3)
+
     with pytest.raises(ValueError, match="accumulate_grad_batches=1"):
         fit(tmp_path, LocalUpdates(), max_steps=1, accumulate_grad_batches=2)
     scaled = L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
@@ -179,10 +179,12 @@ def torchrun_jobs(tmp_path_factory) -> dict:
         *("--max-steps", "24", "--sync-period", "16", "--chars", "60000"),
     )
     jobs = {"checks": checks, "example": example}
+    check_steps = 5 * RUN_STEPS + 3
+    timeout_s = limit_s(starts=1 + LIGHTNING_STARTS, steps=check_steps, processes=2 + 2)
     outputs = {}
     try:
         for name, job in jobs.items():
-            outputs[name] = job.communicate(timeout=TORCHRUN_TIMEOUT_S)[0]
+            outputs[name] = job.communicate(timeout=timeout_s)[0]
             assert job.returncode == 0, outputs[name][-6000:]
     finally:
         for job in jobs.values():

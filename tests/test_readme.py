@@ -24,11 +24,14 @@ from mtdao.testing.ports import unused_port
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
-SNIPPETS = [
-    snippet
-    for page in DOCS
-    for snippet in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
-]
+# a snippet shown on two pages word for word (the README's loop is also docs/library.md's) runs once
+SNIPPETS = list(
+    dict.fromkeys(
+        snippet
+        for page in DOCS
+        for snippet in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
+    )
+)
 ONE_PROCESS_SNIPPETS = [s for s in SNIPPETS if "--nproc-per-node" not in s]
 # the costliest snippet took 10.2 core-seconds (importing lightning, 32 steps; the others 3.5 -
 # 9.9), a start and a third of wait_limits' measure: two starts bound each
