@@ -52,6 +52,17 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
+def no_plot():
+    """Runs in this module draw no loss.png: matplotlib's layout is half of a tiny run's CPU, and
+    these tests never look at the plot (test_train_plots.py and test_train_cli.py do)."""
+    from mtdao.train import plots
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plots, "plot_run", lambda run_dir, reference=None: None)
+        yield
+
+
+@pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
     """A directory of text files the harness can train on in a fraction of a second."""
     root = tmp_path_factory.mktemp("corpus")

@@ -24,7 +24,7 @@ from mtdao.train.checkpoint.checkpointer import Checkpointer
 from mtdao.train.metrics import read_metrics
 from mtdao.train.run_lock import RunLock
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_plot")
 
 
 def checkpoint_names(run_dir: Path) -> list[str]:

@@ -18,7 +18,7 @@ from mtdao.train.checkpoint import store as ckpt
 from mtdao.train.config import TrainConfig
 from mtdao.train.metrics import read_metrics
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_plot")
 
 
 def tiny_config(out: Path, data: Path, **overrides) -> TrainConfig:
