@@ -20,10 +20,11 @@ import torch
 import mtdao
 from mtdao.cli import main
 from mtdao.methods.table import METHODS
-from mtdao.train import trainer
+from mtdao.train import plots, trainer
 from mtdao.train.metrics import read_metrics
+from mtdao.train.plots import plot_run
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_plot")
 RESULT_KEYS = (
     "method",
     "workers",
@@ -75,8 +76,9 @@ def assert_one_line_error(capsys, args: list[str], match: str) -> None:
 # -- what a run writes ----------------------------------------------------------------------------
 
 
-def test_run_outputs_and_determinism(tmp_path, corpus_dir, capsys):
+def test_run_outputs_and_determinism(tmp_path, corpus_dir, capsys, monkeypatch):
     """results.json, config.json, metrics.jsonl and loss.png; the same run twice is identical."""
+    monkeypatch.setattr(plots, "plot_run", plot_run)  # this file's other runs draw none
     first = run_ok(capsys, tiny_args(tmp_path / "first", corpus_dir, "--eval-every", "2"))
     second = run_ok(capsys, tiny_args(tmp_path / "second", corpus_dir, "--eval-every", "2"))
 
@@ -103,16 +105,19 @@ def test_run_outputs_and_determinism(tmp_path, corpus_dir, capsys):
 
 
 @pytest.mark.parametrize(
-    "method, steps, reduction",
+    "method, period, steps, reduction",
     [
-        ("ddp", 2, 1.0),
-        ("mtdao", 4, 4 / 3),  # params, one momentum and the second moment every K
-        ("diloco", 4, 4.0),  # params only
-        ("desloc", 24, 1 / (1 / 4 + 1 / 12 + 1 / 24)),  # params K, momentum 3K, second 6K
+        ("ddp", 4, 2, 1.0),
+        ("mtdao", 4, 4, 4 / 3),  # params, one momentum and the second moment every K
+        ("diloco", 4, 4, 4.0),  # params only
+        ("desloc", 2, 12, 1 / (1 / 2 + 1 / 6 + 1 / 12)),  # params K, momentum 3K, second 6K
     ],
 )
-def test_communication_reduction_vs_ddp(tmp_path, corpus_dir, capsys, method, steps, reduction):
+def test_communication_reduction_vs_ddp(
+    tmp_path, corpus_dir, capsys, method, period, steps, reduction
+):
     args = tiny_args(tmp_path, corpus_dir, "--method", method, "--eval-every", "100")
+    args[args.index("--sync-period") + 1] = str(period)
     args[args.index("--steps") + 1] = str(steps)
     results = run_ok(capsys, args)
     assert results["comm_reduction_vs_ddp"] == pytest.approx(reduction)
@@ -157,7 +162,6 @@ def test_the_terminal_says_why_nothing_was_sent_and_names_only_a_drawn_plot(
 ):
     """2 workers and fewer steps than K: no round came due (not "one worker"); a plot that
     could not be drawn is not named (and no older one is left to be taken for it)."""
-    from mtdao.train import plots
 
     def full_disk(run_dir, reference=None):
         (Path(run_dir) / "loss.png").write_bytes(b"partial")
