@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from wait_limits import first_line, limit_s
 
+from mtdao.cli import main
 from mtdao.train.checkpoint.index import latest_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -22,7 +23,6 @@ READY_S = limit_s(starts=1, steps=CHECKPOINT_EVERY)  # a start, then steps to a 
 # after Ctrl-C, up to a start's work: a run's first step and evaluation if still starting, the
 # lighthouse's torchft server shut down; then the interpreter's end
 ENDING_S = limit_s(starts=1)
-RESUMED_S = limit_s(starts=1, steps=RESUMED_STEPS)
 
 
 def train_argv(out: Path, data: Path, steps: int) -> list[str]:
@@ -64,7 +64,8 @@ def interrupt_when(process: subprocess.Popen, ready, timeout: float = READY_S) -
 
 
 @pytest.mark.slow  # trains to a checkpoint in a subprocess
-def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path, corpus_dir):
+@pytest.mark.usefixtures("one_thread", "no_plot")
+def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path, corpus_dir, capsys):
     out = tmp_path / "run"
     argv = train_argv(out, corpus_dir, steps=100_000)
     process = start_train(argv, tmp_path)
@@ -77,19 +78,15 @@ def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path, corpus_dir
     command = shlex.split(line.split("continue with: ")[1])
     assert command == ["mtdao", *argv, "--resume"]
     # the command does what it says: the run continues from that checkpoint (to a shorter end,
-    # re-planned with --extend so that it ends quickly)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "mtdao", *command[1:], "--steps", str(RESUMED_STEPS), "--extend"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        cwd=tmp_path,
-        timeout=RESUMED_S,
-    )
-    if f"past --steps {RESUMED_STEPS}" in resumed.stderr:  # the interrupt came late
+    # re-planned with --extend so that it ends quickly). In this process: what is tested is the
+    # command line, and a process start costs more than the run
+    capsys.readouterr()
+    code = main([*command[1:], "--steps", str(RESUMED_STEPS), "--extend"])
+    resumed = capsys.readouterr().err
+    if f"past --steps {RESUMED_STEPS}" in resumed:  # the interrupt came late
         pytest.skip(f"the run was past step {RESUMED_STEPS} when interrupted")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from step " in resumed.stderr
+    assert code == 0, resumed
+    assert "resumed from step " in resumed
 
 
 def test_ctrl_c_before_any_checkpoint_says_how_to_start_again(tmp_path, corpus_dir):
