@@ -77,6 +77,8 @@ def test_a_replica_killed_midway_and_restarted_ends_with_the_same_model(tmp_path
         drill._spawn("r1-again", command(1))  # the same command line
         exits = [drill.wait_exit(name, REST_S) for name in ("r0", "r1-again", "r2")]
         assert exits == [0, 0, 0], drill.tails()
+        # without the run's secret a replica says so once, with what that leaves unprotected
+        assert drill.log("r0").count("replicas prove themselves with") == (0 if secret else 1)
         # the restarted replica healed to where the others were, not from step 0, and said so
         assert steps_said(drill, "r1-again")[0] > STEPS // 3, drill.tails()
         joined = [line for line in drill.log("r1-again").splitlines() if " joined at " in line]

@@ -25,12 +25,6 @@ from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
 
-OTHER_ACCOUNTS = (
-    "only this account's processes on this machine can join its rounds; other accounts here can "
-    "still reach torchft's servers on loopback (stop or stall a replica, list replica ids): on a "
-    "shared machine give the run a network namespace of its own (see docs/security.md)"
-)  # what a run on loopback without a secret protects from this machine's other accounts
-
 
 def fault_tolerant_replica(
     config: ReplicaConfig,
@@ -67,14 +61,6 @@ def fault_tolerant_replica(
         )
     config = replace(config, lighthouse=lighthouse)
     key = run_key(read_token(config.auth_token_file), config.bind_host)
-    if key.origin != "the run's secret":
-        logger.warning(
-            "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
-            "%s; %s",
-            config.replica_id,
-            key.origin,
-            OTHER_ACCOUNTS,
-        )
     shared = dict(shared_config or {})
     replicas = ReplicaGroups(
         config,
