@@ -79,17 +79,21 @@ def fault_tolerant_replica(
 
 
 class JoinsAndHeals:
-    """Says when the replica joins and heals, as a warning (shown without logging set up)."""
+    """Says when the replica joins, heals or its quorum's members change, as a warning (shown
+    without logging set up)."""
 
     def __init__(self, replica_id: int) -> None:
-        self.replica_id, self.joined = replica_id, False
+        self.replica_id, self.members = replica_id, None  # of its last quorum
 
     def __call__(self, start: RoundStart, step: int) -> None:
-        said = []
-        if not self.joined:
-            self.joined = True
-            members = ", ".join(map(str, start.replicas))
+        said, before, self.members = [], self.members, start.replicas
+        members = ", ".join(map(str, start.replicas))
+        if before is None:
             said.append(f"joined at step {step} with replicas {members}")
+        elif set(start.replicas) != set(before):  # once per change: a steady run says nothing
+            went = [f"replica {r} left" for r in before if r not in start.replicas]
+            came = [f"replica {r} joined" for r in start.replicas if r not in before]
+            said.append(f"quorum now replicas {members} ({', '.join(went + came)})")
         if start.heal is not None:
             heal = start.heal
             size = f"{heal.bytes / 1e6:.1f} MB" if heal.bytes >= 1e6 else f"{heal.bytes:,} bytes"
