@@ -38,13 +38,20 @@ discarded so far, and the step; one per heal) as they are written:
   or started over from step 0 (every replica that held the model was down at once: a restart
   takes longer than the time between kills on a crowded machine, and the example keeps no
   checkpoint);
+* ``splits``: times two live replicas each stood in a quorum that left the other out (read
+  from their membership lines: the join line and each ``quorum now replicas ...``), from the
+  window's start to the end of the run, and ``longest_split_s`` the longest of them: the
+  lighthouse formed a quorum without a replica that was alive (one it had dropped, or one that
+  asked late), and the two sides trained apart until they met again;
 * ``identical``: every replica exited 0 at the last step with the same digest of its final
   parameters (the example's ``result.json``).
 
 Every process it starts runs in a session of its own and is killed on the way out, on Ctrl-C,
 SIGTERM or an error too. Times are read when a line is seen (every 0.25 s); each kill, start and
-lighthouse restart is written with its time to ``events.log`` beside the logs. FILE is written
-when the window ends (``identical`` null) and again when the replicas have ended.
+lighthouse restart is written with its time to ``events.log`` beside the logs, and every line of
+every replica but its round lines (joins, heals, membership, discards, refusals) with the time it
+was seen and the process's name to ``timeline.log``. FILE is written when the window ends
+(``identical`` null) and again when the replicas have ended.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import argparse
 import json
 import math
 import random
+import re
 import signal
 import sys
 import time
@@ -73,6 +81,7 @@ END_MARGIN_S = 60.0  # the replicas stop this far (in steps at their pace) after
 # replica restarted just before it must find the others to heal from
 LOST_ROUNDS = 4  # a fall of the group's step by more rounds than this lost progress
 NEVER = 10**9  # the replicas' --steps: they stop at the step the benchmark writes
+MEMBERS = re.compile(r"(?:joined at step \d+ with|quorum now) replicas ((?:\d+, )*\d+)")
 
 
 @dataclass
@@ -84,6 +93,7 @@ class Process:
     offset: int = 0
     discarded: int = 0  # the count of its last line
     last_step: int = 0
+    members: list[int] | None = None  # of its last quorum, once said
 
 
 @dataclass
@@ -100,6 +110,8 @@ class Record:
     change; it falls when the run starts over."""
     lost: list[tuple[float, int]] = field(default_factory=list)
     """(time, steps) of each fall of the group's step by more than LOST_ROUNDS rounds."""
+    splits: list[list[float]] = field(default_factory=list)
+    """[first seen, last seen] of each time two live replicas' quorums left each other out."""
 
     @property
     def committed(self) -> int:
@@ -126,6 +138,8 @@ class Churn:
         self.lighthouses = 0
         self.unasked_exits: list[str] = []
         self.events = out.parent / "events.log"
+        self.timeline = out.parent / "timeline.log"
+        self.splitting = False
 
     def event(self, what: str) -> None:
         with open(self.events, "a") as events:
@@ -203,15 +217,35 @@ class Churn:
             process.offset += len(whole)
             for line in whole.decode(errors="replace").splitlines():
                 self._said(process, line, now)
+        split = self.split()
+        if split and not self.splitting:
+            self.record.splits.append([now, now])
+        elif self.splitting:  # on, or just over
+            self.record.splits[-1][1] = now
+        self.splitting = split
+
+    def split(self) -> bool:
+        """Whether two live replicas each stand in a quorum that leaves the other out."""
+        said = [
+            (p.replica, p.members)
+            for p in self.processes.values()
+            if p.members is not None and self.running(p.replica)
+        ]
+        return any(a not in theirs and b not in mine for a, mine in said for b, theirs in said)
 
     def _said(self, process: Process, line: str, now: float) -> None:
         prefix = f"replica {process.replica}: "
-        if not line.startswith(prefix):
-            return
-        said = line[len(prefix) :]
+        said = line[len(prefix) :] if line.startswith(prefix) else ""
+        a_round = " rounds committed, " in said and "; step " in said
+        if not a_round:
+            with open(self.timeline, "a") as timeline:
+                timeline.write(f"{now:.2f} {process.name} {line}\n")
+            members = MEMBERS.search(said)
+            if members:
+                process.members = [int(r) for r in members.group(1).split(", ")]
         if "healed from replica" in said:  # the library's join or heal line
             self.record.heals.append(now)
-        elif " rounds committed, " in said and "; step " in said:
+        elif a_round:
             counts, step = said.split("; step ")
             committed = int(counts.split()[0])
             discarded = int(counts.split(", ")[1].split()[0])
@@ -336,6 +370,11 @@ def figures_so_far(
             for t, steps in record.lost
             if began <= t < window_end
         ],
+        "splits": [
+            {"after_s": round(first - began, 1), "seconds": round(last - first, 1)}
+            for first, last in record.splits
+            if first >= began
+        ],
         "unasked_exits": list(churn.unasked_exits),
         "results": [],
     }
@@ -429,6 +468,8 @@ def main(argv=None) -> int:
             ),
             "progress_lost": len(run["progress_lost"]),
             "steps_lost": sum(s["steps"] for s in run["progress_lost"]),
+            "splits": len(run["splits"]),
+            "longest_split_s": max((s["seconds"] for s in run["splits"]), default=0.0),
             "identical": identical(run["results"], run["steps"]) if run["results"] else None,
         }
         report = {

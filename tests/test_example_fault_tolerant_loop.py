@@ -40,6 +40,9 @@ ROUND_OPTIONS = {
         "--error-feedback",
     ],  # fmt: skip
 }
+# what a survivor may say of its quorum's members: nothing, or replica 1 leaving and coming back
+QUORUM_WITHOUT_1 = "quorum now replicas 0, 2 (replica 1 left)"
+QUORUM_WITH_1 = "quorum now replicas 0, 1, 2 (replica 1 joined)"
 
 
 def steps_said(drill: Drill, name: str) -> list[int]:
@@ -77,6 +80,8 @@ def test_a_replica_killed_midway_and_restarted_ends_with_the_same_model(tmp_path
         drill._spawn("r1-again", command(1))  # the same command line
         exits = [drill.wait_exit(name, REST_S) for name in ("r0", "r1-again", "r2")]
         assert exits == [0, 0, 0], drill.tails()
+        # without the run's secret a replica says so once, with what that leaves unprotected
+        assert drill.log("r0").count("replicas prove themselves with") == (0 if secret else 1)
         # the restarted replica healed to where the others were, not from step 0, and said so
         assert steps_said(drill, "r1-again")[0] > STEPS // 3, drill.tails()
         joined = [line for line in drill.log("r1-again").splitlines() if " joined at " in line]
@@ -84,6 +89,12 @@ def test_a_replica_killed_midway_and_restarted_ends_with_the_same_model(tmp_path
         said = re.match(r"replica 1: joined at step (\d+) with replicas 0, 1, 2, healed from "
                         r"replica [02] \(", joined[0])  # fmt: skip
         assert said and int(said.group(1)) > STEPS // 3, joined
+        # the survivors say their quorum's members when they change, not at every round: if a
+        # round went on without the killed one (not yet proven to the lighthouse), then back
+        for name in ("r0", "r2"):
+            lines = drill.log(name).splitlines()
+            said = [line.split(": ", 1)[1] for line in lines if " quorum now " in line]
+            assert said in ([], [QUORUM_WITHOUT_1, QUORUM_WITH_1]), drill.tails()
     results = [json.loads((tmp_path / f"r{r}" / "result.json").read_text()) for r in range(3)]
     assert [r["step"] for r in results] == [STEPS] * 3
     assert len({r["params_sha256"] for r in results}) == 1, results

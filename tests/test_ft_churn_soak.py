@@ -1,7 +1,8 @@
 """The churn benchmark, short (benchmarks/ft_churn.py): three replicas of the example loop killed
 with SIGKILL at random for two minutes (a mean of 12 s between kills), restarted at once, and the
 lighthouse restarted every 40 s. At least half the expected kills land, the group never goes a
-minute without a commit, every replica ends with the same model, and no process is left behind.
+minute without a commit, every replica ends with the same model, the replicas' membership changes
+are in its timeline, and no process is left behind.
 A soak test: ``python -m pytest -m soak``."""
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def test_replicas_killed_at_random_for_minutes_end_with_one_model(tmp_path):
     assert report["longest_without_commit_s"] <= LONGEST_WITHOUT_COMMIT_S, output
     assert report["goodput"] > 0, output
     assert report["identical"], json.dumps(report["churn"]["results"], indent=1)
+    # each replica said when its quorum's members changed; the splits are read from those lines
+    timeline = (tmp_path / "churn" / "timeline.log").read_text()
+    assert " quorum now replicas " in timeline, timeline[-2000:]
+    assert report["splits"] == len(report["churn"]["splits"]), output
 
 
 def left_behind(root: Path) -> list[str]:

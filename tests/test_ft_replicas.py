@@ -258,12 +258,12 @@ def test_the_lighthouse_says_where_it_serves_and_stops_cleanly(drill):
     assert seen["lighthouse_exit"] == 0
 
 
-def test_a_replica_of_a_plain_loop_says_when_it_joins_and_when_it_heals(caplog):
+def test_a_replica_of_a_plain_loop_says_when_it_joins_heals_and_its_quorum_changes(caplog):
     from mtdao.ft import Heal, RoundStart
     from mtdao.ft.joining import JoinsAndHeals
 
-    def quorum(heal=None):
-        return RoundStart(replicas=[0, 1, 2], joined=[1], left=[], quorum_id=3, seconds=0.2,
+    def quorum(heal=None, replicas=(0, 1, 2)):
+        return RoundStart(replicas=list(replicas), joined=[1], left=[], quorum_id=3, seconds=0.2,
                           heal=heal)  # fmt: skip
 
     say = JoinsAndHeals(1)
@@ -271,8 +271,13 @@ def test_a_replica_of_a_plain_loop_says_when_it_joins_and_when_it_heals(caplog):
         say(quorum(Heal(source=0, bytes=2_500_000, seconds=0.4)), 32)  # a restart: both at once
         say(quorum(), 40)  # an ordinary round: nothing
         say(quorum(Heal(source=2, bytes=48_123, seconds=0.5)), 48)  # fell behind
+        say(quorum(replicas=(1, 2)), 56)  # once per change of members, not per round
+        say(quorum(replicas=(2, 1)), 64)
+        say(quorum(replicas=(1, 3)), 72)
     assert [record.getMessage() for record in caplog.records] == [
         "replica 1: joined at step 32 with replicas 0, 1, 2, healed from replica 0 (2.5 MB in "
         "0.4 s)",
         "replica 1: healed from replica 2 at step 48 (48,123 bytes in 0.5 s)",
+        "replica 1: quorum now replicas 1, 2 (replica 0 left)",
+        "replica 1: quorum now replicas 1, 3 (replica 2 left, replica 3 joined)",
     ]

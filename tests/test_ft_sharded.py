@@ -101,6 +101,8 @@ def drill(corpus_dir, tmp_path_factory):
 def test_a_killed_sharded_replica_restarts_heals_and_matches_its_peer_shard_by_shard(drill):
     drill, seen = drill
     assert seen["exits"] == {"r0": 0, "r1": 0}, drill.tails()
+    # the run has no secret: the replica says so once, not once per process
+    assert drill.log("r0").count("prove themselves with this account's secret") == 1
     left = [e for e in drill.events("r0", "quorum") if 1 in e["left"]]
     assert left, "replica 0 never saw replica 1 leave"
     detected = left[0]["time"] - drill.killed_at[process_label("r1", 0)]

@@ -9,7 +9,6 @@ import importlib
 # Imported on first use (PEP 562): mtdao.ft.config (ReplicaConfig) loads without torchft, so a
 # training config holds it whether torchft is installed or not.
 _LAZY = {
-    "OTHER_ACCOUNTS": "mtdao.ft.joining",
     "SharedConfig": "mtdao.ft.joining",
     "fault_tolerant_replica": "mtdao.ft.joining",
     "Heal": "mtdao.ft.replicas",

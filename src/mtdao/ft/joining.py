@@ -25,12 +25,6 @@ from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
 
-OTHER_ACCOUNTS = (
-    "only this account's processes on this machine can join its rounds; other accounts here can "
-    "still reach torchft's servers on loopback (stop or stall a replica, list replica ids): on a "
-    "shared machine give the run a network namespace of its own (see docs/security.md)"
-)  # what a run on loopback without a secret protects from this machine's other accounts
-
 
 def fault_tolerant_replica(
     config: ReplicaConfig,
@@ -67,14 +61,6 @@ def fault_tolerant_replica(
         )
     config = replace(config, lighthouse=lighthouse)
     key = run_key(read_token(config.auth_token_file), config.bind_host)
-    if key.origin != "the run's secret":
-        logger.warning(
-            "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
-            "%s; %s",
-            config.replica_id,
-            key.origin,
-            OTHER_ACCOUNTS,
-        )
     shared = dict(shared_config or {})
     replicas = ReplicaGroups(
         config,
@@ -93,17 +79,21 @@ def fault_tolerant_replica(
 
 
 class JoinsAndHeals:
-    """Says when the replica joins and heals, as a warning (shown without logging set up)."""
+    """Says when the replica joins, heals or its quorum's members change, as a warning (shown
+    without logging set up)."""
 
     def __init__(self, replica_id: int) -> None:
-        self.replica_id, self.joined = replica_id, False
+        self.replica_id, self.members = replica_id, None  # of its last quorum
 
     def __call__(self, start: RoundStart, step: int) -> None:
-        said = []
-        if not self.joined:
-            self.joined = True
-            members = ", ".join(map(str, start.replicas))
+        said, before, self.members = [], self.members, start.replicas
+        members = ", ".join(map(str, start.replicas))
+        if before is None:
             said.append(f"joined at step {step} with replicas {members}")
+        elif set(start.replicas) != set(before):  # once per change: a steady run says nothing
+            went = [f"replica {r} left" for r in before if r not in start.replicas]
+            came = [f"replica {r} joined" for r in start.replicas if r not in before]
+            said.append(f"quorum now replicas {members} ({', '.join(went + came)})")
         if start.heal is not None:
             heal = start.heal
             size = f"{heal.bytes / 1e6:.1f} MB" if heal.bytes >= 1e6 else f"{heal.bytes:,} bytes"

@@ -3,6 +3,7 @@ protocol)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from mtdao.sync.dtensors import local_shard
 
 if TYPE_CHECKING:
     from mtdao.sync.trained_state import TrainedState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -150,6 +153,14 @@ class ReplicaGroups(Communicator):
     def connect(self) -> None:
         """Announce this replica to the lighthouse (heartbeats start) once it is ready to join:
         a live replica that does not join holds up new quorums. Every process calls it."""
+        if self.processes.rank == 0 and self.key.origin != "the run's secret":  # once a replica
+            logger.warning(  # what a run without a secret protects from this machine's accounts
+                "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: replicas prove themselves "
+                "with %s; only this account's processes on this machine can join its rounds; other "
+                "accounts here can still reach torchft's servers on loopback (stop or stall a "
+                "replica, list replica ids): on a shared machine give the run a network namespace "
+                "of its own (see docs/security.md)", self.config.replica_id, self.key.origin,
+            )  # fmt: skip
         failure = self._start_managers()
         if failure is not None:
             raise QuorumError(failure)

@@ -109,7 +109,7 @@ class ReplicaDriver(LoopHooks):
         """The replica's first process: it speaks, and writes the replica's records."""
 
     def build(self, config: TrainConfig, process: ProcessInfo) -> Run:
-        from mtdao.ft import OTHER_ACCOUNTS, RefusalLog, fault_tolerant_replica
+        from mtdao.ft import RefusalLog, fault_tolerant_replica
 
         ft = config.fault_tolerance
         self.replicas = fault_tolerant_replica(
@@ -129,12 +129,6 @@ class ReplicaDriver(LoopHooks):
         self.events.write({"event": "connect", "step": run.step})
         self.replicas.connect()  # ready to join: the lighthouse hears from this replica from now
         self._say(f"serving on {ft.bind_host}: {self.replicas.listeners()}")
-        key = self.replicas.key
-        if key.origin != "the run's secret":
-            self._say(
-                f"no --auth-token-file or $MTDAO_AUTH_TOKEN: replicas prove themselves with "
-                f"{key.origin}; {OTHER_ACCOUNTS}"
-            )
         return run
 
     def close(self) -> None:
