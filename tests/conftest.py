@@ -6,8 +6,9 @@ from pathlib import Path
 
 # Before torch is imported: the tests and every mtdao process they start run one thread unless
 # told otherwise, so results do not depend on the machine's load (mtdao train picks one thread
-# on a busy machine, and says so, when OMP_NUM_THREADS is unset).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# on a busy machine, and says so, when OMP_NUM_THREADS is unset or empty).
+if not os.environ.get("OMP_NUM_THREADS"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
