@@ -20,7 +20,8 @@ CORPUS_MODULES = ("argparse", "textwrap", "csv", "json.decoder", "json.encoder",
 def pytest_collection_modifyitems(config, items) -> None:
     """Files with slow tests first, the rest in their order: the two processes share out the
     long files (most wait on subprocesses) while the many quick ones fill the gaps, instead of
-    one process running a long file alone at the end."""
+    one process running a long file alone at the end. xdist keeps this order only with
+    --no-loadscope-reorder (addopts); by default it sorts files by their number of tests."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
 
