@@ -1,12 +1,6 @@
-"""A replica's torchft Manager whose quorums hold proven members only, and whose heals are checked.
-
-torchft's quorum step trusts every member's claimed step (a stranger would become every heal
-source and host the rendezvous), so it is replaced: the first process asks the lighthouse with its
-signed claim and proves the members (:mod:`.proofs`), relaying the verdict to the others through
-the replica's store; each plans the quorum over proven members (:mod:`.quorum_plan`), forms the
-group when membership changed, and heals from its first source whose state passes
-:mod:`.heal_checks`, else the next; a refused source is never healed from again.
-"""
+"""A replica's torchft Manager whose quorum step holds proven members only and checks its heals
+(docs/security.md, "What a peer must prove"): the first process proves the members, relaying the
+verdict to the others through the replica's store."""
 
 from __future__ import annotations
 
