@@ -108,6 +108,11 @@ def test_a_proven_quorum_below_the_lighthouses_min_replicas_forms_no_group():
         assert plan.refusal is None  # it trains on and asks again at the next quorum
     for min_replicas in (1, 2):
         assert plan_quorum(proven, "0:uuid", 0, "m", min_replicas=min_replicas).failure is None
+    alone = plan_quorum(proven[:1], "0:uuid", 0, "m", min_replicas=2)
+    assert (
+        alone.failure
+        == "1 replica proved its claim (replica 0), the lighthouse's --min-replicas is 2"
+    )
 
 
 def test_a_shard_mismatch_is_named_before_a_count_below_min_replicas():

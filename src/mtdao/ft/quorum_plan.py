@@ -64,11 +64,11 @@ def plan_quorum(
     )
     _check_membership(plan, mine, up_to_date)
     if plan.failure is None and len(members) < min_replicas:  # the lighthouse counted others
-        shown = ", ".join(map(str, plan.replica_ids))
-        plan.failure = (
-            f"{len(members)} replicas proved their claims (replicas {shown}), the lighthouse's "
-            f"--min-replicas is {min_replicas}"
-        )
+        ids = ", ".join(map(str, plan.replica_ids))
+        proved = f"{len(members)} replicas proved their claims (replicas {ids})"
+        if len(members) == 1:
+            proved = f"1 replica proved its claim (replica {ids})"
+        plan.failure = f"{proved}, the lighthouse's --min-replicas is {min_replicas}"
     return plan
 
 
