@@ -59,6 +59,8 @@ def test_a_proven_quorum_below_min_replicas_averages_nothing(corpus_dir, tmp_pat
     stop = threading.Event()
     with Drill(tmp_path / "drill", flags, heartbeat_timeout=5.0, join_timeout=5.0) as drill:
         drill.start_lighthouse(min_replicas=2, flags=secret)
+        serving = lambda: "serving at" in drill.log("lighthouse")  # noqa: E731
+        drill.wait_for(serving, limit_s(), "the lighthouse")
         asker = threading.Thread(target=silent_member, args=(drill.lighthouse, key, stop))
         asker.start()
         try:
