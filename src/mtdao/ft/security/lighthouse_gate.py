@@ -121,7 +121,7 @@ def lighthouse_min_replicas(url: str, timeout: float) -> int | None:
             return 1 if error.code() in unserved else None
     try:
         return max(1, int(json.loads(answer)["min_replicas"]))
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):  # not an mtdao lighthouse's
         return 1
 
 
