@@ -54,7 +54,7 @@ def steer(control: Path, name: str) -> None:
                 wait_while((control / f"{name}.hold-final").exists)
 
         replicas.before_quorum = before_quorum
-        replicas.before_collective = before_collective
+        replicas.quorum.before_collective = before_collective
         connect(replicas)
         (control / f"{name}.connected").touch()
         wait_while((control / "start-gate").exists)

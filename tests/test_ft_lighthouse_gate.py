@@ -33,7 +33,12 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 from mtdao.ft import start_lighthouse  # noqa: E402
 from mtdao.ft.security.auth import RunKey  # noqa: E402
 from mtdao.ft.security.grpc_front import GrpcFront  # noqa: E402
-from mtdao.ft.security.lighthouse_gate import CALLS, LighthouseGate  # noqa: E402
+from mtdao.ft.security.lighthouse_gate import (  # noqa: E402
+    CALLS,
+    LighthouseGate,
+    lighthouse_min_replicas,
+    settings,
+)
 from mtdao.ft.security.proofs import Claim, claim_data, new_nonce  # noqa: E402
 
 KEY = RunKey(b"0123456789abcdef0123")
@@ -53,6 +58,23 @@ def gated():
     yield f"http://127.0.0.1:{front.port}", lines
     front.shutdown()
     server.shutdown()
+
+
+def test_the_front_tells_replicas_the_lighthouses_min_replicas():
+    """What a proven quorum may not fall below; torchft's own lighthouse does not tell (1: its
+    own quorums are the bound), and one that cannot be reached tells nothing (None)."""
+    server = start_lighthouse("127.0.0.1:0", 3, join_timeout=1.0, heartbeat_timeout=5.0)
+    internal = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    front = GrpcFront("lighthouse", "127.0.0.1", 0, CALLS, answers=settings(3)).start(internal)
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        away = f"127.0.0.1:{closed.getsockname()[1]}"
+    try:
+        assert lighthouse_min_replicas(f"http://127.0.0.1:{front.port}", 5.0) == 3
+        assert lighthouse_min_replicas(f"http://{internal}", 5.0) == 1
+        assert lighthouse_min_replicas(away, 5.0) is None
+    finally:
+        front.shutdown()
+        server.shutdown()
 
 
 def ask(address: str, member: str, data=None):

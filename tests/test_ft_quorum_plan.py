@@ -94,3 +94,28 @@ def test_on_a_first_quorum_the_refused_member_heals_from_a_trusted_one():
 def test_when_every_member_was_refused_the_commit_counts_decide_again():
     proven = [refusing(member(0, 9), "1:uuid"), refusing(member(1, 4), "0:uuid")]
     assert plan_quorum(proven, "1:uuid", 0, "m").sources == [0]
+
+
+def test_a_proven_quorum_below_the_lighthouses_min_replicas_forms_no_group():
+    """The lighthouse counted 3 (--min-replicas 3), but replica 1 died before it confirmed: the
+    2 members that proved their claims average nothing (it once committed a round of 2)."""
+    proven = [member(0, 9), member(2, 9)]
+    plans = [plan_quorum(proven, f"{r}:uuid", 0, "m", min_replicas=3) for r in (0, 2)]
+    for plan in plans:
+        assert plan.failure == (
+            "2 replicas proved their claims (replicas 0, 2), the lighthouse's --min-replicas is 3"
+        )
+        assert plan.refusal is None  # it trains on and asks again at the next quorum
+    for min_replicas in (1, 2):
+        assert plan_quorum(proven, "0:uuid", 0, "m", min_replicas=min_replicas).failure is None
+    alone = plan_quorum(proven[:1], "0:uuid", 0, "m", min_replicas=2)
+    assert (
+        alone.failure
+        == "1 replica proved its claim (replica 0), the lighthouse's --min-replicas is 2"
+    )
+
+
+def test_a_shard_mismatch_is_named_before_a_count_below_min_replicas():
+    proven = [member(0, 9), member(2, 9, shards=2)]
+    plan = plan_quorum(proven, "0:uuid", 0, "m", min_replicas=3)
+    assert plan.failure == "replica 2 has --shards 2, this replica 1"

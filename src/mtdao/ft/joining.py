@@ -36,21 +36,11 @@ def fault_tolerant_replica(
     allow_non_finite: bool = False,
 ) -> ReplicaGroups:
     """Replica ``config.replica_id`` of the run whose lighthouse is at ``config.lighthouse``
-    (``host:port``; default ``$MTDAO_LIGHTHOUSE``): a communicator for
-    :class:`~mtdao.sync.engine.LocalUpdateSync`.
-
-    ``config.auth_token_file``: a file holding the run's secret, the same for every replica
-    (else ``$MTDAO_AUTH_TOKEN``); a peer without it is neither averaged with nor healed from.
-    Required unless ``config.bind_host``, the address every listener of this replica serves on,
-    is loopback, where this account's own secret on this machine stands in (see
-    docs/security.md). ``shared_config``: the settings every replica must share (steps, learning
-    rate, round options, ...; JSON-able values): every round checks that its members hold the
-    same, and a joining replica whose values differ from its source's is refused, naming them.
-    ``collective_timeout``: seconds one collective or heal transfer may take. ``shard_group``:
-    this replica is that group of processes sharding its model with FSDP2 (every process calls
-    this). ``allow_non_finite``: a heal state may hold NaN/inf (else such a state is refused,
-    and the replica keeps its own).
-    """
+    (default ``$MTDAO_LIGHTHOUSE``): a communicator for
+    :class:`~mtdao.sync.engine.LocalUpdateSync` (docs/library.md, "Fault-tolerant replicas in
+    your own loop", says what each argument does). ``shared_config``: JSON-able settings every
+    replica must share; ``collective_timeout``: seconds one collective or heal transfer may
+    take; ``shard_group``: this replica's FSDP2 processes (every one calls this)."""
     if config.replica_id is None:
         raise ValueError("no replica id: give ReplicaConfig(replica_id=...) (or --replica-id)")
     lighthouse = config.lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)

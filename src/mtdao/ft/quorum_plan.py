@@ -19,7 +19,7 @@ class QuorumPlan:
     serves: bool  # whether this replica serves its state (it is up to date, and someone heals)
     store: str  # ``host:port/prefix`` where this process's group of the round meets
     refusal: str | None = None  # why this replica may not join (id taken, other shards)
-    failure: str | None = None  # why no member forms this round's group (shards differ)
+    failure: str | None = None  # why this replica forms no group (shards differ, too few)
 
     @property
     def replica_ids(self) -> list[int]:
@@ -30,9 +30,12 @@ class QuorumPlan:
         return bool(self.sources)
 
 
-def plan_quorum(proven: list[Claim], me: str, group_rank: int, rendezvous: str) -> QuorumPlan:
+def plan_quorum(
+    proven: list[Claim], me: str, group_rank: int, rendezvous: str, min_replicas: int = 1
+) -> QuorumPlan:
     """The plan for process ``group_rank`` of proven member ``me``, its group meeting under
-    prefix ``rendezvous`` in the chosen store."""
+    prefix ``rendezvous`` in the chosen store; fewer than ``min_replicas`` (the lighthouse's)
+    proven members form no group."""
     members = sorted(proven, key=lambda claim: claim.member)
     rank = next(r for r, claim in enumerate(members) if claim.member == me)
     mine = members[rank]
@@ -60,6 +63,12 @@ def plan_quorum(proven: list[Claim], me: str, group_rank: int, rendezvous: str) 
         store=f"{members[primary].store}/{rendezvous}",
     )
     _check_membership(plan, mine, up_to_date)
+    if plan.failure is None and len(members) < min_replicas:  # the lighthouse counted others
+        ids = ", ".join(map(str, plan.replica_ids))
+        proved = f"{len(members)} replicas proved their claims (replicas {ids})"
+        if len(members) == 1:
+            proved = f"1 replica proved its claim (replica {ids})"
+        plan.failure = f"{proved}, the lighthouse's --min-replicas is {min_replicas}"
     return plan
 
 

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mtdao.ft import connection, round_identity
-from mtdao.ft.collective_watch import CollectiveWatch
 from mtdao.ft.config import ReplicaConfig
 from mtdao.ft.healing import HealedState
 from mtdao.ft.identity import ReplicaIdentity
@@ -120,26 +119,8 @@ class ReplicaGroups(Communicator):
         return self.identity.replica_id
 
     @property
-    def key(self) -> RunKey:
-        return self.identity.key
-
-    @property
     def manager(self) -> Manager | None:
         return self.quorum.manager
-
-    @property
-    def collectives(self) -> CollectiveWatch:
-        """Watches every collective of a round (says what it waits for, gives a lost peer up)."""
-        return self.quorum.collectives
-
-    @property
-    def before_collective(self) -> Callable[[], None] | None:
-        """Called before each blocking sum of a round (a fault drill holds a replica there)."""
-        return self.quorum.before_collective
-
-    @before_collective.setter
-    def before_collective(self, hook: Callable[[], None] | None) -> None:
-        self.quorum.before_collective = hook
 
     def shard_over(self, shard_group: dist.ProcessGroup) -> None:
         """Make this replica the processes of ``shard_group`` (before :meth:`connect`)."""
@@ -153,13 +134,14 @@ class ReplicaGroups(Communicator):
     def connect(self) -> None:
         """Announce this replica to the lighthouse (heartbeats start) once it is ready to join:
         a live replica that does not join holds up new quorums. Every process calls it."""
-        if self.processes.rank == 0 and self.key.origin != "the run's secret":  # once a replica
+        origin = self.identity.key.origin
+        if self.processes.rank == 0 and origin != "the run's secret":  # once a replica
             logger.warning(  # what a run without a secret protects from this machine's accounts
                 "replica %d: no auth token file or $MTDAO_AUTH_TOKEN: replicas prove themselves "
                 "with %s; only this account's processes on this machine can join its rounds; other "
                 "accounts here can still reach torchft's servers on loopback (stop or stall a "
                 "replica, list replica ids): on a shared machine give the run a network namespace "
-                "of its own (see docs/security.md)", self.config.replica_id, self.key.origin,
+                "of its own (see docs/security.md)", self.config.replica_id, origin,
             )  # fmt: skip
         failure = self._start_managers()
         if failure is not None:
@@ -169,10 +151,10 @@ class ReplicaGroups(Communicator):
         """A store, a heal transport and this process's manager (group rank 0's first); why not,
         if so. The store is new each time: a restarted lighthouse counts quorum ids anew, and an
         old store's keys would match."""
-        bind_host = self.config.bind_host
+        key, bind_host = self.identity.key, self.config.bind_host
         if self.processes.rank == 0:
             self._store = listening_store(bind_host)
-        self.heal_transport = SignedHealTransport(self.key, bind_host, self.collective_timeout)
+        self.heal_transport = SignedHealTransport(key, bind_host, self.collective_timeout)
         store, failure, manager = None, None, None
         if self.processes.rank == 0:
             store = (advertised_host(bind_host), self._store.port)
@@ -385,10 +367,6 @@ class ReplicaGroups(Communicator):
             self.quorum.fail(f"this replica sat the round out: {self._stale}")
         self.quorum.commit()
         self._fresh = False
-
-    def forget_prepared_round(self) -> None:
-        """The coming due step needs a quorum again (a replica whose state went back in time)."""
-        self.quorum.prepared = None
 
     def broadcast_from_first(self, tensors: Sequence[Tensor]) -> None:
         """Nothing: the first quorum heals every replica from one of them (torchft's init sync)."""

@@ -71,7 +71,7 @@ class DrillObserver:
         _write(control / f"{self.label}.pid", str(os.getpid()))
 
     def before_connect(self, run, replicas) -> None:
-        replicas.before_collective = lambda: self._hold_in_round(run.step)
+        replicas.quorum.before_collective = lambda: self._hold_in_round(run.step)
         replicas.before_quorum = lambda: _write(self.control / f"{self.label}.asked", str(run.step))
         _write(self.control / f"{self.label}.status", "held 0")
         _wait_while(lambda: (self.control / f"{self.name}.hold").exists())
@@ -82,7 +82,7 @@ class DrillObserver:
         if self.rewind and run.step == self.rewind[1] and self.saved is not None:
             HealedState(TrainedState(run.sync)).load_state_dict(self.saved)
             self.saved = None
-            run.sync.communicator.forget_prepared_round()
+            run.sync.communicator.quorum.prepared = None  # the coming round needs a new quorum
             print(f"fault drill: rewound to step {run.step}", flush=True)
         gate = self.control / "gate"
         if _read_int(gate, run.step + 1) <= run.step:

@@ -46,7 +46,8 @@ SHOWN_PATH_CHARS = 80
 class GrpcFront:
     """Serves ``host``:``port`` (0: any), making each call of ``allowed`` (full gRPC paths;
     ``local_only``: to this machine's callers only; ``inspect``: path -> check of the message
-    and the caller's (host, port), which says why not itself) again on the server behind.
+    and the caller's (host, port), which says why not itself) again on the server behind, or
+    answers it itself (``answers``: path -> answer).
     ``name`` is whose front it is in ``report``'s lines. Raises OSError when it cannot serve."""
 
     def __init__(
@@ -58,11 +59,12 @@ class GrpcFront:
         report: Callable[[str], None] | None = None,
         local_only: frozenset[str] = frozenset(),
         inspect: dict[str, Callable[[bytes, tuple[str, int]], bool]] | None = None,
+        answers: dict[str, bytes] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name, self.allowed = name, allowed
         self.local_only = local_only & allowed
-        self.inspect = inspect or {}
+        self.inspect, self.answers = inspect or {}, answers or {}
         self.report = report or to_stderr
         self.clock = clock
         self.refusal_hold_s, self.hold_after = REFUSAL_HOLD_S, HOLD_AFTER
@@ -178,6 +180,8 @@ class GrpcFront:
             await context.abort(grpc.StatusCode.CANCELLED, "the call ended without its message")
         if message is None:
             await self._refuse(context, peer, f"a call of {_shown(path)} {why}", served)
+        if path in self.answers:
+            return self.answers[path]
         upstream = self._channel.unary_unary(path)(message, timeout=context.time_remaining())
         self._upstream.add(upstream)
         try:

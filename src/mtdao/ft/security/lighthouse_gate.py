@@ -1,5 +1,6 @@
 """What ``mtdao lighthouse`` lets into its quorums: quorum requests with a fresh signed claim, and
-heartbeats only from a proven member's host (docs/security.md, "The lighthouse")."""
+heartbeats only from a proven member's host (docs/security.md, "The lighthouse"); and what its
+front tells the replicas itself: its ``--min-replicas``, which no proven quorum may fall below."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
 from google.protobuf.empty_pb2 import Empty
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -19,7 +21,8 @@ from mtdao.ft.security.proofs import SeenNonces, read_claim
 
 SERVICE = "/torchft.LighthouseService/"
 QUORUM, HEARTBEAT = SERVICE + "Quorum", SERVICE + "Heartbeat"
-CALLS = frozenset({QUORUM, HEARTBEAT})  # all the replicas make: not torchft's dashboard
+SETTINGS = "/mtdao.Lighthouse/Settings"  # answered by the front, not torchft's lighthouse
+CALLS = frozenset({QUORUM, HEARTBEAT, SETTINGS})  # all the replicas make: not the dashboard
 FORGET_S = 600.0
 """A replica id that neither asked for a quorum nor sent a heartbeat for this long is forgotten."""
 
@@ -100,6 +103,26 @@ class LighthouseGate:
         horizon = self.clock() - FORGET_S
         if len(self.proven) > 1000:
             self.proven = {m: p for m, p in self.proven.items() if p[0] >= horizon}
+
+
+def settings(min_replicas: int) -> dict[str, bytes]:
+    """The answers of the lighthouse's front itself, by gRPC path."""
+    return {SETTINGS: json.dumps({"min_replicas": min_replicas}).encode()}
+
+
+def lighthouse_min_replicas(url: str, timeout: float) -> int | None:
+    """The ``--min-replicas`` of the lighthouse at ``url``; 1 where it does not tell (torchft's
+    own lighthouse), None where it cannot be asked now."""
+    with grpc.insecure_channel(url.split("://")[-1]) as channel:
+        try:
+            answer = channel.unary_unary(SETTINGS)(b"", timeout=timeout)
+        except grpc.RpcError as error:
+            unserved = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED)
+            return 1 if error.code() in unserved else None
+    try:
+        return max(1, int(json.loads(answer)["min_replicas"]))
+    except (ValueError, TypeError, KeyError, RecursionError):  # not an mtdao lighthouse's
+        return 1
 
 
 def _field(message: bytes, number: int) -> bytes:

@@ -1,12 +1,6 @@
-"""A replica's torchft Manager whose quorums hold proven members only, and whose heals are checked.
-
-torchft's quorum step trusts every member's claimed step (a stranger would become every heal
-source and host the rendezvous), so it is replaced: the first process asks the lighthouse with its
-signed claim and proves the members (:mod:`.proofs`), relaying the verdict to the others through
-the replica's store; each plans the quorum over proven members (:mod:`.quorum_plan`), forms the
-group when membership changed, and heals from its first source whose state passes
-:mod:`.heal_checks`, else the next; a refused source is never healed from again.
-"""
+"""A replica's torchft Manager whose quorum step holds proven members only and checks its heals
+(docs/security.md, "What a peer must prove"): the first process proves the members, relaying the
+verdict to the others through the replica's store."""
 
 from __future__ import annotations
 
@@ -24,6 +18,7 @@ from mtdao.ft.plumbing import QuorumError, ReplicaRefused
 from mtdao.ft.quorum_plan import QuorumPlan, plan_quorum, rendezvous
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.heal_checks import heal_problem
+from mtdao.ft.security.lighthouse_gate import lighthouse_min_replicas
 from mtdao.ft.security.proofs import (
     Claim,
     SeenNonces,
@@ -71,6 +66,7 @@ class ProvenManager(QuorumStepManager):
         self._stores: dict[str, Any] = {}
         self._stores_lock = threading.Lock()
         self._lighthouse: LighthouseClient | None = None
+        self._min_replicas: int | None = None  # the lighthouse's, once it has told
         self._refused: set[str] = set()  # members whose heal state this process refused
         self.internals.store.set(
             self._heal_key(self.internals.group_rank), self.internals.heal_transport.metadata()
@@ -106,7 +102,9 @@ class ProvenManager(QuorumStepManager):
             return
         members = tuple(sorted(c.member for c in proven))
         meeting = rendezvous(self.identity.key, digest, proven)
-        plan = plan_quorum(proven, self._member, self.internals.group_rank, meeting)
+        plan = plan_quorum(
+            proven, self._member, self.internals.group_rank, meeting, verdict["min_replicas"]
+        )
         self.identity.members, self.identity.rank = plan.replica_ids, plan.rank
         self.identity.peers = _peers(plan, self.internals.group_rank)
         self.internals.replica_rank = plan.rank
@@ -137,6 +135,9 @@ class ProvenManager(QuorumStepManager):
             self._lighthouse = LighthouseClient(
                 self._lighthouse_addr, self.internals.connect_timeout
             )
+        if self._min_replicas is None:  # asked again of a restarted lighthouse
+            timeout = self.internals.connect_timeout.total_seconds()
+            self._min_replicas = lighthouse_min_replicas(self._lighthouse_addr, timeout)
         try:
             quorum = self._lighthouse.quorum(
                 replica_id=self._member,
@@ -149,7 +150,7 @@ class ProvenManager(QuorumStepManager):
                 data=claim_data(mine, key),
             )
         except Exception as error:
-            self._lighthouse = None  # a restarted lighthouse needs a new connection
+            self._lighthouse = self._min_replicas = None  # a restarted one: a new connection
             if "PermissionDenied" in str(error):  # the lighthouse's front refused it
                 raise QuorumError(
                     f"the lighthouse at {self._lighthouse_addr} refused this replica's quorum "
@@ -176,7 +177,13 @@ class ProvenManager(QuorumStepManager):
             else:
                 claims.append(claim)
         identity.refused = (identity.refused + refused)[-KEPT:]  # the driver says them
-        verdict = {"quorum_id": quorum.quorum_id, "failure": failure}
+        if not failure and self._min_replicas is None:
+            failure = f"the lighthouse at {self._lighthouse_addr} did not say its --min-replicas"
+        verdict = {
+            "quorum_id": quorum.quorum_id,
+            "failure": failure,
+            "min_replicas": self._min_replicas,
+        }
         if failure:
             return {**verdict, "digest": "", "proven": []}
         self._seen.first_time(mine.nonce)

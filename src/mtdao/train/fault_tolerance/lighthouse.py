@@ -6,7 +6,7 @@ no training state: while it is away the replicas skip their rounds and train on 
 register again once it is back on the same address. It serves on ``--bind-host`` through
 :mod:`mtdao.ft.security.grpc_front`: the two calls of torchft's lighthouse service the replicas make
 (quorum and heartbeat), not torchft's unauthenticated web dashboard (which lists replica
-addresses and can stop a replica). With the run's secret (``--auth-token-file``,
+addresses and can stop a replica), and one it answers itself (its ``--min-replicas``). With the run's secret (``--auth-token-file``,
 ``$MTDAO_AUTH_TOKEN``, or on loopback this account's own, as the replicas' on this machine), it
 lets only replicas that prove they belong to the run into its quorums
 (:mod:`mtdao.ft.security.lighthouse_gate`).
@@ -95,7 +95,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
     from mtdao.ft.security.auth import is_loopback, read_token, run_key
     from mtdao.ft.security.grpc_front import GrpcFront
-    from mtdao.ft.security.lighthouse_gate import CALLS, LighthouseGate
+    from mtdao.ft.security.lighthouse_gate import CALLS, LighthouseGate, settings
     from mtdao.ft.security.safe_transport import advertised_host
 
     token = read_token(args.auth_token_file)
@@ -118,7 +118,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     try:
         front = GrpcFront(
             "lighthouse", host, args.port, CALLS,
-            inspect=gate.inspectors() if gate else None,
+            inspect=gate.inspectors() if gate else None, answers=settings(args.min_replicas),
         )  # fmt: skip
     except OSError as error:
         server.shutdown()

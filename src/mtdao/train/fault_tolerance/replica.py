@@ -118,7 +118,7 @@ class ReplicaDriver(LoopHooks):
             collective_timeout=config.parallel.collective_timeout,
             allow_non_finite=config.sync.on_non_finite == "skip",
         )
-        self.replicas.collectives.say = self._say
+        self.replicas.quorum.collectives.say = self._say
         self.replicas.on_quorum = None  # _report_quorum says joins and heals, with the rest
         self.refusals = RefusalLog()
         self.is_main = process.rank == 0
