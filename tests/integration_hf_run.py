@@ -1,7 +1,9 @@
 """One process of the Trainer checks that need real workers (run by tests/test_integration_hf.py
-under ``torchrun --nproc-per-node 2``; not collected by pytest).
+under ``torchrun --nproc-per-node 2``; not collected by pytest):
+``integration_hf_run.py OUT [EXAMPLE_ARG...]``.
 
-Each rank writes ``rank<r>.json`` into the directory given as the only argument:
+It first runs examples/hf_trainer.py with the EXAMPLE_ARGs (tests/run_example.py; the example's
+output is the job's). Then each rank writes ``rank<r>.json`` into OUT:
 
 - ``plain_loop_max_diff``: the largest difference between the parameters of a Trainer run and of
   a plain loop (MTAdam + LocalUpdateSync + ProcessGroupWorkers) over the same batches;
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from run_example import run_example
 
 import mtdao
 from mtdao.integrations.hf import LocalUpdates, LocalUpdateTrainer, workers_agree
@@ -176,4 +179,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    run_example("hf_trainer.py", sys.argv[2:])
     main(Path(sys.argv[1]))

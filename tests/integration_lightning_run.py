@@ -1,8 +1,9 @@
 """One process of the Lightning checks that need real workers (run by
 tests/test_integration_lightning.py under ``torchrun --nproc-per-node 2``; not collected by
-pytest).
+pytest): ``integration_lightning_run.py OUT [EXAMPLE_ARG...]``.
 
-Each rank writes ``rank<r>.json`` into the directory given as the only argument:
+It first runs examples/lightning_trainer.py with the EXAMPLE_ARGs (tests/run_example.py; the
+example's output is the job's). Then each rank writes ``rank<r>.json`` into OUT:
 
 - ``plain_loop_max_diff``: the largest difference between the parameters of a Lightning run and
   of a plain loop (MTAdam + LocalUpdateSync + ProcessGroupWorkers, clipping in its gradient
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from run_example import run_example
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import mtdao
@@ -218,4 +220,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    run_example("lightning_trainer.py", sys.argv[2:])
     main(Path(sys.argv[1]))

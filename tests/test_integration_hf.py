@@ -135,21 +135,19 @@ def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
     )
 
 
+# stopped between syncs (24 of K = 16): the final round makes one model
+EXAMPLE_ARGS = ("--max-steps", "24", "--sync-period", "16", "--chars", "100000")
+
+
 @pytest.fixture(scope="module")
 def torchrun_jobs(tmp_path_factory) -> dict:
-    """Both torchrun jobs, started together (each mostly waits on start-up)."""
+    """Both torchrun jobs, started together (each mostly waits on start-up): the example, then
+    the checks, in the same two processes (tests/integration_hf_run.py: each process's start
+    costs more than its steps), and the example with FSDP2 in four."""
     root = tmp_path_factory.mktemp("hf-torchrun")
-    checks = torchrun(Path(__file__).parent / "integration_hf_run.py", str(root / "checks"))
-    example = torchrun(  # stopped between syncs (24 of K = 16): the final round makes one model
-        ROOT / "examples" / "hf_trainer.py",
-        "--max-steps",
-        "24",
-        "--sync-period",
-        "16",
-        "--chars",
-        "100000",
-        "--output-dir",
-        str(root / "example"),
+    example_args = [*EXAMPLE_ARGS, "--output-dir", str(root / "example")]
+    checks = torchrun(
+        Path(__file__).parent / "integration_hf_run.py", str(root / "checks"), *example_args
     )
     sharded = torchrun(
         ROOT / "examples" / "hf_trainer.py",
@@ -165,12 +163,12 @@ def torchrun_jobs(tmp_path_factory) -> dict:
         str(root / "sharded"),
         processes=4,
     )
-    jobs = {"checks": checks, "example": example, "sharded": sharded}
-    # The three jobs at once (2 + 2 + 4 processes): torchrun's start, then its workers'; the
-    # longest job, the checks, runs four Trainer runs and a plain loop in turn, of at most
-    # 3 K + 2 steps each.
-    check_steps = 5 * (3 * PERIOD + 2)
-    timeout_s = limit_s(starts=1 + HF_STARTS, steps=check_steps, processes=2 + 2 + 4)
+    jobs = {"checks": checks, "sharded": sharded}
+    # The two jobs at once (2 + 4 processes): torchrun's start, then its workers'; the longest
+    # job, the checks, runs the example (its data, model and Trainer: about a start's work, and
+    # its steps), then four Trainer runs and a plain loop in turn, of at most 3 K + 2 steps each.
+    steps = int(EXAMPLE_ARGS[1]) + 5 * (3 * PERIOD + 2)
+    timeout_s = limit_s(starts=1 + HF_STARTS + 1, steps=steps, processes=2 + 4)
     outputs = {}
     try:
         for name, job in jobs.items():
@@ -182,7 +180,7 @@ def torchrun_jobs(tmp_path_factory) -> dict:
                 job.kill()
                 job.wait()
     ranks = [json.loads((root / "checks" / f"rank{r}.json").read_text()) for r in range(2)]
-    return {"ranks": ranks, **outputs}
+    return {"ranks": ranks, "example": outputs["checks"], "sharded": outputs["sharded"]}
 
 
 @pytest.mark.slow

@@ -169,42 +169,42 @@ def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
     )
 
 
+# stopped between syncs (24 of K = 16): the final round makes one model
+EXAMPLE_ARGS = ("--max-steps", "24", "--sync-period", "16", "--chars", "60000")
+
+
 @pytest.fixture(scope="module")
-def torchrun_jobs(tmp_path_factory) -> dict:
-    """Both torchrun jobs, started together (each mostly waits on start-up)."""
+def torchrun_job(tmp_path_factory) -> dict:
+    """One torchrun job: examples/lightning_trainer.py, then the checks, in the same two
+    processes (tests/integration_lightning_run.py): each process's start costs more than its
+    steps."""
     root = tmp_path_factory.mktemp("lightning-torchrun")
-    checks = torchrun(Path(__file__).parent / "integration_lightning_run.py", str(root))
-    example = torchrun(  # stopped between syncs (24 of K = 16): the final round makes one model
-        ROOT / "examples" / "lightning_trainer.py",
-        *("--max-steps", "24", "--sync-period", "16", "--chars", "60000"),
-    )
-    jobs = {"checks": checks, "example": example}
-    check_steps = 5 * RUN_STEPS + 3
-    timeout_s = limit_s(starts=1 + LIGHTNING_STARTS, steps=check_steps, processes=2 + 2)
-    outputs = {}
+    job = torchrun(Path(__file__).parent / "integration_lightning_run.py", str(root), *EXAMPLE_ARGS)
+    # torchrun's start, then its processes': the example's fit (its corpus, model and Trainer,
+    # about a start's work) and 24 steps, then the checks' five fits and a plain loop
+    starts = 1 + LIGHTNING_STARTS + 1
+    steps = int(EXAMPLE_ARGS[1]) + 5 * RUN_STEPS + 3
     try:
-        for name, job in jobs.items():
-            outputs[name] = job.communicate(timeout=timeout_s)[0]
-            assert job.returncode == 0, outputs[name][-6000:]
+        output = job.communicate(timeout=limit_s(starts=starts, steps=steps, processes=2))[0]
     finally:
-        for job in jobs.values():
-            if job.poll() is None:
-                job.kill()
-                job.wait()
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, output[-6000:]
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
-    return {"ranks": ranks, **outputs}
+    return {"ranks": ranks, "output": output}
 
 
 @pytest.mark.slow
-def test_lightning_run_equals_the_plain_loop_bit_for_bit(torchrun_jobs):
-    for rank in torchrun_jobs["ranks"]:
+def test_lightning_run_equals_the_plain_loop_bit_for_bit(torchrun_job):
+    for rank in torchrun_job["ranks"]:
         assert rank["plain_loop_max_diff"] == 0.0
         assert rank["traffic_bytes"] > 0
 
 
 @pytest.mark.slow
-def test_resume_mid_round_is_exact_on_every_rank(torchrun_jobs):
-    for rank in torchrun_jobs["ranks"]:
+def test_resume_mid_round_is_exact_on_every_rank(torchrun_job):
+    for rank in torchrun_job["ranks"]:
         assert rank["checkpoint_files"] == ["mtdao-rank0-of-2.pt", "mtdao-rank1-of-2.pt"]
         assert rank["resume_max_diff"] == 0.0
         assert rank["saved_at_validation_are_own"] is True
@@ -212,35 +212,35 @@ def test_resume_mid_round_is_exact_on_every_rank(torchrun_jobs):
 
 
 @pytest.mark.slow
-def test_workers_drift_between_syncs_and_agree_after_one(torchrun_jobs):
+def test_workers_drift_between_syncs_and_agree_after_one(torchrun_job):
     """Under DDP the ranks would agree at every step: drifting proves no gradient all-reduce."""
-    for rank in torchrun_jobs["ranks"]:
+    for rank in torchrun_job["ranks"]:
         assert rank["agree_mid_round"] is False
         assert rank["agree_after_sync"] is True
 
 
 @pytest.mark.slow
-def test_the_ddp_method_averages_gradients_inside_lightnings_step(torchrun_jobs):
-    for rank in torchrun_jobs["ranks"]:
+def test_the_ddp_method_averages_gradients_inside_lightnings_step(torchrun_job):
+    for rank in torchrun_job["ranks"]:
         assert rank["ddp_agree_without_final_round"] is True
 
 
 @pytest.mark.slow
-def test_a_run_stopped_between_syncs_ends_with_one_model(torchrun_jobs):
-    for rank in torchrun_jobs["ranks"]:
+def test_a_run_stopped_between_syncs_ends_with_one_model(torchrun_job):
+    for rank in torchrun_job["ranks"]:
         assert rank["agree_at_end_between_syncs"] is True
 
 
 @pytest.mark.slow
-def test_validation_between_syncs_scores_the_global_model(torchrun_jobs):
-    for rank in torchrun_jobs["ranks"]:
+def test_validation_between_syncs_scores_the_global_model(torchrun_job):
+    for rank in torchrun_job["ranks"]:
         assert abs(rank["val_loss_mid_round"] - rank["averaged_model_loss"]) < 1e-5
         assert abs(rank["own_model_loss"] - rank["averaged_model_loss"]) > 1e-4  # they differ
 
 
 @pytest.mark.slow
-def test_the_traffic_is_in_the_logged_metrics(torchrun_jobs):
-    for rank in torchrun_jobs["ranks"]:
+def test_the_traffic_is_in_the_logged_metrics(torchrun_job):
+    for rank in torchrun_job["ranks"]:
         logged = rank["logged_traffic"]
         assert logged["sync_bytes_per_worker"] == rank["traffic_bytes"]
         assert logged["sync_ddp_bytes_per_worker"] > logged["sync_bytes_per_worker"]
@@ -248,8 +248,8 @@ def test_the_traffic_is_in_the_logged_metrics(torchrun_jobs):
 
 
 @pytest.mark.slow
-def test_example_prints_the_traffic_and_identical_ranks(torchrun_jobs):
-    output = torchrun_jobs["example"]
+def test_example_prints_the_traffic_and_identical_ranks(torchrun_job):
+    output = torchrun_job["output"]
     assert output.count("ranks identical: True") == 1, output[-3000:]
     line = next(line for line in output.splitlines() if line.startswith("traffic:"))
     assert "in 2 rounds over 24 steps" in line and "less than DDP" in line

@@ -1,4 +1,4 @@
-"""Every Python snippet of README.md and docs/*.md runs as written, each in a fresh interpreter.
+"""Every Python snippet of README.md and docs/*.md runs as written, each in a fresh process.
 
 A snippet that joins a process group (it says it is launched by torchrun) gets what torchrun would
 set for a one-process job: RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT; one that joins a
@@ -10,10 +10,13 @@ several processes (``--nproc-per-node N``) runs in N processes in tests/test_sha
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -33,15 +36,18 @@ SNIPPETS = list(
     )
 )
 ONE_PROCESS_SNIPPETS = [s for s in SNIPPETS if "--nproc-per-node" not in s]
-# the costliest snippet took 10.2 core-seconds (importing lightning, 32 steps; the others 3.5 -
-# 9.9), a start and a third of wait_limits' measure: two starts bound each
+# the costliest snippet took 10.2 core-seconds in a process of its own (importing lightning, 32
+# steps; the others 3.5 - 9.9), a start and a third of wait_limits' measure: two starts bound each
 SNIPPET_S = limit_s(starts=2)
+FORKED_SOURCES = Path(__file__).with_name("forked_sources.py")
+# imported once for all the snippets: torch (each imports it) and the Trainer (two do)
+PRELOAD = ("torch", "transformers.trainer")
+PRELOAD_S = limit_s(starts=2)  # 9 core-seconds, little more than a start
 
 
 @contextlib.contextmanager
 def lighthouse():
     """A torchft lighthouse in this process for one replica; yields its host:port."""
-    pytest.importorskip("torchft")
     from mtdao import ft as torchft
 
     server = torchft.start_lighthouse("127.0.0.1:0", 1, join_timeout=1.0, heartbeat_timeout=1.0)
@@ -56,30 +62,73 @@ def test_the_readme_has_python_snippets():
     assert len(SNIPPETS) >= 4  # with docs/library.md's
 
 
-@pytest.mark.slow  # a fresh interpreter each, importing torch: the file starts early
-@pytest.mark.parametrize(
-    "snippet", ONE_PROCESS_SNIPPETS, ids=[f"snippet{i}" for i in range(len(ONE_PROCESS_SNIPPETS))]
-)
-def test_readme_snippet_runs_as_written(snippet, tmp_path):
+def snippet_job(snippet: str, folder: Path) -> dict:
+    """tests/forked_sources.py's job for ``snippet``: run in ``folder``/run, output beside it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if "init_process_group" in snippet:
-        env.update(
-            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(unused_port())
-        )
+        port = str(unused_port())
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    (folder / "run").mkdir(parents=True)
+    return dict(
+        source=snippet, cwd=str(folder / "run"), env=env, out=str(folder), timeout_s=SNIPPET_S
+    )
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(tmp_path_factory) -> list[dict | None]:
+    """Each one-process snippet's exit status, stdout and stderr (None: torchft, which it
+    needs, is not installed). They run one after the other, each in a process of its own forked
+    from one interpreter that imported torch and the Trainer first: a fresh start, as with
+    ``python -c``, without paying for those imports seven times."""
+    root = tmp_path_factory.mktemp("snippets")
+    jobs = [snippet_job(s, root / f"snippet{i}") for i, s in enumerate(ONE_PROCESS_SNIPPETS)]
     with contextlib.ExitStack() as stack:
-        if "MTDAO_LIGHTHOUSE" in snippet:
-            env["MTDAO_LIGHTHOUSE"] = stack.enter_context(lighthouse())
-        done = subprocess.run(
-            [sys.executable, "-c", snippet],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
+        for job in list(jobs):
+            if "MTDAO_LIGHTHOUSE" not in job["source"]:
+                continue
+            if find_spec("torchft") is None:
+                jobs.remove(job)
+            else:
+                job["env"]["MTDAO_LIGHTHOUSE"] = stack.enter_context(lighthouse())
+        (root / "jobs.json").write_text(json.dumps(jobs))
+        runner = subprocess.Popen(
+            [sys.executable, str(FORKED_SOURCES), str(root / "jobs.json"), *PRELOAD],
+            cwd=root,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=SNIPPET_S,
+            start_new_session=True,  # the snippets' processes are in its group, killed with it
         )
-    assert done.returncode == 0, done.stderr[-3000:]
-    if "sync.traffic" in snippet:
-        assert "sent per worker" in done.stdout, done.stdout
+        try:
+            output = runner.communicate(timeout=PRELOAD_S + SNIPPET_S * len(jobs))[0]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+    assert runner.returncode == 0, output[-3000:]
+    ran = {job["source"]: Path(job["out"]) for job in jobs}
+    return [
+        {name: (ran[s] / name).read_text() for name in ("status", "stdout", "stderr")}
+        if s in ran
+        else None
+        for s in ONE_PROCESS_SNIPPETS
+    ]
+
+
+@pytest.mark.slow  # the snippets' processes: the file starts early
+@pytest.mark.parametrize(
+    "index",
+    range(len(ONE_PROCESS_SNIPPETS)),
+    ids=[f"snippet{i}" for i in range(len(ONE_PROCESS_SNIPPETS))],
+)
+def test_readme_snippet_runs_as_written(index, snippet_runs):
+    done = snippet_runs[index]
+    if done is None:
+        pytest.skip("needs torchft (the ft extra)")
+    assert done["status"] == "0", done["stderr"][-3000:]
+    if "sync.traffic" in ONE_PROCESS_SNIPPETS[index]:
+        assert "sent per worker" in done["stdout"], done["stdout"]
 
 
 def test_the_docs_give_the_quickstart_the_readmes_final_loss():

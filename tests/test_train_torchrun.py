@@ -1,4 +1,6 @@
-"""``torchrun -m mtdao train`` (two real gloo processes on loopback) is the simulated 2-worker run.
+"""``mtdao train`` under torchrun (two real gloo processes on loopback) is the simulated 2-worker
+run. The runs follow one another in one job's two processes (tests/torchrun_train_runs.py);
+``torchrun -m mtdao train`` itself runs in tests/test_train_restarts.py.
 
 Each process reads the same data shard as the simulated worker of its rank, so the final validation
 loss and the bytes sent per worker must agree to float tolerance.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +24,8 @@ from mtdao.train import trainer
 from mtdao.train.command import config_to_argv
 from mtdao.train.config import TrainConfig
 
+RUNS_SCRIPT = Path(__file__).with_name("torchrun_train_runs.py")
+
 # run name -> config fields besides FLAGS; the last one delays, splits and quantizes its rounds
 RUNS = {
     "mtdao": dict(method="mtdao"),
@@ -33,8 +38,11 @@ FLAGS = dict(
     workers=2, steps=8, sync_period=4, model="tiny", batch_size=2, seq_len=32, eval_every=4
 )
 FLAGS.update(eval_tokens=512, log_every=4, device="cpu", progress=False)
-# every job at once: torchrun's start, then its workers' and their steps
-JOB_S = limit_s(starts=2, steps=FLAGS["steps"] * TINY_STEP, processes=len(RUNS) * FLAGS["workers"])
+# one job: torchrun's start, then its processes', and each run's setup (data, model, an
+# evaluation: about a start's work) and steps, one run after the other
+JOB_S = limit_s(
+    starts=1 + len(RUNS), steps=len(RUNS) * FLAGS["steps"] * TINY_STEP, processes=FLAGS["workers"]
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,31 +57,30 @@ def train_flags(run: str, data: Path, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def torchrun_results(corpus_dir, tmp_path_factory) -> dict[str, dict]:
-    """Every run's torchrun job, started together (each mostly waits on start-up)."""
+    """Every run's results, from one torchrun job that runs them in turn."""
     root = tmp_path_factory.mktemp("torchrun")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    argv += ["--nproc-per-node", str(FLAGS["workers"]), str(RUNS_SCRIPT)]
+    argv += [json.dumps(train_flags(run, corpus_dir, root / run)) for run in RUNS]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    jobs = {}
-    for run in RUNS:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        argv += ["--nproc-per-node", "2", "-m", "mtdao", "train"]
-        argv += train_flags(run, corpus_dir, root / run)
-        jobs[run] = subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-    results = {}
+    job = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its workers are in its group: killed with it
+    )
     try:
-        for method, job in jobs.items():
-            output = job.communicate(timeout=JOB_S)[0]
-            assert job.returncode == 0, output[-8000:]
-            # only rank 0 prints the summary line
-            assert output.count('"final_val_loss"') == 1, output[-8000:]
-            results[method] = json.loads((root / method / "results.json").read_text())
+        output = job.communicate(timeout=JOB_S)[0]
     finally:
-        for job in jobs.values():
-            if job.poll() is None:
-                job.kill()
-                job.wait()
-    return results
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, output[-8000:]
+    # only rank 0 prints a run's summary line
+    assert output.count('"final_val_loss"') == len(RUNS), output[-8000:]
+    return {run: json.loads((root / run / "results.json").read_text()) for run in RUNS}
 
 
 @pytest.mark.parametrize("run", RUNS)
