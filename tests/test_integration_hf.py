@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -132,6 +133,7 @@ def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its workers are in its group: killed with it
     )
 
 
@@ -177,7 +179,7 @@ def torchrun_jobs(tmp_path_factory) -> dict:
     finally:
         for job in jobs.values():
             if job.poll() is None:
-                job.kill()
+                os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
     ranks = [json.loads((root / "checks" / f"rank{r}.json").read_text()) for r in range(2)]
     return {"ranks": ranks, "example": outputs["checks"], "sharded": outputs["sharded"]}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -166,6 +167,7 @@ def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its workers are in its group: killed with it
     )
 
 
@@ -188,7 +190,7 @@ def torchrun_job(tmp_path_factory) -> dict:
         output = job.communicate(timeout=limit_s(starts=starts, steps=steps, processes=2))[0]
     finally:
         if job.poll() is None:
-            job.kill()
+            os.killpg(job.pid, signal.SIGKILL)
             job.wait()
     assert job.returncode == 0, output[-6000:]
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
