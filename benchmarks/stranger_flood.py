@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--strangers", type=int, default=200, help="bogus replica ids (200)")
     parser.add_argument("--seconds", type=float, default=60.0, help="seconds of flood in all")
     parser.add_argument("--window", type=float, default=10.0, help="seconds a window (10)")
-    parser.add_argument("--steps", type=int, default=6000, help="steps of the run (6000)")
+    parser.add_argument("--steps", type=int, default=12000, help="steps of the run (12000)")
     parser.add_argument("--nice", action="store_true", help="the flood at the lowest priority")
     parser.add_argument("--out", type=Path, help="the drill's folder (default: a temporary one)")
     args = parser.parse_args(argv)
