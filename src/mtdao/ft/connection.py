@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from mtdao.ft.collective_watch import accepts
@@ -19,14 +19,27 @@ from mtdao.ft.security.torchft_internals import Manager, ManagerInternals
 
 if TYPE_CHECKING:
     from mtdao.ft.config import ReplicaConfig
-    from mtdao.ft.replicas import ReplicaGroups
+    from mtdao.ft.identity import ReplicaIdentity
+    from mtdao.ft.shards import ReplicaProcesses
+
+
+class ManagerOwner(Protocol):
+    """What starting a manager reads of the replica's groups (``ReplicaGroups``)."""
+
+    config: ReplicaConfig
+    processes: ReplicaProcesses
+    identity: ReplicaIdentity
+    allow_non_finite: bool
+    process_group: Any
+    collective_timeout: timedelta
+    heal_transport: Any
 
 
 HEARTBEAT_INTERVAL_S = 0.1
 
 
 def start_manager(
-    replicas: ReplicaGroups, store_host: str, store_port: int
+    replicas: ManagerOwner, store_host: str, store_port: int
 ) -> tuple[Manager | None, str | None]:
     """This process's torchft manager for ``replicas``, or the reason it could not start."""
     config, processes = replicas.config, replicas.processes
