@@ -144,10 +144,13 @@ def test_a_replica_with_other_shards_is_refused_and_the_others_lose_one_round(dr
         assert [e["reason"] for e in discarded] == [
             "round discarded (replica 2 has --shards 1, this replica 2)"
         ]
-        step = discarded[0]["step"]  # no average that round; the next one goes on without it
-        assert step not in drill.rounds(name)
-        later = [e for e in drill.events(name, "committed") if e["step"] > step]
-        assert later and later[0]["replicas"] == [0, 1]
+        step = discarded[0]["step"]
+        committed = [e for e in drill.events(name, "committed") if e["step"] >= step]
+        if step < STEPS:  # no average that round; the next one goes on without it
+            assert step not in drill.rounds(name)
+            committed = [e for e in committed if e["step"] > step]
+        # on a loaded machine the refusal can fall on the run's last round, formed again without it
+        assert committed and committed[0]["replicas"] == [0, 1]
 
 
 def test_nothing_is_left_running(drill):
