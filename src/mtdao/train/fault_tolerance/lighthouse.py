@@ -6,10 +6,10 @@ no training state: while it is away the replicas skip their rounds and train on 
 register again once it is back on the same address. It serves on ``--bind-host`` through
 :mod:`mtdao.ft.security.grpc_front`: the two calls of torchft's lighthouse service the replicas make
 (quorum and heartbeat), not torchft's unauthenticated web dashboard (which lists replica
-addresses and can stop a replica), and one it answers itself (its ``--min-replicas``). With the run's secret (``--auth-token-file``,
-``$MTDAO_AUTH_TOKEN``, or on loopback this account's own, as the replicas' on this machine), it
-lets only replicas that prove they belong to the run into its quorums
-(:mod:`mtdao.ft.security.lighthouse_gate`).
+addresses and can stop a replica), and one it answers itself (its ``--min-replicas``). With the
+run's secret (``--auth-token-file``, ``$MTDAO_AUTH_TOKEN``, or on loopback this account's own, as
+the replicas' on this machine), it lets only replicas that prove they belong to the run into its
+quorums (:mod:`mtdao.ft.security.lighthouse_gate`).
 """
 
 from __future__ import annotations
