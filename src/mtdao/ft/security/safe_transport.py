@@ -139,7 +139,7 @@ class SignedHealTransport(CheckpointTransport):
         """``value()`` once it is not None, asked again at each change, ``seconds`` at most."""
         deadline = time.monotonic() + seconds
         while (found := value()) is None and (left := deadline - time.monotonic()) > 0:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError on Python 3.10
                 await asyncio.wait_for(self._changed.wait(), left)
         return found
 
