@@ -149,15 +149,13 @@ class SignedHealTransport(CheckpointTransport):
             raise HealRefused(f"not healing from {peer}: its heal address {url!r} is no URL")
         signed = self.key.sign("fetch", *binding.fields())
         request = json.dumps({"step": binding.step, "receiver": binding.receiver, "sig": signed})
-        payload = io.BytesIO()
         with grpc.insecure_channel(url.removeprefix("http://")) as channel:
             try:
                 answers = channel.unary_stream(FETCH)(
                     request.encode(), timeout=self.timeout.total_seconds()
                 )
                 signature = next(answers, b"").decode(errors="replace")
-                for chunk in answers:
-                    payload.write(chunk)
+                payload = b"".join(answers)  # copied once (a growing buffer copies at each growth)
             except grpc.RpcError as error:
                 why = f"{error.code().name}: {error.details()}"
                 raise HealRefused(f"{peer} at {url} did not send its state: {why}") from None
@@ -165,19 +163,18 @@ class SignedHealTransport(CheckpointTransport):
             raise HealRefused(
                 f"{peer} at {url} did not send its state: it served none at step {binding.step}"
             )
-        if not self.key.verifies(signature, "heal", *binding.fields(), _sha(payload.getbuffer())):
+        if not self.key.verifies(signature, "heal", *binding.fields(), _sha(payload)):
             raise HealRefused(
                 f"{peer} at {url} sent a state not signed for this quorum and this replica with "
                 "this run's secret: refused, nothing of it was read"
             )
-        payload.seek(0)
         try:
-            state = torch.load(payload, weights_only=True)
+            state = torch.load(io.BytesIO(payload), weights_only=True)
         except Exception as error:  # signed, yet damaged: a faulty member, not an attack
             raise HealRefused(
                 f"{peer} sent a state that does not load: {first_line(error, 200)}"
             ) from None
-        self.received_bytes = payload.getbuffer().nbytes
+        self.received_bytes = len(payload)
         return state
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout) -> Any:
