@@ -150,8 +150,8 @@ class GrpcFront:
         return len(calls) + sum(self._end_hold(tick) for tick in list(self._holds))
 
     async def call(self, path: str, requests, context: aio.ServicerContext) -> None:
-        """One call: counted, checked, then made again on the server behind (its messages are
-        read and written through ``context``, not the ``requests`` generator)."""
+        """One call: counted, checked, then made again on the server behind or answered by the
+        front (its messages are read and written through ``context``, not ``requests``)."""
         if self._calls >= CALLS:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
