@@ -1,94 +1,113 @@
-"""A replica's heal server cannot be held by a caller: a request that never ends its headers is
-closed after REQUEST_S, an endless header block is cut at HEAD_BYTES, connections past
-CONNECTIONS are closed as they come, and a process out of file descriptors says so in one line
-a minute and serves on (it used to be a ThreadingHTTPServer with no timeouts)."""
+"""A replica's heal server is a front like the others (tests/test_grpc_front.py holds its caps):
+it serves only heal requests, refuses one it cannot read at once, and requests waiting for a
+quorum or a state hold no thread, so a stranger's many unsigned requests do not delay a member's
+(it used to be a ThreadingHTTPServer of its own, a thread per request)."""
 
 from __future__ import annotations
 
-import errno
-import socket
-import socketserver
+import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import grpc
 import pytest
 
 pytest.importorskip("torchft")
 
-import mtdao.ft.security.safe_transport as safe_transport  # noqa: E402
+from heal_peers import heal_request  # noqa: E402
+
+from mtdao.ft.security import safe_transport  # noqa: E402
 from mtdao.ft.security.auth import RunKey  # noqa: E402
+from mtdao.ft.security.safe_transport import (  # noqa: E402
+    HealBinding,
+    HealRefused,
+    Quorum,
+    SignedHealTransport,
+)
 
 KEY = RunKey(b"0123456789abcdef0123")
 # a request to a server in this process answers in milliseconds: these limits only stop a hang
 LOCAL_S = 10.0
+BINDING = HealBinding("digest", "0:source", "1:receiver", 0, 7)
 
 
 @pytest.fixture
-def served(monkeypatch):
-    monkeypatch.setattr(safe_transport.HealRequests, "timeout", 0.5)
-    transport = safe_transport.SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
+def source():
+    transport = SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
     yield transport
     transport.shutdown()
 
 
-def answer(address, request: bytes) -> bytes:
-    with socket.create_connection(address, timeout=LOCAL_S) as connection:
-        connection.sendall(request)
-        received = b""
-        while chunk := connection.recv(65536):
-            received += chunk
-    return received
+def test_only_heal_requests_are_served_and_an_unreadable_one_is_refused_at_once(source):
+    target = source.metadata().removeprefix("http://")
+    with grpc.insecure_channel(target) as channel:
+        with pytest.raises(grpc.RpcError, match="only Fetch calls are served"):
+            channel.unary_unary("/torchft.ManagerService/Kill")(b"", timeout=LOCAL_S)
+        for message in (b"not json", b"[" * 100_000, json.dumps({"step": 7}).encode()):
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError, match="PERMISSION_DENIED"):
+                channel.unary_stream(safe_transport.FETCH)(message, timeout=LOCAL_S).next()
+            assert time.monotonic() - started < LOCAL_S / 2  # no wait for a quorum
 
 
-def test_a_request_that_never_ends_its_headers_is_closed(served):
-    started = time.monotonic()
-    with socket.create_connection(served.address, timeout=LOCAL_S) as connection:
-        connection.sendall(b"GET /heal/1 HTTP/1.1\r\nX-Slow: ")  # and nothing more
-        assert connection.recv(65536) == b""  # closed, not a timeout of ours
-    assert time.monotonic() - started < LOCAL_S / 2
-
-
-def test_an_endless_header_block_is_cut_and_refused(served):
-    header = b"X-Filler: " + b"y" * 1000 + b"\r\n"
-    request = b"GET /heal/1 HTTP/1.1\r\n" + header * 64 + b"\r\n"  # 64 KiB of headers
-    assert answer(served.address, request).startswith(b"HTTP/1.0 403")  # unsigned: cut there
-
-
-def test_connections_past_the_cap_are_closed_and_the_server_serves_on(served, monkeypatch):
-    # the holders stay while the rest are accepted (slowly, on a crowded machine)
-    monkeypatch.setattr(safe_transport.HealRequests, "timeout", 6 * LOCAL_S)
-    holders = [socket.create_connection(served.address) for _ in range(safe_transport.CONNECTIONS)]
+def test_a_signed_request_waits_for_the_quorum_and_its_state(source):
+    receiver = SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
     try:
-        deadline = time.monotonic() + 3 * LOCAL_S
-        while served._server._slots._value and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert served._server._slots._value == 0
-        assert answer(served.address, b"GET /heal/1 HTTP/1.0\r\n\r\n") == b""  # closed at once
-        assert served._server.turned_away >= 1
+        with ThreadPoolExecutor(1) as pool:
+            fetched = pool.submit(receiver.fetch, source.metadata(), BINDING, "replica 0")
+            time.sleep(0.5)  # asked before this source opened the quorum (within QUORUM_SKEW_S)
+            source.open(Quorum("digest", "0:source", 0, frozenset({"1:receiver"})))
+            time.sleep(0.5)  # and before its state is ready
+            source.serve(7, {"user": {"w": [1, 2]}})
+            assert fetched.result(timeout=LOCAL_S) == {"user": {"w": [1, 2]}}
     finally:
-        for holder in holders:
-            holder.close()
-    deadline = time.monotonic() + LOCAL_S
-    while served._server._slots._value < safe_transport.CONNECTIONS and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert answer(served.address, b"GET /heal/1 HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 403")
+        receiver.shutdown()
 
 
-def test_out_of_file_descriptors_is_said_once_a_minute_and_paces_the_accepts(monkeypatch):
-    lines: list[str] = []
-    server = safe_transport.HealServer("127.0.0.1", None, lines.append)
-    monkeypatch.setattr(safe_transport, "DESCRIPTORS_PAUSE_S", 0.2)
-
-    def out_of_descriptors(self):
-        raise OSError(errno.EMFILE, "Too many open files")
-
-    monkeypatch.setattr(socketserver.TCPServer, "get_request", out_of_descriptors)
+def test_a_state_of_many_messages_arrives_whole(source, monkeypatch):
+    monkeypatch.setattr(safe_transport, "CHUNK_BYTES", 1000)
+    receiver = SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
+    source.open(Quorum("digest", "0:source", 0, frozenset({"1:receiver"})))
+    source.serve(7, {"user": {"w": list(range(5000))}})
     try:
-        started = time.monotonic()
-        for _ in range(3):
-            with pytest.raises(OSError):
-                server.get_request()
-        assert time.monotonic() - started >= 0.6  # a pause per failed accept: no busy loop
-        assert len(lines) == 1 and "used all of its file descriptors" in lines[0]
+        assert receiver.fetch(source.metadata(), BINDING, "replica 0")["user"]["w"][-1] == 4999
+        assert receiver.received_bytes > 10 * 1000
     finally:
-        server.server_close()
+        receiver.shutdown()
+
+
+def test_no_state_at_the_asked_step_is_one_line(source, monkeypatch):
+    source.open(Quorum("digest", "0:source", 0, frozenset({"1:receiver"})))
+    source.serve(6, {"user": {}})
+    monkeypatch.setattr(source, "timeout", timedelta(seconds=0.2))
+    receiver = SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
+    try:
+        with pytest.raises(HealRefused, match="did not send its state: it served none at step 7"):
+            receiver.fetch(source.metadata(), BINDING, "replica 0")
+    finally:
+        receiver.shutdown()
+
+
+def test_a_strangers_waiting_requests_do_not_delay_a_members(source, monkeypatch):
+    monkeypatch.setattr(safe_transport, "QUORUM_SKEW_S", 3.0)
+    unsigned = 200  # each waits QUORUM_SKEW_S for a quorum it could be signed for
+
+    def stranger(index: int) -> None:
+        with pytest.raises(grpc.RpcError):
+            heal_request(source.metadata(), 7, "1:receiver", f"{index:064x}")
+
+    receiver = SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
+    try:
+        with ThreadPoolExecutor(unsigned) as pool:
+            waiting = [pool.submit(stranger, index) for index in range(unsigned)]
+            time.sleep(1.0)
+            source.open(Quorum("digest", "0:source", 0, frozenset({"1:receiver"})))
+            source.serve(7, {"user": {"w": 1}})
+            started = time.monotonic()
+            assert receiver.fetch(source.metadata(), BINDING, "replica 0") == {"user": {"w": 1}}
+            assert time.monotonic() - started < 2.0  # not behind the strangers' 3 s waits
+            for request in waiting:
+                request.result(timeout=LOCAL_S)
+    finally:
+        receiver.shutdown()

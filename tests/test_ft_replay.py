@@ -9,12 +9,9 @@ Heal states were signed over the commit count only, heal requests over nothing t
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.error import HTTPError
-from urllib.request import Request, urlopen
 
+import grpc
 import pytest
 import torch
 from dict_store import DictStore
@@ -32,9 +29,9 @@ from mtdao.ft.security.proofs import (
 
 pytest.importorskip("torchft")
 
+from heal_peers import answering, heal_request  # noqa: E402
+
 from mtdao.ft.security.safe_transport import (  # noqa: E402
-    RECEIVER_HEADER,
-    SIGNATURE_HEADER,
     HealBinding,
     HealRefused,
     Quorum,
@@ -122,35 +119,18 @@ def receiver():
     transport.shutdown()
 
 
-def captured_answer(source: SignedHealTransport) -> tuple[bytes, str]:
+def captured_answer(source: SignedHealTransport) -> list[bytes]:
     """What replica 1's request in quorum 1 got back (a stranger on the path sees it)."""
-    headers = {SIGNATURE_HEADER: KEY.sign("fetch", *FIRST.fields()), RECEIVER_HEADER: "1:receiver"}
-    with urlopen(Request(f"{source.metadata()}7", headers=headers), timeout=5) as answer:
-        return answer.read(), answer.headers[SIGNATURE_HEADER]
-
-
-def replaying(payload: bytes, signature: str) -> ThreadingHTTPServer:
-    class Replay(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header(SIGNATURE_HEADER, signature)
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Replay)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    signature = KEY.sign("fetch", *FIRST.fields())
+    return heal_request(source.metadata(), 7, "1:receiver", signature)
 
 
 def test_a_captured_heal_state_is_refused_by_another_replica_and_in_a_later_quorum(
     source, receiver
 ):
     assert receiver.fetch(source.metadata(), FIRST, "replica 0")["user"]["w"].tolist() == [0, 1, 2]
-    server = replaying(*captured_answer(source))
-    url = f"http://127.0.0.1:{server.server_address[1]}/heal/"
+    server = answering(*captured_answer(source))
+    url = f"http://127.0.0.1:{server.port}"
     try:
         for binding in (
             HealBinding("quorum-1", "0:source", "2:other", 0, 7),  # for another replica
@@ -170,6 +150,5 @@ def test_a_captured_heal_request_is_refused_in_a_later_quorum_and_for_another_re
     signature = KEY.sign("fetch", *FIRST.fields())
     source.open(Quorum("quorum-2", "0:source", 0, frozenset({"1:receiver", "2:other"})))
     for receiver_id in ("1:receiver", "2:other"):
-        headers = {SIGNATURE_HEADER: signature, RECEIVER_HEADER: receiver_id}
-        with pytest.raises(HTTPError, match="403"):
-            urlopen(Request(f"{source.metadata()}7", headers=headers), timeout=5)
+        with pytest.raises(grpc.RpcError, match="PERMISSION_DENIED"):
+            heal_request(source.metadata(), 7, receiver_id, signature)

@@ -15,7 +15,7 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import unquote
 
 import grpc
@@ -47,7 +47,8 @@ class GrpcFront:
     """Serves ``host``:``port`` (0: any), making each call of ``allowed`` (full gRPC paths;
     ``local_only``: to this machine's callers only; ``inspect``: path -> check of the message
     and the caller's (host, port), which says why not itself) again on the server behind, or
-    answers it itself (``answers``: path -> answer).
+    answering it itself (``answers``: path -> coroutine of the message and the caller giving
+    the answer's messages, or None to refuse it as a failed check).
     ``name`` is whose front it is in ``report``'s lines. Raises OSError when it cannot serve."""
 
     def __init__(
@@ -59,7 +60,7 @@ class GrpcFront:
         report: Callable[[str], None] | None = None,
         local_only: frozenset[str] = frozenset(),
         inspect: dict[str, Callable[[bytes, tuple[str, int]], bool]] | None = None,
-        answers: dict[str, bytes] | None = None,
+        answers: dict[str, Answer] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name, self.allowed = name, allowed
@@ -82,24 +83,25 @@ class GrpcFront:
         self._stopped = threading.Event()
         self.host = numeric_host(host)
         shown = f"[{self.host}]" if ":" in self.host else self.host
-        self._server, self.port = _on_loop(self._bind(f"{shown}:{port}"))
+        self._server, self.port = on_loop(self._bind(f"{shown}:{port}"))
         if not self.port:
             raise OSError(errno.EADDRINUSE, f"cannot serve {shown}:{port}")
 
-    def start(self, upstream: str) -> GrpcFront:
-        """Serve, making each allowed call again on ``upstream`` (``host:port``)."""
-        _on_loop(self._start(upstream))
+    def start(self, upstream: str | None = None) -> GrpcFront:
+        """Serve, making each allowed call again on ``upstream`` (``host:port``; None: every
+        allowed call is answered by the front)."""
+        on_loop(self._start(upstream))
         self._fd_watch = threading.Thread(target=self._watch_descriptors, daemon=True)
         self._fd_watch.start()
         return self
 
     def shutdown(self) -> None:
         self._stopped.set()
-        _on_loop(self._stop())
+        on_loop(self._stop())
 
     def end_calls(self) -> int:
         """Fail every call waiting on the server behind now; how many there were."""
-        return _on_loop(self._cancel_calls())
+        return on_loop(self._cancel_calls())
 
     async def _bind(self, address: str) -> tuple[aio.Server, int]:
         # no maximum_concurrent_rpcs: grpcio's limiter costs every call a task and a lock, and
@@ -125,14 +127,15 @@ class GrpcFront:
             port = 0
         return server, port
 
-    async def _start(self, upstream: str) -> None:
-        self._channel = aio.insecure_channel(
-            upstream,
-            options=[
-                ("grpc.max_receive_message_length", ANSWER_BYTES),
-                ("grpc.enable_retries", 0),  # a call is made once, as its caller made it
-            ],
-        )
+    async def _start(self, upstream: str | None) -> None:
+        if upstream is not None:
+            self._channel = aio.insecure_channel(
+                upstream,
+                options=[
+                    ("grpc.max_receive_message_length", ANSWER_BYTES),
+                    ("grpc.enable_retries", 0),  # a call is made once, as its caller made it
+                ],
+            )
         await self._server.start()
 
     async def _stop(self) -> None:
@@ -146,9 +149,9 @@ class GrpcFront:
             call.cancel()
         return len(calls) + sum(self._end_hold(tick) for tick in list(self._holds))
 
-    async def call(self, path: str, requests, context: aio.ServicerContext) -> bytes:
-        """One call: counted, checked, then made again on the server behind (its messages are
-        read through ``context``, not the ``requests`` generator)."""
+    async def call(self, path: str, requests, context: aio.ServicerContext) -> None:
+        """One call: counted, checked, then made again on the server behind or answered by the
+        front (its messages are read and written through ``context``, not ``requests``)."""
         if self._calls >= CALLS:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -156,11 +159,12 @@ class GrpcFront:
             )
         self._calls += 1
         try:
-            return await self._checked(path, context)
+            for answer in await self._checked(path, context):
+                await context.write(answer)
         finally:
             self._calls -= 1
 
-    async def _checked(self, path: str, context: aio.ServicerContext) -> bytes:
+    async def _checked(self, path: str, context: aio.ServicerContext) -> Iterable[bytes]:
         peer = _peer(context.peer())
         served = self.allowed if from_this_machine(peer[0]) else self.allowed - self.local_only
         if path not in served:
@@ -181,11 +185,14 @@ class GrpcFront:
         if message is None:
             await self._refuse(context, peer, f"a call of {_shown(path)} {why}", served)
         if path in self.answers:
-            return self.answers[path]
+            answer = await self.answers[path](message, peer)
+            if answer is None:
+                await self._refuse(context, peer, None, served)
+            return answer
         upstream = self._channel.unary_unary(path)(message, timeout=context.time_remaining())
         self._upstream.add(upstream)
         try:
-            return await upstream
+            return [await upstream]
         except aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
         except asyncio.CancelledError:
@@ -262,8 +269,12 @@ class GrpcFront:
             )
 
 
+Answer = Callable[[bytes, tuple[str, int]], Awaitable[Iterable[bytes] | None]]
+
+
 class _Calls(grpc.GenericRpcHandler):
-    """Every method, its request read as a stream (a missing message is bounded by MESSAGE_S)."""
+    """Every method, read and answered as a stream (a missing message is bounded by MESSAGE_S;
+    a unary caller gets its one answer as it would from a unary method)."""
 
     def __init__(self, front: GrpcFront) -> None:
         self.front = front
@@ -273,7 +284,9 @@ class _Calls(grpc.GenericRpcHandler):
         path = method if isinstance(method, str) else method.decode("ascii", "backslashreplace")
         handler = self.front._handlers.get(path)
         if handler is None:
-            handler = grpc.stream_unary_rpc_method_handler(functools.partial(self.front.call, path))
+            handler = grpc.stream_stream_rpc_method_handler(
+                functools.partial(self.front.call, path)
+            )
             if path in self.front.allowed:  # a stranger's paths are not kept
                 self.front._handlers[path] = handler
         return handler
@@ -313,7 +326,7 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
 
-def _on_loop(coroutine):
+def on_loop(coroutine):
     """``coroutine``'s result, run on the event loop every front of this process shares."""
     global _loop
     with _loop_lock:

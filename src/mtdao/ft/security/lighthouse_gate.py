@@ -17,6 +17,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from mtdao.ft.lines import shown_address
 from mtdao.ft.refusals import Refusal, RefusalLog
 from mtdao.ft.security.auth import RunKey
+from mtdao.ft.security.grpc_front import Answer
 from mtdao.ft.security.proofs import SeenNonces, read_claim
 
 SERVICE = "/torchft.LighthouseService/"
@@ -105,9 +106,14 @@ class LighthouseGate:
             self.proven = {m: p for m, p in self.proven.items() if p[0] >= horizon}
 
 
-def settings(min_replicas: int) -> dict[str, bytes]:
+def settings(min_replicas: int) -> dict[str, Answer]:
     """The answers of the lighthouse's front itself, by gRPC path."""
-    return {SETTINGS: json.dumps({"min_replicas": min_replicas}).encode()}
+    answer = [json.dumps({"min_replicas": min_replicas}).encode()]
+
+    async def told(message: bytes, peer: tuple[str, int]) -> list[bytes]:
+        return answer
+
+    return {SETTINGS: told}
 
 
 def lighthouse_min_replicas(url: str, timeout: float) -> int | None:
