@@ -19,7 +19,7 @@ from urllib.request import Request, urlopen
 
 import torch
 
-from mtdao.ft.lines import first_line, to_stderr
+from mtdao.ft.lines import advertised_host, first_line, to_stderr
 from mtdao.ft.security.auth import RunKey
 from mtdao.ft.security.torchft_internals import CheckpointTransport
 
@@ -272,15 +272,6 @@ class _Capped:
 
     def close(self) -> None:
         self.raw.close()
-
-
-def advertised_host(bind_host: str) -> str:
-    """The address peers reach a listener on ``bind_host`` at (this host's name when it serves
-    on every interface)."""
-    host = bind_host.strip("[]")
-    if host in ("0.0.0.0", "::", ""):
-        return socket.gethostname()
-    return f"[{host}]" if ":" in host else host
 
 
 def _sha(payload: bytes) -> str:
