@@ -10,13 +10,11 @@ in the model's own arithmetic, to float tolerance: tests/test_train_torchrun.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torchrun_job
 from test_ft_communicator import assert_same
 from wait_limits import limit_s
 
@@ -49,21 +47,19 @@ def runs(corpus_dir, tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
     """{step: {"torchrun": [each rank's state], "fault-tolerant": [each replica's]}} at MIDWAY
     and at the end."""
     root = tmp_path_factory.mktemp("ft-torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     config = TrainConfig.of(data=str(corpus_dir), out=str(root / "torchrun"), **FLAGS)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    argv += ["2", "-m", "mtdao", "train", *config_to_argv(config)]
-    job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    job = torchrun_job.start(["-m", "mtdao", "train", *config_to_argv(config)])
     flags = config_to_argv(TrainConfig.of(data=str(corpus_dir), **FLAGS))
-    with Drill(root / "ft", flags) as drill:
-        drill.start_lighthouse(min_replicas=2)
-        for replica in range(2):
-            drill.start(f"r{replica}", replica)
-        exits = [drill.wait_exit(f"r{replica}", REPLICA_LIMIT_S) for replica in range(2)]
-        assert exits == [0, 0], drill.tails()
-        drill.stop("lighthouse")
-    output, _ = job.communicate(timeout=TORCHRUN_LIMIT_S)
-    assert job.returncode == 0, output.decode()[-4000:]
+    with torchrun_job.killed_at_exit(job):
+        with Drill(root / "ft", flags) as drill:
+            drill.start_lighthouse(min_replicas=2)
+            for replica in range(2):
+                drill.start(f"r{replica}", replica)
+            exits = [drill.wait_exit(f"r{replica}", REPLICA_LIMIT_S) for replica in range(2)]
+            assert exits == [0, 0], drill.tails()
+            drill.stop("lighthouse")
+        output = job.communicate(timeout=TORCHRUN_LIMIT_S)[0]
+    assert job.returncode == 0, output[-4000:]
     return {
         step: {
             "torchrun": [saved_state(root / "torchrun", rank, step) for rank in range(2)],
