@@ -3,13 +3,15 @@ processes on loopback (mtdao lighthouse and mtdao train --fault-tolerant replica
 
 * every listener of a replica and of the lighthouse is on the --bind-host it was given (read from
   /proc/net/tcp*, by socket inode of the process), but for torchft's own servers, each on
-  loopback behind its front; the replica says where it serves;
+  loopback behind its front; the replica says where it serves; in the same run, torchft's
+  dashboard (``GET /status``, ``POST /replica/<id>/kill``) is not served, over HTTP/1 or HTTP/2,
+  and a replica stopped on purpose (SIGTERM) exits with one line, its peer going on;
 * a lighthouse killed with SIGKILL and restarted on the same address 10 s later: the replicas
   train on locally meanwhile, saying so, rejoin it, and finish with the same state;
 * a lighthouse killed while a replica's quorum waits in it: the quorum fails within seconds,
-  not after --quorum-timeout;
-* torchft's dashboard (``GET /status``, ``POST /replica/<id>/kill``) is not served, over HTTP/1
-  or HTTP/2, and a replica stopped on purpose (SIGTERM) exits with one line, its peer going on.
+  not after --quorum-timeout, and, the lighthouse staying away, no try of the final round
+  commits: the replica says so in one line and exits non-zero;
+* a replica whose last round is discarded (--no-final-round) still evaluates its last step.
 """
 
 from __future__ import annotations
@@ -90,19 +92,44 @@ def hosts(addresses: set[str]) -> set[str]:
     return {address.rsplit(":", 1)[0] for address in addresses}
 
 
-def test_every_listener_is_on_the_bind_host_and_is_printed(corpus_dir, tmp_path):
-    with Drill(tmp_path / "drill", flags(corpus_dir, 3 * K), join_timeout=10.0) as drill:
-        drill.start_lighthouse(min_replicas=2, bind_host="127.0.0.4")
-        drill.gate(K)  # both wait after the first round: gloo's sockets are open then
+def both_at(drill: Drill, step: int) -> bool:
+    return all(drill.status(name) == ("waiting", step) for name in ("r0", "r1"))
+
+
+def test_listeners_on_the_bind_host_no_dashboard_and_a_clean_stop(corpus_dir, tmp_path):
+    steps = 8 * K
+    with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
+        # one replica may go on alone once the other is stopped
+        drill.start_lighthouse(min_replicas=1, bind_host="127.0.0.4")
+        drill.gate(0)  # both connected before the first quorum: it holds both
         drill.start("r0", 0, ["--bind-host", "127.0.0.2"])
         drill.start("r1", 1, ["--bind-host", "127.0.0.3"])
-        ready = lambda: all(drill.status(n) == ("waiting", K) for n in ("r0", "r1"))  # noqa: E731
+        drill.wait_for(lambda: both_at(drill, 0), limit_s(processes=2), "both replicas at 0")
+        drill.gate(K)  # both wait after the first round: gloo's sockets are open then
         first_round_s = limit_s(steps=K, processes=2)
-        drill.wait_for(ready, first_round_s, "both replicas after their first round")
+        drill.wait_for(lambda: both_at(drill, K), first_round_s, "both after their first round")
         seen = {name: listening(drill.processes[name].pid) for name in ("lighthouse", "r0", "r1")}
+        url = f"http://{drill.lighthouse}"
+        for request in (
+            urllib.request.Request(f"{url}/status"),
+            urllib.request.Request(f"{url}/replica/0/kill", method="POST"),
+        ):
+            with pytest.raises((http.client.HTTPException, OSError)):  # HTTP/1: no answer
+                urllib.request.urlopen(request, timeout=REQUEST_S)
+        for path in ("/replica/0/kill", "/status", "/"):  # gRPC's protocol, the dashboard's paths
+            assert grpc_status(http2_request(drill.lighthouse, "POST", path)) is None
+        time.sleep(1.0)
+        assert drill.returncode("r0") is None and drill.returncode("r1") is None, drill.tails()
+        drill.gate(steps - 2 * K)  # neither may finish before r1 is asked to stop
+        running = lambda: all(drill.status(n)[1] > K for n in ("r0", "r1"))  # noqa: E731
+        drill.wait_for(running, limit_s(steps=K, processes=2), "both training on")
+        assert drill.stop("r1") == 130, drill.tails()  # SIGTERM: as Ctrl-C, no crash
+        assert "mtdao train: interrupted" in drill.log("r1")
         drill.gate(None)
-        for name in ("r0", "r1"):
-            assert drill.wait_exit(name, limit_s(steps=2 * K, processes=2)) == 0, drill.tails()
+        # r0's rest alone; its next quorum waits until the lighthouse stops counting r1
+        rest_s = limit_s(steps=steps, processes=1, sat_out_s=drill.heartbeat_timeout)
+        assert drill.wait_exit("r0", rest_s) == 0, drill.tails()
+        assert "replica 1 left" in drill.log("r0"), drill.tails()
     # the lighthouse: its front on the bind host, torchft's own server behind it on loopback
     front = {a for a in seen["lighthouse"] if not a.startswith("127.0.0.1:")}
     assert front == {f"127.0.0.4:{drill.port}"} and len(seen["lighthouse"]) == 2, seen
@@ -117,10 +144,6 @@ def test_every_listener_is_on_the_bind_host_and_is_printed(corpus_dir, tmp_path)
         assert behind[1] in seen[name] and hosts(seen[name] - {behind[1]}) == {host}, seen
         assert len(seen[name]) >= 5, seen  # manager and its front, store, heal server, gloo
     assert "serving at http://127.0.0.4:" in drill.log("lighthouse")
-
-
-def both_at(drill: Drill, step: int) -> bool:
-    return all(drill.status(name) == ("waiting", step) for name in ("r0", "r1"))
 
 
 def kill_the_lighthouse_when_both_replicas_reach(drill: Drill, step: int) -> None:
@@ -162,9 +185,12 @@ def test_replicas_train_on_while_the_lighthouse_is_away_and_rejoin_it(corpus_dir
         assert drill.rounds("r0")[steps] == drill.rounds("r1")[steps], drill.tails()
 
 
-def test_a_quorum_waiting_on_a_lighthouse_that_dies_fails_at_once(corpus_dir, tmp_path):
+def test_a_quorum_waiting_on_a_lighthouse_that_dies_fails_at_once_and_so_does_the_run(
+    corpus_dir, tmp_path
+):
     """torchft's manager, its call to a dead lighthouse failed, leaves the replica's quorum
-    waiting out --quorum-timeout (60 s here); the replica's watch ends it within seconds."""
+    waiting out --quorum-timeout (60 s here); the replica's watch ends it within seconds. The
+    lighthouse stays away: no try of the final round commits, which ends the run in one line."""
     steps = 4 * K
     with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
         drill.start_lighthouse(min_replicas=2)
@@ -186,10 +212,19 @@ def test_a_quorum_waiting_on_a_lighthouse_that_dies_fails_at_once(corpus_dir, tm
         away = lambda: "unreachable; training on locally" in drill.log("r0")  # noqa: E731
         waited = drill.wait_for(away, away_s, "r0 to give the quorum up")
         assert waited < 20.0, drill.tails()  # --quorum-timeout is 60 s
-        # the lighthouse stays away: no try of the final round commits, and r0 says so (exit 2)
+        # the lighthouse stays away for the last round and the final round: each of the final
+        # round's FINAL_ROUND_TRIES tries (a second apart) is discarded, and r0, which does not
+        # hold the run's one model, says so in one line and exits non-zero
         limit = limit_s(steps=2 * K, processes=1, sat_out_s=FINAL_ROUND_TRIES)
         assert drill.wait_exit("r0", limit) == 2, drill.tails()
-        assert drill.events("r0", "discarded")[-1]["step"] == steps, drill.tails()
+        discarded = [e["step"] for e in drill.events("r0", "discarded")]
+        assert discarded[-1 - FINAL_ROUND_TRIES :] == [steps] * (1 + FINAL_ROUND_TRIES), discarded
+        errors = [line for line in drill.log("r0").splitlines() if "error" in line]
+        assert len(errors) == 1, drill.tails()
+        assert errors[0].startswith(
+            f"mtdao train: error: the final round was discarded {FINAL_ROUND_TRIES} times"
+        ), errors
+        assert "the lighthouse at http://" in errors[0], errors
 
 
 def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(
@@ -208,53 +243,3 @@ def test_a_replica_whose_last_round_is_discarded_still_evaluates_its_last_step(
             results = json.loads((drill.root / name / "results.json").read_text())
             assert evaluations[-1]["step"] == steps, evaluations
             assert results["final_val_loss"] == evaluations[-1]["val_loss"]
-
-
-def test_a_final_round_no_try_of_which_commits_ends_the_run_in_one_line(corpus_dir, tmp_path):
-    """The lighthouse is gone for the last round and the final round: each of the final
-    round's FINAL_ROUND_TRIES tries is discarded, and the replicas, which do not hold one
-    model, say so in one line and exit non-zero."""
-    steps = 3 * K
-    with Drill(tmp_path / "drill", flags(corpus_dir, steps), join_timeout=10.0) as drill:
-        kill_the_lighthouse_when_both_replicas_reach(drill, 2 * K)
-        drill.gate(None)
-        for name in ("r0", "r1"):  # the last K steps, FINAL_ROUND_TRIES tries a second apart
-            limit = limit_s(steps=K, processes=2, sat_out_s=FINAL_ROUND_TRIES)
-            assert drill.wait_exit(name, limit) == 2, drill.tails()
-            discarded = [e["step"] for e in drill.events(name, "discarded")]
-            assert discarded == [steps] * (1 + FINAL_ROUND_TRIES), drill.tails()
-            errors = [line for line in drill.log(name).splitlines() if "error" in line]
-            assert len(errors) == 1, drill.tails()
-            assert errors[0].startswith(
-                f"mtdao train: error: the final round was discarded {FINAL_ROUND_TRIES} times"
-            ), errors
-            assert "the lighthouse at http://" in errors[0], errors
-
-
-def test_no_dashboard_no_kill_and_a_replica_stopped_on_purpose_exits_cleanly(corpus_dir, tmp_path):
-    with Drill(tmp_path / "drill", flags(corpus_dir, 40 * K), join_timeout=10.0) as drill:
-        drill.start_lighthouse(min_replicas=1)
-        drill.gate(30 * K)  # neither may finish before it is asked to stop (a busy machine)
-        drill.start("r0", 0)
-        drill.start("r1", 1)
-        running = lambda: all(drill.status(n)[1] > 2 * K for n in ("r0", "r1"))  # noqa: E731
-        running_s = limit_s(steps=2 * K + 1, processes=2)
-        drill.wait_for(running, running_s, "both replicas past their first rounds")
-        url = f"http://{drill.lighthouse}"
-        for request in (
-            urllib.request.Request(f"{url}/status"),
-            urllib.request.Request(f"{url}/replica/0/kill", method="POST"),
-        ):
-            with pytest.raises((http.client.HTTPException, OSError)):  # HTTP/1: no answer
-                urllib.request.urlopen(request, timeout=REQUEST_S)
-        for path in ("/replica/0/kill", "/status", "/"):  # gRPC's protocol, the dashboard's paths
-            assert grpc_status(http2_request(drill.lighthouse, "POST", path)) is None
-        time.sleep(1.0)
-        assert drill.returncode("r0") is None and drill.returncode("r1") is None, drill.tails()
-        assert drill.stop("r1") == 130, drill.tails()  # SIGTERM: as Ctrl-C, no crash
-        assert "mtdao train: interrupted" in drill.log("r1")
-        drill.gate(None)
-        # r0's rest alone; its next quorum waits until the lighthouse stops counting r1
-        rest_s = limit_s(steps=40 * K, processes=1, sat_out_s=drill.heartbeat_timeout)
-        assert drill.wait_exit("r0", rest_s) == 0, drill.tails()
-        assert "replica 1 left" in drill.log("r0"), drill.tails()

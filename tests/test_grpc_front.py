@@ -408,7 +408,7 @@ SERVE_A_MANAGER = textwrap.dedent(
     from torchft._torchft import ManagerServer
     from mtdao.ft import start_lighthouse
     from mtdao.ft.security.manager_front import start_fronted
-    from mtdao.ft.security.safe_transport import advertised_host
+    from mtdao.ft.lines import advertised_host
 
     lighthouse = start_lighthouse("127.0.0.1:0", 1, 10.0, 5.0)
     def server(bind):

@@ -13,20 +13,17 @@ after the final sync.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 import torch
+import torchrun_job
 from wait_limits import limit_s
 
 from mtdao.optim import MTAdam
 from mtdao.sync.communicator import Traffic
-from mtdao.testing.ports import unused_port
 
 pytestmark = pytest.mark.skipif(find_spec("transformers") is None, reason="needs the hf extra")
 
@@ -123,17 +120,12 @@ def test_traffic_summary_says_how_much_less_than_ddp():
 
 
 def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
-    argv += ["--master-addr", "127.0.0.1", "--master-port", str(unused_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(
-        argv + [str(script), *args],
-        env=env,
+    return torchrun_job.start(
+        [str(script), *args],
+        processes=processes,
+        standalone=False,
+        env={"HF_HUB_OFFLINE": "1"},
         cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its workers are in its group: killed with it
     )
 
 
@@ -172,15 +164,10 @@ def torchrun_jobs(tmp_path_factory) -> dict:
     steps = int(EXAMPLE_ARGS[1]) + 5 * (3 * PERIOD + 2)
     timeout_s = limit_s(starts=1 + HF_STARTS + 1, steps=steps, processes=2 + 4)
     outputs = {}
-    try:
+    with torchrun_job.killed_at_exit(*jobs.values()):
         for name, job in jobs.items():
             outputs[name] = job.communicate(timeout=timeout_s)[0]
             assert job.returncode == 0, outputs[name][-6000:]
-    finally:
-        for job in jobs.values():
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
     ranks = [json.loads((root / "checks" / f"rank{r}.json").read_text()) for r in range(2)]
     return {"ranks": ranks, "example": outputs["checks"], "sharded": outputs["sharded"]}
 

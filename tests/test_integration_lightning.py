@@ -15,18 +15,16 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import subprocess
-import sys
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 import torch
+import torchrun_job
 from wait_limits import limit_s
 
 from mtdao.optim import MTAdam
-from mtdao.testing.ports import unused_port
 
 pytestmark = pytest.mark.skipif(find_spec("lightning") is None, reason="needs the lightning extra")
 
@@ -158,17 +156,7 @@ def test_bad_settings_are_refused(tmp_path):
 
 
 def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
-    argv += ["--master-addr", "127.0.0.1", "--master-port", str(unused_port())]
-    return subprocess.Popen(
-        argv + [str(script), *args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its workers are in its group: killed with it
-    )
+    return torchrun_job.start([str(script), *args], processes=processes, standalone=False, cwd=ROOT)
 
 
 # stopped between syncs (24 of K = 16): the final round makes one model
@@ -176,7 +164,7 @@ EXAMPLE_ARGS = ("--max-steps", "24", "--sync-period", "16", "--chars", "60000")
 
 
 @pytest.fixture(scope="module")
-def torchrun_job(tmp_path_factory) -> dict:
+def lightning_job(tmp_path_factory) -> dict:
     """One torchrun job: examples/lightning_trainer.py, then the checks, in the same two
     processes (tests/integration_lightning_run.py): each process's start costs more than its
     steps."""
@@ -186,27 +174,23 @@ def torchrun_job(tmp_path_factory) -> dict:
     # about a start's work) and 24 steps, then the checks' five fits and a plain loop
     starts = 1 + LIGHTNING_STARTS + 1
     steps = int(EXAMPLE_ARGS[1]) + 5 * RUN_STEPS + 3
-    try:
+    with torchrun_job.killed_at_exit(job):
         output = job.communicate(timeout=limit_s(starts=starts, steps=steps, processes=2))[0]
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
     assert job.returncode == 0, output[-6000:]
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
     return {"ranks": ranks, "output": output}
 
 
 @pytest.mark.slow
-def test_lightning_run_equals_the_plain_loop_bit_for_bit(torchrun_job):
-    for rank in torchrun_job["ranks"]:
+def test_lightning_run_equals_the_plain_loop_bit_for_bit(lightning_job):
+    for rank in lightning_job["ranks"]:
         assert rank["plain_loop_max_diff"] == 0.0
         assert rank["traffic_bytes"] > 0
 
 
 @pytest.mark.slow
-def test_resume_mid_round_is_exact_on_every_rank(torchrun_job):
-    for rank in torchrun_job["ranks"]:
+def test_resume_mid_round_is_exact_on_every_rank(lightning_job):
+    for rank in lightning_job["ranks"]:
         assert rank["checkpoint_files"] == ["mtdao-rank0-of-2.pt", "mtdao-rank1-of-2.pt"]
         assert rank["resume_max_diff"] == 0.0
         assert rank["saved_at_validation_are_own"] is True
@@ -214,35 +198,35 @@ def test_resume_mid_round_is_exact_on_every_rank(torchrun_job):
 
 
 @pytest.mark.slow
-def test_workers_drift_between_syncs_and_agree_after_one(torchrun_job):
+def test_workers_drift_between_syncs_and_agree_after_one(lightning_job):
     """Under DDP the ranks would agree at every step: drifting proves no gradient all-reduce."""
-    for rank in torchrun_job["ranks"]:
+    for rank in lightning_job["ranks"]:
         assert rank["agree_mid_round"] is False
         assert rank["agree_after_sync"] is True
 
 
 @pytest.mark.slow
-def test_the_ddp_method_averages_gradients_inside_lightnings_step(torchrun_job):
-    for rank in torchrun_job["ranks"]:
+def test_the_ddp_method_averages_gradients_inside_lightnings_step(lightning_job):
+    for rank in lightning_job["ranks"]:
         assert rank["ddp_agree_without_final_round"] is True
 
 
 @pytest.mark.slow
-def test_a_run_stopped_between_syncs_ends_with_one_model(torchrun_job):
-    for rank in torchrun_job["ranks"]:
+def test_a_run_stopped_between_syncs_ends_with_one_model(lightning_job):
+    for rank in lightning_job["ranks"]:
         assert rank["agree_at_end_between_syncs"] is True
 
 
 @pytest.mark.slow
-def test_validation_between_syncs_scores_the_global_model(torchrun_job):
-    for rank in torchrun_job["ranks"]:
+def test_validation_between_syncs_scores_the_global_model(lightning_job):
+    for rank in lightning_job["ranks"]:
         assert abs(rank["val_loss_mid_round"] - rank["averaged_model_loss"]) < 1e-5
         assert abs(rank["own_model_loss"] - rank["averaged_model_loss"]) > 1e-4  # they differ
 
 
 @pytest.mark.slow
-def test_the_traffic_is_in_the_logged_metrics(torchrun_job):
-    for rank in torchrun_job["ranks"]:
+def test_the_traffic_is_in_the_logged_metrics(lightning_job):
+    for rank in lightning_job["ranks"]:
         logged = rank["logged_traffic"]
         assert logged["sync_bytes_per_worker"] == rank["traffic_bytes"]
         assert logged["sync_ddp_bytes_per_worker"] > logged["sync_bytes_per_worker"]
@@ -250,8 +234,8 @@ def test_the_traffic_is_in_the_logged_metrics(torchrun_job):
 
 
 @pytest.mark.slow
-def test_example_prints_the_traffic_and_identical_ranks(torchrun_job):
-    output = torchrun_job["output"]
+def test_example_prints_the_traffic_and_identical_ranks(lightning_job):
+    output = lightning_job["output"]
     assert output.count("ranks identical: True") == 1, output[-3000:]
     line = next(line for line in output.splitlines() if line.startswith("traffic:"))
     assert "in 2 rounds over 24 steps" in line and "less than DDP" in line

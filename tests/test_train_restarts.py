@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torchrun_job
 from wait_limits import limit_s
 
 from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S
@@ -76,12 +77,6 @@ def test_a_failed_collective_reads_as_one_line_naming_what_to_do():
 # -- real processes -------------------------------------------------------------------------------
 
 
-def kill_group(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=EXIT_AFTER_SIGNAL_S)
-
-
 def children(pid: int) -> dict[int, int]:
     """{RANK: pid} of the direct children of ``pid`` (torchrun's workers)."""
     found = {}
@@ -108,17 +103,8 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 def torchrun(out: Path, data: Path, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    argv += ["--max-restarts", "1", "--monitor-interval", "0.1", "-m", "mtdao", "train", *FLAGS]
-    argv += ["--data", str(data), "--out", str(out), *extra]
-    return subprocess.Popen(
-        argv,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    argv = ["--max-restarts", "1", "--monitor-interval", "0.1", "-m", "mtdao", "train", *FLAGS]
+    return torchrun_job.start([*argv, "--data", str(data), "--out", str(out), *extra])
 
 
 def complete_checkpoint(out: Path) -> bool:
@@ -146,7 +132,7 @@ def test_a_killed_worker_restarts_from_its_checkpoint_to_the_identical_end(tmp_p
     run += ("--collective-timeout", "60")
     started = time.monotonic()
     jobs = {name: torchrun(tmp_path / name, corpus_dir, *run) for name in ("straight", "killed")}
-    try:
+    with torchrun_job.killed_at_exit(*jobs.values()):
         killed = jobs["killed"]
         wait_for(lambda: complete_checkpoint(tmp_path / "killed"), CHECKPOINT_S, "a checkpoint")
         victim = children(killed.pid)[0]
@@ -157,9 +143,6 @@ def test_a_killed_worker_restarts_from_its_checkpoint_to_the_identical_end(tmp_p
             outputs[name] = job.communicate(timeout=END_S)[0]
             print(f"{name}: ended {time.monotonic() - started:.1f} s after the launch")
         print(f"worker 0 of the killed job was killed {killed_at:.1f} s after the launch")
-    finally:
-        for job in jobs.values():
-            kill_group(job)
     for name, job in jobs.items():
         assert job.returncode == 0, outputs[name][-8000:]
     assert "starting fresh" in outputs["straight"] and "resumed from" not in outputs["straight"]

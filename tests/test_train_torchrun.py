@@ -9,15 +9,12 @@ loss and the bytes sent per worker must agree to float tolerance.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torchrun_job
 from wait_limits import TINY_STEP, limit_s
 
 from mtdao.train import trainer
@@ -59,24 +56,10 @@ def train_flags(run: str, data: Path, out: Path) -> list[str]:
 def torchrun_results(corpus_dir, tmp_path_factory) -> dict[str, dict]:
     """Every run's results, from one torchrun job that runs them in turn."""
     root = tmp_path_factory.mktemp("torchrun")
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    argv += ["--nproc-per-node", str(FLAGS["workers"]), str(RUNS_SCRIPT)]
-    argv += [json.dumps(train_flags(run, corpus_dir, root / run)) for run in RUNS]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(
-        argv,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its workers are in its group: killed with it
-    )
-    try:
+    runs = [json.dumps(train_flags(run, corpus_dir, root / run)) for run in RUNS]
+    job = torchrun_job.start([str(RUNS_SCRIPT), *runs], processes=FLAGS["workers"])
+    with torchrun_job.killed_at_exit(job):
         output = job.communicate(timeout=JOB_S)[0]
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
     assert job.returncode == 0, output[-8000:]
     # only rank 0 prints a run's summary line
     assert output.count('"final_val_loss"') == len(RUNS), output[-8000:]

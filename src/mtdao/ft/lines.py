@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import sys
 
 
@@ -25,3 +26,12 @@ def to_stderr(line: str) -> None:
 def shown_address(peer: tuple[str, int]) -> str:
     """A (host, port) as a line shows it (an IPv6 host in brackets)."""
     return f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address peers reach a listener on ``bind_host`` at (this host's name when it serves
+    on every interface)."""
+    host = bind_host.strip("[]")
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host

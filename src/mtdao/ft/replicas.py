@@ -20,13 +20,13 @@ from mtdao.ft.config import ReplicaConfig
 from mtdao.ft.healing import HealedState
 from mtdao.ft.identity import ReplicaIdentity
 from mtdao.ft.layouts import ReplicaLayout, ShardedReplicaLayout
-from mtdao.ft.lines import first_line
+from mtdao.ft.lines import advertised_host, first_line
 from mtdao.ft.parity import ParityCheck
 from mtdao.ft.plumbing import QuorumError, listening_store
 from mtdao.ft.quorum import Quorum
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey, run_key
-from mtdao.ft.security.safe_transport import SignedHealTransport, advertised_host
+from mtdao.ft.security.safe_transport import SignedHealTransport
 from mtdao.ft.security.torchft_internals import GlooGroup, Manager
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES

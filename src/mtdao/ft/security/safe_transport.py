@@ -12,7 +12,6 @@ import io
 import itertools
 import json
 import re
-import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Any
 import grpc
 import torch
 
-from mtdao.ft.lines import first_line
+from mtdao.ft.lines import advertised_host, first_line
 from mtdao.ft.security.auth import RunKey
 from mtdao.ft.security.grpc_front import GrpcFront, on_loop
 from mtdao.ft.security.torchft_internals import CheckpointTransport
@@ -182,15 +181,6 @@ class SignedHealTransport(CheckpointTransport):
 
     def shutdown(self, wait: bool = True) -> None:
         self._front.shutdown()
-
-
-def advertised_host(bind_host: str) -> str:
-    """The address peers reach a listener on ``bind_host`` at (this host's name when it serves
-    on every interface)."""
-    host = bind_host.strip("[]")
-    if host in ("0.0.0.0", "::", ""):
-        return socket.gethostname()
-    return f"[{host}]" if ":" in host else host
 
 
 def _sha(payload: bytes) -> str:

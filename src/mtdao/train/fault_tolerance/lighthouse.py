@@ -19,6 +19,7 @@ import signal
 import threading
 
 from mtdao.flags import DefaultsHelpFormatter
+from mtdao.ft.lines import advertised_host
 from mtdao.ft.lines import to_stderr as _say
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
@@ -84,6 +85,9 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         signal.signal(signal_number, _stop_starting)
     try:
         from mtdao.ft import start_lighthouse
+        from mtdao.ft.security.torchft_native import native
+
+        native()  # torchft's extension, without torch: a missing torchft is said here
     except ModuleNotFoundError as error:
         if error.name != "torchft":
             raise
@@ -96,7 +100,6 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     from mtdao.ft.security.auth import is_loopback, read_token, run_key
     from mtdao.ft.security.grpc_front import GrpcFront
     from mtdao.ft.security.lighthouse_gate import CALLS, LighthouseGate, settings
-    from mtdao.ft.security.safe_transport import advertised_host
 
     token = read_token(args.auth_token_file)
     gate = None
