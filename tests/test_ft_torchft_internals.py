@@ -99,7 +99,12 @@ def test_the_native_servers_and_the_manager_s_server_name_exist():
     assert "ManagerServer(" in source, "torchft's Manager no longer starts a ManagerServer"
 
 
+BY_NAME = ("import_module", "find_spec", "__import__")  # what reaches a module named in a string
+
+
 def test_no_other_module_of_the_package_imports_torchft():
+    """An import statement or a module named to importlib: torchft_native reaches the extension
+    alone (for the lighthouse), torchft_internals everything else."""
     importers = []
     for path in sorted((ROOT / "src" / "mtdao").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -108,9 +113,19 @@ def test_no_other_module_of_the_package_imports_torchft():
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and not node.level:
                 names = [node.module or ""]
+            elif (
+                isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            ):
+                function = node.func
+                called = function.attr if isinstance(function, ast.Attribute) else ""
+                called = function.id if isinstance(function, ast.Name) else called
+                names = [str(node.args[0].value)] if called in BY_NAME else []
             if any(name.split(".")[0] == "torchft" for name in names):
                 importers.append(str(path.relative_to(ROOT / "src")))
-    assert sorted(set(importers)) == ["mtdao/ft/security/torchft_internals.py"]
+    assert sorted(set(importers)) == [
+        "mtdao/ft/security/torchft_internals.py",
+        "mtdao/ft/security/torchft_native.py",
+    ]
 
 
 def test_the_lighthouse_loads_torchft_s_extension_without_torch():
