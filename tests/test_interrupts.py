@@ -125,6 +125,16 @@ def test_ctrl_c_stops_the_lighthouse_without_a_traceback(after):
     assert err.strip().splitlines()[-1] == "lighthouse: stopped", err
 
 
+def test_a_server_that_does_not_stop_does_not_keep_the_lighthouse_from_ending(monkeypatch):
+    from mtdao.train.fault_tolerance import lighthouse
+
+    monkeypatch.setattr(lighthouse, "STOP_S", 0.2)
+    started = time.monotonic()
+    assert not lighthouse._ends(lambda: time.sleep(30))
+    assert time.monotonic() - started < 5
+    assert lighthouse._ends(lambda: None)
+
+
 def test_sigterm_stops_a_lighthouse_still_reading_its_secret(tmp_path):
     """A secret from a pipe nobody writes (--auth-token-file <(...) whose writer stalls): the
     lighthouse waits in that read, and SIGTERM still ends it in one line."""

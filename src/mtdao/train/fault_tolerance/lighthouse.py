@@ -23,6 +23,7 @@ from mtdao.ft.lines import advertised_host
 from mtdao.ft.lines import to_stderr as _say
 
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[ft]"'
+STOP_S = 10.0  # what each server's shutdown may take once the lighthouse is told to stop
 
 
 def add_parser(subparsers) -> None:
@@ -153,10 +154,20 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
     finally:
-        front.shutdown()
-        server.shutdown()
-    _say("lighthouse: stopped")
+        servers = {"its front": front.shutdown, "torchft's lighthouse": server.shutdown}
+        stuck = [name for name, shutdown in servers.items() if not _ends(shutdown)]
+    late = f" ({' and '.join(stuck)} did not stop within {STOP_S:g} s)" if stuck else ""
+    _say("lighthouse: stopped" + late)
     return 0
+
+
+def _ends(shutdown) -> bool:
+    """Whether ``shutdown`` returns within STOP_S: a server that does not stop must not keep
+    the lighthouse from ending (its threads end with the process)."""
+    thread = threading.Thread(target=shutdown, daemon=True)
+    thread.start()
+    thread.join(STOP_S)
+    return not thread.is_alive()
 
 
 def _stop_starting(*_) -> None:
