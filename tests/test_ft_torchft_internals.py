@@ -1,24 +1,18 @@
 """The one seam between mtdao and torchft's private parts (mtdao.ft.security.torchft_internals):
 the torchft installed, and the one constraints.txt pins, are versions the seam was written
 against, and every private name the seam uses still exists on that torchft. An upgrade of
-torchft fails here, naming what moved, before any replica runs. The lighthouse loads torchft's
-native extension alone (mtdao.ft.security.torchft_native), without torch."""
+torchft fails here, naming what moved, before any replica runs."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
 import inspect
-import os
 import re
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from wait_limits import first_line, limit_s
 
 pytest.importorskip("torchft")
 
@@ -103,8 +97,7 @@ BY_NAME = ("import_module", "find_spec", "__import__")  # what reaches a module 
 
 
 def test_no_other_module_of_the_package_imports_torchft():
-    """An import statement or a module named to importlib: torchft_native reaches the extension
-    alone (for the lighthouse), torchft_internals everything else."""
+    """An import statement or a module named to importlib."""
     importers = []
     for path in sorted((ROOT / "src" / "mtdao").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -122,26 +115,7 @@ def test_no_other_module_of_the_package_imports_torchft():
                 names = [str(node.args[0].value)] if called in BY_NAME else []
             if any(name.split(".")[0] == "torchft" for name in names):
                 importers.append(str(path.relative_to(ROOT / "src")))
-    assert sorted(set(importers)) == [
-        "mtdao/ft/security/torchft_internals.py",
-        "mtdao/ft/security/torchft_native.py",
-    ]
-
-
-def test_the_lighthouse_loads_torchft_s_extension_without_torch():
-    """``mtdao lighthouse`` needs only torchft's native server (mtdao.ft.security.torchft_native):
-    torch, which torchft's package imports, would cost each start 2 - 3 s of CPU again."""
-    argv = [sys.executable, "-m", "mtdao", "lighthouse", "--port", "0", "--min-replicas", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    lighthouse = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        assert first_line(lighthouse, limit_s()).startswith("lighthouse: serving at http://")
-        libraries = Path(f"/proc/{lighthouse.pid}/maps").read_text()
-        assert "_torchft" in libraries and "libtorch" not in libraries
-    finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.communicate(timeout=limit_s())
-    assert lighthouse.returncode == 0
+    assert sorted(set(importers)) == ["mtdao/ft/security/torchft_internals.py"]
 
 
 def test_a_private_attribute_torchft_no_longer_sets_is_named():

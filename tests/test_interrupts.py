@@ -102,8 +102,12 @@ def test_ctrl_c_before_any_checkpoint_says_how_to_start_again(tmp_path, corpus_d
     assert line.endswith("start it again with: " + shlex.join(["mtdao", *argv, "--resume"]))
 
 
-@pytest.mark.parametrize("after", [0.0, 1.5])
-def test_ctrl_c_stops_the_lighthouse_without_a_traceback(after):
+def _blocked() -> None:  # a parent (a supervisor, a shell) that holds them back from its children
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+@pytest.mark.parametrize("after, parent_mask", [(0.0, None), (1.5, None), (0.0, _blocked)])
+def test_ctrl_c_stops_the_lighthouse_without_a_traceback(after, parent_mask):
     pytest.importorskip("torchft")
     process = subprocess.Popen(
         [sys.executable, "-m", "mtdao", "lighthouse", "--bind-host", "127.0.0.1", "--port", "0"],
@@ -111,6 +115,7 @@ def test_ctrl_c_stops_the_lighthouse_without_a_traceback(after):
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
+        preexec_fn=parent_mask,
     )
     try:
         assert first_line(process, limit_s()).startswith("lighthouse: serving at ")

@@ -4,13 +4,11 @@ the errors a replica raises."""
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
+
+import torch.distributed as dist
 
 from mtdao.ft.lines import first_line
-from mtdao.ft.security.torchft_native import native
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
+from mtdao.ft.security.torchft_internals import LighthouseServer
 
 
 class ReplicaRefused(ValueError):
@@ -24,8 +22,6 @@ class QuorumError(ConnectionError):
 def listening_store(bind_host: str) -> dist.TCPStore:
     """This replica's store (a TCPStore server), listening on ``bind_host`` only: torch's own
     server would listen on every interface, so it is handed a socket bound here."""
-    import torch.distributed as dist  # here: the lighthouse imports this module without torch
-
     host = bind_host.strip("[]")
     if host in ("0.0.0.0", "::", ""):
         return dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
@@ -46,7 +42,7 @@ def start_lighthouse(
 ):
     """torchft's lighthouse, serving in background threads; ``.address()`` and ``.shutdown()``."""
     try:
-        return native().LighthouseServer(
+        return LighthouseServer(
             bind=bind,
             min_replicas=min_replicas,
             join_timeout_ms=round(join_timeout * 1000),

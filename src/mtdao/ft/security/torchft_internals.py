@@ -1,10 +1,10 @@
-"""Every use of torchft beyond its public API, and with :mod:`mtdao.ft.security.torchft_native`
-(its native servers without torch, for the lighthouse) the only module that imports torchft: an
-upgrade is checked against these alone (tests/test_ft_torchft_internals.py)."""
+"""Every use of torchft beyond its public API, and the only module that imports torchft: an
+upgrade is checked against this module alone (tests/test_ft_torchft_internals.py)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -14,9 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mtdao.ft.security.torchft_native import quiet_native_logs
-
-quiet_native_logs()
+# torchft's native side logs every quorum at INFO; keep the terminal for progress lines
+os.environ.setdefault("RUST_LOG", "warn")
 
 import torchft.manager  # noqa: E402
 from torchft import Manager, ProcessGroupGloo  # noqa: E402
