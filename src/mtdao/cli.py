@@ -12,6 +12,7 @@ import faulthandler
 import importlib
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -177,6 +178,9 @@ def entry_point() -> int:
     process that joins process groups (under torchrun, a fault-tolerant replica) ends without
     interpreter teardown (see :func:`mtdao.train.distributed.end_worker_process`)."""
     faulthandler.enable()
+    # Ctrl-C and SIGTERM stop every command: a mask inherited from the parent (a supervisor, a
+    # shell) must not hold them back, or the process would never see them
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     # torchrun sets WORLD_SIZE: checked here without importing torch, for a fast --help
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and "--fault-tolerant" not in sys.argv[1:]:
         return main()

@@ -80,8 +80,6 @@ def run_lighthouse(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             flag = name.replace("_", "-")
             raise ValueError(f"--{flag} must be a number of seconds > 0, got {getattr(args, name)}")
-    # They stop the lighthouse: a mask inherited from the parent must not hold them back
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     # Until the servers start, Ctrl-C and SIGTERM end the start-up where it is (an import, or
     # the read of a secret from a pipe that nobody writes)
     for signal_number in (signal.SIGINT, signal.SIGTERM):
