@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from sessions import killed_at_exit
 from wait_limits import limit_s
-
-from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S
 
 # both ranks start at once, then save and load a few small checkpoints
 RANKS_S = limit_s(starts=1, processes=2)
@@ -74,13 +72,8 @@ def test_two_processes_agree_on_fallback_and_on_refusal(tmp_path):
         )
         for rank in range(2)
     ]
-    try:
+    with killed_at_exit(*ranks):
         outputs = [process.communicate(timeout=RANKS_S) for process in ranks]
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=EXIT_AFTER_SIGNAL_S)
     for process, (_, err) in zip(ranks, outputs):
         assert process.returncode == 0, err
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchrun_job
+from sessions import killed_at_exit
 from test_ft_communicator import assert_same
 from wait_limits import limit_s
 
@@ -50,7 +51,7 @@ def runs(corpus_dir, tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
     config = TrainConfig.of(data=str(corpus_dir), out=str(root / "torchrun"), **FLAGS)
     job = torchrun_job.start(["-m", "mtdao", "train", *config_to_argv(config)])
     flags = config_to_argv(TrainConfig.of(data=str(corpus_dir), **FLAGS))
-    with torchrun_job.killed_at_exit(job):
+    with killed_at_exit(job):
         with Drill(root / "ft", flags) as drill:
             drill.start_lighthouse(min_replicas=2)
             for replica in range(2):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchrun_job
+from sessions import killed_at_exit
 from wait_limits import limit_s
 
 from mtdao.optim import MTAdam
@@ -164,7 +165,7 @@ def torchrun_jobs(tmp_path_factory) -> dict:
     steps = int(EXAMPLE_ARGS[1]) + 5 * (3 * PERIOD + 2)
     timeout_s = limit_s(starts=1 + HF_STARTS + 1, steps=steps, processes=2 + 4)
     outputs = {}
-    with torchrun_job.killed_at_exit(*jobs.values()):
+    with killed_at_exit(*jobs.values()):
         for name, job in jobs.items():
             outputs[name] = job.communicate(timeout=timeout_s)[0]
             assert job.returncode == 0, outputs[name][-6000:]

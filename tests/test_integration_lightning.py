@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchrun_job
+from sessions import killed_at_exit
 from wait_limits import limit_s
 
 from mtdao.optim import MTAdam
@@ -174,7 +175,7 @@ def lightning_job(tmp_path_factory) -> dict:
     # about a start's work) and 24 steps, then the checks' five fits and a plain loop
     starts = 1 + LIGHTNING_STARTS + 1
     steps = int(EXAMPLE_ARGS[1]) + 5 * RUN_STEPS + 3
-    with torchrun_job.killed_at_exit(job):
+    with killed_at_exit(job):
         output = job.communicate(timeout=limit_s(starts=starts, steps=steps, processes=2))[0]
     assert job.returncode == 0, output[-6000:]
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]

@@ -13,13 +13,13 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from sessions import killed_at_exit
 from wait_limits import limit_s
 
 from mtdao.testing.ports import unused_port
@@ -100,12 +100,8 @@ def snippet_runs(tmp_path_factory) -> list[dict | None]:
             text=True,
             start_new_session=True,  # the snippets' processes are in its group, killed with it
         )
-        try:
+        with killed_at_exit(runner):
             output = runner.communicate(timeout=PRELOAD_S + SNIPPET_S * len(jobs))[0]
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(runner.pid, signal.SIGKILL)
-            runner.wait()
     assert runner.returncode == 0, output[-3000:]
     ran = {job["source"]: Path(job["out"]) for job in jobs}
     return [

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+from sessions import kill
 from wait_limits import first_line, limit_s
 
 from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S
@@ -44,12 +45,6 @@ def start_holder(run_dir) -> subprocess.Popen:
     return holder
 
 
-def stop(holder: subprocess.Popen) -> None:
-    if holder.poll() is None:
-        os.killpg(holder.pid, signal.SIGKILL)
-    holder.wait(timeout=EXIT_AFTER_SIGNAL_S)
-
-
 def test_second_holder_is_refused_with_the_pid_of_the_first(tmp_path):
     run_dir = tmp_path / "run"
     with RunLock(run_dir) as lock:
@@ -77,7 +72,7 @@ def test_lock_is_released_when_its_process_is_killed(tmp_path):
         with RunLock(run_dir) as lock:
             assert lock.held
     finally:
-        stop(holder)
+        kill(holder)
 
 
 def test_lock_in_another_process_refuses_this_one(tmp_path):

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchrun_job
+from sessions import kill, killed_at_exit
 from wait_limits import limit_s
 
-from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S
 from mtdao.testing.ports import unused_port
 from mtdao.train.distributed import (
     CollectiveError,
@@ -132,7 +132,7 @@ def test_a_killed_worker_restarts_from_its_checkpoint_to_the_identical_end(tmp_p
     run += ("--collective-timeout", "60")
     started = time.monotonic()
     jobs = {name: torchrun(tmp_path / name, corpus_dir, *run) for name in ("straight", "killed")}
-    with torchrun_job.killed_at_exit(*jobs.values()):
+    with killed_at_exit(*jobs.values()):
         killed = jobs["killed"]
         wait_for(lambda: complete_checkpoint(tmp_path / "killed"), CHECKPOINT_S, "a checkpoint")
         victim = children(killed.pid)[0]
@@ -213,9 +213,7 @@ def test_a_frozen_worker_ends_the_others_within_the_collective_timeout(tmp_path,
         )
     finally:
         for worker in workers:
-            if worker.poll() is None:
-                os.kill(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=EXIT_AFTER_SIGNAL_S)
+            kill(worker)
     lines = [line for line in err.strip().splitlines() if line.startswith("mtdao")]
     assert workers[0].returncode == 2 and "Traceback" not in err, err
     assert lines == [

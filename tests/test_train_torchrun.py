@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchrun_job
+from sessions import killed_at_exit
 from wait_limits import TINY_STEP, limit_s
 
 from mtdao.train import trainer
@@ -58,7 +59,7 @@ def torchrun_results(corpus_dir, tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("torchrun")
     runs = [json.dumps(train_flags(run, corpus_dir, root / run)) for run in RUNS]
     job = torchrun_job.start([str(RUNS_SCRIPT), *runs], processes=FLAGS["workers"])
-    with torchrun_job.killed_at_exit(job):
+    with killed_at_exit(job):
         output = job.communicate(timeout=JOB_S)[0]
     assert job.returncode == 0, output[-8000:]
     # only rank 0 prints a run's summary line

@@ -5,15 +5,12 @@ workers running)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from mtdao.testing.fault_drill import EXIT_AFTER_SIGNAL_S
 from mtdao.testing.ports import unused_port
 
 
@@ -42,20 +39,3 @@ def start(
         text=True,
         start_new_session=True,  # its workers are in its group: killed with it
     )
-
-
-def kill(job: subprocess.Popen) -> None:
-    """SIGKILL the job and its workers if it still runs; reap it."""
-    if job.poll() is None:
-        os.killpg(job.pid, signal.SIGKILL)
-    job.wait(timeout=EXIT_AFTER_SIGNAL_S)
-
-
-@contextlib.contextmanager
-def killed_at_exit(*jobs: subprocess.Popen) -> Iterator[None]:
-    """Whatever happens inside, none of ``jobs`` runs on after it."""
-    try:
-        yield
-    finally:
-        for job in jobs:
-            kill(job)
