@@ -59,9 +59,7 @@ class ProvenManager(QuorumStepManager):
         self._allow_non_finite = allow_non_finite
         self._confirm_wait_s = min(CONFIRM_WAIT_S, self.internals.connect_timeout.total_seconds())
         self._seen = SeenNonces()
-        self._formed: tuple[int, tuple[str, ...]] | None = (
-            None  # quorum id and members of the group
-        )
+        self._formed: tuple[int, tuple[str, ...]] | None = None  # the group's quorum id, members
         self._quorums = 0  # counted alike by every process of the replica: the relay's key
         self._stores: dict[str, Any] = {}
         self._stores_lock = threading.Lock()
