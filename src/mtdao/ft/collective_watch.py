@@ -40,7 +40,8 @@ class CollectiveWatch:
         """Wait for ``work``, a collective of the round ``what`` names, with ``peers``; raises
         what the collective raises, or PeerLost."""
         done = threading.Event()
-        _future_of(work).add_done_callback(lambda _: done.set())
+        future = getattr(work, "_work", work).get_future()  # torchft's managed work wraps it
+        future.add_done_callback(lambda _: done.set())
         started = time.monotonic()
         if not done.wait(self.say_after_s):
             self._watch(done, started, what, peers)
@@ -68,11 +69,6 @@ class CollectiveWatch:
             if waited >= say_at:
                 self.say(f"still waiting {waited:.0f} s for {what} with replicas {names}")
                 say_at *= 2
-
-
-def _future_of(work: Any):
-    """The future of a collective: torchft's managed work wraps the process group's."""
-    return getattr(work, "_work", work).get_future()
 
 
 def accepts(host: str, port: int, timeout: float) -> bool:

@@ -29,11 +29,7 @@ INT64_SPAN = 1 << 64
 
 def tensor_digest(tensor: Tensor) -> int:
     """xxh3-64 of the tensor's bytes (of a sharded tensor, this process's shard), as an int64."""
-    data = local_shard(tensor).detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
-    if not data.is_contiguous():
-        data = data.contiguous()
+    data = local_shard(tensor).detach().cpu().contiguous()  # no copy of a CPU, contiguous one
     try:  # hashed in place (a round's tensors are hashed every round: no copy, few calls)
         array = data.numpy()
     except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
@@ -131,7 +127,8 @@ class ParityCheck:
         """Hash ``tensors``, just assigned by a committed round (parameters and states in two
         calls); the final round, with every member in it, compares now."""
         started = time.perf_counter()
-        step, self.processes = self._step(), quorum.processes
+        step = self.sync.step_count if self.sync is not None else -1
+        self.processes = quorum.processes
         if self.last is None or self.last.step != step or self.last.final != final:
             self.last = Assigned(step, [], [], final)
         self.last.tensors += tensors
@@ -220,9 +217,6 @@ class ParityCheck:
             if id(tensor) in names:
                 return names[id(tensor)]
         return f"tensor {index} of the round {tuple(tensor.shape)}"
-
-    def _step(self) -> int:
-        return self.sync.step_count if self.sync is not None else -1
 
 
 def tensor_names(sync: LocalUpdateSync) -> dict[int, str]:

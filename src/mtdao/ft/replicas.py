@@ -26,8 +26,10 @@ from mtdao.ft.plumbing import QuorumError, listening_store
 from mtdao.ft.quorum import Quorum
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey, run_key
+from mtdao.ft.security.manager_front import FrontUnavailable, manager_bound_to
+from mtdao.ft.security.proven_manager import ProvenManager
 from mtdao.ft.security.safe_transport import SignedHealTransport
-from mtdao.ft.security.torchft_internals import GlooGroup, Manager
+from mtdao.ft.security.torchft_internals import GlooGroup, Manager, ManagerInternals
 from mtdao.ft.shards import ReplicaProcesses
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 from mtdao.sync.communicator import Communicator, RoundNotCommitted, Stateful
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from mtdao.sync.trained_state import TrainedState
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -158,10 +162,10 @@ class ReplicaGroups(Communicator):
         store, failure, manager = None, None, None
         if self.processes.rank == 0:
             store = (advertised_host(bind_host), self._store.port)
-            manager, failure = connection.start_manager(self, *store)
+            manager, failure = self._start_manager(*store)
         store, failure = self.processes.from_first((store, failure))
         if failure is None and self.processes.rank > 0:
-            manager, failure = connection.start_manager(self, *store)
+            manager, failure = self._start_manager(*store)
         if failure is not None:
             self.heal_transport.shutdown(wait=False)
             return failure
@@ -169,6 +173,44 @@ class ReplicaGroups(Communicator):
         for key, state in self._tracked.items():
             manager.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
         return None
+
+    def _start_manager(self, store_host: str, store_port: int) -> tuple[Manager | None, str | None]:
+        """This process's torchft manager, or the reason it could not start."""
+        config = self.config
+        with manager_bound_to(config.bind_host):
+            try:
+                manager = ProvenManager(  # its quorums hold proven members only
+                    identity=self.identity,
+                    allow_non_finite=self.allow_non_finite,
+                    pg=self.process_group,
+                    load_state_dict=None,
+                    state_dict=None,
+                    min_replica_size=1,
+                    use_async_quorum=False,  # heal before the step, not during it
+                    timeout=self.collective_timeout,
+                    quorum_timeout=timedelta(seconds=config.quorum_timeout),
+                    connect_timeout=timedelta(seconds=config.connect_timeout),
+                    rank=self.processes.rank,
+                    world_size=self.processes.size,
+                    store_addr=store_host,
+                    store_port=store_port,
+                    lighthouse_addr=config.lighthouse_url,
+                    replica_id=str(config.replica_id),
+                    hostname=store_host,
+                    heartbeat_interval=timedelta(seconds=HEARTBEAT_INTERVAL_S),
+                    checkpoint_transport=self.heal_transport,
+                )
+            except FrontUnavailable as error:
+                return None, str(error)
+            except RuntimeError as error:
+                reason = first_line(error).rsplit(": ", 1)[-1]  # the innermost cause
+                if self.processes.rank > 0:
+                    return None, f"cannot reach this replica's manager on {store_host} ({reason})"
+                return None, (
+                    f"cannot reach the lighthouse at {config.lighthouse_url} within "
+                    f"--connect-timeout {config.connect_timeout:g} s ({reason})"
+                )
+        return manager, None
 
     def _back_in_touch(self, step: int) -> bool:
         """Whether the lighthouse accepts connections (after it was away, a new manager has
@@ -199,9 +241,15 @@ class ReplicaGroups(Communicator):
         self.quorum.unreachable = f"{why}; training on locally until it is back"
 
     def listeners(self) -> str:
-        """Where this process serves (after :meth:`connect`)."""
-        store = self._store if self.processes.rank == 0 else None
-        return connection.listeners(self.manager, self.heal_transport, store)
+        """Where this process serves (after :meth:`connect`; the first also its manager and store)."""
+        heal_host, heal_port = self.heal_transport.address
+        parts = [f"heal state {heal_host}:{heal_port}"]
+        if self.processes.rank == 0:
+            server = ManagerInternals(self.manager).server  # a FrontedManagerServer
+            served = server.address().split("://")[-1]
+            behind = f"a front refusing Kill, torchft's server behind it on {server.internal}"
+            parts = [f"manager {served} ({behind})", f"store port {self._store.port}", *parts]
+        return ", ".join(parts) + " (collectives on the same address)"
 
     # -- membership --------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ MAX_TRACKED = 4096
 SHOWN_PATH_CHARS = 80
 
 
-class GrpcFront:
+class GrpcFront(grpc.GenericRpcHandler):
     """Serves ``host``:``port`` (0: any), making each call of ``allowed`` (full gRPC paths;
     ``local_only``: to this machine's callers only; ``inspect``: path -> check of the message
     and the caller's (host, port), which says why not itself) again on the server behind, or
@@ -107,7 +107,7 @@ class GrpcFront:
         # no maximum_concurrent_rpcs: grpcio's limiter costs every call a task and a lock, and
         # while full stops taking calls, members' among them; the front counts its own (CALLS)
         server = aio.server(
-            handlers=[_Calls(self)],
+            handlers=[self],
             options=[
                 ("grpc.so_reuseport", 0),  # no other socket may share the port
                 ("grpc.enable_channelz", 0),  # no bookkeeping of each connection and call
@@ -148,6 +148,18 @@ class GrpcFront:
         for call in calls:
             call.cancel()
         return len(calls) + sum(self._end_hold(tick) for tick in list(self._holds))
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """Every method, read and answered as a stream (a missing message is bounded by MESSAGE_S;
+        a unary caller gets its one answer as it would from a unary method)."""
+        method = details.method
+        path = method if isinstance(method, str) else method.decode("ascii", "backslashreplace")
+        handler = self._handlers.get(path)
+        if handler is None:
+            handler = grpc.stream_stream_rpc_method_handler(functools.partial(self.call, path))
+            if path in self.allowed:  # a stranger's paths are not kept
+                self._handlers[path] = handler
+        return handler
 
     async def call(self, path: str, requests, context: aio.ServicerContext) -> None:
         """One call: counted, checked, then made again on the server behind or answered by the
@@ -270,26 +282,6 @@ class GrpcFront:
 
 
 Answer = Callable[[bytes, tuple[str, int]], Awaitable[Iterable[bytes] | None]]
-
-
-class _Calls(grpc.GenericRpcHandler):
-    """Every method, read and answered as a stream (a missing message is bounded by MESSAGE_S;
-    a unary caller gets its one answer as it would from a unary method)."""
-
-    def __init__(self, front: GrpcFront) -> None:
-        self.front = front
-
-    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        method = details.method
-        path = method if isinstance(method, str) else method.decode("ascii", "backslashreplace")
-        handler = self.front._handlers.get(path)
-        if handler is None:
-            handler = grpc.stream_stream_rpc_method_handler(
-                functools.partial(self.front.call, path)
-            )
-            if path in self.front.allowed:  # a stranger's paths are not kept
-                self.front._handlers[path] = handler
-        return handler
 
 
 EOF_SEEN = "the end of the call's messages"

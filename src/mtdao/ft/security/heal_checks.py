@@ -4,7 +4,7 @@ and step its sender proved; :func:`heal_problem` names the first key that fails.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -97,9 +97,7 @@ class _Checker:
         """A trained state: the parameters exactly; the optimizer's states like this replica's
         where it has them, else shaped like their parameter; the engine at the proven step."""
         optimizer, own_optimizer = received.get("optimizer"), own["optimizer"]
-        rest = {key: value for key, value in received.items() if key != "optimizer"}
-        own_rest = {key: value for key, value in own.items() if key != "optimizer"}
-        problem = self._dict({**rest, "optimizer": None}, {**own_rest, "optimizer": None}, path)
+        problem = self._dict({**received, "optimizer": None}, {**own, "optimizer": None}, path)
         if problem:
             return problem
         sync_step = received["sync"].get("step")
@@ -150,11 +148,7 @@ class _Checker:
         """What is left to check of a value this replica has no counterpart of: finite."""
         if isinstance(value, Tensor):
             return self._tensor(value, None, path)
-        if isinstance(value, dict):
-            items: Any = value.items()
-        else:
-            items = enumerate(value) if isinstance(value, (list, tuple)) else ()
-        for key, item in items:
+        for key, item in _children(value):
             problem = self._leaves(item, _join(path, key))
             if problem:
                 return problem
@@ -173,14 +167,15 @@ def _is_index(key: object) -> bool:
     return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
 
 
-def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, Tensor):
-        return True
+def _children(value: Any) -> Iterable[tuple[Any, Any]]:
+    """The (key, item) pairs of a dict, list or tuple; none of anything else."""
     if isinstance(value, dict):
-        return any(_holds_tensors(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensors(item) for item in value)
-    return False
+        return value.items()
+    return enumerate(value) if isinstance(value, (list, tuple)) else ()
+
+
+def _holds_tensors(value: Any) -> bool:
+    return isinstance(value, Tensor) or any(_holds_tensors(item) for _, item in _children(value))
 
 
 def _non_finite(tensor: Tensor) -> bool:

@@ -65,7 +65,9 @@ class LighthouseGate:
                 claim, why = None, "its claim was handed in before (a replay)"
             if claim is not None:
                 self.proven[member] = (self.clock(), peer[0])
-                self._forget()
+                if len(self.proven) > 1000:  # forget the ids quiet for FORGET_S
+                    horizon = self.clock() - FORGET_S
+                    self.proven = {m: p for m, p in self.proven.items() if p[0] >= horizon}
                 return True
             shown = member[:48] or "(no replica id)"
             line = f"a quorum request of {shown!r} from {shown_address(peer)}: {why}"
@@ -99,11 +101,6 @@ class LighthouseGate:
         if said:
             self.report(said)
         return False
-
-    def _forget(self) -> None:
-        horizon = self.clock() - FORGET_S
-        if len(self.proven) > 1000:
-            self.proven = {m: p for m, p in self.proven.items() if p[0] >= horizon}
 
 
 def settings(min_replicas: int) -> dict[str, Answer]:

@@ -100,11 +100,6 @@ def quorum_digest(quorum_id: int, claims: Sequence[Claim]) -> str:
     return digest.hexdigest()
 
 
-def confirmation_key(key: RunKey, digest: str) -> str:
-    """A store key for a confirmation of ``digest`` that only holders of the secret can name."""
-    return f"mtdao/confirm/{key.sign('confirmation key', digest)[:32]}"
-
-
 def confirm_quorum(
     open_store: Callable[[str], Any],
     key: RunKey,
@@ -113,9 +108,10 @@ def confirm_quorum(
     candidates: Sequence[Claim],
     wait_s: float,
 ) -> dict[str, str]:
-    """Post this member's confirmation of ``digest``, then read every other candidate's from its
-    claimed store for at most ``wait_s``: {member: why not} for those not confirmed."""
-    name = confirmation_key(key, digest)
+    """Post this member's confirmation of ``digest`` (under a key only the secret's holders can
+    name), then read every other candidate's from its claimed store for at most ``wait_s``:
+    {member: why not} for those not confirmed."""
+    name = f"mtdao/confirm/{key.sign('confirmation key', digest)[:32]}"
     open_store(me.store).set(name, key.sign("confirm", digest, me.member))
     others = [c for c in candidates if c.member != me.member]
 

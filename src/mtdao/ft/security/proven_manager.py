@@ -59,18 +59,14 @@ class ProvenManager(QuorumStepManager):
         self._allow_non_finite = allow_non_finite
         self._confirm_wait_s = min(CONFIRM_WAIT_S, self.internals.connect_timeout.total_seconds())
         self._seen = SeenNonces()
-        self._formed: tuple[int, tuple[str, ...]] | None = (
-            None  # quorum id and members of the group
-        )
+        self._formed: tuple[int, tuple[str, ...]] | None = None  # the group's quorum id, members
         self._quorums = 0  # counted alike by every process of the replica: the relay's key
         self._stores: dict[str, Any] = {}
         self._stores_lock = threading.Lock()
         self._lighthouse: LighthouseClient | None = None
         self._min_replicas: int | None = None  # the lighthouse's, once it has told
         self._refused: set[str] = set()  # members whose heal state this process refused
-        self.internals.store.set(
-            self._heal_key(self.internals.group_rank), self.internals.heal_transport.metadata()
-        )
+        self._post()
 
     # -- the quorum ----------------------------------------------------------------------------
 
@@ -118,6 +114,7 @@ class ProvenManager(QuorumStepManager):
         """Ask the lighthouse for a quorum with this replica's signed claim; prove its members.
         The verdict, in plain data for the replica's other processes."""
         identity, key = self.identity, self.identity.key
+        heal, refused_sources = self._posts()
         mine = Claim(
             replica_id=identity.replica_id,
             member=self._member,
@@ -126,10 +123,10 @@ class ProvenManager(QuorumStepManager):
             config=identity.config_digest,
             shards=self.internals.group_world_size,
             store=self._store_address,
-            heal=self._heal_urls(),
+            heal=heal,
             commit_failures=self.internals.commit_failures,
             nonce=new_nonce(),
-            refused=self._refused_sources(),
+            refused=refused_sources,
         )
         if self._lighthouse is None:
             self._lighthouse = LighthouseClient(
@@ -204,14 +201,26 @@ class ProvenManager(QuorumStepManager):
                 self._stores.pop(claim.store, None)  # opened anew next time (it may have failed)
         return {**verdict, "digest": digest, "proven": [json.loads(c.body()) for c in proven]}
 
-    def _heal_urls(self) -> tuple[str, ...]:
-        """The heal server of each process of this replica (each posts its own at start-up)."""
-        keys = [self._heal_key(rank) for rank in range(self.internals.group_world_size)]
-        self.internals.store.wait(keys, self.internals.timeout)
-        return tuple(self.internals.store.get(key).decode() for key in keys)
+    def _post(self) -> None:
+        """Post in the replica's store what this process adds to the replica's claims: its heal
+        server, and the members it refused a heal state from (no quorum heals from them again)."""
+        post = {
+            "heal": self.internals.heal_transport.metadata(),
+            "refused": sorted(self._refused)[-KEPT:],
+        }
+        self.internals.store.set(self._post_key(self.internals.group_rank), json.dumps(post))
 
-    def _heal_key(self, group_rank: int) -> str:
-        return f"mtdao/heal/{self._member}/{group_rank}"
+    def _posts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The heal server of each process of this replica, in process order, and the members
+        any of them refused (each process posts at start-up and at each refusal)."""
+        keys = [self._post_key(rank) for rank in range(self.internals.group_world_size)]
+        self.internals.store.wait(keys, self.internals.timeout)
+        posts = [json.loads(self.internals.store.get(key)) for key in keys]
+        refused = self._refused.union(*(post["refused"] for post in posts))
+        return tuple(post["heal"] for post in posts), tuple(sorted(refused)[-KEPT:])
+
+    def _post_key(self, group_rank: int) -> str:
+        return f"mtdao/process/{self._member}/{group_rank}"
 
     def _open_store(self, address: str) -> Any:
         """A client of the store at ``host:port`` (kept while its member confirms quorums)."""
@@ -317,30 +326,13 @@ class ProvenManager(QuorumStepManager):
             problem = heal_problem(state, own, source.commits, source.step, self._allow_non_finite)
             if problem is None:
                 return state
-            self._refuse_source(source.member)
+            self._refused.add(source.member)
+            self._post()
             self._note(
                 f"refused the heal state of {peer}: {problem}; this replica keeps its own state "
                 "and heals from it no more"
             )
         return None
-
-    def _refuse_source(self, member: str) -> None:
-        """Name ``member`` in every later claim of this replica: no quorum heals from it again.
-        Each process posts its own in the replica's store; the first claims them all."""
-        self._refused.add(member)
-        refused = json.dumps(sorted(self._refused)[-KEPT:])
-        self.internals.store.set(
-            f"mtdao/refused/{self._member}/{self.internals.group_rank}", refused
-        )
-
-    def _refused_sources(self) -> tuple[str, ...]:
-        """The members any process of this replica refused a heal state from."""
-        refused = set(self._refused)
-        for rank in range(1, self.internals.group_world_size):
-            key = f"mtdao/refused/{self._member}/{rank}"
-            if self.internals.store.check([key]):
-                refused.update(json.loads(self.internals.store.get(key)))
-        return tuple(sorted(refused)[-KEPT:])
 
     def _note(self, line: str) -> None:
         if self.internals.group_rank == 0:
