@@ -16,12 +16,12 @@ class ReplicaRefused(ValueError):
 
 
 class QuorumError(ConnectionError):
-    """The lighthouse cannot be reached, or no quorum formed (then ``why`` says so in a few
-    words, for the line of a round discarded)."""
+    """The lighthouse cannot be reached, or no quorum formed within the timeout (then
+    ``timed_out`` says so in a few words)."""
 
-    def __init__(self, message: str, why: str | None = None) -> None:
+    def __init__(self, message: str, timed_out: str | None = None) -> None:
         super().__init__(message)
-        self.why = why
+        self.timed_out = timed_out
 
 
 def listening_store(bind_host: str) -> dist.TCPStore:

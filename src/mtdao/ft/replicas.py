@@ -234,8 +234,8 @@ class ReplicaGroups(Communicator):
         return failure is None
 
     def _away_at(self, step: int, why: str | None = None) -> None:
-        """The lighthouse is away at ``step`` (or ``why``: no quorum formed, the lighthouse
-        reachable): its rounds are discarded until it is back."""
+        """The lighthouse is away at ``step`` (or ``why``: no quorum formed in time): its rounds
+        are discarded until it is back."""
         self._lighthouse_away = step
         why = why or f"the lighthouse at {self.config.lighthouse_url} is unreachable"
         self.quorum.unreachable = f"{why}; training on locally until it is back"
@@ -310,7 +310,7 @@ class ReplicaGroups(Communicator):
         except QuorumError as error:
             if not self._joined:
                 raise
-            self._away_at(step, error.why)  # the lighthouse went, or no quorum formed
+            self._away_at(step, error.timed_out)  # the lighthouse went, or the quorum timed out
             return None
         if self.identity.training_step == 0:  # healed to the first step: missed nothing, counts
             self._fresh = False
@@ -360,10 +360,9 @@ class ReplicaGroups(Communicator):
                     f"no quorum: the lighthouse {self.config.lighthouse_url} stopped accepting "
                     f"connections while this quorum waited ({time.perf_counter() - started:.1f} s)"
                 ) from None
+            why = f"no quorum within --quorum-timeout {self.config.quorum_timeout:g} s"
             raise QuorumError(
-                f"no quorum (lighthouse {self.config.lighthouse_url}, --quorum-timeout "
-                f"{self.config.quorum_timeout:g} s): {first_line(error)}",
-                why=f"no quorum ({first_line(error)})",
+                f"{why} (lighthouse {self.config.lighthouse_url}): {first_line(error)}", why
             ) from None
         if self.identity.refusal is not None:
             raise self.identity.refusal
