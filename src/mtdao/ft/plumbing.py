@@ -16,12 +16,7 @@ class ReplicaRefused(ValueError):
 
 
 class QuorumError(ConnectionError):
-    """The lighthouse cannot be reached, or no quorum formed within the timeout (then
-    ``timed_out`` says so in a few words)."""
-
-    def __init__(self, message: str, timed_out: str | None = None) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
+    """The lighthouse cannot be reached, or no quorum formed within the timeout."""
 
 
 def listening_store(bind_host: str) -> dist.TCPStore:

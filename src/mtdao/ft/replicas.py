@@ -233,12 +233,13 @@ class ReplicaGroups(Communicator):
             self._lighthouse_away, self.quorum.unreachable = None, None
         return failure is None
 
-    def _away_at(self, step: int, why: str | None = None) -> None:
-        """The lighthouse is away at ``step`` (or ``why``: no quorum formed in time): its rounds
-        are discarded until it is back."""
+    def _away_at(self, step: int) -> None:
+        """The lighthouse is away at ``step``: its rounds are discarded until it is back."""
         self._lighthouse_away = step
-        why = why or f"the lighthouse at {self.config.lighthouse_url} is unreachable"
-        self.quorum.unreachable = f"{why}; training on locally until it is back"
+        self.quorum.unreachable = (
+            f"the lighthouse at {self.config.lighthouse_url} is unreachable; training on "
+            "locally until it is back"
+        )
 
     def listeners(self) -> str:
         """Where this process serves (after :meth:`connect`; the first also its manager and store)."""
@@ -307,10 +308,10 @@ class ReplicaGroups(Communicator):
         self._final = final
         try:
             start = self.start_round()
-        except QuorumError as error:
+        except QuorumError:
             if not self._joined:
                 raise
-            self._away_at(step, error.timed_out)  # the lighthouse went, or the quorum timed out
+            self._away_at(step)  # the lighthouse went while this quorum waited
             return None
         if self.identity.training_step == 0:  # healed to the first step: missed nothing, counts
             self._fresh = False
@@ -360,9 +361,9 @@ class ReplicaGroups(Communicator):
                     f"no quorum: the lighthouse {self.config.lighthouse_url} stopped accepting "
                     f"connections while this quorum waited ({time.perf_counter() - started:.1f} s)"
                 ) from None
-            why = f"no quorum within --quorum-timeout {self.config.quorum_timeout:g} s"
             raise QuorumError(
-                f"{why} (lighthouse {self.config.lighthouse_url}): {first_line(error)}", why
+                f"no quorum (lighthouse {self.config.lighthouse_url}, --quorum-timeout "
+                f"{self.config.quorum_timeout:g} s): {first_line(error)}"
             ) from None
         if self.identity.refusal is not None:
             raise self.identity.refusal
