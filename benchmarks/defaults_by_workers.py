@@ -13,6 +13,11 @@ DDP is the same optimizer at every M); ``--per-worker-batch B`` fixes each worke
 Prints, per corpus and M, each method's final validation loss (mean ± std over the seeds that
 finished) and MT-DAO's relative gap to DDP and to Local Adam under the defaults card's
 significance rule; ``--report DIR`` also writes report.md, results.json and workers.png there.
+
+``--options LABEL ...`` also trains MT-DAO (or DiLoCo) with one setting changed from its defaults
+(:data:`OPTIONS`: the study's screen of what might keep the default's quality as M grows) in
+every corpus, M and seed given, and reports each against the method's defaults and DDP over the
+same seeds; with ``--collect`` only the cells that finished are shown.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from mtdao.experiments.common.corpora import corpus_paths
 from mtdao.experiments.common.figures import color, saved_figure
@@ -32,6 +38,34 @@ from mtdao.train.config import TrainConfig
 METHODS = ("ddp", "local-adam", "diloco", "desloc", "mtdao")
 GLOBAL_BATCH = 64
 KIND, SCHEMA = "workers-scaling", 1  # results.json's study and layout (tests re-render from it)
+OUTER_SCHEDULE = {"outer_momentum_warmup": 10, "outer_momentum_decay": 0.2}
+# label -> (method, the settings changed from its defaults, as TrainConfig fields)
+OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "state-period4": ("mtdao", {"state_sync_period": 4}),
+    "state-period8": ("mtdao", {"state_sync_period": 8}),
+    "state-period16": ("mtdao", {"state_sync_period": 16}),
+    "betas0.995": ("mtdao", {"betas": (0.995,), "beta_ramp": 9.0}),
+    "betas0.999": ("mtdao", {"betas": (0.999,), "beta_ramp": 9.0}),
+    "lr0.004": ("mtdao", {"lr": 0.004}),
+    "lr0.016": ("mtdao", {"lr": 0.016}),
+    "lr0.032": ("mtdao", {"lr": 0.032}),
+    "radial-momenta": ("mtdao", {"radial_directional": ("momenta",)}),
+    "radial-params": ("mtdao", {"radial_directional": ("params",)}),
+    "nesterov": ("mtdao", {"outer_step": "nesterov"}),
+    "nesterov-schedule": ("mtdao", {"outer_step": "nesterov", **OUTER_SCHEDULE}),
+    "outer-schedule": ("diloco", OUTER_SCHEDULE),
+    "K128": ("mtdao", {"sync_period": 128}),
+    "K128-state-period32": ("mtdao", {"sync_period": 128, "state_sync_period": 32}),
+}
+
+
+def flags(changes: dict[str, Any]) -> str:
+    """The settings as ``mtdao train``'s flags."""
+
+    def shown(value: Any) -> str:
+        return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+    return " ".join(f"--{k.replace('_', '-')} {shown(v)}" for k, v in changes.items())
 
 
 def batch_of(args: argparse.Namespace, workers: int) -> int:
@@ -46,6 +80,14 @@ def run_name(corpus: str, workers: int, batch: int, method: str, seed: int, step
     return f"{corpus}-{steps}-M{workers}x{batch}-{method}-s{seed}"
 
 
+def variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name in a run's name, method, changed settings): each method at its defaults, then each
+    option."""
+    defaults = [(method, method, {}) for method in args.methods]
+    options = [(f"{OPTIONS[o][0]}-{o}", *OPTIONS[o]) for o in args.options]
+    return defaults + options
+
+
 def planned_runs(args: argparse.Namespace, data: dict[str, str]) -> list[tuple[str, TrainConfig]]:
     """Seed by seed, then corpus and M in the order given, so that an interrupted study has its
     first cells complete."""
@@ -54,14 +96,25 @@ def planned_runs(args: argparse.Namespace, data: dict[str, str]) -> list[tuple[s
         for corpus in args.corpora:
             for workers in args.workers:
                 batch = batch_of(args, workers)
-                for method in args.methods:
+                for variant, method, changes in variants(args):
                     config = TrainConfig.of(
                         method=method, model="micro", steps=args.steps, workers=workers,
-                        batch_size=batch, data=data[corpus], seed=seed, progress=False,
+                        batch_size=batch, data=data[corpus], seed=seed, progress=False, **changes,
                     )  # fmt: skip
-                    name = run_name(corpus, workers, batch, method, seed, args.steps)
+                    name = run_name(corpus, workers, batch, variant, seed, args.steps)
                     runs.append((name, config))
     return runs
+
+
+def finished_losses(args, results: dict[str, dict], corpus: str, workers: int, variant: str):
+    """{seed: final loss} of the runs of one cell that finished."""
+    batch = batch_of(args, workers)
+    names = {s: run_name(corpus, workers, batch, variant, s, args.steps) for s in args.seeds}
+    return {
+        s: results[n]["final_val_loss"]
+        for s, n in names.items()
+        if n in results and results[n].get("final_val_loss") is not None
+    }
 
 
 def cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:
@@ -75,11 +128,7 @@ def cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:
                 names = [
                     run_name(corpus, workers, batch, method, s, args.steps) for s in args.seeds
                 ]
-                finished = {
-                    s: results[n]["final_val_loss"]
-                    for s, n in zip(args.seeds, names)
-                    if n in results and results[n].get("final_val_loss") is not None
-                }
+                finished = finished_losses(args, results, corpus, workers, method)
                 entry["methods"][method] = {
                     "stats": stats(finished.values()),
                     "by_seed": finished,
@@ -91,7 +140,63 @@ def cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:
     return table
 
 
-def markdown(args: argparse.Namespace, table: list[dict]) -> str:
+def option_cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:
+    """One row per corpus, M and option that has a finished run, with the seeds it finished."""
+    rows = []
+    for corpus in args.corpora:
+        for workers in args.workers:
+            for variant, method, changes in variants(args)[len(args.methods) :]:
+                finished = finished_losses(args, results, corpus, workers, variant)
+                if not finished:
+                    continue
+                name = run_name(corpus, workers, batch_of(args, workers), variant, min(finished),
+                                args.steps)  # fmt: skip
+                rows.append({
+                    "corpus": corpus, "workers": workers, "method": method,
+                    "option": variant[len(method) + 1 :], "flags": flags(changes),
+                    "by_seed": finished,
+                    "traffic_vs_ddp": results[name].get("comm_reduction_vs_ddp"),
+                })  # fmt: skip
+    return rows
+
+
+def over_seeds(cell: dict, method: str, seeds: list[int]) -> dict | None:
+    """``method``'s stats in ``cell`` over ``seeds`` (None unless each of them finished)."""
+    entry = cell["methods"].get(method, {"by_seed": {}})  # a method the study left out
+    by_seed = {int(s): v for s, v in entry["by_seed"].items()}
+    if any(s not in by_seed for s in seeds):
+        return None
+    return stats(by_seed[s] for s in seeds)
+
+
+def options_markdown(rows: list[dict], table: list[dict]) -> list[str]:
+    """The options' table: each against its method's defaults and DDP, over the same seeds."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "One setting changed from a method's defaults (the same runs otherwise); each compared "
+        "with the method's defaults and DDP over the seeds it finished:",
+        "",
+        "| corpus | M | method | changed | seeds | final loss | vs its defaults | vs DDP "
+        "| traffic vs DDP |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        where = (row["corpus"], row["workers"])
+        cell = next(c for c in table if (c["corpus"], c["workers"]) == where)
+        seeds = sorted(int(s) for s in row["by_seed"])
+        mine, traffic = stats(row["by_seed"].values()), row["traffic_vs_ddp"]
+        defaults, ddp = (over_seeds(cell, method, seeds) for method in (row["method"], "ddp"))
+        lines.append(
+            f"| {row['corpus']} | {row['workers']} | {LABELS[row['method']]} | `{row['flags']}` | "
+            f"{', '.join(map(str, seeds))} | {pm(mine)} | {gap(mine, defaults)} | {gap(mine, ddp)} | "
+            + (f"{traffic:.1f}x less |" if traffic else "— |")
+        )
+    return lines
+
+
+def markdown(args: argparse.Namespace, table: list[dict], options: list[dict] = ()) -> str:
     batch_rule = (
         f"{args.per_worker_batch} sequences per worker"
         if args.per_worker_batch
@@ -126,7 +231,10 @@ def markdown(args: argparse.Namespace, table: list[dict]) -> str:
                 if cell["methods"][m]["by_seed"]
             )
         )
-    return "\n".join([*lines, "", "Final validation loss of each seed:", "", *per_seed])
+    return "\n".join(
+        [*lines, *options_markdown(list(options), table), "", "Final validation loss of each seed:",
+         "", *per_seed]
+    )  # fmt: skip
 
 
 def render(results: dict) -> str:
@@ -136,7 +244,8 @@ def render(results: dict) -> str:
     )
     return (
         f"# MT-DAO's gap to DDP by number of workers\n\n    {results['command']}\n\n"
-        f"![final loss vs workers](workers.png)\n\n{markdown(settings, results['cells'])}\n"
+        f"![final loss vs workers](workers.png)\n\n"
+        f"{markdown(settings, results['cells'], results.get('options', []))}\n"
     )
 
 
@@ -192,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpora", nargs="+", default=["builtin", "vim"])
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--options", nargs="+", default=[], choices=OPTIONS, metavar="OPTION",
+                        help="also MT-DAO (DiLoCo) with one setting changed: "
+                        + ", ".join(OPTIONS))  # fmt: skip
     parser.add_argument("--per-worker-batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -210,13 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     suite = run_suite(planned_runs(args, data), args.out, jobs=args.jobs, threads=args.threads,
                       train=not args.collect)  # fmt: skip
     table = cells(args, suite.results)
-    text = markdown(args, table)
+    options = option_cells(args, suite.results)
+    text = markdown(args, table, options)
     print(text)
     if args.report:
         results = {"kind": KIND, "schema": SCHEMA, "command": "python " + " ".join(sys.argv),
                    "methods": args.methods, "steps": args.steps,
                    "per_worker_batch": args.per_worker_batch, "global_batch": GLOBAL_BATCH,
-                   "data": data, "cells": table}  # fmt: skip
+                   "data": data, "cells": table, "options": options}  # fmt: skip
         write_report(args.report, results, render, to_text=lambda r: json.dumps(r, indent=1) + "\n")
         plot(args, table, args.report / "workers.png")
     return 1 if suite.failures else 0
