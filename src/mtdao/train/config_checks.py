@@ -113,6 +113,8 @@ def _check_fault_tolerance(config: Any, parallel: Any) -> None:
 
 # The shortest run of the defaults card (BENCHMARKS.md): below it, MT-DAO's default is unmeasured.
 SHORTEST_MEASURED_RUN = 300
+# From this many workers on, the workers study (BENCHMARKS.md) finds MT-DAO's default behind DDP.
+MANY_WORKERS = 16
 
 
 def config_warnings(config: Any) -> list[str]:
@@ -141,6 +143,15 @@ def config_warnings(config: Any) -> list[str]:
             f"--steps {steps} is {measured} (BENCHMARKS.md, the defaults card); its slow "
             f"momentum is still ramping up and ends this run at decay {final:.3f} (target "
             f"{slowest:g} from step {ramped_at})"
+        )
+    workers = config.parallel.workers
+    if sync.method == "mtdao" and workers >= MANY_WORKERS:
+        found.append(
+            f"--workers {workers}: from {MANY_WORKERS} workers on MT-DAO's defaults trail DDP "
+            "(BENCHMARKS.md, the workers study: +3-6% at 16 and +13% at 64 workers, micro "
+            "model, 3000 steps, K = 32); averaging more often narrows the gap for more traffic "
+            "(--sync-period 11: 1% lower at 16 workers, 5% at 64, 3.7x less traffic than DDP "
+            "where K = 32 sends 10.6x less)"
         )
     if sync.state_sync_period is not None and sync.state_sync_period > steps:
         found.append(
