@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -246,6 +247,9 @@ class ProvenManager(QuorumStepManager):
                 with contextlib.suppress(Exception):
                     self._configure(plan, digest)
                 self.internals.process_group.abort(errored=False)
+            # its store keeps its confirmation for those still reading it: gone at once, some
+            # would prove it and some not, and they would meet apart and lose the round waiting
+            time.sleep(self._confirm_wait_s)
             return False
         if plan.failure is not None:
             self.report_error(RuntimeError(plan.failure))
