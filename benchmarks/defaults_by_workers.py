@@ -83,11 +83,16 @@ def run_name(corpus: str, workers: int, batch: int, method: str, seed: int, step
     return f"{corpus}-{steps}-M{workers}x{batch}-{method}-s{seed}"
 
 
+def option_variant(label: str) -> str:
+    """An option's name in its runs' names: its method, then its label."""
+    return f"{OPTIONS[label][0]}-{label}"
+
+
 def variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
     """(name in a run's name, method, changed settings): each method at its defaults, then each
     option."""
     defaults = [(method, method, {}) for method in args.methods]
-    options = [(f"{OPTIONS[o][0]}-{o}", *OPTIONS[o]) for o in args.options]
+    options = [(option_variant(o), *OPTIONS[o]) for o in args.options]
     return defaults + options
 
 
@@ -109,12 +114,12 @@ def planned_runs(args: argparse.Namespace, data: dict[str, str]) -> list[tuple[s
     return runs
 
 
-def finished_losses(args, results: dict[str, dict], corpus: str, workers: int, variant: str):
-    """{seed: final loss} of the runs of one cell that finished."""
+def finished_runs(args, results: dict[str, dict], corpus: str, workers: int, variant: str):
+    """{seed: results} of the runs of one cell that finished with a final loss."""
     batch = batch_of(args, workers)
     names = {s: run_name(corpus, workers, batch, variant, s, args.steps) for s in args.seeds}
     return {
-        s: results[n]["final_val_loss"]
+        s: results[n]
         for s, n in names.items()
         if n in results and results[n].get("final_val_loss") is not None
     }
@@ -128,15 +133,13 @@ def cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:
             batch = batch_of(args, workers)
             entry = {"corpus": corpus, "workers": workers, "batch_size": batch, "methods": {}}
             for method in args.methods:
-                names = [
-                    run_name(corpus, workers, batch, method, s, args.steps) for s in args.seeds
-                ]
-                finished = finished_losses(args, results, corpus, workers, method)
+                runs = finished_runs(args, results, corpus, workers, method)
+                finished = {s: run["final_val_loss"] for s, run in runs.items()}
                 entry["methods"][method] = {
                     "stats": stats(finished.values()),
                     "by_seed": finished,
                     "bytes_per_worker": next(
-                        (results[n].get("bytes_per_worker") for n in names if n in results), None
+                        (run.get("bytes_per_worker") for run in runs.values()), None
                     ),
                 }
             table.append(entry)
@@ -148,17 +151,16 @@ def option_cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dic
     rows = []
     for corpus in args.corpora:
         for workers in args.workers:
-            for variant, method, changes in variants(args)[len(args.methods) :]:
-                finished = finished_losses(args, results, corpus, workers, variant)
-                if not finished:
+            for label in args.options:
+                method, changes = OPTIONS[label]
+                runs = finished_runs(args, results, corpus, workers, option_variant(label))
+                if not runs:
                     continue
-                name = run_name(corpus, workers, batch_of(args, workers), variant, min(finished),
-                                args.steps)  # fmt: skip
                 rows.append({
-                    "corpus": corpus, "workers": workers, "method": method,
-                    "option": variant[len(method) + 1 :], "flags": flags(changes),
-                    "by_seed": finished,
-                    "traffic_vs_ddp": results[name].get("comm_reduction_vs_ddp"),
+                    "corpus": corpus, "workers": workers, "method": method, "option": label,
+                    "flags": flags(changes),
+                    "by_seed": {s: run["final_val_loss"] for s, run in runs.items()},
+                    "traffic_vs_ddp": runs[min(runs)].get("comm_reduction_vs_ddp"),
                 })  # fmt: skip
     return rows
 
