@@ -18,6 +18,10 @@ significance rule; ``--report DIR`` also writes report.md, results.json and work
 (:data:`OPTIONS`: the study's screen of what might keep the default's quality as M grows) in
 every corpus, M and seed given, and reports each against the method's defaults and DDP over the
 same seeds; with ``--collect`` only the cells that finished are shown.
+
+``--carry REPORT.json`` continues a study whose earlier runs are not in ``--out`` (trained on
+another machine): the final losses, bytes and traffic of an earlier report's results.json stand in
+for the runs of the same name that ``--out`` lacks (its steps and batch rule must be the same).
 """
 
 from __future__ import annotations
@@ -123,6 +127,33 @@ def finished_runs(args, results: dict[str, dict], corpus: str, workers: int, var
         for s, n in names.items()
         if n in results and results[n].get("final_val_loss") is not None
     }
+
+
+def carried_runs(args: argparse.Namespace, path: Path) -> dict[str, dict]:
+    """{run name: the figures the tables read} of the runs an earlier report finished."""
+    report = json.loads(path.read_text())
+    if report.get("kind") != KIND or report.get("schema") != SCHEMA:
+        raise SystemExit(f"--carry {path}: not a results.json of this study (schema {SCHEMA})")
+    for setting in ("steps", "per_worker_batch"):
+        if report[setting] != getattr(args, setting):
+            raise SystemExit(
+                f"--carry {path}: its runs have {setting} {report[setting]}, this study "
+                f"{getattr(args, setting)}"
+            )
+    runs: dict[str, dict] = {}
+    for cell in report["cells"]:
+        for method, entry in cell["methods"].items():
+            for seed, loss in entry["by_seed"].items():
+                name = run_name(cell["corpus"], cell["workers"], cell["batch_size"], method,
+                                int(seed), args.steps)  # fmt: skip
+                runs[name] = {"final_val_loss": loss, "bytes_per_worker": entry["bytes_per_worker"]}
+    for row in report.get("options", []):
+        batch = batch_of(args, row["workers"])
+        for seed, loss in row["by_seed"].items():
+            name = run_name(row["corpus"], row["workers"], batch, option_variant(row["option"]),
+                            int(seed), args.steps)  # fmt: skip
+            runs[name] = {"final_val_loss": loss, "comm_reduction_vs_ddp": row["traffic_vs_ddp"]}
+    return runs
 
 
 def cells(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:
@@ -340,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("runs/workers"))
     parser.add_argument("--collect", action="store_true", help="report on finished runs only")
+    parser.add_argument("--carry", type=Path, metavar="REPORT.json", help="an earlier report's "
+                        "results.json whose runs stand in for those --out lacks")  # fmt: skip
     parser.add_argument("--report", type=Path, help="also write report.md, results.json and "
                         "workers.png into this folder")  # fmt: skip
     args = parser.parse_args(argv)
@@ -348,10 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     data, missing = corpus_paths(args.corpora, args.out / "corpora")
     if missing:
         parser.error("; ".join(f"corpus {name}: {why}" for name, why in missing.items()))
+    carried = carried_runs(args, args.carry) if args.carry else {}  # refused before any training
     suite = run_suite(planned_runs(args, data), args.out, jobs=args.jobs, threads=args.threads,
                       train=not args.collect)  # fmt: skip
-    table = cells(args, suite.results)
-    options = option_cells(args, suite.results)
+    results = {**carried, **suite.results}
+    table = cells(args, results)
+    options = option_cells(args, results)
     text = markdown(args, table, options)
     print(text)
     if args.report:

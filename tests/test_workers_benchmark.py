@@ -8,6 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from mtdao.train.config import resolve
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "defaults_by_workers.py"
@@ -70,3 +72,45 @@ def test_the_workers_table_gives_each_cell_and_mtdaos_two_gaps(tmp_path, capsys)
     assert [c["workers"] for c in saved["cells"]] == [4, 16]
     assert saved["cells"][1]["methods"]["mtdao"]["by_seed"] == {"0": 1.10, "1": 1.12}
     assert option in report and saved["options"][0]["by_seed"] == {"0": 1.045}
+
+
+def test_a_study_continued_elsewhere_carries_an_earlier_reports_runs(tmp_path, capsys):
+    """--carry: the runs an earlier report finished stand in for those --out lacks; a report of
+    other settings is refused."""
+    study = load_script()
+    earlier = {
+        "kind": study.KIND, "schema": study.SCHEMA, "steps": 3000, "per_worker_batch": None,
+        "cells": [{"corpus": "builtin", "workers": 16, "batch_size": 4, "methods": {
+            "ddp": {"by_seed": {"0": 1.00}, "bytes_per_worker": 9},
+            "mtdao": {"by_seed": {"0": 1.10}, "bytes_per_worker": 1}}}],
+        "options": [{"corpus": "builtin", "workers": 16, "method": "mtdao", "option": "K11",
+                     "by_seed": {"0": 1.05}, "traffic_vs_ddp": 3.7}],
+    }  # fmt: skip
+    carried = tmp_path / "earlier.json"
+    carried.write_text(json.dumps(earlier))
+    args = argparse.Namespace(
+        corpora=["builtin"], workers=[16], methods=["ddp", "mtdao"], per_worker_batch=None,
+        steps=3000, seeds=[0, 1], options=["K11"],
+    )  # fmt: skip
+    out = tmp_path / "out"
+    for name, config in study.planned_runs(args, {"builtin": "builtin"}):
+        if config.training.seed == 1 and "K11" not in name:  # seed 1 trained here
+            run_dir = out / "runs" / name
+            run_dir.mkdir(parents=True)
+            loss = {"ddp": 1.02, "mtdao": 1.12}[config.sync.method]
+            results = {"final_val_loss": loss, "bytes_per_worker": 1,
+                       "config": resolve(config).to_dict()}  # fmt: skip
+            (run_dir / "results.json").write_text(json.dumps(results))
+    argv = ["--corpora", "builtin", "--workers", "16", "--methods", "ddp", "mtdao", "--seeds",
+            "0", "1", "--options", "K11", "--out", str(out), "--collect", "--carry", str(carried)]  # fmt: skip
+    assert study.main(argv) == 0
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith("| builtin | 16 | 0, 1"))
+    assert "| 1.0100 ± 0.0141 | 1.1100 ± 0.0141 | +9.9% (worse) |" in row, row
+    assert (
+        "| `--sync-period 11` | 0 | 1.0500 | -4.5% (one seed) | +5.0% (one seed) | 3.7x" in printed
+    )
+    earlier["steps"] = 1000
+    carried.write_text(json.dumps(earlier))
+    with pytest.raises(SystemExit, match="steps 1000, this study 3000"):
+        study.main(argv)
