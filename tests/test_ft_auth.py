@@ -234,6 +234,16 @@ def test_a_claim_signed_with_another_secret_or_naming_another_member_proves_noth
     assert why == "its claim is not signed with this run's secret"
 
 
+def test_a_signature_or_field_no_hash_expects_is_a_wrong_signature_not_an_error():
+    key, mine = RunKey(SECRET), claim(1)
+    assert not key.verifies("é" * 64, "claim", "x")  # compare_digest raises on non-ASCII text
+    assert not key.verifies(key.sign("claim", "x"), "claim", "\ud800")  # a lone surrogate
+    posted = json.loads(claim_data(mine, key)["mtdao"])
+    for forged in ("é", None, 7, ["a"]):
+        found, why = read_claim(mine.member, {"mtdao": json.dumps({**posted, "sig": forged})}, key)
+        assert found is None and why == "its claim is not signed with this run's secret", forged
+
+
 def test_a_peer_that_sends_no_claim_is_refused_at_once():
     for data in (None, {}, {"mtdao": "not json"}, {"other": "x"}):
         found, why = read_claim("7:rogue", data, RunKey(SECRET))

@@ -23,18 +23,13 @@ class Peer:
     port: int
 
 
+@dataclass
 class CollectiveWatch:
-    def __init__(
-        self,
-        say: Callable[[str], None],
-        say_after_s: float = 5.0,
-        probe_every_s: float = 1.0,
-        misses: int = 3,
-        probe_timeout_s: float = 1.0,
-    ) -> None:
-        self.say = say
-        self.say_after_s, self.probe_every_s = say_after_s, probe_every_s
-        self.misses, self.probe_timeout_s = misses, probe_timeout_s
+    say: Callable[[str], None]
+    say_after_s: float = 5.0
+    probe_every_s: float = 1.0
+    misses: int = 3
+    probe_timeout_s: float = 1.0
 
     def wait(self, work: Any, what: str, peers: list[Peer]) -> None:
         """Wait for ``work``, a collective of the round ``what`` names, with ``peers``; raises

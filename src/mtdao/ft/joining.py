@@ -84,8 +84,7 @@ class JoinsAndHeals:
             went = [f"replica {r} left" for r in before if r not in start.replicas]
             came = [f"replica {r} joined" for r in start.replicas if r not in before]
             said.append(f"quorum now replicas {members} ({', '.join(went + came)})")
-        if start.heal is not None:
-            heal = start.heal
+        if (heal := start.heal) is not None:
             size = f"{heal.bytes / 1e6:.1f} MB" if heal.bytes >= 1e6 else f"{heal.bytes:,} bytes"
             said.append(
                 f"healed from replica {heal.source}{'' if said else f' at step {step}'} "

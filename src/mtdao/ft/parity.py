@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from mtdao.ft.quorum import Quorum
     from mtdao.sync.engine import LocalUpdateSync
 
-INT64_SPAN = 1 << 64
-
 
 def tensor_digest(tensor: Tensor) -> int:
     """xxh3-64 of the tensor's bytes (of a sharded tensor, this process's shard), as an int64."""
@@ -34,17 +32,13 @@ def tensor_digest(tensor: Tensor) -> int:
         array = data.numpy()
     except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
         array = data.reshape(-1).view(torch.uint8).numpy()
-    return _signed(xxhash.xxh3_64_intdigest(array))
+    return int.from_bytes(xxhash.xxh3_64_digest(array), "big", signed=True)
 
 
 def combined_digest(digests: Sequence[int]) -> int:
     """One int64 for a list of tensor digests (their order counts)."""
     packed = torch.tensor(list(digests), dtype=torch.int64).numpy().tobytes()
-    return _signed(xxhash.xxh3_64_intdigest(packed))
-
-
-def _signed(value: int) -> int:
-    return value - INT64_SPAN if value >= INT64_SPAN // 2 else value
+    return int.from_bytes(xxhash.xxh3_64_digest(packed), "big", signed=True)
 
 
 @dataclass
@@ -212,11 +206,8 @@ class ParityCheck:
         return f"tensor {index} of the round"
 
     def _name(self, tensor: Tensor, index: int) -> str:
-        if self.sync is not None:
-            names = tensor_names(self.sync)
-            if id(tensor) in names:
-                return names[id(tensor)]
-        return f"tensor {index} of the round {tuple(tensor.shape)}"
+        names = tensor_names(self.sync) if self.sync is not None else {}
+        return names.get(id(tensor), f"tensor {index} of the round {tuple(tensor.shape)}")
 
 
 def tensor_names(sync: LocalUpdateSync) -> dict[int, str]:

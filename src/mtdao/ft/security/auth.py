@@ -36,12 +36,18 @@ class RunKey:
     def sign(self, *fields: object) -> str:
         digest = hmac.new(self._secret, digestmod=hashlib.sha256)
         for value in fields:  # length-prefixed: ("ab", "c") and ("a", "bc") differ
-            data = value if isinstance(value, bytes) else str(value).encode()
+            # surrogatepass: a lone surrogate (JSON's "\ud800") signs, it does not raise
+            data = value if isinstance(value, bytes) else str(value).encode(errors="surrogatepass")
             digest.update(len(data).to_bytes(8, "big") + data)
         return digest.hexdigest()
 
     def verifies(self, signature: object, *fields: object) -> bool:
-        return isinstance(signature, str) and hmac.compare_digest(signature, self.sign(*fields))
+        # compare_digest raises on non-ASCII text: a peer's "é" is a wrong signature, not an error
+        return (
+            isinstance(signature, str)
+            and signature.isascii()
+            and hmac.compare_digest(signature, self.sign(*fields))
+        )
 
     def __repr__(self) -> str:  # never print the secret
         return f"RunKey({'secret' if self.is_secret else 'no secret'})"

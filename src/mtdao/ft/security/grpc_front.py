@@ -79,7 +79,6 @@ class GrpcFront(grpc.GenericRpcHandler):
         self._holds: dict[int, list[asyncio.Future]] = {}  # tick -> the refusals it ends
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}  # by allowed path
         self._channel: aio.Channel | None = None
-        self._fd_watch: threading.Thread | None = None
         self._stopped = threading.Event()
         self.host = numeric_host(host)
         shown = f"[{self.host}]" if ":" in self.host else self.host
@@ -91,8 +90,7 @@ class GrpcFront(grpc.GenericRpcHandler):
         """Serve, making each allowed call again on ``upstream`` (``host:port``; None: every
         allowed call is answered by the front)."""
         on_loop(self._start(upstream))
-        self._fd_watch = threading.Thread(target=self._watch_descriptors, daemon=True)
-        self._fd_watch.start()
+        threading.Thread(target=self._watch_descriptors, daemon=True).start()
         return self
 
     def shutdown(self) -> None:

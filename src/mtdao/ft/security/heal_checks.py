@@ -20,14 +20,13 @@ def heal_problem(
     """Why ``received`` (a heal state: ``{"torchft": {...}, "user": {key: state}}``) may not
     replace this replica's ``own`` user state (None: it may). ``commits`` and ``step`` are the
     commit count and training step its sender proved."""
-    checker = _Checker(allow_non_finite, step)
     if not isinstance(received, dict) or set(received) != {"torchft", "user"}:
         return "the state is not a heal state (it needs 'torchft' and 'user')"
     progress = received["torchft"]
     if not isinstance(progress, dict) or progress.get("step") != commits:
         found = progress.get("step") if isinstance(progress, dict) else progress
         return f"torchft.step is {found!r}, its sender proved {commits} commits"
-    return checker.compare(received["user"], own, "")
+    return _Checker(allow_non_finite, step).compare(received["user"], own, "")
 
 
 class _Checker:

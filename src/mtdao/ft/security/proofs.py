@@ -58,15 +58,12 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
     posted = data.get(DATA_KEY) if isinstance(data, dict) else None
     if posted is None:
         return None, "it sent no claim (not an mtdao replica of this run)"
-    try:
+    try:  # RecursionError: nested too deep
         posted = json.loads(posted)
         body, signature = posted["claim"], posted["sig"]
-    except (TypeError, ValueError, KeyError, RecursionError):  # RecursionError: nested too deep
-        return None, "its claim is not readable"
-    if not key.verifies(signature, "claim", body):
-        return None, "its claim is not signed with this run's secret"
-    try:
-        claim = Claim.from_fields(json.loads(body))
+        if not key.verifies(signature, "claim", body):
+            return None, "its claim is not signed with this run's secret"
+        claim = Claim.from_fields(json.loads(body))  # read only once it is signed
     except (TypeError, ValueError, KeyError, RecursionError):
         return None, "its claim is not readable"
     if claim.member != member_id:
