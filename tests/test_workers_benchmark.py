@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mtdao.experiments.common.formatting import stats
 from mtdao.train.config import resolve
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "defaults_by_workers.py"
@@ -114,3 +115,18 @@ def test_a_study_continued_elsewhere_carries_an_earlier_reports_runs(tmp_path, c
     carried.write_text(json.dumps(earlier))
     with pytest.raises(SystemExit, match="steps 1000, this study 3000"):
         study.main(argv)
+
+
+def test_mtdaos_gaps_compare_the_seeds_both_methods_finished():
+    """DDP finished seeds 0 and 1, MT-DAO seed 0: the gap is seed 0's (+5.0%), not MT-DAO's seed 0
+    against DDP's mean (-4.5%)."""
+    study = load_script()
+    by_seed = {"ddp": {0: 1.00, 1: 1.20}, "mtdao": {0: 1.05}}
+    methods = {
+        m: {"stats": stats(v.values()), "by_seed": v, "bytes_per_worker": 1}
+        for m, v in by_seed.items()
+    }
+    cell = {"corpus": "vim", "workers": 16, "batch_size": 4, "methods": methods}
+    args = argparse.Namespace(steps=3000, per_worker_batch=None, methods=["ddp", "mtdao"])
+    row = next(line for line in study.markdown(args, [cell]).splitlines() if "| vim |" in line)
+    assert row.endswith("| 1.0500 | +5.0% (one seed) |  |"), row
