@@ -19,7 +19,7 @@ significance rule; ``--report DIR`` also writes report.md, results.json and work
 every corpus, M and seed given, and reports each against the method's defaults and DDP over the
 same seeds; with ``--collect`` only the cells that finished are shown.
 
-``--carry REPORT.json`` continues a study whose earlier runs are not in ``--out`` (trained on
+``--reuse REPORT.json`` continues a study whose earlier runs are not in ``--out`` (trained on
 another machine): the final losses, bytes and traffic of an earlier report's results.json stand in
 for the runs of the same name that ``--out`` lacks (its steps and batch rule must be the same).
 """
@@ -129,15 +129,15 @@ def finished_runs(args, results: dict[str, dict], corpus: str, workers: int, var
     }
 
 
-def carried_runs(args: argparse.Namespace, path: Path) -> dict[str, dict]:
+def reused_runs(args: argparse.Namespace, path: Path) -> dict[str, dict]:
     """{run name: the figures the tables read} of the runs an earlier report finished."""
     report = json.loads(path.read_text())
     if report.get("kind") != KIND or report.get("schema") != SCHEMA:
-        raise SystemExit(f"--carry {path}: not a results.json of this study (schema {SCHEMA})")
+        raise SystemExit(f"--reuse {path}: not a results.json of this study (schema {SCHEMA})")
     for setting in ("steps", "per_worker_batch"):
         if report[setting] != getattr(args, setting):
             raise SystemExit(
-                f"--carry {path}: its runs have {setting} {report[setting]}, this study "
+                f"--reuse {path}: its runs have {setting} {report[setting]}, this study "
                 f"{getattr(args, setting)}"
             )
     runs: dict[str, dict] = {}
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("runs/workers"))
     parser.add_argument("--collect", action="store_true", help="report on finished runs only")
-    parser.add_argument("--carry", type=Path, metavar="REPORT.json", help="an earlier report's "
+    parser.add_argument("--reuse", type=Path, metavar="REPORT.json", help="an earlier report's "
                         "results.json whose runs stand in for those --out lacks")  # fmt: skip
     parser.add_argument("--report", type=Path, help="also write report.md, results.json and "
                         "workers.png into this folder")  # fmt: skip
@@ -391,10 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     data, missing = corpus_paths(args.corpora, args.out / "corpora")
     if missing:
         parser.error("; ".join(f"corpus {name}: {why}" for name, why in missing.items()))
-    carried = carried_runs(args, args.carry) if args.carry else {}  # refused before any training
+    reused = reused_runs(args, args.reuse) if args.reuse else {}  # refused before any training
     suite = run_suite(planned_runs(args, data), args.out, jobs=args.jobs, threads=args.threads,
                       train=not args.collect)  # fmt: skip
-    results = {**carried, **suite.results}
+    results = {**reused, **suite.results}
     table = cells(args, results)
     options = option_cells(args, results)
     text = markdown(args, table, options)

@@ -75,8 +75,8 @@ def test_the_workers_table_gives_each_cell_and_mtdaos_two_gaps(tmp_path, capsys)
     assert option in report and saved["options"][0]["by_seed"] == {"0": 1.045}
 
 
-def test_a_study_continued_elsewhere_carries_an_earlier_reports_runs(tmp_path, capsys):
-    """--carry: the runs an earlier report finished stand in for those --out lacks; a report of
+def test_a_study_continued_elsewhere_reuses_an_earlier_reports_runs(tmp_path, capsys):
+    """--reuse: the runs an earlier report finished stand in for those --out lacks; a report of
     other settings is refused."""
     study = load_script()
     earlier = {
@@ -87,8 +87,8 @@ def test_a_study_continued_elsewhere_carries_an_earlier_reports_runs(tmp_path, c
         "options": [{"corpus": "builtin", "workers": 16, "method": "mtdao", "option": "K11",
                      "by_seed": {"0": 1.05}, "traffic_vs_ddp": 3.7}],
     }  # fmt: skip
-    carried = tmp_path / "earlier.json"
-    carried.write_text(json.dumps(earlier))
+    reused = tmp_path / "earlier.json"
+    reused.write_text(json.dumps(earlier))
     args = argparse.Namespace(
         corpora=["builtin"], workers=[16], methods=["ddp", "mtdao"], per_worker_batch=None,
         steps=3000, seeds=[0, 1], options=["K11"],
@@ -103,7 +103,7 @@ def test_a_study_continued_elsewhere_carries_an_earlier_reports_runs(tmp_path, c
                        "config": resolve(config).to_dict()}  # fmt: skip
             (run_dir / "results.json").write_text(json.dumps(results))
     argv = ["--corpora", "builtin", "--workers", "16", "--methods", "ddp", "mtdao", "--seeds",
-            "0", "1", "--options", "K11", "--out", str(out), "--collect", "--carry", str(carried)]  # fmt: skip
+            "0", "1", "--options", "K11", "--out", str(out), "--collect", "--reuse", str(reused)]  # fmt: skip
     assert study.main(argv) == 0
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if line.startswith("| builtin | 16 | 0, 1"))
@@ -112,7 +112,7 @@ def test_a_study_continued_elsewhere_carries_an_earlier_reports_runs(tmp_path, c
         "| `--sync-period 11` | 0 | 1.0500 | -4.5% (one seed) | +5.0% (one seed) | 3.7x" in printed
     )
     earlier["steps"] = 1000
-    carried.write_text(json.dumps(earlier))
+    reused.write_text(json.dumps(earlier))
     with pytest.raises(SystemExit, match="steps 1000, this study 3000"):
         study.main(argv)
 
