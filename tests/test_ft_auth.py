@@ -244,6 +244,52 @@ def test_a_signature_or_field_no_hash_expects_is_a_wrong_signature_not_an_error(
         assert found is None and why == "its claim is not signed with this run's secret", forged
 
 
+def signed_with(field: str, value) -> dict[str, str]:
+    """Quorum data carrying claim(1) signed with the run's secret, ``field`` set to ``value``."""
+    body = json.dumps({**json.loads(claim(1).body()), field: value})
+    return {"mtdao": json.dumps({"claim": body, "sig": RunKey(SECRET).sign("claim", body)})}
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("nonce", [1]),  # unhashable in SeenNonces
+        ("member", 5),  # no len() in short_member
+        ("commits", float("nan")),  # a ZeroDivisionError in every member's plan_quorum
+        ("commits", "3"),
+        ("commits", float("inf")),  # 1e400 reads as inf
+        ("commits", True),
+        ("commits", 3.0),
+        ("commits", 2**70),  # past what torchft's lighthouse takes (i64)
+        ("step", None),
+        ("replica_id", 1.5),
+        ("shards", [1]),
+        ("commit_failures", "0"),
+        ("config", None),
+        ("store", 1),
+        ("refused", [[1]]),
+        ("refused", "1:a"),  # a string is no list of them
+        ("heal", "http://h:1"),
+        ("heal", [5]),
+        ("heal", ["http://h:99999"]),  # ValueError in every member's ProvenManager._peers
+        ("heal", ["http://[::1"]),
+        ("heal", ["http://h:abc"]),
+    ],
+)
+def test_a_signed_claim_with_a_field_of_another_type_is_refused_naming_it(field, value):
+    found, why = read_claim(claim(1).member, signed_with(field, value), RunKey(SECRET))
+    assert found is None and why.startswith("its claim is not readable") and field in why
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("step", -1), ("heal", []), ("heal", ["http://[::1]:5", "http://host-0:200/heal/"])],
+)
+def test_what_an_honest_replica_claims_is_read(field, value):
+    found, why = read_claim(claim(1).member, signed_with(field, value), RunKey(SECRET))
+    assert why == "" and getattr(found, field) == (tuple(value) if field == "heal" else value)
+
+
 def test_a_peer_that_sends_no_claim_is_refused_at_once():
     for data in (None, {}, {"mtdao": "not json"}, {"other": "x"}):
         found, why = read_claim("7:rogue", data, RunKey(SECRET))

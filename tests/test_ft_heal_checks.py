@@ -35,14 +35,24 @@ def engine(steps: int, **options) -> LocalUpdateSync:
     return sync
 
 
+def records(replica_id: int, step: int, settings: dict | None = None) -> dict:
+    """The records a replica tracks first (ReplicaGroups' identity, fault_tolerant_replica's
+    shared config), as an honest one holds them."""
+    return {
+        "replica": {"replica_id": replica_id, "step": step, "final": False},
+        "config": {"replica_id": replica_id, "config": settings or {"lr": 0.01, "model": "micro"}},
+    }
+
+
 def heal_state(sync: LocalUpdateSync) -> dict:
     """What a source sends: torchft's progress and every tracked state."""
-    user = {"replica": {"replica_id": 0}, "engine": HealedState(TrainedState(sync)).state_dict()}
+    engine_state = HealedState(TrainedState(sync)).state_dict()
+    user = {**records(0, sync.step_count), "engine": engine_state}
     return {"torchft": {"step": COMMITS, "batches_committed": 6}, "user": user}
 
 
 def own(sync: LocalUpdateSync) -> dict:
-    return {"replica": {"replica_id": 1}, "engine": HealedState(TrainedState(sync)).state_dict()}
+    return {**records(1, sync.step_count), "engine": HealedState(TrainedState(sync)).state_dict()}
 
 
 def problem(received: dict, receiver: LocalUpdateSync, **options) -> str | None:
@@ -58,7 +68,7 @@ def test_a_sound_state_with_rounds_in_flight_and_residuals_passes():
     options = dict(delay=1, codecs=SyncCodecs.parse(["int8"], error_feedback=True))
     source = engine(STEP + 1, **options)  # a round in flight, residuals kept
     received = heal_state(source)
-    received["user"]["engine"]["sync"]["step"] = STEP
+    received["user"]["engine"]["sync"]["step"] = received["user"]["replica"]["step"] = STEP
     assert received["user"]["engine"]["sync"]["pending"]
     assert problem(received, engine(0, **options)) is None
 
@@ -117,5 +127,62 @@ def test_a_state_at_another_step_than_its_sender_proved_is_refused():
     received["torchft"]["step"] = COMMITS + 5
     assert problem(received, engine(0)) == "torchft.step is 8, its sender proved 3 commits"
     received = heal_state(engine(STEP - 2))
+    assert problem(received, engine(0)) == "replica.step is 4, its sender proved step 6"
+    received["user"]["replica"]["step"] = STEP
     assert problem(received, engine(0)) == "engine.sync.step is 4, its sender proved step 6"
     assert problem({"user": {}}, engine(0)).startswith("the state is not a heal state")
+
+
+@pytest.mark.parametrize(
+    "record, change, refusal",
+    [
+        ("replica", {"replica_id": "x"}, "replica.replica_id is a str, here an int"),
+        ("replica", {"step": float("inf")}, "replica.step is a float, here an int"),
+        (
+            "replica",
+            {"step": 10**30},
+            "replica.step is an int of 100 bits, its sender proved step 6",
+        ),
+        ("replica", {"final": None}, "replica.final is None, here a bool"),
+        ("config", {"config": 5}, "config.config is an int, here a dict"),
+        ("config", {"config": {"lr": torch.ones(2)}}, "config holds tensors, here none"),
+    ],
+)
+def test_a_record_not_like_the_receivers_own_is_refused(record, change, refusal):
+    """The records loaded first, by code that trusts them, are checked as the tensors are: a
+    replica id "x" once stopped the healthy receiver (ValueError, read as its own refusal), a
+    step of inf with an OverflowError, a config of 5 with a TypeError."""
+    received = heal_state(engine(STEP))
+    received["user"][record].update(change)
+    assert problem(received, engine(0)) == refusal
+    received["user"][record] = {
+        k: v for k, v in own(engine(0))[record].items() if k != "replica_id"
+    }
+    assert problem(received, engine(0)).startswith(f"{record} is not a record like this replica's")
+
+
+def test_a_config_record_must_agree_with_the_config_digest_its_sender_claimed():
+    """Claimed the receiver's config, it must hold the receiver's settings (else the receiver
+    would be refused for a difference its peer made); claimed another, it must hold others (its
+    other records and tensors are then the receiver's config check's to refuse)."""
+    received = heal_state(engine(STEP))
+    received["user"]["config"]["config"]["lr"] = 0.1
+    assert problem(received, engine(0)) == (
+        "config.config differs from this replica's settings, though its sender claimed the "
+        "same config digest"
+    )
+    received["user"]["engine"] = {}  # another config: the receiver's check refuses it, not this
+    assert problem(received, engine(0), same_config=False) is None
+    received = heal_state(engine(STEP))
+    assert problem(received, engine(0), same_config=False) == (
+        "config.config holds this replica's settings, though its sender claimed another "
+        "config digest"
+    )
+
+
+def test_torchfts_record_holds_the_two_ints_its_manager_loads():
+    received = heal_state(engine(STEP))
+    received["torchft"]["step"] = float(COMMITS)
+    assert problem(received, engine(0)) == "torchft.step is a float, here an int"
+    received["torchft"] = {"step": COMMITS}  # a KeyError in torchft's load_state_dict
+    assert problem(received, engine(0)) == "torchft.batches_committed is None, here an int"

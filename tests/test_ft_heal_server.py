@@ -17,7 +17,7 @@ pytest.importorskip("torchft")
 
 from heal_peers import heal_request  # noqa: E402
 
-from mtdao.ft.security import safe_transport  # noqa: E402
+from mtdao.ft.security import grpc_front, safe_transport  # noqa: E402
 from mtdao.ft.security.auth import RunKey  # noqa: E402
 from mtdao.ft.security.safe_transport import (  # noqa: E402
     HealBinding,
@@ -107,6 +107,46 @@ def test_a_strangers_waiting_requests_do_not_delay_a_members(source, monkeypatch
             started = time.monotonic()
             assert receiver.fetch(source.metadata(), BINDING, "replica 0") == {"user": {"w": 1}}
             assert time.monotonic() - started < 2.0  # not behind the strangers' 3 s waits
+            for request in waiting:
+                request.result(timeout=LOCAL_S)
+    finally:
+        receiver.shutdown()
+
+
+@pytest.mark.parametrize("step", ["1e400", "Infinity", "-Infinity"])
+def test_a_step_past_any_int_is_refused_like_any_unreadable_request(source, step):
+    """int(inf) raises OverflowError: it used to escape the front's refusal (and its count)."""
+    message = f'{{"step": {step}, "receiver": "x", "sig": "y"}}'.encode()
+    target = source.metadata().removeprefix("http://")
+    refused = pytest.raises(grpc.RpcError, match="PERMISSION_DENIED")
+    with grpc.insecure_channel(target) as channel, refused:
+        channel.unary_stream(safe_transport.FETCH)(message, timeout=LOCAL_S).next()
+    assert source._front.refused == 1
+
+
+def test_a_flood_of_unsigned_requests_leaves_a_member_a_call(source, monkeypatch):
+    """Unsigned requests waiting for a quorum are capped (the rest refused at once), so they do
+    not fill the front's calls: 1,100 of them used to make a member's fetch RESOURCE_EXHAUSTED.
+    A member's request refused at once, its source's quorum not open yet, is made again."""
+    monkeypatch.setattr(safe_transport, "QUORUM_SKEW_S", 3.0)
+    monkeypatch.setattr(grpc_front, "CALLS", 16)
+    monkeypatch.setattr(safe_transport, "UNVERIFIED_WAITING", 4)
+    unsigned = 40
+
+    def stranger(index: int) -> None:
+        with pytest.raises(grpc.RpcError):
+            heal_request(source.metadata(), 7, "1:receiver", f"{index:064x}")
+
+    receiver = SignedHealTransport(KEY, "127.0.0.1", timedelta(seconds=LOCAL_S))
+    try:
+        with ThreadPoolExecutor(unsigned + 1) as pool:
+            waiting = [pool.submit(stranger, index) for index in range(unsigned)]
+            time.sleep(1.0)
+            fetched = pool.submit(receiver.fetch, source.metadata(), BINDING, "replica 0")
+            time.sleep(0.5)  # asked before this source opened the quorum: refused at once
+            source.open(Quorum("digest", "0:source", 0, frozenset({"1:receiver"})))
+            source.serve(7, {"user": {"w": 1}})
+            assert fetched.result(timeout=LOCAL_S) == {"user": {"w": 1}}
             for request in waiting:
                 request.result(timeout=LOCAL_S)
     finally:

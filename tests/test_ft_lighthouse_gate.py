@@ -31,6 +31,7 @@ from grpc_calls import (  # noqa: E402
 from torchft._torchft import LighthouseClient  # noqa: E402
 
 from mtdao.ft import start_lighthouse  # noqa: E402
+from mtdao.ft.security import lighthouse_gate  # noqa: E402
 from mtdao.ft.security.auth import RunKey  # noqa: E402
 from mtdao.ft.security.grpc_front import GrpcFront  # noqa: E402
 from mtdao.ft.security.lighthouse_gate import (  # noqa: E402
@@ -75,6 +76,21 @@ def test_the_front_tells_replicas_the_lighthouses_min_replicas():
     finally:
         front.shutdown()
         server.shutdown()
+
+
+@pytest.mark.parametrize("told", [b'{"min_replicas": 1e400}', b'{"min_replicas": -Infinity}'])
+def test_a_min_replicas_past_any_int_is_read_as_no_mtdao_lighthouses(told):
+    """int(inf) raises OverflowError, which used to escape the check of the answer."""
+
+    async def answer(message: bytes, peer: tuple[str, int]) -> list[bytes]:
+        return [told]
+
+    answers = {lighthouse_gate.SETTINGS: answer}
+    front = GrpcFront("lighthouse", "127.0.0.1", 0, CALLS, answers=answers).start()
+    try:
+        assert lighthouse_min_replicas(f"http://127.0.0.1:{front.port}", 5.0) == 1
+    finally:
+        front.shutdown()
 
 
 def ask(address: str, member: str, data=None):

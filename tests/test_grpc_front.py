@@ -248,6 +248,32 @@ def test_a_flood_of_refusals_is_held_before_each_ends(front):
     assert not caller.is_alive() and recorder.calls == []
 
 
+def test_held_refusals_take_no_call_a_member_needs(front, monkeypatch):
+    """A held refusal gives up its call slot while it waits (connections and streams bound the
+    held ones): 1,100 bogus heartbeats from one host used to fill the front's 1,024 calls, and
+    4 of 10 members' heartbeats failed RESOURCE_EXHAUSTED."""
+    front, recorder, lines, address = front
+    monkeypatch.setattr(grpc_front, "CALLS", 4)
+    front.refusal_hold_s, front.hold_after = 30.0, 1  # every refusal held until end_calls()
+    flood = [
+        threading.Thread(target=grpc_call, args=(address, KILL, kill_request())) for _ in range(8)
+    ]
+    for caller in flood:
+        caller.start()
+    deadline = time.monotonic() + LOCAL_S
+    while front.refused < len(flood) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        assert front.refused == len(flood)
+        answer = http2_request(address, "POST", QUORUM, b"\x08\x01", timeout=LOCAL_S)
+        assert grpc_status(answer) == OK
+    finally:
+        front.end_calls()
+        for caller in flood:
+            caller.join(timeout=LOCAL_S)
+    assert recorder.calls == [(QUORUM, b"\x08\x01")]
+
+
 def test_ending_the_calls_fails_a_waiting_call_and_the_front_serves_on(front):
     front, recorder, lines, address = front
     front.allowed = front.allowed | {"/wait"}

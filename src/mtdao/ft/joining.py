@@ -21,6 +21,7 @@ from mtdao.ft.config import LIGHTHOUSE_VARIABLE, ReplicaConfig
 from mtdao.ft.plumbing import ReplicaRefused
 from mtdao.ft.replicas import ReplicaGroups, RoundStart
 from mtdao.ft.security.auth import read_token, run_key
+from mtdao.ft.security.heal_checks import CONFIG_RECORD
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def fault_tolerant_replica(
     speaks = shard_group is None or dist.get_rank(shard_group) == 0  # one line per replica
     replicas.on_quorum = JoinsAndHeals(config.replica_id) if speaks else None
     # before the engine's state: a replica that differs is refused before anything is loaded
-    replicas.track_state("config", SharedConfig(config.replica_id, shared))
+    replicas.track_state(CONFIG_RECORD, SharedConfig(config.replica_id, shared))
     return replicas
 
 

@@ -26,6 +26,7 @@ from mtdao.ft.plumbing import QuorumError, listening_store
 from mtdao.ft.quorum import Quorum
 from mtdao.ft.refusals import Refusal
 from mtdao.ft.security.auth import RunKey, run_key
+from mtdao.ft.security.heal_checks import REPLICA_RECORD
 from mtdao.ft.security.manager_front import FrontUnavailable, manager_bound_to
 from mtdao.ft.security.proven_manager import ProvenManager
 from mtdao.ft.security.safe_transport import SignedHealTransport
@@ -104,7 +105,8 @@ class ReplicaGroups(Communicator):
         self._tracked: dict[str, Stateful] = {}
         # tracked first: a healing replica learns its source from it
         self.track_state(
-            "replica", SimpleNamespace(state_dict=self._identity, load_state_dict=self._note_source)
+            REPLICA_RECORD,
+            SimpleNamespace(state_dict=self._identity, load_state_dict=self._note_source),
         )
         self._fresh = False  # healed at this round's quorum: ran none of its local steps
         self._heal: Heal | None = None

@@ -220,7 +220,11 @@ class GrpcFront(grpc.GenericRpcHandler):
         if what is not None:
             self._say(peer, what, served)
         if self._flooding(peer[0]):
-            await self._hold()
+            self._calls -= 1  # held, it takes no member's call (connections and streams bound it)
+            try:
+                await self._hold()
+            finally:
+                self._calls += 1  # given back by call() as it ends
         why = self._served_line(served) if what is not None else "it did not pass its check"
         await context.abort(
             grpc.StatusCode.PERMISSION_DENIED, f"refused by the {self.name}'s front: {why}"

@@ -1,6 +1,7 @@
 """Whether a heal state may be applied: a secret holder may be faulty, so every tensor must match
-the receiver's own key, shape and dtype and be finite, and the state must be at the commit count
-and step its sender proved; :func:`heal_problem` names the first key that fails."""
+the receiver's own key, shape and dtype and be finite, the records loaded first must be shaped
+like the receiver's own, and the state must be at the commit count and step its sender proved;
+:func:`heal_problem` names the first key that fails."""
 
 from __future__ import annotations
 
@@ -12,21 +13,83 @@ from torch import Tensor
 
 TRAINED_STATE = frozenset({"params", "optimizer", "sync"})
 """The keys of a trained state (:class:`~mtdao.sync.trained_state.TrainedState`)."""
+REPLICA_RECORD, CONFIG_RECORD = "replica", "config"
+"""The records a replica loads first, by code that trusts their shape: ReplicaGroups' identity
+(``replica_id``, ``step``, ``final``) and fault_tolerant_replica's shared settings
+(``replica_id``, ``config``)."""
 
 
 def heal_problem(
-    received: Any, own: dict[str, Any], commits: int, step: int, allow_non_finite: bool = False
+    received: Any,
+    own: dict[str, Any],
+    commits: int,
+    step: int,
+    allow_non_finite: bool = False,
+    same_config: bool = True,
 ) -> str | None:
     """Why ``received`` (a heal state: ``{"torchft": {...}, "user": {key: state}}``) may not
     replace this replica's ``own`` user state (None: it may). ``commits`` and ``step`` are the
-    commit count and training step its sender proved."""
+    commit count and training step its sender proved; ``same_config``: whether it claimed this
+    replica's config digest (if not, its records alone are checked: this replica's config
+    check then refuses this replica before anything else is loaded)."""
     if not isinstance(received, dict) or set(received) != {"torchft", "user"}:
         return "the state is not a heal state (it needs 'torchft' and 'user')"
-    progress = received["torchft"]
-    if not isinstance(progress, dict) or progress.get("step") != commits:
-        found = progress.get("step") if isinstance(progress, dict) else progress
-        return f"torchft.step is {found!r}, its sender proved {commits} commits"
-    return _Checker(allow_non_finite, step).compare(received["user"], own, "")
+    problem = _progress_problem(received["torchft"], commits)
+    if problem:
+        return problem
+    user = received["user"]
+    if not isinstance(user, dict):
+        return f"the state's user state is {_a(user)}, here a dict"
+    problem = _records_problem(user, own, step, same_config)
+    if problem or not same_config:
+        return problem
+    return _Checker(allow_non_finite, step).compare(user, own, "")
+
+
+def _progress_problem(progress: Any, commits: int) -> str | None:
+    """torchft's record (its manager loads ``step`` and ``batches_committed``): at the proven
+    commit count."""
+    if not isinstance(progress, dict):
+        return f"torchft is {_a(progress)}, here a dict"
+    for key in ("step", "batches_committed"):
+        if type(progress.get(key)) is not int:
+            return f"torchft.{key} is {_a(progress.get(key))}, here an int"
+    if progress["step"] != commits:
+        return f"torchft.step is {_int(progress['step'])}, its sender proved {commits} commits"
+    return None
+
+
+def _records_problem(
+    user: dict[str, Any], own: dict[str, Any], step: int, same_config: bool
+) -> str | None:
+    """Each record of this replica's: the same keys, each value of the same type (an int no
+    bool), no tensors; the identity at the proven step; the settings as the claimed config
+    digest says (equal to this replica's, or not)."""
+    for name in (REPLICA_RECORD, CONFIG_RECORD):
+        if not isinstance(own.get(name), dict):  # not tracked by a replica of this package
+            continue
+        record, mine = user.get(name), own[name]
+        if not isinstance(record, dict) or set(record) != set(mine):
+            return f"{name} is not a record like this replica's ({', '.join(sorted(mine))})"
+        if _holds_tensors(record) and not _holds_tensors(mine):
+            return f"{name} holds tensors, here none"
+        for key, value in mine.items():
+            if type(record[key]) is not type(value):
+                return f"{name}.{key} is {_a(record[key])}, here {_a(value)}"
+    identity = own.get(REPLICA_RECORD)
+    if isinstance(identity, dict) and "step" in identity:
+        sent = user[REPLICA_RECORD]["step"]
+        if sent != step:
+            return f"{REPLICA_RECORD}.step is {_int(sent)}, its sender proved step {step}"
+    if isinstance(own.get(CONFIG_RECORD), dict):
+        settings = user[CONFIG_RECORD].get("config")
+        if (settings == own[CONFIG_RECORD].get("config")) != same_config:
+            held, claimed = ("differs from", "the same") if same_config else ("holds", "another")
+            return (
+                f"{CONFIG_RECORD}.config {held} this replica's settings, though its sender "
+                f"claimed {claimed} config digest"
+            )
+    return None
 
 
 class _Checker:
@@ -38,7 +101,7 @@ class _Checker:
             return self._tensor(received, own, path)
         if isinstance(own, dict):
             if not isinstance(received, dict):
-                return f"{path or 'the state'} is a {_kind(received)}, here a dict"
+                return f"{path or 'the state'} is {_a(received)}, here a dict"
             if set(own) >= TRAINED_STATE:
                 return self._trained(received, own, path)
             return self._dict(received, own, path)
@@ -48,7 +111,7 @@ class _Checker:
 
     def _tensor(self, received: Any, own: Tensor | None, path: str) -> str | None:
         if not isinstance(received, Tensor):
-            return f"{path} is a {_kind(received)}, here a tensor"
+            return f"{path} is {_a(received)}, here a tensor"
         if own is not None and received.dtype != own.dtype:
             return f"{path} is {_dtype(received)}, here {_dtype(own)}"
         if own is not None and received.shape != own.shape:
@@ -80,7 +143,7 @@ class _Checker:
 
     def _sequence(self, received: Any, own: Sequence, path: str) -> str | None:
         if not isinstance(received, (list, tuple)):
-            return f"{path} is a {_kind(received)}, here a list"
+            return f"{path} is {_a(received)}, here a list"
         if len(received) == len(own):
             pairs = zip(received, own)
         else:  # a record that grows (rounds, events): each element like this replica's first
@@ -115,7 +178,7 @@ class _Checker:
             return problem
         states, own_states = received["state"], own["state"]
         if not isinstance(states, dict):
-            return f"{path}.state is a {_kind(states)}, here a dict"
+            return f"{path}.state is {_a(states)}, here a dict"
         for index, state in states.items():
             where = f"{path}.state.{index}"
             if not isinstance(index, int) or not 0 <= index < len(params):
@@ -130,7 +193,7 @@ class _Checker:
 
     def _fresh_state(self, state: Any, param: Tensor, path: str) -> str | None:
         if not isinstance(state, dict):
-            return f"{path} is a {_kind(state)}, here a dict"
+            return f"{path} is {_a(state)}, here a dict"
         for key, value in state.items():
             where = _join(path, key)
             if isinstance(value, Tensor) and value.dim() > 0:
@@ -158,7 +221,7 @@ def _scalar(received: Any, own: Any, path: str) -> str | None:
     """A plain value (a counter, a setting) may differ; a tensor or container in its place may
     not."""
     if isinstance(received, (Tensor, dict, list, tuple)):
-        return f"{path} is a {_kind(received)}, here a {_kind(own)}"
+        return f"{path} is {_a(received)}, here {_a(own)}"
     return None
 
 
@@ -187,10 +250,17 @@ def _join(path: str, key: object) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def _kind(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"{_dtype(value)} tensor"
-    return type(value).__name__
+def _a(value: Any) -> str:
+    """What ``value`` is, as a line says it: "an int", "a float32 tensor", "None"."""
+    if value is None:
+        return "None"
+    kind = f"{_dtype(value)} tensor" if isinstance(value, Tensor) else type(value).__name__
+    return f"{'an' if kind[0].lower() in 'aeio' else 'a'} {kind}"
+
+
+def _int(value: int) -> str:
+    """An int as a line shows it (str() refuses one of over 4,300 digits)."""
+    return str(value) if value.bit_length() <= 64 else f"an int of {value.bit_length()} bits"
 
 
 def _dtype(tensor: Tensor) -> str:

@@ -124,8 +124,8 @@ def lighthouse_min_replicas(url: str, timeout: float) -> int | None:
             return 1 if error.code() in unserved else None
     try:
         return max(1, int(json.loads(answer)["min_replicas"]))
-    except (ValueError, TypeError, KeyError, RecursionError):  # not an mtdao lighthouse's
-        return 1
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError):  # int(inf): Overflow
+        return 1  # not an mtdao lighthouse's answer
 
 
 def _field(message: bytes, number: int) -> bytes:

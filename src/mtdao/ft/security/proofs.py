@@ -4,6 +4,7 @@ carried it (docs/security.md, "What a peer must prove")."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from mtdao.ft.lines import first_line, short_member
 from mtdao.ft.security.auth import RunKey
@@ -39,8 +41,58 @@ class Claim:
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> Claim:
+        """The claim of a peer's JSON ``fields``, each of its field's type (an int of 64 bits, no
+        bool or float; heal servers as http://HOST[:PORT] URLs); TypeError or ValueError naming
+        the first field that is not: every member plans its quorum over them."""
+        if not isinstance(fields, dict):
+            raise TypeError(f"it is {_kind(fields)}, not an object")
+        for field in dataclasses.fields(cls):
+            if field.name in fields:
+                _check_field(field.name, field.type, fields[field.name])
+            elif field.default is dataclasses.MISSING:
+                raise TypeError(f"it has no {field.name}")
+        unknown = sorted(set(fields) - {field.name for field in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"{unknown[0][:40]!r} is no field of a claim")
         heal, refused = tuple(fields["heal"]), tuple(fields.get("refused", ()))
         return cls(**{**fields, "heal": heal, "refused": refused})
+
+
+def _check_field(name: str, kind: str, value: Any) -> None:
+    """Raise TypeError or ValueError, naming ``name``, unless ``value`` is of ``kind`` (a
+    field's annotation)."""
+    if kind == "int":
+        if type(value) is not int or not -(2**63) <= value < 2**63:  # torchft's steps are i64
+            raise TypeError(f"{name} is {_kind(value)}, not an int of 64 bits")
+    elif kind == "str":
+        if type(value) is not str:
+            raise TypeError(f"{name} is {_kind(value)}, not text")
+    elif kind == "tuple[str, ...]":
+        if type(value) is not list or any(type(item) is not str for item in value):
+            raise TypeError(f"{name} is {_kind(value)}, not a list of text")
+        if name == "heal":
+            for url in value:
+                check_heal_url(url)
+    else:
+        raise AssertionError(f"a claim's {name} ({kind}) is read unchecked")
+
+
+def check_heal_url(url: str) -> None:
+    """ValueError unless ``url`` is http://HOST[:PORT] with a port that parses (each member
+    reads its peers' heal servers from their claims)."""
+    if type(url) is not str:
+        raise TypeError(f"heal holds {_kind(url)}, not a URL")
+    try:
+        address = urlsplit(url)  # .port raises ValueError for one out of range or no number
+        usable = address.scheme == "http" and bool(address.hostname) and address.port != 0
+    except ValueError:
+        usable = False
+    if not usable:
+        raise ValueError(f"heal holds {url[:60]!r}, not an http://HOST:PORT URL")
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def new_nonce() -> str:
@@ -63,9 +115,13 @@ def read_claim(member_id: str, data: Any, key: RunKey) -> tuple[Claim | None, st
         body, signature = posted["claim"], posted["sig"]
         if not key.verifies(signature, "claim", body):
             return None, "its claim is not signed with this run's secret"
-        claim = Claim.from_fields(json.loads(body))  # read only once it is signed
+        fields = json.loads(body)  # read only once it is signed
     except (TypeError, ValueError, KeyError, RecursionError):
         return None, "its claim is not readable"
+    try:
+        claim = Claim.from_fields(fields)
+    except (TypeError, ValueError) as error:  # a faulty member's: the field is named
+        return None, f"its claim is not readable ({error})"
     if claim.member != member_id:
         return None, f"its claim was made by another member ({short_member(claim.member)})"
     return claim, ""

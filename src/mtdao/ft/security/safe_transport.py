@@ -31,6 +31,10 @@ URL_PATTERN = re.compile(r"^http://[^/?#\s]+$")
 CHUNK_BYTES = 1 << 20  # a state's messages (gRPC's messages stop at 2 GiB; a client's at 4 MiB)
 QUORUM_SKEW_S = 5.0
 """How long a heal request signed for a quorum this replica has not opened yet waits for it."""
+UNVERIFIED_WAITING = 64
+"""Requests not verified yet that may wait at once; the rest are refused at once, so a stranger's
+unsigned requests cannot fill the front's calls (a member's proven request is verified at once)."""
+ASK_AGAIN_S = 0.25  # a member's request refused at once is made again this much later
 
 
 class HealRefused(ConnectionError):
@@ -68,6 +72,7 @@ class SignedHealTransport(CheckpointTransport):
         self.quorum: Quorum | None = None
         self._served: tuple[int, bytes, str] | None = None  # step, payload, its SHA-256
         self._changed = asyncio.Event()  # set, and replaced, on the fronts' loop at each change
+        self._unverified = 0  # requests waiting for a quorum that verifies them
         answers = {FETCH: self._answer}
         self._front = GrpcFront("heal server", bind_host, 0, frozenset(answers), answers=answers)
         self._front.start()
@@ -107,12 +112,12 @@ class SignedHealTransport(CheckpointTransport):
         """For a request signed for this quorum, this source and the receiver it names: the
         state's signature, then the state in chunks (nothing: no state served at its step within
         the timeout); None (refused) for any other, after QUORUM_SKEW_S for a quorum its sender
-        learned of first."""
+        learned of first (at once past UNVERIFIED_WAITING such waits)."""
         try:
             request = json.loads(message)
             step, receiver = int(request["step"]), str(request["receiver"])
             signature = request["sig"]
-        except (TypeError, ValueError, KeyError, RecursionError):
+        except (TypeError, ValueError, KeyError, RecursionError, OverflowError):  # int(inf)
             return None
 
         def binding() -> HealBinding | None:
@@ -126,7 +131,13 @@ class SignedHealTransport(CheckpointTransport):
             served = self._served
             return served if served is not None and served[0] == step else None
 
-        bound = await self._once(binding, QUORUM_SKEW_S)
+        bound = binding()
+        if bound is None and self._unverified < UNVERIFIED_WAITING:
+            self._unverified += 1
+            try:
+                bound = await self._once(binding, QUORUM_SKEW_S)
+            finally:
+                self._unverified -= 1
         served = await self._once(at_step, self.timeout.total_seconds()) if bound else None
         if served is None:
             return None if bound is None else []
@@ -148,16 +159,11 @@ class SignedHealTransport(CheckpointTransport):
             raise HealRefused(f"not healing from {peer}: its heal address {url!r} is no URL")
         signed = self.key.sign("fetch", *binding.fields())
         request = json.dumps({"step": binding.step, "receiver": binding.receiver, "sig": signed})
-        with grpc.insecure_channel(url.removeprefix("http://")) as channel:
-            try:
-                answers = channel.unary_stream(FETCH)(
-                    request.encode(), timeout=self.timeout.total_seconds()
-                )
-                signature = next(answers, b"").decode(errors="replace")
-                payload = b"".join(answers)  # copied once (a growing buffer copies at each growth)
-            except grpc.RpcError as error:
-                why = f"{error.code().name}: {error.details()}"
-                raise HealRefused(f"{peer} at {url} did not send its state: {why}") from None
+        try:
+            signature, payload = self._ask(url, request.encode())
+        except grpc.RpcError as error:
+            why = f"{error.code().name}: {error.details()}"
+            raise HealRefused(f"{peer} at {url} did not send its state: {why}") from None
         if not signature:
             raise HealRefused(
                 f"{peer} at {url} did not send its state: it served none at step {binding.step}"
@@ -175,6 +181,25 @@ class SignedHealTransport(CheckpointTransport):
             ) from None
         self.received_bytes = len(payload)
         return state
+
+    def _ask(self, url: str, request: bytes) -> tuple[str, bytes]:
+        """The signature and the state that ``url`` answers ``request`` with; asked again while
+        refused at once within QUORUM_SKEW_S (a source whose quorum is not open yet refuses at
+        once while UNVERIFIED_WAITING requests wait, a stranger's among them)."""
+        deadline = time.monotonic() + QUORUM_SKEW_S
+        with grpc.insecure_channel(url.removeprefix("http://")) as channel:
+            while True:
+                try:
+                    answers = channel.unary_stream(FETCH)(
+                        request, timeout=self.timeout.total_seconds()
+                    )
+                    signature = next(answers, b"").decode(errors="replace")
+                    return signature, b"".join(answers)  # copied once, not at each growth
+                except grpc.RpcError as error:
+                    refused = error.code() == grpc.StatusCode.PERMISSION_DENIED
+                    if not refused or time.monotonic() + ASK_AGAIN_S >= deadline:
+                        raise
+                time.sleep(ASK_AGAIN_S)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout) -> Any:
         raise NotImplementedError("a state is fetched bound to its quorum: fetch()")
