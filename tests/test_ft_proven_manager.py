@@ -1,12 +1,11 @@
 """What a replica's processes read back from its store (each process's heal server and refused
-members; the first process's verdict on a quorum) is checked before it is used: anyone who
-reaches the store (a TCPStore: no credentials) can write there. A record of another shape is a
-failed quorum naming the store and the key, asked again; it used to raise a JSONDecodeError or a
-TypeError, and a ValueError stopped the healthy replica as if it were refused."""
+members; the first process's verdict on a quorum) is signed for its key with the run's secret:
+anyone who reaches the store (a TCPStore: no credentials) can write there. A record not signed so
+is a failed quorum naming the store and the key, asked again; it used to raise a JSONDecodeError
+or a TypeError, and a ValueError stopped the healthy replica as if it were refused."""
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -16,101 +15,80 @@ from dict_store import DictStore
 pytest.importorskip("torchft")
 
 from mtdao.ft.plumbing import QuorumError  # noqa: E402
-from mtdao.ft.security.proofs import Claim  # noqa: E402
+from mtdao.ft.security.auth import RunKey  # noqa: E402
 from mtdao.ft.security.proven_manager import RELAY, ProvenManager  # noqa: E402
 
 MEMBER, STORE = "0:uuid", "store-host:29500"
 HEAL = "http://127.0.0.1:4000"
+SECRET = b"the-run-secret-0123456789"
 
 
-def manager(group_rank: int = 0) -> ProvenManager:
-    """A ProvenManager's store reading, without torchft's Manager (no servers, no threads)."""
+def manager(group_rank: int = 0, secret: bytes = SECRET) -> ProvenManager:
+    """A ProvenManager's store writing and reading, without torchft's Manager (no servers, no
+    threads)."""
     manager = ProvenManager.__new__(ProvenManager)
     manager.internals = SimpleNamespace(
         store=DictStore(), group_rank=group_rank, group_world_size=2, timeout=timedelta(seconds=1)
     )
+    manager.identity = SimpleNamespace(key=RunKey(secret))
     manager._member, manager._store_address, manager._refused = MEMBER, STORE, set()
     manager._quorums, manager._confirm_wait_s = 0, 0.1
     return manager
 
 
-def test_sound_posts_are_read():
+def test_posts_signed_by_the_replicas_processes_are_read():
     reader = manager()
     for rank in (0, 1):
-        reader.internals.store.set(
-            reader._post_key(rank), json.dumps({"heal": f"{HEAL}{rank}", "refused": [f"{rank}:x"]})
+        reader._write_signed(
+            reader._post_key(rank), {"heal": f"{HEAL}{rank}", "refused": [f"{rank}:x"]}
         )
     assert reader._posts() == ((f"{HEAL}0", f"{HEAL}1"), ("0:x", "1:x"))
 
 
-@pytest.mark.parametrize(
-    "written",
-    [
+def written_by_others(key: str) -> list[bytes]:
+    """What another process may leave at ``key``: garbage, JSON of any shape, a record signed
+    with another secret, and one signed for another key of the store."""
+    stranger, moved = manager(secret=b"another-secret-987654321"), manager()
+    stranger._write_signed(key, {"heal": HEAL, "refused": []})
+    moved._write_signed("mtdao/process/0:uuid/0", {"heal": HEAL, "refused": []})
+    return [
         b"not json",
         b"\xff",
         b"[]",
-        b'{"refused": [[1]]}',
         b'{"heal": "http://h:1", "refused": [[1]]}',
-        b'{"heal": "http://h:99999", "refused": []}',
-        b'{"heal": 5, "refused": []}',
-    ],
-)
-def test_a_post_written_by_another_process_is_a_failed_quorum_naming_it(written):
+        b'{"body": "{}", "sig": "\xc3\xa9"}',
+        stranger.internals.store.values[key],
+        moved.internals.store.values["mtdao/process/0:uuid/0"],
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_a_post_another_process_wrote_is_a_failed_quorum_naming_it(case):
     reader = manager()
-    reader.internals.store.set(reader._post_key(0), json.dumps({"heal": HEAL, "refused": []}))
-    reader.internals.store.values[reader._post_key(1)] = written
+    reader._write_signed(reader._post_key(0), {"heal": HEAL, "refused": []})
+    key = reader._post_key(1)
+    reader.internals.store.values[key] = written_by_others(key)[case]
     with pytest.raises(QuorumError) as failed:
         reader._posts()
     line = str(failed.value)
-    assert f"'mtdao/process/{MEMBER}/1' in this replica's store at {STORE}" in line
+    assert f"'mtdao/process/{MEMBER}/1' in this replica's store at {STORE} is not signed" in line
     assert "\n" not in line
 
 
-def proven_claim(member: str) -> dict:
-    claim = Claim(0, member, 3, 12, "c", 2, STORE, (HEAL, HEAL))
-    return json.loads(claim.body())
-
-
-@pytest.mark.parametrize(
-    "written",
-    [
-        b"not json",
-        b"[]",
-        b'{"error": 5}',
-        b'{"proven": 1}',
-        json.dumps({"quorum_id": 1, "failure": "", "digest": "x" * 64, "proven": []}).encode(),
-        json.dumps(
-            {
-                "quorum_id": 1,
-                "failure": "",
-                "digest": "a" * 64,
-                "min_replicas": 1,
-                "proven": [{**proven_claim(MEMBER), "commits": float("nan")}],
-            }
-        ).encode(),
-        json.dumps(  # a verdict without this replica
-            {
-                "quorum_id": 1,
-                "failure": "",
-                "digest": "a" * 64,
-                "min_replicas": 1,
-                "proven": [proven_claim("1:other")],
-            }
-        ).encode(),
-    ],
-)
-def test_a_verdict_written_by_another_process_is_a_failed_quorum_naming_it(written):
+@pytest.mark.parametrize("case", range(7))
+def test_a_verdict_another_process_wrote_is_a_failed_quorum_naming_it(case):
     reader = manager(group_rank=1)
-    reader.internals.store.values[f"{RELAY}/{MEMBER}/1"] = written
+    key = f"{RELAY}/{MEMBER}/1"
+    reader.internals.store.values[key] = written_by_others(key)[case]
     with pytest.raises(QuorumError) as failed:
         reader.quorum_step(True, False, timedelta(seconds=1))
     line = str(failed.value)
-    assert f"'{RELAY}/{MEMBER}/1' in this replica's store at {STORE}" in line
+    assert f"'{key}' in this replica's store at {STORE} is not signed" in line
     assert "\n" not in line
 
 
 def test_the_first_processs_error_is_the_others_failed_quorum():
     reader = manager(group_rank=1)
-    reader.internals.store.set(f"{RELAY}/{MEMBER}/1", json.dumps({"error": "QuorumError: away"}))
+    reader._write_signed(f"{RELAY}/{MEMBER}/1", {"error": "QuorumError: away"})
     with pytest.raises(QuorumError, match="^QuorumError: away$"):
         reader.quorum_step(True, False, timedelta(seconds=1))

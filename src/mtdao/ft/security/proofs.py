@@ -72,12 +72,12 @@ def _check_field(name: str, kind: str, value: Any) -> None:
             raise TypeError(f"{name} is {_kind(value)}, not a list of text")
         if name == "heal":
             for url in value:
-                check_heal_url(url)
+                _check_heal_url(url)
     else:
         raise AssertionError(f"a claim's {name} ({kind}) is read unchecked")
 
 
-def check_heal_url(url: str) -> None:
+def _check_heal_url(url: str) -> None:
     """ValueError unless ``url`` is http://HOST[:PORT] with a port that parses (each member
     reads its peers' heal servers from their claims)."""
     if type(url) is not str:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,7 +23,6 @@ from mtdao.ft.security.lighthouse_gate import lighthouse_min_replicas
 from mtdao.ft.security.proofs import (
     Claim,
     SeenNonces,
-    check_heal_url,
     claim_data,
     confirm_quorum,
     new_nonce,
@@ -81,16 +78,14 @@ class ProvenManager(QuorumStepManager):
             try:
                 verdict = self._proven_quorum(shrink_only, quorum_timeout)
             except Exception as error:
-                self.internals.store.set(
-                    relay, json.dumps({"error": f"{type(error).__name__}: {error}"})
-                )
+                self._write_signed(relay, {"error": f"{type(error).__name__}: {error}"})
                 raise
-            self.internals.store.set(relay, json.dumps(verdict))
+            self._write_signed(relay, verdict)
         else:
             self.internals.store.wait(
                 [relay], quorum_timeout + timedelta(seconds=self._confirm_wait_s)
             )
-            verdict = self._stored(relay, lambda record: _verdict_problem(record, self._member))
+            verdict = self._read_signed(relay)
             if "error" in verdict:
                 raise QuorumError(verdict["error"])
         proven = [Claim.from_fields(fields) for fields in verdict["proven"]]
@@ -212,37 +207,42 @@ class ProvenManager(QuorumStepManager):
             "heal": self.internals.heal_transport.metadata(),
             "refused": sorted(self._refused)[-KEPT:],
         }
-        self.internals.store.set(self._post_key(self.internals.group_rank), json.dumps(post))
+        self._write_signed(self._post_key(self.internals.group_rank), post)
 
     def _posts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The heal server of each process of this replica, in process order, and the members
         any of them refused (each process posts at start-up and at each refusal)."""
         keys = [self._post_key(rank) for rank in range(self.internals.group_world_size)]
         self.internals.store.wait(keys, self.internals.timeout)
-        posts = [self._stored(key, _post_problem) for key in keys]
+        posts = [self._read_signed(key) for key in keys]
         refused = self._refused.union(*(post["refused"] for post in posts))
         return tuple(post["heal"] for post in posts), tuple(sorted(refused)[-KEPT:])
 
     def _post_key(self, group_rank: int) -> str:
         return f"mtdao/process/{self._member}/{group_rank}"
 
-    def _stored(self, key: str, problem: Callable[[Any], str | None]) -> dict[str, Any]:
-        """The record this replica's processes write at ``key`` of its store; QuorumError (this
-        quorum fails, the next asks again) where it is not one (``problem`` says why): anyone
-        who reaches the store can write there, and a ValueError would stop this replica."""
+    def _write_signed(self, key: str, record: dict[str, Any]) -> None:
+        """Write ``record`` at ``key`` of this replica's store, signed for that key: anyone who
+        reaches the store (a TCPStore: no credentials) can write there, only the run signs."""
+        body = json.dumps(record)
+        signed = {"body": body, "sig": self.identity.key.sign("store", key, body)}
+        self.internals.store.set(key, json.dumps(signed))
+
+    def _read_signed(self, key: str) -> dict[str, Any]:
+        """The record this replica's processes wrote at ``key``; QuorumError (this quorum fails,
+        the next asks again) where another process wrote it: a ValueError would stop this
+        replica as if it were refused."""
         try:
-            record = json.loads(self.internals.store.get(key))
-            why = problem(record)
-        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
-            why = "it is no JSON"
-        if why:
-            raise QuorumError(
-                f"the record {key!r} in this replica's store at "
-                f"{self._store_address} is not one its processes write ({why}): another "
-                "process that reaches the store wrote it? (firewall the store's port to the "
-                "run's machines)"
-            )
-        return record
+            signed = json.loads(self.internals.store.get(key))
+            if self.identity.key.verifies(signed["sig"], "store", key, signed["body"]):
+                return json.loads(signed["body"])
+        except (ValueError, TypeError, KeyError, RecursionError):  # not even a signed record
+            pass
+        raise QuorumError(
+            f"the record {key!r} in this replica's store at {self._store_address} is not signed "
+            "by its processes: another process that reaches the store wrote it? (firewall the "
+            "store's port to the run's machines)"
+        )
 
     def _open_store(self, address: str) -> Any:
         """A client of the store at ``host:port`` (kept while its member confirms quorums)."""
@@ -374,44 +374,6 @@ def _refusal(replica: object, member: str, why: str, step: str = "") -> Refusal:
         "not averaged with nor healed from"
     )
     return Refusal(peer=member, line=line)
-
-
-def _post_problem(post: Any) -> str | None:
-    """What is wrong with a process's post (:meth:`ProvenManager._post`), if anything."""
-    if not isinstance(post, dict) or set(post) != {"heal", "refused"}:
-        return "not an object of heal and refused"
-    refused = post["refused"]
-    if type(refused) is not list or any(type(member) is not str for member in refused):
-        return "refused is not a list of text"
-    try:
-        check_heal_url(post["heal"])
-    except (TypeError, ValueError) as error:
-        return str(error)
-    return None
-
-
-def _verdict_problem(verdict: Any, member: str) -> str | None:
-    """What is wrong with the first process's verdict on a quorum (:meth:`quorum_step`) for
-    ``member``, if anything: its proven claims are read as a peer's are."""
-    if not isinstance(verdict, dict):
-        return "not an object"
-    if "error" in verdict:
-        return None if type(verdict["error"]) is str else "its error is not text"
-    kinds = {"quorum_id": int, "failure": str, "digest": str, "proven": list}
-    for name, kind in kinds.items():
-        if type(verdict.get(name)) is not kind:
-            return f"its {name} is not {kind.__name__}"
-    if verdict["failure"]:
-        return None
-    if type(verdict.get("min_replicas")) is not int:
-        return "its min_replicas is not int"
-    if not re.fullmatch("[0-9a-f]{64}", verdict["digest"]):
-        return "its digest is not a SHA-256"
-    try:
-        proven = [Claim.from_fields(fields) for fields in verdict["proven"]]
-    except (TypeError, ValueError) as error:
-        return f"a proven claim is not readable: {error}"
-    return None if any(c.member == member for c in proven) else "this replica is not proven in it"
 
 
 def _peers(plan: QuorumPlan, group_rank: int) -> list[Peer]:
