@@ -407,6 +407,20 @@ def test_a_pickle_from_a_peer_is_refused_before_a_byte_of_it_is_read(tmp_path):
     assert not marker.exists()
 
 
+def test_an_answer_is_read_no_further_than_the_size_its_sender_signed():
+    """A source signs its state's size before the state: an answer past it (a process that took a
+    dead member's heal port, streaming) is refused there, not read into memory to the timeout."""
+    key, fields = RunKey(SECRET), BINDING.fields()
+    header = {"bytes": 10, "size_sig": key.sign("heal-size", *fields, 10), "sig": "0" * 64}
+    server = answering(json.dumps(header).encode(), *[b"x" * 1000] * 5)
+    _, receiver = transports()
+    try:
+        with pytest.raises(HealRefused, match="sent more than the 10 bytes it signed"):
+            receiver.fetch(f"http://127.0.0.1:{server.port}", BINDING, "replica 0")
+    finally:
+        server.shutdown(), receiver.shutdown()
+
+
 def test_a_signed_state_that_does_not_load_is_refused_in_one_line():
     """A faulty member's state, signed yet cut short: refused in one line (the replicas used to
     stand still until the collective timeout)."""

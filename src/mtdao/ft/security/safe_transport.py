@@ -13,7 +13,7 @@ import itertools
 import json
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -110,7 +110,7 @@ class SignedHealTransport(CheckpointTransport):
 
     async def _answer(self, message: bytes, peer: tuple[str, int]) -> Iterable[bytes] | None:
         """For a request signed for this quorum, this source and the receiver it names: the
-        state's signature, then the state in chunks (nothing: no state served at its step within
+        state's header (its size and signatures, :func:`_header`), then the state in chunks (nothing: no state served at its step within
         the timeout); None (refused) for any other, after QUORUM_SKEW_S for a quorum its sender
         learned of first (at once past UNVERIFIED_WAITING such waits)."""
         try:
@@ -143,7 +143,12 @@ class SignedHealTransport(CheckpointTransport):
             return None if bound is None else []
         _, payload, sha = served
         chunks = (payload[at : at + CHUNK_BYTES] for at in range(0, len(payload), CHUNK_BYTES))
-        return itertools.chain([self.key.sign("heal", *bound.fields(), sha).encode()], chunks)
+        header = {
+            "bytes": len(payload),
+            "size_sig": self.key.sign("heal-size", *bound.fields(), len(payload)),
+            "sig": self.key.sign("heal", *bound.fields(), sha),
+        }
+        return itertools.chain([json.dumps(header).encode()], chunks)
 
     async def _once(self, value: Callable[[], Any], seconds: float) -> Any:
         """``value()`` once it is not None, asked again at each change, ``seconds`` at most."""
@@ -159,20 +164,46 @@ class SignedHealTransport(CheckpointTransport):
             raise HealRefused(f"not healing from {peer}: its heal address {url!r} is no URL")
         signed = self.key.sign("fetch", *binding.fields())
         request = json.dumps({"step": binding.step, "receiver": binding.receiver, "sig": signed})
+        unsigned = HealRefused(
+            f"{peer} at {url} sent a state not signed for this quorum and this replica with "
+            "this run's secret: refused, nothing of it was read"
+        )
+
+        def read(answers: Iterator[bytes]) -> tuple[str, bytes] | None:
+            """The state's signature and bytes, read no further than the size it signed."""
+            header = next(answers, b"")
+            if not header:
+                return None
+            try:
+                header = json.loads(header)
+                size, signature = header["bytes"], header["sig"]
+                signed = self.key.verifies(header["size_sig"], "heal-size", *binding.fields(), size)
+            except (TypeError, ValueError, KeyError, RecursionError):
+                signed = False
+            if not signed:
+                raise unsigned
+            parts, read_bytes = [], 0
+            for part in answers:
+                read_bytes += len(part)
+                if read_bytes > size:
+                    raise HealRefused(
+                        f"{peer} at {url} sent more than the {size:,} bytes it signed"
+                    )
+                parts.append(part)
+            return signature, b"".join(parts)  # copied once, not at each growth
+
         try:
-            signature, payload = self._ask(url, request.encode())
+            answer = self._ask(url, request.encode(), read)
         except grpc.RpcError as error:
             why = f"{error.code().name}: {error.details()}"
             raise HealRefused(f"{peer} at {url} did not send its state: {why}") from None
-        if not signature:
+        if answer is None:
             raise HealRefused(
                 f"{peer} at {url} did not send its state: it served none at step {binding.step}"
             )
+        signature, payload = answer
         if not self.key.verifies(signature, "heal", *binding.fields(), _sha(payload)):
-            raise HealRefused(
-                f"{peer} at {url} sent a state not signed for this quorum and this replica with "
-                "this run's secret: refused, nothing of it was read"
-            )
+            raise unsigned
         try:
             state = torch.load(io.BytesIO(payload), weights_only=True)
         except Exception as error:  # signed, yet damaged: a faulty member, not an attack
@@ -182,19 +213,16 @@ class SignedHealTransport(CheckpointTransport):
         self.received_bytes = len(payload)
         return state
 
-    def _ask(self, url: str, request: bytes) -> tuple[str, bytes]:
-        """The signature and the state that ``url`` answers ``request`` with; asked again while
+    def _ask(self, url: str, request: bytes, read: Callable[[Iterator[bytes]], Any]) -> Any:
+        """What ``read`` makes of ``url``'s answers to ``request``; asked again while
         refused at once within QUORUM_SKEW_S (a source whose quorum is not open yet refuses at
         once while UNVERIFIED_WAITING requests wait, a stranger's among them)."""
         deadline = time.monotonic() + QUORUM_SKEW_S
         with grpc.insecure_channel(url.removeprefix("http://")) as channel:
             while True:
                 try:
-                    answers = channel.unary_stream(FETCH)(
-                        request, timeout=self.timeout.total_seconds()
-                    )
-                    signature = next(answers, b"").decode(errors="replace")
-                    return signature, b"".join(answers)  # copied once, not at each growth
+                    timeout = self.timeout.total_seconds()
+                    return read(channel.unary_stream(FETCH)(request, timeout=timeout))
                 except grpc.RpcError as error:
                     refused = error.code() == grpc.StatusCode.PERMISSION_DENIED
                     if not refused or time.monotonic() + ASK_AGAIN_S >= deadline:
