@@ -51,6 +51,25 @@ def misshapen_state(state: dict) -> None:
     first["exp_avg_sq"] = first["exp_avg_sq"].flatten()[:3].clone()
 
 
+def groups_none(state: dict) -> None:
+    state["optimizer"]["param_groups"] = None
+
+
+def extra_text_group(state: dict) -> None:
+    state["optimizer"]["param_groups"].append("params")
+
+
+def state_text(state: dict) -> None:
+    next(iter(state["optimizer"]["state"].values()))["exp_avg"] = "0.1"
+
+
+def without_second_moment(state: dict) -> None:
+    del next(iter(state["optimizer"]["state"].values()))["exp_avg_sq"]
+
+
+GROUPS_NOT_GROUPS = "parameter groups are not a list of groups of parameter indices"
+
+
 @pytest.mark.parametrize(
     "edit, reason",
     [
@@ -58,6 +77,11 @@ def misshapen_state(state: dict) -> None:
         (renamed, "its parameters are not the model's"),
         (without_clock, "it holds no clock"),
         (misshapen_state, "optimizer state exp_avg_sq of parameter 0 is not shaped like it"),
+        # the optimizer's parts that a restore would trip over with a traceback
+        (groups_none, GROUPS_NOT_GROUPS),
+        (extra_text_group, GROUPS_NOT_GROUPS),
+        (state_text, "optimizer state exp_avg of parameter 0 is a str"),
+        (without_second_moment, "optimizer state of parameter 0 holds no exp_avg_sq"),
     ],
 )
 def test_a_checkpoint_that_does_not_fit_falls_back_to_the_one_before(

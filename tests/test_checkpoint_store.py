@@ -183,6 +183,53 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, caplog, h
     assert ckpt.has_checkpoint(tmp_path)
 
 
+def renamed_checksum(name: str):
+    def edit(meta: dict) -> None:
+        entry = meta["files"]["rank0.pt"]
+        entry[name] = entry.pop("xxh3_128")
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda meta: meta.update(step=float("inf")), "its step is not an integer"),
+        (lambda meta: meta.update(world_size="1"), "its world_size is not an integer"),
+        (lambda meta: meta.update(backend=["torch"]), "its backend is not text"),
+        (lambda meta: meta.update(files=list(meta["files"].items())), "its files are not an"),
+        (lambda meta: meta["files"].update({"rank0.pt": 7}), "is not {bytes, checksum}"),
+        (renamed_checksum("md6"), "names the checksum 'md6'"),
+        (renamed_checksum("shake_128"), "names the checksum 'shake_128'"),
+    ],
+    ids=[
+        "step-infinity",
+        "world-size-text",
+        "backend-list",
+        "files-list",
+        "entry-number",
+        "checksum-unknown",
+        "checksum-shake",
+    ],
+)
+def test_a_meta_json_edited_out_of_shape_is_set_aside_in_one_line(tmp_path, caplog, edit, problem):
+    """meta.json is read before any checksum: a value no save writes (Infinity, text where a
+    number goes, an entry that is no {bytes, checksum}, a checksum with no plain hex digest)
+    would end the resume in a traceback, or refuse it whole, instead of the one before."""
+    save_steps(tmp_path, [10, 20])
+    newest = ckpt.list_checkpoints(tmp_path)[0].path
+    meta = json.loads((newest / "meta.json").read_text())
+    edit(meta)
+    (newest / "meta.json").write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING, logger="mtdao.train.checkpoint.store"):
+        loaded = CheckpointStore(tmp_path).load()
+    assert loaded.step == 10 and loaded.state["step"] == 10
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"{newest / 'meta.json'} is unreadable (" in warning and problem in warning
+    assert "\n" not in warning
+    assert newest.with_name(f"{newest.name}.damaged").is_dir()
+
+
 def test_a_flipped_byte_is_caught_by_the_checksum(tmp_path):
     """Today's torch loads a file with one flipped data byte without complaint: the checksum
     is what catches it."""

@@ -148,6 +148,38 @@ def test_two_members_that_differ_are_both_named_and_neither_sits_out():
     assert [r.lines for r in replicas] == [[expected]] * 2
 
 
+def test_a_deviant_sharing_its_replica_id_with_an_honest_member_is_named_by_its_rank():
+    """Two members may claim one replica id (members 10, 10, 12): the verdict is by quorum rank,
+    so the deviant at rank 1 sits out, never the honest rank 0 that shares its id."""
+    replicas = group(3)
+    perturb(replicas[1].params[0])
+    replicas[1].parity.last = None
+    replicas[1].parity.assigned(replicas[1].params, replicas[1].quorum, final=False)
+    replicas[1].parity.assigned(replicas[1].states, replicas[1].quorum, final=False)
+    positions = [one.parity.position() for one in replicas]
+    digests = torch.tensor([one.parity.last.digests for one in replicas])
+    reason = f"its values after the round at step {STEP} differ from the majority's"
+    for rank, one in enumerate(replicas):  # the sum hands each member every member's digests
+        verdict = one.parity.judge(positions, [10, 10, 12], rank, lambda table: digests.flatten())
+        assert verdict == {1: reason}
+
+
+@pytest.mark.parametrize("count", [2**40, 2**62], ids=["2**40", "2**62"])
+def test_a_huge_tensor_count_is_named_as_a_set_of_tensors_without_allocating_it(count):
+    """A peer's count column is not trusted: comparing tensor by tensor would allocate a row of
+    ``count`` digests (a MemoryError that ended the replica); the round is named as a whole."""
+    parity = ParityCheck(say=[].append)
+    positions = [[STEP + 1, 7, count], [STEP + 1, 7, count], [STEP + 1, 8, count]]
+
+    def no_sum(table):
+        raise AssertionError("no per-tensor exchange for a count no round has")
+
+    assert parity.judge(positions, [10, 11, 12], 0, no_sum) == {
+        2: f"its values after the round at step {STEP} differ from the majority's"
+    }
+    assert parity.mismatches[0].tensor == "set of tensors"
+
+
 def test_a_member_that_missed_the_round_is_not_compared():
     replicas = group(3)
     replicas[0].parity.last = None  # healed, or restarted: it assigned no round since

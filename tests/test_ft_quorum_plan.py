@@ -66,6 +66,29 @@ def test_a_joiner_whose_replica_id_is_taken_is_refused():
     assert plan_quorum(proven, "1:uuid", 0, "m").refusal is None  # the running one goes on
 
 
+@pytest.mark.parametrize(
+    "other_commits, other_member, keeper",
+    [(5, "1:z", "1:uuid"), (9, "1:z", "1:z")],
+    ids=["most-commits-keeps-it", "a-tie-keeps-the-greater-member"],
+)
+def test_of_two_committed_members_with_one_replica_id_all_plans_keep_the_same_one(
+    other_commits, other_member, keeper
+):
+    """Two running replicas started with one --replica-id (not only a joiner) would train under
+    one id: the one with most commits (then the greater member) stays, the other is refused, and
+    each reaches that verdict alone, from the same proven claims."""
+    other = Claim(**{**member(1, other_commits).__dict__, "member": other_member})
+    proven = [member(0, 9), member(1, 9), other]
+    refusals = {me: plan_quorum(proven, me, 0, "m").refusal for me in ("1:uuid", other_member)}
+    refused = next(me for me in refusals if me != keeper)
+    assert refusals[keeper] is None
+    assert refusals[refused] == (
+        "replica id 1 is already taken in the quorum (replicas 0, 1, 1); give each replica its "
+        "own --replica-id"
+    )
+    assert plan_quorum(proven, "0:uuid", 0, "m").refusal is None
+
+
 def refusing(claim: Claim, *members: str) -> Claim:
     return Claim(**{**claim.__dict__, "refused": tuple(members)})
 

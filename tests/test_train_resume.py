@@ -204,6 +204,30 @@ def test_resume_refuses_a_checkpoint_without_sync_events(finished_run, corpus_di
         trainer.train(tiny_config(out, corpus_dir, steps=2, resume=True))
 
 
+@pytest.mark.parametrize("part", ["clock", "evals"])
+def test_resume_refuses_a_checkpoint_whose_unchecked_part_breaks_the_restore(
+    finished_run, corpus_dir, tmp_path, part
+):
+    """A part no fit check reads (the clock, the evaluations) that is not what the run saves:
+    the run is half restored when it fails, so the resume stops in one line that names the
+    checkpoint and how to resume from the one before (no traceback)."""
+    from test_checkpoint_forged import forge
+
+    out = copy_run(finished_run, tmp_path)
+    newest = ckpt.checkpoint_path(out)
+    state = torch.load(newest / "rank0.pt", weights_only=True)
+    state[part] = 5
+    forge(newest, "rank0.pt", saved_bytes(state))
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        trainer.train(tiny_config(out, corpus_dir, steps=2, resume=True))
+    message = str(refused.value)
+    assert message.startswith(f"--resume: {newest} cannot be restored into this run (TypeError: ")
+    assert message.endswith(
+        f"; rename it to {newest.name}.damaged to resume from the one before it"
+    )
+    assert "\n" not in message
+
+
 def saved_bytes(value) -> bytes:
     import io
 

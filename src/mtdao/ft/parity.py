@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +50,7 @@ class Mismatch:
     majority: list[int]  # replica ids holding the majority's values (empty: no majority)
     tensor: str  # the first tensor of the round that differs
     final: bool = False
+    deviant_ranks: list[int] = field(default_factory=list)  # their quorum ranks (ids may repeat)
 
     def line(self) -> str:
         who = ", ".join(map(str, self.deviants))
@@ -79,6 +80,8 @@ class Assigned:
     digests: list[int]
     final: bool
 
+
+MAX_TENSORS = 1 << 16  # a round's tensors (parameters and states): more is no honest count
 
 Sum = Callable[[Tensor], Tensor]
 """A flat int64 table summed over the round's members (each writes its own row)."""
@@ -151,7 +154,7 @@ class ParityCheck:
         if mismatch is None or not mismatch.majority:
             return {}
         reason = f"its values after the round at step {mismatch.step} differ from the majority's"
-        return {members.index(m): reason for m in mismatch.deviants}
+        return {r: reason for r in mismatch.deviant_ranks}
 
     def _compare_final(self, quorum: Quorum) -> None:
         started = time.perf_counter()
@@ -178,7 +181,7 @@ class ParityCheck:
         deviants = [r for r in at if r not in majority]
         counts = {positions[r][2] for r in at}
         tensor = "set of tensors"  # rounds of another structure: no tensor to compare
-        if len(counts) == 1:
+        if len(counts) == 1 and 0 < next(iter(counts)) <= MAX_TENSORS:
             width = counts.pop()
             tensor = self._first_differing(
                 len(positions), at, majority, rank, width, reference, sum_over
@@ -186,7 +189,7 @@ class ParityCheck:
         final = self.last is not None and self.last.final
         mismatch = Mismatch(
             reference - 1, [members[r] for r in deviants], [members[r] for r in majority],
-            tensor, final,
+            tensor, final, deviants,
         )  # fmt: skip
         self.mismatches.append(mismatch)
         self.say(mismatch.line())

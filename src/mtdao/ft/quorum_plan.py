@@ -90,7 +90,9 @@ def _check_membership(plan: QuorumPlan, mine: Claim, up_to_date: list[int]) -> N
     members = plan.members
     joining = mine.commits == 0
     ids = plan.replica_ids
-    if joining and ids.count(mine.replica_id) > 1:
+    same = [c for c in members if c.replica_id == mine.replica_id]
+    keeper = max(same, key=lambda c: (c.commits, c.member))  # every member picks the same one
+    if len(same) > 1 and (joining or mine is not keeper):
         plan.refusal = (
             f"replica id {mine.replica_id} is already taken in the quorum (replicas "
             f"{', '.join(map(str, sorted(ids)))}); give each replica its own --replica-id"

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from mtdao.train.checkpoint.agreement import Collective
+from mtdao.train.checkpoint.index import CheckpointError
 from mtdao.train.checkpoint.sharded_snapshot import DcpFormat
 from mtdao.train.checkpoint.snapshot import PlainFormat
 from mtdao.train.checkpoint.store import CheckpointStore
@@ -61,7 +62,17 @@ class Checkpointer:
         while loaded is not None:
             problem = self.format.unfit(run, loaded)
             if self.collective.all_true(problem is None):
-                self.format.restore(run, loaded)
+                try:
+                    self.format.restore(run, loaded)
+                except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
+                    # a part no check above reads (clock, evaluations, the engine's record):
+                    # the run is half restored, so it stops here, in one line
+                    why = (str(error).strip() or "?").splitlines()[0][:200]
+                    raise CheckpointError(
+                        f"--resume: {loaded.path} cannot be restored into this run "
+                        f"({type(error).__name__}: {why}); rename it to "
+                        f"{loaded.path.name}.damaged to resume from the one before it"
+                    ) from None
                 break
             start = fall_back(
                 run.config, self.store, loaded, problem or "see another process's warning"

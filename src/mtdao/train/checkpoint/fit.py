@@ -113,7 +113,14 @@ def _optimizer_unfit(run: Run, optimizer: Any) -> str | None:
         return "it holds no optimizer state"
     groups = run.optimizer.param_groups
     saved = optimizer["param_groups"]
-    sizes = [len(group.get("params", ())) for group in saved if isinstance(group, Mapping)]
+    if not isinstance(saved, list) or not all(
+        isinstance(group, Mapping)
+        and isinstance(group.get("params"), list)
+        and all(type(i) is int for i in group["params"])
+        for group in saved
+    ):
+        return "its optimizer's parameter groups are not a list of groups of parameter indices"
+    sizes = [len(group["params"]) for group in saved]
     if sizes != [len(group["params"]) for group in groups]:
         return "its optimizer's parameter groups are not the model's"
     params = [p for group in groups for p in group["params"]]
@@ -125,7 +132,23 @@ def _optimizer_unfit(run: Run, optimizer: Any) -> str | None:
         if index not in by_id or not isinstance(states, Mapping):
             return f"its optimizer holds a state of no parameter ({index!r})"
         shape = by_id[index].shape
+        missing = sorted(_state_keys(run.optimizer, index, saved) - set(states)) if states else []
+        if missing:
+            return f"its optimizer state of parameter {index} holds no {', '.join(missing)}"
         for key, value in states.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shape:
+            if not isinstance(value, torch.Tensor):
+                return f"its optimizer state {key} of parameter {index} is a {type(value).__name__}"
+            if value.dim() > 0 and value.shape != shape:
                 return f"its optimizer state {key} of parameter {index} is not shaped like it"
     return None
+
+
+def _state_keys(optimizer: Any, index: int, saved: list) -> set[str]:
+    """The state keys ``optimizer`` (an mtdao optimizer) steps with for the saved parameter
+    ``index`` (step and its parameter-shaped states); none where it does not say."""
+    keys_of = getattr(optimizer, "_state_keys", None)
+    group = next((g for g in saved if index in g["params"]), None)
+    betas = group.get("betas") if group is not None else None
+    if keys_of is None or not isinstance(betas, (list, tuple)):
+        return set()
+    return {"step", *keys_of(len(betas))}

@@ -3,13 +3,17 @@ only the small ``meta.json`` files; ``verify_files`` reads every byte."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtdao.train.durable import file_checksum
+from mtdao.train.durable import CHECKSUM, file_checksum
+
+# the algorithms a meta.json may name: durable.new_hasher's, less those with no plain hexdigest
+CHECKSUMS = {CHECKSUM, *(a for a in hashlib.algorithms_guaranteed if not a.startswith("shake_"))}
 
 
 class CheckpointError(RuntimeError):
@@ -66,12 +70,33 @@ def scan_checkpoints(run_dir: Path) -> tuple[list[CheckpointInfo], list[tuple[Pa
 def read_meta(path: Path) -> tuple[dict[str, Any], str | None]:
     try:
         meta = json.loads(path.read_text())
-        int(meta["step"]), int(meta["sequence"]), int(meta["world_size"]), dict(meta["files"])
-        return meta, None
     except FileNotFoundError:
         return {}, f"{path.name} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, RecursionError) as error:
         return {}, f"{path} is unreadable ({type(error).__name__})"
+    problem = _meta_problem(meta)
+    return (meta, None) if problem is None else ({}, f"{path} is unreadable ({problem})")
+
+
+def _meta_problem(meta: Any) -> str | None:
+    """Why ``meta`` is not a meta.json as a save writes it (None: it is)."""
+    if not isinstance(meta, dict):
+        return "not an object"
+    for key in ("step", "sequence", "world_size"):
+        if type(meta.get(key)) is not int:
+            return f"its {key} is not an integer"
+    if not isinstance(meta.get("backend", "torch"), str):
+        return "its backend is not text"
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return "its files are not an object"
+    for name, expected in files.items():
+        if not isinstance(expected, dict) or type(expected.get("bytes", 0)) is not int:
+            return f"its entry for {name[:60]!r} is not {{bytes, checksum}}"
+        for algorithm, value in expected.items():
+            if algorithm != "bytes" and (algorithm not in CHECKSUMS or not isinstance(value, str)):
+                return f"its entry for {name[:60]!r} names the checksum {algorithm[:20]!r}"
+    return None
 
 
 def verify_files(info: CheckpointInfo, names: list[str] | None = None) -> str | None:
