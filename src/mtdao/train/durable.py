@@ -41,13 +41,17 @@ def describe_os_error(error: OSError) -> str:
     return f"{reason} ({code})" if code else reason
 
 
+CHECKSUMS = frozenset(
+    {CHECKSUM, *(name for name in hashlib.algorithms_guaranteed if not name.startswith("shake_"))}
+)
+"""The algorithms a checkpoint may record: hashlib's shake_* have no plain ``hexdigest()``."""
+
+
 def new_hasher(algorithm: str):
     """A streaming hasher (``update``/``hexdigest``) for a recorded algorithm name."""
-    if algorithm == "xxh3_128":
-        return xxhash.xxh3_128()
-    if algorithm in hashlib.algorithms_guaranteed:
-        return hashlib.new(algorithm)
-    raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+    if algorithm not in CHECKSUMS:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+    return xxhash.xxh3_128() if algorithm == CHECKSUM else hashlib.new(algorithm)
 
 
 def file_checksum(path: Path, algorithm: str = CHECKSUM) -> str:

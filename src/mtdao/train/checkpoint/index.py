@@ -3,17 +3,13 @@ only the small ``meta.json`` files; ``verify_files`` reads every byte."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtdao.train.durable import CHECKSUM, file_checksum
-
-# the algorithms a meta.json may name: durable.new_hasher's, less those with no plain hexdigest
-CHECKSUMS = {CHECKSUM, *(a for a in hashlib.algorithms_guaranteed if not a.startswith("shake_"))}
+from mtdao.train.durable import CHECKSUMS, file_checksum
 
 
 class CheckpointError(RuntimeError):
