@@ -80,8 +80,6 @@ def _check_field(name: str, kind: str, value: Any) -> None:
 def _check_heal_url(url: str) -> None:
     """ValueError unless ``url`` is http://HOST[:PORT] with a port that parses (each member
     reads its peers' heal servers from their claims)."""
-    if type(url) is not str:
-        raise TypeError(f"heal holds {_kind(url)}, not a URL")
     try:
         address = urlsplit(url)  # .port raises ValueError for one out of range or no number
         usable = address.scheme == "http" and bool(address.hostname) and address.port != 0
