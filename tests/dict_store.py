@@ -1,5 +1,7 @@
 """A dict in place of the c10d store that quorum confirmations are posted to (no processes)."""
 
+import time
+
 
 class DictStore:
     """The part of a c10d store the quorum confirmations use."""
@@ -14,6 +16,9 @@ class DictStore:
         return self.values[key]
 
     def wait(self, keys, timeout) -> None:
-        missing = [k for k in keys if k not in self.values]
-        if missing:
-            raise TimeoutError(f"{missing} not set")
+        """Until every key is set (by another thread), at most ``timeout``."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while missing := [k for k in keys if k not in self.values]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{missing} not set")
+            time.sleep(0.005)

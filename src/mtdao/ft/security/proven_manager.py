@@ -309,17 +309,37 @@ class ProvenManager(QuorumStepManager):
         transport.open(Quorum(digest, self._member, self.internals.group_rank, receivers))
         if plan.serves:
             transport.serve(plan.max_commits, self.internals.state_to_serve())
-        if not plan.heals:
+        if not plan.heals:  # (at a first quorum, some processes of a replica heal, some not)
+            self._every_process_fits(plan, True)
             return
         self.internals.healing = True
         state = self._fetch_heal(plan, digest)
-        if state is None:  # keep this replica's own state; its round fails, a later one heals it
-            self.report_error(HealRefused("no proven source sent a state that fits this replica"))
+        if not self._every_process_fits(plan, state is not None):  # the replica keeps its own
+            why = "no proven source sent a state that fits this replica"  # a later round heals it
+            if state is not None:
+                why = "another process of this replica refused the state its source sent"
+            self.report_error(HealRefused(why))
             self.internals.process_group.abort()  # its peers fail this round now, not later
             return
         self.internals.pending_state_dict = state
         self.load_state_dict(state["torchft"])
         self.internals.commits = plan.max_commits
+
+    def _every_process_fits(self, plan: QuorumPlan, fits: bool) -> bool:
+        """Whether every process of this replica received a state that fits (``fits``: this
+        one's; one that does not heal says so and waits for none): a replica heals whole or not
+        at all, since a process that loaded its source's step beside one that kept its own would
+        part the replica's own collectives."""
+        if self.internals.group_world_size == 1:
+            return fits
+        key = f"mtdao/heal/{self._member}/{self._quorums}"
+        self._write_signed(f"{key}/{self.internals.group_rank}", {"fits": fits})
+        if not plan.heals:
+            return fits
+        keys = [f"{key}/{rank}" for rank in range(self.internals.group_world_size)]
+        # the others try as many sources as this one, each for at most the collective timeout
+        self.internals.store.wait(keys, self.internals.timeout * (len(plan.sources) + 1))
+        return all(self._read_signed(key).get("fits") is True for key in keys)
 
     def _fetch_heal(self, plan: QuorumPlan, digest: str) -> dict[str, Any] | None:
         """The first state one of ``plan``'s sources sends that fits this replica, or None."""
