@@ -153,8 +153,9 @@ class MultiTimescaleOptimizer(Optimizer):
 
     # -- state --------------------------------------------------------------------------------
 
-    def _state_keys(self, num_momenta: int) -> list[str]:
-        """The parameter-shaped state keys: the momenta's, then the second moment's."""
+    def state_keys(self, num_momenta: int) -> list[str]:
+        """The parameter-shaped state keys of a group of ``num_momenta`` momenta: the momenta's,
+        then the second moment's (with ``step``, what a parameter's saved state holds)."""
         keys = [momentum_key(j) for j in range(num_momenta)]
         return keys + ["exp_avg_sq"] if self._has_second_moment else keys
 
@@ -162,7 +163,7 @@ class MultiTimescaleOptimizer(Optimizer):
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            for key in self._state_keys(num_momenta):
+            for key in self.state_keys(num_momenta):
                 state[key] = torch.zeros_like(
                     p, dtype=state_dtype_of(p.dtype), memory_format=torch.preserve_format
                 )
@@ -314,7 +315,7 @@ class MultiTimescaleOptimizer(Optimizer):
                 if state:
                     self._check_momenta_of_state(state, num_momenta)
                 members.append(p)
-        keys = self._state_keys(num_momenta)
+        keys = self.state_keys(num_momenta)
         flat_group = FlatGroup(group, members, self.state, keys, state_dtype_of)
         self._flat_groups[index] = flat_group
         return flat_group

@@ -146,7 +146,7 @@ def _optimizer_unfit(run: Run, optimizer: Any) -> str | None:
 def _state_keys(optimizer: Any, index: int, saved: list) -> set[str]:
     """The state keys ``optimizer`` (an mtdao optimizer) steps with for the saved parameter
     ``index`` (step and its parameter-shaped states); none where it does not say."""
-    keys_of = getattr(optimizer, "_state_keys", None)
+    keys_of = getattr(optimizer, "state_keys", None)
     group = next((g for g in saved if index in g["params"]), None)
     betas = group.get("betas") if group is not None else None
     if keys_of is None or not isinstance(betas, (list, tuple)):
