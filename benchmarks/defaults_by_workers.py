@@ -50,6 +50,9 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "state-period16": ("mtdao", {"state_sync_period": 16}),
     "betas0.995": ("mtdao", {"betas": (0.995,), "beta_ramp": 9.0}),
     "betas0.999": ("mtdao", {"betas": (0.999,), "beta_ramp": 9.0}),
+    # a worker's second moment sees its own small batch's noise: a longer memory at large M?
+    "beta2-0.99": ("mtdao", {"beta2": 0.99}),
+    "beta2-0.997": ("mtdao", {"beta2": 0.997}),
     "omegas0.97": ("mtdao", {"omegas": (0.97,)}),
     "omegas0.99": ("mtdao", {"omegas": (0.99,)}),
     "lr0.004": ("mtdao", {"lr": 0.004}),
