@@ -332,11 +332,11 @@ class ProvenManager(QuorumStepManager):
         part the replica's own collectives."""
         if self.internals.group_world_size == 1:
             return fits
-        key = f"mtdao/heal/{self._member}/{self._quorums}"
-        self._write_signed(f"{key}/{self.internals.group_rank}", {"fits": fits})
+        prefix = f"mtdao/heal/{self._member}/{self._quorums}"
+        self._write_signed(f"{prefix}/{self.internals.group_rank}", {"fits": fits})
         if not plan.heals:
             return fits
-        keys = [f"{key}/{rank}" for rank in range(self.internals.group_world_size)]
+        keys = [f"{prefix}/{rank}" for rank in range(self.internals.group_world_size)]
         # the others try as many sources as this one, each for at most the collective timeout
         self.internals.store.wait(keys, self.internals.timeout * (len(plan.sources) + 1))
         return all(self._read_signed(key).get("fits") is True for key in keys)
