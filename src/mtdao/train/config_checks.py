@@ -148,7 +148,7 @@ def config_warnings(config: Any) -> list[str]:
     if sync.method == "mtdao" and workers >= MANY_WORKERS:
         found.append(
             f"--workers {workers}: from {MANY_WORKERS} workers on MT-DAO's defaults trail DDP "
-            "(BENCHMARKS.md, the workers study: +3-7% at 16 and +12-24% at 64 workers, micro "
+            "(BENCHMARKS.md, the workers study: +3-8% at 16 and +12-24% at 64 workers, micro "
             "model, 3000 steps, K = 32); averaging more often narrows the gap for more traffic "
             "(--sync-period 11: 1% lower at 16 workers, 5% at 64, 3.7x less traffic than DDP "
             "where K = 32 sends 10.6x less)"
