@@ -212,11 +212,16 @@ class ProvenManager(QuorumStepManager):
     def _posts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The heal server of each process of this replica, in process order, and the members
         any of them refused (each process posts at start-up and at each refusal)."""
-        keys = [self._post_key(rank) for rank in range(self.internals.group_world_size)]
-        self.internals.store.wait(keys, self.internals.timeout)
-        posts = [self._read_signed(key) for key in keys]
+        posts = self._records_of_every_process(self._post_key, self.internals.timeout)
         refused = self._refused.union(*(post["refused"] for post in posts))
         return tuple(post["heal"] for post in posts), tuple(sorted(refused)[-KEPT:])
+
+    def _records_of_every_process(self, key_of, timeout: timedelta) -> list[dict[str, Any]]:
+        """The signed record each process of this replica wrote at ``key_of(its rank)``, in
+        process order, once all are there (at most ``timeout``)."""
+        keys = [key_of(rank) for rank in range(self.internals.group_world_size)]
+        self.internals.store.wait(keys, timeout)
+        return [self._read_signed(key) for key in keys]
 
     def _post_key(self, group_rank: int) -> str:
         return f"mtdao/process/{self._member}/{group_rank}"
@@ -336,10 +341,10 @@ class ProvenManager(QuorumStepManager):
         self._write_signed(f"{prefix}/{self.internals.group_rank}", {"fits": fits})
         if not plan.heals:
             return fits
-        keys = [f"{prefix}/{rank}" for rank in range(self.internals.group_world_size)]
         # the others try as many sources as this one, each for at most the collective timeout
-        self.internals.store.wait(keys, self.internals.timeout * (len(plan.sources) + 1))
-        return all(self._read_signed(key).get("fits") is True for key in keys)
+        timeout = self.internals.timeout * (len(plan.sources) + 1)
+        records = self._records_of_every_process(lambda rank: f"{prefix}/{rank}", timeout)
+        return all(record.get("fits") is True for record in records)
 
     def _fetch_heal(self, plan: QuorumPlan, digest: str) -> dict[str, Any] | None:
         """The first state one of ``plan``'s sources sends that fits this replica, or None."""
