@@ -66,6 +66,30 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "K11": ("mtdao", {"sync_period": 11}),  # about --state-sync-period 8's traffic
     "K128": ("mtdao", {"sync_period": 128}),
     "K128-state-period32": ("mtdao", {"sync_period": 128, "state_sync_period": 32}),
+    # more rounds in about the default's bytes: each round quantized (the frontier's codecs)
+    "K8-int8": ("mtdao", {"sync_period": 8, "sync_dtype": ("int8",), "error_feedback": True}),
+    "state-period8-int8": (
+        "mtdao",
+        {"state_sync_period": 8, "sync_dtype": ("momenta=int8", "second-moment=int8")},
+    ),
+    "K4-int4-state-period16": (
+        "mtdao",
+        {
+            "sync_period": 4,
+            "state_sync_period": 16,
+            "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
+            "error_feedback": True,
+        },
+    ),
+    "K8-int8-state-period32": (
+        "mtdao",
+        {
+            "sync_period": 8,
+            "state_sync_period": 32,
+            "sync_dtype": ("int8",),
+            "error_feedback": True,
+        },
+    ),
 }
 
 
@@ -75,7 +99,11 @@ def flags(changes: dict[str, Any]) -> str:
     def shown(value: Any) -> str:
         return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
-    return " ".join(f"--{k.replace('_', '-')} {shown(v)}" for k, v in changes.items())
+    def flag(name: str, value: Any) -> str:
+        flag = f"--{name.replace('_', '-')}"
+        return flag if value is True else f"{flag} {shown(value)}"  # a switch takes no value
+
+    return " ".join(flag(k, v) for k, v in changes.items())
 
 
 def batch_of(args: argparse.Namespace, workers: int) -> int:
