@@ -81,6 +81,16 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
             "error_feedback": True,
         },
     ),
+    "K4-int4": ("mtdao", {"sync_period": 4, "sync_dtype": ("int4",), "error_feedback": True}),
+    "K2-int2-state-period16": (
+        "mtdao",
+        {
+            "sync_period": 2,
+            "state_sync_period": 16,
+            "sync_dtype": ("params=int2", "momenta=int8", "second-moment=int8"),
+            "error_feedback": True,
+        },
+    ),
     "K8-int8-state-period32": (
         "mtdao",
         {
