@@ -91,6 +91,15 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
             "error_feedback": True,
         },
     ),
+    "K4-int4-state-period32": (
+        "mtdao",
+        {
+            "sync_period": 4,
+            "state_sync_period": 32,
+            "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
+            "error_feedback": True,
+        },
+    ),
     "K8-int8-state-period32": (
         "mtdao",
         {
