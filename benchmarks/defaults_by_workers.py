@@ -7,7 +7,9 @@ M = 4, 16 and 64 workers.
 
 Every run is ``mtdao train --method METHOD --model micro --steps 3000 --workers M --batch-size B
 --data CORPUS --seed S`` and nothing else (K = 32 and every other setting at the method's
-defaults). The global batch is fixed at 64 sequences (B = 64 / M: each step costs the same and
+defaults), but MT-DAO's, which adds ``--sync-period 32`` (:data:`PINNED`): from 16 workers on its
+default rounds differ (:data:`~mtdao.methods.defaults.MANY_WORKERS_ROUNDS`, the option
+``K4-int4-state-period32``), and the study compares K = 32 across M. The global batch is fixed at 64 sequences (B = 64 / M: each step costs the same and
 DDP is the same optimizer at every M); ``--per-worker-batch B`` fixes each worker's batch instead
 (the global batch then grows with M). Finished runs are kept in ``--out`` and not trained again.
 Prints, per corpus and M, each method's final validation loss (mean ± std over the seeds that
@@ -43,6 +45,8 @@ METHODS = ("ddp", "local-adam", "diloco", "desloc", "mtdao")
 GLOBAL_BATCH = 64
 KIND, SCHEMA = "workers-scaling", 1  # results.json's study and layout (tests re-render from it)
 OUTER_SCHEDULE = {"outer_momentum_warmup": 10, "outer_momentum_decay": 0.2}
+# MT-DAO's column (and its options' base) at every M: K = 32 in float32, its default below 16 workers
+PINNED = {"mtdao": {"sync_period": 32}}
 # label -> (method, the settings changed from its defaults, as TrainConfig fields)
 OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "state-period4": ("mtdao", {"state_sync_period": 4}),
@@ -159,6 +163,7 @@ def planned_runs(args: argparse.Namespace, data: dict[str, str]) -> list[tuple[s
             for workers in args.workers:
                 batch = batch_of(args, workers)
                 for variant, method, changes in variants(args):
+                    changes = {**PINNED.get(method, {}), **changes}
                     config = TrainConfig.of(
                         method=method, model="micro", steps=args.steps, workers=workers,
                         batch_size=batch, data=data[corpus], seed=seed, progress=False, **changes,
@@ -348,7 +353,8 @@ def render(results: dict) -> str:
     )
 
 
-PLOTTED_OPTION = "state-period8"  # the one setting found to help at every M: drawn beside
+PLOTTED_OPTION = "K4-int4-state-period32"  # MT-DAO's default from 16 workers on: drawn beside
+PLOTTED_LABEL = "MT-DAO K = 4, int4 (its default from 16 workers)"
 
 
 def plot(args: argparse.Namespace, table: list[dict], options: list[dict], path: Path) -> None:
@@ -396,7 +402,7 @@ def plot(args: argparse.Namespace, table: list[dict], options: list[dict], path:
                 loss = stats(option["by_seed"].values())["mean"]
                 option_points.append((option["workers"], loss, ddp["mean"] if ddp else None))
             if option_points:
-                label = "MT-DAO " + flags(OPTIONS[PLOTTED_OPTION][1])
+                label = PLOTTED_LABEL
                 loss_axis.plot(
                     [m for m, _, _ in option_points], [loss for _, loss, _ in option_points],
                     ":", marker="o", color=color("mtdao"), label=label,

@@ -293,6 +293,35 @@ def test_mtdao_with_many_workers_is_warned_of_its_measured_gap_to_ddp():
     assert config_warnings(resolve(TrainConfig.of(workers=64, method="local-adam"))) == []
 
 
+def test_mtdao_adam_averages_more_often_in_fewer_bits_from_16_workers():
+    """From 16 workers on, MT-DAO-Adam's rounds default to the workers study's rule (K = 4, int4
+    pseudo-gradients with error feedback, int8 states every 32); any round setting the user gives
+    keeps the one-worker defaults for the others, as do other methods and fewer workers."""
+
+    def rounds(**settings):
+        sync = resolve(TrainConfig.of(batch_size=4, **settings)).sync
+        return sync.sync_period, sync.state_sync_period, sync.sync_dtype, sync.error_feedback
+
+    rule = (4, 32, ("params=int4", "momenta=int8", "second-moment=int8"), True)
+    assert rounds(workers=16) == rounds(workers=64) == rule
+    assert resolve(TrainConfig.of(workers=16, batch_size=4)).run_name() == "mtdao-adam-M16-K4-seed0"
+    one_worker = (32, None, ("fp32",), False)
+    assert rounds(workers=15) == one_worker
+    assert rounds(workers=16, sync_period=32) == one_worker
+    assert rounds(workers=16, sync_dtype=("bf16",)) == (32, None, ("bf16",), False)
+    assert rounds(workers=16, state_sync_period=8) == (32, 8, ("fp32",), False)
+    assert rounds(workers=16, sync_policy="half-life")[0] == 32
+    assert rounds(workers=16, radial_directional=("params",))[0] == 32  # no error feedback there
+    for other in (dict(method="local-adam"), dict(method="diloco"), dict(optimizer="adopt")):
+        assert rounds(workers=16, **other)[:3] == (32, None, ("fp32",))
+    assert SyncConfig().resolved(workers=16).sync_period == 4
+    assert SyncConfig().resolved().sync_period == 32
+    assert method_parts(SyncConfig(), torch.optim.SGD([torch.zeros(1)])).policy.params.period == 32
+    # a setting the rule's K refuses names the rule and the flag that overrides it
+    with pytest.raises(ValueError, match=r"--sync-delay 8 must be below --sync-period 4.*from 16"):
+        resolve(TrainConfig.of(workers=16, batch_size=4, sync_delay=8))
+
+
 def test_step_budget_from_tokens():
     config = TrainConfig.of(workers=2, batch_size=2, seq_len=32)  # 128 tokens per step
     assert config.replace(steps=7).total_steps() == 7

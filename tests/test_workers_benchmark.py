@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mtdao.experiments.common.formatting import stats
-from mtdao.train.config import resolve
+from mtdao.train.config import TrainConfig, resolve
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "defaults_by_workers.py"
 LOSSES = {  # (workers, method) -> loss of seeds 0 and 1
@@ -130,3 +130,17 @@ def test_mtdaos_gaps_compare_the_seeds_both_methods_finished():
     args = argparse.Namespace(steps=3000, per_worker_batch=None, methods=["ddp", "mtdao"])
     row = next(line for line in study.markdown(args, [cell]).splitlines() if "| vim |" in line)
     assert row.endswith("| 1.0500 | +5.0% (one seed) |  |"), row
+
+
+def test_mtdao_runs_at_k32_at_every_m_and_its_default_from_16_workers_is_an_option():
+    """The study's MT-DAO column stays K = 32 in float32 from 16 workers on, where the default's
+    rounds differ; the option K4-int4-state-period32 is exactly that default."""
+    study = load_script()
+    args = argparse.Namespace(
+        corpora=["builtin"], workers=[16], methods=["mtdao"], per_worker_batch=None, steps=3000,
+        seeds=[0], options=["K4-int4-state-period32"],
+    )  # fmt: skip
+    (column, option) = (resolve(c).sync for _, c in study.planned_runs(args, {"builtin": "x"}))
+    assert (column.sync_period, column.sync_dtype, column.error_feedback) == (32, ("fp32",), False)
+    default = resolve(TrainConfig.of(workers=16, batch_size=4)).sync
+    assert option == default and option.sync_period == 4

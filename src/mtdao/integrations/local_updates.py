@@ -38,8 +38,7 @@ class LocalUpdates(SyncConfig):
     def resolved(self) -> LocalUpdates:
         """Checked (a ValueError names the first bad field), every default filled in."""
         positive_int("shards", self.shards)
-        launched_workers(self.shards)
-        return super().resolved()  # type: ignore[return-value]
+        return super().resolved(launched_workers(self.shards))  # type: ignore[return-value]
 
 
 def launched_workers(shards: int) -> int:

@@ -7,7 +7,13 @@ import dataclasses
 import math
 from typing import Any
 
-from mtdao.methods.defaults import OPTIMIZER_DEFAULTS
+from mtdao.methods.defaults import (
+    DEFAULT_SYNC_PERIOD,
+    MANY_WORKERS,
+    OPTIMIZER_DEFAULTS,
+    many_workers_rounds,
+    method_defaults,
+)
 from mtdao.methods.table import METHOD_TABLE, STATE_AVERAGING_METHODS
 from mtdao.sync.codecs.compression import SyncCodecs
 from mtdao.sync.round_options import (
@@ -18,11 +24,28 @@ from mtdao.sync.round_options import (
 )
 
 
+def checked_defaults(config: Any, workers: int) -> dict[str, Any]:
+    """:func:`~mtdao.methods.defaults.method_defaults` of a checked ``config`` in a run of
+    ``workers`` workers, checked again with the user's settings (a delay within K)."""
+    defaults = method_defaults(config, workers)
+    try:
+        check_method(dataclasses.replace(config, **defaults))
+    except ValueError as error:
+        if not many_workers_rounds(config, workers):
+            raise
+        raise ValueError(
+            f"{error} (`sync_period` {defaults['sync_period']} is MT-DAO's default from "
+            f"{MANY_WORKERS} workers on; give `sync_period` for another)"
+        ) from None
+    return defaults
+
+
 def check_method(config: Any) -> None:
     """Raise ValueError naming the first bad setting of a :class:`~mtdao.methods.SyncConfig`."""
     for setting in dataclasses.fields(config):
         check_choice(setting, getattr(config, setting.name))
-    positive_int("sync_period", config.sync_period)
+    if config.sync_period is not None:
+        positive_int("sync_period", config.sync_period)
     if config.state_sync_period is not None:
         positive_int("state_sync_period", config.state_sync_period)
     if config.state_sync_period is not None and config.method not in STATE_AVERAGING_METHODS:
@@ -104,9 +127,10 @@ def _check_round_options(config: Any) -> None:
     codecs = SyncCodecs.parse(config.sync_dtype or (), config.error_feedback)
     if METHOD_TABLE[config.method].averages_gradients:
         refuse_without_rounds(config.method, delay=delay, fragments=fragments, codecs=codecs)
-    periods = [config.sync_period, config.state_sync_period]
+    sync_period = config.sync_period or DEFAULT_SYNC_PERIOD
+    periods = [sync_period, config.state_sync_period]
     shortest = min(p for p in periods if p is not None)
-    which = "`sync_period`" if shortest == config.sync_period else "`state_sync_period`"
+    which = "`sync_period`" if shortest == sync_period else "`state_sync_period`"
     check_delay_lands(delay, shortest, f"{which} {shortest}")
 
 

@@ -8,8 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mtdao.flags import choice, switch_off
-from mtdao.methods.checks import check_method
-from mtdao.methods.defaults import method_defaults
+from mtdao.methods.checks import check_method, checked_defaults
 from mtdao.methods.optimizers import BASE_OPTIMIZERS
 from mtdao.methods.table import METHODS, SYNC_POLICIES
 from mtdao.sync.radial import RADIAL_GROUPS
@@ -30,7 +29,7 @@ class SyncConfig:
     """Training method (see the method table below)."""
     optimizer: str = choice("adam", BASE_OPTIMIZERS)
     """Base optimizer."""
-    sync_period: int = 32
+    sync_period: int | None = None
     """K: local steps between parameter averages (local methods)."""
     sync_policy: str | None = field(default=None, metadata={"choices": SYNC_POLICIES})
     """Period rule for the optimizer states of local methods."""
@@ -101,7 +100,8 @@ class SyncConfig:
     )
     """Log worker/global pseudo-gradient cosine and drift at each parameter sync."""
 
-    def resolved(self) -> SyncConfig:
-        """Checked (a ValueError names the first bad field), every default filled in."""
+    def resolved(self, workers: int = 1) -> SyncConfig:
+        """Checked (a ValueError names the first bad field), every default filled in for a run
+        of ``workers`` workers (MT-DAO's rounds depend on it: :func:`method_defaults`)."""
         check_method(self)
-        return dataclasses.replace(self, **method_defaults(self))
+        return dataclasses.replace(self, **checked_defaults(self, workers))

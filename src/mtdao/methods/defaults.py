@@ -50,15 +50,50 @@ OPTIMIZER_DEFAULTS = {
 }
 
 
+DEFAULT_SYNC_PERIOD = 32
+# MT-DAO-Adam's rounds from this many workers on, unless the user sets any of MANY_WORKERS_FIELDS.
+# With many workers each one's batch is small and its local steps drift apart; averaging the
+# parameters 8 times as often as K = 32 with 4-bit pseudo-gradients (error feedback) and the
+# states as int8 every 32 steps sends half of K = 32's bytes (20x less than DDP), and ends 2-6%
+# lower at 16 and 64 workers (BENCHMARKS.md, the workers study).
+MANY_WORKERS = 16
+MANY_WORKERS_ROUNDS = {
+    "sync_period": 4,
+    "state_sync_period": 32,
+    "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
+    "error_feedback": True,
+}
+MANY_WORKERS_FIELDS = ("sync_period", "state_sync_period", "sync_dtype", "sync_policy")
+
+
+def many_workers_rounds(config: Any, workers: int) -> bool:
+    """Whether ``config`` takes :data:`MANY_WORKERS_ROUNDS` in a run of ``workers`` workers: MT-DAO
+    with Adam, from :data:`MANY_WORKERS` on, its rounds left to the defaults (parameters not sent
+    as norm and direction, which refuse error feedback)."""
+    return (
+        config.method == "mtdao"
+        and config.optimizer == "adam"
+        and workers >= MANY_WORKERS
+        and all(getattr(config, name) is None for name in MANY_WORKERS_FIELDS)
+        and "params" not in config.radial_directional
+    )
+
+
 def default_lr(method: str, optimizer: str) -> float:
     """The peak learning rate ``method`` runs with when none is given: one per base optimizer
     today, since the sweeps found every method's best at the same value."""
     return OPTIMIZER_DEFAULTS[optimizer].lr
 
 
-def method_defaults(config: Any) -> dict[str, Any]:
-    """The method's defaults for the fields ``config`` leaves unset, and the canonical spelling
-    of its dtypes: the fields to replace in a checked config."""
+def method_defaults(config: Any, workers: int = 1) -> dict[str, Any]:
+    """The method's defaults for the fields ``config`` leaves unset in a run of ``workers``
+    workers, and the canonical spelling of its dtypes: the fields to replace in a checked
+    config."""
+    rounds = dict(MANY_WORKERS_ROUNDS) if many_workers_rounds(config, workers) else {}
+    sync_period = config.sync_period or rounds.get("sync_period", DEFAULT_SYNC_PERIOD)
+    state_sync_period = config.state_sync_period or rounds.get("state_sync_period")
+    sync_dtype = config.sync_dtype or rounds.get("sync_dtype", ())
+    error_feedback = config.error_feedback or rounds.get("error_feedback", False)
     table = OPTIMIZER_DEFAULTS[config.optimizer]
     method = METHOD_TABLE[config.method]
     betas = config.betas
@@ -90,5 +125,8 @@ def method_defaults(config: Any) -> dict[str, Any]:
         beta2=config.beta2 if config.beta2 is not None else table.beta2,
         eps=config.eps if config.eps is not None else table.eps,
         sync_policy=config.sync_policy or method.period_rule,
-        sync_dtype=SyncCodecs.parse(config.sync_dtype or (), config.error_feedback).spec(),
+        sync_period=sync_period,
+        state_sync_period=state_sync_period,
+        sync_dtype=SyncCodecs.parse(sync_dtype, error_feedback).spec(),
+        error_feedback=error_feedback,
     )

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from mtdao.methods.checks import check_method
 from mtdao.methods.config import SyncConfig
+from mtdao.methods.defaults import DEFAULT_SYNC_PERIOD
 from mtdao.methods.table import METHOD_TABLE, SYNC_POLICIES
 from mtdao.sync import policy as policies
 from mtdao.sync.codecs.compression import SyncCodecs
@@ -87,6 +88,8 @@ def method_parts(
     """The parts of ``config``'s method over ``optimizer``; ``total_steps``: the run's length,
     which an outer momentum decay needs."""
     check_method(config)
+    if config.sync_period is None:  # not resolved: K's default for one worker
+        config = replace(config, sync_period=DEFAULT_SYNC_PERIOD)
     return RECIPES[config.method](config, optimizer, total_steps)
 
 

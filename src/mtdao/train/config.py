@@ -16,10 +16,15 @@ from pathlib import Path
 from mtdao.data.batches import SPLITS as DATA_SPLITS
 from mtdao.flags import as_flags, choice, flat_values, from_flat, leaf_fields, switch_off
 from mtdao.ft.config import ReplicaConfig
+from mtdao.methods.checks import checked_defaults
 from mtdao.methods.config import SyncConfig
+from mtdao.methods.defaults import (
+    DEFAULT_SYNC_PERIOD,
+    MANY_WORKERS,
+    MANY_WORKERS_ROUNDS,
+)
 from mtdao.methods.defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
 from mtdao.methods.defaults import default_lr as default_lr
-from mtdao.methods.defaults import method_defaults
 from mtdao.methods.table import METHOD_TABLE
 from mtdao.model.presets import MODEL_PRESETS
 from mtdao.train.config_checks import check_config
@@ -291,11 +296,11 @@ def resolve(config: TrainConfig) -> TrainConfig:
 
 def _resolve(config: TrainConfig) -> TrainConfig:
     check_config(config)
-    out = config.job.out or default_out(config)
     steps, sync, lr = config.total_steps(), config.sync, config.lr_schedule.lr
+    config = config.replace(**checked_defaults(sync, config.parallel.workers))  # the library's
+    out = config.job.out or default_out(config)
     return config.replace(
         lr=lr if lr is not None else default_lr(sync.method, sync.optimizer),
-        **method_defaults(sync),  # the library's: mtdao.methods.defaults
         steps=steps,
         tokens=None,
         eval_every=config.job.eval_every or max(1, steps // EVALUATIONS_PER_RUN),
@@ -313,10 +318,17 @@ def default_out(config: TrainConfig) -> str:
 def describe_default(name: str) -> str | None:
     """How an unset (None) field is resolved, for ``--help``; None for fields with a value."""
     rules = [f"{spec.period_rule} for {m}" for m, spec in METHOD_TABLE.items() if spec.period_rule]
+    rounds = MANY_WORKERS_ROUNDS
+    many_workers = (
+        f"mtdao-adam from {MANY_WORKERS} workers, unless --sync-period, --state-sync-period, "
+        "--sync-dtype or --sync-policy is given"
+    )
     descriptions = {
         "sync_policy": "the method's: " + ", ".join(rules),
-        "state_sync_period": "the period rule's",
-        "sync_dtype": "fp32 for every kind",
+        "sync_period": f"{DEFAULT_SYNC_PERIOD}; {many_workers}: {rounds['sync_period']}",
+        "state_sync_period": f"the period rule's; {many_workers}: {rounds['state_sync_period']}",
+        "sync_dtype": f"fp32 for every kind; {many_workers}: {' '.join(rounds['sync_dtype'])} "
+        "with --error-feedback",
         "betas": f"{_per_optimizer('betas')}; mtdao and qh-ddp: {_per_optimizer('mtdao_betas')}",
         "omegas": f"1 for the baselines; mtdao and qh-ddp: {_per_optimizer('mtdao_omegas')}, "
         "or 0.9 shared equally among the user's own --betas",
