@@ -104,6 +104,25 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
             "error_feedback": True,
         },
     ),
+    "K2-int4-state-period32": (
+        "mtdao",
+        {
+            "sync_period": 2,
+            "state_sync_period": 32,
+            "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
+            "error_feedback": True,
+        },
+    ),
+    # K = 128 retried as the rule above: 8 times the parameter rounds in 4 bits, half its bytes
+    "K16-int4-state-period128": (
+        "mtdao",
+        {
+            "sync_period": 16,
+            "state_sync_period": 128,
+            "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
+            "error_feedback": True,
+        },
+    ),
     "K8-int8-state-period32": (
         "mtdao",
         {

@@ -16,6 +16,7 @@ from mtdao.methods.checks import (
     positive,
     positive_int,
 )
+from mtdao.methods.defaults import MANY_WORKERS
 from mtdao.methods.table import METHOD_TABLE
 from mtdao.optim.warmups import BETA_WARMUP_START, step_capped_beta
 
@@ -113,8 +114,6 @@ def _check_fault_tolerance(config: Any, parallel: Any) -> None:
 
 # The shortest run of the defaults card (BENCHMARKS.md): below it, MT-DAO's default is unmeasured.
 SHORTEST_MEASURED_RUN = 300
-# From this many workers on, the workers study (BENCHMARKS.md) finds MT-DAO's default behind DDP.
-MANY_WORKERS = 16
 
 
 def config_warnings(config: Any) -> list[str]:
@@ -147,11 +146,11 @@ def config_warnings(config: Any) -> list[str]:
     workers = config.parallel.workers
     if sync.method == "mtdao" and workers >= MANY_WORKERS:
         found.append(
-            f"--workers {workers}: from {MANY_WORKERS} workers on MT-DAO's defaults trail DDP "
-            "(BENCHMARKS.md, the workers study: +3-8% at 16 and +12-24% at 64 workers, micro "
-            "model, 3000 steps, K = 32); averaging more often narrows the gap for more traffic "
-            "(--sync-period 11: 1% lower at 16 workers, 5% at 64, 3.7x less traffic than DDP "
-            "where K = 32 sends 10.6x less)"
+            f"--workers {workers}: from {MANY_WORKERS} workers on MT-DAO trails DDP (BENCHMARKS.md, "
+            "the workers study, micro model, 3000 steps): with its default rounds there (the "
+            "parameters every 4 steps as int4 pseudo-gradients, the states as int8 every 32; 20x "
+            "less traffic than DDP) by 1-2% at 16 workers and 5-10% at 64, with K = 32 in "
+            "float32 (10.6x less) by 3-8% and 12-24%"
         )
     if sync.state_sync_period is not None and sync.state_sync_period > steps:
         found.append(
