@@ -69,3 +69,18 @@ def test_a_bad_method_setting_is_refused_alike_by_both(settings, message):
     assert str(by_harness.value) == as_flags(said) and str(by_harness.value).startswith("--")
     with pytest.raises(ValueError):
         check_method(SyncConfig(**settings))
+
+
+def test_mtdaos_rounds_by_workers_resolve_alike_in_the_library_harness_and_integrations(
+    monkeypatch,
+):
+    """From 16 workers MT-DAO's rounds differ: ``resolved(workers=M)``, ``mtdao train`` and the
+    integrations (which count the launched workers) agree on them."""
+    from mtdao.integrations import local_updates
+
+    library = SyncConfig().resolved(workers=16)
+    assert library == resolve(TrainConfig.of(workers=16, batch_size=4)).sync
+    assert library.sync_period == 4 and SyncConfig().resolved().sync_period == 32
+    monkeypatch.setattr(local_updates, "launched_workers", lambda shards: 16)
+    integrations = local_updates.LocalUpdates().resolved()
+    assert (integrations.sync_period, integrations.sync_dtype) == (4, library.sync_dtype)
