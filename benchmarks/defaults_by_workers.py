@@ -325,7 +325,9 @@ def markdown(args: argparse.Namespace, table: list[dict], options: list[dict] = 
         else f"a global batch of {GLOBAL_BATCH} sequences ({GLOBAL_BATCH} / M per worker)"
     )
     lines = [
-        f"Micro model, K = 32, {args.steps} steps, {batch_rule}, every method at its defaults; "
+        f"Micro model, K = 32, {args.steps} steps, {batch_rule}, every method at its defaults "
+        f"(MT-DAO at K = 32 in float32, its default below 16 workers; from 16 on its default is "
+        f"the option `{flags(OPTIONS[PLOTTED_OPTION][1])}`); "
         f"final validation loss, mean ± std over the seeds named; MT-DAO's gaps over the seeds "
         f"both methods finished; {SIGNIFICANCE_RULE}.",
         "",
@@ -376,6 +378,11 @@ PLOTTED_OPTION = "K4-int4-state-period32"  # MT-DAO's default from 16 workers on
 PLOTTED_LABEL = "MT-DAO K = 4, int4 (its default from 16 workers)"
 
 
+def plotted(method: str) -> str:
+    """A method's name in the plot: MT-DAO's line is K = 32 (PINNED), its option another."""
+    return LABELS[method] + (" K = 32" if method in PINNED else "")
+
+
 def plot(args: argparse.Namespace, table: list[dict], options: list[dict], path: Path) -> None:
     """Final loss against M per method (one panel per corpus), MT-DAO's gaps beside them; MT-DAO
     with ``PLOTTED_OPTION`` dotted where it ran."""
@@ -395,7 +402,7 @@ def plot(args: argparse.Namespace, table: list[dict], options: list[dict], path:
                 xs = [m for m, _ in points]
                 loss_axis.errorbar(
                     xs, [s["mean"] for _, s in points], yerr=[s["std"] for _, s in points],
-                    marker="o", capsize=3, color=color(method), label=LABELS[method],
+                    marker="o", capsize=3, color=color(method), label=plotted(method),
                 )  # fmt: skip
             for other, style in (("ddp", "-"), ("local-adam", "--")):
                 points = [(c["workers"], *paired(c, "mtdao", other)) for c in mine]
@@ -405,7 +412,7 @@ def plot(args: argparse.Namespace, table: list[dict], options: list[dict], path:
                         [m for m, _, _ in points],
                         [100 * (a["mean"] - b["mean"]) / b["mean"] for _, a, b in points],
                         style, marker="o", color=color(other),
-                        label=f"MT-DAO − {LABELS[other]}",
+                        label=f"{plotted('mtdao')} − {LABELS[other]}",
                     )  # fmt: skip
             for axis in (loss_axis, gap_axis):
                 axis.set_xscale("log", base=2)
