@@ -23,7 +23,8 @@ same seeds; with ``--collect`` only the cells that finished are shown.
 
 ``--reuse REPORT.json`` continues a study whose earlier runs are not in ``--out`` (trained on
 another machine): the final losses, bytes and traffic of an earlier report's results.json stand in
-for the runs of the same name that ``--out`` lacks (its steps and batch rule must be the same).
+for the runs of the same name that ``--out`` lacks (its steps and batch rule must be the same), and
+those runs are not trained again.
 """
 
 from __future__ import annotations
@@ -474,9 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error("; ".join(f"corpus {name}: {why}" for name, why in missing.items()))
     reused = reused_runs(args, args.reuse) if args.reuse else {}  # refused before any training
-    suite = run_suite(planned_runs(args, data), args.out, jobs=args.jobs, threads=args.threads,
-                      train=not args.collect)  # fmt: skip
-    results = {**reused, **suite.results}
+    planned = planned_runs(args, data)
+    # a run the earlier report holds is not trained again: --out's own copy, if any, still counts
+    stand_ins = run_suite([r for r in planned if r[0] in reused], args.out, train=False)
+    suite = run_suite([r for r in planned if r[0] not in reused], args.out, jobs=args.jobs,
+                      threads=args.threads, train=not args.collect)  # fmt: skip
+    results = {**reused, **stand_ins.results, **suite.results}
     table = cells(args, results)
     options = option_cells(args, results)
     text = markdown(args, table, options)

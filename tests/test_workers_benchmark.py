@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mtdao.experiments.common.formatting import stats
+from mtdao.experiments.common.suite import SuiteResult
 from mtdao.train.config import TrainConfig, resolve
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "defaults_by_workers.py"
@@ -115,6 +116,28 @@ def test_a_study_continued_elsewhere_reuses_an_earlier_reports_runs(tmp_path, ca
     reused.write_text(json.dumps(earlier))
     with pytest.raises(SystemExit, match="steps 1000, this study 3000"):
         study.main(argv)
+
+
+def test_a_run_an_earlier_report_holds_is_not_trained_again(tmp_path, monkeypatch):
+    """--reuse without --collect trains only what neither --out nor the earlier report holds."""
+    study = load_script()
+    earlier = {
+        "kind": study.KIND, "schema": study.SCHEMA, "steps": 3000, "per_worker_batch": None,
+        "cells": [{"corpus": "builtin", "workers": 16, "batch_size": 4, "methods": {
+            "mtdao": {"by_seed": {"0": 1.10}, "bytes_per_worker": 1}}}],
+    }  # fmt: skip
+    reused = tmp_path / "earlier.json"
+    reused.write_text(json.dumps(earlier))
+    trained = []
+
+    def suite(runs, out, train=True, **settings):
+        trained.extend(name for name, _ in runs if train)
+        return SuiteResult()
+
+    monkeypatch.setattr(study, "run_suite", suite)
+    study.main(["--corpora", "builtin", "--workers", "16", "--methods", "mtdao", "--seeds", "0",
+                "1", "--out", str(tmp_path / "out"), "--reuse", str(reused)])  # fmt: skip
+    assert trained == ["builtin-3000-M16x4-mtdao-s1"]
 
 
 def test_mtdaos_gaps_compare_the_seeds_both_methods_finished():
