@@ -54,7 +54,7 @@ DEFAULT_SYNC_PERIOD = 32
 # MT-DAO-Adam's rounds from this many workers on, unless the user sets any of MANY_WORKERS_FIELDS.
 # With many workers each one's batch is small and its local steps drift apart; averaging the
 # parameters 8 times as often as K = 32 with 4-bit pseudo-gradients (error feedback) and the
-# states as int8 every 32 steps sends half of K = 32's bytes (20x less than DDP) and ends 2-4% lower
+# states as int8 every 32 steps sends half of K = 32's bytes (20x less than DDP) and ends 2-5% lower
 # at 16 workers, 6-11% at 64 (BENCHMARKS.md, the workers study); it still trails DDP there.
 MANY_WORKERS = 16
 MANY_WORKERS_ROUNDS = {
