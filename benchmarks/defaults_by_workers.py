@@ -46,6 +46,19 @@ METHODS = ("ddp", "local-adam", "diloco", "desloc", "mtdao")
 GLOBAL_BATCH = 64
 KIND, SCHEMA = "workers-scaling", 1  # results.json's study and layout (tests re-render from it)
 OUTER_SCHEDULE = {"outer_momentum_warmup": 10, "outer_momentum_decay": 0.2}
+
+
+def quantized_rounds(sync_period: int, state_sync_period: int, params: str) -> dict[str, Any]:
+    """The parameters every ``sync_period`` steps as ``params`` pseudo-gradients with error
+    feedback, the states as int8 every ``state_sync_period``: an option's settings."""
+    return {
+        "sync_period": sync_period,
+        "state_sync_period": state_sync_period,
+        "sync_dtype": (f"params={params}", "momenta=int8", "second-moment=int8"),
+        "error_feedback": True,
+    }
+
+
 # MT-DAO's column (and its options' base) at every M: K = 32 in float32, its default below 16 workers
 PINNED = {"mtdao": {"sync_period": 32}}
 # label -> (method, the settings changed from its defaults, as TrainConfig fields)
@@ -77,53 +90,13 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "mtdao",
         {"state_sync_period": 8, "sync_dtype": ("momenta=int8", "second-moment=int8")},
     ),
-    "K4-int4-state-period16": (
-        "mtdao",
-        {
-            "sync_period": 4,
-            "state_sync_period": 16,
-            "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
-            "error_feedback": True,
-        },
-    ),
+    "K4-int4-state-period16": ("mtdao", quantized_rounds(4, 16, "int4")),
     "K4-int4": ("mtdao", {"sync_period": 4, "sync_dtype": ("int4",), "error_feedback": True}),
-    "K2-int2-state-period16": (
-        "mtdao",
-        {
-            "sync_period": 2,
-            "state_sync_period": 16,
-            "sync_dtype": ("params=int2", "momenta=int8", "second-moment=int8"),
-            "error_feedback": True,
-        },
-    ),
-    "K4-int4-state-period32": (
-        "mtdao",
-        {
-            "sync_period": 4,
-            "state_sync_period": 32,
-            "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
-            "error_feedback": True,
-        },
-    ),
-    "K2-int4-state-period32": (
-        "mtdao",
-        {
-            "sync_period": 2,
-            "state_sync_period": 32,
-            "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
-            "error_feedback": True,
-        },
-    ),
+    "K2-int2-state-period16": ("mtdao", quantized_rounds(2, 16, "int2")),
+    "K4-int4-state-period32": ("mtdao", quantized_rounds(4, 32, "int4")),
+    "K2-int4-state-period32": ("mtdao", quantized_rounds(2, 32, "int4")),
     # K = 128 retried as the rule above: 8 times the parameter rounds in 4 bits, half its bytes
-    "K16-int4-state-period128": (
-        "mtdao",
-        {
-            "sync_period": 16,
-            "state_sync_period": 128,
-            "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
-            "error_feedback": True,
-        },
-    ),
+    "K16-int4-state-period128": ("mtdao", quantized_rounds(16, 128, "int4")),
     "K8-int8-state-period32": (
         "mtdao",
         {
