@@ -89,7 +89,7 @@ def method_defaults(config: Any, workers: int = 1) -> dict[str, Any]:
     """The method's defaults for the fields ``config`` leaves unset in a run of ``workers``
     workers, and the canonical spelling of its dtypes: the fields to replace in a checked
     config."""
-    rounds = dict(MANY_WORKERS_ROUNDS) if many_workers_rounds(config, workers) else {}
+    rounds = MANY_WORKERS_ROUNDS if many_workers_rounds(config, workers) else {}
     sync_period = config.sync_period or rounds.get("sync_period", DEFAULT_SYNC_PERIOD)
     state_sync_period = config.state_sync_period or rounds.get("state_sync_period")
     sync_dtype = config.sync_dtype or rounds.get("sync_dtype", ())
