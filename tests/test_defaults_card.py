@@ -40,14 +40,17 @@ def test_every_card_run_is_the_methods_defaults_but_for_the_cells_own_fields():
         assert changed <= PER_RUN | entry_settings[entry], name
     names = [name for name, _ in runs]
     assert len(names) == len(set(names))
-    # DDP does not depend on K: one run per corpus, length and seed (2400 steps included)
-    ddp = [name for name in names if "-ddp-s" in name]
-    assert len(ddp) == (3 * 4 + 1) * 3
+    # DDP and MT-DAO at its own rounds do not depend on K: one run per corpus, length and seed
+    # (2400 steps included)
+    for entry in ("ddp", "mtdao"):
+        assert len([name for name in names if f"-{entry}-s" in name]) == (3 * 4 + 1) * 3
+    assert dict(runs)["vim-300-mtdao-s0"].sync.sync_period is None  # its default rounds
+    assert dict(runs)["vim-300-K128-mtdao-float32-s0"].sync.sync_period == 128
     # the approach length (steps to DDP's loss) is run by the current entries only
-    assert "vim-2400-K128-mtdao-s2" in names and "vim-2400-K128-local-adam-s2" in names
+    assert "vim-2400-mtdao-s2" in names and "vim-2400-K128-local-adam-s2" in names
     assert not any(name.startswith("vim-2400") and "cosine" in name for name in names)
     assert "builtin-300-ddp-cosine-s0" in names and "builtin-300-K32-ddp-cosine-s0" not in names
-    assert "builtin-10000-K32-mtdao-s0" in names and "vim-10000-K32-mtdao-s0" not in names
+    assert "builtin-10000-mtdao-s0" in names and "vim-10000-mtdao-s0" not in names
 
 
 def test_the_card_runs_every_cell_at_the_first_seed_first_current_entries_first():
@@ -70,7 +73,8 @@ def test_the_former_schedule_is_run_for_mtdao_and_for_each_baseline_alike():
     runs = dict(card_runs(FULL, DATA))
     for entry in ("mtdao", "ddp", "local-adam"):
         period = "" if entry == "ddp" else "-K128"
-        current = runs[f"vim-1000{period}-{entry}-s2"]
+        # MT-DAO's earlier schedules ran at the cell's K in float32, its default then
+        current = runs[f"vim-1000{period}-{entry}{'-float32' if entry == 'mtdao' else ''}-s2"]
         assert (
             current.lr_schedule.schedule == "wsd" and current.lr_schedule.warmup is None
         )  # the defaults
@@ -185,7 +189,7 @@ def test_the_card_command_runs_end_to_end(tmp_path, corpus_dir, monkeypatch, cap
     assert main(argv) == 0  # a report on what finished; nothing trained
     assert not (out / "runs" / "builtin-4-ddp-s0" / "results.json").exists()
     assert json.loads((out / "results.json").read_text())["runs_finished"] == 2
-    config = json.loads((out / "runs" / "builtin-4-K2-mtdao-s0" / "config.json").read_text())
+    config = json.loads((out / "runs" / "builtin-4-mtdao-s0" / "config.json").read_text())
     assert config["lr"] == default_lr("mtdao", "adam")  # no LR chosen by the card
     assert "Worker shards: `--data-split shuffled` (the default)" in (out / "report.md").read_text()
     # the cards of before 2026-12-02 (contiguous shards) are other runs, collected by that flag

@@ -29,8 +29,8 @@ def test_the_flags_round_trip():
 
 def test_each_replica_gets_its_own_run_directory():
     config = resolve(TrainConfig.of(**FT, steps=10))
-    assert config.job.out == "runs/mtdao-adam-M3-K32-seed0/replica-1"
-    assert resolve(TrainConfig.of(steps=10)).job.out == "runs/mtdao-adam-M4-K32-seed0"
+    assert config.job.out == "runs/mtdao-adam-M3-K4-seed0/replica-1"
+    assert resolve(TrainConfig.of(steps=10)).job.out == "runs/mtdao-adam-M4-K4-seed0"
 
 
 @pytest.mark.parametrize(

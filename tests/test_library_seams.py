@@ -38,7 +38,7 @@ def test_the_harness_holds_the_library_method_and_every_setting_of_it_is_a_flag(
     ],
 )
 def test_the_library_resolves_a_method_as_the_harness_does(settings):
-    library = SyncConfig(**settings).resolved()
+    library = SyncConfig(**settings).resolved(workers=4)  # mtdao train's default
     harness = resolve(TrainConfig.of(**settings))
     assert library == harness.sync
     assert method_defaults(harness.sync) == {
@@ -74,13 +74,33 @@ def test_a_bad_method_setting_is_refused_alike_by_both(settings, message):
 def test_mtdaos_rounds_by_workers_resolve_alike_in_the_library_harness_and_integrations(
     monkeypatch,
 ):
-    """From 16 workers MT-DAO's rounds differ: ``resolved(workers=M)``, ``mtdao train`` and the
+    """MT-DAO's rounds differ with one worker: ``resolved(workers=M)``, ``mtdao train`` and the
     integrations (which count the launched workers) agree on them."""
     from mtdao.integrations import local_updates
 
     library = SyncConfig().resolved(workers=16)
     assert library == resolve(TrainConfig.of(workers=16, batch_size=4)).sync
     assert library.sync_period == 4 and SyncConfig().resolved().sync_period == 32
+    monkeypatch.setattr(local_updates, "launched_workers", lambda shards: 1)
+    assert local_updates.LocalUpdates().resolved().sync_period == 32
     monkeypatch.setattr(local_updates, "launched_workers", lambda shards: 16)
     integrations = local_updates.LocalUpdates().resolved()
     assert (integrations.sync_period, integrations.sync_dtype) == (4, library.sync_dtype)
+
+
+def test_an_unresolved_method_takes_the_defaults_of_its_communicators_workers():
+    """``build_sync`` resolves a config left unresolved for the workers its communicator holds:
+    MT-DAO's rounds with four, K = 32 with one."""
+    import torch
+
+    from mtdao.methods import build_optimizer, build_sync
+    from mtdao.sync import SimulatedWorkers, SingleWorker
+
+    def policy_period(communicator, workers):
+        params = torch.nn.Linear(4, 2).weight.detach().expand(workers, 2, 4).clone()
+        params.requires_grad_(True)
+        optimizer = build_optimizer([params], SyncConfig().resolved(workers), lr=1e-3)
+        return build_sync(SyncConfig(), optimizer, communicator).policy.params.period
+
+    assert policy_period(SimulatedWorkers(4), 4) == 4
+    assert policy_period(SingleWorker(), 1) == 32

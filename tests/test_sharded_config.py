@@ -101,8 +101,8 @@ def test_a_scalar_parameter_does_not_shard():
 def test_shards_travel_with_the_config():
     config = resolve(TrainConfig.of(workers=2, shards=2, batch_size=4))
     assert "--shards" in config_to_argv(config)
-    assert config.run_name() == "mtdao-adam-M2-S2-K32-seed0"
-    assert resolve(TrainConfig.of(workers=2)).run_name() == "mtdao-adam-M2-K32-seed0"
+    assert config.run_name() == "mtdao-adam-M2-S2-K4-seed0"
+    assert resolve(TrainConfig.of(workers=2)).run_name() == "mtdao-adam-M2-K4-seed0"
     # a sharded checkpoint reshards: a resume may change the shards per worker, not the workers
     assert resolve(TrainConfig.of(shards=2)).differences(resolve(TrainConfig.of(shards=4))) == []
     assert resolve(TrainConfig.of(workers=2)).differences(resolve(TrainConfig.of(workers=4)))

@@ -155,9 +155,9 @@ def test_mtdaos_gaps_compare_the_seeds_both_methods_finished():
     assert row.endswith("| 1.0500 | +5.0% (one seed) |  |"), row
 
 
-def test_mtdao_runs_at_k32_at_every_m_and_its_default_from_16_workers_is_an_option():
-    """The study's MT-DAO column stays K = 32 in float32 from 16 workers on, where the default's
-    rounds differ; the option K4-int4-state-period32 is exactly that default."""
+def test_mtdao_runs_at_k32_at_every_m_and_its_default_is_an_option():
+    """The study's MT-DAO column stays K = 32 in float32 at every M, where the default's rounds
+    differ; the option K4-int4-state-period32 is exactly that default."""
     study = load_script()
     args = argparse.Namespace(
         corpora=["builtin"], workers=[16], methods=["mtdao"], per_worker_batch=None, steps=3000,

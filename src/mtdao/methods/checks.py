@@ -9,10 +9,9 @@ from typing import Any
 
 from mtdao.methods.defaults import (
     DEFAULT_SYNC_PERIOD,
-    MANY_WORKERS,
     OPTIMIZER_DEFAULTS,
-    many_workers_rounds,
     method_defaults,
+    takes_default_rounds,
 )
 from mtdao.methods.table import METHOD_TABLE, STATE_AVERAGING_METHODS
 from mtdao.sync.codecs.compression import SyncCodecs
@@ -31,11 +30,11 @@ def checked_defaults(config: Any, workers: int) -> dict[str, Any]:
     try:
         check_method(dataclasses.replace(config, **defaults))
     except ValueError as error:
-        if not many_workers_rounds(config, workers):
+        if not takes_default_rounds(config, workers):
             raise
         raise ValueError(
-            f"{error} (`sync_period` {defaults['sync_period']} is MT-DAO's default from "
-            f"{MANY_WORKERS} workers on; give `sync_period` for another)"
+            f"{error} (`sync_period` {defaults['sync_period']} is MT-DAO's default with more "
+            "than one worker; give `sync_period` for another)"
         ) from None
     return defaults
 

@@ -51,30 +51,31 @@ OPTIMIZER_DEFAULTS = {
 
 
 DEFAULT_SYNC_PERIOD = 32
-# MT-DAO-Adam's rounds from this many workers on, unless the user sets any of MANY_WORKERS_FIELDS.
-# With many workers each one's batch is small and its local steps drift apart; averaging the
-# parameters 8 times as often as K = 32 with 4-bit pseudo-gradients (error feedback) and the
-# states as int8 every 32 steps sends half of K = 32's bytes (20x less than DDP) and ends 2-5% lower
-# at 16 workers, 6-11% at 64 (BENCHMARKS.md, the workers study); it still trails DDP there.
-MANY_WORKERS = 16
-MANY_WORKERS_ROUNDS = {
+# MT-DAO-Adam's rounds with more than one worker, unless the user sets any of ROUNDS_FIELDS: the
+# parameters every 4 steps as 4-bit pseudo-gradients (error feedback), the states as int8 every 32.
+# Half of K = 32's bytes in float32 (20x less than DDP), and lower at every run length and worker
+# count measured: within 1% of DDP from 300 steps on at 4 workers, where K = 32 trailed it by 4-9%
+# at 300 steps; 2-11% below K = 32 at 16 and 64 workers (BENCHMARKS.md: the defaults card, the
+# workers study). With one worker there is nothing to average, and a round would only add its
+# quantization error.
+DEFAULT_ROUNDS = {
     "sync_period": 4,
     "state_sync_period": 32,
     "sync_dtype": ("params=int4", "momenta=int8", "second-moment=int8"),
     "error_feedback": True,
 }
-MANY_WORKERS_FIELDS = ("sync_period", "state_sync_period", "sync_dtype", "sync_policy")
+ROUNDS_FIELDS = ("sync_period", "state_sync_period", "sync_dtype", "sync_policy")
 
 
-def many_workers_rounds(config: Any, workers: int) -> bool:
-    """Whether ``config`` takes :data:`MANY_WORKERS_ROUNDS` in a run of ``workers`` workers: MT-DAO
-    with Adam, from :data:`MANY_WORKERS` on, its rounds left to the defaults (parameters not sent
-    as norm and direction, which refuse error feedback)."""
+def takes_default_rounds(config: Any, workers: int) -> bool:
+    """Whether ``config`` takes :data:`DEFAULT_ROUNDS` in a run of ``workers`` workers: MT-DAO with
+    Adam and more than one worker, its rounds left to the defaults (parameters not sent as norm
+    and direction, which refuse error feedback)."""
     return (
         config.method == "mtdao"
         and config.optimizer == "adam"
-        and workers >= MANY_WORKERS
-        and all(getattr(config, name) is None for name in MANY_WORKERS_FIELDS)
+        and workers > 1
+        and all(getattr(config, name) is None for name in ROUNDS_FIELDS)
         and "params" not in config.radial_directional
     )
 
@@ -89,7 +90,7 @@ def method_defaults(config: Any, workers: int = 1) -> dict[str, Any]:
     """The method's defaults for the fields ``config`` leaves unset in a run of ``workers``
     workers, and the canonical spelling of its dtypes: the fields to replace in a checked
     config."""
-    rounds = MANY_WORKERS_ROUNDS if many_workers_rounds(config, workers) else {}
+    rounds = DEFAULT_ROUNDS if takes_default_rounds(config, workers) else {}
     sync_period = config.sync_period or rounds.get("sync_period", DEFAULT_SYNC_PERIOD)
     state_sync_period = config.state_sync_period or rounds.get("state_sync_period")
     sync_dtype = config.sync_dtype or rounds.get("sync_dtype", ())

@@ -102,6 +102,8 @@ def build_sync(
 ) -> LocalUpdateSync:
     """The engine carrying out a resolved config's method over ``communicator``;
     ``clip_gradients`` runs between gradient averaging and each step (on each worker)."""
+    if config.sync_period is None:  # not resolved: the defaults for the communicator's workers
+        config = config.resolved(communicator.num_workers)
     parts = method_parts(config, optimizer, total_steps)
     sync = LocalUpdateSync(
         optimizer,

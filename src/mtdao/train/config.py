@@ -18,11 +18,7 @@ from mtdao.flags import as_flags, choice, flat_values, from_flat, leaf_fields, s
 from mtdao.ft.config import ReplicaConfig
 from mtdao.methods.checks import checked_defaults
 from mtdao.methods.config import SyncConfig
-from mtdao.methods.defaults import (
-    DEFAULT_SYNC_PERIOD,
-    MANY_WORKERS,
-    MANY_WORKERS_ROUNDS,
-)
+from mtdao.methods.defaults import DEFAULT_ROUNDS, DEFAULT_SYNC_PERIOD
 from mtdao.methods.defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
 from mtdao.methods.defaults import default_lr as default_lr
 from mtdao.methods.table import METHOD_TABLE
@@ -318,16 +314,16 @@ def default_out(config: TrainConfig) -> str:
 def describe_default(name: str) -> str | None:
     """How an unset (None) field is resolved, for ``--help``; None for fields with a value."""
     rules = [f"{spec.period_rule} for {m}" for m, spec in METHOD_TABLE.items() if spec.period_rule]
-    rounds = MANY_WORKERS_ROUNDS
-    many_workers = (
-        f"mtdao-adam from {MANY_WORKERS} workers, unless --sync-period, --state-sync-period, "
+    rounds = DEFAULT_ROUNDS
+    mtdao = (
+        "mtdao-adam with 2 or more workers, unless --sync-period, --state-sync-period, "
         "--sync-dtype or --sync-policy is given"
     )
     descriptions = {
         "sync_policy": "the method's: " + ", ".join(rules),
-        "sync_period": f"{DEFAULT_SYNC_PERIOD}; {many_workers}: {rounds['sync_period']}",
-        "state_sync_period": f"the period rule's; {many_workers}: {rounds['state_sync_period']}",
-        "sync_dtype": f"fp32 for every kind; {many_workers}: {' '.join(rounds['sync_dtype'])} "
+        "sync_period": f"{DEFAULT_SYNC_PERIOD}; {mtdao}: {rounds['sync_period']}",
+        "state_sync_period": f"the period rule's; {mtdao}: {rounds['state_sync_period']}",
+        "sync_dtype": f"fp32 for every kind; {mtdao}: {' '.join(rounds['sync_dtype'])} "
         "with --error-feedback",
         "betas": f"{_per_optimizer('betas')}; mtdao and qh-ddp: {_per_optimizer('mtdao_betas')}",
         "omegas": f"1 for the baselines; mtdao and qh-ddp: {_per_optimizer('mtdao_omegas')}, "

@@ -16,7 +16,6 @@ from mtdao.methods.checks import (
     positive,
     positive_int,
 )
-from mtdao.methods.defaults import MANY_WORKERS
 from mtdao.methods.table import METHOD_TABLE
 from mtdao.optim.warmups import BETA_WARMUP_START, step_capped_beta
 
@@ -114,6 +113,8 @@ def _check_fault_tolerance(config: Any, parallel: Any) -> None:
 
 # The shortest run of the defaults card (BENCHMARKS.md): below it, MT-DAO's default is unmeasured.
 SHORTEST_MEASURED_RUN = 300
+# From this many workers on the workers study (BENCHMARKS.md) finds MT-DAO's default behind DDP.
+TRAILS_DDP_FROM_WORKERS = 16
 
 
 def config_warnings(config: Any) -> list[str]:
@@ -144,12 +145,12 @@ def config_warnings(config: Any) -> list[str]:
             f"{slowest:g} from step {ramped_at})"
         )
     workers = config.parallel.workers
-    if sync.method == "mtdao" and workers >= MANY_WORKERS:
+    if sync.method == "mtdao" and workers >= TRAILS_DDP_FROM_WORKERS:
         found.append(
-            f"--workers {workers}: from {MANY_WORKERS} workers on MT-DAO trails DDP (BENCHMARKS.md, "
-            "the workers study, micro model, 3000 steps): with its default rounds there (the "
-            "parameters every 4 steps as int4 pseudo-gradients, the states as int8 every 32; 20x "
-            "less traffic than DDP) by 0.7-2.2% at 16 workers and 5-10% at 64, with K = 32 in "
+            f"--workers {workers}: from {TRAILS_DDP_FROM_WORKERS} workers on MT-DAO trails DDP "
+            "(BENCHMARKS.md, the workers study, micro model, 3000 steps): with its default rounds "
+            "(the parameters every 4 steps as int4 pseudo-gradients, the states as int8 every 32; "
+            "20x less traffic than DDP) by 0.7-2.2% at 16 workers and 5-10% at 64, with K = 32 in "
             "float32 (10.6x less) by 3-8% and 12-24%"
         )
     if sync.state_sync_period is not None and sync.state_sync_period > steps:

@@ -21,6 +21,12 @@ class Entry:
     settings: dict[str, Any] = field(default_factory=dict)
     """TrainConfig fields beside the defaults (empty: the method exactly as it ships)."""
     note: str = ""
+    own_rounds: bool = False
+    """Runs at the method's default rounds, not the cell's K: one run serves every K, as DDP's."""
+
+    @property
+    def takes_sync_period(self) -> bool:
+        return self.method != "ddp" and not self.own_rounds
 
 
 # The defaults before 2026-12-04 warmed the learning rate up over 5% of --steps (15 steps of a
@@ -33,7 +39,15 @@ ENTRIES = (
     Entry(
         "mtdao",
         "mtdao",
-        note="the current default: WSD since 2026-12-04, the LR warm-up 150 steps since then",
+        note="the current default: its own rounds whatever K (the parameters every 4 steps as "
+        "int4 pseudo-gradients with error feedback, the states as int8 every 32) since "
+        "2026-12-07, WSD and the LR warm-up 150 steps since 2026-12-04",
+        own_rounds=True,
+    ),
+    Entry(
+        "mtdao-float32",
+        "mtdao",
+        note="default from 2026-12-04 to 2026-12-07: every K steps in float32",
     ),
     # The earlier defaults ran under the cosine schedule, every method's default until 2026-12-04;
     # a schedule is judged against the baselines under it too (a default schedule is fair only if
@@ -89,7 +103,7 @@ ENTRIES = (
     ),
 )
 ENTRY_NAMES = tuple(entry.name for entry in ENTRIES)
-DDP_ENTRIES = frozenset(entry.name for entry in ENTRIES if entry.method == "ddp")
+PERIOD_FREE_ENTRIES = frozenset(entry.name for entry in ENTRIES if not entry.takes_sync_period)
 CURRENT_ENTRIES = ("ddp", "local-adam", "mtdao")
 
 
@@ -140,7 +154,7 @@ MODEL = "micro"
 
 
 def run_name(corpus: str, steps: int, sync_period: int, entry: str, seed: int) -> str:
-    period = "" if entry in DDP_ENTRIES else f"-K{sync_period}"  # DDP does not depend on K
+    period = "" if entry in PERIOD_FREE_ENTRIES else f"-K{sync_period}"
     return f"{corpus}-{steps}{period}-{entry}-s{seed}"
 
 
@@ -177,13 +191,14 @@ def card_runs(
     runs: dict[str, TrainConfig] = {}
     for (corpus, steps, sync_period), seed, entry in sorted(planned, key=order):
         name = run_name(corpus, steps, sync_period, entry.name, seed)
+        period = dict(sync_period=sync_period) if entry.takes_sync_period else {}
         runs.setdefault(
             name,
             TrainConfig.of(
                 method=entry.method,
                 model=MODEL,
                 steps=steps,
-                sync_period=sync_period,
+                **period,
                 data=data[corpus],
                 data_split=data_split,
                 seed=seed,
