@@ -71,6 +71,14 @@ def card_report_lines(summary: dict[str, Any]) -> list[str]:
         ),
         "",
     ]
+    own = sorted(_own_rounds(summary))
+    if own:
+        lines += [
+            "K: the sync period of the entries that take one; DDP and "
+            + ", ".join(f"`{name}`" for name in own)
+            + " (its own rounds) are the same runs in every K row.",
+            "",
+        ]
     if drawable(summary):  # then plot_card drew card.png
         lines += ["![MT-DAO against DDP and Local Adam, per corpus](card.png)", ""]
     header = ["corpus", "steps", "K", *(f"`{e['name']}`" for e in entries)]
@@ -192,6 +200,11 @@ def _drawn_entries(summary: dict[str, Any]) -> list[str]:
     return [e["name"] for e in summary["entries"] if e["name"] != "ddp"]
 
 
+def _own_rounds(summary: dict[str, Any]) -> set[str]:
+    """Entries that run their own rounds in every K cell: one line each, not one per K."""
+    return {e["name"] for e in summary["entries"] if e.get("own_rounds")}
+
+
 def _relative_points(cells: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
     """(steps, % above DDP's final loss) of ``name`` in each of ``cells`` where both finished."""
     return [
@@ -227,8 +240,9 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
                     key=lambda c: c["steps"],
                 )
                 for name in _drawn_entries(summary):
+                    own_rounds = name in _own_rounds(summary)
                     points = _relative_points(cells, name)
-                    if not points:
+                    if not points or (own_rounds and p_index > 0):
                         continue
                     steps, relative = zip(*points)
                     axis.plot(
@@ -238,11 +252,11 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
                         marker="o",
                         markersize=3,
                         color=ENTRY_COLORS.get(name, "#1f77b4"),
-                        label=f"{name}, K = {period}",
+                        label=name if own_rounds else f"{name}, K = {period}",
                     )
             axis.axhline(0, color=ENTRY_COLORS["ddp"], linewidth=0.8)
             axis.set_xscale("log")
-            lengths = sorted({c["steps"] for c in summary["cells"]})
+            lengths = sorted({c["steps"] for c in summary["cells"] if c["entries"]["ddp"]["stats"]})
             axis.set_xticks(lengths, [f"{n:g}" for n in lengths])
             axis.minorticks_off()
             axis.set_title(corpus)
