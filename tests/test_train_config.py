@@ -264,7 +264,11 @@ def test_a_sync_period_longer_than_the_run_is_warned():
     no_ramp = dict(beta_ramp=0.0)  # its own warning for runs this short: see below
     assert config_warnings(resolve(TrainConfig.of(steps=64, sync_period=64, **no_ramp))) == []
     (warning,) = config_warnings(resolve(TrainConfig.of(steps=64, sync_period=65, **no_ramp)))
-    assert "--sync-period 65 is larger than --steps 64" in warning and "never average" in warning
+    assert "--sync-period 65 is larger than --steps 64" in warning
+    assert "average their parameters only in the final round" in warning
+    alone = TrainConfig.of(steps=64, sync_period=65, final_round=False, **no_ramp)
+    (warning,) = config_warnings(resolve(alone))
+    assert "never average their parameters" in warning
     assert config_warnings(resolve(TrainConfig.of(method="ddp", steps=8, sync_period=32))) == []
     short = TrainConfig.of(steps=8, sync_period=4, state_sync_period=9, **no_ramp)
     (warning,) = config_warnings(resolve(short))

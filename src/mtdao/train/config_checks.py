@@ -122,9 +122,14 @@ def config_warnings(config: Any) -> list[str]:
     found, sync = [], config.sync
     steps = config.total_steps()
     if not METHOD_TABLE[sync.method].averages_gradients and sync.sync_period > steps:
+        average = (
+            "average their parameters only in the final round"
+            if sync.final_round
+            else "never average their parameters"
+        )
         found.append(
-            f"--sync-period {sync.sync_period} is larger than --steps {steps}: the workers never "
-            "average their parameters in this run (evaluation still averages them)"
+            f"--sync-period {sync.sync_period} is larger than --steps {steps}: the workers "
+            f"{average} in this run (evaluation still averages them)"
         )
     slowest = max(sync.betas or (0.0,))
     ramped = sync.beta_ramp and slowest > BETA_WARMUP_START
