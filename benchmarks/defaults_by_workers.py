@@ -10,12 +10,12 @@ Every run is ``mtdao train --method METHOD --model micro --steps 3000 --workers 
 defaults), but MT-DAO's, which adds ``--sync-period 32`` (:data:`PINNED`): its default rounds
 differ (:data:`~mtdao.methods.defaults.DEFAULT_ROUNDS`, the option ``K4-int4-state-period32``), and
 the study compares K = 32 across M. The global batch is fixed at 64 sequences (B = 64 / M: each
-step costs the same and
-DDP is the same optimizer at every M); ``--per-worker-batch B`` fixes each worker's batch instead
-(the global batch then grows with M). Finished runs are kept in ``--out`` and not trained again.
-Prints, per corpus and M, each method's final validation loss (mean ± std over the seeds that
-finished) and MT-DAO's relative gap to DDP and to Local Adam under the defaults card's
-significance rule; ``--report DIR`` also writes report.md, results.json and workers.png there.
+step costs the same and DDP is the same optimizer at every M); ``--per-worker-batch B`` fixes each
+worker's batch instead (the global batch then grows with M). Finished runs are kept in ``--out``
+and not trained again. Prints, per corpus and M, each method's final validation loss (mean ± std
+over the seeds that finished) and MT-DAO's relative gap to DDP and to Local Adam under the defaults
+card's significance rule; ``--report DIR`` also writes report.md, results.json and workers.png
+there.
 
 ``--options LABEL ...`` also trains MT-DAO (or DiLoCo) with one setting changed from its defaults
 (:data:`OPTIONS`: the study's screen of what might keep the default's quality as M grows) in

@@ -226,6 +226,7 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
         return False
     corpora = list(dict.fromkeys(cell["corpus"] for cell in summary["cells"]))
     periods = sorted({cell["sync_period"] for cell in summary["cells"]})
+    own_rounds = _own_rounds(summary)  # drawn once, with the first period
     panels = max(1, len(corpora))
     size = (4.2 * panels, 3.6)
     with saved_figure(path, 1, panels, figsize=size, squeeze=False, sharey=True) as (fig, axes):
@@ -240,9 +241,8 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
                     key=lambda c: c["steps"],
                 )
                 for name in _drawn_entries(summary):
-                    own_rounds = name in _own_rounds(summary)
                     points = _relative_points(cells, name)
-                    if not points or (own_rounds and p_index > 0):
+                    if not points or (name in own_rounds and p_index > 0):
                         continue
                     steps, relative = zip(*points)
                     axis.plot(
@@ -252,7 +252,7 @@ def plot_card(summary: dict[str, Any], path: Path) -> bool:
                         marker="o",
                         markersize=3,
                         color=ENTRY_COLORS.get(name, "#1f77b4"),
-                        label=name if own_rounds else f"{name}, K = {period}",
+                        label=name if name in own_rounds else f"{name}, K = {period}",
                     )
             axis.axhline(0, color=ENTRY_COLORS["ddp"], linewidth=0.8)
             axis.set_xscale("log")
