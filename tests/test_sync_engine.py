@@ -496,6 +496,34 @@ def test_alignment_of_pseudo_gradients(identical):
             assert all(d > 0.0 for d in entry["drift"])
 
 
+def test_alignment_gathers_are_waited_for_only_when_read():
+    """The gathers travel behind the next steps (on a process group): no round waits for them."""
+    workers, waits = 4, []
+    communicator = SimulatedWorkers(workers)
+    gather_later = communicator.layout.gather_later
+
+    class Counted:
+        def __init__(self, values):
+            self.work = gather_later(values)
+
+        def wait(self):
+            waits.append(1)
+            return self.work.wait()
+
+    communicator.layout.gather_later = Counted
+    params = init_params(workers)
+    optimizer = MTAdam(params, lr=1e-2, betas=(0.9,), omegas=(1.0,))
+    sync = LocalUpdateSync(optimizer, unified(3), communicator, track_alignment=True)
+    for step in range(9):
+        backward(params, list(range(workers)), step, optimizer)
+        sync.step()
+    assert waits == []
+    assert [entry["step"] for entry in sync.alignment] == [3, 6, 9]
+    assert len(waits) == 3  # one gather per sync, waited for once
+    assert [entry["step"] for entry in sync.alignment] == [3, 6, 9]
+    assert len(waits) == 3
+
+
 def test_states_of_a_zero_dim_parameter_are_averaged_like_any_other():
     """A real process group holds a scalar parameter as a 0-dim tensor; its states must travel."""
     scale = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES, InFlightMean
 from mtdao.sync.dtensors import local_shard, shard_group_ranks
-from mtdao.sync.transport import GroupTransport
+from mtdao.sync.transport import Done, GroupTransport, Then, Work
 
 
 class WorkerLayout:
@@ -73,6 +73,13 @@ class WorkerLayout:
     def gather(self, values: Tensor) -> Tensor:
         """One value per local worker [local_workers] -> one per worker [num_workers]."""
         return values.reshape(1)
+
+    def gather_later(self, values: Tensor) -> Work:
+        """Several values per local worker [local_workers, n] -> [num_workers, n], launched now
+        and waited for when read, for values nothing waits on (a diagnostic): one gather in
+        flight on a process group; here, :meth:`gather` per column."""
+        columns = [self.gather(column) for column in values.unbind(-1)]
+        return Done([torch.stack(columns, dim=-1)])
 
     def worker_mask(self, workers: Sequence[int]) -> Tensor:
         """[local_workers] booleans: which local workers are among ``workers``."""
@@ -208,10 +215,18 @@ class ProcessGroupLayout(WorkerLayout):
         return tensor.numel()
 
     def gather(self, values: Tensor) -> Tensor:
-        value = values.reshape(1).to(
+        return self._launch_gather(values).wait()[0].reshape(self.num_workers)
+
+    def gather_later(self, values: Tensor) -> Work:
+        return self._launch_gather(values)
+
+    def _launch_gather(self, values: Tensor) -> Work:
+        """This process's values [1, n] (or [1]) gathered: [num_workers, n]."""
+        value = values.reshape(1, -1).to(
             torch.float64 if values.device.type == "cpu" else torch.float32
         )
-        return self.transport.gather(value).reshape(self.num_workers)
+        gathered = self.transport.all_gather(value)
+        return Then(gathered, lambda outputs: [outputs[0].reshape(self.num_workers, -1)])
 
     def global_mean(self, tensors: Sequence[Tensor], excluded: Sequence[int] = ()) -> list[Tensor]:
         return InFlightMean(tensors, self.transport, excluded).wait()

@@ -29,7 +29,15 @@ from mtdao.sync.healing import NonFiniteError, NonFiniteWorkers
 from mtdao.sync.outer import NesterovOuterStep
 from mtdao.sync.policy import SyncPolicy
 from mtdao.sync.round_plan import RoundPlan
-from mtdao.sync.rounds import CheckedRound, Round, RoundsInFlight, SyncEvent, SyncRound, alignment
+from mtdao.sync.rounds import (
+    CheckedRound,
+    PendingAlignment,
+    Round,
+    RoundsInFlight,
+    SyncEvent,
+    SyncRound,
+    alignment,
+)
 
 
 class RoundDriver:
@@ -61,7 +69,7 @@ class RoundDriver:
         self.step = 0
         self.events: list[SyncEvent] = []
         self.skipped_rounds: list[dict[str, Any]] = []
-        self.alignment: list[dict[str, Any]] = []
+        self._alignment: list[dict[str, Any] | PendingAlignment] = []
         self.seconds_syncing = 0.0
         """Wall-clock seconds this process spent in rounds (a measurement, not state)."""
         self.in_sync: dict[tuple[str, int], int] = {}
@@ -107,6 +115,20 @@ class RoundDriver:
             if policy.outer
             else None
         )
+
+    @property
+    def alignment(self) -> list[dict[str, Any]]:
+        """Per parameter sync (``track_alignment``): each worker's cosine and drift, the gathers
+        still in flight waited for here."""
+        self._alignment = [
+            record.record() if isinstance(record, PendingAlignment) else record
+            for record in self._alignment
+        ]
+        return self._alignment  # type: ignore[return-value]
+
+    @alignment.setter
+    def alignment(self, records: list[dict[str, Any]]) -> None:
+        self._alignment = list(records)
 
     # -- around the optimizer step ------------------------------------------------------------
 
@@ -276,7 +298,8 @@ class RoundDriver:
             checked.averages = self.plan.decoded(landing, checked.averages, self.anchors)
             due, num_params = landing.due, len(landing.due.param_indices)
             if num_params and self.track_alignment and self.anchors:
-                # the per-worker gathers are part of the round: a peer lost in them discards it
+                # a quorum's gathers are part of the round (a peer lost in them discards it); a
+                # process group's travel behind the next steps, waited for when read
                 means = self.plan.global_params(
                     landing, checked.averages[:num_params], self.anchors
                 )
@@ -345,7 +368,7 @@ class RoundDriver:
         if checked.skipped is not None:
             self.skipped_rounds.append(checked.skipped)
         if checked.alignment is not None:
-            self.alignment.append(checked.alignment)
+            self._alignment.append(checked.alignment)
         if checked.heal is not None:  # the workers left out take the others' values
             self.layout.assign_to_workers(*checked.heal)
             if self.plan.pseudo_gradients is not None:  # and forget what they had not sent

@@ -30,7 +30,7 @@ from torch import Tensor
 from mtdao.sync.collectives import DEFAULT_BUCKET_BYTES
 from mtdao.sync.dtensors import local_shard, shard_group_ranks, shard_numels
 from mtdao.sync.layout import ProcessGroupLayout, WorkerLayout
-from mtdao.sync.transport import GroupTransport
+from mtdao.sync.transport import GroupTransport, Work
 
 
 class ShardGroupSums:
@@ -79,6 +79,10 @@ class ShardGroupSums:
         dtype = torch.float64 if values.device.type == "cpu" else torch.float32
         mean = self._sum_over_shards(values.reshape(1).to(dtype).clone()) / self.num_shards
         return super().gather(mean)
+
+    def gather_later(self, values: Tensor) -> Work:
+        """Blocking, a column at a time: the processes of a worker agree on its values first."""
+        return WorkerLayout.gather_later(self, values)
 
     def first_non_finite(self, tensors: Sequence[Tensor]) -> dict[int, int]:
         tensors = [local_shard(t) for t in tensors]

@@ -18,8 +18,9 @@ round (:meth:`Transport.contributors`; the torchft one asks the others) and whet
 overlap in flight (:attr:`Transport.rounds_overlap`; a manager runs one quorum at a time). The
 worker layouts (:mod:`mtdao.sync.layout`) move their control values (a norm, a NaN verdict, one
 loss per worker) through the same transports, blocking (:meth:`Transport.sum`,
-:meth:`Transport.gather`): no module but this one and the torchft manager's runs a collective
-of a round.
+:meth:`Transport.gather`), or, for the alignment diagnostic, launched and waited for when read
+(:meth:`Transport.all_gather`): no module but this one and the torchft manager's runs a
+collective of a round.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ class Done:
 
     def wait(self) -> list[Tensor]:
         return self.outputs
+
+
+class Then:
+    """Work whose outputs are another work's, transformed once it completed."""
+
+    def __init__(self, work: Work, transform) -> None:
+        self.work, self.transform = work, transform
+
+    def wait(self) -> list[Tensor]:
+        return self.transform(self.work.wait())
 
 
 class Launched:
