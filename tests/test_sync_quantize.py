@@ -11,7 +11,8 @@ from mtdao import MTAdam
 from mtdao.sync import LocalUpdateSync, SimulatedWorkers, unified
 from mtdao.sync.codecs.compression import PseudoGradients, SyncCodecs
 from mtdao.sync.codecs.quantize import Codec
-from mtdao.sync.exchange import BlockLayout, pack, simulated_mean, unpack
+from mtdao.sync.exchange import BlockLayout, pack, quantized_mean, simulated_mean, unpack
+from mtdao.sync.transport import StackedTransport
 
 BLOCK = 64
 
@@ -164,6 +165,26 @@ def test_quantized_mean_is_the_mean_of_what_each_worker_sent_requantized():
     excluded, _ = simulated_mean(rows, codec, excluded=[1])
     kept = codec.roundtrip(rows[0])[[0, 2, 3]].mean(dim=0, keepdim=True)
     assert_close(excluded[0], codec.roundtrip(kept)[0], rtol=0, atol=1e-7)
+
+
+def test_several_codecs_share_one_exchange_and_average_as_alone():
+    """A round's dense codecs travel side by side in one all-to-all and one all-gather: each
+    codec's means are the bits it would average to in an exchange of its own."""
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(4, 700, generator=gen), torch.randn(4, 3, generator=gen)]
+    moments = [torch.rand(4, 300, generator=gen) + 1e-6]
+    codecs = [Codec("int4", block=BLOCK), Codec("int8", "positive", block=BLOCK)]
+    transport = StackedTransport(4)
+    together = quantized_mean(list(zip([params, moments], codecs)), transport, excluded=[2])
+    assert together.collectives == 2
+    means = together.wait()
+    alone = [
+        quantized_mean([(rows, codec)], transport, excluded=[2]).wait()
+        for rows, codec in zip([params, moments], codecs)
+    ]
+    assert len(means) == 3
+    for mean, expected in zip(means, alone[0] + alone[1]):
+        assert torch.equal(mean, expected)
 
 
 def test_error_feedback_carries_what_quantization_lost():

@@ -238,24 +238,32 @@ class Communicator:
         sizes: list[tuple[str, int]] = []
         process_bytes = 0  # this process's part of what its worker sends
         contributes = self._contributes(kinds)
-        for codec, indices in codec_groups(len(tensors), codecs):
-            group, group_kinds = [tensors[i] for i in indices], [kinds[i] for i in indices]
+        for exchange in exchanges(codec_groups(len(tensors), codecs)):
+            codec, indices = exchange[0]
             part: InFlight
             if codec is None:
+                group, group_kinds = [tensors[i] for i in indices], [kinds[i] for i in indices]
                 part = InFlightMean(group, self.transport, excluded, contributes)
                 sizes += [
                     (kind, self.layout.worker_bytes(t)) for t, kind in zip(group, group_kinds)
                 ]
                 process_bytes += sum(local_shard(t).numel() * t.element_size() for t in group)
-            else:
-                part = quantized_mean(group, codec, self.transport, excluded, contributes)
-                parts = [self.layout.worker_parts(t) for t in group]
+                in_flight.append((indices, part))
+                continue
+            groups = [([tensors[i] for i in indices], codec) for codec, indices in exchange]
+            part = quantized_mean(groups, self.transport, excluded, contributes)
+            for codec, indices in exchange:
+                parts = [self.layout.worker_parts(tensors[i]) for i in indices]
                 group_sizes, sent = payload_sizes(
-                    parts, group_kinds, codec, self.num_workers, self.layout.shard_rank
+                    parts,
+                    [kinds[i] for i in indices],
+                    codec,
+                    self.num_workers,
+                    self.layout.shard_rank,
                 )
                 sizes += group_sizes
                 process_bytes += sent
-            in_flight.append((indices, part))
+            in_flight.append(([i for _, indices in exchange for i in indices], part))
         collectives = sum(part.collectives for _, part in in_flight)
         sharded = self.layout.num_shards > 1
         num_bytes, collectives = self._account_sizes(
@@ -314,7 +322,7 @@ def codec_groups(
     count: int, codecs: Sequence[Codec | None] | None
 ) -> list[tuple[Codec | None, list[int]]]:
     """Positions of a call's tensors grouped by codec, float32 (None) first, then each codec in
-    order of first appearance: each group travels in its own collectives."""
+    order of first appearance (how they travel: :func:`exchanges`)."""
     groups: dict[Codec | None, list[int]] = {}
     if codecs is None or all(codec is None for codec in codecs):
         return [(None, list(range(count)))] if count else []
@@ -323,6 +331,18 @@ def codec_groups(
     for index, codec in enumerate(codecs):
         groups.setdefault(codec, []).append(index)
     return list(groups.items())
+
+
+def exchanges(
+    groups: list[tuple[Codec | None, list[int]]],
+) -> list[list[tuple[Codec | None, list[int]]]]:
+    """The codec groups of a call as they travel: float32 in its all-reduce, every dense codec
+    together in one exchange (its all-to-all and all-gather carry them side by side), each
+    gathered (top-k) codec in its own."""
+    float32 = [[group] for group in groups if group[0] is None]
+    dense = [group for group in groups if group[0] is not None and not group[0].gathered]
+    gathered = [[group] for group in groups if group[0] is not None and group[0].gathered]
+    return float32 + ([dense] if dense else []) + gathered
 
 
 class SingleWorker(Communicator):

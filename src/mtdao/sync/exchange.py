@@ -8,6 +8,7 @@ which decodes the M chunks, sums them in worker order, divides by the number of 
 encodes the mean (:func:`reduce_chunks`); an all-gather then hands every worker every encoded mean
 chunk, and all of them decode the same bytes. So every worker ends the round with bit-identical
 values, and the simulator, which runs the same functions on the same blocks, with the same ones.
+Several codecs share the two collectives: each owner's chunks of every codec travel side by side.
 
 A top-k payload is not reduced by an owner (:class:`InFlightGatheredMean`): every worker gathers
 every worker's payload, decodes each and sums them in worker order, since encoding the mean to k
@@ -138,91 +139,135 @@ def simulated_mean(
     rows: Sequence[Tensor], codec: Codec, excluded: Sequence[int] = ()
 ) -> tuple[list[Tensor], BlockLayout]:
     """The quantized mean of stacked tensors (rows ``[M, numel]``), as M real workers compute it."""
-    exchange = quantized_mean(rows, codec, StackedTransport(rows[0].shape[0]), excluded)
-    return exchange.flat_means(), exchange.layout
+    exchange = quantized_mean([(rows, codec)], StackedTransport(rows[0].shape[0]), excluded)
+    return exchange.flat_means()[0], exchange.groups[0].layout
 
 
 def quantized_mean(
-    tensors: Sequence[Tensor],
-    codec: Codec,
+    groups: Sequence[tuple[Sequence[Tensor], Codec]],
     transport: Transport,
     excluded: Sequence[int] = (),
     contributes: bool = True,
 ) -> InFlightQuantizedMean | InFlightGatheredMean:
-    """The exchange ``codec`` takes, launched (reduced by owners, or gathered whole)."""
-    exchange = InFlightGatheredMean if codec.gathered else InFlightQuantizedMean
-    return exchange(tensors, codec, transport, excluded, contributes)
+    """The exchange the codecs take, launched: the dense ones reduced by owners, together; a
+    top-k codec (one group) gathered whole."""
+    gathered = [codec.gathered for _, codec in groups]
+    if any(gathered) and len(groups) > 1:
+        raise ValueError("a gathered (top-k) payload travels in an exchange of its own")
+    exchange = InFlightGatheredMean if gathered[0] else InFlightQuantizedMean
+    return exchange(groups, transport, excluded, contributes)
+
+
+@dataclass
+class EncodedGroup:
+    """One codec's tensors as this process encoded them: the payload ``[R, blocks, bytes]``, and
+    what decoding the mean needs (the layout, each tensor's shape and dtype)."""
+
+    codec: Codec
+    layout: BlockLayout
+    shapes: list[tuple[torch.Size, torch.dtype]]
+    payload: Tensor
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one owner's chunk (the whole payload when gathered)."""
+        return self.layout.chunk_blocks * self.codec.block_bytes
+
+    def values(self, flat_means: list[Tensor]) -> list[Tensor]:
+        return [v.view(shape).to(dtype) for v, (shape, dtype) in zip(flat_means, self.shapes)]
+
+
+def encode_group(tensors: Sequence[Tensor], codec: Codec, transport: Transport) -> EncodedGroup:
+    """This process's values (local shards: a sharded worker's processes each encode their own,
+    with the transport's local workers along dim 0 when it holds several), encoded."""
+    tensors = [local_shard(t) for t in tensors]
+    shapes = [(t.shape[1:] if transport.stacked else t.shape, t.dtype) for t in tensors]
+    flat = [t.reshape(transport.local_workers, -1) for t in tensors]
+    layout = block_layout([t.shape[1] for t in flat], codec, transport.num_workers)
+    return EncodedGroup(codec, layout, shapes, codec.encode(pack(flat, layout)))
+
+
+def joined(parts: Sequence[Tensor]) -> Tensor:
+    """Buffers ``[..., n_i]`` side by side along the last dim (one of them: itself, uncopied)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 class InFlightQuantizedMean:
-    """The quantized mean over a transport, in two stages: the all-to-all is launched at once;
-    :meth:`advance` reduces this process's chunks and launches the all-gather; :meth:`wait`
-    finishes (running whatever stage has not run yet). ``tensors`` are this process's values
-    (local shards: a sharded worker's processes each encode their own), with the transport's
-    local workers along dim 0 when it holds several (the simulator)."""
+    """The quantized means of one or more codecs' tensors over a transport, in two stages that
+    carry every codec at once (one all-to-all, one all-gather a round, however many codecs: over
+    a long link a collective costs its round trips more than its bytes). The all-to-all is
+    launched at once; :meth:`advance` reduces this process's chunks and launches the all-gather;
+    :meth:`wait` finishes (running whatever stage has not run yet) and gives every group's
+    tensors' means, group after group."""
 
     def __init__(
         self,
-        tensors: Sequence[Tensor],
-        codec: Codec,
+        groups: Sequence[tuple[Sequence[Tensor], Codec]],
         transport: Transport,
         excluded: Sequence[int] = (),
         contributes: bool = True,
     ) -> None:
-        self._launch(self._encode(tensors, codec, transport, excluded, contributes))
+        self.transport, self.num_workers = transport, transport.num_workers
+        self.contributors = transport.contributors(excluded, contributes)
+        self.groups = [encode_group(tensors, codec, transport) for tensors, codec in groups]
+        self._launch()
 
-    def _launch(self, payload: Tensor) -> None:
-        """The first collective: each owner's chunk of every worker's payload."""
+    def _launch(self) -> None:
+        """The first collective: each owner's chunk of every codec's payload, side by side."""
         rows = self.transport.local_workers
-        chunks = payload.view(rows, self.num_workers, self.layout.chunk_blocks, -1)
-        self.work = self.transport.all_to_all(chunks)
+        chunks = [group.payload.view(rows, self.num_workers, -1) for group in self.groups]
+        self.work = self.transport.all_to_all(joined(chunks))
         self.gathering = False
         self.collectives = 2
 
-    def _encode(self, tensors, codec, transport, excluded, contributes) -> Tensor:
-        """This process's payload ``[R, blocks, bytes]``, and what decoding the result needs."""
-        self.codec, self.transport = codec, transport
-        tensors = [local_shard(t) for t in tensors]
-        self.shapes = [(t.shape[1:] if transport.stacked else t.shape, t.dtype) for t in tensors]
-        self.num_workers = transport.num_workers
-        self.contributors = transport.contributors(excluded, contributes)
-        flat = [t.reshape(transport.local_workers, -1) for t in tensors]
-        self.layout = block_layout([t.shape[1] for t in flat], codec, self.num_workers)
-        return codec.encode(pack(flat, self.layout))
+    def _split(self, buffer: Tensor) -> list[Tensor]:
+        """A buffer ``[..., every group's chunk bytes]`` -> ``[..., chunk blocks, bytes]`` each."""
+        parts, offset = [], 0
+        for group in self.groups:
+            part = buffer[..., offset : offset + group.chunk_bytes]
+            parts.append(part.reshape(*part.shape[:-1], -1, group.codec.block_bytes))
+            offset += group.chunk_bytes
+        return parts
 
     def advance(self) -> None:
         if self.gathering:
             return
-        received = self.work.wait()[0]  # [R, M workers, chunk blocks, bytes]
-        mean = reduce_chunks(received, self.codec, self.contributors)
-        self.work = self.transport.all_gather(mean)
+        received = self.work.wait()[0]  # [R, M workers, every group's chunk bytes]
+        means = [
+            reduce_chunks(chunks, group.codec, self.contributors).flatten(1)
+            for group, chunks in zip(self.groups, self._split(received))
+        ]
+        self.work = self.transport.all_gather(joined(means))
         self.gathering = True
 
-    def flat_means(self) -> list[Tensor]:
-        """Each tensor's mean, flat."""
+    def flat_means(self) -> list[list[Tensor]]:
+        """Each group's tensors' means, flat."""
         self.advance()
-        gathered = self.work.wait()[0]  # [M chunks, chunk blocks, bytes]
-        decoded = self.codec.decode(gathered).view(self.layout.total_blocks, -1)
-        return unpack(decoded, self.layout)
+        gathered = self.work.wait()[0]  # [M chunks, every group's chunk bytes]
+        return [
+            unpack(group.codec.decode(chunks).view(group.layout.total_blocks, -1), group.layout)
+            for group, chunks in zip(self.groups, self._split(gathered))
+        ]
 
     def wait(self) -> list[Tensor]:
-        values = self.flat_means()
-        return [v.view(shape).to(dtype) for v, (shape, dtype) in zip(values, self.shapes)]
+        means = self.flat_means()
+        return [value for group, flat in zip(self.groups, means) for value in group.values(flat)]
 
 
 class InFlightGatheredMean(InFlightQuantizedMean):
-    """The mean of payloads gathered whole (top-k), in one stage: every worker's payload is
-    gathered at once; :meth:`wait` decodes each, sums them in worker order and divides. Nothing
-    is encoded twice, so the mean is exactly the mean of what the workers sent."""
+    """The mean of payloads gathered whole (top-k, one codec), in one stage: every worker's
+    payload is gathered at once; :meth:`wait` decodes each, sums them in worker order and
+    divides. Nothing is encoded twice, so the mean is exactly the mean of what the workers sent."""
 
-    def _launch(self, payload: Tensor) -> None:
+    def _launch(self) -> None:
         """The only collective: every worker's payload, whole."""
-        self.work = self.transport.all_gather(payload)
+        self.work = self.transport.all_gather(self.groups[0].payload)
         self.collectives = 1
 
     def advance(self) -> None:
         """Nothing to launch later: one stage."""
 
-    def flat_means(self) -> list[Tensor]:
+    def flat_means(self) -> list[list[Tensor]]:
         gathered = self.work.wait()[0]  # [M workers, blocks, bytes]
-        return unpack(decoded_mean(gathered, self.codec, self.contributors), self.layout)
+        group = self.groups[0]
+        return [unpack(decoded_mean(gathered, group.codec, self.contributors), group.layout)]
