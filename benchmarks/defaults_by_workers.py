@@ -60,6 +60,8 @@ def quantized_rounds(sync_period: int, state_sync_period: int, params: str) -> d
     }
 
 
+OUTER_SGD = {"outer_step": "nesterov", "outer_momentum": 0.0}
+
 # MT-DAO's column (and its options' base) at every M: K = 32 in float32, its default until 2026-12-07
 PINNED = {"mtdao": {"sync_period": 32}}
 # label -> (method, the settings changed from its defaults, as TrainConfig fields)
@@ -102,6 +104,40 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     # own one-sequence gradient? Everything averaged after every step leaves only the latter
     "K1-state-period1": ("mtdao", {"sync_period": 1, "state_sync_period": 1}),
     "K4-int4-state-period32-lr0.016": ("mtdao", {**quantized_rounds(4, 32, "int4"), "lr": 0.016}),
+    # the default rounds with a second moment that averages as many sequences at 1 a worker as
+    # β2 = 0.95 does at 16 (1 / (1 - β2) steps times the per-worker batch), and half way there
+    "K4-int4-state-period32-beta2-0.99": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), "beta2": 0.99},
+    ),
+    "K4-int4-state-period32-beta2-0.997": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), "beta2": 0.997},
+    ),
+    # the round's average scaled up (an outer SGD step past the average, no momentum): the
+    # averaged update is less noisy than each worker's, so it may take a larger step than they do
+    "K4-int4-state-period32-outer-lr1.5": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), **OUTER_SGD, "outer_lr": 1.5},
+    ),
+    "K4-int4-state-period32-outer-lr2": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), **OUTER_SGD, "outer_lr": 2.0},
+    ),
+    "K4-int4-state-period32-outer-lr1.25": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), **OUTER_SGD, "outer_lr": 1.25},
+    ),
+    # with each worker's one-sequence gradient no longer clipped on its own
+    "K4-int4-state-period32-outer-lr1.5-noclip": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), **OUTER_SGD, "outer_lr": 1.5, "grad_clip": 0.0},
+    ),
+    # less of the raw one-sequence gradient in each local step
+    "K4-int4-state-period32-omegas0.97": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), "omegas": (0.97,)},
+    ),
     "K8-int8-state-period32": (
         "mtdao",
         {
@@ -306,7 +342,8 @@ def markdown(args: argparse.Namespace, table: list[dict], options: list[dict] = 
     lines = [
         f"Micro model, K = 32, {args.steps} steps, {batch_rule}, every method at its defaults "
         f"(MT-DAO at K = 32 in float32, its default until 2026-12-07; today's default is the "
-        f"option `{flags(OPTIONS[PLOTTED_OPTION][1])}`); "
+        f"option `{flags(OPTIONS[PLOTTED_OPTIONS[1]][1])}`, from 32 workers with "
+        f"`{flags(OUTER_SGD)} --outer-lr 1.5`); "
         f"final validation loss, mean ± std over the seeds named; MT-DAO's gaps over the seeds "
         f"both methods finished; {SIGNIFICANCE_RULE}.",
         "",
@@ -353,8 +390,15 @@ def render(results: dict) -> str:
     )
 
 
-PLOTTED_OPTION = "K4-int4-state-period32"  # MT-DAO's default: drawn beside its K = 32 column
+# MT-DAO's default at each M, drawn beside its K = 32 column: its rounds, and from 32 workers its
+# step past the average (mtdao.methods.defaults.OUTER_LR_BY_WORKERS)
+PLOTTED_OPTIONS = {1: "K4-int4-state-period32", 32: "K4-int4-state-period32-outer-lr1.5"}
 PLOTTED_LABEL = "MT-DAO K = 4, int4 (its default)"
+
+
+def default_option(workers: int) -> str:
+    """The option that is MT-DAO's default with ``workers`` workers."""
+    return [o for fewest, o in PLOTTED_OPTIONS.items() if workers >= fewest][-1]
 
 
 def plotted(method: str) -> str:
@@ -364,7 +408,7 @@ def plotted(method: str) -> str:
 
 def plot(args: argparse.Namespace, table: list[dict], options: list[dict], path: Path) -> None:
     """Final loss against M per method (one panel per corpus), MT-DAO's gaps beside them; MT-DAO
-    with ``PLOTTED_OPTION`` dotted where it ran."""
+    with its default option at each M dotted where it ran."""
     rows, size = len(args.corpora), (10, 3.6 * len(args.corpora))
     with saved_figure(path, rows, 2, figsize=size, squeeze=False, save_dpi=120) as (figure, axes):
         for row, corpus in enumerate(args.corpora):
@@ -399,7 +443,10 @@ def plot(args: argparse.Namespace, table: list[dict], options: list[dict], path:
                 axis.set_xlabel("workers M")
             option_points = []
             for option in options:
-                if (option["corpus"], option["option"]) != (corpus, PLOTTED_OPTION):
+                if (option["corpus"], option["option"]) != (
+                    corpus,
+                    default_option(option["workers"]),
+                ):
                     continue
                 cell = next(c for c in mine if c["workers"] == option["workers"])
                 seeds = sorted(int(s) for s in option["by_seed"])

@@ -15,6 +15,7 @@ from mtdao.cli import build_parser
 from mtdao.flags import add_dataclass_arguments, as_flags, flat_values
 from mtdao.methods import SyncConfig, method_parts
 from mtdao.methods.optimizers import BASE_OPTIMIZERS
+from mtdao.methods.recipes import outer_step_of
 from mtdao.methods.table import METHODS
 from mtdao.sync import SyncCodecs
 from mtdao.sync.round_options import check_round_options
@@ -330,6 +331,39 @@ def test_mtdao_adam_averages_often_in_few_bits_with_more_than_one_worker():
         ValueError, match=r"--sync-delay 8 must be below --sync-period 4.*more than"
     ):
         resolve(TrainConfig.of(sync_delay=8))
+
+
+def test_mtdaos_default_rounds_step_past_the_average_from_32_workers():
+    """From 32 workers MT-DAO-Adam's default rounds take an outer SGD step of 1.5 past the
+    average (no momentum); any outer setting the user gives, other rounds, another method or
+    fewer workers keep the plain average (and DiLoCo's 0.7 and 0.9)."""
+
+    def outer(**settings):
+        sync = resolve(TrainConfig.of(batch_size=1, **settings)).sync
+        return sync.outer_step, sync.outer_lr, sync.outer_momentum
+
+    plain = ("average", 0.7, 0.9)
+    assert outer(workers=32) == outer(workers=64) == outer(workers=256) == ("nesterov", 1.5, 0.0)
+    assert outer(workers=31) == outer(workers=16) == outer(workers=1) == plain
+    assert outer(workers=64, outer_lr=1.2) == ("average", 1.2, 0.9)
+    assert outer(workers=64, outer_step="nesterov") == ("nesterov", 0.7, 0.9)
+    assert outer(workers=64, outer_momentum=0.5) == ("average", 0.7, 0.5)
+    assert outer(workers=64, sync_period=4) == plain
+    assert outer(workers=64, method="local-adam") == plain
+    assert outer(workers=64, method="diloco", sync_period=32) == ("average", 0.7, 0.9)
+    assert SyncConfig().resolved(workers=64).outer_lr == 1.5
+    # the rule's outer step is the one its flags ask for
+    explicit = resolve(
+        TrainConfig.of(
+            workers=64,
+            batch_size=1,
+            outer_step="nesterov",
+            outer_lr=1.5,
+            outer_momentum=0.0,
+        )
+    ).sync
+    assert outer_step_of(SyncConfig().resolved(workers=64)) == outer_step_of(explicit)
+    assert outer_step_of(SyncConfig().resolved(workers=16)) is None
 
 
 def test_step_budget_from_tokens():

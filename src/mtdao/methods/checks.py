@@ -56,9 +56,10 @@ def check_method(config: Any) -> None:
         )
     _check_round_options(config)
     _check_optimizer(config)
-    positive("outer_lr", config.outer_lr)
+    if config.outer_lr is not None:
+        positive("outer_lr", config.outer_lr)
     for name in ("outer_momentum", "outer_momentum_start", "outer_momentum_final"):
-        if not 0.0 <= getattr(config, name) < 1.0:
+        if getattr(config, name) is not None and not 0.0 <= getattr(config, name) < 1.0:
             raise ValueError(f"`{name}` must lie in [0, 1), got {getattr(config, name)}")
     _check_outer_schedule(config)
     if config.outer_step == "nesterov" and METHOD_TABLE[config.method].averages_gradients:

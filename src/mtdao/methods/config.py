@@ -70,12 +70,13 @@ class SyncConfig:
     beta_ramp: float | None = None
     """C: each momentum decay above 0.9 is at most 1 - C / t at step t, so its half-life (about
     0.69 t / C) grows with the steps taken, not with --steps (0: off)."""
-    outer_step: str = choice("average", OUTER_STEPS)
+    outer_step: str | None = field(default=None, metadata={"choices": OUTER_STEPS})
     """local-adam, desloc, mtdao: at each parameter sync take the plain worker average, or
-    DiLoCo's Nesterov outer step on it (--outer-lr, --outer-momentum); diloco always takes it."""
-    outer_lr: float = 0.7
+    DiLoCo's Nesterov outer step on it (--outer-lr, --outer-momentum; with momentum 0, a step
+    past the average for a learning rate above 1); diloco always takes it."""
+    outer_lr: float | None = None
     """Outer learning rate (diloco, or --outer-step nesterov)."""
-    outer_momentum: float = 0.9
+    outer_momentum: float | None = None
     """Outer Nesterov momentum (diloco, or --outer-step nesterov)."""
     outer_momentum_warmup: int = 0
     """W: the outer momentum rises linearly from --outer-momentum-start at the first parameter

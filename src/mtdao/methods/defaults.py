@@ -67,6 +67,33 @@ DEFAULT_ROUNDS = {
 ROUNDS_FIELDS = ("sync_period", "state_sync_period", "sync_dtype", "sync_policy")
 
 
+# With many workers each one's batch is small and its Adam normalizes a noisy gradient, so its
+# steps are smaller than DDP's, while their average is far less noisy than any one of them. From
+# 32 workers MT-DAO's default rounds therefore step past the average: an outer SGD step without
+# momentum at OUTER_LR_BY_WORKERS[M] (the largest entry at or below M). At a global batch of 64
+# sequences (micro, 3000 steps) it is 1.6-3.3% lower at 32 and 64 workers, but 0.7% higher at 16
+# (BENCHMARKS.md, the workers study).
+OUTER_LR_BY_WORKERS = {32: 1.5}
+OUTER_FIELDS = ("outer_step", "outer_lr", "outer_momentum")
+AVERAGE_OUTER_STEP = {"outer_step": "average", "outer_lr": 0.7, "outer_momentum": 0.9}
+"""The outer settings when no rule applies: the plain average (DiLoCo's outer step, or one a local
+method asks for, at learning rate 0.7 and Nesterov momentum 0.9)."""
+
+
+def default_outer_step(config: Any, workers: int) -> dict[str, Any]:
+    """The outer settings ``config`` leaves unset in a run of ``workers`` workers: a step past the
+    average (:data:`OUTER_LR_BY_WORKERS`) where MT-DAO takes its default rounds and the user set
+    none of :data:`OUTER_FIELDS`, else :data:`AVERAGE_OUTER_STEP`'s."""
+    rule = [lr for fewest, lr in OUTER_LR_BY_WORKERS.items() if workers >= fewest]
+    untouched = all(getattr(config, name) is None for name in OUTER_FIELDS)
+    if rule and untouched and takes_default_rounds(config, workers):
+        return {"outer_step": "nesterov", "outer_lr": rule[-1], "outer_momentum": 0.0}
+    return {
+        name: default if getattr(config, name) is None else getattr(config, name)
+        for name, default in AVERAGE_OUTER_STEP.items()
+    }
+
+
 def takes_default_rounds(config: Any, workers: int) -> bool:
     """Whether ``config`` takes :data:`DEFAULT_ROUNDS` in a run of ``workers`` workers: MT-DAO with
     Adam and more than one worker, its rounds left to the defaults (parameters not sent as norm
@@ -130,4 +157,5 @@ def method_defaults(config: Any, workers: int = 1) -> dict[str, Any]:
         state_sync_period=state_sync_period,
         sync_dtype=SyncCodecs.parse(sync_dtype, error_feedback).spec(),
         error_feedback=error_feedback,
+        **default_outer_step(config, workers),
     )

@@ -18,7 +18,12 @@ from mtdao.flags import as_flags, choice, flat_values, from_flat, leaf_fields, s
 from mtdao.ft.config import ReplicaConfig
 from mtdao.methods.checks import checked_defaults
 from mtdao.methods.config import SyncConfig
-from mtdao.methods.defaults import DEFAULT_ROUNDS, DEFAULT_SYNC_PERIOD
+from mtdao.methods.defaults import (
+    AVERAGE_OUTER_STEP,
+    DEFAULT_ROUNDS,
+    DEFAULT_SYNC_PERIOD,
+    OUTER_LR_BY_WORKERS,
+)
 from mtdao.methods.defaults import OPTIMIZER_DEFAULTS as OPTIMIZER_DEFAULTS
 from mtdao.methods.defaults import default_lr as default_lr
 from mtdao.methods.table import METHOD_TABLE
@@ -319,12 +324,20 @@ def describe_default(name: str) -> str | None:
         "mtdao-adam with 2 or more workers, unless --sync-period, --state-sync-period, "
         "--sync-dtype or --sync-policy is given"
     )
+    outer_rule = (
+        f"mtdao's default rounds from {min(OUTER_LR_BY_WORKERS)} workers, unless --outer-step, "
+        "--outer-lr or --outer-momentum is given"
+    )
+    outer_lrs = ", ".join(f"{lr:g} from {m} workers" for m, lr in OUTER_LR_BY_WORKERS.items())
     descriptions = {
         "sync_policy": "the method's: " + ", ".join(rules),
         "sync_period": f"{DEFAULT_SYNC_PERIOD}; {mtdao}: {rounds['sync_period']}",
         "state_sync_period": f"the period rule's; {mtdao}: {rounds['state_sync_period']}",
         "sync_dtype": f"fp32 for every kind; {mtdao}: {' '.join(rounds['sync_dtype'])} "
         "with --error-feedback",
+        "outer_step": f"average; {outer_rule}: nesterov",
+        "outer_lr": f"{AVERAGE_OUTER_STEP['outer_lr']:g}; {outer_rule}: {outer_lrs}",
+        "outer_momentum": f"{AVERAGE_OUTER_STEP['outer_momentum']:g}; {outer_rule}: 0",
         "betas": f"{_per_optimizer('betas')}; mtdao and qh-ddp: {_per_optimizer('mtdao_betas')}",
         "omegas": f"1 for the baselines; mtdao and qh-ddp: {_per_optimizer('mtdao_omegas')}, "
         "or 0.9 shared equally among the user's own --betas",

@@ -148,8 +148,9 @@ def config_warnings(config: Any) -> list[str]:
             f"--workers {workers}: from {TRAILS_DDP_FROM_WORKERS} workers on MT-DAO trails DDP "
             "(BENCHMARKS.md, the workers study, micro model, 3000 steps): with its default rounds "
             "(the parameters every 4 steps as int4 pseudo-gradients, the states as int8 every 32; "
-            "20x less traffic than DDP) by 0.7-2.2% at 16 workers and 5-10% at 64, with K = 32 in "
-            "float32 (10.6x less) by 3-8% and 12-24%"
+            "20x less traffic than DDP; from 32 workers a step of 1.5 past their average) by "
+            "0.7-2.2% at 16 workers and 2.7-6.5% at 64, with K = 32 in float32 (10.6x less) by 3-8% "
+            "and 12-24%"
         )
     if sync.state_sync_period is not None and sync.state_sync_period > steps:
         averaged = (
