@@ -339,11 +339,13 @@ def markdown(args: argparse.Namespace, table: list[dict], options: list[dict] = 
         if args.per_worker_batch
         else f"a global batch of {GLOBAL_BATCH} sequences ({GLOBAL_BATCH} / M per worker)"
     )
+    later = max(PLOTTED_OPTIONS)  # the default's options: its rounds, then what it adds
+    rounds = OPTIONS[PLOTTED_OPTIONS[1]][1]
+    step = {k: v for k, v in OPTIONS[PLOTTED_OPTIONS[later]][1].items() if k not in rounds}
     lines = [
         f"Micro model, K = 32, {args.steps} steps, {batch_rule}, every method at its defaults "
         f"(MT-DAO at K = 32 in float32, its default until 2026-12-07; today's default is the "
-        f"option `{flags(OPTIONS[PLOTTED_OPTIONS[1]][1])}`, from 32 workers with "
-        f"`{flags(OUTER_SGD)} --outer-lr 1.5`); "
+        f"option `{flags(rounds)}`, from {later} workers with `{flags(step)}`); "
         f"final validation loss, mean ± std over the seeds named; MT-DAO's gaps over the seeds "
         f"both methods finished; {SIGNIFICANCE_RULE}.",
         "",

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from mtdao.methods.checks import check_method
 from mtdao.methods.config import SyncConfig
-from mtdao.methods.defaults import AVERAGE_OUTER_STEP, DEFAULT_SYNC_PERIOD
+from mtdao.methods.defaults import DEFAULT_SYNC_PERIOD, default_outer_step
 from mtdao.methods.table import METHOD_TABLE, SYNC_POLICIES
 from mtdao.sync import policy as policies
 from mtdao.sync.codecs.compression import SyncCodecs
@@ -90,6 +90,8 @@ def method_parts(
     check_method(config)
     if config.sync_period is None:  # not resolved: K's default for one worker
         config = replace(config, sync_period=DEFAULT_SYNC_PERIOD)
+    # not resolved: the outer step's defaults for one worker (a resolved config's own values)
+    config = replace(config, **default_outer_step(config, workers=1))
     return RECIPES[config.method](config, optimizer, total_steps)
 
 
@@ -134,14 +136,9 @@ def outer_step_of(
             raise ValueError("`outer_momentum_decay` needs the run's total steps to end at")
         decay_to = total_steps
         decay_from = min(round(total_steps * (1 - config.outer_momentum_decay)), total_steps - 1)
-    # an unresolved config's unset values: without a worker count no rule in M applies
-    lr, momentum = (
-        AVERAGE_OUTER_STEP[name] if getattr(config, name) is None else getattr(config, name)
-        for name in ("outer_lr", "outer_momentum")
-    )
     return OuterOptimizerConfig(
-        lr=lr,
-        momentum=momentum,
+        lr=config.outer_lr,
+        momentum=config.outer_momentum,
         momentum_warmup=config.outer_momentum_warmup,
         momentum_start=config.outer_momentum_start,
         momentum_decay_from=decay_from,
