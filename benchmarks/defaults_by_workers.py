@@ -44,7 +44,7 @@ from mtdao.experiments.common.suite import run_suite
 from mtdao.train.config import TrainConfig
 
 METHODS = ("ddp", "local-adam", "diloco", "desloc", "mtdao")
-GLOBAL_BATCH = 64
+GLOBAL_BATCH = 64  # sequences a step over all workers, unless --global-batch
 KIND, SCHEMA = "workers-scaling", 1  # results.json's study and layout (tests re-render from it)
 OUTER_SCHEDULE = {"outer_momentum_warmup": 10, "outer_momentum_decay": 0.2}
 
@@ -133,6 +133,20 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "mtdao",
         {**quantized_rounds(4, 32, "int4"), **OUTER_SGD, "outer_lr": 1.5, "grad_clip": 0.0},
     ),
+    # the outer step's momentum smooths the rounds' averages over about two rounds; 0.75 with
+    # momentum 0.5 steps 1.5 times a steady average, like the rule
+    "K4-int4-state-period32-outer-lr0.75-momentum0.5": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), **OUTER_SGD, "outer_lr": 0.75, "outer_momentum": 0.5},
+    ),
+    "K4-int4-state-period32-outer-lr1.5-beta2-0.99": (
+        "mtdao",
+        {**quantized_rounds(4, 32, "int4"), **OUTER_SGD, "outer_lr": 1.5, "beta2": 0.99},
+    ),
+    # the default rounds with the parameters' pseudo-gradients in 8 bits: what 4 bits cost
+    "K4-int8-state-period32": ("mtdao", quantized_rounds(4, 32, "int8")),
+    "K4-int4-state-period32-lr0.006": ("mtdao", {**quantized_rounds(4, 32, "int4"), "lr": 0.006}),
+    "K4-int4-state-period32-lr0.011": ("mtdao", {**quantized_rounds(4, 32, "int4"), "lr": 0.011}),
     # less of the raw one-sequence gradient in each local step
     "K4-int4-state-period32-omegas0.97": (
         "mtdao",
@@ -166,9 +180,11 @@ def flags(changes: dict[str, Any]) -> str:
 def batch_of(args: argparse.Namespace, workers: int) -> int:
     if args.per_worker_batch:
         return args.per_worker_batch
-    if GLOBAL_BATCH % workers:
-        raise SystemExit(f"--workers {workers} does not divide the global batch of {GLOBAL_BATCH}")
-    return GLOBAL_BATCH // workers
+    if args.global_batch % workers:
+        raise SystemExit(
+            f"--workers {workers} does not divide the global batch of {args.global_batch}"
+        )
+    return args.global_batch // workers
 
 
 def run_name(corpus: str, workers: int, batch: int, method: str, seed: int, steps: int) -> str:
@@ -223,7 +239,7 @@ def reused_runs(args: argparse.Namespace, path: Path) -> dict[str, dict]:
     report = json.loads(path.read_text())
     if report.get("kind") != KIND or report.get("schema") != SCHEMA:
         raise SystemExit(f"--reuse {path}: not a results.json of this study (schema {SCHEMA})")
-    for setting in ("steps", "per_worker_batch"):
+    for setting in ("steps", "per_worker_batch", "global_batch"):
         if report[setting] != getattr(args, setting):
             raise SystemExit(
                 f"--reuse {path}: its runs have {setting} {report[setting]}, this study "
@@ -337,7 +353,7 @@ def markdown(args: argparse.Namespace, table: list[dict], options: list[dict] = 
     batch_rule = (
         f"{args.per_worker_batch} sequences per worker"
         if args.per_worker_batch
-        else f"a global batch of {GLOBAL_BATCH} sequences ({GLOBAL_BATCH} / M per worker)"
+        else f"a global batch of {args.global_batch} sequences ({args.global_batch} / M per worker)"
     )
     later = max(PLOTTED_OPTIONS)  # the default's options: its rounds, then what it adds
     rounds = OPTIONS[PLOTTED_OPTIONS[1]][1]
@@ -383,7 +399,7 @@ def markdown(args: argparse.Namespace, table: list[dict], options: list[dict] = 
 def render(results: dict) -> str:
     """report.md from results.json alone."""
     settings = argparse.Namespace(
-        **{k: results[k] for k in ("methods", "steps", "per_worker_batch")}
+        **{k: results[k] for k in ("methods", "steps", "per_worker_batch", "global_batch")}
     )
     return (
         f"# MT-DAO's gap to DDP by number of workers\n\n    {results['command']}\n\n"
@@ -485,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also MT-DAO (DiLoCo) with one setting changed: "
                         + ", ".join(OPTIONS))  # fmt: skip
     parser.add_argument("--per-worker-batch", type=int, default=None)
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=GLOBAL_BATCH,
+        help="sequences a step over all workers (without --per-worker-batch)",
+    )
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=1)
@@ -515,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         results = {"kind": KIND, "schema": SCHEMA, "command": "python " + " ".join(sys.argv),
                    "methods": args.methods, "steps": args.steps,
-                   "per_worker_batch": args.per_worker_batch, "global_batch": GLOBAL_BATCH,
+                   "per_worker_batch": args.per_worker_batch, "global_batch": args.global_batch,
                    "data": data, "cells": table, "options": options}  # fmt: skip
         write_report(args.report, results, render, to_text=lambda r: json.dumps(r, indent=1) + "\n")
         plot(args, table, options, args.report / "workers.png")

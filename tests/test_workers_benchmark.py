@@ -39,7 +39,7 @@ def test_the_workers_table_gives_each_cell_and_mtdaos_two_gaps(tmp_path, capsys)
             "--collect", "--report", str(tmp_path / "report")]  # fmt: skip
     args = argparse.Namespace(
         corpora=["builtin"], workers=[4, 16], methods=["ddp", "local-adam", "mtdao"],
-        per_worker_batch=None, steps=3000, seeds=[0, 1], options=["state-period8"],
+        per_worker_batch=None, global_batch=64, steps=3000, seeds=[0, 1], options=["state-period8"],
     )  # fmt: skip
     for name, config in study.planned_runs(args, {"builtin": "builtin"}):
         workers, method, seed = config.parallel.workers, config.sync.method, config.training.seed
@@ -82,6 +82,7 @@ def test_a_study_continued_elsewhere_reuses_an_earlier_reports_runs(tmp_path, ca
     study = load_script()
     earlier = {
         "kind": study.KIND, "schema": study.SCHEMA, "steps": 3000, "per_worker_batch": None,
+        "global_batch": 64,
         "cells": [{"corpus": "builtin", "workers": 16, "batch_size": 4, "methods": {
             "ddp": {"by_seed": {"0": 1.00}, "bytes_per_worker": 9},
             "mtdao": {"by_seed": {"0": 1.10}, "bytes_per_worker": 1}}}],
@@ -92,7 +93,7 @@ def test_a_study_continued_elsewhere_reuses_an_earlier_reports_runs(tmp_path, ca
     reused.write_text(json.dumps(earlier))
     args = argparse.Namespace(
         corpora=["builtin"], workers=[16], methods=["ddp", "mtdao"], per_worker_batch=None,
-        steps=3000, seeds=[0, 1], options=["K11"],
+        global_batch=64, steps=3000, seeds=[0, 1], options=["K11"],
     )  # fmt: skip
     out = tmp_path / "out"
     for name, config in study.planned_runs(args, {"builtin": "builtin"}):
@@ -116,6 +117,20 @@ def test_a_study_continued_elsewhere_reuses_an_earlier_reports_runs(tmp_path, ca
     reused.write_text(json.dumps(earlier))
     with pytest.raises(SystemExit, match="steps 1000, this study 3000"):
         study.main(argv)
+    earlier["steps"] = 3000
+    reused.write_text(json.dumps(earlier))
+    with pytest.raises(SystemExit, match="global_batch 64, this study 128"):
+        study.main([*argv, "--global-batch", "128"])
+
+
+def test_a_global_batch_splits_over_the_workers():
+    """--global-batch 128: 4 sequences a worker at 32 workers, 1 at 128; a count that does not
+    divide it is refused."""
+    study = load_script()
+    args = argparse.Namespace(per_worker_batch=None, global_batch=128)
+    assert [study.batch_of(args, m) for m in (32, 128)] == [4, 1]
+    with pytest.raises(SystemExit, match="--workers 48 does not divide the global batch of 128"):
+        study.batch_of(args, 48)
 
 
 def test_a_run_an_earlier_report_holds_is_not_trained_again(tmp_path, monkeypatch):
@@ -123,6 +138,7 @@ def test_a_run_an_earlier_report_holds_is_not_trained_again(tmp_path, monkeypatc
     study = load_script()
     earlier = {
         "kind": study.KIND, "schema": study.SCHEMA, "steps": 3000, "per_worker_batch": None,
+        "global_batch": 64,
         "cells": [{"corpus": "builtin", "workers": 16, "batch_size": 4, "methods": {
             "mtdao": {"by_seed": {"0": 1.10}, "bytes_per_worker": 1}}}],
     }  # fmt: skip
@@ -150,7 +166,9 @@ def test_mtdaos_gaps_compare_the_seeds_both_methods_finished():
         for m, v in by_seed.items()
     }
     cell = {"corpus": "vim", "workers": 16, "batch_size": 4, "methods": methods}
-    args = argparse.Namespace(steps=3000, per_worker_batch=None, methods=["ddp", "mtdao"])
+    args = argparse.Namespace(
+        steps=3000, per_worker_batch=None, global_batch=64, methods=["ddp", "mtdao"]
+    )
     row = next(line for line in study.markdown(args, [cell]).splitlines() if "| vim |" in line)
     assert row.endswith("| 1.0500 | +5.0% (one seed) |  |"), row
 
@@ -160,8 +178,8 @@ def test_mtdao_runs_at_k32_at_every_m_and_its_default_is_an_option():
     differ; the option K4-int4-state-period32 is exactly that default."""
     study = load_script()
     args = argparse.Namespace(
-        corpora=["builtin"], workers=[16], methods=["mtdao"], per_worker_batch=None, steps=3000,
-        seeds=[0], options=["K4-int4-state-period32"],
+        corpora=["builtin"], workers=[16], methods=["mtdao"], per_worker_batch=None,
+        global_batch=64, steps=3000, seeds=[0], options=["K4-int4-state-period32"],
     )  # fmt: skip
     (column, option) = (resolve(c).sync for _, c in study.planned_runs(args, {"builtin": "x"}))
     assert (column.sync_period, column.sync_dtype, column.error_feedback) == (32, ("fp32",), False)
