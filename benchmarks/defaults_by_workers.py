@@ -504,8 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--global-batch",
         type=int,
-        default=GLOBAL_BATCH,
-        help="sequences a step over all workers (without --per-worker-batch)",
+        help=f"sequences a step over all workers (default {GLOBAL_BATCH}; not with "
+        "--per-worker-batch)",
     )
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -518,6 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, help="also write report.md, results.json and "
                         "workers.png into this folder")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.global_batch is not None and args.per_worker_batch:
+        parser.error("--global-batch and --per-worker-batch: give one")
+    if args.global_batch is not None and args.global_batch < 1:
+        parser.error(
+            f"--global-batch must be a positive number of sequences, got {args.global_batch}"
+        )
+    args.global_batch = args.global_batch or GLOBAL_BATCH
     if "mtdao" not in args.methods:
         parser.error("--methods must include mtdao (the study compares it)")
     data, missing = corpus_paths(args.corpora, args.out / "corpora")

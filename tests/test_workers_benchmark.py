@@ -133,6 +133,20 @@ def test_a_global_batch_splits_over_the_workers():
         study.batch_of(args, 48)
 
 
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--global-batch", "128", "--per-worker-batch", "4"], "give one"),
+        (["--global-batch", "0"], "must be a positive number of sequences, got 0"),
+    ],
+)
+def test_a_bad_batch_setting_is_refused_before_any_run(flags, problem, tmp_path, capsys):
+    study = load_script()
+    with pytest.raises(SystemExit):
+        study.main(["--corpora", "builtin", "--out", str(tmp_path), *flags])
+    assert problem in capsys.readouterr().err
+
+
 def test_a_run_an_earlier_report_holds_is_not_trained_again(tmp_path, monkeypatch):
     """--reuse without --collect trains only what neither --out nor the earlier report holds."""
     study = load_script()
