@@ -59,8 +59,9 @@ def check_method(config: Any) -> None:
     if config.outer_lr is not None:
         positive("outer_lr", config.outer_lr)
     for name in ("outer_momentum", "outer_momentum_start", "outer_momentum_final"):
-        if getattr(config, name) is not None and not 0.0 <= getattr(config, name) < 1.0:
-            raise ValueError(f"`{name}` must lie in [0, 1), got {getattr(config, name)}")
+        value = getattr(config, name)  # None: unresolved, the default's
+        if value is not None and not 0.0 <= value < 1.0:
+            raise ValueError(f"`{name}` must lie in [0, 1), got {value}")
     _check_outer_schedule(config)
     if config.outer_step == "nesterov" and METHOD_TABLE[config.method].averages_gradients:
         raise ValueError(f"`outer_step`: {config.method} averages gradients, not parameters")
