@@ -124,9 +124,8 @@ def main(argv=None) -> int:
         drill.start("r1", 1)
         fifth = args.steps // 5
         drill.wait_for(lambda: min(drill.status(r)[1] for r in ("r0", "r1")) >= fifth, 600, "")
-        nice = ["nice", "-n", "19"] if args.nice else []  # nice execs: the pid is the flood's
-        drill._spawn("flood", [*nice, sys.executable, str(ROGUE), "flood", drill.lighthouse,
-                               str(args.strangers)])  # fmt: skip
+        drill._spawn("flood", [sys.executable, str(ROGUE), "flood", drill.lighthouse,
+                               str(args.strangers)], lowest_priority=args.nice)  # fmt: skip
         drill.wait_for(lambda: "flooding" in drill.log("flood"), FLOOD_UP_S, "the flood")
         flood = drill.processes["flood"].pid
         os.kill(flood, signal.SIGSTOP)

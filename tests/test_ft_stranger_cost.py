@@ -76,12 +76,11 @@ def test_strangers_on_a_loopback_run_without_a_secret_cost_no_round(corpus_dir, 
         past = lambda step: lambda: min(drill.status(n)[1] for n in ("r0", "r1")) >= step  # noqa: E731
         drill.wait_for(past(steps // 4), quarter_s, "both replicas a quarter through")
         came = drill.events("r0", "committed")[-1]["time"]
-        # the strangers at the lowest priority, as on machines of their own: what is measured is
-        # what they cost the lighthouse and the replicas, not the CPU their own processes take
-        # from them on this one (nice execs: the pid is the stranger's)
-        nice = ["nice", "-n", "19", sys.executable, str(ROGUE)]
-        drill._spawn("rogue", [*nice, drill.lighthouse, "/dev/null", "7"])
-        drill._spawn("flood", [*nice, "flood", drill.lighthouse, str(FLOOD)])
+        # at the lowest priority: what is measured is what the strangers cost the lighthouse and
+        # the replicas, not the CPU their own processes take from them on this machine
+        rogue = [sys.executable, str(ROGUE)]
+        drill._spawn("rogue", [*rogue, drill.lighthouse, "/dev/null", "7"], lowest_priority=True)
+        drill._spawn("flood", [*rogue, "flood", drill.lighthouse, str(FLOOD)], lowest_priority=True)
         exits = {name: drill.wait_exit(name, rest_s) for name in ("r0", "r1")}
         assert exits == {"r0": 0, "r1": 0}, drill.tails()
         assert "flooding" in drill.log("flood") and drill.returncode("flood") is None

@@ -239,7 +239,12 @@ class Drill:
             argv += ["--shards", str(shards)]
         self._spawn(name, argv)
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], *, lowest_priority: bool = False) -> None:
+        """Start ``argv`` as ``name``; ``lowest_priority``: under ``nice -n 19``, as a stranger on
+        a machine of its own, which takes no CPU from this one's processes (nice execs: the pid
+        is the program's)."""
+        if lowest_priority:
+            argv = ["nice", "-n", "19", *argv]
         log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 (the process has its own copy)
         self.started_at[name] = time.time()
         self.processes[name] = self.launch(name, argv, self.env, log)
