@@ -94,3 +94,55 @@ def test_committed_report_re_renders_from_its_results(report_dir):
     results = json.loads((report_dir / "results.json").read_text())
     rendered = RENDERERS[results["kind"], results["schema"]](results)
     assert rendered == (report_dir / "report.md").read_text()
+
+
+def default_gap_range(results: dict, workers: list[int]) -> str:
+    """The lowest and highest gap to DDP (percent, over the seeds each cell finished) of MT-DAO's
+    default option across the report's corpora at ``workers``: '2.7-6.5%'."""
+    gaps = []
+    for row in results["options"]:
+        if row["workers"] not in workers or row["option"] != workers_study.default_option(
+            row["workers"]
+        ):
+            continue
+        cell = next(
+            c
+            for c in results["cells"]
+            if (c["corpus"], c["workers"]) == (row["corpus"], row["workers"])
+        )
+        seeds = [int(s) for s in row["by_seed"]]
+        mine = sum(row["by_seed"].values()) / len(seeds)
+        ddp = workers_study.over_seeds(cell, "ddp", seeds)["mean"]
+        gaps.append((mine - ddp) / ddp * 100)
+    return f"{min(gaps):.1f}-{max(gaps):.1f}%"
+
+
+def k32_gap_range(results: dict, workers: int) -> str:
+    """The lowest and highest gap to DDP of MT-DAO at K = 32 across the corpora, in whole
+    percent: '12-24%'."""
+    gaps = []
+    for cell in results["cells"]:
+        if cell["workers"] == workers:
+            mine, ddp = workers_study.paired(cell, "mtdao", "ddp")
+            gaps.append((mine["mean"] - ddp["mean"]) / ddp["mean"] * 100)
+    return f"{min(gaps):.0f}-{max(gaps):.0f}%"
+
+
+def test_the_many_workers_warning_quotes_the_workers_reports():
+    """The warning `mtdao train --workers 16` prints quotes each gap by hand: it must follow the
+    committed reports when their seeds change."""
+    from mtdao.train.config import TrainConfig, config_warnings, resolve
+
+    config = TrainConfig.of(method="mtdao", model="micro", steps=3000, workers=16, batch_size=4)
+    (warning,) = [w for w in config_warnings(resolve(config)) if w.startswith("--workers")]
+    study = json.loads((REPORTS / "workers-scaling" / "results.json").read_text())
+    batch_128 = json.loads((REPORTS / "workers-global-batch-128" / "results.json").read_text())
+    quoted = [
+        f"by {default_gap_range(study, [16])} at 16 workers",
+        f"{default_gap_range(study, [32])} at 32",
+        f"{default_gap_range(study, [64])} at 64 at a global batch of 64",
+        f"{default_gap_range(batch_128, [32, 64, 128])} at 32 to 128 workers at 128",
+        f"by {k32_gap_range(study, 16)} at 16 and {k32_gap_range(study, 64)} at 64",
+    ]
+    for figure in quoted:
+        assert figure in warning, (figure, warning)
