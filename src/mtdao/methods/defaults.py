@@ -72,7 +72,7 @@ ROUNDS_FIELDS = ("sync_period", "state_sync_period", "sync_dtype", "sync_policy"
 # 32 workers MT-DAO's default rounds therefore step past the average: an outer SGD step without
 # momentum at OUTER_LR_BY_WORKERS[M] (the largest entry at or below M). At a global batch of 64
 # sequences (micro, 3000 steps) it is 1.2-3.3% lower at 32 and 64 workers, but 0.7% higher at 16;
-# at 128, 1.2% lower at 32 workers (4 sequences each) and 1.6-2.2% at 64 and 128 (BENCHMARKS.md,
+# at 128, 1.2% lower at 32 workers (4 sequences each) and 1.5-2.2% at 64 and 128 (BENCHMARKS.md,
 # the workers study).
 OUTER_LR_BY_WORKERS = {32: 1.5}
 OUTER_FIELDS = ("outer_step", "outer_lr", "outer_momentum")

@@ -150,7 +150,7 @@ def config_warnings(config: Any) -> list[str]:
             "(the parameters every 4 steps as int4 pseudo-gradients, the states as int8 every 32; "
             "20x less traffic than DDP; from 32 workers a step of 1.5 past their average) by "
             "0.7-2.2% at 16 workers, 1.3-2.3% at 32 and 2.7-6.5% at 64 at a global batch of 64 "
-            "sequences, 1.5-5.4% at 32 to 128 workers at 128; with K = 32 in float32 (10.6x less) "
+            "sequences, 1.5-5.8% at 32 to 128 workers at 128; with K = 32 in float32 (10.6x less) "
             "by 3-8% at 16 and 12-24% at 64"
         )
     if sync.state_sync_period is not None and sync.state_sync_period > steps:
