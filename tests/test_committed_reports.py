@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from mtdao.experiments.common.formatting import stats
 from mtdao.experiments.compare import report as compare
 from mtdao.experiments.compare import summary as compare_summary
 from mtdao.experiments.defaults_card import report as defaults_card
@@ -96,36 +97,32 @@ def test_committed_report_re_renders_from_its_results(report_dir):
     assert rendered == (report_dir / "report.md").read_text()
 
 
+def gap_range(pairs: list[tuple[dict, dict]], digits: int) -> str:
+    """The lowest and highest relative gap (percent) of each (mine, DDP) pair of stats: '2.7-6.5%'."""
+    gaps = [(mine["mean"] - ddp["mean"]) / ddp["mean"] * 100 for mine, ddp in pairs]
+    return f"{min(gaps):.{digits}f}-{max(gaps):.{digits}f}%"
+
+
 def default_gap_range(results: dict, workers: list[int]) -> str:
-    """The lowest and highest gap to DDP (percent, over the seeds each cell finished) of MT-DAO's
-    default option across the report's corpora at ``workers``: '2.7-6.5%'."""
-    gaps = []
+    """The gap range of MT-DAO's default option to DDP across the report's corpora at
+    ``workers``, each over the seeds its row finished (as the report's options table has it)."""
+    pairs = []
     for row in results["options"]:
-        if row["workers"] not in workers or row["option"] != workers_study.default_option(
-            row["workers"]
-        ):
+        if row["workers"] not in workers:
             continue
-        cell = next(
-            c
-            for c in results["cells"]
-            if (c["corpus"], c["workers"]) == (row["corpus"], row["workers"])
-        )
+        if row["option"] != workers_study.default_option(row["workers"]):
+            continue
+        where = (row["corpus"], row["workers"])
+        cell = next(c for c in results["cells"] if (c["corpus"], c["workers"]) == where)
         seeds = [int(s) for s in row["by_seed"]]
-        mine = sum(row["by_seed"].values()) / len(seeds)
-        ddp = workers_study.over_seeds(cell, "ddp", seeds)["mean"]
-        gaps.append((mine - ddp) / ddp * 100)
-    return f"{min(gaps):.1f}-{max(gaps):.1f}%"
+        pairs.append((stats(row["by_seed"].values()), workers_study.over_seeds(cell, "ddp", seeds)))
+    return gap_range(pairs, digits=1)
 
 
 def k32_gap_range(results: dict, workers: int) -> str:
-    """The lowest and highest gap to DDP of MT-DAO at K = 32 across the corpora, in whole
-    percent: '12-24%'."""
-    gaps = []
-    for cell in results["cells"]:
-        if cell["workers"] == workers:
-            mine, ddp = workers_study.paired(cell, "mtdao", "ddp")
-            gaps.append((mine["mean"] - ddp["mean"]) / ddp["mean"] * 100)
-    return f"{min(gaps):.0f}-{max(gaps):.0f}%"
+    """The gap range of MT-DAO at K = 32 to DDP across the corpora, in whole percent: '12-24%'."""
+    cells = [c for c in results["cells"] if c["workers"] == workers]
+    return gap_range([workers_study.paired(c, "mtdao", "ddp") for c in cells], digits=0)
 
 
 def test_the_many_workers_warning_quotes_the_workers_reports():
